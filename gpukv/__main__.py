@@ -1,0 +1,5 @@
+import sys
+
+from gpukv.cli import main
+
+sys.exit(main())

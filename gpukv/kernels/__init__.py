@@ -1,0 +1,1 @@
+"""Triton kernels of gpukv, one module per concern."""

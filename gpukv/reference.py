@@ -1,0 +1,808 @@
+"""The sequential reference block manager: the executable spec of gpukv.
+
+Plain Python, one request at a time, written to be read. The device pool
+(``gpukv.pool`` / ``gpukv.manager``) must produce exactly what this module
+produces: the same block ids, hits, reference counts, free-queue order, table
+contents and stats, after every step.
+
+Semantics (``docs/design.md`` says why each rule is what it is):
+
+* Block 0 is the null block: never allocated, never freed, its reference count
+  not kept. Sliding-window groups put it where their window no longer reaches.
+* The free queue starts as ``1..N-1``. Allocation pops from the front; a popped
+  block that still has a hash is evicted then (lazy eviction).
+* Freeing gives a request's blocks back tail first. A block whose count drops to
+  0 goes to the back if it is cached and to the front if not; the blocks one free
+  call sends to the front keep their relative order there. With
+  ``uncached_first=False`` every block goes to the back.
+* A hit on a free block takes it out of the middle of the queue; every hit adds
+  one reference.
+* A hash maps to every block cached under it, oldest first; a lookup returns
+  the oldest, and a hit is verified: the stored parent digest, tokens and
+  extra-key digest must equal the request's.
+* A request hits its longest run of leading full cached blocks, never its last
+  token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from gpukv import hashing
+from gpukv.metrics import PrefixCacheStats
+from gpukv.request import NewRequest, RunningUpdate, StepResult, check_token_ids
+
+NULL_BLOCK = 0
+
+
+class NoFreeBlocksError(RuntimeError):
+    """An allocation asked for more blocks than the free queue holds."""
+
+
+@dataclass(frozen=True)
+class CachedBlockInfo:
+    """What a cached block was computed from: enough to verify a hit exactly."""
+
+    digest: bytes
+    group: int
+    parent: bytes
+    tokens: bytes  # the block's token ids as little-endian uint32, as hashed
+    extra: bytes
+
+
+def _all_digests(values: Sequence[bytes]) -> bool:
+    """Whether every value is a 16-byte digest (one join, not a Python loop)."""
+    try:
+        return len(b"".join(values)) == 16 * len(values) and all(len(v) == 16 for v in values[:1])
+    except TypeError:
+        return False
+
+
+def _check_count(value: int, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class BlockPool:
+    """Reference counts, the free queue and the block-hash table.
+
+    Invariants (``check_invariants`` asserts them): every block but the null
+    block is either in the free queue (count 0) or referenced (count > 0),
+    never both; every cached block is in the table exactly once, under its own
+    (digest, group); the table holds nothing else.
+    """
+
+    def __init__(self, num_blocks: int, *, uncached_first: bool = True, enable_caching: bool = True) -> None:
+        self.num_blocks = _check_count(num_blocks, "num_blocks", 2)
+        self.uncached_first = bool(uncached_first)
+        self.enable_caching = bool(enable_caching)
+        self.ref_cnt = [0] * self.num_blocks
+        # OrderedDict = a doubly linked list with O(1) pop-front, append,
+        # prepend and removal from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, self.num_blocks))
+        self._info: list[CachedBlockInfo | None] = [None] * self.num_blocks
+        # (digest, group) -> its blocks in insertion order (dict keeps order).
+        self._table: dict[tuple[bytes, int], dict[int, None]] = {}
+        self.num_evictions = 0
+
+    # ---------------------------------------------------------------- reading
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def free_queue(self) -> list[int]:
+        """Block ids of the free queue, front (next to be reused) to back."""
+        return list(self._free)
+
+    def cached_info(self, block_id: int) -> CachedBlockInfo | None:
+        return self._info[block_id]
+
+    def table(self) -> dict[tuple[bytes, int], list[int]]:
+        """(digest, group) -> cached blocks, oldest first."""
+        return {key: list(blocks) for key, blocks in self._table.items()}
+
+    def lookup(self, digest: bytes, group: int) -> int | None:
+        """The oldest block cached under (digest, group), or None."""
+        blocks = self._table.get((digest, group))
+        return next(iter(blocks)) if blocks else None
+
+    def verify(self, block_id: int, parent: bytes, tokens: bytes, extra: bytes) -> bool:
+        """Whether a cached block was computed from exactly these inputs. A
+        digest match whose parent, tokens or extra digest differ is a miss."""
+        info = self._info[block_id]
+        return info.parent == parent and info.extra == extra and info.tokens == tokens
+
+    # --------------------------------------------------------------- changing
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block; a free one leaves the free queue."""
+        block_ids = list(block_ids)
+        for b in block_ids:
+            if b != NULL_BLOCK and self.ref_cnt[b] == 0 and self._info[b] is None:
+                raise ValueError(f"touch: block {b} is free and not cached; only cached or referenced blocks can be hit")
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Pop ``num_blocks`` blocks from the front, each with one reference.
+
+        A popped block that is still cached loses its hash here (lazy eviction).
+        """
+        num_blocks = _check_count(num_blocks, "num_blocks", 0)
+        if num_blocks > len(self._free):
+            raise NoFreeBlocksError(
+                f"cannot allocate {num_blocks} blocks: only {len(self._free)} are free"
+            )
+        out = []
+        for _ in range(num_blocks):
+            b, _ = self._free.popitem(last=False)
+            if self._info[b] is not None:
+                self._evict(b)
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block, in the order given (callers pass
+        a request's blocks tail first). Nothing changes if any block would go
+        below zero."""
+        block_ids = list(block_ids)
+        drops: dict[int, int] = {}
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            if not 0 < b < self.num_blocks:
+                raise ValueError(f"free: block id {b} is outside 1..{self.num_blocks - 1}")
+            drops[b] = drops.get(b, 0) + 1
+            if drops[b] > self.ref_cnt[b]:
+                raise ValueError(f"free: block {b} has {self.ref_cnt[b]} references, cannot drop {drops[b]} (double free?)")
+        to_front = []
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                if self.uncached_first and self._info[b] is None:
+                    to_front.append(b)
+                else:
+                    self._free[b] = None
+        for b in reversed(to_front):
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+
+    def cache(self, block_id: int, info: CachedBlockInfo) -> None:
+        """Give a referenced, uncached block its hash; it joins the end of its
+        hash's list (a duplicate of an existing hash is kept, as in vLLM)."""
+        if self.ref_cnt[block_id] == 0 or self._info[block_id] is not None:
+            raise ValueError(f"cache: block {block_id} must be referenced and not cached yet")
+        self._info[block_id] = info
+        self._table.setdefault((info.digest, info.group), {})[block_id] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash, only when every block but the null block is free."""
+        if len(self._free) != self.num_blocks - 1:
+            return False
+        self._table.clear()
+        self._info = [None] * self.num_blocks
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        info = self._info[block_id]
+        key = (info.digest, info.group)
+        blocks = self._table[key]
+        del blocks[block_id]
+        if not blocks:
+            del self._table[key]
+        self._info[block_id] = None
+        self.num_evictions += 1
+
+    # ----------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        assert NULL_BLOCK not in self._free, "the null block is in the free queue"
+        for b in range(1, self.num_blocks):
+            in_free = b in self._free
+            assert self.ref_cnt[b] >= 0, f"block {b} has a negative count"
+            assert in_free == (self.ref_cnt[b] == 0), f"block {b}: count {self.ref_cnt[b]}, in free queue: {in_free}"
+        seen = 0
+        for (digest, group), blocks in self._table.items():
+            assert blocks, f"empty table entry for {digest.hex()}"
+            for b in blocks:
+                info = self._info[b]
+                assert info is not None and info.digest == digest and info.group == group, f"stale table entry -> block {b}"
+                seen += 1
+        assert seen == sum(info is not None for info in self._info), "a cached block is missing from the table"
+
+
+# ---------------------------------------------------------------------------
+# The request-level manager
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    tokens: list[int]
+    lora_id: int | None
+    mm_items: tuple
+    cache_salt: str | None
+    skip_prefix_cache: bool
+    block_hashes: list[bytes] = field(default_factory=list)
+    extras: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    blocks: list[list[int]] = field(default_factory=list)
+    # per group: blocks at positions below this are cached (or null)
+    num_cached_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def has_extra_keys(self) -> bool:
+        return self.lora_id is not None or bool(self.mm_items) or self.cache_salt is not None
+
+
+@dataclass
+class ComputedBlocks:
+    """A request's prefix-cache hit: per group, the block at each hit position
+    (the null block where a sliding window does not reach)."""
+
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+@dataclass
+class _Plan:
+    """A new request's admission plan within one step."""
+
+    state: _RequestState
+    num_hit_blocks: int
+    # per group, per hit position: a block id, or (plan index, position) for a
+    # block an earlier new request of this step will compute and cache.
+    hits: list[list[int | tuple[int, int]]]
+    num_new_blocks: int
+
+
+class KVCacheManager:
+    """Request-level calls over one shared ``BlockPool``.
+
+    ``sliding_windows`` has one entry per KV-cache group: None for full
+    attention, else the window in tokens. All groups share the pool and the
+    block size; a request holds one block list per group. A sliding-window
+    group keeps only the blocks its window still reaches and the null block
+    before them.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        sliding_windows: Sequence[int | None] = (None,),
+        enable_caching: bool = True,
+        uncached_first: bool = True,
+        hash_key: bytes | str | None = None,
+    ) -> None:
+        self.block_size = _check_count(block_size, "block_size", 1)
+        windows = list(sliding_windows)
+        if not windows:
+            raise ValueError("sliding_windows needs one entry per KV-cache group (None = full attention)")
+        for w in windows:
+            if w is not None:
+                _check_count(w, "sliding window", 1)
+        self.sliding_windows = windows
+        self.num_groups = len(windows)
+        self.enable_caching = bool(enable_caching)
+        self.pool = BlockPool(num_blocks, uncached_first=uncached_first, enable_caching=enable_caching)
+        self._key = hashing.resolve_hash_key(hash_key)
+        self._root = hashing.root_digest(self._key)
+        self._requests: dict[str, _RequestState] = {}
+        self.stats = PrefixCacheStats()
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "KVCacheManager":
+        """A manager for a ``KVCacheConfig``: one group per config group."""
+        from gpukv.spec import SlidingWindowSpec
+
+        specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+        block_sizes = {s.block_size for s in specs}
+        if len(block_sizes) != 1:
+            raise ValueError(f"all KV-cache groups must share one block size, got {sorted(block_sizes)}")
+        windows = [s.sliding_window if isinstance(s, SlidingWindowSpec) else None for s in specs]
+        return cls(config.num_blocks, block_sizes.pop(), sliding_windows=windows, **kwargs)
+
+    def __repr__(self) -> str:  # never show the key
+        return f"KVCacheManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, groups={self.sliding_windows})"
+
+    # ------------------------------------------------------------ public API
+    @property
+    def hash_key(self) -> bytes:
+        return self._key
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    def free_queue(self) -> list[int]:
+        """Free block ids, front (reused first) to back."""
+        return self.pool.free_queue()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool (null block excluded) that is referenced."""
+        return 1.0 - self.pool.num_free_blocks / (self.pool.num_blocks - 1)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per group, position by position."""
+        return [list(b) for b in self._state(request_id).blocks]
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._state(request_id).num_computed_tokens
+
+    def block_hashes(self, request_id: str) -> list[bytes]:
+        """Digests of the request's full blocks (to carry over a preemption,
+        as vLLM's ``Request.block_hashes`` does)."""
+        return list(self._state(request_id).block_hashes)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Hand out the stats gathered since the last call and start afresh."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok:  # every block was free, so no request holds a cached block
+            self.stats.reset = True
+        return ok
+
+    def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
+        """Look a new request up (counts in the stats); changes nothing else."""
+        self._check_new([request])
+        plan = self._plan(self._new_state(request), [], {})
+        self._record(plan)
+        return ComputedBlocks([[b for b in g] for g in plan.hits], plan.num_hit_blocks * self.block_size)
+
+    def allocate_slots(
+        self,
+        request: NewRequest | str,
+        new_token_ids: Sequence[int] = (),
+        computed: ComputedBlocks | None = None,
+    ) -> list[list[int]] | None:
+        """Give a request the blocks for all its uncomputed tokens.
+
+        A ``NewRequest`` (with the ``computed`` that ``get_computed_blocks``
+        returned for it, or none for no hit) is admitted; a request id is a
+        running request, ``new_token_ids`` appended first. Returns the newly
+        allocated block ids per group, or None when they do not fit, in which
+        case nothing changed.
+        """
+        if isinstance(request, NewRequest):
+            if new_token_ids:
+                raise ValueError("allocate_slots: a new request brings its tokens in NewRequest.token_ids")
+            self._check_new([request])
+            state = self._new_state(request)
+            hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
+            num_hit = computed.num_tokens // self.block_size if computed is not None else 0
+            self._check_computed(state, hits, num_hit)
+            plan = _Plan(state, num_hit, hits, self._num_blocks_for(len(state.tokens)) * self.num_groups - num_hit * self.num_groups)
+            need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
+            if need > self.pool.num_free_blocks:
+                return None
+            before = [list(g) for g in hits]
+            self._admit([plan])
+            return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
+        update = RunningUpdate(request, new_token_ids)
+        self._check_running([update], finished=set())
+        before = [len(b) for b in self._state(request).blocks]
+        if not self._run(update):
+            return None
+        return [self._state(request).blocks[g][before[g]:] for g in range(self.num_groups)]
+
+    def free(self, request_id: str) -> None:
+        """Give back a request's blocks (tail first, group by group) and forget it."""
+        self._state(request_id)
+        self._free_request(request_id)
+
+    def step(
+        self,
+        finished: Sequence[str] = (),
+        running: Sequence[RunningUpdate] = (),
+        new: Sequence[NewRequest] = (),
+    ) -> StepResult:
+        """One scheduling step, phase by phase (see ``docs/design.md``):
+
+        1. free the finished requests, in order;
+        2. give each running update its blocks, in order; the first that does
+           not fit is reported and it and the rest get nothing (nor is any new
+           request looked at);
+        3. hash and look up the new requests, against the cache and against
+           blocks earlier new requests of this step will cache;
+        4. admit the longest prefix of new requests whose needs fit (a request
+           needs its new blocks plus the free cached blocks it is the first in
+           the step to hit);
+        5. touch the hits of every admitted request, then allocate for each in
+           order, then cache the blocks that will be full.
+
+        Every argument is checked before anything changes.
+        """
+        finished, running, new = list(finished), list(running), list(new)
+        self._check_step(finished, running, new)
+        for rid in finished:
+            self._free_request(rid)
+        for k, update in enumerate(running):
+            if not self._run(update):
+                return StepResult(running_failed_at=k)
+        plans: list[_Plan] = []
+        pending: dict[tuple[bytes, int], tuple[int, int]] = {}
+        states = [self._new_state(r) for r in new]
+        self._extend_hashes([s for s in states if not s.block_hashes])
+        for state in states:
+            plans.append(self._plan(state, plans, pending))
+        num_free = self.pool.num_free_blocks
+        used = 0
+        touched: set[int] = set()
+        admitted = 0
+        for plan in plans:
+            self._record(plan)
+            first_touch = {
+                b for g in plan.hits for b in g
+                if isinstance(b, int) and b != NULL_BLOCK and self.pool.ref_cnt[b] == 0 and b not in touched
+            }
+            need = plan.num_new_blocks + len(first_touch)
+            if used + need > num_free:
+                break
+            used += need
+            touched |= first_touch
+            admitted += 1
+        self._admit(plans[:admitted])
+        return StepResult(
+            num_admitted=admitted,
+            num_computed_tokens=[p.num_hit_blocks * self.block_size for p in plans[:admitted]],
+        )
+
+    def check_invariants(self) -> None:
+        """Pool invariants, plus: each block's count equals the number of
+        request block lists that hold it."""
+        self.pool.check_invariants()
+        held = [0] * self.pool.num_blocks
+        for st in self._requests.values():
+            for blocks in st.blocks:
+                for b in blocks:
+                    if b != NULL_BLOCK:
+                        held[b] += 1
+        assert held[1:] == self.pool.ref_cnt[1:], "reference counts disagree with the requests' block lists"
+
+    # ------------------------------------------------------------- checking
+    def _state(self, request_id: str) -> _RequestState:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"unknown request id {request_id!r}: it was never admitted or was already freed") from None
+
+    def _check_step(self, finished, running, new) -> None:
+        seen: set[str] = set()
+        for rid in finished:
+            self._state(rid)
+            if rid in seen:
+                raise ValueError(f"request {rid!r} is finished twice in one step (double free)")
+            seen.add(rid)
+        self._check_running(running, finished=seen)
+        self._check_new(new)
+
+    def _check_running(self, running, finished: set[str]) -> None:
+        seen: set[str] = set()
+        for update in running:
+            if not isinstance(update, RunningUpdate):
+                raise TypeError(f"running entries must be RunningUpdate, got {type(update).__name__}")
+            self._state(update.request_id)
+            if update.request_id in finished:
+                raise ValueError(f"request {update.request_id!r} is both finished and running in one step")
+            if update.request_id in seen:
+                raise ValueError(f"request {update.request_id!r} has two running updates in one step")
+            seen.add(update.request_id)
+            check_token_ids(update.new_token_ids, f"running request {update.request_id!r}")
+
+    def _check_new(self, new) -> None:
+        seen: set[str] = set()
+        for r in new:
+            if not isinstance(r, NewRequest):
+                raise TypeError(f"new entries must be NewRequest, got {type(r).__name__}")
+            if not isinstance(r.request_id, str) or not r.request_id:
+                raise TypeError(f"request ids are non-empty strings, got {r.request_id!r}")
+            if r.request_id in self._requests or r.request_id in seen:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+            seen.add(r.request_id)
+            tokens = check_token_ids(r.token_ids, f"new request {r.request_id!r}")
+            if tokens.size == 0:
+                raise ValueError(f"new request {r.request_id!r} has no tokens")
+            if r.block_hashes is not None:
+                n_full = tokens.size // self.block_size
+                if len(r.block_hashes) != n_full or not _all_digests(r.block_hashes):
+                    raise ValueError(
+                        f"new request {r.request_id!r}: block_hashes must be {n_full} digests of 16 bytes (one per full block)"
+                    )
+            if r.lora_id is not None and (isinstance(r.lora_id, bool) or not isinstance(r.lora_id, int) or r.lora_id < 0):
+                raise ValueError(f"new request {r.request_id!r}: lora_id must be a non-negative int, got {r.lora_id!r}")
+            if r.cache_salt is not None and not isinstance(r.cache_salt, str):
+                raise TypeError(f"new request {r.request_id!r}: cache_salt must be a str")
+            for item in r.mm_items:
+                if not isinstance(item, hashing.MMItem):
+                    raise TypeError(f"new request {r.request_id!r}: mm_items must be MMItem, got {type(item).__name__}")
+            n_blocks = self._num_blocks_for(tokens.size) * self.num_groups
+            if n_blocks > self.pool.num_blocks - 1:
+                raise ValueError(
+                    f"new request {r.request_id!r} needs {n_blocks} blocks, more than the whole pool "
+                    f"({self.pool.num_blocks - 1}); it can never be admitted"
+                )
+
+    def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
+        if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):
+            raise ValueError("allocate_slots: computed blocks do not match this manager's groups")
+        self._extend_hashes([state] if not state.block_hashes else [])
+        for g, blocks in enumerate(hits):
+            for i, b in enumerate(blocks):
+                if b == NULL_BLOCK:
+                    continue
+                info = self.pool.cached_info(b)
+                if info is None or info.digest != state.block_hashes[i] or info.group != g:
+                    raise ValueError(
+                        "allocate_slots: the computed blocks are stale (evicted since the lookup); "
+                        "call get_computed_blocks again"
+                    )
+
+    # ------------------------------------------------------------- hashing
+    def _new_state(self, r: NewRequest) -> _RequestState:
+        st = _RequestState(
+            request_id=r.request_id,
+            tokens=check_token_ids(r.token_ids, r.request_id).tolist(),
+            lora_id=r.lora_id,
+            mm_items=tuple(r.mm_items),
+            cache_salt=r.cache_salt,
+            skip_prefix_cache=bool(r.skip_prefix_cache),
+            blocks=[[] for _ in range(self.num_groups)],
+            num_cached_blocks=[0] * self.num_groups,
+        )
+        if r.block_hashes is not None:
+            st.block_hashes = list(r.block_hashes)
+            st.extras = self._extras(st, 0, len(st.block_hashes))
+        return st
+
+    def _extras(self, st: _RequestState, first: int, count: int) -> list[bytes]:
+        if not st.has_extra_keys:
+            return [hashing.NO_EXTRA] * count
+        return hashing.extra_key_digests(
+            self._key, count, self.block_size,
+            lora_id=st.lora_id, mm_items=st.mm_items, cache_salt=st.cache_salt, first_block=first,
+        )
+
+    def _extend_hashes(self, states: list[_RequestState]) -> None:
+        """Hash every full block not hashed yet, vectorised across requests
+        (round r hashes the r-th missing block of every request at once)."""
+        bs = self.block_size
+        work = []
+        for st in states:
+            start, stop = len(st.block_hashes), len(st.tokens) // bs
+            if stop > start:
+                st.extras.extend(self._extras(st, start, stop - start))
+                work.append((st, start, stop))
+        rnd = 0
+        while work:
+            parents = np.array(
+                [hashing.digests_to_lanes([st.block_hashes[-1] if st.block_hashes else self._root])[0] for st, _, _ in work],
+                dtype=np.uint64,
+            )
+            tokens = np.array([st.tokens[(s + rnd) * bs:(s + rnd + 1) * bs] for st, s, _ in work], dtype=np.int64)
+            extras = hashing.digests_to_lanes([st.extras[s + rnd] for st, s, _ in work])
+            digests = hashing.lanes_to_digests(hashing.block_digests_lanes(self._key, parents, tokens, extras))
+            for (st, _, _), d in zip(work, digests):
+                st.block_hashes.append(d)
+            rnd += 1
+            work = [w for w in work if w[1] + rnd < w[2]]
+
+    def _token_bytes(self, st: _RequestState, i: int) -> bytes:
+        bs = self.block_size
+        return np.asarray(st.tokens[i * bs:(i + 1) * bs], dtype="<u4").tobytes()
+
+    def _parent(self, st: _RequestState, i: int) -> bytes:
+        return st.block_hashes[i - 1] if i > 0 else self._root
+
+    # ------------------------------------------------------------- lookups
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _plan(self, st: _RequestState, plans: list[_Plan], pending: dict) -> _Plan:
+        """Find the request's hit (against the cache and ``pending``, the blocks
+        earlier plans of this step will cache) and register the blocks it will
+        cache itself in ``pending``."""
+        self._extend_hashes([st])
+        bs = self.block_size
+        num_tokens = len(st.tokens)
+        max_hit = (num_tokens - 1) // bs
+        probe = {}
+
+        def block_at(i: int, g: int):
+            if (i, g) not in probe:
+                found = None
+                if self.enable_caching:
+                    found = self.pool.lookup(st.block_hashes[i], g)
+                    if found is not None and not self.pool.verify(
+                        found, self._parent(st, i), self._token_bytes(st, i), st.extras[i]
+                    ):
+                        found = None
+                    if found is None:
+                        found = self._pending_hit(st, i, g, plans, pending)
+                probe[(i, g)] = found
+            return probe[(i, g)]
+
+        if st.skip_prefix_cache or not self.enable_caching:
+            hit = 0
+        else:
+            hit = max_hit
+            while True:
+                new_hit = hit
+                for g, window in enumerate(self.sliding_windows):
+                    new_hit = self._group_hit(g, window, new_hit, block_at)
+                if new_hit == hit:
+                    break
+                hit = new_hit
+        hits = []
+        for g, window in enumerate(self.sliding_windows):
+            first_real = self._first_real_hit(window, hit, g, block_at)
+            hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
+        n_total = self._num_blocks_for(num_tokens)
+        plan = _Plan(st, hit, hits, (n_total - hit) * self.num_groups)
+        if self.enable_caching:
+            index = len(plans)
+            for i in range(hit, num_tokens // bs):
+                for g in range(self.num_groups):
+                    pending.setdefault((st.block_hashes[i], g), (index, i))
+        return plan
+
+    def _pending_hit(self, st, i, g, plans, pending):
+        where = pending.get((st.block_hashes[i], g))
+        if where is None:
+            return None
+        j, pos = where
+        other = plans[j].state
+        if (
+            pos != i
+            or self._token_bytes(other, i) != self._token_bytes(st, i)
+            or other.extras[i] != st.extras[i]
+            or self._parent(other, i) != self._parent(st, i)
+        ):
+            return None
+        return where
+
+    def _window_blocks(self, window: int) -> int:
+        """Leading blocks a sliding window must still see at a hit boundary."""
+        return -(-(window - 1) // self.block_size)
+
+    def _group_hit(self, g: int, window: int | None, limit: int, block_at) -> int:
+        """The longest hit, at most ``limit`` blocks, this group can serve."""
+        if window is None:
+            for i in range(limit):
+                if block_at(i, g) is None:
+                    return i
+            return limit
+        need = self._window_blocks(window)
+        if need == 0:
+            return limit
+        run = 0
+        for i in range(limit - 1, -1, -1):
+            if block_at(i, g) is None:
+                run = 0
+                continue
+            run += 1
+            if run >= need:
+                return i + need
+        return run
+
+    def _first_real_hit(self, window: int | None, hit: int, g: int, block_at) -> int:
+        if window is None or hit == 0:
+            return 0
+        return max(0, hit - self._window_blocks(window))
+
+    def _record(self, plan: _Plan) -> None:
+        st = plan.state
+        if st.skip_prefix_cache:
+            self.stats.record(0, 0, 0, 0)
+            return
+        n_tok = len(st.tokens)
+        self.stats.record(self._num_blocks_for(n_tok), plan.num_hit_blocks, n_tok, plan.num_hit_blocks * self.block_size)
+
+    # ------------------------------------------------------------- changing
+    def _admit(self, plans: list[_Plan]) -> None:
+        for plan in plans:
+            self.pool.touch(b for g in plan.hits for b in g if isinstance(b, int))
+        for plan in plans:
+            st = plan.state
+            for g in range(self.num_groups):
+                resolved = []
+                for b in plan.hits[g]:
+                    if isinstance(b, tuple):
+                        j, pos = b
+                        b = plans[j].state.blocks[g][pos]
+                        self.pool.touch([b])
+                    resolved.append(b)
+                st.blocks[g] = resolved
+                st.num_cached_blocks[g] = plan.num_hit_blocks
+            n_total = self._num_blocks_for(len(st.tokens))
+            for g in range(self.num_groups):
+                st.blocks[g].extend(self.pool.allocate(n_total - plan.num_hit_blocks))
+            st.num_computed_tokens = len(st.tokens)
+            self._requests[st.request_id] = st
+        for plan in plans:
+            self._cache_full_blocks(plan.state)
+
+    def _run(self, update: RunningUpdate) -> bool:
+        """Append a running request's tokens and give it blocks for all of
+        them. False, with nothing changed, when the blocks do not fit."""
+        st = self._state(update.request_id)
+        new_tokens = check_token_ids(update.new_token_ids, update.request_id).tolist()
+        num_tokens = len(st.tokens) + len(new_tokens)
+        n_total = self._num_blocks_for(num_tokens)
+        skip = self._skipped_blocks(st)
+        released = []
+        for g in range(self.num_groups):
+            released.append([b for b in st.blocks[g][:skip[g]] if b != NULL_BLOCK])
+        freed = sum(1 for rel in released for b in rel if self.pool.ref_cnt[b] == 1)
+        need = sum(n_total - len(st.blocks[g]) for g in range(self.num_groups))
+        if need > self.pool.num_free_blocks + freed:
+            return False
+        st.tokens.extend(new_tokens)
+        for g in range(self.num_groups):
+            if released[g]:
+                # Blocks behind the window: freed tail first, replaced by null.
+                self.pool.free(list(reversed(released[g])))
+                for i in range(skip[g]):
+                    st.blocks[g][i] = NULL_BLOCK
+        for g in range(self.num_groups):
+            st.blocks[g].extend(self.pool.allocate(n_total - len(st.blocks[g])))
+        st.num_computed_tokens = num_tokens
+        self._extend_hashes([st])
+        self._cache_full_blocks(st)
+        return True
+
+    def _skipped_blocks(self, st: _RequestState) -> list[int]:
+        """Per group, how many leading blocks no token computed from now on can
+        see (vLLM: tokens before ``num_computed - window + 1``)."""
+        out = []
+        for window in self.sliding_windows:
+            if window is None:
+                out.append(0)
+            else:
+                out.append(max(0, st.num_computed_tokens - window + 1) // self.block_size)
+        return out
+
+    def _cache_full_blocks(self, st: _RequestState) -> None:
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        num_full = st.num_computed_tokens // bs
+        self._extend_hashes([st])
+        for g in range(self.num_groups):
+            for i in range(st.num_cached_blocks[g], num_full):
+                b = st.blocks[g][i]
+                if b == NULL_BLOCK or self.pool.cached_info(b) is not None:
+                    continue
+                self.pool.cache(b, CachedBlockInfo(
+                    st.block_hashes[i], g, self._parent(st, i), self._token_bytes(st, i), st.extras[i]
+                ))
+            st.num_cached_blocks[g] = max(st.num_cached_blocks[g], num_full)
+
+    def _free_request(self, request_id: str) -> None:
+        st = self._requests.pop(request_id)
+        for g in range(self.num_groups):
+            self.pool.free(list(reversed(st.blocks[g])))

@@ -1,0 +1,387 @@
+"""The main job: a serving loop over a trace, driving a block manager.
+
+The loop is vLLM v1's scheduling policy reduced to what the block manager
+sees (``docs/design.md`` §4 states it in full): each step frees what finished,
+gives running requests the blocks for their new tokens (preempting the most
+recently admitted request while they do not fit), and, when nothing was
+preempted, admits waiting requests from the front. A prefill computes the whole
+prompt in its step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from gpukv import hashing
+from gpukv.request import NewRequest, RunningUpdate
+from gpukv.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+
+
+@dataclass
+class ReplayOptions:
+    block_size: int = 16
+    num_blocks: int = 20_000
+    max_model_len: int = 131_072
+    max_num_seqs: int = 256
+    admission: str = "batch"  # or "one": one step call per admitted request (vLLM's order)
+    uncached_first: bool = True
+    prompt_only: bool = False
+    backend: str = "reference"
+    hash_key: bytes | str | None = None
+    progress: bool = False
+    max_steps: int | None = None
+
+
+@dataclass
+class _Live:
+    """A request as the replay's scheduler sees it."""
+
+    spec: TraceRequest
+    tokens: np.ndarray  # every token known: prompt + generated so far
+    status: str = "waiting"  # waiting | running | finished | rejected
+    sampled: int = 0  # generated tokens sampled so far (Mooncake)
+    block_hashes: list[bytes] | None = None
+    admitted_step: int | None = None
+    num_cached_tokens: int | None = None
+    block_ids: list[list[int]] | None = None
+    preemptions: int = 0
+    finished_step: int | None = None
+    reason: str | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.spec.request_id
+
+
+def make_manager(opts: ReplayOptions):
+    if opts.backend == "reference":
+        from gpukv.reference import KVCacheManager
+    elif opts.backend == "device":
+        from gpukv.manager import KVCacheManager
+    else:
+        raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
+    return KVCacheManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first, hash_key=opts.hash_key)
+
+
+# Below this many requests per block position, hashing each remaining chain in
+# pure Python beats a numpy round (whose cost is mostly per call, not per row).
+_MIN_VECTOR_ROWS = 24
+
+
+def mooncake_block_hashes(key: bytes, requests: list[TraceRequest], block_size: int) -> list[np.ndarray]:
+    """The chained digests (uint64 lanes) of every request's full prompt
+    blocks, hashed vectorised across requests block position by position."""
+    n_full = np.array([r.input_length // block_size for r in requests], dtype=np.int64)
+    out = [np.zeros((int(n), 2), dtype=np.uint64) for n in n_full]
+    if not requests or n_full.max() == 0:
+        return out
+    width = max(len(r.hash_ids) for r in requests)
+    ids = np.zeros((len(requests), width), dtype=np.int64)
+    for i, r in enumerate(requests):
+        ids[i, : len(r.hash_ids)] = r.hash_ids
+    parents = np.tile(hashing.digests_to_lanes([hashing.root_digest(key)]), (len(requests), 1))
+    no_extra = hashing.digests_to_lanes([hashing.NO_EXTRA])
+    active = np.arange(len(requests))
+    offs = np.arange(block_size, dtype=np.int64)
+    for j in range(int(n_full.max())):
+        active = active[n_full[active] > j]
+        if len(active) < _MIN_VECTOR_ROWS:
+            for a in active.tolist():
+                r = requests[a]
+                tokens = r.prompt_tokens()[: n_full[a] * block_size]
+                rest = hashing.hash_block_chain(
+                    key, tokens, block_size, parent=hashing.lanes_to_digests(parents[a:a + 1])[0], start_block=j
+                )
+                out[a][j:] = hashing.digests_to_lanes(rest)
+            break
+        pos = j * block_size + offs
+        tokens = ids[active][:, pos // MOONCAKE_BLOCK_TOKENS] * MOONCAKE_BLOCK_TOKENS + pos % MOONCAKE_BLOCK_TOKENS
+        lanes = hashing.block_digests_lanes(key, parents[active], tokens, np.repeat(no_extra, len(active), axis=0))
+        parents[active] = lanes
+        for a, lane in zip(active.tolist(), lanes):
+            out[a][j] = lane
+    return out
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done: int, step: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < 0.5):
+            return
+        self.last = now
+        frac = done / self.total if self.total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\rreplay [{bar:<30}] {done}/{self.total} requests, step {step}, {now - self.start:.1f}s")
+        if force:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+class Replay:
+    """Runs one trace through one manager; ``run()`` returns the report dict."""
+
+    def __init__(self, trace: Trace, opts: ReplayOptions, manager=None) -> None:
+        cfg = trace.config
+        if trace.kind == "step":
+            # A step trace's own config wins over the defaults.
+            opts.block_size = cfg.get("block_size", opts.block_size)
+            opts.num_blocks = cfg.get("num_blocks", opts.num_blocks)
+            opts.max_model_len = cfg.get("max_model_len", opts.max_model_len)
+        if opts.admission not in ("batch", "one"):
+            raise ValueError(f"admission must be 'batch' or 'one', got {opts.admission!r}")
+        if opts.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {opts.max_num_seqs}")
+        self.trace, self.opts = trace, opts
+        self.manager = manager if manager is not None else make_manager(opts)
+        self.waiting: deque[_Live] = deque()
+        self.running: list[_Live] = []
+        self.live: dict[str, _Live] = {}
+        self.step_ms: list[float] = []
+        self.blocks_in_use: list[int] = []
+        self.messages: list[str] = []
+        self.totals = dict(prompt_tokens=0, cached_tokens=0, admissions=0, preemptions=0)
+        self.stats = None
+        self._hashes: dict[str, np.ndarray] = {}
+        if trace.kind == "mooncake":
+            lanes = mooncake_block_hashes(self.manager.hash_key, trace.requests, opts.block_size)
+            self._hashes = {r.request_id: h for r, h in zip(trace.requests, lanes)}
+
+    # --------------------------------------------------------------- driving
+    def run(self) -> dict:
+        trace, opts = self.trace, self.opts
+        n_total = trace.num_requests
+        progress = _Progress(opts.progress, n_total)
+        arrivals: dict[int, list[TraceRequest]] = {}
+        if trace.steps is None:
+            for r in trace.requests:
+                arrivals.setdefault(r.arrival_step, []).append(r)
+        last_arrival = max(arrivals, default=0)
+        step = 0
+        t0 = time.perf_counter()
+        while True:
+            if trace.steps is not None:
+                if step >= len(trace.steps):
+                    break
+                ev = trace.steps[step]
+                self._step(step, ev.finish, ev.decode, ev.new)
+            else:
+                if step > last_arrival and not self.waiting and not self.running:
+                    break
+                finish, decode = self._mooncake_events()
+                self._step(step, finish, decode, arrivals.get(step, []))
+            step += 1
+            progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
+            if opts.max_steps is not None and step >= opts.max_steps:
+                self.messages.append(f"stopped after --max-steps {opts.max_steps}")
+                break
+        progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step, force=True)
+        return self._report(step, time.perf_counter() - t0)
+
+    def _mooncake_events(self) -> tuple[list[str], dict[str, np.ndarray]]:
+        finish, decode = [], {}
+        for live in self.running:
+            if self.opts.prompt_only or live.sampled >= live.spec.output_length:
+                finish.append(live.rid)
+            else:
+                decode[live.rid] = live.spec.output_tokens(live.sampled - 1, live.sampled)
+        return finish, decode
+
+    def _timed(self, fn: Callable, *args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self._t_step += time.perf_counter() - t
+        return out
+
+    def _step(self, step: int, finish_ids, decode: dict, arrivals: list[TraceRequest]) -> None:
+        self._t_step = 0.0
+        opts = self.opts
+        # (1) finish, in the listed order
+        finished: list[str] = []
+        for rid in finish_ids:
+            live = self.live.get(rid)
+            if live is None or live.status in ("finished", "rejected"):
+                continue
+            if live.status == "running":
+                self.running.remove(live)
+                finished.append(rid)
+            else:
+                self.waiting.remove(live)
+            self._finish(live, step, "finished")
+        # (2) arrivals join the back of the waiting queue
+        for spec in arrivals:
+            self._arrive(spec, step)
+        # (3) decode, in the running list's (admission) order
+        updates = []
+        for live in list(self.running):
+            tokens = decode.get(live.rid)
+            if tokens is None:
+                continue
+            if len(live.tokens) + len(tokens) > opts.max_model_len:
+                self.running.remove(live)
+                finished.append(live.rid)
+                self._finish(live, step, "finished", reason="reached max_model_len")
+                continue
+            updates.append(RunningUpdate(live.rid, tokens))
+        n_slots = opts.max_num_seqs - len(self.running)
+        batch = [l for l, _ in zip(self.waiting, range(n_slots))] if opts.admission == "batch" else []
+        result = self._timed(self.manager.step, finished, updates, [self._new_request(l) for l in batch])
+        applied = updates[: result.running_failed_at if not result.ok else len(updates)]
+        preempted = False
+        while not result.ok:
+            failing = updates[result.running_failed_at]
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted = True
+            if victim.rid == failing.request_id:
+                break
+            updates = [u for u in updates[result.running_failed_at:] if u.request_id != victim.rid]
+            result = self._timed(self.manager.step, (), updates, ())
+            applied += updates[: result.running_failed_at if not result.ok else len(updates)]
+        for u in applied:
+            live = self.live[u.request_id]
+            live.tokens = np.concatenate([live.tokens, u.new_token_ids])
+            if live.spec.output_length is not None:
+                live.sampled += 1
+        # (4) admission, only when nothing was preempted
+        if not preempted:
+            if opts.admission == "batch":
+                for i in range(result.num_admitted):
+                    self._admitted(self.waiting.popleft(), step, result.num_computed_tokens[i])
+            else:
+                while self.waiting and len(self.running) < opts.max_num_seqs:
+                    res = self._timed(self.manager.step, (), (), [self._new_request(self.waiting[0])])
+                    if res.num_admitted == 0:
+                        break
+                    self._admitted(self.waiting.popleft(), step, res.num_computed_tokens[0])
+            if not self.running and self.waiting:
+                # Nothing runs, so every block is free; a request that still
+                # does not fit never will. Rejecting it keeps the replay moving.
+                self._reject(self.waiting.popleft(), step, "did not fit into an empty pool")
+        self.step_ms.append(self._t_step * 1e3)
+        self.blocks_in_use.append(self.manager.pool.num_blocks - 1 - self.manager.num_free_blocks)
+        stats = self.manager.make_prefix_cache_stats()
+        if self.stats is None:
+            self.stats = stats
+        else:
+            self.stats.merge(stats)
+
+    # ----------------------------------------------------------- transitions
+    def _arrive(self, spec: TraceRequest, step: int) -> None:
+        tokens = spec.prompt_tokens()
+        live = _Live(spec, tokens)
+        self.live[spec.request_id] = live
+        n_blocks = -(-len(tokens) // self.opts.block_size) * self.manager.num_groups
+        if len(tokens) > self.opts.max_model_len:
+            self._reject(live, step, f"prompt of {len(tokens)} tokens exceeds max_model_len {self.opts.max_model_len}")
+        elif n_blocks > self.manager.pool.num_blocks - 1:
+            self._reject(live, step, f"needs {n_blocks} blocks, more than the pool's {self.manager.pool.num_blocks - 1}")
+        else:
+            self.waiting.append(live)
+
+    def _new_request(self, live: _Live) -> NewRequest:
+        spec = live.spec
+        hashes = live.block_hashes
+        if hashes is None and spec.request_id in self._hashes:
+            hashes = hashing.lanes_to_digests(self._hashes[spec.request_id])
+        if hashes is not None and len(hashes) != len(live.tokens) // self.opts.block_size:
+            hashes = None
+        return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,
+                          cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache, block_hashes=hashes)
+
+    def _admitted(self, live: _Live, step: int, num_cached: int) -> None:
+        live.status = "running"
+        self.running.append(live)
+        if live.admitted_step is None:
+            live.admitted_step = step
+            live.num_cached_tokens = num_cached
+            live.block_ids = self.manager.get_block_ids(live.rid)
+        self.totals["admissions"] += 1
+        self.totals["prompt_tokens"] += len(live.tokens)
+        self.totals["cached_tokens"] += num_cached
+        if live.spec.output_length is not None:
+            live.sampled += 1  # the prefill samples the next token
+
+    def _preempt(self, live: _Live) -> None:
+        live.block_hashes = self.manager.block_hashes(live.rid)
+        self._timed(self.manager.free, live.rid)
+        if live.spec.output_length is not None and live.sampled > 0:
+            # vLLM keeps the last sampled token; the resumed prefill computes it.
+            live.tokens = np.concatenate([live.tokens, live.spec.output_tokens(live.sampled - 1, live.sampled)])
+        live.status = "waiting"
+        live.preemptions += 1
+        self.totals["preemptions"] += 1
+        self.waiting.appendleft(live)
+
+    def _finish(self, live: _Live, step: int, status: str, reason: str | None = None) -> None:
+        live.status = status
+        live.finished_step = step
+        live.reason = reason
+
+    def _reject(self, live: _Live, step: int, reason: str) -> None:
+        self._finish(live, step, "rejected", reason)
+        self.messages.append(f"request {live.rid} rejected: {reason}")
+
+    # ---------------------------------------------------------------- report
+    def _report(self, num_steps: int, wall_s: float) -> dict:
+        stats = self.stats
+        tot = self.totals
+        ms = np.array(self.step_ms) if self.step_ms else np.zeros(1)
+        summary = {
+            "backend": self.opts.backend,
+            "requests": len(self.live),
+            "finished": sum(l.status == "finished" for l in self.live.values()),
+            "rejected": sum(l.status == "rejected" for l in self.live.values()),
+            "steps": num_steps,
+            "prompt_tokens": tot["prompt_tokens"],
+            "cached_tokens": tot["cached_tokens"],
+            "token_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
+            "queries": stats.queries if stats else 0,
+            "hits": stats.hits if stats else 0,
+            "block_hit_rate": stats.hit_rate if stats else 0.0,
+            "lookup_requests": stats.requests if stats else 0,
+            "admissions": tot["admissions"],
+            "preemptions": tot["preemptions"],
+            "evictions": self.manager.num_evictions,
+            "max_blocks_in_use": max(self.blocks_in_use, default=0),
+            "mean_blocks_in_use": float(np.mean(self.blocks_in_use)) if self.blocks_in_use else 0.0,
+            "manager_ms_per_step_mean": float(ms.mean()),
+            "manager_ms_per_step_p50": float(np.percentile(ms, 50)),
+            "manager_ms_per_step_p99": float(np.percentile(ms, 99)),
+            "wall_s": wall_s,
+        }
+        requests = {}
+        for rid, l in self.live.items():
+            requests[rid] = {
+                "admitted_step": l.admitted_step,
+                "num_prompt_tokens": l.spec.input_length,
+                "num_cached_tokens": l.num_cached_tokens,
+                "block_ids": l.block_ids,
+                "preemptions": l.preemptions,
+                "status": l.status,
+                "finished_step": l.finished_step,
+                **({"reason": l.reason} if l.reason else {}),
+            }
+        return {
+            "config": {
+                "block_size": self.opts.block_size, "num_blocks": self.opts.num_blocks,
+                "max_model_len": self.opts.max_model_len, "max_num_seqs": self.opts.max_num_seqs,
+                "admission": self.opts.admission, "uncached_first": self.opts.uncached_first,
+                "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
+            },
+            "summary": summary,
+            "requests": requests,
+            "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.num_free_blocks},
+            "messages": self.messages,
+            "step_ms": [round(x, 4) for x in self.step_ms],
+            "blocks_in_use": self.blocks_in_use,
+        }

@@ -1,0 +1,105 @@
+"""What a caller hands the block manager: new requests, running updates, and
+what a batched step gives back.
+
+Both managers (the reference and the device one) take these same types, so a
+serving loop can switch backends without touching its own code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from gpukv.hashing import MMItem
+
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def check_token_ids(token_ids: Sequence[int], what: str) -> np.ndarray:
+    """Return ``token_ids`` as an int64 array, or raise saying what is wrong.
+
+    Token ids are hashed as little-endian uint32, so each must be an int in
+    ``[0, 2**32)``; bools, floats and strings are refused rather than coerced.
+    """
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError(f"{what}: token ids must be a sequence of ints, got {type(token_ids).__name__}")
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    else:
+        token_ids = list(token_ids)
+        for i, t in enumerate(token_ids):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise TypeError(
+                    f"{what}: token id at position {i} is {t!r} ({type(t).__name__}); token ids must be ints"
+                )
+        arr = np.asarray(token_ids, dtype=object if not token_ids else None)
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "O":  # ints too large for int64
+            bad = next(i for i, t in enumerate(arr.tolist()) if not 0 <= t <= MAX_TOKEN_ID)
+            raise ValueError(
+                f"{what}: token id at position {bad} is {arr[bad]}, outside [0, 2**32)"
+            )
+        raise TypeError(f"{what}: token ids must be ints, got an array of {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False).reshape(-1)
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{what}: token id at position {i} is {int(arr[i])}, outside [0, 2**32)")
+    return arr
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request asking to be admitted: look up its prefix, then compute the rest.
+
+    ``token_ids`` are all tokens known so far (a resumed request brings its
+    prompt and what it generated). ``block_hashes``, when given, are the
+    chained digests of its full blocks computed by the caller with the
+    manager's key (vLLM's ``Request.block_hashes``); hits are verified against
+    the tokens, so a wrong digest can cost a hit but never give a wrong one.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    lora_id: int | None = None
+    mm_items: tuple[MMItem, ...] = ()
+    cache_salt: str | None = None
+    skip_prefix_cache: bool = False
+    block_hashes: Sequence[bytes] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class RunningUpdate:
+    """A running request's work this step.
+
+    ``new_token_ids`` are appended first (a decode step appends the token it
+    sampled last step); then every token not yet computed is computed, so its
+    blocks must exist. An update with no new tokens and nothing uncomputed
+    needs nothing.
+    """
+
+    request_id: str
+    new_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class StepResult:
+    """What one batched step did.
+
+    ``running_failed_at``: index in the step's ``running`` of the first update
+    that could not get its blocks (it and the later ones got nothing and no new
+    request was looked at), or None. ``num_admitted``: the first
+    ``num_admitted`` new requests were admitted. ``num_computed_tokens[i]``:
+    the prefix-cache hit, in tokens, of admitted request ``i``.
+    """
+
+    running_failed_at: int | None = None
+    num_admitted: int = 0
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.running_failed_at is None

@@ -1,0 +1,563 @@
+"""Tests of gpukv.hashing: SipHash vectors, the block-digest layout, chains,
+extra keys, key resolution, token validation, and numpy == pure Python."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpukv.hashing import (
+    NO_EXTRA,
+    MMItem,
+    block_digest,
+    block_digests_lanes,
+    digests_to_lanes,
+    encode_extra_keys,
+    extra_key_digests,
+    hash_block_chain,
+    hash_requests,
+    lanes_to_digests,
+    resolve_hash_key,
+    root_digest,
+    siphash64,
+    siphash128,
+    siphash128_lanes,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+VECTORS_FILE = Path(__file__).parents[2] / "shared/data/siphash_vectors.json"
+
+# The reference vectors' key and messages: key 00..0f, message i = bytes 0..i-1.
+VECTOR_KEY = bytes(range(16))
+# A few of the reference vectors inline, so the scheme is checked even where
+# shared/ is absent: lengths 0, 7, 8, 15 (around the 8-byte word boundary) and 63.
+INLINE_64 = {
+    0: "310e0edd47db6f72",
+    7: "37d1018bf50002ab",
+    8: "6224939a79f5f593",
+    15: "e545be4961ca29a1",
+    63: "724506eb4c328a95",
+}
+INLINE_128 = {
+    0: "a3817f04ba25a8e66df67214c7550293",
+    7: "a1f1ebbed8dbc153c0b84aa61ff08239",
+    8: "3b62a9ba6258f5610f83e264f31497b4",
+    15: "5493e99933b0a8117e08ec0f97cfc3d9",
+    63: "5150d1772f50834a503e069a973fbd7c",
+}
+
+KEY = bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")
+OTHER_KEY = bytes(16)
+
+
+def _msg(i: int) -> bytes:
+    return bytes(range(i))
+
+
+def _lanes_hex(key: bytes, lengths: range) -> list[str]:
+    """siphash128_lanes of message i for each i, one call per length."""
+    out = []
+    for i in lengths:
+        msgs = np.tile(np.frombuffer(_msg(i), dtype=np.uint8), (3, 1)).reshape(3, i)
+        got = lanes_to_digests(siphash128_lanes(key, msgs))
+        assert got[0] == got[1] == got[2]
+        out.append(got[0].hex())
+    return out
+
+
+# ---------------------------------------------------------------- SipHash vectors
+
+
+@pytest.mark.parametrize("i", sorted(INLINE_128))
+def test_inline_vectors(i):
+    assert siphash64(VECTOR_KEY, _msg(i)).hex() == INLINE_64[i]
+    assert siphash128(VECTOR_KEY, _msg(i)).hex() == INLINE_128[i]
+    assert _lanes_hex(VECTOR_KEY, range(i, i + 1)) == [INLINE_128[i]]
+
+
+def _load_vectors():
+    if not VECTORS_FILE.is_file():
+        pytest.skip(
+            f"{VECTORS_FILE} not found (shared/ is not beside the repo); "
+            "the inline vectors still run"
+        )
+    data = json.loads(VECTORS_FILE.read_text())
+    assert bytes.fromhex(data["key_hex"]) == VECTOR_KEY
+    return data
+
+
+def test_all_vectors_siphash64():
+    vectors = _load_vectors()["siphash_2_4_64"]
+    assert len(vectors) == 64
+    assert [siphash64(VECTOR_KEY, _msg(i)).hex() for i in range(64)] == vectors
+
+
+def test_all_vectors_siphash128():
+    vectors = _load_vectors()["siphash_2_4_128"]
+    assert len(vectors) == 64
+    assert [siphash128(VECTOR_KEY, _msg(i)).hex() for i in range(64)] == vectors
+    assert _lanes_hex(VECTOR_KEY, range(64)) == vectors
+
+
+def test_inline_vectors_match_file():
+    data = _load_vectors()
+    for i, h in INLINE_64.items():
+        assert data["siphash_2_4_64"][i] == h
+    for i, h in INLINE_128.items():
+        assert data["siphash_2_4_128"][i] == h
+
+
+@pytest.mark.parametrize(
+    "key, exc",
+    [(bytes(15), ValueError), (bytes(17), ValueError), ("00" * 16, TypeError), (12345, TypeError)],
+)
+def test_siphash_rejects_bad_key(key, exc):
+    with pytest.raises(exc, match="16 bytes"):
+        siphash128(key, b"")
+    with pytest.raises(exc, match="16 bytes"):
+        siphash128_lanes(key, np.zeros((1, 3), np.uint8))
+
+
+def test_siphash_lanes_rejects_bad_messages():
+    with pytest.raises(TypeError, match="uint8"):
+        siphash128_lanes(KEY, np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match=r"\[n, L\]"):
+        siphash128_lanes(KEY, np.zeros(3, np.uint8))
+
+
+# ---------------------------------------------------------------- digest layout
+
+
+def test_root_digest_is_keyed_constant():
+    assert root_digest(KEY) == siphash128(KEY, b"gpukv:root:v1")
+    assert root_digest(KEY) != root_digest(OTHER_KEY)
+
+
+def test_block_digest_layout_by_hand():
+    parent = bytes(range(100, 116))
+    extra = bytes(range(200, 216))
+    tokens = [1, 0x01020304, 2**32 - 1]
+    # parent(16) || tokens as little-endian uint32 || extra(16)
+    message = (
+        parent
+        + b"\x01\x00\x00\x00"
+        + b"\x04\x03\x02\x01"
+        + b"\xff\xff\xff\xff"
+        + extra
+    )
+    assert block_digest(KEY, parent, tokens, extra) == siphash128(KEY, message)
+    assert block_digest(KEY, parent, tokens) == siphash128(KEY, message[:-16] + bytes(16))
+
+
+def test_lanes_convention():
+    digest = bytes(range(16))
+    lanes = digests_to_lanes([digest])
+    assert lanes.dtype == np.uint64 and lanes.shape == (1, 2)
+    assert int(lanes[0, 0]) == int.from_bytes(digest[:8], "little")
+    assert int(lanes[0, 1]) == int.from_bytes(digest[8:], "little")
+    assert lanes_to_digests(lanes) == [digest]
+    # The device stores the same bits as int64.
+    assert lanes_to_digests(lanes.view(np.int64)) == [digest]
+    assert digests_to_lanes([]).shape == (0, 2)
+
+
+def test_chain_golden_values():
+    """Pinned digests for a fixed key: any change of layout or scheme shows here
+    (and they are a cross-check for the device kernels)."""
+    assert root_digest(VECTOR_KEY).hex() == "aee9333cdd280370b3190d16030d6ea2"
+    assert [d.hex() for d in hash_block_chain(VECTOR_KEY, list(range(8)), 4)] == [
+        "6d5c72f35c838c2d4e0053b39713c96c",
+        "c7551a2f057063d7806ff2b3a07087bd",
+    ]
+    extras = extra_key_digests(VECTOR_KEY, 3, 3, lora_id=7, cache_salt="s")
+    assert [d.hex() for d in hash_block_chain(VECTOR_KEY, list(range(9)), 3, extras=extras)] == [
+        "3b3d892a12be7af9761e5aa7d4ebe9af",
+        "2ceda2e32d36aadd6c2239ac70eec3ec",
+        "d531a4c4f592feb2f3470ba95ea6f261",
+    ]
+
+
+# ---------------------------------------------------------------- chains
+
+
+def test_chain_parent_linkage():
+    bs = 4
+    tokens = list(range(50, 50 + 4 * bs + 3))  # 4 full blocks and a partial one
+    extras = [bytes([i]) * 16 for i in range(4)]
+    chain = hash_block_chain(KEY, tokens, bs, extras=extras)
+    assert len(chain) == 4
+    parent = root_digest(KEY)
+    for b, digest in enumerate(chain):
+        assert digest == block_digest(KEY, parent, tokens[b * bs : (b + 1) * bs], extras[b])
+        parent = digest
+    # Incremental: resuming from block k with its parent gives the rest of the chain.
+    for k in range(1, 5):
+        rest = hash_block_chain(
+            KEY, tokens, bs, extras=extras[k:], parent=chain[k - 1], start_block=k
+        )
+        assert rest == chain[k:]
+    # Extras beyond the hashed blocks are ignored; too few is an error.
+    assert hash_block_chain(KEY, tokens, bs, extras=extras + [NO_EXTRA]) == chain
+    with pytest.raises(ValueError, match="extras has 3 entries but 4 blocks"):
+        hash_block_chain(KEY, tokens, bs, extras=extras[:3])
+    with pytest.raises(ValueError, match="parent is required"):
+        hash_block_chain(KEY, tokens, bs, start_block=1)
+
+
+def test_chain_depends_on_parent_and_prefix():
+    tokens = [7, 8, 9, 10]
+    assert block_digest(KEY, root_digest(KEY), tokens) != block_digest(KEY, bytes(16), tokens)
+    a = hash_block_chain(KEY, [1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
+    b = hash_block_chain(KEY, [1, 2, 0, 4, 5, 6, 7, 8, 9], 3)
+    # A change in block 0 changes every later digest, though their tokens agree.
+    assert all(x != y for x, y in zip(a, b))
+    assert hash_block_chain(OTHER_KEY, [1, 2, 3, 4, 5, 6, 7, 8, 9], 3) != a
+    assert hash_block_chain(KEY, [1, 2], 3) == []
+
+
+def test_block_digest_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="16-byte"):
+        block_digest(KEY, bytes(15), [1])
+    with pytest.raises(ValueError, match="extra must be a 16-byte"):
+        block_digest(KEY, bytes(16), [1], extra=b"x")
+    with pytest.raises(ValueError, match="at least one token"):
+        block_digest(KEY, bytes(16), [])
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        hash_block_chain(KEY, [1, 2], 0)
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        hash_block_chain(KEY, [1, 2], 2.0)
+
+
+# ---------------------------------------------------------------- token validation
+
+BAD_TOKENS = [
+    (-1, ValueError, "out of range"),
+    (2**32, ValueError, "out of range"),
+    (2**70, ValueError, "out of range"),
+    (1.0, TypeError, "float"),
+    ("5", TypeError, "str"),
+    (True, TypeError, "bool"),
+    (False, TypeError, "bool"),
+    (None, TypeError, "NoneType"),
+]
+
+
+@pytest.mark.parametrize("bad, exc, what", BAD_TOKENS)
+def test_bad_token_ids_name_the_position(bad, exc, what):
+    tokens = [3, 1, bad, 4]
+    with pytest.raises(exc, match=r"token_ids\[2\]") as info:
+        block_digest(KEY, bytes(16), tokens)
+    assert what in str(info.value)
+    # Positions are absolute within the request, also when hashing from a later block.
+    long = [5, 6, 7, 8] + tokens
+    with pytest.raises(exc, match=r"token_ids\[6\]"):
+        hash_block_chain(KEY, long, 4, parent=bytes(16), start_block=1)
+    with pytest.raises(exc, match=r"token_lists\[1\]\[6\]"):
+        hash_requests(KEY, [[1, 2, 3, 4], long], 4)
+
+
+ZERO_LANES_2 = np.zeros((2, 2), np.uint64)
+
+
+def test_bad_token_arrays():
+    with pytest.raises(ValueError, match=r"token_ids\[1\] = -3"):
+        block_digest(KEY, bytes(16), np.array([1, -3, 2]))
+    with pytest.raises(ValueError, match=r"token_ids\[0\] = 4294967296"):
+        block_digest(KEY, bytes(16), np.array([2**32], dtype=np.uint64))
+    with pytest.raises(TypeError, match="bool"):
+        block_digest(KEY, bytes(16), np.array([True, False]))
+    with pytest.raises(TypeError, match="float64"):
+        block_digest(KEY, bytes(16), np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match="sequence of int token ids"):
+        block_digest(KEY, bytes(16), "abc")
+    with pytest.raises(ValueError, match=r"tokens\[1, 0\] = -1"):
+        block_digests_lanes(KEY, ZERO_LANES_2, np.array([[1, 2], [-1, 3]]), ZERO_LANES_2)
+    with pytest.raises(TypeError, match="integer array"):
+        block_digests_lanes(KEY, ZERO_LANES_2, np.ones((2, 2)), ZERO_LANES_2)
+
+
+def test_numpy_integer_tokens_accepted():
+    ref = block_digest(KEY, bytes(16), [1, 2, 70000])
+    assert block_digest(KEY, bytes(16), [np.int64(1), np.uint8(2), np.uint32(70000)]) == ref
+    for dtype in (np.int32, np.int64, np.uint32, np.uint64):
+        assert block_digest(KEY, bytes(16), np.array([1, 2, 70000], dtype=dtype)) == ref
+    assert block_digest(KEY, bytes(16), (1, 2, 70000)) == ref
+
+
+# ---------------------------------------------------------------- numpy == pure
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(0, 40), n=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_siphash128_lanes_equals_pure(length, n, seed):
+    rng = np.random.default_rng(seed)
+    key = rng.bytes(16)
+    msgs = rng.integers(0, 256, size=(n, length), dtype=np.uint8)
+    want = [siphash128(key, bytes(m)) for m in msgs]
+    assert lanes_to_digests(siphash128_lanes(key, msgs)) == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.integers(1, 9), n=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_block_digests_lanes_equals_pure(block_size, n, seed):
+    # Odd block sizes give messages that are not a multiple of 8 bytes.
+    rng = np.random.default_rng(seed)
+    key = rng.bytes(16)
+    parents = [rng.bytes(16) for _ in range(n)]
+    extras = [rng.bytes(16) if rng.random() < 0.5 else NO_EXTRA for _ in range(n)]
+    tokens = rng.integers(0, 2**32, size=(n, block_size), dtype=np.int64)
+    tokens[0, 0] = 2**32 - 1  # the top of the range
+    got = block_digests_lanes(key, digests_to_lanes(parents), tokens, digests_to_lanes(extras))
+    want = [block_digest(key, p, t.tolist(), e) for p, t, e in zip(parents, tokens, extras)]
+    assert lanes_to_digests(got) == want
+    # int64 lanes (the device's view) give the same result.
+    parents64 = digests_to_lanes(parents).view(np.int64)
+    got64 = block_digests_lanes(key, parents64, tokens, digests_to_lanes(extras).view(np.int64))
+    assert np.array_equal(got64, got)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 3, 5, 16]),
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=6),
+    with_extras=st.booleans(),
+    as_arrays=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_hash_requests_equals_chains(block_size, lengths, with_extras, as_arrays, seed):
+    rng = np.random.default_rng(seed)
+    token_lists = [rng.integers(0, 2**32, size=n, dtype=np.int64) for n in lengths]
+    if not as_arrays:
+        token_lists = [t.tolist() for t in token_lists]
+    extras = None
+    if with_extras:
+        # One more entry than needed: extras past the last full block are ignored.
+        extras = [[rng.bytes(16) for _ in range(n // block_size + 1)] for n in lengths]
+    got = hash_requests(KEY, token_lists, block_size, extras)
+    want = [
+        hash_block_chain(KEY, t, block_size, extras=None if extras is None else extras[r])
+        for r, t in enumerate(token_lists)
+    ]
+    assert got == want
+
+
+def test_hash_requests_edge_cases():
+    assert hash_requests(KEY, [], 4) == []
+    assert hash_requests(KEY, [[1, 2], []], 4) == [[], []]
+    with pytest.raises(ValueError, match="extras has 1 entries, token_lists 2"):
+        hash_requests(KEY, [[1], [2]], 1, extras=[[NO_EXTRA]])
+    with pytest.raises(ValueError, match=r"extras\[0\] has 1 entries but request 0 has 2"):
+        hash_requests(KEY, [[1, 2]], 1, extras=[[NO_EXTRA]])
+
+
+# ---------------------------------------------------------------- extra keys
+
+
+def test_no_extra_keys_give_no_extra():
+    assert extra_key_digests(KEY, 3, 4) == [NO_EXTRA] * 3
+    assert extra_key_digests(KEY, 0, 4, lora_id=1) == []
+    assert encode_extra_keys() == b""
+
+
+def test_extra_key_encoding_by_hand():
+    lora = encode_extra_keys(lora_id=7)
+    assert lora == b"\x01" + struct.pack("<I", 8) + struct.pack("<Q", 7)
+    mm = encode_extra_keys(mm_items=[MMItem(5, 10, "ab")])
+    assert mm == b"\x02" + struct.pack("<I", 18) + struct.pack("<QQ", 5, 10) + b"ab"
+    salt = encode_extra_keys(cache_salt="é")
+    assert salt == b"\x03" + struct.pack("<I", 2) + "é".encode()
+    both = encode_extra_keys(lora_id=7, mm_items=[MMItem(5, 10, "ab")], cache_salt="é")
+    assert both == lora + mm + salt
+    [digest] = extra_key_digests(
+        KEY, 1, 16, lora_id=7, mm_items=[MMItem(5, 10, "ab")], cache_salt="é"
+    )
+    assert digest == siphash128(KEY, b"gpukv:extra:v1" + both)
+
+
+def test_lora_changes_every_block():
+    tokens = list(range(20))
+    plain = hash_block_chain(KEY, tokens, 4)
+    for lora in (0, 1, 2):
+        extras = extra_key_digests(KEY, 5, 4, lora_id=lora)
+        assert all(e != NO_EXTRA for e in extras)
+        chain = hash_block_chain(KEY, tokens, 4, extras=extras)
+        assert all(x != y for x, y in zip(chain, plain))
+    assert extra_key_digests(KEY, 2, 4, lora_id=1) != extra_key_digests(KEY, 2, 4, lora_id=2)
+
+
+def test_mm_item_changes_exactly_the_blocks_it_overlaps():
+    bs = 4
+    # Tokens 5..14 touch blocks 1 (4-7), 2 (8-11) and 3 (12-15).
+    extras = extra_key_digests(KEY, 6, bs, mm_items=[MMItem(offset=5, length=10, hash="img")])
+    assert [e != NO_EXTRA for e in extras] == [False, True, True, True, False, False]
+    # Exactly one block's range [4, 8).
+    extras = extra_key_digests(KEY, 3, bs, mm_items=[MMItem(4, 4, "img")])
+    assert [e != NO_EXTRA for e in extras] == [False, True, False]
+    # With a LoRA id, the overlapped blocks still differ from the others.
+    base = extra_key_digests(KEY, 6, bs, lora_id=3)
+    with_mm = extra_key_digests(KEY, 6, bs, lora_id=3, mm_items=[MMItem(5, 10, "img")])
+    assert [a != b for a, b in zip(base, with_mm)] == [False, True, True, True, False, False]
+
+
+def test_mm_items_are_canonical_and_distinguishing():
+    a, b = MMItem(2, 3, "x"), MMItem(9, 2, "y")
+    in_order = extra_key_digests(KEY, 4, 4, mm_items=[a, b])
+    assert extra_key_digests(KEY, 4, 4, mm_items=[b, a]) == in_order
+    one = extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 3, "x")])
+    assert one != extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 3, "z")])  # other content
+    assert one != extra_key_digests(KEY, 1, 8, mm_items=[MMItem(3, 3, "x")])  # other offset
+    assert one != extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 4, "x")])  # other length
+
+
+def test_salt_changes_block_zero_only_and_the_whole_chain():
+    tokens = list(range(16))
+    none = extra_key_digests(KEY, 4, 4)
+    salted = extra_key_digests(KEY, 4, 4, cache_salt="tenant-a")
+    assert salted[0] != NO_EXTRA and salted[1:] == none[1:]
+    other = extra_key_digests(KEY, 4, 4, cache_salt="tenant-b")
+    chains = [hash_block_chain(KEY, tokens, 4, extras=e) for e in (none, salted, other)]
+    # Only block 0's extra keys differ, yet no two chains share any digest.
+    all_digests = [d for chain in chains for d in chain]
+    assert len(set(all_digests)) == len(all_digests)
+    # An empty salt is no salt (as in vLLM); the salt never reaches later blocks.
+    assert extra_key_digests(KEY, 4, 4, cache_salt="") == none
+    assert extra_key_digests(KEY, 2, 4, cache_salt="tenant-a", first_block=1) == none[1:3]
+
+
+def test_first_block_window():
+    kw = dict(lora_id=5, mm_items=[MMItem(3, 9, "a"), MMItem(14, 1, "b")], cache_salt="s")
+    full = extra_key_digests(KEY, 6, 4, **kw)
+    for first in range(6):
+        assert extra_key_digests(KEY, 6 - first, 4, first_block=first, **kw) == full[first:]
+
+
+def test_extra_key_argument_errors():
+    with pytest.raises(ValueError, match="MMItem.length must be >= 1"):
+        MMItem(0, 0, "h")
+    with pytest.raises(ValueError, match="MMItem.offset must be >= 0"):
+        MMItem(-1, 2, "h")
+    with pytest.raises(TypeError, match="MMItem.hash must be a str"):
+        MMItem(0, 2, b"h")
+    with pytest.raises(ValueError, match="non-empty"):
+        MMItem(0, 2, "")
+    with pytest.raises(TypeError, match=r"mm_items\[0\] must be an MMItem"):
+        extra_key_digests(KEY, 1, 4, mm_items=[(0, 2, "h")])
+    with pytest.raises(TypeError, match="lora_id must be an int"):
+        extra_key_digests(KEY, 1, 4, lora_id=True)
+    with pytest.raises(ValueError, match="lora_id must be >= 0"):
+        extra_key_digests(KEY, 1, 4, lora_id=-1)
+    with pytest.raises(TypeError, match="cache_salt must be a str"):
+        extra_key_digests(KEY, 1, 4, cache_salt=b"s")
+
+
+# ---------------------------------------------------------------- key resolution
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv("GPUKV_HASH_KEY", raising=False)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    return monkeypatch
+
+
+def _seed_key(seed: int) -> bytes:
+    """The documented derivation, written out independently of the module."""
+    message = b"gpukv:hash-key:PYTHONHASHSEED:v1\x00" + str(seed).encode("ascii")
+    return hashlib.sha256(message).digest()[:16]
+
+
+def test_key_precedence(clean_env):
+    explicit = bytes(range(16, 32))
+    env_key = bytes(range(32, 48))
+    clean_env.setenv("GPUKV_HASH_KEY", env_key.hex())
+    clean_env.setenv("PYTHONHASHSEED", "42")
+    assert resolve_hash_key(explicit) == explicit
+    assert resolve_hash_key(explicit.hex()) == explicit
+    assert resolve_hash_key(explicit.hex().upper()) == explicit
+    assert resolve_hash_key() == env_key
+    clean_env.delenv("GPUKV_HASH_KEY")
+    assert resolve_hash_key() == _seed_key(42)
+    clean_env.setenv("PYTHONHASHSEED", "042")  # Python reads this as 42 too
+    assert resolve_hash_key() == _seed_key(42)
+    clean_env.setenv("PYTHONHASHSEED", "43")
+    assert resolve_hash_key() != _seed_key(42)
+
+
+@pytest.mark.parametrize("seed", [None, "random", ""])
+def test_random_key_without_seed(clean_env, seed):
+    if seed is not None:
+        clean_env.setenv("PYTHONHASHSEED", seed)
+    a, b = resolve_hash_key(), resolve_hash_key()
+    assert len(a) == len(b) == 16 and a != b
+
+
+SECRET_HEX = "5ec2e75ec2e75ec2e75ec2e75ec2e7"  # 30 hex chars: wrong length
+
+
+@pytest.mark.parametrize(
+    "key, match",
+    [
+        (bytes(8), "16 bytes, got 8"),
+        (SECRET_HEX, "32 hex characters"),
+        ("zz" + SECRET_HEX, "only hex digits"),
+    ],
+)
+def test_bad_explicit_keys(clean_env, key, match):
+    with pytest.raises(ValueError, match=match) as info:
+        resolve_hash_key(key)
+    assert SECRET_HEX not in str(info.value)
+
+
+def test_bad_env_keys_do_not_echo(clean_env):
+    for value, match in [(SECRET_HEX, "32 hex characters"), ("zz" + SECRET_HEX, "only hex digits")]:
+        clean_env.setenv("GPUKV_HASH_KEY", value)
+        with pytest.raises(ValueError, match=f"GPUKV_HASH_KEY must.*{match}") as info:
+            resolve_hash_key()
+        assert SECRET_HEX not in str(info.value)
+    clean_env.delenv("GPUKV_HASH_KEY")
+    clean_env.setenv("PYTHONHASHSEED", "not-a-number-5ec2e7")
+    with pytest.raises(ValueError, match="PYTHONHASHSEED must be") as info:
+        resolve_hash_key()
+    assert "5ec2e7" not in str(info.value)
+
+
+def test_processes_sharing_pythonhashseed_share_digests():
+    """Real processes: the same PYTHONHASHSEED gives the same root digest
+    (KV can move between instances); without it each process draws its own key."""
+    code = (
+        "from gpukv.hashing import resolve_hash_key, root_digest; "
+        "print(root_digest(resolve_hash_key()).hex())"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("GPUKV_HASH_KEY", "PYTHONHASHSEED")}
+    base["PYTHONPATH"] = str(REPO)
+    seeded = dict(base, PYTHONHASHSEED="1234")
+    # Started together: each one imports the package (and torch), so this halves the wait.
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in (seeded, seeded, base, base)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(out.strip())
+    assert all(len(o) == 32 for o in outs)
+    assert outs[0] == outs[1] == root_digest(_seed_key(1234)).hex()
+    assert outs[2] != outs[3]
+    assert outs[0] not in outs[2:]
