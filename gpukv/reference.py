@@ -325,6 +325,10 @@ class KVCacheManager:
         return self._key
 
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

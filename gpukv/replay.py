@@ -268,7 +268,7 @@ class Replay:
                 # does not fit never will. Rejecting it keeps the replay moving.
                 self._reject(self.waiting.popleft(), step, "did not fit into an empty pool")
         self.step_ms.append(self._t_step * 1e3)
-        self.blocks_in_use.append(self.manager.pool.num_blocks - 1 - self.manager.num_free_blocks)
+        self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.num_free_blocks)
         stats = self.manager.make_prefix_cache_stats()
         if self.stats is None:
             self.stats = stats
@@ -283,8 +283,8 @@ class Replay:
         n_blocks = -(-len(tokens) // self.opts.block_size) * self.manager.num_groups
         if len(tokens) > self.opts.max_model_len:
             self._reject(live, step, f"prompt of {len(tokens)} tokens exceeds max_model_len {self.opts.max_model_len}")
-        elif n_blocks > self.manager.pool.num_blocks - 1:
-            self._reject(live, step, f"needs {n_blocks} blocks, more than the pool's {self.manager.pool.num_blocks - 1}")
+        elif n_blocks > self.manager.num_blocks - 1:
+            self._reject(live, step, f"needs {n_blocks} blocks, more than the pool's {self.manager.num_blocks - 1}")
         else:
             self.waiting.append(live)
 

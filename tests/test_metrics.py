@@ -1,0 +1,54 @@
+import pytest
+
+from gpukv.metrics import PrefixCacheStats, PrefixCachingMetrics
+
+
+def stats(requests, queries, hits, reset=False):
+    return PrefixCacheStats(requests=requests, queries=queries, hits=hits, reset=reset)
+
+
+def test_window_keeps_at_least_the_last_n_requests():
+    m = PrefixCachingMetrics(max_recent_requests=4)
+    m.observe(stats(2, 10, 5))
+    m.observe(stats(2, 10, 0))
+    assert (m.aggregated_requests, m.hit_rate) == (4, 0.25)
+    # A third interval of 2: dropping the first still leaves 4 requests.
+    m.observe(stats(2, 10, 10))
+    assert (m.aggregated_requests, m.aggregated_queries, m.aggregated_hits) == (4, 20, 10)
+    assert m.hit_rate == 0.5
+
+
+def test_an_interval_larger_than_the_window_stands_alone():
+    m = PrefixCachingMetrics(max_recent_requests=3)
+    m.observe(stats(1, 4, 4))
+    m.observe(stats(5, 10, 1))
+    assert (m.aggregated_requests, m.hit_rate) == (5, 0.1)
+
+
+def test_reset_empties_the_window_and_empty_intervals_are_ignored():
+    m = PrefixCachingMetrics(max_recent_requests=10)
+    m.observe(stats(3, 9, 9))
+    m.observe(stats(0, 0, 0))
+    assert m.aggregated_requests == 3
+    m.observe(stats(1, 4, 1, reset=True))
+    assert (m.aggregated_requests, m.hit_rate) == (1, 0.25)
+
+
+def test_no_queries_is_a_zero_hit_rate():
+    assert PrefixCachingMetrics().hit_rate == 0.0
+    assert PrefixCacheStats().hit_rate == 0.0
+
+
+def test_stats_record_and_merge():
+    a = PrefixCacheStats()
+    a.record(4, 2, 60, 32)
+    b = PrefixCacheStats(reset=True)
+    b.record(1, 0, 5, 0)
+    a.merge(b)
+    assert (a.requests, a.queries, a.hits, a.query_tokens, a.hit_tokens, a.reset) == (2, 5, 2, 65, 32, True)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "10"])
+def test_bad_window(bad):
+    with pytest.raises(ValueError, match="max_recent_requests"):
+        PrefixCachingMetrics(bad)

@@ -1,0 +1,92 @@
+"""Random step sequences for property and differential tests.
+
+``drive`` applies the same random scheduling steps to one or more managers and
+calls ``check(step_index, managers, results)`` after every step, so a test can
+compare the device manager with the reference step by step.
+"""
+
+from __future__ import annotations
+
+import random
+
+from gpukv.hashing import MMItem
+from gpukv.request import NewRequest, RunningUpdate
+
+
+def _prompt(rng: random.Random, docs: list[list[int]]) -> list[int]:
+    """A prompt that often shares a prefix with another one."""
+    if docs and rng.random() < 0.7:
+        base = rng.choice(docs)
+        cut = rng.randint(0, len(base))
+        return base[:cut] + [rng.randrange(2**32) if rng.random() < 0.1 else rng.randrange(50) for _ in range(rng.randint(0 if cut else 1, 12))]
+    return [rng.randrange(50) for _ in range(rng.randint(1, 24))]
+
+
+def random_steps(seed: int, num_steps: int, *, extras: bool = True, max_new: int = 4):
+    """Yield (finish_fraction, decode_fraction, new requests) per step; the
+    driver turns fractions into concrete ids against the managers' state."""
+    rng = random.Random(seed)
+    docs: list[list[int]] = []
+    counter = 0
+    for _ in range(num_steps):
+        new = []
+        for _ in range(rng.randint(0, max_new)):
+            tokens = _prompt(rng, docs)
+            if rng.random() < 0.5:
+                docs.append(tokens)
+            kw = {}
+            if extras:
+                r = rng.random()
+                if r < 0.1:
+                    kw["cache_salt"] = rng.choice(["s1", "s2"])
+                elif r < 0.2:
+                    kw["lora_id"] = rng.choice([1, 2])
+                elif r < 0.25:
+                    kw["skip_prefix_cache"] = True
+                elif r < 0.3 and len(tokens) > 3:
+                    kw["mm_items"] = (MMItem(1, 2, rng.choice(["img-a", "img-b"])),)
+            new.append(NewRequest(f"q{counter}", tokens, **kw))
+            counter += 1
+        yield rng.random() * 0.5, rng.random(), new, rng
+
+
+def drive(managers, seed: int, num_steps: int, check, *, extras: bool = True, max_new: int = 4) -> None:
+    """Apply one random workload to every manager in lockstep.
+
+    The first manager's state decides which requests finish and decode (all
+    managers must agree anyway; ``check`` asserts it). A running update that
+    does not fit preempts the most recently admitted request, as the replay
+    does; refused new requests are retried next step.
+    """
+    running: list[str] = []
+    waiting: list[NewRequest] = []
+    for step, (p_finish, p_decode, new, rng) in enumerate(random_steps(seed, num_steps, extras=extras, max_new=max_new)):
+        finished = [rid for rid in running if rng.random() < p_finish]
+        running = [rid for rid in running if rid not in finished]
+        updates = [RunningUpdate(rid, [rng.randrange(50) for _ in range(rng.randint(1, 3))])
+                   for rid in running if rng.random() < p_decode]
+        m0 = managers[0]
+        # Like the replay, refuse at arrival what could never fit the pool.
+        waiting.extend(r for r in new if -(-len(r.token_ids) // m0.block_size) * m0.num_groups <= m0.num_blocks - 1)
+        candidates = list(waiting)
+        results = [m.step(finished, updates, candidates) for m in managers]
+        check(step, managers, results)
+        res = results[0]
+        while not res.ok:
+            k = res.running_failed_at
+            victim = running.pop()
+            results = [m.step(finished=[victim]) for m in managers]
+            check(step, managers, results)
+            updates = [u for u in updates[k:] if u.request_id != victim]
+            if not updates:
+                break
+            results = [m.step(running=updates) for m in managers]
+            check(step, managers, results)
+            res = results[0]
+        else:
+            admitted = candidates[: res.num_admitted]
+            running.extend(r.request_id for r in admitted)
+            waiting = waiting[res.num_admitted:]
+        # A request that can never fit is dropped so the workload keeps moving.
+        if waiting and not running:
+            waiting.pop(0)
