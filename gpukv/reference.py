@@ -34,7 +34,7 @@ import numpy as np
 
 from gpukv import hashing
 from gpukv.metrics import PrefixCacheStats
-from gpukv.request import NewRequest, RunningUpdate, StepResult, check_token_ids
+from gpukv.request import NewRequest, RunningUpdate, StepResult, check_step_inputs, check_token_ids
 
 NULL_BLOCK = 0
 
@@ -52,14 +52,6 @@ class CachedBlockInfo:
     parent: bytes
     tokens: bytes  # the block's token ids as little-endian uint32, as hashed
     extra: bytes
-
-
-def _all_digests(values: Sequence[bytes]) -> bool:
-    """Whether every value is a 16-byte digest (one join, not a Python loop)."""
-    try:
-        return len(b"".join(values)) == 16 * len(values) and all(len(v) == 16 for v in values[:1])
-    except TypeError:
-        return False
 
 
 def _check_count(value: int, name: str, minimum: int) -> int:
@@ -410,6 +402,7 @@ class KVCacheManager:
         update = RunningUpdate(request, new_token_ids)
         self._check_running([update], finished=set())
         before = [len(b) for b in self._state(request).blocks]
+        self._release_skipped(self._state(request))
         if not self._run(update):
             return None
         return [self._state(request).blocks[g][before[g]:] for g in range(self.num_groups)]
@@ -428,9 +421,11 @@ class KVCacheManager:
         """One scheduling step, phase by phase (see ``docs/design.md``):
 
         1. free the finished requests, in order;
-        2. give each running update its blocks, in order; the first that does
-           not fit is reported and it and the rest get nothing (nor is any new
-           request looked at);
+        2. sliding-window groups of every running update's request release the
+           blocks behind their window (as vLLM does, before any fit check);
+           then each running update gets its blocks, in order; the first that
+           does not fit is reported and it and the rest get nothing (nor is any
+           new request looked at);
         3. hash and look up the new requests, against the cache and against
            blocks earlier new requests of this step will cache;
         4. admit the longest prefix of new requests whose needs fit (a request
@@ -445,6 +440,8 @@ class KVCacheManager:
         self._check_step(finished, running, new)
         for rid in finished:
             self._free_request(rid)
+        for update in running:
+            self._release_skipped(self._requests[update.request_id])
         for k, update in enumerate(running):
             if not self._run(update):
                 return StepResult(running_failed_at=k)
@@ -496,60 +493,17 @@ class KVCacheManager:
             raise KeyError(f"unknown request id {request_id!r}: it was never admitted or was already freed") from None
 
     def _check_step(self, finished, running, new) -> None:
-        seen: set[str] = set()
-        for rid in finished:
-            self._state(rid)
-            if rid in seen:
-                raise ValueError(f"request {rid!r} is finished twice in one step (double free)")
-            seen.add(rid)
-        self._check_running(running, finished=seen)
-        self._check_new(new)
+        check_step_inputs(finished, running, new, **self._limits())
 
     def _check_running(self, running, finished: set[str]) -> None:
-        seen: set[str] = set()
-        for update in running:
-            if not isinstance(update, RunningUpdate):
-                raise TypeError(f"running entries must be RunningUpdate, got {type(update).__name__}")
-            self._state(update.request_id)
-            if update.request_id in finished:
-                raise ValueError(f"request {update.request_id!r} is both finished and running in one step")
-            if update.request_id in seen:
-                raise ValueError(f"request {update.request_id!r} has two running updates in one step")
-            seen.add(update.request_id)
-            check_token_ids(update.new_token_ids, f"running request {update.request_id!r}")
+        check_step_inputs((), running, (), **self._limits())
 
     def _check_new(self, new) -> None:
-        seen: set[str] = set()
-        for r in new:
-            if not isinstance(r, NewRequest):
-                raise TypeError(f"new entries must be NewRequest, got {type(r).__name__}")
-            if not isinstance(r.request_id, str) or not r.request_id:
-                raise TypeError(f"request ids are non-empty strings, got {r.request_id!r}")
-            if r.request_id in self._requests or r.request_id in seen:
-                raise ValueError(f"request id {r.request_id!r} is already in use")
-            seen.add(r.request_id)
-            tokens = check_token_ids(r.token_ids, f"new request {r.request_id!r}")
-            if tokens.size == 0:
-                raise ValueError(f"new request {r.request_id!r} has no tokens")
-            if r.block_hashes is not None:
-                n_full = tokens.size // self.block_size
-                if len(r.block_hashes) != n_full or not _all_digests(r.block_hashes):
-                    raise ValueError(
-                        f"new request {r.request_id!r}: block_hashes must be {n_full} digests of 16 bytes (one per full block)"
-                    )
-            if r.lora_id is not None and (isinstance(r.lora_id, bool) or not isinstance(r.lora_id, int) or r.lora_id < 0):
-                raise ValueError(f"new request {r.request_id!r}: lora_id must be a non-negative int, got {r.lora_id!r}")
-            if r.cache_salt is not None and not isinstance(r.cache_salt, str):
-                raise TypeError(f"new request {r.request_id!r}: cache_salt must be a str")
-            for item in r.mm_items:
-                if not isinstance(item, hashing.MMItem):
-                    raise TypeError(f"new request {r.request_id!r}: mm_items must be MMItem, got {type(item).__name__}")
-            n_blocks = self._num_blocks_for(tokens.size) * self.num_groups
-            if n_blocks > self.pool.num_blocks - 1:
-                raise ValueError(
-                    f"new request {r.request_id!r} needs {n_blocks} blocks, more than the whole pool "
-                    f"({self.pool.num_blocks - 1}); it can never be admitted"
-                )
+        check_step_inputs((), (), new, **self._limits())
+
+    def _limits(self) -> dict:
+        return dict(known=self._requests, block_size=self.block_size, num_blocks=self.pool.num_blocks,
+                    num_groups=self.num_groups)
 
     def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
         if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):
@@ -750,6 +704,18 @@ class KVCacheManager:
         for plan in plans:
             self._cache_full_blocks(plan.state)
 
+    def _release_skipped(self, st: _RequestState) -> None:
+        """Sliding-window groups give back the blocks no token computed from now
+        on can see (vLLM's ``remove_skipped_blocks``): freed tail first, one
+        free call per group, replaced by the null block. Done before the fit
+        check, as vLLM does; the blocks are useless to the request either way."""
+        for g, skip in enumerate(self._skipped_blocks(st)):
+            released = [b for b in st.blocks[g][:skip] if b != NULL_BLOCK]
+            if released:
+                self.pool.free(list(reversed(released)))
+                for i in range(skip):
+                    st.blocks[g][i] = NULL_BLOCK
+
     def _run(self, update: RunningUpdate) -> bool:
         """Append a running request's tokens and give it blocks for all of
         them. False, with nothing changed, when the blocks do not fit."""
@@ -757,21 +723,10 @@ class KVCacheManager:
         new_tokens = check_token_ids(update.new_token_ids, update.request_id).tolist()
         num_tokens = len(st.tokens) + len(new_tokens)
         n_total = self._num_blocks_for(num_tokens)
-        skip = self._skipped_blocks(st)
-        released = []
-        for g in range(self.num_groups):
-            released.append([b for b in st.blocks[g][:skip[g]] if b != NULL_BLOCK])
-        freed = sum(1 for rel in released for b in rel if self.pool.ref_cnt[b] == 1)
         need = sum(n_total - len(st.blocks[g]) for g in range(self.num_groups))
-        if need > self.pool.num_free_blocks + freed:
+        if need > self.pool.num_free_blocks:
             return False
         st.tokens.extend(new_tokens)
-        for g in range(self.num_groups):
-            if released[g]:
-                # Blocks behind the window: freed tail first, replaced by null.
-                self.pool.free(list(reversed(released[g])))
-                for i in range(skip[g]):
-                    st.blocks[g][i] = NULL_BLOCK
         for g in range(self.num_groups):
             st.blocks[g].extend(self.pool.allocate(n_total - len(st.blocks[g])))
         st.num_computed_tokens = num_tokens

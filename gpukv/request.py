@@ -8,7 +8,7 @@ serving loop can switch backends without touching its own code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
 import numpy as np
 
@@ -103,3 +103,84 @@ class StepResult:
     @property
     def ok(self) -> bool:
         return self.running_failed_at is None
+
+
+def _all_digests(values: Sequence[bytes]) -> bool:
+    """Whether every value is a 16-byte digest (one join, not a Python loop)."""
+    try:
+        return len(b"".join(values)) == 16 * len(values) and all(len(v) == 16 for v in values[:1])
+    except TypeError:
+        return False
+
+
+def check_step_inputs(
+    finished: Sequence[str],
+    running: Sequence[RunningUpdate],
+    new: Sequence[NewRequest],
+    *,
+    known: Container[str],
+    block_size: int,
+    num_blocks: int,
+    num_groups: int,
+    max_tokens: int | None = None,
+) -> None:
+    """Raise, saying what is wrong, unless a step's inputs make sense for a
+    manager that holds the requests ``known``. Changes nothing: managers call
+    it before touching any state, so a bad step leaves everything as it was."""
+
+    def require_known(rid):
+        if not isinstance(rid, str) or rid not in known:
+            raise KeyError(f"unknown request id {rid!r}: it was never admitted or was already freed")
+
+    done: set[str] = set()
+    for rid in finished:
+        require_known(rid)
+        if rid in done:
+            raise ValueError(f"request {rid!r} is finished twice in one step (double free)")
+        done.add(rid)
+    seen: set[str] = set()
+    for update in running:
+        if not isinstance(update, RunningUpdate):
+            raise TypeError(f"running entries must be RunningUpdate, got {type(update).__name__}")
+        rid = update.request_id
+        require_known(rid)
+        if rid in done:
+            raise ValueError(f"request {rid!r} is both finished and running in one step")
+        if rid in seen:
+            raise ValueError(f"request {rid!r} has two running updates in one step")
+        seen.add(rid)
+        check_token_ids(update.new_token_ids, f"running request {rid!r}")
+    seen = set()
+    for r in new:
+        if not isinstance(r, NewRequest):
+            raise TypeError(f"new entries must be NewRequest, got {type(r).__name__}")
+        rid = r.request_id
+        if not isinstance(rid, str) or not rid:
+            raise TypeError(f"request ids are non-empty strings, got {rid!r}")
+        if rid in known or rid in seen:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seen.add(rid)
+        tokens = check_token_ids(r.token_ids, f"new request {rid!r}")
+        if tokens.size == 0:
+            raise ValueError(f"new request {rid!r} has no tokens")
+        if max_tokens is not None and tokens.size > max_tokens:
+            raise ValueError(f"new request {rid!r} has {tokens.size} tokens, more than max_model_len {max_tokens}")
+        if r.block_hashes is not None:
+            n_full = tokens.size // block_size
+            if len(r.block_hashes) != n_full or not _all_digests(r.block_hashes):
+                raise ValueError(
+                    f"new request {rid!r}: block_hashes must be {n_full} digests of 16 bytes (one per full block)"
+                )
+        if r.lora_id is not None and (isinstance(r.lora_id, bool) or not isinstance(r.lora_id, int) or r.lora_id < 0):
+            raise ValueError(f"new request {rid!r}: lora_id must be a non-negative int, got {r.lora_id!r}")
+        if r.cache_salt is not None and not isinstance(r.cache_salt, str):
+            raise TypeError(f"new request {rid!r}: cache_salt must be a str")
+        for item in r.mm_items:
+            if not isinstance(item, MMItem):
+                raise TypeError(f"new request {rid!r}: mm_items must be MMItem, got {type(item).__name__}")
+        n_blocks = -(-tokens.size // block_size) * num_groups
+        if n_blocks > num_blocks - 1:
+            raise ValueError(
+                f"new request {rid!r} needs {n_blocks} blocks, more than the whole pool "
+                f"({num_blocks - 1}); it can never be admitted"
+            )

@@ -1,0 +1,725 @@
+"""The device block-hash table: a multimap (digest, group) -> cached blocks.
+
+Semantics (those of ``reference.BlockPool``'s table, DESIGN.md section 2):
+
+* A key is ``(lo, hi, group)``: the 128-bit block digest as two int64 lanes
+  (the two's-complement views of the uint64 halves, see
+  ``gpukv/kernels/hashing.py``) and the KV-cache group id (int32). Any value
+  is a valid key, (0, 0) and negative lanes included.
+* Several blocks may be cached under one key (duplicates, kept as in vLLM);
+  they are ordered by insertion. A lookup returns the **oldest live** block
+  under the key; erasing any block leaves the others serving.
+
+Layout (``N`` = num_blocks, ``cap`` = capacity, a power of two >= 2N):
+
+* ``slot_lo``, ``slot_hi``: int64[cap], ``slot_group``: int32[cap]: the key
+  of the entry in each slot (meaningful only while the slot holds a block).
+* ``slot_block``: int32[cap]: the block cached in the slot, or ``EMPTY`` (-1,
+  never used since the last clear/rebuild: ends a probe) or ``TOMBSTONE``
+  (-2, erased: a probe walks over it, an insert may reuse it).
+* ``block_slot``: int32[N]: the slot holding block b, or ``NO_SLOT`` (-1).
+* ``block_seq``: int64[N]: block b's insertion sequence number (meaningful
+  while b is cached). "Oldest" = smallest sequence number, so the order of
+  duplicates does not depend on where they sit in the slot array.
+* ``counters``: int64[4] = ``[LIVE, TOMBSTONES, NEXT_SEQ, ERRORS]``; error
+  bits: ``ERR_FULL`` (1: an insert found no free slot in ``cap`` probes; that
+  entry was dropped), ``ERR_DOUBLE_INSERT`` (2: an insert of a block that was
+  already cached, or twice in one batch; the later claimant was dropped),
+  ``ERR_BAD_BLOCK`` (4: a block id outside ``0..N-1`` given to insert or
+  erase; ignored). Flags are sticky until ``clear_errors``. The host reads
+  the counters at most once per step (``read_counters``), never a launcher.
+* Scratch for rebuild: ``scratch_lo/hi`` int64[N], ``scratch_group`` int32[N],
+  ``rebuild_flag`` int32[1].
+
+One slot per cached block (duplicates occupy separate slots), linear probing
+from the home slot ``home(lo, hi, group) & (cap - 1)``.
+
+Concurrency and visibility. Within one insert launch, entries claim slots with
+``atomic_cas`` on ``slot_block`` (EMPTY/TOMBSTONE -> block), never racing plain
+stores, and then write the key fields of the slot they own. No kernel reads a
+slot's key fields in the launch that writes them: ``find_oldest`` and
+``rebuild`` read keys only of slots filled by *earlier* launches, and the
+boundary between launches on one stream makes those writes visible. Keep
+lookups and inserts in separate launches on one stream (or synchronise the
+streams); that is all the ordering the table needs. Erase also only runs in
+its own launch. The interpreter runs the programs of a launch one after
+another and the lanes of an atomic in lane order, so real races happen only
+on a GPU (the ``gpu``-marked tests).
+
+Ordering guarantee. ``insert`` gives the valid entries of a batch consecutive
+sequence numbers in batch order (``NEXT_SEQ`` + rank among the batch's valid
+entries), computed before any slot is claimed, so the insertion order is the
+batch order whichever thread wins which slot; batches are ordered by launch
+order. ``rebuild`` keeps every block's sequence number, hence the order.
+
+Launchers (device tensors in and out, no host synchronisation):
+
+* ``insert(table, lo, hi, group, block, valid=None)``      2 launches
+* ``find_oldest(table, lo, hi, group, valid=None, out=None) -> int32[K]``
+* ``erase(table, block, valid=None)``
+* ``clear(table)``
+* ``rebuild(table)`` / ``maybe_rebuild(table, min_tombstones=None)``  2 launches
+* ``clear_errors(table)``
+
+Host helpers for tests and invariants (these synchronise):
+``HashTable.entries()``, ``HashTable.check_invariants()``,
+``HashTable.read_counters()``, ``home_slot()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import torch
+import triton
+import triton.language as tl
+
+from gpukv.kernels.hashing import rotl64, to_u64
+
+__all__ = [
+    "EMPTY",
+    "TOMBSTONE",
+    "NO_SLOT",
+    "LIVE",
+    "TOMBSTONES",
+    "NEXT_SEQ",
+    "ERRORS",
+    "ERR_FULL",
+    "ERR_DOUBLE_INSERT",
+    "ERR_BAD_BLOCK",
+    "HashTable",
+    "home_slot",
+    "insert",
+    "find_oldest",
+    "erase",
+    "clear",
+    "rebuild",
+    "maybe_rebuild",
+    "clear_errors",
+]
+
+# ---------------------------------------------------------------- sentinels
+#: ``slot_block`` value of a slot never used since the last clear/rebuild.
+EMPTY = -1
+#: ``slot_block`` value of an erased slot (probes walk over it).
+TOMBSTONE = -2
+#: ``block_slot`` value of a block that is not cached.
+NO_SLOT = -1
+#: ``block_slot`` value of a block being inserted (only inside an insert launch).
+_CLAIMING = -3
+#: A compare value no slot_block/block_slot word ever holds: a CAS with it is a no-op.
+_NEVER = -4
+
+# ----------------------------------------------------------- counter layout
+LIVE = 0
+TOMBSTONES = 1
+NEXT_SEQ = 2
+ERRORS = 3
+
+ERR_FULL = 1
+ERR_DOUBLE_INSERT = 2
+ERR_BAD_BLOCK = 4
+
+# constexpr copies for the kernels (Triton reads globals only as constexpr)
+_D_EMPTY = tl.constexpr(EMPTY)
+_D_TOMBSTONE = tl.constexpr(TOMBSTONE)
+_D_NO_SLOT = tl.constexpr(NO_SLOT)
+_D_CLAIMING = tl.constexpr(_CLAIMING)
+_D_NEVER = tl.constexpr(_NEVER)
+_D_LIVE = tl.constexpr(LIVE)
+_D_TOMBSTONES = tl.constexpr(TOMBSTONES)
+_D_NEXT_SEQ = tl.constexpr(NEXT_SEQ)
+_D_ERRORS = tl.constexpr(ERRORS)
+_D_ERR_FULL = tl.constexpr(ERR_FULL)
+_D_ERR_DOUBLE_INSERT = tl.constexpr(ERR_DOUBLE_INSERT)
+_D_ERR_BAD_BLOCK = tl.constexpr(ERR_BAD_BLOCK)
+_D_SEQ_NONE = tl.constexpr((1 << 63) - 1)
+
+_TILE = 128
+_PREP_TILE = 1024
+
+# Home-slot mix (host and device must agree): odd multiplier for the group.
+_GROUP_MUL = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+Device = Union[torch.device, str]
+
+
+# --------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _home(lo, hi, group, cap):
+    """Home slot (int32) of keys (int64 lo, int64 hi, int32 group)."""
+    h = to_u64(lo) ^ rotl64(to_u64(hi), 29)
+    h = h ^ (to_u64(group.to(tl.int64)) * 0x9E3779B97F4A7C15)
+    h = h ^ (h >> 32)
+    return (h & (cap - 1)).to(tl.int32)
+
+
+@triton.jit
+def _claim_slots(slot_block_ptr, slot, blk, want, cap):
+    """Claim one free slot per wanting lane, probing linearly from ``slot``.
+
+    A lane reads its slot (a plain load: a hint), and if it looks free
+    (EMPTY/TOMBSTONE) tries ``atomic_cas(slot, seen, blk)``; it owns the slot
+    when the CAS returns what it saw. A failed CAS means another lane took the
+    slot in this launch (slots only go free -> taken during an insert), so it
+    moves on. Gives up after ``cap`` probes.
+    Returns ``(slot, won, from_tombstone, failed)``.
+    """
+    won = want & (~want)
+    from_tomb = won
+    n = 0
+    todo = tl.sum(want.to(tl.int32), 0)
+    while todo > 0:
+        seen = tl.load(slot_block_ptr + slot, mask=want, other=0)
+        free = want & (seen < 0)
+        old = tl.atomic_cas(slot_block_ptr + slot, tl.where(free, seen, _D_NEVER), blk)
+        got = free & (old == seen)
+        won = won | got
+        from_tomb = from_tomb | (got & (seen == _D_TOMBSTONE))
+        want = want & (~got)
+        slot = tl.where(want, (slot + 1) & (cap - 1), slot)
+        n += 1
+        todo = tl.where(n < cap, tl.sum(want.to(tl.int32), 0), 0)
+    return slot, won, from_tomb, want
+
+
+# --------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _insert_seq_kernel(valid_ptr, seq_ptr, counters_ptr, K,
+                       HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+    """One program: seq[i] = NEXT_SEQ + #valid entries before i; NEXT_SEQ += #valid."""
+    base = tl.load(counters_ptr + _D_NEXT_SEQ)
+    for start in range(0, K, TILE):
+        offs = start + tl.arange(0, TILE)
+        m = offs < K
+        if HAS_VALID:
+            v = (tl.load(valid_ptr + offs, mask=m, other=0) != 0) & m
+        else:
+            v = m
+        v64 = v.to(tl.int64)
+        incl = tl.cumsum(v64, 0)
+        tl.store(seq_ptr + offs, base + incl - v64, mask=m)
+        base = base + tl.sum(v64, 0)
+    tl.store(counters_ptr + _D_NEXT_SEQ, base)
+
+
+@triton.jit
+def _insert_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                   block_slot_ptr, block_seq_ptr, counters_ptr,
+                   lo_ptr, hi_ptr, s_lo, s_hi, group_ptr, block_ptr, valid_ptr,
+                   seq_ptr, perm_ptr, K, cap, N,
+                   HAS_VALID: tl.constexpr, HAS_PERM: tl.constexpr,
+                   TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    lane = pid * TILE + tl.arange(0, TILE)
+    m = lane < K
+    if HAS_PERM:
+        idx = tl.load(perm_ptr + lane, mask=m, other=0)
+    else:
+        idx = lane
+    i64 = idx.to(tl.int64)
+    blk = tl.load(block_ptr + idx, mask=m, other=0)
+    if HAS_VALID:
+        v = m & (tl.load(valid_ptr + idx, mask=m, other=0) != 0)
+    else:
+        v = m
+    in_range = (blk >= 0) & (blk < N)
+    bad = v & (~in_range)
+    want = v & in_range
+    blk = tl.where(want, blk, 0)
+
+    # Claim the block itself: NO_SLOT -> CLAIMING. Catches a block that is
+    # already cached, or given twice in this batch (only one claimant wins).
+    old = tl.atomic_cas(block_slot_ptr + blk, tl.where(want, _D_NO_SLOT, _D_NEVER),
+                        tl.full([TILE], _D_CLAIMING, tl.int32))
+    dup = want & (old != _D_NO_SLOT)
+    want = want & (old == _D_NO_SLOT)
+
+    lo = tl.load(lo_ptr + i64 * s_lo, mask=want, other=0)
+    hi = tl.load(hi_ptr + i64 * s_hi, mask=want, other=0)
+    g = tl.load(group_ptr + idx, mask=want, other=0)
+    seq = tl.load(seq_ptr + idx, mask=want, other=0)
+
+    slot = _home(lo, hi, g, cap)
+    slot, won, from_tomb, failed = _claim_slots(slot_block_ptr, slot, blk, want, cap)
+
+    # The slot is ours: write its key (read only by later launches).
+    tl.store(slot_lo_ptr + slot, lo, mask=won)
+    tl.store(slot_hi_ptr + slot, hi, mask=won)
+    tl.store(slot_group_ptr + slot, g, mask=won)
+    tl.store(block_seq_ptr + blk, seq, mask=won)
+    tl.store(block_slot_ptr + blk, slot, mask=won)
+    tl.store(block_slot_ptr + blk, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=failed)
+
+    n_won = tl.sum(won.to(tl.int64), 0)
+    n_tomb = tl.sum(from_tomb.to(tl.int64), 0)
+    tl.atomic_add(counters_ptr + _D_LIVE, n_won, mask=n_won > 0)
+    tl.atomic_add(counters_ptr + _D_TOMBSTONES, -n_tomb, mask=n_tomb > 0)
+    err = (tl.max(failed.to(tl.int64), 0) * _D_ERR_FULL
+           | tl.max(dup.to(tl.int64), 0) * _D_ERR_DOUBLE_INSERT
+           | tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK)
+    tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
+
+
+@triton.jit
+def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                 block_seq_ptr, lo_ptr, hi_ptr, s_lo, s_hi, group_ptr,
+                 valid_ptr, out_ptr, K, cap,
+                 HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * TILE + tl.arange(0, TILE)
+    m = offs < K
+    o64 = offs.to(tl.int64)
+    if HAS_VALID:
+        active = m & (tl.load(valid_ptr + offs, mask=m, other=0) != 0)
+    else:
+        active = m
+    lo = tl.load(lo_ptr + o64 * s_lo, mask=active, other=0)
+    hi = tl.load(hi_ptr + o64 * s_hi, mask=active, other=0)
+    g = tl.load(group_ptr + offs, mask=active, other=0)
+    slot = _home(lo, hi, g, cap)
+
+    best_blk = tl.full([TILE], -1, tl.int32)
+    best_seq = tl.full([TILE], _D_SEQ_NONE, tl.int64)
+    n = 0
+    todo = tl.sum(active.to(tl.int32), 0)
+    while todo > 0:
+        b = tl.load(slot_block_ptr + slot, mask=active, other=_D_EMPTY)
+        live = active & (b >= 0)
+        match = live & (tl.load(slot_lo_ptr + slot, mask=live, other=0) == lo)
+        match = match & (tl.load(slot_hi_ptr + slot, mask=match, other=0) == hi)
+        match = match & (tl.load(slot_group_ptr + slot, mask=match, other=0) == g)
+        seq = tl.load(block_seq_ptr + tl.where(match, b, 0), mask=match, other=_D_SEQ_NONE)
+        better = match & (seq < best_seq)
+        best_seq = tl.where(better, seq, best_seq)
+        best_blk = tl.where(better, b, best_blk)
+        active = active & (b != _D_EMPTY)
+        slot = (slot + 1) & (cap - 1)
+        n += 1
+        # stop after cap probes: no EMPTY slot at all, every slot has been seen
+        todo = tl.where(n < cap, tl.sum(active.to(tl.int32), 0), 0)
+    tl.store(out_ptr + offs, best_blk, mask=m)
+
+
+@triton.jit
+def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
+                  valid_ptr, K, cap, N,
+                  HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * TILE + tl.arange(0, TILE)
+    m = offs < K
+    blk = tl.load(block_ptr + offs, mask=m, other=0)
+    if HAS_VALID:
+        v = m & (tl.load(valid_ptr + offs, mask=m, other=0) != 0)
+    else:
+        v = m
+    in_range = (blk >= 0) & (blk < N)
+    bad = v & (~in_range)
+    want = v & in_range
+    slot = tl.load(block_slot_ptr + blk, mask=want, other=_D_NO_SLOT)
+    want = want & (slot >= 0)
+    # A slot followed by an EMPTY one ends every probe that reaches it, so it
+    # can become EMPTY itself instead of a tombstone. Concurrent erases of
+    # neighbours stay correct: the next slot is read either before (a block or
+    # a tombstone -> we leave a tombstone) or after it became EMPTY (which it
+    # did only because the slot after it was EMPTY), both a sequential order.
+    nxt = tl.load(slot_block_ptr + ((slot + 1) & (cap - 1)), mask=want, other=0)
+    to_empty = nxt == _D_EMPTY
+    tl.store(slot_block_ptr + slot, tl.where(to_empty, _D_EMPTY, _D_TOMBSTONE), mask=want)
+    tl.store(block_slot_ptr + blk, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=want)
+    n_gone = tl.sum(want.to(tl.int64), 0)
+    n_tomb = tl.sum((want & (~to_empty)).to(tl.int64), 0)
+    tl.atomic_add(counters_ptr + _D_LIVE, -n_gone, mask=n_gone > 0)
+    tl.atomic_add(counters_ptr + _D_TOMBSTONES, n_tomb, mask=n_tomb > 0)
+    err = tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK
+    tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
+
+
+@triton.jit
+def _clear_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, cap, N,
+                  TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * TILE + tl.arange(0, TILE)
+    tl.store(slot_block_ptr + offs, tl.full([TILE], _D_EMPTY, tl.int32), mask=offs < cap)
+    tl.store(block_slot_ptr + offs, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=offs < N)
+    if pid == 0:
+        tl.store(counters_ptr + _D_LIVE, 0)
+        tl.store(counters_ptr + _D_TOMBSTONES, 0)
+
+
+@triton.jit
+def _rebuild_gather_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                           block_slot_ptr, scratch_lo_ptr, scratch_hi_ptr,
+                           scratch_group_ptr, counters_ptr, flag_ptr, threshold,
+                           cap, N, TILE: tl.constexpr):
+    """Phase 1: decide (TOMBSTONES > threshold), copy each cached block's key
+    to per-block scratch, and wipe ``slot_block`` to EMPTY. Nothing here reads
+    what this launch writes (keys are read through ``block_slot``)."""
+    pid = tl.program_id(0)
+    go = tl.load(counters_ptr + _D_TOMBSTONES) > threshold
+    if pid == 0:
+        tl.store(flag_ptr, go.to(tl.int32))
+    if go:
+        offs = pid * TILE + tl.arange(0, TILE)
+        mb = offs < N
+        slot = tl.load(block_slot_ptr + offs, mask=mb, other=_D_NO_SLOT)
+        cached = mb & (slot >= 0)
+        tl.store(scratch_lo_ptr + offs, tl.load(slot_lo_ptr + slot, mask=cached, other=0), mask=cached)
+        tl.store(scratch_hi_ptr + offs, tl.load(slot_hi_ptr + slot, mask=cached, other=0), mask=cached)
+        tl.store(scratch_group_ptr + offs, tl.load(slot_group_ptr + slot, mask=cached, other=0), mask=cached)
+        tl.store(slot_block_ptr + offs, tl.full([TILE], _D_EMPTY, tl.int32), mask=offs < cap)
+
+
+@triton.jit
+def _rebuild_place_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                          block_slot_ptr, scratch_lo_ptr, scratch_hi_ptr,
+                          scratch_group_ptr, counters_ptr, flag_ptr, cap, N,
+                          TILE: tl.constexpr):
+    """Phase 2 (when phase 1 decided to): re-insert every cached block into the
+    wiped slot array. Sequence numbers are untouched, so the order is kept."""
+    pid = tl.program_id(0)
+    go = tl.load(flag_ptr) != 0
+    if go:
+        offs = pid * TILE + tl.arange(0, TILE)
+        mb = offs < N
+        old_slot = tl.load(block_slot_ptr + offs, mask=mb, other=_D_NO_SLOT)
+        want = mb & (old_slot >= 0)
+        lo = tl.load(scratch_lo_ptr + offs, mask=want, other=0)
+        hi = tl.load(scratch_hi_ptr + offs, mask=want, other=0)
+        g = tl.load(scratch_group_ptr + offs, mask=want, other=0)
+        blk = offs.to(tl.int32)
+        slot = _home(lo, hi, g, cap)
+        slot, won, from_tomb, failed = _claim_slots(slot_block_ptr, slot, blk, want, cap)
+        tl.store(slot_lo_ptr + slot, lo, mask=won)
+        tl.store(slot_hi_ptr + slot, hi, mask=won)
+        tl.store(slot_group_ptr + slot, g, mask=won)
+        tl.store(block_slot_ptr + offs, slot, mask=won)
+        # cannot happen while live <= cap; kept so a bug shows up as a flag
+        tl.store(block_slot_ptr + offs, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=failed)
+        n_failed = tl.sum(failed.to(tl.int64), 0)
+        tl.atomic_add(counters_ptr + _D_LIVE, -n_failed, mask=n_failed > 0)
+        tl.atomic_or(counters_ptr + _D_ERRORS, _D_ERR_FULL, mask=n_failed > 0)
+        if pid == 0:
+            tl.store(counters_ptr + _D_TOMBSTONES, 0)
+
+
+# --------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _signed64(x: int) -> int:
+    x &= _M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def home_slot(lo: int, hi: int, group: int, capacity: int) -> int:
+    """Host copy of the device home-slot function (for tests and invariants)."""
+    lo &= _M64
+    hi &= _M64
+    h = lo ^ (((hi << 29) | (hi >> 35)) & _M64)
+    h ^= ((group & _M64) * _GROUP_MUL) & _M64
+    h ^= h >> 32
+    return h & (capacity - 1)
+
+
+@dataclass
+class HashTable:
+    """Device state of the block-hash table (see the module docstring)."""
+
+    num_blocks: int
+    capacity: int
+    slot_lo: torch.Tensor
+    slot_hi: torch.Tensor
+    slot_group: torch.Tensor
+    slot_block: torch.Tensor
+    block_slot: torch.Tensor
+    block_seq: torch.Tensor
+    counters: torch.Tensor
+    scratch_lo: torch.Tensor
+    scratch_hi: torch.Tensor
+    scratch_group: torch.Tensor
+    rebuild_flag: torch.Tensor
+
+    @classmethod
+    def create(cls, num_blocks: int, device: Device = None, *,
+               capacity: Optional[int] = None) -> "HashTable":
+        """An empty table for blocks ``0..num_blocks-1``.
+
+        ``capacity`` defaults to the smallest power of two >= 2 * num_blocks.
+        A smaller power of two is accepted (tests of the full-table flag);
+        inserts may then fail with ``ERR_FULL``.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if num_blocks >= 2 ** 30:
+            raise ValueError(f"num_blocks {num_blocks} too large for int32 slot indices")
+        if capacity is None:
+            capacity = _next_pow2(2 * num_blocks)
+        if (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+                or capacity & (capacity - 1) or capacity > 2 ** 30):
+            raise ValueError(f"capacity must be a power of two in [1, 2**30], got {capacity!r}")
+        device = _runtime.default_device() if device is None else torch.device(device)
+        _check_device(device)
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(
+            num_blocks=num_blocks,
+            capacity=capacity,
+            slot_lo=torch.zeros(capacity, **i64),
+            slot_hi=torch.zeros(capacity, **i64),
+            slot_group=torch.zeros(capacity, **i32),
+            slot_block=torch.full((capacity,), EMPTY, **i32),
+            block_slot=torch.full((num_blocks,), NO_SLOT, **i32),
+            block_seq=torch.zeros(num_blocks, **i64),
+            counters=torch.zeros(4, **i64),
+            scratch_lo=torch.zeros(num_blocks, **i64),
+            scratch_hi=torch.zeros(num_blocks, **i64),
+            scratch_group=torch.zeros(num_blocks, **i32),
+            rebuild_flag=torch.zeros(1, **i32),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_block.device
+
+    # ------------------------------------------------ host helpers (they sync)
+    def read_counters(self) -> dict:
+        """One device-to-host read: live, tombstones, next_seq, errors."""
+        live, tomb, seq, err = (int(x) for x in self.counters.cpu().tolist())
+        return {"live": live, "tombstones": tomb, "next_seq": seq, "errors": err}
+
+    def entries(self) -> dict:
+        """``{(lo, hi, group): [block, ...]}``, each list oldest first."""
+        sb = self.slot_block.cpu().tolist()
+        lo = self.slot_lo.cpu().tolist()
+        hi = self.slot_hi.cpu().tolist()
+        grp = self.slot_group.cpu().tolist()
+        seq = self.block_seq.cpu().tolist()
+        out: dict = {}
+        for s, b in enumerate(sb):
+            if b >= 0:
+                out.setdefault((lo[s], hi[s], grp[s]), []).append((seq[b], b))
+        return {k: [b for _, b in sorted(v)] for k, v in out.items()}
+
+    def check_invariants(self) -> None:
+        """Assert the table's structural invariants (syncs; tests only)."""
+        cap, N = self.capacity, self.num_blocks
+        sb = self.slot_block.cpu().tolist()
+        lo = self.slot_lo.cpu().tolist()
+        hi = self.slot_hi.cpu().tolist()
+        grp = self.slot_group.cpu().tolist()
+        bslot = self.block_slot.cpu().tolist()
+        seq = self.block_seq.cpu().tolist()
+        c = self.read_counters()
+        live = tomb = 0
+        seen_blocks: dict = {}
+        for s, b in enumerate(sb):
+            assert b in (EMPTY, TOMBSTONE) or 0 <= b < N, f"slot {s} holds {b}"
+            if b == TOMBSTONE:
+                tomb += 1
+            elif b >= 0:
+                live += 1
+                assert b not in seen_blocks, f"block {b} in slots {seen_blocks[b]} and {s}"
+                seen_blocks[b] = s
+                assert bslot[b] == s, f"slot {s} holds block {b} but block_slot[{b}] = {bslot[b]}"
+                # reachable: no EMPTY slot between the home slot and this one
+                p = home_slot(lo[s], hi[s], grp[s], cap)
+                while p != s:
+                    assert sb[p] != EMPTY, (
+                        f"block {b} at slot {s} unreachable: slot {p} on its probe path is EMPTY")
+                    p = (p + 1) & (cap - 1)
+        for b, s in enumerate(bslot):
+            assert s == NO_SLOT or (0 <= s < cap and sb[s] == b), (
+                f"block_slot[{b}] = {s} but that slot holds {sb[s] if 0 <= s < cap else None}")
+        assert c["live"] == live, f"live counter {c['live']} != {live} slots holding blocks"
+        assert c["tombstones"] == tomb, f"tombstone counter {c['tombstones']} != {tomb}"
+        seqs = [seq[b] for b in seen_blocks]
+        assert len(set(seqs)) == len(seqs), "two cached blocks share a sequence number"
+        assert all(0 <= q < c["next_seq"] for q in seqs), "a sequence number >= next_seq"
+
+
+# --------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type != "cuda" and not _runtime.INTERPRETED:
+        raise ValueError(
+            f"Triton kernels need CUDA tensors, got {device}; to run on CPU set "
+            "TRITON_INTERPRET=1 before triton is imported (import gpukv first)")
+
+
+def _vec(t, name: str, dtypes: tuple, K: Optional[int], device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != 1 or (K is not None and t.shape[0] != K):
+        raise ValueError(f"{name} must have shape [{'*' if K is None else K}], got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the table on {device}")
+    return t
+
+
+def _keys(table: HashTable, lo, hi, group):
+    dev = table.device
+    lo = _vec(lo, "lo", (torch.int64,), None, dev)
+    K = lo.shape[0]
+    hi = _vec(hi, "hi", (torch.int64,), K, dev)
+    if isinstance(group, int) and not isinstance(group, bool):
+        group = torch.full((K,), group, dtype=torch.int32, device=dev)
+    group = _vec(group, "group", (torch.int32,), K, dev).contiguous()
+    return K, lo, hi, group
+
+
+def _valid(valid, K: int, dev: torch.device):
+    if valid is None:
+        return None
+    return _vec(valid, "valid", (torch.bool, torch.int32), K, dev).contiguous()
+
+
+def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
+           group: Union[torch.Tensor, int], block: torch.Tensor,
+           valid: Optional[torch.Tensor] = None, *, tile: int = _TILE,
+           _lane_perm: Optional[torch.Tensor] = None) -> None:
+    """Cache ``block[i]`` under key ``(lo[i], hi[i], group[i])`` for each valid i.
+
+    ``lo``/``hi`` int64[K] (strided views such as ``digests[:, 0]`` are fine),
+    ``group`` int32[K] or an int for all, ``block`` int32[K], ``valid``
+    bool/int32[K] or None (all valid). Valid entries join their keys' lists in
+    batch order (after everything cached before). A block that is already
+    cached (or appears twice) is dropped and sets ``ERR_DOUBLE_INSERT``; an id
+    outside ``0..N-1`` sets ``ERR_BAD_BLOCK``. Two launches, no host sync.
+    ``_lane_perm`` (int32[K], a permutation; tests only) makes lane j handle
+    entry ``_lane_perm[j]``, to simulate another thread schedule under the
+    interpreter: the result must not change.
+    """
+    K, lo, hi, group = _keys(table, lo, hi, group)
+    dev = table.device
+    block = _vec(block, "block", (torch.int32,), K, dev).contiguous()
+    valid = _valid(valid, K, dev)
+    if _lane_perm is not None:
+        _lane_perm = _vec(_lane_perm, "_lane_perm", (torch.int32,), K, dev).contiguous()
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two, got {tile}")
+    if K == 0:
+        return
+    seq = torch.empty(K, dtype=torch.int64, device=dev)
+    vptr = valid if valid is not None else block  # placeholder, never read
+    _insert_seq_kernel[(1,)](vptr, seq, table.counters, K,
+                             HAS_VALID=valid is not None, TILE=_PREP_TILE)
+    _insert_kernel[(triton.cdiv(K, tile),)](
+        table.slot_lo, table.slot_hi, table.slot_group, table.slot_block,
+        table.block_slot, table.block_seq, table.counters,
+        lo, hi, lo.stride(0), hi.stride(0), group, block, vptr, seq,
+        _lane_perm if _lane_perm is not None else block,
+        K, table.capacity, table.num_blocks,
+        HAS_VALID=valid is not None, HAS_PERM=_lane_perm is not None, TILE=tile,
+    )
+
+
+def find_oldest(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
+                group: Union[torch.Tensor, int], valid: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None, *, tile: int = _TILE) -> torch.Tensor:
+    """For each query, the oldest live block cached under its key; -1 if none
+    or the query is invalid. Returns int32[K] (``out`` when given). One launch,
+    parallel across queries; a query probes from its home slot to the first
+    EMPTY slot."""
+    K, lo, hi, group = _keys(table, lo, hi, group)
+    dev = table.device
+    valid = _valid(valid, K, dev)
+    if out is None:
+        out = torch.empty(K, dtype=torch.int32, device=dev)
+    else:
+        _vec(out, "out", (torch.int32,), K, dev)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two, got {tile}")
+    if K == 0:
+        return out
+    _find_kernel[(triton.cdiv(K, tile),)](
+        table.slot_lo, table.slot_hi, table.slot_group, table.slot_block,
+        table.block_seq, lo, hi, lo.stride(0), hi.stride(0), group,
+        valid if valid is not None else group, out, K, table.capacity,
+        HAS_VALID=valid is not None, TILE=tile,
+    )
+    return out
+
+
+def erase(table: HashTable, block: torch.Tensor, valid: Optional[torch.Tensor] = None,
+          *, tile: int = _TILE) -> None:
+    """Remove the given blocks' entries (int32[K], distinct within one call);
+    a block that is not cached is ignored, an id outside ``0..N-1`` sets
+    ``ERR_BAD_BLOCK``. One launch."""
+    dev = table.device
+    block = _vec(block, "block", (torch.int32,), None, dev).contiguous()
+    K = block.shape[0]
+    valid = _valid(valid, K, dev)
+    if K == 0:
+        return
+    _erase_kernel[(triton.cdiv(K, tile),)](
+        table.slot_block, table.block_slot, table.counters, block,
+        valid if valid is not None else block, K, table.capacity, table.num_blocks,
+        HAS_VALID=valid is not None, TILE=tile,
+    )
+
+
+def clear(table: HashTable) -> None:
+    """Drop every entry (``reset_prefix_cache``). Keeps NEXT_SEQ and the error
+    flags. One launch."""
+    n = max(table.capacity, table.num_blocks)
+    _clear_kernel[(triton.cdiv(n, _TILE),)](
+        table.slot_block, table.block_slot, table.counters,
+        table.capacity, table.num_blocks, TILE=_TILE,
+    )
+
+
+def _rebuild(table: HashTable, threshold: int) -> None:
+    n = max(table.capacity, table.num_blocks)
+    grid = (triton.cdiv(n, _TILE),)
+    common = (table.slot_lo, table.slot_hi, table.slot_group, table.slot_block,
+              table.block_slot, table.scratch_lo, table.scratch_hi, table.scratch_group,
+              table.counters, table.rebuild_flag)
+    _rebuild_gather_kernel[grid](*common, threshold, table.capacity, table.num_blocks,
+                                 TILE=_TILE)
+    _rebuild_place_kernel[grid](*common, table.capacity, table.num_blocks, TILE=_TILE)
+
+
+def rebuild(table: HashTable) -> None:
+    """Re-insert every live entry into a wiped slot array (drops all
+    tombstones). Sequence numbers are kept, so lookups and order are
+    unchanged. Two launches, no host sync."""
+    _rebuild(table, -1)
+
+
+def maybe_rebuild(table: HashTable, min_tombstones: Optional[int] = None) -> None:
+    """``rebuild`` when the device's tombstone count exceeds ``min_tombstones``
+    (default ``capacity // 4``); decided on the device, so the host reads
+    nothing (both launches exit at once when not needed)."""
+    if min_tombstones is None:
+        min_tombstones = table.capacity // 4
+    _rebuild(table, int(min_tombstones))
+
+
+def clear_errors(table: HashTable) -> None:
+    """Reset the error flags (after the host has read them)."""
+    table.counters[ERRORS:ERRORS + 1].zero_()
