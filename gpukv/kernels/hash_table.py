@@ -528,6 +528,17 @@ class HashTable:
         bslot = self.block_slot.cpu().tolist()
         seq = self.block_seq.cpu().tolist()
         c = self.read_counters()
+        # run[s]: number of consecutive non-EMPTY slots ending at s (cyclic)
+        run = [0] * cap
+        if EMPTY in sb:
+            start = sb.index(EMPTY)
+            n = 0
+            for i in range(1, cap + 1):
+                s = (start + i) & (cap - 1)
+                n = 0 if sb[s] == EMPTY else n + 1
+                run[s] = n
+        else:
+            run = [cap] * cap
         live = tomb = 0
         seen_blocks: dict = {}
         for s, b in enumerate(sb):
@@ -539,12 +550,10 @@ class HashTable:
                 assert b not in seen_blocks, f"block {b} in slots {seen_blocks[b]} and {s}"
                 seen_blocks[b] = s
                 assert bslot[b] == s, f"slot {s} holds block {b} but block_slot[{b}] = {bslot[b]}"
-                # reachable: no EMPTY slot between the home slot and this one
-                p = home_slot(lo[s], hi[s], grp[s], cap)
-                while p != s:
-                    assert sb[p] != EMPTY, (
-                        f"block {b} at slot {s} unreachable: slot {p} on its probe path is EMPTY")
-                    p = (p + 1) & (cap - 1)
+                # reachable: no EMPTY slot from the home slot up to this one
+                dist = (s - home_slot(lo[s], hi[s], grp[s], cap)) & (cap - 1)
+                assert dist < run[s], (
+                    f"block {b} at slot {s} unreachable: an EMPTY slot lies on its probe path")
         for b, s in enumerate(bslot):
             assert s == NO_SLOT or (0 <= s < cap and sb[s] == b), (
                 f"block_slot[{b}] = {s} but that slot holds {sb[s] if 0 <= s < cap else None}")

@@ -1,0 +1,186 @@
+"""Reference counts and block tables on the device: release, touch, place,
+record.
+
+* ``release``: a batch of free calls (a request's blocks of one group, tail
+  first, is one call). Every entry drops one reference; the entry that takes a
+  block to 0 in the *sequential* order (its last occurrence in the batch) sends
+  it back to the free queue: to the back if cached, else to the front. Which
+  thread's atomic happens to see the count reach 0 does not matter.
+* ``touch``: hits add a reference; a hit on a free block takes it out of the
+  free queue (``free_queue.remove``).
+* ``place``: blocks popped from the free queue go to the table positions that
+  asked for them, in order (rank = prefix sum over the positions), with one
+  reference each.
+* ``record``: newly full blocks keep a copy of what they were computed from
+  (parent digest, tokens, extra digest) so later hits can be verified, then
+  join the hash table in batch order.
+"""
+
+from __future__ import annotations
+
+from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import torch
+import triton
+import triton.language as tl
+
+from gpukv.kernels import free_queue as fq_ops
+from gpukv.kernels import hash_table as table_ops
+
+_TILE = 256
+
+
+@triton.jit
+def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, ref_ptr, last_ptr, blk_ptr, E, R, M, stamp,
+                        TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    lane = offs < E
+    g = tl.load(g_ptr + offs, mask=lane, other=0).to(tl.int64)
+    r = tl.load(row_ptr + offs, mask=lane, other=0).to(tl.int64)
+    p = tl.load(pos_ptr + offs, mask=lane, other=0).to(tl.int64)
+    b = tl.load(bt_ptr + (g * R + r) * M + p, mask=lane, other=0)
+    real = lane & (b > 0)
+    bs = tl.where(real, b, 0)
+    tl.atomic_add(ref_ptr + bs, tl.where(real, -1, 0), mask=real)
+    tl.atomic_max(last_ptr + bs, stamp + offs.to(tl.int64), mask=real)
+    tl.store(blk_ptr + offs, tl.where(real, b, 0), mask=lane)
+
+
+@triton.jit
+def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E, stamp,
+                          UNCACHED_FIRST: tl.constexpr, TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    lane = offs < E
+    b = tl.load(blk_ptr + offs, mask=lane, other=0)
+    real = lane & (b > 0)
+    bs = tl.where(real, b, 0)
+    rc = tl.load(ref_ptr + bs, mask=real, other=1)
+    last = tl.load(last_ptr + bs, mask=real, other=-1)
+    goes = real & (rc == 0) & (last == stamp + offs.to(tl.int64))
+    cached = tl.load(slot_ptr + bs, mask=real, other=-1) >= 0
+    if UNCACHED_FIRST:
+        where = tl.where(cached, 1, 2)
+    else:
+        where = tl.full([TILE], 1, tl.int32)
+    tl.store(where_ptr + offs, tl.where(goes, where, 0).to(tl.int32), mask=lane)
+
+
+def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, stamp: int, fq, table,
+            uncached_first: bool) -> None:
+    """Drop one reference per entry (``block_table[group, row, pos]``, entries
+    in sequential free order, ``call`` non-decreasing) and return the blocks
+    that reach 0 to the free queue. ``last_seen`` int64[N] scratch; ``stamp``
+    must exceed every stamp used before plus the batch size."""
+    E = group.numel()
+    if E == 0:
+        return
+    G, R, M = block_table.shape
+    blocks = torch.empty(E, dtype=torch.int32, device=group.device)
+    where = torch.empty(E, dtype=torch.int32, device=group.device)
+    grid = (triton.cdiv(E, _TILE),)
+    _release_dec_kernel[grid](block_table, group, row, pos, ref_cnt, last_seen, blocks, E, R, M, stamp, TILE=_TILE)
+    _release_where_kernel[grid](blocks, ref_cnt, last_seen, table.block_slot, where, E, stamp,
+                                UNCACHED_FIRST=uncached_first, TILE=_TILE)
+    fq_ops.push(fq, blocks, where, call)
+
+
+@triton.jit
+def _touch_kernel(blk_ptr, valid_ptr, ref_ptr, was_free_ptr, K, TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    lane = offs < K
+    b = tl.load(blk_ptr + offs, mask=lane, other=0)
+    v = lane & (tl.load(valid_ptr + offs, mask=lane, other=0) != 0) & (b > 0)
+    old = tl.atomic_add(ref_ptr + tl.where(v, b, 0), tl.where(v, 1, 0), mask=v)
+    tl.store(was_free_ptr + offs, (v & (old == 0)).to(tl.int32), mask=lane)
+
+
+def touch(blocks, valid, *, ref_cnt, fq) -> None:
+    """Add a reference to each valid block; free ones leave the free queue."""
+    K = blocks.numel()
+    if K == 0:
+        return
+    was_free = torch.empty(K, dtype=torch.int32, device=blocks.device)
+    _touch_kernel[(triton.cdiv(K, _TILE),)](blocks, valid, ref_cnt, was_free, K, TILE=_TILE)
+    fq_ops.remove(fq, blocks, was_free)
+
+
+@triton.jit
+def _place_kernel(popped_ptr, want_ptr, rank_ptr, g_ptr, row_ptr, pos_ptr, bt_ptr, ref_ptr, E, R, M,
+                  TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    lane = offs < E
+    want = lane & (tl.load(want_ptr + offs, mask=lane, other=0) != 0)
+    rank = tl.load(rank_ptr + offs, mask=want, other=0)
+    b = tl.load(popped_ptr + rank, mask=want, other=0)
+    g = tl.load(g_ptr + offs, mask=want, other=0).to(tl.int64)
+    r = tl.load(row_ptr + offs, mask=want, other=0).to(tl.int64)
+    p = tl.load(pos_ptr + offs, mask=want, other=0).to(tl.int64)
+    tl.store(bt_ptr + (g * R + r) * M + p, b, mask=want)
+    tl.store(ref_ptr + tl.where(want, b, 0), tl.full([TILE], 1, tl.int32), mask=want & (b > 0))
+
+
+def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, evictions) -> None:
+    """Pop ``count`` (int64[1] device tensor) blocks and place them, in order,
+    at the entries where ``want`` is set (``count`` must equal their number).
+    Popped blocks that are still cached lose their hash (lazy eviction);
+    ``evictions`` (int64[1]) counts them."""
+    E = want.numel()
+    if E == 0:
+        return
+    popped = torch.empty(E, dtype=torch.int32, device=want.device)
+    fq_ops.pop(fq, count, popped)
+    valid = popped > 0
+    safe = torch.where(valid, popped, torch.zeros_like(popped)).long()
+    evictions += ((table.block_slot[safe] >= 0) & valid).sum()
+    table_ops.erase(table, popped, valid)
+    rank = (torch.cumsum(want.to(torch.int32), 0) - 1).to(torch.int32)
+    G, R, M = block_table.shape
+    _place_kernel[(triton.cdiv(E, _TILE),)](popped, want, rank, group, row, pos, block_table, ref_cnt, E, R, M,
+                                            TILE=_TILE)
+
+
+@triton.jit
+def _record_kernel(blk_ptr, valid_ptr, row_ptr, pos_ptr, tokens_ptr, T, digests_ptr, extras_ptr, M,
+                   root_lo, root_hi, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr, K,
+                   BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    lane = offs < K
+    v = lane & (tl.load(valid_ptr + offs, mask=lane, other=0) != 0)
+    b = tl.load(blk_ptr + offs, mask=v, other=0).to(tl.int64)
+    r = tl.load(row_ptr + offs, mask=v, other=0).to(tl.int64)
+    p = tl.load(pos_ptr + offs, mask=v, other=0).to(tl.int64)
+    has_parent = p > 0
+    prev = (r * M + p - 1) * 2
+    par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=v & has_parent, other=0), root_lo)
+    par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=v & has_parent, other=0), root_hi)
+    tl.store(blk_parent_ptr + b * 2, par_lo, mask=v)
+    tl.store(blk_parent_ptr + b * 2 + 1, par_hi, mask=v)
+    ext = (r * M + p) * 2
+    tl.store(blk_extra_ptr + b * 2, tl.load(extras_ptr + ext, mask=v, other=0), mask=v)
+    tl.store(blk_extra_ptr + b * 2 + 1, tl.load(extras_ptr + ext + 1, mask=v, other=0), mask=v)
+    cols = tl.arange(0, BS_P2)
+    m2 = v[:, None] & (cols < BS)[None, :]
+    toks = tl.load(tokens_ptr + (r * T + p * BS)[:, None] + cols[None, :], mask=m2, other=0)
+    tl.store(blk_tokens_ptr + (b * BS)[:, None] + cols[None, :], toks, mask=m2)
+
+
+def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root, blk_tokens, blk_parent,
+           blk_extra, table) -> None:
+    """Cache the blocks at ``block_table[group, row, pos]`` where ``valid``:
+    keep their inputs for verification, then insert them into the table in
+    entry order (duplicates of a cached hash are kept, newest last)."""
+    K = group.numel()
+    if K == 0:
+        return
+    G, R, M = block_table.shape
+    T = tokens.shape[1]
+    bs = blk_tokens.shape[1]
+    g64, r64, p64 = group.long(), row.long(), pos.long()
+    blk = block_table[g64, r64, p64]
+    valid = valid & (blk > 0)
+    _record_kernel[(triton.cdiv(K, _TILE),)](
+        blk, valid, row, pos, tokens, T, digests, extras, M, root[0], root[1],
+        blk_tokens, blk_parent, blk_extra, K, BS=bs, BS_P2=triton.next_power_of_2(bs), TILE=_TILE,
+    )
+    lanes = digests[r64, p64]
+    table_ops.insert(table, lanes[:, 0], lanes[:, 1], group, blk, valid)

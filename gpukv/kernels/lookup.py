@@ -1,0 +1,216 @@
+"""Prefix-cache lookup on the device: verify candidate hits, then admit.
+
+Two kernels, run once per step over every new request of the step:
+
+* ``_verify_kernel`` (parallel, one lane per (request, position, group)):
+  a candidate block found by the hash table (or a block an earlier new request
+  of the step will compute) is a hit only if its parent digest, extra-key
+  digest and tokens equal the request's. Everything the comparison reads is
+  already on the device: the request's tokens and digests in its row, the
+  cached block's copy in the pool.
+* ``_admit_kernel`` (one program, sequential over requests, parallel over
+  positions): each request's hit is the first position that misses (a
+  first-miss reduction), capped by the last-token rule; it needs its new blocks
+  plus the free cached blocks it is the first of the step to hit; requests are
+  admitted in order while their needs fit. This is the one place where the
+  semantics are sequential (a request's admission depends on the earlier
+  ones'), so it runs over requests, not blocks.
+
+No host synchronisation: counts arrive and leave as device tensors.
+"""
+
+from __future__ import annotations
+
+from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import torch
+import triton
+import triton.language as tl
+
+# Layout of the admission outputs (``status``, int64).
+ST_ADMITTED = 0  # requests admitted (a prefix of the candidates)
+ST_USED = 1  # blocks the admitted requests take from the free queue (new + first touches)
+ST_REQUESTS = 2  # stats: lookup attempts counted this step
+ST_QUERIES = 3  # stats: blocks asked
+ST_HITS = 4  # stats: blocks hit
+ST_QUERY_TOKENS = 5
+ST_HIT_TOKENS = 6
+ST_NEW_BLOCKS = 7  # blocks the admitted requests pop (their new blocks)
+NUM_STATUS = 8
+
+_BIG = 1 << 30
+
+
+@triton.jit
+def _verify_kernel(
+    cand_ptr, row_ptr, pos_ptr, out_ptr, K,
+    tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo, root_hi,
+    blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr,
+    FROM_POOL: tl.constexpr, BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr,
+):
+    """out[k] = cand[k] if that block (FROM_POOL) or that request row's block
+    (not FROM_POOL) at position pos[k] was computed from exactly the inputs of
+    row[k]'s block at pos[k]; else -1."""
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    lane = offs < K
+    c = tl.load(cand_ptr + offs, mask=lane, other=-1)
+    r = tl.load(row_ptr + offs, mask=lane, other=0).to(tl.int64)
+    p = tl.load(pos_ptr + offs, mask=lane, other=0).to(tl.int64)
+    ok = lane & (c >= 0)
+    c64 = tl.where(ok, c, 0).to(tl.int64)
+    has_parent = p > 0
+    prev = (r * M + p - 1) * 2
+    par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=ok & has_parent, other=0), root_lo)
+    par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=ok & has_parent, other=0), root_hi)
+    ext = (r * M + p) * 2
+    ext_lo = tl.load(extras_ptr + ext, mask=ok, other=0)
+    ext_hi = tl.load(extras_ptr + ext + 1, mask=ok, other=0)
+    cols = tl.arange(0, BS_P2)
+    colmask = cols < BS
+    mask2 = ok[:, None] & colmask[None, :]
+    mine = tl.load(tokens_ptr + (r * T + p * BS)[:, None] + cols[None, :], mask=mask2, other=0)
+    if FROM_POOL:
+        o_par_lo = tl.load(blk_parent_ptr + c64 * 2, mask=ok, other=0)
+        o_par_hi = tl.load(blk_parent_ptr + c64 * 2 + 1, mask=ok, other=0)
+        o_ext_lo = tl.load(blk_extra_ptr + c64 * 2, mask=ok, other=0)
+        o_ext_hi = tl.load(blk_extra_ptr + c64 * 2 + 1, mask=ok, other=0)
+        theirs = tl.load(blk_tokens_ptr + (c64 * BS)[:, None] + cols[None, :], mask=mask2, other=0)
+    else:
+        oprev = (c64 * M + p - 1) * 2
+        o_par_lo = tl.where(has_parent, tl.load(digests_ptr + oprev, mask=ok & has_parent, other=0), root_lo)
+        o_par_hi = tl.where(has_parent, tl.load(digests_ptr + oprev + 1, mask=ok & has_parent, other=0), root_hi)
+        oext = (c64 * M + p) * 2
+        o_ext_lo = tl.load(extras_ptr + oext, mask=ok, other=0)
+        o_ext_hi = tl.load(extras_ptr + oext + 1, mask=ok, other=0)
+        theirs = tl.load(tokens_ptr + (c64 * T + p * BS)[:, None] + cols[None, :], mask=mask2, other=0)
+    same_tokens = tl.min(tl.where(mask2, (mine == theirs).to(tl.int32), 1), axis=1) == 1
+    ok = ok & same_tokens & (par_lo == o_par_lo) & (par_hi == o_par_hi) & (ext_lo == o_ext_lo) & (ext_hi == o_ext_hi)
+    tl.store(out_ptr + offs, tl.where(ok, c, -1), mask=lane)
+
+
+def verify(cand, row, pos, *, tokens, digests, extras, root, blk_tokens=None, blk_parent=None, blk_extra=None,
+           from_pool: bool, tile: int = 128) -> torch.Tensor:
+    """Keep the candidates that verify (see ``_verify_kernel``); -1 elsewhere.
+
+    ``cand``/``row``/``pos``: int32[K]. ``tokens``: int32[R, T] request rows;
+    ``digests``/``extras``: int64[R, M, 2]; ``root``: (lo, hi) ints of the root
+    digest. With ``from_pool`` the candidates are pool blocks whose copies are
+    in ``blk_tokens`` int32[N, bs], ``blk_parent``/``blk_extra`` int64[N, 2];
+    else they are request rows of the same tensors.
+    """
+    K = cand.numel()
+    out = torch.empty_like(cand)
+    if K == 0:
+        return out
+    R, T = tokens.shape
+    M = digests.shape[1]
+    bs = T // M if blk_tokens is None else blk_tokens.shape[1]
+    if from_pool and blk_tokens is None:
+        raise ValueError("verify(from_pool=True) needs blk_tokens, blk_parent and blk_extra")
+    dummy = digests
+    _verify_kernel[(triton.cdiv(K, tile),)](
+        cand, row, pos, out, K, tokens, T, digests, extras, M, root[0], root[1],
+        blk_tokens if from_pool else tokens, blk_parent if from_pool else dummy, blk_extra if from_pool else dummy,
+        FROM_POOL=from_pool, BS=bs, BS_P2=triton.next_power_of_2(bs), TILE=tile,
+    )
+    return out
+
+
+@triton.jit
+def _admit_kernel(
+    cache_ptr, pend_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, K, P,
+    ref_ptr, touched_ptr, stamp, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
+    G: tl.constexpr, TILE: tl.constexpr,
+):
+    """Sequential admission (one program). ``cache[K, P, G]``: verified cache
+    hit block or -1; ``pend[K, P]``: the earlier request of the step that has
+    the same verified block at that position, or -1. ``blocked[0] != 0`` (a
+    running update failed) admits nothing and counts nothing."""
+    num_free = tl.load(free_ptr).to(tl.int64)
+    blocked = tl.load(blocked_ptr)
+    used = tl.zeros((), tl.int64)
+    new_total = tl.zeros((), tl.int64)
+    admitted = tl.zeros((), tl.int64)
+    requests = tl.zeros((), tl.int64)
+    queries = tl.zeros((), tl.int64)
+    hits = tl.zeros((), tl.int64)
+    qtok = tl.zeros((), tl.int64)
+    htok = tl.zeros((), tl.int64)
+    go = (blocked == 0).to(tl.int32)
+    lanes = tl.arange(0, TILE)
+    for i in range(0, K):
+        if go != 0:
+            max_hit = tl.load(max_hit_ptr + i)
+            skip = tl.load(skip_ptr + i)
+            n_blocks = tl.load(num_blocks_ptr + i).to(tl.int64)
+            n_tok = tl.load(num_tokens_ptr + i).to(tl.int64)
+            hit = tl.where(skip != 0, 0, max_hit)
+            for p0 in range(0, P, TILE):
+                p = p0 + lanes
+                inr = p < max_hit
+                e = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
+                he = tl.load(hit_ptr + tl.where(e >= 0, e, 0), mask=inr & (e >= 0), other=_BIG)
+                pending = (e >= 0) & (e < i) & (he <= p)
+                avail = inr
+                for g in tl.static_range(G):
+                    c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
+                    avail = avail & ((c >= 0) | pending)
+                miss = tl.min(tl.where(inr & (avail == 0), p, _BIG))
+                hit = tl.minimum(hit, miss)
+            # First touches: free cached hits no earlier admitted request touched.
+            touches = tl.zeros((), tl.int64)
+            for p0 in range(0, P, TILE):
+                p = p0 + lanes
+                inh = p < hit
+                for g in tl.static_range(G):
+                    c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
+                    real = inh & (c >= 0)
+                    cs = tl.where(real, c, 0)
+                    rc = tl.load(ref_ptr + cs, mask=real, other=1)
+                    tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
+                    touches += tl.sum((real & (rc == 0) & (tt != stamp)).to(tl.int64))
+            hit64 = hit.to(tl.int64)
+            need = (n_blocks - hit64) * G + touches
+            requests += 1
+            queries += tl.where(skip != 0, 0, n_blocks)
+            hits += hit64
+            qtok += tl.where(skip != 0, 0, n_tok)
+            htok += hit64 * BS
+            tl.store(hit_ptr + i, hit)
+            if used + need <= num_free:
+                used += need
+                new_total += (n_blocks - hit64) * G
+                admitted += 1
+                for p0 in range(0, P, TILE):
+                    p = p0 + lanes
+                    inh = p < hit
+                    for g in tl.static_range(G):
+                        c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
+                        real = inh & (c >= 0)
+                        tl.store(touched_ptr + tl.where(real, c, 0), stamp + tl.zeros_like(c).to(tl.int64), mask=real)
+            else:
+                go = go * 0
+            # Later requests read this request's hit (and touch marks).
+            tl.debug_barrier()
+    tl.store(status_ptr + 0, admitted)
+    tl.store(status_ptr + 1, used)
+    tl.store(status_ptr + 2, requests)
+    tl.store(status_ptr + 3, queries)
+    tl.store(status_ptr + 4, hits)
+    tl.store(status_ptr + 5, qtok)
+    tl.store(status_ptr + 6, htok)
+    tl.store(status_ptr + 7, new_total)
+
+
+def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp: int,
+          num_free, blocked, block_size: int, hit_out, status, tile: int = 64) -> None:
+    """Run the sequential admission (see ``_admit_kernel``); writes each
+    considered request's hit (blocks) to ``hit_out`` and the step's counts to
+    ``status`` (layout ``ST_*``). All arguments are device tensors but the
+    ints; ``num_free`` and ``blocked`` are 1-element tensors."""
+    K, P, G = cache_hits.shape
+    _admit_kernel[(1,)](
+        cache_hits, pending, max_hit, num_blocks, num_tokens, skip, K, P,
+        ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
+        G=G, TILE=tile,
+    )

@@ -1,0 +1,630 @@
+"""The device block manager: the reference's request-level calls and batched
+step, with every piece of pool state and every block table on the device.
+
+Plan on the host, run on the device: the host knows every request's token
+count, so it lays out, with numpy, which (request, group, position) entries a
+step touches, frees, allocates and caches. The device decides what only it can
+know (hits, admission, whether a running update fits) and applies it. A step
+reads the device at most once (a small status tensor, at the end); a step with
+no new requests whose allocations fit the host's lower bound of free blocks
+reads nothing.
+
+Device tensors per request row (rows are recycled): ``tokens`` int32[R, T]
+(T = ``max_model_len``), ``digests`` / ``extras`` int64[R, M, 2] (M = T / block
+size, rounded up) and the block tables ``block_table`` int32[G, R, M] that an
+attention kernel can read directly (``block_table_for``).
+
+Supported: full-attention KV-cache groups (one or more). Sliding-window groups
+run on the reference manager only for now (``gpukv.reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gpukv import _runtime, hashing
+from gpukv.kernels import blocks as block_ops
+from gpukv.kernels import free_queue as fq_ops
+from gpukv.kernels import hash_table as table_ops
+from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels.hashing import hash_block_chains, key_lanes
+from gpukv.metrics import PrefixCacheStats
+from gpukv.pool import DevicePool
+from gpukv.reference import ComputedBlocks
+from gpukv.request import NewRequest, RunningUpdate, StepResult, check_step_inputs, check_token_ids
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _lanes(d: bytes) -> tuple[int, int]:
+    return _signed(int.from_bytes(d[:8], "little")), _signed(int.from_bytes(d[8:], "little"))
+
+
+def _as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
+    """uint32 token ids in the int32 bit pattern the device stores."""
+    return tokens.astype(np.int64).astype(np.uint32).view(np.int32)
+
+
+@dataclass
+class _Row:
+    """What the host knows of a request without asking the device."""
+
+    row: int
+    num_tokens: int = 0
+    num_blocks: int = 0  # per group
+    num_cached: int = 0  # leading blocks cached (or hits), per group
+    lora_id: int | None = None
+    mm_items: tuple = ()
+    cache_salt: str | None = None
+    extras_known: int = 0  # extra-key digests written for blocks < this
+
+    @property
+    def has_extra_keys(self) -> bool:
+        return self.lora_id is not None or bool(self.mm_items) or self.cache_salt is not None
+
+
+@dataclass
+class StepCounters:
+    """Per-step cost, for benchmarks: Triton launches and device-to-host reads."""
+
+    launches: int = 0
+    syncs: int = 0
+    history: list = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Device-resident manager with the reference's API (``gpukv.reference``)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        sliding_windows: Sequence[int | None] = (None,),
+        enable_caching: bool = True,
+        uncached_first: bool = True,
+        hash_key: bytes | str | None = None,
+        max_model_len: int = 8192,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size must be an int, got {block_size!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        windows = list(sliding_windows)
+        if not windows:
+            raise ValueError("sliding_windows needs one entry per KV-cache group (None = full attention)")
+        if any(w is not None for w in windows):
+            raise ValueError(
+                "the device manager runs full-attention groups only; use gpukv.reference.KVCacheManager "
+                "for sliding-window groups"
+            )
+        if not enable_caching:
+            raise ValueError("the device manager always caches; use gpukv.reference.KVCacheManager with enable_caching=False")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        self.device = torch.device(device) if device is not None else _runtime.default_device()
+        self.block_size = block_size
+        self.sliding_windows = windows
+        self.num_groups = len(windows)
+        self.max_model_len = max_model_len
+        self.uncached_first = bool(uncached_first)
+        self.pool = DevicePool(num_blocks, block_size, self.device, uncached_first=uncached_first)
+        self._key = hashing.resolve_hash_key(hash_key)
+        self._root = hashing.root_digest(self._key)
+        self._root_lanes = _lanes(self._root)
+        self._key_dev = key_lanes(self._key, self.device)
+        self._T = max_model_len
+        self._M = -(-max_model_len // block_size)
+        self._rows_cap = 0
+        self.tokens = self.digests = self.extras = self.block_table = None
+        self._grow_rows(16)
+        self._free_rows: list[int] = list(range(self._rows_cap))[::-1]
+        self._reqs: dict[str, _Row] = {}
+        self._stats_dev = torch.zeros(5, dtype=torch.int64, device=self.device)
+        self._reset_flag = False
+        self._stamp = 0
+        self._free_lower_bound = num_blocks - 1
+        self.counters = StepCounters()
+
+    def __repr__(self) -> str:  # never show the key
+        return (f"KVCacheManager(device={self.device}, num_blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, groups={self.sliding_windows})")
+
+    # ------------------------------------------------------------ properties
+    @property
+    def hash_key(self) -> bytes:
+        return self._key
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.pool.num_free.item())
+
+    @property
+    def num_evictions(self) -> int:
+        return int(self.pool.evictions.item())
+
+    def free_queue(self) -> list[int]:
+        return self.pool.free_queue_list()
+
+    def request_ids(self) -> list[str]:
+        return list(self._reqs)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        st = self._state(request_id)
+        return self.block_table[:, st.row, : st.num_blocks].cpu().tolist()
+
+    def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """int32[G, len(request_ids), M] block tables of these requests (a
+        device gather; rows past a request's blocks hold stale ids)."""
+        rows = torch.tensor([self._state(r).row for r in request_ids], dtype=torch.long, device=self.device)
+        return self.block_table[:, rows]
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._state(request_id).num_tokens
+
+    def block_hashes(self, request_id: str) -> list[bytes]:
+        st = self._state(request_id)
+        n = st.num_tokens // self.block_size
+        return hashing.lanes_to_digests(self.digests[st.row, :n].cpu().numpy())
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        vals = self._stats_dev.cpu().tolist()
+        self._stats_dev.zero_()
+        stats = PrefixCacheStats(*vals, reset=self._reset_flag)
+        self._reset_flag = False
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.pool.reset_prefix_cache()
+        self._reset_flag = True
+        return True
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(self._key, self._root)
+        held = np.zeros(self.num_blocks, dtype=np.int64)
+        bt = self.block_table.cpu().numpy()
+        for st in self._reqs.values():
+            for g in range(self.num_groups):
+                for b in bt[g, st.row, : st.num_blocks]:
+                    if b:
+                        held[b] += 1
+        assert held[1:].tolist() == self.pool.ref_counts()[1:], "reference counts disagree with the block tables"
+
+    # ----------------------------------------------------- request-level API
+    def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
+        """Look a new request up (counts in the stats); changes no block."""
+        self._check([], [], [request])
+        hit, cache_hits = self._lookup_only(request)
+        return ComputedBlocks([cache_hits[g][:hit] for g in range(self.num_groups)], hit * self.block_size)
+
+    def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
+                       computed: ComputedBlocks | None = None) -> list[list[int]] | None:
+        if isinstance(request, NewRequest):
+            if new_token_ids:
+                raise ValueError("allocate_slots: a new request brings its tokens in NewRequest.token_ids")
+            res = self._step((), (), [request], count_stats=False, skip_lookup=computed is None)
+            if res.num_admitted == 0:
+                return None
+            got = res.num_computed_tokens[0]
+            want = computed.num_tokens if computed is not None else 0
+            if got != want:
+                raise ValueError("allocate_slots: the computed blocks are stale; call get_computed_blocks again")
+            blocks = self.get_block_ids(request.request_id)
+            return [g[got // self.block_size:] for g in blocks]
+        before = self._state(request).num_blocks
+        res = self._step((), [RunningUpdate(request, new_token_ids)], ())
+        if not res.ok:
+            return None
+        return [g[before:] for g in self.get_block_ids(request)]
+
+    def free(self, request_id: str) -> None:
+        self._state(request_id)
+        self._step([request_id], (), ())
+
+    def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
+             new: Sequence[NewRequest] = ()) -> StepResult:
+        """The batched step; same phases and results as the reference's."""
+        return self._step(list(finished), list(running), list(new))
+
+    # -------------------------------------------------------------- internals
+    def _state(self, request_id: str) -> _Row:
+        try:
+            return self._reqs[request_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"unknown request id {request_id!r}: it was never admitted or was already freed") from None
+
+    def _check(self, finished, running, new) -> None:
+        check_step_inputs(finished, running, new, known=self._reqs, block_size=self.block_size,
+                          num_blocks=self.num_blocks, num_groups=self.num_groups, max_tokens=self.max_model_len)
+        for u in running:
+            n = self._reqs[u.request_id].num_tokens + len(u.new_token_ids)
+            if n > self.max_model_len:
+                raise ValueError(f"running request {u.request_id!r} would hold {n} tokens, more than "
+                                 f"max_model_len {self.max_model_len}")
+
+    def _grow_rows(self, need: int) -> None:
+        if need <= self._rows_cap:
+            return
+        cap = max(need, 2 * self._rows_cap)
+        dev, G, T, M = self.device, self.num_groups, self._T, self._M
+
+        def grown(old, shape, dtype):
+            t = torch.zeros(shape, dtype=dtype, device=dev)
+            if old is not None:
+                t[tuple(slice(0, s) for s in old.shape)] = old
+            return t
+
+        self.tokens = grown(self.tokens, (cap, T), torch.int32)
+        self.digests = grown(self.digests, (cap, M, 2), torch.int64)
+        self.extras = grown(self.extras, (cap, M, 2), torch.int64)
+        bt = torch.zeros((G, cap, M), dtype=torch.int32, device=dev)
+        if self.block_table is not None:
+            bt[:, : self._rows_cap] = self.block_table
+        self.block_table = bt
+        if self._rows_cap:
+            self._free_rows = list(range(cap - 1, self._rows_cap - 1, -1)) + self._free_rows
+        self._rows_cap = cap
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            self._grow_rows(self._rows_cap + 1)
+        return self._free_rows.pop()
+
+    def _i32(self, a) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a, dtype=np.int32), device=self.device)
+
+    def _next_stamp(self, n: int) -> int:
+        stamp = self._stamp
+        self._stamp += n + 1
+        return stamp
+
+    def _launch(self, n: int = 1) -> None:
+        self.counters.launches += n
+
+    # The step ----------------------------------------------------------------
+    def _step(self, finished, running, new, *, count_stats: bool = True, skip_lookup: bool = False) -> StepResult:
+        self._check(finished, running, new)
+        self.counters.launches = 0
+        self.counters.syncs = 0
+        G, bs = self.num_groups, self.block_size
+        dev = self.device
+        pool = self.pool
+        status_parts: list[torch.Tensor] = []
+
+        # Phase 1: free the finished requests.
+        if finished:
+            self._release_requests(finished)
+            for rid in finished:
+                self._free_rows.append(self._reqs.pop(rid).row)
+
+        # Phase 2: running updates.
+        n_run = len(running)
+        blocked = torch.zeros(1, dtype=torch.int32, device=dev)
+        n_ok_dev = None
+        needs = []
+        if running:
+            rows = [self._reqs[u.request_id] for u in running]
+            adds = [check_token_ids(u.new_token_ids, u.request_id) for u in running]
+            new_totals = [st.num_tokens + len(a) for st, a in zip(rows, adds)]
+            needs = [(-(-n // bs) - st.num_blocks) * G for st, n in zip(rows, new_totals)]
+            self._write_tokens([st.row for st in rows], [st.num_tokens for st in rows], adds)
+            cum = np.cumsum(needs)
+            total = int(cum[-1])
+            if total <= self._free_lower_bound:
+                n_ok_dev = torch.full((1,), n_run, dtype=torch.int64, device=dev)
+                count = torch.full((1,), total, dtype=torch.int64, device=dev)
+                ok_known = True
+            else:
+                cum_dev = torch.as_tensor(cum, dtype=torch.int64, device=dev)
+                n_ok_dev = (cum_dev <= pool.num_free).sum().reshape(1)
+                count = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), cum_dev])[n_ok_dev]
+                blocked = (n_ok_dev < n_run).to(torch.int32)
+                ok_known = False
+            # Entries: (update, group, position) in pop order.
+            upd, grp, rw, ps = [], [], [], []
+            for i, (st, n) in enumerate(zip(rows, new_totals)):
+                nb = -(-n // bs)
+                for g in range(G):
+                    k = nb - st.num_blocks
+                    upd.extend([i] * k); grp.extend([g] * k); rw.extend([st.row] * k)
+                    ps.extend(range(st.num_blocks, nb))
+            if upd:
+                want = self._i32(upd) < n_ok_dev.to(torch.int32)
+                block_ops.allocate(count, want, self._i32(grp), self._i32(rw), self._i32(ps),
+                                   block_table=self.block_table, ref_cnt=pool.ref_cnt, fq=pool.free_queue,
+                                   table=pool.table, evictions=pool.evictions)
+                self._launch(3)
+            self._write_extras(rows, [n // bs for n in new_totals])
+            self._hash_rows([st.row for st in rows], [st.num_cached for st in rows], [n // bs for n in new_totals])
+            # Cache the blocks that are full now.
+            upd, grp, rw, ps = [], [], [], []
+            for i, (st, n) in enumerate(zip(rows, new_totals)):
+                for g in range(G):
+                    k = n // bs - st.num_cached
+                    upd.extend([i] * k); grp.extend([g] * k); rw.extend([st.row] * k)
+                    ps.extend(range(st.num_cached, n // bs))
+            if upd:
+                valid = self._i32(upd) < n_ok_dev.to(torch.int32)
+                self._record(self._i32(grp), self._i32(rw), self._i32(ps), valid)
+            status_parts.append(n_ok_dev.to(torch.int64))
+
+        # Phases 3-5: new requests.
+        K = len(new)
+        cand_rows: list[int] = []
+        if new:
+            cand_rows = [self._take_row() for _ in new]
+            status, hits = self._admit_new(new, cand_rows, blocked, count_stats, skip_lookup)
+            status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64)]
+
+        # The one device-to-host read of the step (none when nothing is unknown).
+        needs_read = bool(new) or (running and not ok_known)
+        if needs_read:
+            status_parts.append(pool.num_free.to(torch.int64))
+            host = torch.cat(status_parts).cpu().tolist()
+            self.counters.syncs += 1
+            self._free_lower_bound = host[-1]
+        else:
+            host = None
+        pos = 0
+        n_ok = n_run
+        if running:
+            if host is not None:
+                n_ok = int(host[0])
+                pos = 1
+            self._free_lower_bound -= int(sum(needs[:n_ok]))
+            for u, add in zip(running[:n_ok], adds[:n_ok]):
+                st = self._reqs[u.request_id]
+                st.num_tokens += len(add)
+                st.num_blocks = -(-st.num_tokens // bs)
+                st.num_cached = st.num_tokens // bs
+        result = StepResult(running_failed_at=None if n_ok == n_run else n_ok)
+        if new:
+            stat = host[pos: pos + lookup_ops.NUM_STATUS]
+            hits = host[pos + lookup_ops.NUM_STATUS: pos + lookup_ops.NUM_STATUS + K]
+            admitted = int(stat[lookup_ops.ST_ADMITTED])
+            result.num_admitted = admitted
+            result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
+            for i, (req, row) in enumerate(zip(new, cand_rows)):
+                if i < admitted:
+                    n = len(req.token_ids)
+                    self._reqs[req.request_id] = _Row(
+                        row, n, -(-n // bs), n // bs, req.lora_id, tuple(req.mm_items), req.cache_salt,
+                        extras_known=n // bs,
+                    )
+                else:
+                    self._free_rows.append(row)
+        self.counters.history.append((self.counters.launches, self.counters.syncs))
+        return result
+
+    def _release_requests(self, request_ids: Sequence[str]) -> None:
+        G = self.num_groups
+        grp, rw, ps, call = [], [], [], []
+        for idx, rid in enumerate(request_ids):
+            st = self._reqs[rid]
+            for g in range(G):
+                k = st.num_blocks
+                grp.extend([g] * k); rw.extend([st.row] * k); ps.extend(range(k - 1, -1, -1))
+                call.extend([idx * G + g] * k)
+        if not grp:
+            return
+        stamp = self._next_stamp(len(grp))
+        fq_ops.maybe_compact(self.pool.free_queue, len(grp))
+        block_ops.release(self.block_table, self._i32(grp), self._i32(rw), self._i32(ps), self._i32(call),
+                          ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, stamp=stamp,
+                          fq=self.pool.free_queue, table=self.pool.table, uncached_first=self.uncached_first)
+        self._launch(4)
+
+    def _write_tokens(self, rows: list[int], starts: list[int], token_arrays: list[np.ndarray]) -> None:
+        idx = [np.arange(s, s + len(a), dtype=np.int64) + r * self._T for r, s, a in zip(rows, starts, token_arrays)]
+        if not idx or sum(len(i) for i in idx) == 0:
+            return
+        flat_idx = torch.as_tensor(np.concatenate(idx), device=self.device)
+        vals = torch.as_tensor(_as_int32_tokens(np.concatenate(token_arrays)), device=self.device)
+        self.tokens.view(-1).index_copy_(0, flat_idx, vals)
+
+    def _write_extras(self, states: list[_Row], num_full: list[int]) -> None:
+        """Extra-key digests of blocks that became full (host side: they depend
+        on the request's LoRA, multimodal items and salt, not on the device)."""
+        idx, vals = [], []
+        for st, n in zip(states, num_full):
+            if n > st.extras_known and st.has_extra_keys:
+                ds = hashing.extra_key_digests(self._key, n - st.extras_known, self.block_size, lora_id=st.lora_id,
+                                               mm_items=st.mm_items, cache_salt=st.cache_salt,
+                                               first_block=st.extras_known)
+                idx.append(np.arange(st.extras_known, n) + st.row * self._M)
+                vals.append(hashing.digests_to_lanes(ds).view(np.int64))
+            st.extras_known = max(st.extras_known, n)
+        if idx:
+            flat = torch.as_tensor(np.concatenate(idx), device=self.device)
+            self.extras.view(-1, 2).index_copy_(0, flat, torch.as_tensor(np.concatenate(vals), device=self.device))
+
+    def _hash_rows(self, rows: list[int], starts: list[int], stops: list[int]) -> None:
+        """Chained digests of blocks [start, stop) of each row, on the device,
+        from the tokens already there."""
+        work = [(r, s, e) for r, s, e in zip(rows, starts, stops) if e > s]
+        if not work:
+            return
+        bs = self.block_size
+        width = max(e - s for _, s, e in work)
+        rows_t = torch.as_tensor([r for r, _, _ in work], dtype=torch.long, device=self.device)
+        starts_t = torch.as_tensor([s for _, s, _ in work], dtype=torch.long, device=self.device)
+        cols = starts_t[:, None] * bs + torch.arange(width * bs, device=self.device)[None, :]
+        cols = cols.clamp(max=self._T - 1)
+        toks = self.tokens[rows_t[:, None], cols].contiguous()
+        bcols = (starts_t[:, None] + torch.arange(width, device=self.device)[None, :]).clamp(max=self._M - 1)
+        extras = self.extras[rows_t[:, None], bcols].contiguous()
+        root = torch.tensor(self._root_lanes, dtype=torch.int64, device=self.device)
+        prev = self.digests[rows_t, (starts_t - 1).clamp(min=0)]
+        parents = torch.where((starts_t > 0)[:, None], prev, root[None, :]).contiguous()
+        nb = torch.as_tensor([e - s for _, s, e in work], dtype=torch.int32, device=self.device)
+        out = hash_block_chains(self._key_dev, parents, toks, nb, extras, block_size=bs, max_blocks=width)
+        self._launch()
+        mask = torch.arange(width, device=self.device)[None, :] < nb[:, None].long()
+        r_idx = rows_t[:, None].expand(-1, width)[mask]
+        c_idx = bcols[mask]
+        self.digests[r_idx, c_idx] = out[mask]
+
+    def _record(self, grp, rw, ps, valid) -> None:
+        block_ops.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
+                         extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
+                         blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table)
+        table_ops.maybe_rebuild(self.pool.table)
+        self._launch(4)
+
+    def _prepare_new(self, new: Sequence[NewRequest], rows: list[int]) -> None:
+        """Tokens, extra-key digests and digests of new requests into their rows."""
+        bs = self.block_size
+        arrays = [check_token_ids(r.token_ids, r.request_id) for r in new]
+        self._write_tokens(rows, [0] * len(rows), arrays)
+        rows_t = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        self.extras[rows_t] = 0
+        states = [_Row(row, 0, 0, 0, r.lora_id, tuple(r.mm_items), r.cache_salt) for r, row in zip(new, rows)]
+        self._write_extras(states, [len(a) // bs for a in arrays])
+        given = [(row, r) for row, r in zip(rows, new) if r.block_hashes is not None and len(r.block_hashes)]
+        if given:
+            idx = np.concatenate([np.arange(len(r.block_hashes)) + row * self._M for row, r in given])
+            vals = np.concatenate([hashing.digests_to_lanes(list(r.block_hashes)).view(np.int64) for _, r in given])
+            self.digests.view(-1, 2).index_copy_(0, torch.as_tensor(idx, device=self.device),
+                                                torch.as_tensor(vals, device=self.device))
+        todo = [(row, len(a) // bs) for row, r, a in zip(rows, new, arrays) if r.block_hashes is None]
+        self._hash_rows([r for r, _ in todo], [0] * len(todo), [n for _, n in todo])
+
+    def _lookup_tables(self, new, rows):
+        """Host layout of the lookup: one entry per (request, position < max
+        hit, group), and the per-request counts."""
+        bs, G = self.block_size, self.num_groups
+        n_tok = np.array([len(r.token_ids) for r in new], dtype=np.int64)
+        n_full = n_tok // bs
+        n_blocks = -(-n_tok // bs)
+        skip = np.array([bool(r.skip_prefix_cache) for r in new], dtype=np.int32)
+        max_hit = np.where(skip == 1, 0, (n_tok - 1) // bs)
+        P = int(max(1, max_hit.max()))
+        li = np.repeat(np.arange(len(new)), max_hit * G)
+        lp = np.concatenate([np.repeat(np.arange(h), G) for h in max_hit]) if max_hit.sum() else np.zeros(0, np.int64)
+        lg = np.concatenate([np.tile(np.arange(G), h) for h in max_hit]) if max_hit.sum() else np.zeros(0, np.int64)
+        return n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg
+
+    def _lookup_only(self, request: NewRequest) -> tuple[int, list[list[int]]]:
+        row = self._take_row()
+        try:
+            blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
+            _, hit, cache = self._admit_new([request], [row], blocked, True, False, dry=True)
+            n = int(hit[0].item())
+            blocks = cache[0, :n].T.cpu().tolist() if n else [[] for _ in range(self.num_groups)]
+        finally:
+            self._free_rows.append(row)
+        return n, blocks
+
+    def _admit_new(self, new, rows, blocked, count_stats: bool, skip_lookup: bool, dry: bool = False):
+        dev, bs, G = self.device, self.block_size, self.num_groups
+        pool = self.pool
+        K = len(new)
+        self._prepare_new(new, rows)
+        n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg = self._lookup_tables(new, rows)
+        if skip_lookup:
+            max_hit = np.zeros_like(max_hit)
+            li = lp = lg = np.zeros(0, np.int64)
+        rows_np = np.asarray(rows, dtype=np.int64)
+        cache = torch.full((K, P, G), -1, dtype=torch.int32, device=dev)
+        pend = torch.full((K, P), -1, dtype=torch.int32, device=dev)
+        if len(li):
+            li_t, lp_t, lg_t = self._i32(li), self._i32(lp), self._i32(lg)
+            lrow_t = self._i32(rows_np[li])
+            lanes = self.digests[lrow_t.long(), lp_t.long()]
+            found = table_ops.find_oldest(pool.table, lanes[:, 0].contiguous(), lanes[:, 1].contiguous(), lg_t,
+                                          torch.ones_like(lg_t))
+            ok = lookup_ops.verify(found, lrow_t, lp_t, tokens=self.tokens, digests=self.digests, extras=self.extras,
+                                   root=self._root_lanes, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
+                                   blk_extra=pool.blk_extra, from_pool=True)
+            cache[li_t.long(), lp_t.long(), lg_t.long()] = ok
+            self._launch(2)
+            # Blocks earlier requests of this step will compute: the earliest
+            # request with the same digest at the same position (a scratch
+            # multimap keyed by (digest, position), insertion order = request order).
+            ei = np.repeat(np.arange(K), n_full)
+            ep = np.concatenate([np.arange(n) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
+            if len(ei):
+                scratch = table_ops.HashTable.create(max(len(ei), 1), dev)
+                e_lanes = self.digests[torch.as_tensor(rows_np[ei], device=dev), torch.as_tensor(ep, device=dev)]
+                table_ops.insert(scratch, e_lanes[:, 0].contiguous(), e_lanes[:, 1].contiguous(), self._i32(ep),
+                                 self._i32(np.arange(len(ei))), torch.ones(len(ei), dtype=torch.int32, device=dev))
+                q = li[lg == 0]
+                qp = lp[lg == 0]
+                q_lanes = self.digests[torch.as_tensor(rows_np[q], device=dev), torch.as_tensor(qp, device=dev)]
+                first = table_ops.find_oldest(scratch, q_lanes[:, 0].contiguous(), q_lanes[:, 1].contiguous(),
+                                              self._i32(qp), torch.ones(len(q), dtype=torch.int32, device=dev))
+                ei_t = self._i32(ei)
+                e_req = torch.where(first >= 0, ei_t[first.clamp(min=0).long()], torch.full_like(first, -1))
+                e_row = torch.where(e_req >= 0, self._i32(rows_np)[e_req.clamp(min=0).long()], torch.full_like(first, -1))
+                e_row = torch.where(e_req < self._i32(q), e_row, torch.full_like(e_row, -1))
+                same = lookup_ops.verify(e_row, self._i32(rows_np[q]), self._i32(qp), tokens=self.tokens,
+                                         digests=self.digests, extras=self.extras, root=self._root_lanes,
+                                         from_pool=False)
+                pend[torch.as_tensor(q, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
+                    same >= 0, e_req, torch.full_like(e_req, -1))
+                self._launch(3)
+        hit = torch.full((K,), -1, dtype=torch.int32, device=dev)
+        status = torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=dev)
+        stamp = self._next_stamp(0)
+        lookup_ops.admit(cache, pend, self._i32(max_hit), self._i32(n_blocks), self._i32(n_tok), self._i32(skip),
+                         ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
+                         blocked=blocked, block_size=bs, hit_out=hit, status=status)
+        self._launch()
+        if count_stats:
+            self._stats_dev += status[lookup_ops.ST_REQUESTS: lookup_ops.ST_HIT_TOKENS + 1]
+        if dry:
+            return status, hit, cache
+        admitted = status[lookup_ops.ST_ADMITTED].to(torch.int32)
+        hit_safe = hit.clamp(min=0)
+        # Phase 5a: touch every admitted request's cache hits.
+        if len(li):
+            li_t, lp_t, lg_t = self._i32(li), self._i32(lp), self._i32(lg)
+            c = cache[li_t.long(), lp_t.long(), lg_t.long()]
+            in_hit = (li_t < admitted) & (lp_t < hit_safe[li_t.long()])
+            block_ops.touch(c, (in_hit & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+            self._launch(2)
+        # Phase 5b: allocate, in (request, group, position) order.
+        ai = np.repeat(np.arange(K), n_blocks * G)
+        ag = np.concatenate([np.repeat(np.arange(G), n) for n in n_blocks])
+        ap = np.concatenate([np.tile(np.arange(n), G) for n in n_blocks])
+        ai_t, ap_t = self._i32(ai), self._i32(ap)
+        want = (ai_t < admitted) & (ap_t >= hit_safe[ai_t.long()])
+        count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
+        block_ops.allocate(count, want, self._i32(ag), self._i32(rows_np[ai]), ap_t, block_table=self.block_table,
+                           ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
+        self._launch(3)
+        # Phase 5c: hits into the block tables (pending hits take a reference).
+        if len(li):
+            li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
+            c = cache[li_l, lp_l, lg_l]
+            e = pend[li_l, lp_l]
+            e_row = self._i32(rows_np)[e.clamp(min=0).long()].long()
+            from_pending = self.block_table[lg_l, e_row, lp_l]
+            blk = torch.where(c >= 0, c, from_pending)
+            r_l = self._i32(rows_np[li]).long()
+            old = self.block_table[lg_l, r_l, lp_l]
+            self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
+            block_ops.touch(from_pending, (in_hit & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+            self._launch(2)
+        # Phase 5d: cache every block that is full, in (request, group, position) order.
+        ci = np.repeat(np.arange(K), n_full * G)
+        cg = np.concatenate([np.repeat(np.arange(G), n) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
+        cp = np.concatenate([np.tile(np.arange(n), G) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
+        if len(ci):
+            ci_t, cp_t = self._i32(ci), self._i32(cp)
+            valid = (ci_t < admitted) & (cp_t >= hit_safe[ci_t.long()])
+            self._record(self._i32(cg), self._i32(rows_np[ci]), cp_t, valid)
+        return status, hit

@@ -1,0 +1,101 @@
+"""The device-resident block pool: the state the kernels change.
+
+One object owns every device tensor of the pool, sized once at construction:
+
+* ``ref_cnt`` int32[N]: references per block (block 0, the null block, is never
+  counted);
+* ``free_queue``: the exact-order free queue (``gpukv.kernels.free_queue``);
+* ``table``: the block-hash multimap (``gpukv.kernels.hash_table``); a block is
+  cached exactly when ``table.block_slot[b] >= 0``;
+* ``blk_tokens`` int32[N, block_size], ``blk_parent`` / ``blk_extra``
+  int64[N, 2]: what each cached block was computed from, so a hit is verified
+  against the request's own inputs;
+* ``last_seen`` / ``touched`` int64[N]: per-step scratch stamps (which entry
+  of a free batch is a block's last, which block a step already hit);
+* ``evictions`` int64[1].
+
+The host-side views (``free_queue_list``, ``ref_counts``, ``table_entries``,
+``check_invariants``) read the device and are for tests, reports and
+debugging, never for the step itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpukv import hashing
+from gpukv.kernels import free_queue as fq_ops
+from gpukv.kernels import hash_table as table_ops
+
+
+def _u64_bytes(lo: int, hi: int) -> bytes:
+    return (lo & (2**64 - 1)).to_bytes(8, "little") + (hi & (2**64 - 1)).to_bytes(8, "little")
+
+
+class DevicePool:
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device, *, uncached_first: bool = True):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks must be an int, got {num_blocks!r}")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self.uncached_first = bool(uncached_first)
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.ref_cnt = torch.zeros(num_blocks, **i32)
+        self.free_queue = fq_ops.FreeQueue.create(num_blocks, device)
+        self.table = table_ops.HashTable.create(num_blocks, device)
+        self.blk_tokens = torch.zeros(num_blocks, block_size, **i32)
+        self.blk_parent = torch.zeros(num_blocks, 2, **i64)
+        self.blk_extra = torch.zeros(num_blocks, 2, **i64)
+        self.last_seen = torch.full((num_blocks,), -1, **i64)
+        self.touched = torch.full((num_blocks,), -1, **i64)
+        self.evictions = torch.zeros(1, **i64)
+
+    @property
+    def num_free(self) -> torch.Tensor:
+        """The free count as a 1-element device tensor (no host read)."""
+        i = fq_ops._IDX["num_free"]
+        return self.free_queue.counters[i:i + 1]
+
+    def reset_prefix_cache(self) -> None:
+        table_ops.clear(self.table)
+
+    # ------------------------------------------------------ host views (sync)
+    def free_queue_list(self) -> list[int]:
+        return self.free_queue.to_list()
+
+    def ref_counts(self) -> list[int]:
+        return self.ref_cnt.cpu().tolist()
+
+    def table_entries(self) -> dict[tuple[bytes, int], list[int]]:
+        """(digest, group) -> cached blocks oldest first, as the reference's
+        ``BlockPool.table()``."""
+        return {(_u64_bytes(lo, hi), g): blocks for (lo, hi, g), blocks in self.table.entries().items()}
+
+    def check_invariants(self, key: bytes, root: bytes) -> None:
+        """Every block is exactly one of null / free / referenced; the free
+        count is the queue's length; every cached block is in the table once,
+        under the digest of what it was computed from."""
+        self.free_queue.check_invariants()
+        self.table.check_invariants()
+        assert self.free_queue.error_flags() == 0, f"free-queue error flags {self.free_queue.error_flags()}"
+        assert self.table.read_counters()["errors"] == 0, "hash-table error flags set"
+        free = self.free_queue_list()
+        ref = self.ref_counts()
+        assert 0 not in free, "the null block is in the free queue"
+        assert len(free) == len(set(free)), "a block is in the free queue twice"
+        in_free = set(free)
+        for b in range(1, self.num_blocks):
+            assert ref[b] >= 0, f"block {b} has a negative count"
+            assert (b in in_free) == (ref[b] == 0), f"block {b}: count {ref[b]}, in free queue: {b in in_free}"
+        tokens = self.blk_tokens.cpu().numpy()
+        parent = self.blk_parent.cpu().tolist()
+        extra = self.blk_extra.cpu().tolist()
+        for (digest, _group), blocks in self.table_entries().items():
+            for b in blocks:
+                want = hashing.block_digest(key, _u64_bytes(*parent[b]), tokens[b].astype("uint32").tolist(),
+                                            _u64_bytes(*extra[b]))
+                assert want == digest, f"table entry for block {b} is not the digest of its contents"

@@ -1,0 +1,133 @@
+"""The device manager against the reference: the same random workloads, the
+same results after every step (returned ids and hits, block tables, reference
+counts, free-queue order, table contents, stats)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gpukv.manager import KVCacheManager as DeviceManager
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import NewRequest, RunningUpdate
+from workload import drive
+
+KEY = bytes(range(16))
+
+
+def pair(num_blocks, block_size, groups=1, uncached_first=True, max_model_len=256):
+    windows = [None] * groups
+    ref = ReferenceManager(num_blocks, block_size, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY)
+    dev = DeviceManager(num_blocks, block_size, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY,
+                        max_model_len=max_model_len)
+    return ref, dev
+
+
+def assert_same(ref, dev):
+    assert dev.free_queue() == ref.free_queue()
+    assert dev.pool.ref_counts() == ref.pool.ref_cnt
+    assert dev.pool.table_entries() == ref.pool.table()
+    assert sorted(dev.request_ids()) == sorted(ref.request_ids())
+    for rid in ref.request_ids():
+        assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
+    dev.check_invariants()
+    ref.check_invariants()
+
+
+def check(step, managers, results):
+    ref, dev = managers
+    assert results[1] == results[0], f"step {step}"
+    assert_same(ref, dev)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 24), block_size=st.sampled_from([1, 2, 4]),
+       uncached_first=st.booleans(), groups=st.sampled_from([1, 1, 2]))
+def test_random_workloads_match_the_reference_step_by_step(seed, num_blocks, block_size, uncached_first, groups):
+    ref, dev = pair(num_blocks * groups, block_size, groups, uncached_first)
+    drive([ref, dev], seed, 8, check, max_new=3)
+    assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
+    assert dev.num_evictions == ref.num_evictions
+
+
+def test_hand_worked_batch_with_pending_hits_and_eviction():
+    ref, dev = pair(10, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("p", [7, 8, 9]), NewRequest("r", [50, 51, 52, 53, 54, 55, 56])])
+        m.step(finished=["p", "r"])
+        res = m.step(new=[NewRequest("a", list(range(300, 312))), NewRequest("b", [7, 8, 9]),
+                          NewRequest("c", list(range(300, 305)))])
+    assert dev.free_queue() == ref.free_queue()
+    assert_same(ref, dev)
+
+
+def test_running_update_that_does_not_fit_changes_nothing_on_the_device():
+    ref, dev = pair(4, 2)
+    results = []
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2]), NewRequest("b", [3, 4, 5])])
+        results.append(m.step(running=[RunningUpdate("a", [6]), RunningUpdate("b", [7, 8])],
+                              new=[NewRequest("c", [1])]))
+    assert results[0] == results[1] and results[1].running_failed_at == 0
+    assert_same(ref, dev)
+    assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
+
+
+def test_get_computed_blocks_and_allocate_slots_match():
+    ref, dev = pair(12, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
+        m.step(finished=["a"])
+    req = NewRequest("b", [1, 2, 3, 4, 9, 9, 9])
+    c_ref, c_dev = ref.get_computed_blocks(req), dev.get_computed_blocks(req)
+    assert c_dev == c_ref
+    assert dev.allocate_slots(req, computed=c_dev) == ref.allocate_slots(req, computed=c_ref)
+    assert dev.allocate_slots("b", [10]) == ref.allocate_slots("b", [10]) == [[]]
+    assert dev.allocate_slots("b", [11]) == ref.allocate_slots("b", [11]) == [[5]]
+    assert_same(ref, dev)
+    assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
+
+
+def test_reset_prefix_cache_matches():
+    ref, dev = pair(8, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+        assert m.reset_prefix_cache() is False
+        m.free("a")
+        assert m.reset_prefix_cache() is True
+        assert m.step(new=[NewRequest("b", [1, 2, 3])]).num_computed_tokens == [0]
+    assert_same(ref, dev)
+    assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
+
+
+def test_decode_only_step_reads_nothing_from_the_device():
+    _, dev = pair(32, 4)
+    dev.step(new=[NewRequest("a", list(range(10))), NewRequest("b", list(range(5)))])
+    assert dev.counters.syncs == 1  # the step with new requests reads its status once
+    # a grows from 10 to 13 tokens: a fourth block, popped without asking the device.
+    res = dev.step(running=[RunningUpdate("a", [1, 2, 3]), RunningUpdate("b", [2])])
+    assert res.ok
+    assert dev.counters.syncs == 0
+    assert dev.counters.launches > 0
+    dev.check_invariants()
+
+
+@pytest.mark.parametrize("call, exc", [
+    (lambda m: m.step(finished=["nope"]), KeyError),
+    (lambda m: m.step(finished=["a", "a"]), ValueError),
+    (lambda m: m.step(running=[RunningUpdate("a", [-1])]), ValueError),
+    (lambda m: m.step(new=[NewRequest("a", [1])]), ValueError),
+    (lambda m: m.step(new=[NewRequest("x", list(range(300)))]), ValueError),  # > max_model_len
+])
+def test_bad_input_changes_nothing_on_the_device(call, exc):
+    ref, dev = pair(8, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+    before = (dev.free_queue(), dev.pool.ref_counts(), dev.get_block_ids("a"))
+    with pytest.raises(exc):
+        call(dev)
+    assert (dev.free_queue(), dev.pool.ref_counts(), dev.get_block_ids("a")) == before
+    dev.check_invariants()
+
+
+def test_sliding_window_groups_are_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match="full-attention groups only"):
+        DeviceManager(10, 2, sliding_windows=[None, 4])
