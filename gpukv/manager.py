@@ -421,7 +421,6 @@ class KVCacheManager:
         if not grp:
             return
         stamp = self._next_stamp(len(grp))
-        fq_ops.maybe_compact(self.pool.free_queue, len(grp))
         block_ops.release(self.block_table, self._i32(grp), self._i32(rw), self._i32(ps), self._i32(call),
                           ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, stamp=stamp,
                           fq=self.pool.free_queue, table=self.pool.table, uncached_first=self.uncached_first)

@@ -57,8 +57,7 @@ class DevicePool:
     @property
     def num_free(self) -> torch.Tensor:
         """The free count as a 1-element device tensor (no host read)."""
-        i = fq_ops._IDX["num_free"]
-        return self.free_queue.counters[i:i + 1]
+        return self.free_queue.counter("num_free")
 
     def reset_prefix_cache(self) -> None:
         table_ops.clear(self.table)

@@ -47,6 +47,13 @@ Operations (kernels + thin launchers; the launchers only enqueue work: no
   preserving compaction of the window (one program), unconditional or under a
   device-side condition (the host never reads the counters).
 
+What a caller must do: nothing for safety. ``push`` is the only operation that
+grows the window and it compacts first when it must; ``pop`` and ``remove``
+never grow it. ``maybe_compact(fq)`` once per step is optional housekeeping
+(it bounds the tombstones a pop may have to scan). Contracts: pop at most
+``num_free`` and at most ``len(out)`` blocks; push only blocks that are not in
+the queue, each once; read ``counters[ERROR]`` with the step's one host read.
+
 Every result is deterministic: races between threads only decide which lane
 does a piece of work, never what the state becomes (the one exception is a
 ``push`` that breaks its contract by pushing the same block twice; then which
@@ -79,6 +86,7 @@ __all__ = [
     "LAST_POP",
     "COMPACTIONS",
     "NUM_COUNTERS",
+    "COUNTER_SLOTS",
     "ERR_SHORT",
     "ERR_PRESENT",
     "ERR_BAD_BLOCK",
@@ -127,9 +135,12 @@ DEFAULT_TILE = 1024
 _SHORT = int(ERR_SHORT)
 _PRESENT = int(ERR_PRESENT)
 _BAD = int(ERR_BAD_BLOCK)
-_IDX = {name: int(v) for name, v in (("head", HEAD), ("tail", TAIL), ("num_free", NUM_FREE),
-                                       ("num_tomb", NUM_TOMB), ("error", ERROR),
-                                       ("last_pop", LAST_POP), ("compactions", COMPACTIONS))}
+#: Counter slot by name (host side): head, tail, num_free, num_tomb, error,
+#: last_pop, compactions.
+COUNTER_SLOTS = {name: int(v) for name, v in (("head", HEAD), ("tail", TAIL), ("num_free", NUM_FREE),
+                                               ("num_tomb", NUM_TOMB), ("error", ERROR),
+                                               ("last_pop", LAST_POP), ("compactions", COMPACTIONS))}
+_IDX = COUNTER_SLOTS  # older name, kept for callers that use it
 
 
 # ---------------------------------------------------------------- device helpers
@@ -374,7 +385,7 @@ def _compact_kernel(ring_ptr, pos_ptr, ctr_ptr, incoming, tomb_limit, C, CMASK, 
     ntomb = tl.load(ctr_ptr + NUM_TOMB)
     need = ((tail - head) + incoming > C) | (ntomb > tomb_limit)
     if FORCE:
-        need = need | (head == head)
+        need = need | (head == head)  # a scalar true
     head, tail = _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base, TILE)
     tl.store(ctr_ptr + HEAD, head)
     tl.store(ctr_ptr + TAIL, tail)
@@ -435,6 +446,12 @@ class FreeQueue:
     @property
     def device(self) -> torch.device:
         return self.ring.device
+
+    def counter(self, name: str) -> torch.Tensor:
+        """A 1-element view of one counter on the device (no host read), e.g.
+        ``counter("num_free")`` for a kernel that needs the free count."""
+        i = COUNTER_SLOTS[name]
+        return self.counters[i:i + 1]
 
     # ------------------------------------------------ host helpers (sync)
     def counter_values(self) -> dict[str, int]:

@@ -87,6 +87,10 @@ def test_initial_order_and_layout():
     assert q.num_free() == 9
     c = q.counter_values()
     assert c["head"] == fq.BASE and c["tail"] == fq.BASE + 9 and c["num_tomb"] == 0
+    view = q.counter("num_free")  # a device view, live
+    assert view.tolist() == [9] and fq.COUNTER_SLOTS["num_free"] == int(fq.NUM_FREE)
+    fq.remove(q, i32([4]))
+    assert view.tolist() == [8]
     q.check_invariants()
 
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the gpu-marked tests, then the benchmarks; a short
+# table last. Run from the checkout: PYTHONPATH=. bash benchmarks/gpu_check.sh
+# (no install step; the machine's python3 has torch, triton, numpy, pytest, hypothesis).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+out=${OUT:-/tmp/gpukv-gpu-check}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
+t0=$(date +%s)
+timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+t1=$(date +%s)
+timeout 120 python3 benchmarks/bench_step.py --steps 30 --running 256 --new 16 --json "$out/bench_step.json" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+t2=$(date +%s)
+timeout 120 python3 -m gpukv replay --backend device --json "$out/replay_device.json" 2>&1 | tee "$out/replay.log"
+replay_rc=${PIPESTATUS[0]}
+t3=$(date +%s)
+echo
+echo "| check | result | seconds |"
+echo "| --- | --- | --- |"
+echo "| gpu tests | $(tail -n 1 "$out/gpu_tests.log") (rc $tests_rc) | $((t1 - t0)) |"
+echo "| step benchmark | $(grep 'ratio' "$out/bench.log" | sed 's/^ *//') (rc $bench_rc) | $((t2 - t1)) |"
+echo "| replay (device) | $(grep 'manager time/step' "$out/replay.log" | sed 's/  */ /g') (rc $replay_rc) | $((t3 - t2)) |"

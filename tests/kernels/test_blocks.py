@@ -1,0 +1,83 @@
+"""Block kernels: release order, touch, allocate/place, record, by hand."""
+
+import torch
+
+import gpukv._runtime  # noqa: F401
+from gpukv.kernels import blocks, free_queue as fq_ops, hash_table as table_ops
+
+i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+
+
+def setup(num_blocks=8, rows=2, M=4):
+    fq = fq_ops.FreeQueue.create(num_blocks, "cpu")
+    table = table_ops.HashTable.create(num_blocks, "cpu")
+    ref = torch.zeros(num_blocks, dtype=torch.int32)
+    bt = torch.zeros(1, rows, M, dtype=torch.int32)
+    return fq, table, ref, bt
+
+
+def test_allocate_places_popped_blocks_in_entry_order():
+    fq, table, ref, bt = setup()
+    want = i32([1, 0, 1, 1])
+    blocks.allocate(torch.tensor([3]), want, i32([0, 0, 0, 0]), i32([0, 0, 1, 1]), i32([0, 1, 0, 1]),
+                    block_table=bt, ref_cnt=ref, fq=fq, table=table, evictions=torch.zeros(1, dtype=torch.int64))
+    assert bt[0].tolist() == [[1, 0, 0, 0], [2, 3, 0, 0]]
+    assert ref.tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
+    assert fq.to_list() == [4, 5, 6, 7]
+
+
+def test_release_uses_the_last_occurrence_and_sends_cached_back_uncached_front():
+    fq, table, ref, bt = setup()
+    ev = torch.zeros(1, dtype=torch.int64)
+    # Row 0 holds [1, 2], row 1 holds [1, 3]: block 1 is shared.
+    blocks.allocate(torch.tensor([3]), i32([1, 1, 1]), i32([0, 0, 0]), i32([0, 0, 1]), i32([0, 1, 1]),
+                    block_table=bt, ref_cnt=ref, fq=fq, table=table, evictions=ev)
+    bt[0, 1, 0] = 1
+    ref[1] += 1
+    # Block 2 is cached.
+    table_ops.insert(table, torch.tensor([5]), torch.tensor([6]), 0, i32([2]), i32([1]))
+    last = torch.full((8,), -1, dtype=torch.int64)
+    # Free row 0 (tail first: 2, 1) as call 0, then row 1 (3, 1) as call 1.
+    blocks.release(bt, i32([0, 0, 0, 0]), i32([0, 0, 1, 1]), i32([1, 0, 1, 0]), i32([0, 0, 1, 1]),
+                   ref_cnt=ref, last_seen=last, stamp=0, fq=fq, table=table, uncached_first=True)
+    # Call 0: 2 (cached) to the back; 1 still held. Call 1: 3 (uncached) and 1
+    # (uncached, now free) to the front, in that order.
+    assert fq.to_list() == [3, 1, 4, 5, 6, 7, 2]
+    assert ref.tolist() == [0] * 8
+    fq.check_invariants()
+
+
+def test_touch_takes_free_blocks_out_once_and_counts_every_hit():
+    fq, table, ref, bt = setup()
+    blocks.touch(i32([4, 4, 6, 0]), i32([1, 1, 1, 1]), ref_cnt=ref, fq=fq)
+    assert ref.tolist() == [0, 0, 0, 0, 2, 0, 1, 0]
+    assert fq.to_list() == [1, 2, 3, 5, 7]
+
+
+def test_allocate_evicts_cached_blocks_it_pops():
+    fq, table, ref, bt = setup()
+    table_ops.insert(table, torch.tensor([1, 2]), torch.tensor([1, 2]), 0, i32([1, 3]), i32([1, 1]))
+    ev = torch.zeros(1, dtype=torch.int64)
+    blocks.allocate(torch.tensor([2]), i32([1, 1]), i32([0, 0]), i32([0, 0]), i32([0, 1]),
+                    block_table=bt, ref_cnt=ref, fq=fq, table=table, evictions=ev)
+    assert ev.tolist() == [1]
+    assert list(table.entries().values()) == [[3]]
+
+
+def test_record_copies_inputs_and_inserts_in_order():
+    fq, table, ref, bt = setup()
+    bt[0, 0, :2] = i32([5, 6])
+    tokens = torch.tensor([[1, 2, 3, 4, 0, 0, 0, 0], [0] * 8], dtype=torch.int32)
+    digests = torch.zeros(2, 4, 2, dtype=torch.int64)
+    digests[0, 0] = torch.tensor([7, 7])
+    digests[0, 1] = torch.tensor([8, 8])
+    extras = torch.zeros(2, 4, 2, dtype=torch.int64)
+    blk_tokens = torch.zeros(8, 2, dtype=torch.int32)
+    blk_parent = torch.zeros(8, 2, dtype=torch.int64)
+    blk_extra = torch.zeros(8, 2, dtype=torch.int64)
+    blocks.record(i32([0, 0]), i32([0, 0]), i32([0, 1]), torch.tensor([True, True]), block_table=bt, tokens=tokens,
+                  digests=digests, extras=extras, root=(1, 2), blk_tokens=blk_tokens, blk_parent=blk_parent,
+                  blk_extra=blk_extra, table=table)
+    assert blk_tokens[5].tolist() == [1, 2] and blk_tokens[6].tolist() == [3, 4]
+    assert blk_parent[5].tolist() == [1, 2] and blk_parent[6].tolist() == [7, 7]
+    assert table.entries() == {(7, 7, 0): [5], (8, 8, 0): [6]}
