@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from gpukv import _runtime
 from gpukv.replay import Replay, ReplayOptions
 from gpukv.traces import builtin_trace_path, load_trace
 
@@ -21,7 +23,13 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl or a step-trace .json (default: built-in workload)")
     p.add_argument("--format", choices=["auto", "mooncake", "step"], default="auto")
-    p.add_argument("--backend", choices=["reference", "device"], default="reference")
+    p.add_argument("--backend", choices=["auto", "device", "reference"], default="auto",
+                   help="device: the GPU-resident manager (Triton kernels; on a machine without CUDA they run under "
+                   "Triton's interpreter, correct but slow); reference: the sequential spec; auto (default): device "
+                   "when CUDA is available, else reference")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="also replay on the reference and report whether the results agree "
+                   "(default: on when the backend is device)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=20_000)
     p.add_argument("--max-model-len", type=int, default=131_072)
@@ -83,19 +91,46 @@ def replay_main(args) -> int:
         trace = load_trace(path, args.format, max_requests=max_requests, arrival=args.arrival, step_ms=args.step_ms)
     except (OSError, ValueError) as e:
         raise SystemExit(f"gpukv replay: {e}")
-    opts = ReplayOptions(
-        block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
-        prompt_only=args.prompt_only, backend=args.backend, progress=not args.no_progress and sys.stderr.isatty(),
-        max_steps=args.max_steps,
-    )
-    report = Replay(trace, opts).run()
+    backend = args.backend
+    if backend == "auto":
+        backend = "device" if _runtime.CUDA_AVAILABLE else "reference"
+        if backend == "reference":
+            print("note: no CUDA device here, so the reference backend runs; --backend device runs the device "
+                  "kernels under Triton's interpreter (same results, much slower)")
+
+    def options(name: str) -> ReplayOptions:
+        return ReplayOptions(
+            block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
+            prompt_only=args.prompt_only, backend=name, progress=not args.no_progress and sys.stderr.isatty(),
+            max_steps=args.max_steps, hash_key=key,
+        )
+
+    # One key for both runs, so their digests (and so their tables) agree.
+    key = os.urandom(16)
+    report = Replay(trace, options(backend)).run()
     _print_summary(report)
+    compare = args.compare if args.compare is not None else backend == "device"
+    if compare and backend != "reference":
+        print()
+        print("the same replay on the reference:")
+        ref = Replay(trace, options("reference")).run()
+        _print_summary(ref)
+        agree = {
+            "requests": ref["requests"] == report["requests"],
+            "final free queue": ref["final"]["free_queue"] == report["final"]["free_queue"],
+            "summary counts": all(ref["summary"][k] == report["summary"][k] for k in _COUNTS),
+        }
+        print("device vs reference: " + ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}" for k, v in agree.items()))
+        report["reference"] = {"summary": ref["summary"], "agree": agree}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f)
         print(f"report written to {args.json}")
     return 0
+
+
+_COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "preemptions", "evictions", "admissions")
 
 
 def main(argv: list[str] | None = None) -> int:
