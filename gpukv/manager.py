@@ -14,8 +14,9 @@ Device tensors per request row (rows are recycled): ``tokens`` int32[R, T]
 size, rounded up) and the block tables ``block_table`` int32[G, R, M] that an
 attention kernel can read directly (``block_table_for``).
 
-Supported: full-attention KV-cache groups (one or more). Sliding-window groups
-run on the reference manager only for now (``gpukv.reference``).
+Hybrid models: any mix of full-attention and sliding-window groups sharing
+the pool, as the reference does them (a window group holds the null block
+where its window no longer reaches).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class _Row:
     mm_items: tuple = ()
     cache_salt: str | None = None
     extras_known: int = 0  # extra-key digests written for blocks < this
+    null_upto: list = field(default_factory=list)  # per group: positions below hold the null block
 
     @property
     def has_extra_keys(self) -> bool:
@@ -100,11 +102,9 @@ class KVCacheManager:
         windows = list(sliding_windows)
         if not windows:
             raise ValueError("sliding_windows needs one entry per KV-cache group (None = full attention)")
-        if any(w is not None for w in windows):
-            raise ValueError(
-                "the device manager runs full-attention groups only; use gpukv.reference.KVCacheManager "
-                "for sliding-window groups"
-            )
+        for w in windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"sliding window must be >= 1, got {w!r}")
         if not enable_caching:
             raise ValueError("the device manager always caches; use gpukv.reference.KVCacheManager with enable_caching=False")
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
@@ -113,6 +113,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_windows = windows
         self.num_groups = len(windows)
+        # Blocks a window group must still see at a hit boundary; -1 = full attention.
+        self._window_blocks = [-1 if w is None else -(-(w - 1) // block_size) for w in windows]
         self.max_model_len = max_model_len
         self.uncached_first = bool(uncached_first)
         self.pool = DevicePool(num_blocks, block_size, self.device, uncached_first=uncached_first)
@@ -125,6 +127,7 @@ class KVCacheManager:
         self._rows_cap = 0
         self.tokens = self.digests = self.extras = self.block_table = None
         self._grow_rows(16)
+        self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
         self._free_rows: list[int] = list(range(self._rows_cap))[::-1]
         self._reqs: dict[str, _Row] = {}
         self._stats_dev = torch.zeros(5, dtype=torch.int64, device=self.device)
@@ -317,6 +320,7 @@ class KVCacheManager:
         needs = []
         if running:
             rows = [self._reqs[u.request_id] for u in running]
+            self._release_behind_windows(rows)
             adds = [check_token_ids(u.new_token_ids, u.request_id) for u in running]
             new_totals = [st.num_tokens + len(a) for st, a in zip(rows, adds)]
             needs = [(-(-n // bs) - st.num_blocks) * G for st, n in zip(rows, new_totals)]
@@ -400,14 +404,39 @@ class KVCacheManager:
             for i, (req, row) in enumerate(zip(new, cand_rows)):
                 if i < admitted:
                     n = len(req.token_ids)
+                    h = int(hits[i])
                     self._reqs[req.request_id] = _Row(
                         row, n, -(-n // bs), n // bs, req.lora_id, tuple(req.mm_items), req.cache_salt,
                         extras_known=n // bs,
+                        null_upto=[0 if w < 0 else max(0, h - w) for w in self._window_blocks],
                     )
                 else:
                     self._free_rows.append(row)
         self.counters.history.append((self.counters.launches, self.counters.syncs))
         return result
+
+    def _release_behind_windows(self, states: list[_Row]) -> None:
+        """Window groups give back the blocks behind their window (tail first,
+        one free call per request and group) and hold the null block there."""
+        grp, rw, ps, call = [], [], [], []
+        for idx, st in enumerate(states):
+            for g, w in enumerate(self.sliding_windows):
+                if w is None:
+                    continue
+                skip = max(0, st.num_tokens - w + 1) // self.block_size
+                if skip > st.null_upto[g]:
+                    k = skip - st.null_upto[g]
+                    grp.extend([g] * k); rw.extend([st.row] * k); ps.extend(range(skip - 1, st.null_upto[g] - 1, -1))
+                    call.extend([idx * self.num_groups + g] * k)
+                    st.null_upto[g] = skip
+        if not grp:
+            return
+        g_t, r_t, p_t = self._i32(grp), self._i32(rw), self._i32(ps)
+        block_ops.release(self.block_table, g_t, r_t, p_t, self._i32(call), ref_cnt=self.pool.ref_cnt,
+                          last_seen=self.pool.last_seen, stamp=self._next_stamp(len(grp)), fq=self.pool.free_queue,
+                          table=self.pool.table, uncached_first=self.uncached_first)
+        self.block_table[g_t.long(), r_t.long(), p_t.long()] = 0
+        self._launch(3)
 
     def _release_requests(self, request_ids: Sequence[str]) -> None:
         G = self.num_groups
@@ -424,7 +453,7 @@ class KVCacheManager:
         block_ops.release(self.block_table, self._i32(grp), self._i32(rw), self._i32(ps), self._i32(call),
                           ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, stamp=stamp,
                           fq=self.pool.free_queue, table=self.pool.table, uncached_first=self.uncached_first)
-        self._launch(4)
+        self._launch(3)
 
     def _write_tokens(self, rows: list[int], starts: list[int], token_arrays: list[np.ndarray]) -> None:
         idx = [np.arange(s, s + len(a), dtype=np.int64) + r * self._T for r, s, a in zip(rows, starts, token_arrays)]
@@ -580,7 +609,7 @@ class KVCacheManager:
         stamp = self._next_stamp(0)
         lookup_ops.admit(cache, pend, self._i32(max_hit), self._i32(n_blocks), self._i32(n_tok), self._i32(skip),
                          ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
-                         blocked=blocked, block_size=bs, hit_out=hit, status=status)
+                         blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev)
         self._launch()
         if count_stats:
             self._stats_dev += status[lookup_ops.ST_REQUESTS: lookup_ops.ST_HIT_TOKENS + 1]
@@ -588,12 +617,17 @@ class KVCacheManager:
             return status, hit, cache
         admitted = status[lookup_ops.ST_ADMITTED].to(torch.int32)
         hit_safe = hit.clamp(min=0)
-        # Phase 5a: touch every admitted request's cache hits.
+        # Phase 5a: touch every admitted request's cache hits (a window group
+        # holds real blocks only for the last W positions of its hit).
         if len(li):
             li_t, lp_t, lg_t = self._i32(li), self._i32(lp), self._i32(lg)
             c = cache[li_t.long(), lp_t.long(), lg_t.long()]
-            in_hit = (li_t < admitted) & (lp_t < hit_safe[li_t.long()])
-            block_ops.touch(c, (in_hit & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+            h = hit_safe[li_t.long()]
+            w = self._win_dev[lg_t.long()]
+            first_real = torch.where(w < 0, torch.zeros_like(h), (h - w).clamp(min=0))
+            in_hit = (li_t < admitted) & (lp_t < h)
+            real = in_hit & (lp_t >= first_real)
+            block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
             self._launch(2)
         # Phase 5b: allocate, in (request, group, position) order.
         ai = np.repeat(np.arange(K), n_blocks * G)
@@ -612,11 +646,11 @@ class KVCacheManager:
             e = pend[li_l, lp_l]
             e_row = self._i32(rows_np)[e.clamp(min=0).long()].long()
             from_pending = self.block_table[lg_l, e_row, lp_l]
-            blk = torch.where(c >= 0, c, from_pending)
+            blk = torch.where(real, torch.where(c >= 0, c, from_pending), torch.zeros_like(c))
             r_l = self._i32(rows_np[li]).long()
             old = self.block_table[lg_l, r_l, lp_l]
             self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
-            block_ops.touch(from_pending, (in_hit & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+            block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
             self._launch(2)
         # Phase 5d: cache every block that is full, in (request, group, position) order.
         ci = np.repeat(np.arange(K), n_full * G)

@@ -117,15 +117,62 @@ def verify(cand, row, pos, *, tokens, digests, extras, root, blk_tokens=None, bl
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _available(cache_ptr, pend_ptr, hit_ptr, i, P, p, limit, g, G: tl.constexpr):
+    """Whether request ``i`` can hit position ``p`` (< ``limit``) in group
+    ``g``: a verified cached block, or a block an earlier request of the step
+    computes (one that shares the block but did not hit it itself)."""
+    inr = p < limit
+    e = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
+    he = tl.load(hit_ptr + tl.where(e >= 0, e, 0), mask=inr & (e >= 0), other=_BIG)
+    pending = (e >= 0) & (e < i) & (he <= p)
+    c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
+    return inr & ((c >= 0) | pending)
+
+
+@triton.jit
+def _group_hit(cache_ptr, pend_ptr, hit_ptr, i, P, limit, g, W, G: tl.constexpr, TILE: tl.constexpr):
+    """The longest hit (<= ``limit`` blocks) group ``g`` can serve. Full
+    attention (``W < 0``): its first miss. Sliding window of ``W`` blocks: the
+    end of the rightmost run of ``W`` available blocks, or the leading run when
+    it is longer (it reaches block 0, where the window needs nothing earlier)."""
+    lanes = tl.arange(0, TILE)
+    first_miss = limit
+    last_end = tl.zeros((), tl.int32)
+    carry = tl.full((), -1, tl.int32)  # the last miss before this tile
+    for p0 in range(0, P, TILE):
+        p = p0 + lanes
+        inr = p < limit
+        avail = _available(cache_ptr, pend_ptr, hit_ptr, i, P, p, limit, g, G)
+        miss = inr & (avail == 0)
+        first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, p, _BIG)))
+        last_miss = tl.maximum(tl.associative_scan(tl.where(miss, p, -1), 0, _max_combine), carry)
+        window_ok = inr & (p - last_miss >= W)
+        last_end = tl.maximum(last_end, tl.max(tl.where(window_ok, p + 1, 0)))
+        carry = tl.maximum(carry, tl.max(tl.where(miss, p, -1)))
+    if W < 0:
+        out = first_miss
+    else:
+        out = tl.maximum(last_end, first_miss)
+    return tl.minimum(out, limit)
+
+
+@triton.jit
 def _admit_kernel(
-    cache_ptr, pend_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, K, P,
+    cache_ptr, pend_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, win_ptr, K, P,
     ref_ptr, touched_ptr, stamp, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
     G: tl.constexpr, TILE: tl.constexpr,
 ):
     """Sequential admission (one program). ``cache[K, P, G]``: verified cache
     hit block or -1; ``pend[K, P]``: the earlier request of the step that has
-    the same verified block at that position, or -1. ``blocked[0] != 0`` (a
-    running update failed) admits nothing and counts nothing."""
+    the same verified block at that position, or -1; ``win[G]``: blocks a
+    sliding-window group must see at a hit boundary, -1 for full attention.
+    ``blocked[0] != 0`` (a running update failed) admits nothing and counts
+    nothing."""
     num_free = tl.load(free_ptr).to(tl.int64)
     blocked = tl.load(blocked_ptr)
     used = tl.zeros((), tl.int64)
@@ -144,25 +191,24 @@ def _admit_kernel(
             skip = tl.load(skip_ptr + i)
             n_blocks = tl.load(num_blocks_ptr + i).to(tl.int64)
             n_tok = tl.load(num_tokens_ptr + i).to(tl.int64)
+            # The hit every group can serve: a fixpoint, since a window group's
+            # run depends on the bound the other groups set.
             hit = tl.where(skip != 0, 0, max_hit)
-            for p0 in range(0, P, TILE):
-                p = p0 + lanes
-                inr = p < max_hit
-                e = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
-                he = tl.load(hit_ptr + tl.where(e >= 0, e, 0), mask=inr & (e >= 0), other=_BIG)
-                pending = (e >= 0) & (e < i) & (he <= p)
-                avail = inr
+            prev = hit + 1
+            while hit != prev:
+                prev = hit
                 for g in tl.static_range(G):
-                    c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
-                    avail = avail & ((c >= 0) | pending)
-                miss = tl.min(tl.where(inr & (avail == 0), p, _BIG))
-                hit = tl.minimum(hit, miss)
-            # First touches: free cached hits no earlier admitted request touched.
+                    W = tl.load(win_ptr + g)
+                    hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, hit_ptr, i, P, hit, g, W, G, TILE))
+            # First touches: free cached hits no earlier admitted request touched
+            # (a window group holds real blocks only for its last W hit positions).
             touches = tl.zeros((), tl.int64)
             for p0 in range(0, P, TILE):
                 p = p0 + lanes
-                inh = p < hit
                 for g in tl.static_range(G):
+                    W = tl.load(win_ptr + g)
+                    lo = tl.where(W < 0, 0, tl.maximum(hit - W, 0))
+                    inh = (p < hit) & (p >= lo)
                     c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
                     real = inh & (c >= 0)
                     cs = tl.where(real, c, 0)
@@ -183,8 +229,10 @@ def _admit_kernel(
                 admitted += 1
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
-                    inh = p < hit
                     for g in tl.static_range(G):
+                        W = tl.load(win_ptr + g)
+                        lo = tl.where(W < 0, 0, tl.maximum(hit - W, 0))
+                        inh = (p < hit) & (p >= lo)
                         c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
                         real = inh & (c >= 0)
                         tl.store(touched_ptr + tl.where(real, c, 0), stamp + tl.zeros_like(c).to(tl.int64), mask=real)
@@ -203,14 +251,17 @@ def _admit_kernel(
 
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp: int,
-          num_free, blocked, block_size: int, hit_out, status, tile: int = 64) -> None:
+          num_free, blocked, block_size: int, hit_out, status, window_blocks=None, tile: int = 64) -> None:
     """Run the sequential admission (see ``_admit_kernel``); writes each
     considered request's hit (blocks) to ``hit_out`` and the step's counts to
     ``status`` (layout ``ST_*``). All arguments are device tensors but the
-    ints; ``num_free`` and ``blocked`` are 1-element tensors."""
+    ints; ``num_free`` and ``blocked`` are 1-element tensors; ``window_blocks``
+    int32[G] (-1 = full attention, the default for every group)."""
     K, P, G = cache_hits.shape
+    if window_blocks is None:
+        window_blocks = torch.full((G,), -1, dtype=torch.int32, device=cache_hits.device)
     _admit_kernel[(1,)](
-        cache_hits, pending, max_hit, num_blocks, num_tokens, skip, K, P,
+        cache_hits, pending, max_hit, num_blocks, num_tokens, skip, window_blocks, K, P,
         ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
         G=G, TILE=tile,
     )
