@@ -162,6 +162,18 @@ def _group_hit(cache_ptr, pend_ptr, hit_ptr, i, P, limit, g, W, G: tl.constexpr,
 
 
 @triton.jit
+def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
+    """Request ``i``'s cached hit block at positions ``p`` of group ``g``, and
+    where it is real: inside the hit, a verified cache block, and for a window
+    group among the last W positions of the hit (before them: the null block)."""
+    W = tl.load(win_ptr + g)
+    lo = tl.where(W < 0, 0, tl.maximum(hit - W, 0))
+    inh = (p < hit) & (p >= lo)
+    c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
+    return c, inh & (c >= 0)
+
+
+@triton.jit
 def _admit_kernel(
     cache_ptr, pend_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, win_ptr, K, P,
     ref_ptr, touched_ptr, stamp, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
@@ -206,11 +218,7 @@ def _admit_kernel(
             for p0 in range(0, P, TILE):
                 p = p0 + lanes
                 for g in tl.static_range(G):
-                    W = tl.load(win_ptr + g)
-                    lo = tl.where(W < 0, 0, tl.maximum(hit - W, 0))
-                    inh = (p < hit) & (p >= lo)
-                    c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
-                    real = inh & (c >= 0)
+                    c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
                     cs = tl.where(real, c, 0)
                     rc = tl.load(ref_ptr + cs, mask=real, other=1)
                     tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
@@ -230,11 +238,7 @@ def _admit_kernel(
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
                     for g in tl.static_range(G):
-                        W = tl.load(win_ptr + g)
-                        lo = tl.where(W < 0, 0, tl.maximum(hit - W, 0))
-                        inh = (p < hit) & (p >= lo)
-                        c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inh, other=-1)
-                        real = inh & (c >= 0)
+                        c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
                         tl.store(touched_ptr + tl.where(real, c, 0), stamp + tl.zeros_like(c).to(tl.int64), mask=real)
             else:
                 go = go * 0
