@@ -73,7 +73,9 @@ class _Row:
 
 @dataclass
 class StepCounters:
-    """Per-step cost, for benchmarks: Triton launches and device-to-host reads."""
+    """Per-step cost, for benchmarks: Triton kernel launches (the torch glue
+    between them, gathers and prefix sums, is not counted) and device-to-host
+    reads of the last step; ``history`` keeps (launches, reads) per step."""
 
     launches: int = 0
     syncs: int = 0
@@ -510,7 +512,7 @@ class KVCacheManager:
                          extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
                          blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table)
         table_ops.maybe_rebuild(self.pool.table)
-        self._launch(4)
+        self._launch(5)  # record, insert (2), maybe_rebuild (2)
 
     def _prepare_new(self, new: Sequence[NewRequest], rows: list[int]) -> None:
         """Tokens, extra-key digests and digests of new requests into their rows."""
@@ -603,7 +605,7 @@ class KVCacheManager:
                                          from_pool=False)
                 pend[torch.as_tensor(q, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
                     same >= 0, e_req, torch.full_like(e_req, -1))
-                self._launch(3)
+                self._launch(4)  # insert (2), find, verify
         hit = torch.full((K,), -1, dtype=torch.int32, device=dev)
         status = torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=dev)
         stamp = self._next_stamp(0)
