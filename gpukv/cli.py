@@ -31,7 +31,7 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help="also replay on the reference and report whether the results agree "
                    "(default: on when the backend is device)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=20_000)
+    p.add_argument("--num-blocks", type=int, default=65_536)
     p.add_argument("--max-model-len", type=int, default=131_072)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--uncached-first", action=argparse.BooleanOptionalAction, default=True,

@@ -222,7 +222,7 @@ class BlockPool:
 @dataclass
 class _RequestState:
     request_id: str
-    tokens: list[int]
+    tokens: np.ndarray | list[int]  # an array until the first append, then a list
     lora_id: int | None
     mm_items: tuple
     cache_salt: str | None
@@ -366,7 +366,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes nothing else."""
         self._check_new([request])
-        plan = self._plan(self._new_state(request), [], {})
+        plan = self._plan(self._new_state(request), [])
         self._record(plan)
         return ComputedBlocks([[b for b in g] for g in plan.hits], plan.num_hit_blocks * self.block_size)
 
@@ -405,6 +405,7 @@ class KVCacheManager:
         self._release_skipped(self._state(request))
         if not self._run(update):
             return None
+        self._cache_running([self._state(request)])
         return [self._state(request).blocks[g][before[g]:] for g in range(self.num_groups)]
 
     def free(self, request_id: str) -> None:
@@ -442,20 +443,25 @@ class KVCacheManager:
             self._free_request(rid)
         for update in running:
             self._release_skipped(self._requests[update.request_id])
+        grown = []
         for k, update in enumerate(running):
             if not self._run(update):
+                self._cache_running(grown)
                 return StepResult(running_failed_at=k)
+            grown.append(self._requests[update.request_id])
+        self._cache_running(grown)
         plans: list[_Plan] = []
-        pending: dict[tuple[bytes, int], tuple[int, int]] = {}
         states = [self._new_state(r) for r in new]
         self._extend_hashes([s for s in states if not s.block_hashes])
-        for state in states:
-            plans.append(self._plan(state, plans, pending))
+        # Phases 3 and 4 interleave: a request's lookup depends only on the
+        # requests before it, so looking up stops at the first refused one.
         num_free = self.pool.num_free_blocks
         used = 0
         touched: set[int] = set()
         admitted = 0
-        for plan in plans:
+        for state in states:
+            plan = self._plan(state, plans)
+            plans.append(plan)
             self._record(plan)
             first_touch = {
                 b for g in plan.hits for b in g
@@ -524,7 +530,7 @@ class KVCacheManager:
     def _new_state(self, r: NewRequest) -> _RequestState:
         st = _RequestState(
             request_id=r.request_id,
-            tokens=check_token_ids(r.token_ids, r.request_id).tolist(),
+            tokens=check_token_ids(r.token_ids, r.request_id),
             lora_id=r.lora_id,
             mm_items=tuple(r.mm_items),
             cache_salt=r.cache_salt,
@@ -580,10 +586,9 @@ class KVCacheManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _plan(self, st: _RequestState, plans: list[_Plan], pending: dict) -> _Plan:
-        """Find the request's hit (against the cache and ``pending``, the blocks
-        earlier plans of this step will cache) and register the blocks it will
-        cache itself in ``pending``."""
+    def _plan(self, st: _RequestState, plans: list[_Plan]) -> _Plan:
+        """Find the request's hit, against the cache and against the blocks the
+        earlier ``plans`` of this step will compute and cache."""
         self._extend_hashes([st])
         bs = self.block_size
         num_tokens = len(st.tokens)
@@ -600,7 +605,7 @@ class KVCacheManager:
                     ):
                         found = None
                     if found is None:
-                        found = self._pending_hit(st, i, g, plans, pending)
+                        found = self._pending_hit(st, i, plans)
                 probe[(i, g)] = found
             return probe[(i, g)]
 
@@ -620,28 +625,25 @@ class KVCacheManager:
             first_real = self._first_real_hit(window, hit, g, block_at)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
         n_total = self._num_blocks_for(num_tokens)
-        plan = _Plan(st, hit, hits, (n_total - hit) * self.num_groups)
-        if self.enable_caching:
-            index = len(plans)
-            for i in range(hit, num_tokens // bs):
-                for g in range(self.num_groups):
-                    pending.setdefault((st.block_hashes[i], g), (index, i))
-        return plan
+        return _Plan(st, hit, hits, (n_total - hit) * self.num_groups)
 
-    def _pending_hit(self, st, i, g, plans, pending):
-        where = pending.get((st.block_hashes[i], g))
-        if where is None:
-            return None
-        j, pos = where
-        other = plans[j].state
-        if (
-            pos != i
-            or self._token_bytes(other, i) != self._token_bytes(st, i)
-            or other.extras[i] != st.extras[i]
-            or self._parent(other, i) != self._parent(st, i)
-        ):
-            return None
-        return where
+    def _pending_hit(self, st: _RequestState, i: int, plans: list[_Plan]):
+        """(plan index, i) when the earliest earlier request of the step with
+        the same digest at position ``i`` computes that block (it did not hit
+        it) and it verifies against ours; else None. (Had that request hit the
+        block, we hit the same cached block first.)"""
+        digest = st.block_hashes[i]
+        for j, plan in enumerate(plans):
+            other = plan.state
+            if i < len(other.block_hashes) and other.block_hashes[i] == digest:
+                if plan.num_hit_blocks > i or (
+                    self._token_bytes(other, i) != self._token_bytes(st, i)
+                    or other.extras[i] != st.extras[i]
+                    or self._parent(other, i) != self._parent(st, i)
+                ):
+                    return None
+                return (j, i)
+        return None
 
     def _window_blocks(self, window: int) -> int:
         """Leading blocks a sliding window must still see at a hit boundary."""
@@ -726,13 +728,21 @@ class KVCacheManager:
         need = sum(n_total - len(st.blocks[g]) for g in range(self.num_groups))
         if need > self.pool.num_free_blocks:
             return False
+        if isinstance(st.tokens, np.ndarray):  # a list from the first append on
+            st.tokens = st.tokens.tolist()
         st.tokens.extend(new_tokens)
         for g in range(self.num_groups):
             st.blocks[g].extend(self.pool.allocate(n_total - len(st.blocks[g])))
         st.num_computed_tokens = num_tokens
-        self._extend_hashes([st])
-        self._cache_full_blocks(st)
         return True
+
+    def _cache_running(self, states: list[_RequestState]) -> None:
+        """Cache the blocks running requests filled, request by request; the
+        hashing is done first for all of them at once (it reads no pool state,
+        so doing it early changes nothing)."""
+        self._extend_hashes(states)
+        for st in states:
+            self._cache_full_blocks(st)
 
     def _skipped_blocks(self, st: _RequestState) -> list[int]:
         """Per group, how many leading blocks no token computed from now on can

@@ -26,7 +26,7 @@ from gpukv.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 @dataclass
 class ReplayOptions:
     block_size: int = 16
-    num_blocks: int = 20_000
+    num_blocks: int = 65_536
     max_model_len: int = 131_072
     max_num_seqs: int = 256
     admission: str = "batch"  # or "one": one step call per admitted request (vLLM's order)
@@ -292,9 +292,10 @@ class Replay:
 
     def _new_request(self, live: _Live) -> NewRequest:
         spec = live.spec
+        if live.block_hashes is None and spec.request_id in self._hashes:
+            # Kept while the request waits: a refused request is asked again next step.
+            live.block_hashes = hashing.lanes_to_digests(self._hashes[spec.request_id])
         hashes = live.block_hashes
-        if hashes is None and spec.request_id in self._hashes:
-            hashes = hashing.lanes_to_digests(self._hashes[spec.request_id])
         if hashes is not None and len(hashes) != len(live.tokens) // self.opts.block_size:
             hashes = None
         return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,
@@ -302,6 +303,7 @@ class Replay:
 
     def _admitted(self, live: _Live, step: int, num_cached: int) -> None:
         live.status = "running"
+        live.block_hashes = None  # the manager holds them now
         self.running.append(live)
         if live.admitted_step is None:
             live.admitted_step = step
