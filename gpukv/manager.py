@@ -457,12 +457,19 @@ class KVCacheManager:
                           fq=self.pool.free_queue, table=self.pool.table, uncached_first=self.uncached_first)
         self._launch(3)
 
-    def _write_tokens(self, rows: list[int], starts: list[int], token_arrays: list[np.ndarray]) -> None:
+    def _write_tokens(self, rows: list[int], starts: list[int], token_arrays: list) -> None:
+        """Write tokens into request rows. Arrays come from the host; tensors
+        already on the device (sampled tokens) are copied there, unread."""
         idx = [np.arange(s, s + len(a), dtype=np.int64) + r * self._T for r, s, a in zip(rows, starts, token_arrays)]
         if not idx or sum(len(i) for i in idx) == 0:
             return
         flat_idx = torch.as_tensor(np.concatenate(idx), device=self.device)
-        vals = torch.as_tensor(_as_int32_tokens(np.concatenate(token_arrays)), device=self.device)
+        if any(isinstance(a, torch.Tensor) for a in token_arrays):
+            vals = torch.cat([a.to(self.device, torch.int64) if isinstance(a, torch.Tensor)
+                              else torch.as_tensor(np.asarray(a, dtype=np.int64), device=self.device)
+                              for a in token_arrays]).to(torch.int32)  # two's complement = the uint32 bits
+        else:
+            vals = torch.as_tensor(_as_int32_tokens(np.concatenate(token_arrays)), device=self.device)
         self.tokens.view(-1).index_copy_(0, flat_idx, vals)
 
     def _write_extras(self, states: list[_Row], num_full: list[int]) -> None:

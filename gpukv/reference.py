@@ -722,7 +722,7 @@ class KVCacheManager:
         """Append a running request's tokens and give it blocks for all of
         them. False, with nothing changed, when the blocks do not fit."""
         st = self._state(update.request_id)
-        new_tokens = check_token_ids(update.new_token_ids, update.request_id).tolist()
+        new_tokens = [t % 2**32 for t in check_token_ids(update.new_token_ids, update.request_id).tolist()]
         num_tokens = len(st.tokens) + len(new_tokens)
         n_total = self._num_blocks_for(num_tokens)
         need = sum(n_total - len(st.blocks[g]) for g in range(self.num_groups))

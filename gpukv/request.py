@@ -11,18 +11,29 @@ from dataclasses import dataclass, field
 from typing import Container, Sequence
 
 import numpy as np
+import torch
 
 from gpukv.hashing import MMItem
 
 MAX_TOKEN_ID = 2**32 - 1
 
 
-def check_token_ids(token_ids: Sequence[int], what: str) -> np.ndarray:
+def check_token_ids(token_ids: Sequence[int], what: str) -> np.ndarray | torch.Tensor:
     """Return ``token_ids`` as an int64 array, or raise saying what is wrong.
 
     Token ids are hashed as little-endian uint32, so each must be an int in
     ``[0, 2**32)``; bools, floats and strings are refused rather than coerced.
+    A tensor on a GPU (tokens a sampler just produced) is returned as it is,
+    with its dtype and shape checked but not its values: reading them would
+    stop the host until the GPU catches up. Its ids are taken modulo 2**32.
     """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dtype not in (torch.int32, torch.int64) or token_ids.dim() > 1:
+            raise TypeError(f"{what}: a token tensor must be 1-D int32 or int64, got {token_ids.dtype} "
+                            f"of shape {tuple(token_ids.shape)}")
+        if token_ids.device.type != "cpu":
+            return token_ids.reshape(-1)
+        token_ids = token_ids.numpy()
     if isinstance(token_ids, (str, bytes)):
         raise TypeError(f"{what}: token ids must be a sequence of ints, got {type(token_ids).__name__}")
     if isinstance(token_ids, np.ndarray):

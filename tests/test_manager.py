@@ -160,3 +160,15 @@ def test_hybrid_sliding_window_workloads_match(seed, windows, block_size):
     assert stats == ref.make_prefix_cache_stats()
     # The workload exercised what it is for: window hits and blocks released behind windows.
     assert stats.hits > 0 and nulls
+
+
+def test_running_tokens_may_come_as_tensors():
+    import torch
+
+    ref, dev = pair(20, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+        assert m.step(running=[RunningUpdate("a", torch.tensor([4, 5, 6], dtype=torch.int32))]).ok
+    assert_same(ref, dev)
+    with pytest.raises(TypeError, match="1-D int32 or int64"):
+        dev.step(running=[RunningUpdate("a", torch.tensor([1.5]))])

@@ -63,7 +63,9 @@ def test_decode_only_step_does_not_synchronise():
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            res = dev.step(running=[RunningUpdate(f"r{i}", [5] * 20) for i in range(64)])
+            # Sampled tokens already on the GPU, as a serving loop has them.
+            sampled = torch.full((20,), 5, dtype=torch.int64, device="cuda")
+            res = dev.step(running=[RunningUpdate(f"r{i}", sampled) for i in range(64)])
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert res.ok and dev.counters.syncs == 0
