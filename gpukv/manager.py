@@ -10,8 +10,9 @@ no new requests whose allocations fit the host's lower bound of free blocks
 reads nothing.
 
 Device tensors per request row (rows are recycled): ``tokens`` int32[R, T]
-(T = ``max_model_len``), ``digests`` / ``extras`` int64[R, M, 2] (M = T / block
-size, rounded up) and the block tables ``block_table`` int32[G, R, M] that an
+(T = ``max_model_len``), ``digests`` int64[R, M + 1, 2] (M = T / block size,
+rounded up; the last column takes masked-off writes) and ``extras`` (same
+layout) and the block tables ``block_table`` int32[G, R, M] that an
 attention kernel can read directly (``block_table_for``).
 
 Hybrid models: any mix of full-attention and sliding-window groups sharing
@@ -212,21 +213,29 @@ class KVCacheManager:
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes no block."""
         self._check([], [], [request])
-        hit, cache_hits = self._lookup_only(request)
-        return ComputedBlocks([cache_hits[g][:hit] for g in range(self.num_groups)], hit * self.block_size)
+        return self._lookup_only(request, count_stats=True)
 
     def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
                        computed: ComputedBlocks | None = None) -> list[list[int]] | None:
         if isinstance(request, NewRequest):
             if new_token_ids:
                 raise ValueError("allocate_slots: a new request brings its tokens in NewRequest.token_ids")
-            res = self._step((), (), [request], count_stats=False, skip_lookup=computed is None)
+            self._check([], [], [request])
+            cap = 0
+            if computed is not None:
+                # Checked before anything changes: the given hit must still be
+                # what a lookup finds now (a prefix of it may be taken).
+                now = self._lookup_only(request, count_stats=False)
+                cap = computed.num_tokens // self.block_size
+                if (len(computed.block_ids) != self.num_groups or cap * self.block_size != computed.num_tokens
+                        or cap > now.num_tokens // self.block_size
+                        or any(list(computed.block_ids[g]) != now.block_ids[g][:cap] for g in range(self.num_groups))):
+                    raise ValueError("allocate_slots: the computed blocks are stale (evicted since the lookup); "
+                                     "call get_computed_blocks again")
+            res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
             if res.num_admitted == 0:
                 return None
             got = res.num_computed_tokens[0]
-            want = computed.num_tokens if computed is not None else 0
-            if got != want:
-                raise ValueError("allocate_slots: the computed blocks are stale; call get_computed_blocks again")
             blocks = self.get_block_ids(request.request_id)
             return [g[got // self.block_size:] for g in blocks]
         before = self._state(request).num_blocks
@@ -273,8 +282,8 @@ class KVCacheManager:
             return t
 
         self.tokens = grown(self.tokens, (cap, T), torch.int32)
-        self.digests = grown(self.digests, (cap, M, 2), torch.int64)
-        self.extras = grown(self.extras, (cap, M, 2), torch.int64)
+        self.digests = grown(self.digests, (cap, M + 1, 2), torch.int64)  # column M: a dump for masked writes
+        self.extras = grown(self.extras, (cap, M + 1, 2), torch.int64)  # same layout as digests
         bt = torch.zeros((G, cap, M), dtype=torch.int32, device=dev)
         if self.block_table is not None:
             bt[:, : self._rows_cap] = self.block_table
@@ -300,7 +309,7 @@ class KVCacheManager:
         self.counters.launches += n
 
     # The step ----------------------------------------------------------------
-    def _step(self, finished, running, new, *, count_stats: bool = True, skip_lookup: bool = False) -> StepResult:
+    def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None) -> StepResult:
         self._check(finished, running, new)
         self.counters.launches = 0
         self.counters.syncs = 0
@@ -372,7 +381,7 @@ class KVCacheManager:
         cand_rows: list[int] = []
         if new:
             cand_rows = [self._take_row() for _ in new]
-            status, hits = self._admit_new(new, cand_rows, blocked, count_stats, skip_lookup)
+            status, hits = self._admit_new(new, cand_rows, blocked, count_stats, hit_caps)
             status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64)]
 
         # The one device-to-host read of the step (none when nothing is unknown).
@@ -390,7 +399,8 @@ class KVCacheManager:
             if host is not None:
                 n_ok = int(host[0])
                 pos = 1
-            self._free_lower_bound -= int(sum(needs[:n_ok]))
+            if host is None:  # a read already gave the exact count after this step
+                self._free_lower_bound -= int(sum(needs[:n_ok]))
             for u, add in zip(running[:n_ok], adds[:n_ok]):
                 st = self._reqs[u.request_id]
                 st.num_tokens += len(add)
@@ -481,7 +491,7 @@ class KVCacheManager:
                 ds = hashing.extra_key_digests(self._key, n - st.extras_known, self.block_size, lora_id=st.lora_id,
                                                mm_items=st.mm_items, cache_salt=st.cache_salt,
                                                first_block=st.extras_known)
-                idx.append(np.arange(st.extras_known, n) + st.row * self._M)
+                idx.append(np.arange(st.extras_known, n) + st.row * (self._M + 1))
                 vals.append(hashing.digests_to_lanes(ds).view(np.int64))
             st.extras_known = max(st.extras_known, n)
         if idx:
@@ -509,10 +519,12 @@ class KVCacheManager:
         nb = torch.as_tensor([e - s for _, s, e in work], dtype=torch.int32, device=self.device)
         out = hash_block_chains(self._key_dev, parents, toks, nb, extras, block_size=bs, max_blocks=width)
         self._launch()
+        # Positions past a row's last block go to the dump column M: a scatter
+        # of fixed shape, not a boolean mask (which would read the device).
         mask = torch.arange(width, device=self.device)[None, :] < nb[:, None].long()
-        r_idx = rows_t[:, None].expand(-1, width)[mask]
-        c_idx = bcols[mask]
-        self.digests[r_idx, c_idx] = out[mask]
+        cols_out = torch.where(mask, starts_t[:, None] + torch.arange(width, device=self.device)[None, :],
+                               torch.full_like(bcols, self._M))
+        self.digests[rows_t[:, None].expand(-1, width), cols_out] = out
 
     def _record(self, grp, rw, ps, valid) -> None:
         block_ops.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
@@ -532,7 +544,7 @@ class KVCacheManager:
         self._write_extras(states, [len(a) // bs for a in arrays])
         given = [(row, r) for row, r in zip(rows, new) if r.block_hashes is not None and len(r.block_hashes)]
         if given:
-            idx = np.concatenate([np.arange(len(r.block_hashes)) + row * self._M for row, r in given])
+            idx = np.concatenate([np.arange(len(r.block_hashes)) + row * (self._M + 1) for row, r in given])
             vals = np.concatenate([hashing.digests_to_lanes(list(r.block_hashes)).view(np.int64) for _, r in given])
             self.digests.view(-1, 2).index_copy_(0, torch.as_tensor(idx, device=self.device),
                                                 torch.as_tensor(vals, device=self.device))
@@ -554,26 +566,31 @@ class KVCacheManager:
         lg = np.concatenate([np.tile(np.arange(G), h) for h in max_hit]) if max_hit.sum() else np.zeros(0, np.int64)
         return n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg
 
-    def _lookup_only(self, request: NewRequest) -> tuple[int, list[list[int]]]:
+    def _lookup_only(self, request: NewRequest, count_stats: bool) -> ComputedBlocks:
+        """The hit a step would give this request now, changing no block."""
         row = self._take_row()
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
-            _, hit, cache = self._admit_new([request], [row], blocked, True, False, dry=True)
+            _, hit, cache = self._admit_new([request], [row], blocked, count_stats, None, dry=True)
             n = int(hit[0].item())
             blocks = cache[0, :n].T.cpu().tolist() if n else [[] for _ in range(self.num_groups)]
         finally:
             self._free_rows.append(row)
-        return n, blocks
+        for g, w in enumerate(self._window_blocks):
+            if w >= 0:  # a window group holds the null block before its last W hit positions
+                blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
+        return ComputedBlocks(blocks, n * self.block_size)
 
-    def _admit_new(self, new, rows, blocked, count_stats: bool, skip_lookup: bool, dry: bool = False):
+    def _admit_new(self, new, rows, blocked, count_stats: bool, hit_caps=None, dry: bool = False):
         dev, bs, G = self.device, self.block_size, self.num_groups
         pool = self.pool
         K = len(new)
         self._prepare_new(new, rows)
         n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg = self._lookup_tables(new, rows)
-        if skip_lookup:
-            max_hit = np.zeros_like(max_hit)
-            li = lp = lg = np.zeros(0, np.int64)
+        if hit_caps is not None:
+            max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
+            keep = lp < max_hit[li] if len(li) else np.zeros(0, bool)
+            li, lp, lg = li[keep], lp[keep], lg[keep]
         rows_np = np.asarray(rows, dtype=np.int64)
         cache = torch.full((K, P, G), -1, dtype=torch.int32, device=dev)
         pend = torch.full((K, P), -1, dtype=torch.int32, device=dev)
@@ -585,7 +602,7 @@ class KVCacheManager:
                                           torch.ones_like(lg_t))
             ok = lookup_ops.verify(found, lrow_t, lp_t, tokens=self.tokens, digests=self.digests, extras=self.extras,
                                    root=self._root_lanes, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
-                                   blk_extra=pool.blk_extra, from_pool=True)
+                                   blk_extra=pool.blk_extra, from_pool=True, block_size=bs)
             cache[li_t.long(), lp_t.long(), lg_t.long()] = ok
             self._launch(2)
             # Blocks earlier requests of this step will compute: the earliest
@@ -609,7 +626,7 @@ class KVCacheManager:
                 e_row = torch.where(e_req < self._i32(q), e_row, torch.full_like(e_row, -1))
                 same = lookup_ops.verify(e_row, self._i32(rows_np[q]), self._i32(qp), tokens=self.tokens,
                                          digests=self.digests, extras=self.extras, root=self._root_lanes,
-                                         from_pool=False)
+                                         from_pool=False, block_size=bs)
                 pend[torch.as_tensor(q, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
                     same >= 0, e_req, torch.full_like(e_req, -1))
                 self._launch(4)  # insert (2), find, verify

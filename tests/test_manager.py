@@ -172,3 +172,45 @@ def test_running_tokens_may_come_as_tensors():
     assert_same(ref, dev)
     with pytest.raises(TypeError, match="1-D int32 or int64"):
         dev.step(running=[RunningUpdate("a", torch.tensor([1.5]))])
+
+
+def test_allocate_slots_with_stale_or_shorter_computed_blocks():
+    from gpukv.reference import ComputedBlocks
+
+    ref, dev = pair(8, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
+        m.free("a")  # blocks 1, 2 cached, free
+    req = NewRequest("b", [1, 2, 3, 4, 5, 6])
+    computed = [m.get_computed_blocks(req) for m in (ref, dev)]
+    assert computed[0] == computed[1] == ComputedBlocks([[1, 2]], 4)
+    # A shorter prefix of a valid hit may be taken.
+    short = ComputedBlocks([[1]], 2)
+    assert ref.allocate_slots(req, computed=short) == dev.allocate_slots(req, computed=short) == [[3, 4]]
+    assert_same(ref, dev)
+    for m in (ref, dev):
+        m.free("b")
+        m.step(new=[NewRequest("x", list(range(100, 114)))])  # 7 blocks: evicts the cached ones
+    for m in (ref, dev):
+        before = (m.free_queue(), m.request_ids())
+        with pytest.raises(ValueError, match="stale"):
+            m.allocate_slots(NewRequest("c", [1, 2, 3, 4, 5]), computed=ComputedBlocks([[1, 2]], 4))
+        assert (m.free_queue(), m.request_ids()) == before
+    assert_same(ref, dev)
+
+
+def test_get_computed_blocks_gives_null_where_a_window_does_not_reach():
+    ref, dev = pair(20, 2, windows=[None, 4])
+    tokens = list(range(1, 10))
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", tokens)])
+        m.free("a")
+    req = NewRequest("b", tokens)
+    assert dev.get_computed_blocks(req) == ref.get_computed_blocks(req)
+    assert ref.get_computed_blocks(req).block_ids[1][:2] == [0, 0]
+
+
+def test_free_count_bound_is_exact_after_a_read():
+    _, dev = pair(32, 4)
+    dev.step(new=[NewRequest("a", list(range(10)))])
+    assert dev._free_lower_bound == dev.num_free_blocks

@@ -172,8 +172,8 @@ def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root
     K = group.numel()
     if K == 0:
         return
-    G, R, M = block_table.shape
     T = tokens.shape[1]
+    M = digests.shape[1]  # digests and extras share one layout (may be wider than the block table)
     bs = blk_tokens.shape[1]
     g64, r64, p64 = group.long(), row.long(), pos.long()
     blk = block_table[g64, r64, p64]

@@ -88,12 +88,12 @@ def _verify_kernel(
     tl.store(out_ptr + offs, tl.where(ok, c, -1), mask=lane)
 
 
-def verify(cand, row, pos, *, tokens, digests, extras, root, blk_tokens=None, blk_parent=None, blk_extra=None,
-           from_pool: bool, tile: int = 128) -> torch.Tensor:
+def verify(cand, row, pos, *, tokens, digests, extras, root, block_size: int, blk_tokens=None, blk_parent=None,
+           blk_extra=None, from_pool: bool, tile: int = 128) -> torch.Tensor:
     """Keep the candidates that verify (see ``_verify_kernel``); -1 elsewhere.
 
     ``cand``/``row``/``pos``: int32[K]. ``tokens``: int32[R, T] request rows;
-    ``digests``/``extras``: int64[R, M, 2]; ``root``: (lo, hi) ints of the root
+    ``digests``/``extras``: int64[R, M, 2] (one layout); ``root``: (lo, hi) ints of the root
     digest. With ``from_pool`` the candidates are pool blocks whose copies are
     in ``blk_tokens`` int32[N, bs], ``blk_parent``/``blk_extra`` int64[N, 2];
     else they are request rows of the same tensors.
@@ -104,7 +104,9 @@ def verify(cand, row, pos, *, tokens, digests, extras, root, blk_tokens=None, bl
         return out
     R, T = tokens.shape
     M = digests.shape[1]
-    bs = T // M if blk_tokens is None else blk_tokens.shape[1]
+    if extras.shape != digests.shape:
+        raise ValueError(f"extras {tuple(extras.shape)} and digests {tuple(digests.shape)} must share one layout")
+    bs = block_size
     if from_pool and blk_tokens is None:
         raise ValueError("verify(from_pool=True) needs blk_tokens, blk_parent and blk_extra")
     dummy = digests

@@ -29,13 +29,14 @@ def test_verify_from_pool_checks_parent_tokens_and_extra():
     row = torch.zeros(5, dtype=torch.int32)
     pos = torch.tensor([0, 1, 1, 1, 1], dtype=torch.int32)
     out = lookup.verify(cand, row, pos, tokens=tokens, digests=digests, extras=extras, root=ROOT,
-                        blk_tokens=blk_tokens, blk_parent=blk_parent, blk_extra=blk_extra, from_pool=True)
+                        blk_tokens=blk_tokens, blk_parent=blk_parent, blk_extra=blk_extra, from_pool=True, block_size=bs)
     # block 1 at position 0: root parent, tokens [1, 2]: a hit. Block 2 at 1: a hit.
     # Block 3 has token 5 where the request has 4: a miss. Block 1 at position 1: wrong parent and tokens.
     assert out.tolist() == [1, 2, -1, -1, -1]
     extras[0, 1, 0] = 9  # the request's extra key differs from block 2's
     out = lookup.verify(cand[1:2], row[:1], pos[1:2], tokens=tokens, digests=digests, extras=extras, root=ROOT,
-                        blk_tokens=blk_tokens, blk_parent=blk_parent, blk_extra=blk_extra, from_pool=True)
+                        blk_tokens=blk_tokens, blk_parent=blk_parent, blk_extra=blk_extra, from_pool=True,
+                        block_size=bs)
     assert out.tolist() == [-1]
 
 
@@ -45,7 +46,8 @@ def test_verify_between_request_rows():
     digests[2] = digests[0]
     cand = torch.tensor([0, 0], dtype=torch.int32)
     out = lookup.verify(cand, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
-                        tokens=tokens, digests=digests, extras=extras, root=ROOT, from_pool=False)
+                        tokens=tokens, digests=digests, extras=extras, root=ROOT, from_pool=False,
+                        block_size=2)
     assert out.tolist() == [0, -1]
 
 
