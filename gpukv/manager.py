@@ -198,8 +198,10 @@ class KVCacheManager:
         self._reset_flag = True
         return True
 
-    def check_invariants(self) -> None:
-        self.pool.check_invariants(self._key, self._root)
+    def check_invariants(self, *, verify_digests: bool = True) -> None:
+        """The pool's invariants (see ``DevicePool.check_invariants``), and each
+        block's count equals the number of block-table rows that hold it."""
+        self.pool.check_invariants(self._key, self._root, verify_digests=verify_digests)
         held = np.zeros(self.num_blocks, dtype=np.int64)
         bt = self.block_table.cpu().numpy()
         for st in self._reqs.values():
@@ -551,6 +553,43 @@ class KVCacheManager:
         todo = [(row, len(a) // bs) for row, r, a in zip(rows, new, arrays) if r.block_hashes is None]
         self._hash_rows([r for r, _ in todo], [0] * len(todo), [n for _, n in todo])
 
+    def _pending_chains(self, K, rows_np, n_full, P, li, lp, lg):
+        dev, bs = self.device, self.block_size
+        ei = np.repeat(np.arange(K), n_full)
+        ep = np.concatenate([np.arange(n) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
+        if not len(ei):
+            return None
+        E = len(ei)
+        ei_t, ep_t = self._i32(ei), self._i32(ep)
+        e_rows = self._i32(rows_np[ei])
+        lanes = self.digests[e_rows.long(), ep_t.long()]
+        lo, hi = lanes[:, 0].contiguous(), lanes[:, 1].contiguous()
+        scratch = table_ops.HashTable.create(E, dev)
+        ones = torch.ones(E, dtype=torch.int32, device=dev)
+        table_ops.insert(scratch, lo, hi, ep_t, self._i32(np.arange(E)), ones)
+        head = table_ops.find_oldest(scratch, lo, hi, ep_t, ones)
+        # Inputs equal to the chain head's (digests can be caller-supplied).
+        ok = lookup_ops.verify(e_rows[head.long()].contiguous(), e_rows, ep_t, tokens=self.tokens,
+                               digests=self.digests, extras=self.extras, root=self._root_lanes, from_pool=False,
+                               block_size=bs)
+        ok = (ok >= 0).to(torch.int32)
+        order = torch.argsort(head.long() * E + torch.arange(E, device=dev))
+        nxt = torch.full((E,), -1, dtype=torch.int32, device=dev)
+        same = head[order[1:]] == head[order[:-1]]
+        nxt[order[:-1]] = torch.where(same, order[1:].to(torch.int32), torch.full_like(order[1:], -1).to(torch.int32))
+        # Each lookup position starts at its own entry's chain head.
+        offs = np.concatenate([[0], np.cumsum(n_full)[:-1]])
+        heads = torch.full((K, P), -1, dtype=torch.int32, device=dev)
+        q = lg == 0
+        if q.any():
+            qi, qp = li[q], lp[q]
+            entry = torch.as_tensor(offs[qi] + qp, device=dev)
+            h = head[entry]
+            heads[torch.as_tensor(qi, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
+                ok[entry] != 0, h, torch.full_like(h, -1))
+        self._launch(4)  # insert (2), find, verify
+        return heads, nxt, ei_t, ok
+
     def _lookup_tables(self, new, rows):
         """Host layout of the lookup: one entry per (request, position < max
         hit, group), and the per-request counts."""
@@ -593,7 +632,7 @@ class KVCacheManager:
             li, lp, lg = li[keep], lp[keep], lg[keep]
         rows_np = np.asarray(rows, dtype=np.int64)
         cache = torch.full((K, P, G), -1, dtype=torch.int32, device=dev)
-        pend = torch.full((K, P), -1, dtype=torch.int32, device=dev)
+        chains = None
         if len(li):
             li_t, lp_t, lg_t = self._i32(li), self._i32(lp), self._i32(lg)
             lrow_t = self._i32(rows_np[li])
@@ -605,37 +644,23 @@ class KVCacheManager:
                                    blk_extra=pool.blk_extra, from_pool=True, block_size=bs)
             cache[li_t.long(), lp_t.long(), lg_t.long()] = ok
             self._launch(2)
-            # Blocks earlier requests of this step will compute: the earliest
-            # request with the same digest at the same position (a scratch
-            # multimap keyed by (digest, position), insertion order = request order).
-            ei = np.repeat(np.arange(K), n_full)
-            ep = np.concatenate([np.arange(n) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
-            if len(ei):
-                scratch = table_ops.HashTable.create(max(len(ei), 1), dev)
-                e_lanes = self.digests[torch.as_tensor(rows_np[ei], device=dev), torch.as_tensor(ep, device=dev)]
-                table_ops.insert(scratch, e_lanes[:, 0].contiguous(), e_lanes[:, 1].contiguous(), self._i32(ep),
-                                 self._i32(np.arange(len(ei))), torch.ones(len(ei), dtype=torch.int32, device=dev))
-                q = li[lg == 0]
-                qp = lp[lg == 0]
-                q_lanes = self.digests[torch.as_tensor(rows_np[q], device=dev), torch.as_tensor(qp, device=dev)]
-                first = table_ops.find_oldest(scratch, q_lanes[:, 0].contiguous(), q_lanes[:, 1].contiguous(),
-                                              self._i32(qp), torch.ones(len(q), dtype=torch.int32, device=dev))
-                ei_t = self._i32(ei)
-                e_req = torch.where(first >= 0, ei_t[first.clamp(min=0).long()], torch.full_like(first, -1))
-                e_row = torch.where(e_req >= 0, self._i32(rows_np)[e_req.clamp(min=0).long()], torch.full_like(first, -1))
-                e_row = torch.where(e_req < self._i32(q), e_row, torch.full_like(e_row, -1))
-                same = lookup_ops.verify(e_row, self._i32(rows_np[q]), self._i32(qp), tokens=self.tokens,
-                                         digests=self.digests, extras=self.extras, root=self._root_lanes,
-                                         from_pool=False, block_size=bs)
-                pend[torch.as_tensor(q, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
-                    same >= 0, e_req, torch.full_like(e_req, -1))
-                self._launch(4)  # insert (2), find, verify
+            # Blocks earlier requests of this step compute: every request's full
+            # blocks are entries (request-major); a scratch multimap keyed by
+            # (digest, position) names each entry's chain head (the earliest
+            # entry with that key), a sort by (head, entry) links the chains in
+            # request order, and the admission kernel walks them.
+            chains = self._pending_chains(K, rows_np, n_full, P, li, lp, lg)
         hit = torch.full((K,), -1, dtype=torch.int32, device=dev)
         status = torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=dev)
         stamp = self._next_stamp(0)
-        lookup_ops.admit(cache, pend, self._i32(max_hit), self._i32(n_blocks), self._i32(n_tok), self._i32(skip),
+        if chains is None:
+            chains = (torch.full((K, P), -1, dtype=torch.int32, device=dev),) + tuple(
+                torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(3))
+        resolved = torch.full((K, P), -1, dtype=torch.int32, device=dev)
+        lookup_ops.admit(cache, None, self._i32(max_hit), self._i32(n_blocks), self._i32(n_tok), self._i32(skip),
                          ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
-                         blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev)
+                         blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev,
+                         chains=chains, resolved=resolved)
         self._launch()
         if count_stats:
             self._stats_dev += status[lookup_ops.ST_REQUESTS: lookup_ops.ST_HIT_TOKENS + 1]
@@ -669,7 +694,7 @@ class KVCacheManager:
         if len(li):
             li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
             c = cache[li_l, lp_l, lg_l]
-            e = pend[li_l, lp_l]
+            e = resolved[li_l, lp_l]
             e_row = self._i32(rows_np)[e.clamp(min=0).long()].long()
             from_pending = self.block_table[lg_l, e_row, lp_l]
             blk = torch.where(real, torch.where(c >= 0, c, from_pending), torch.zeros_like(c))

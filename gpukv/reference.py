@@ -628,15 +628,16 @@ class KVCacheManager:
         return _Plan(st, hit, hits, (n_total - hit) * self.num_groups)
 
     def _pending_hit(self, st: _RequestState, i: int, plans: list[_Plan]):
-        """(plan index, i) when the earliest earlier request of the step with
-        the same digest at position ``i`` computes that block (it did not hit
-        it) and it verifies against ours; else None. (Had that request hit the
-        block, we hit the same cached block first.)"""
+        """(plan index, i) for the first earlier request of the step that
+        computes a block with our digest at position ``i`` (one that did not
+        hit it: a window group may hit a position with the null block, so an
+        earlier request sharing the block need not hold it), if that block
+        verifies against ours; else None."""
         digest = st.block_hashes[i]
         for j, plan in enumerate(plans):
             other = plan.state
-            if i < len(other.block_hashes) and other.block_hashes[i] == digest:
-                if plan.num_hit_blocks > i or (
+            if i < len(other.block_hashes) and other.block_hashes[i] == digest and plan.num_hit_blocks <= i:
+                if (
                     self._token_bytes(other, i) != self._token_bytes(st, i)
                     or other.extras[i] != st.extras[i]
                     or self._parent(other, i) != self._parent(st, i)

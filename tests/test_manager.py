@@ -214,3 +214,25 @@ def test_free_count_bound_is_exact_after_a_read():
     _, dev = pair(32, 4)
     dev.step(new=[NewRequest("a", list(range(10)))])
     assert dev._free_lower_bound == dev.num_free_blocks
+
+
+def test_pending_hit_from_the_first_request_that_computes_the_block():
+    # Found in review: e0 hits position 6 of the window group with the null
+    # block (its run is further right), so the block i needs there is the one
+    # e1 computes; "the earliest request with the digest" (e0) would lose it.
+    ref, dev = pair(64, 2, windows=[None, 3])
+    t = list(range(100, 116))
+    fillers = [NewRequest(f"X{k}", [1000 + k]) for k in range(5)]
+    for m in (ref, dev):
+        m.step(new=fillers)
+        m.step(new=[NewRequest("A", t)])
+        m.step(running=[RunningUpdate("A", [])])  # releases what A's window left behind
+    n_uncached = ref.num_free_blocks - 7
+    results = []
+    for m in (ref, dev):
+        m.step(new=[NewRequest("D", list(range(500, 500 + n_uncached + 1)))])  # evicts the window block at 6
+        m.step(finished=[x.request_id for x in fillers])
+        results.append(m.step(new=[NewRequest("e0", t + [7]), NewRequest("e1", t[:14]), NewRequest("i", t[:14] + [9])]))
+    assert results[0] == results[1]
+    assert results[0].num_computed_tokens == [16, 12, 14]
+    assert_same(ref, dev)

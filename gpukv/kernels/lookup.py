@@ -124,20 +124,44 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _available(cache_ptr, pend_ptr, hit_ptr, i, P, p, limit, g, G: tl.constexpr):
+def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, inr):
+    """Per position ``p``: whether an earlier request of the step computes a
+    block with request ``i``'s digest there (it did not hit it itself), and
+    which. ``pend[i, p]`` is the first entry of the chain of entries with that
+    (digest, position) in request order; ``next``/``cand``/``ok`` per entry:
+    the next one, its request, whether its inputs equal the chain's first."""
+    ent = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
+    found = ent < -1  # all False, of the lanes' shape
+    who = tl.where(found, 0, -1)
+    searching = ent >= 0
+    while tl.max(searching.to(tl.int32)) > 0:
+        es = tl.where(searching, ent, 0)
+        c = tl.load(cand_ptr + es, mask=searching, other=_BIG)
+        earlier = searching & (c < i)
+        he = tl.load(hit_ptr + tl.where(earlier, c, 0), mask=earlier, other=_BIG)
+        here = earlier & (he <= p)
+        same = tl.load(ok_ptr + es, mask=here, other=0) != 0
+        found = found | (here & same)
+        who = tl.where(here & same, c, who)
+        stop = (searching == 0) | (c >= i) | here
+        ent = tl.where(stop, -1, tl.load(next_ptr + es, mask=searching & (stop == 0), other=-1))
+        searching = ent >= 0
+    return found, who
+
+
+@triton.jit
+def _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, limit, g, G: tl.constexpr):
     """Whether request ``i`` can hit position ``p`` (< ``limit``) in group
-    ``g``: a verified cached block, or a block an earlier request of the step
-    computes (one that shares the block but did not hit it itself)."""
+    ``g``: a verified cached block, or a block an earlier request computes."""
     inr = p < limit
-    e = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
-    he = tl.load(hit_ptr + tl.where(e >= 0, e, 0), mask=inr & (e >= 0), other=_BIG)
-    pending = (e >= 0) & (e < i) & (he <= p)
+    pending, _ = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, inr)
     c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
     return inr & ((c >= 0) | pending)
 
 
 @triton.jit
-def _group_hit(cache_ptr, pend_ptr, hit_ptr, i, P, limit, g, W, G: tl.constexpr, TILE: tl.constexpr):
+def _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, limit, g, W,
+               G: tl.constexpr, TILE: tl.constexpr):
     """The longest hit (<= ``limit`` blocks) group ``g`` can serve. Full
     attention (``W < 0``): its first miss. Sliding window of ``W`` blocks: the
     end of the rightmost run of ``W`` available blocks, or the leading run when
@@ -149,7 +173,7 @@ def _group_hit(cache_ptr, pend_ptr, hit_ptr, i, P, limit, g, W, G: tl.constexpr,
     for p0 in range(0, P, TILE):
         p = p0 + lanes
         inr = p < limit
-        avail = _available(cache_ptr, pend_ptr, hit_ptr, i, P, p, limit, g, G)
+        avail = _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, limit, g, G)
         miss = inr & (avail == 0)
         first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, p, _BIG)))
         last_miss = tl.maximum(tl.associative_scan(tl.where(miss, p, -1), 0, _max_combine), carry)
@@ -177,13 +201,16 @@ def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
 
 @triton.jit
 def _admit_kernel(
-    cache_ptr, pend_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, win_ptr, K, P,
+    cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, resolved_ptr,
+    max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, win_ptr, K, P,
     ref_ptr, touched_ptr, stamp, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
     G: tl.constexpr, TILE: tl.constexpr,
 ):
     """Sequential admission (one program). ``cache[K, P, G]``: verified cache
-    hit block or -1; ``pend[K, P]``: the earlier request of the step that has
-    the same verified block at that position, or -1; ``win[G]``: blocks a
+    hit block or -1; ``pend[K, P]`` with ``next``/``cand``/``ok``: the chains of
+    requests of the step sharing a block (see ``_pending``); ``resolved[K, P]``
+    receives, for admitted requests, the earlier request whose block a pending
+    hit takes; ``win[G]``: blocks a
     sliding-window group must see at a hit boundary, -1 for full attention.
     ``blocked[0] != 0`` (a running update failed) admits nothing and counts
     nothing."""
@@ -213,7 +240,8 @@ def _admit_kernel(
                 prev = hit
                 for g in tl.static_range(G):
                     W = tl.load(win_ptr + g)
-                    hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, hit_ptr, i, P, hit, g, W, G, TILE))
+                    hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr,
+                                                     i, P, hit, g, W, G, TILE))
             # First touches: free cached hits no earlier admitted request touched
             # (a window group holds real blocks only for its last W hit positions).
             touches = tl.zeros((), tl.int64)
@@ -239,6 +267,8 @@ def _admit_kernel(
                 admitted += 1
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
+                    _, who = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, p < hit)
+                    tl.store(resolved_ptr + i * P + p, who, mask=p < P)
                     for g in tl.static_range(G):
                         c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
                         tl.store(touched_ptr + tl.where(real, c, 0), stamp + tl.zeros_like(c).to(tl.int64), mask=real)
@@ -257,17 +287,33 @@ def _admit_kernel(
 
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp: int,
-          num_free, blocked, block_size: int, hit_out, status, window_blocks=None, tile: int = 64) -> None:
+          num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
+          tile: int = 64) -> None:
     """Run the sequential admission (see ``_admit_kernel``); writes each
     considered request's hit (blocks) to ``hit_out`` and the step's counts to
     ``status`` (layout ``ST_*``). All arguments are device tensors but the
     ints; ``num_free`` and ``blocked`` are 1-element tensors; ``window_blocks``
-    int32[G] (-1 = full attention, the default for every group)."""
+    int32[G] (-1 = full attention, the default for every group). ``chains``:
+    (head int32[K, P], next int32[E], cand int32[E], ok int32[E]) entry chains
+    of requests sharing a block (``pending`` is then unused); without it,
+    ``pending[K, P]`` names the earlier request directly."""
     K, P, G = cache_hits.shape
+    dev = cache_hits.device
     if window_blocks is None:
-        window_blocks = torch.full((G,), -1, dtype=torch.int32, device=cache_hits.device)
+        window_blocks = torch.full((G,), -1, dtype=torch.int32, device=dev)
+    if chains is None:
+        # ``pending`` names requests directly: a chain of one entry per position.
+        E = K * P
+        entry = torch.arange(E, dtype=torch.int32, device=dev).reshape(K, P)
+        cand = pending.reshape(-1).clamp(min=0)
+        chains = (torch.where(pending >= 0, entry, torch.full_like(entry, -1)),
+                  torch.full((E,), -1, dtype=torch.int32, device=dev), cand.to(torch.int32),
+                  torch.ones(E, dtype=torch.int32, device=dev))
+    head, nxt, cand, ok = chains
+    if resolved is None:
+        resolved = torch.empty((K, P), dtype=torch.int32, device=dev)
     _admit_kernel[(1,)](
-        cache_hits, pending, max_hit, num_blocks, num_tokens, skip, window_blocks, K, P,
+        cache_hits, head, nxt, cand, ok, resolved, max_hit, num_blocks, num_tokens, skip, window_blocks, K, P,
         ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
         G=G, TILE=tile,
     )
