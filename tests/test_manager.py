@@ -236,3 +236,15 @@ def test_pending_hit_from_the_first_request_that_computes_the_block():
     assert results[0] == results[1]
     assert results[0].num_computed_tokens == [16, 12, 14]
     assert_same(ref, dev)
+
+
+def test_a_forged_digest_is_a_miss_on_both():
+    ref, dev = pair(10, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+    digests = ref.block_hashes("a")
+    assert dev.block_hashes("a") == digests
+    results = [m.step(new=[NewRequest("b", [7, 8, 9], block_hashes=digests)]) for m in (ref, dev)]
+    assert results[0] == results[1] and results[0].num_computed_tokens == [0]
+    assert dev.free_queue() == ref.free_queue() and dev.pool.table_entries() == ref.pool.table()
+    dev.check_invariants(verify_digests=False)
