@@ -96,6 +96,7 @@ class KVCacheManager:
         uncached_first: bool = True,
         hash_key: bytes | str | None = None,
         max_model_len: int = 8192,
+        max_num_reqs: int = 64,
         device: torch.device | str | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int):
@@ -129,7 +130,12 @@ class KVCacheManager:
         self._M = -(-max_model_len // block_size)
         self._rows_cap = 0
         self.tokens = self.digests = self.extras = self.block_table = None
-        self._grow_rows(16)
+        if isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, int) or max_num_reqs < 1:
+            raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
+        # Request rows (tokens, digests, block tables) are sized for this many
+        # requests at once (running ones and a step's candidates); past it they
+        # double, between steps' kernels, never inside one.
+        self._grow_rows(max_num_reqs)
         self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
         self._free_rows: list[int] = list(range(self._rows_cap))[::-1]
         self._reqs: dict[str, _Row] = {}

@@ -66,7 +66,7 @@ def make_manager(opts: ReplayOptions):
         from gpukv.manager import KVCacheManager
     else:
         raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
-    kwargs = dict(max_model_len=opts.max_model_len) if opts.backend == "device" else {}
+    kwargs = dict(max_model_len=opts.max_model_len, max_num_reqs=2 * opts.max_num_seqs) if opts.backend == "device" else {}
     return KVCacheManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first, hash_key=opts.hash_key,
                           **kwargs)
 
