@@ -42,6 +42,18 @@ _BIG = 1 << 30
 
 
 @triton.jit
+def _row_inputs(digests_ptr, extras_ptr, r, p, M, mask, root_lo, root_hi):
+    """Parent digest (the root for block 0) and extra digest of block ``p`` of
+    request row ``r``, as lanes."""
+    has_parent = p > 0
+    prev = (r * M + p - 1) * 2
+    par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=mask & has_parent, other=0), root_lo)
+    par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=mask & has_parent, other=0), root_hi)
+    ext = (r * M + p) * 2
+    return par_lo, par_hi, tl.load(extras_ptr + ext, mask=mask, other=0), tl.load(extras_ptr + ext + 1, mask=mask, other=0)
+
+
+@triton.jit
 def _verify_kernel(
     cand_ptr, row_ptr, pos_ptr, out_ptr, K,
     tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo, root_hi,
@@ -58,13 +70,7 @@ def _verify_kernel(
     p = tl.load(pos_ptr + offs, mask=lane, other=0).to(tl.int64)
     ok = lane & (c >= 0)
     c64 = tl.where(ok, c, 0).to(tl.int64)
-    has_parent = p > 0
-    prev = (r * M + p - 1) * 2
-    par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=ok & has_parent, other=0), root_lo)
-    par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=ok & has_parent, other=0), root_hi)
-    ext = (r * M + p) * 2
-    ext_lo = tl.load(extras_ptr + ext, mask=ok, other=0)
-    ext_hi = tl.load(extras_ptr + ext + 1, mask=ok, other=0)
+    par_lo, par_hi, ext_lo, ext_hi = _row_inputs(digests_ptr, extras_ptr, r, p, M, ok, root_lo, root_hi)
     cols = tl.arange(0, BS_P2)
     colmask = cols < BS
     mask2 = ok[:, None] & colmask[None, :]
@@ -76,12 +82,7 @@ def _verify_kernel(
         o_ext_hi = tl.load(blk_extra_ptr + c64 * 2 + 1, mask=ok, other=0)
         theirs = tl.load(blk_tokens_ptr + (c64 * BS)[:, None] + cols[None, :], mask=mask2, other=0)
     else:
-        oprev = (c64 * M + p - 1) * 2
-        o_par_lo = tl.where(has_parent, tl.load(digests_ptr + oprev, mask=ok & has_parent, other=0), root_lo)
-        o_par_hi = tl.where(has_parent, tl.load(digests_ptr + oprev + 1, mask=ok & has_parent, other=0), root_hi)
-        oext = (c64 * M + p) * 2
-        o_ext_lo = tl.load(extras_ptr + oext, mask=ok, other=0)
-        o_ext_hi = tl.load(extras_ptr + oext + 1, mask=ok, other=0)
+        o_par_lo, o_par_hi, o_ext_lo, o_ext_hi = _row_inputs(digests_ptr, extras_ptr, c64, p, M, ok, root_lo, root_hi)
         theirs = tl.load(tokens_ptr + (c64 * T + p * BS)[:, None] + cols[None, :], mask=mask2, other=0)
     same_tokens = tl.min(tl.where(mask2, (mine == theirs).to(tl.int32), 1), axis=1) == 1
     ok = ok & same_tokens & (par_lo == o_par_lo) & (par_hi == o_par_hi) & (ext_lo == o_ext_lo) & (ext_hi == o_ext_hi)
