@@ -8,6 +8,7 @@ import os
 import sys
 
 from gpukv import _runtime
+from gpukv.plot import replay_svg
 from gpukv.replay import Replay, ReplayOptions
 from gpukv.traces import builtin_trace_path, load_trace
 
@@ -45,6 +46,7 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help="Mooncake arrivals: all waiting from step 0 in order, or by timestamp")
     p.add_argument("--step-ms", type=float, default=100.0, help="with --arrival timestamp: milliseconds per step")
     p.add_argument("--json", metavar="OUT", help="write the full report (summary, per-request records, final state)")
+    p.add_argument("--plot", metavar="OUT.svg", help="write an SVG: token hit rate and manager time over the steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -127,6 +129,10 @@ def replay_main(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f)
         print(f"report written to {args.json}")
+    if args.plot:
+        with open(args.plot, "w") as f:
+            f.write(replay_svg(report))
+        print(f"plot written to {args.plot}")
     return 0
 
 

@@ -149,6 +149,7 @@ class Replay:
         self.running: list[_Live] = []
         self.live: dict[str, _Live] = {}
         self.step_ms: list[float] = []
+        self.hit_rate: list[float] = []  # token hit rate so far, after each step
         self.blocks_in_use: list[int] = []
         self.messages: list[str] = []
         self.totals = dict(prompt_tokens=0, cached_tokens=0, admissions=0, preemptions=0)
@@ -270,6 +271,8 @@ class Replay:
                 # does not fit never will. Rejecting it keeps the replay moving.
                 self._reject(self.waiting.popleft(), step, "did not fit into an empty pool")
         self.step_ms.append(self._t_step * 1e3)
+        tot = self.totals
+        self.hit_rate.append(tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0)
         self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.num_free_blocks)
         stats = self.manager.make_prefix_cache_stats()
         if self.stats is None:
@@ -387,5 +390,6 @@ class Replay:
             "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.num_free_blocks},
             "messages": self.messages,
             "step_ms": [round(x, 4) for x in self.step_ms],
+            "hit_rate_per_step": [round(x, 5) for x in self.hit_rate],
             "blocks_in_use": self.blocks_in_use,
         }
