@@ -53,6 +53,26 @@ def _as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
     return tokens.astype(np.int64).astype(np.uint32).view(np.int32)
 
 
+def entry_layout(starts, stops, *, reverse: bool = False):
+    """The host plan of a step phase: one entry per (request r, group g,
+    position p) with ``starts[r, g] <= p < stops[r, g]``, ordered by request,
+    then group, then position (descending with ``reverse``: a free call gives
+    blocks back tail first). ``starts``/``stops`` are [R, G] (or [R], the same
+    for every group of a one-group layout). Returns int64 arrays (request,
+    group, position, call) where call = r * G + g: one free call per request
+    and group. Vectorised: no Python loop over blocks."""
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    if starts.ndim == 1:
+        starts, stops = starts[:, None], stops[:, None]
+    R, G = starts.shape
+    counts = np.maximum(stops - starts, 0).ravel()
+    call = np.repeat(np.arange(R * G, dtype=np.int64), counts)
+    offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    pos = (stops.ravel()[call] - 1 - offs) if reverse else (starts.ravel()[call] + offs)
+    return call // G, call % G, pos, call
+
+
 @dataclass
 class _Row:
     """What the host knows of a request without asking the device."""
@@ -356,32 +376,25 @@ class KVCacheManager:
                 count = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), cum_dev])[n_ok_dev]
                 blocked = (n_ok_dev < n_run).to(torch.int32)
                 ok_known = False
+            rows_np = np.array([st.row for st in rows], dtype=np.int64)
+            nb_new = np.array([-(-n // bs) for n in new_totals], dtype=np.int64)
+            full_new = np.array([n // bs for n in new_totals], dtype=np.int64)
+            n_ok_32 = n_ok_dev.to(torch.int32)
             # Entries: (update, group, position) in pop order.
-            upd, grp, rw, ps = [], [], [], []
-            for i, (st, n) in enumerate(zip(rows, new_totals)):
-                nb = -(-n // bs)
-                for g in range(G):
-                    k = nb - st.num_blocks
-                    upd.extend([i] * k); grp.extend([g] * k); rw.extend([st.row] * k)
-                    ps.extend(range(st.num_blocks, nb))
-            if upd:
-                want = self._i32(upd) < n_ok_dev.to(torch.int32)
-                block_ops.allocate(count, want, self._i32(grp), self._i32(rw), self._i32(ps),
-                                   block_table=self.block_table, ref_cnt=pool.ref_cnt, fq=pool.free_queue,
-                                   table=pool.table, evictions=pool.evictions)
+            upd, grp, ps, _ = entry_layout(np.repeat([[st.num_blocks] for st in rows], G, 1),
+                                           np.repeat(nb_new[:, None], G, 1))
+            if len(upd):
+                block_ops.allocate(count, self._i32(upd) < n_ok_32, self._i32(grp), self._i32(rows_np[upd]),
+                                   self._i32(ps), block_table=self.block_table, ref_cnt=pool.ref_cnt,
+                                   fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
                 self._launch(3)
-            self._write_extras(rows, [n // bs for n in new_totals])
-            self._hash_rows([st.row for st in rows], [st.num_cached for st in rows], [n // bs for n in new_totals])
+            self._write_extras(rows, full_new.tolist())
+            self._hash_rows(rows_np.tolist(), [st.num_cached for st in rows], full_new.tolist())
             # Cache the blocks that are full now.
-            upd, grp, rw, ps = [], [], [], []
-            for i, (st, n) in enumerate(zip(rows, new_totals)):
-                for g in range(G):
-                    k = n // bs - st.num_cached
-                    upd.extend([i] * k); grp.extend([g] * k); rw.extend([st.row] * k)
-                    ps.extend(range(st.num_cached, n // bs))
-            if upd:
-                valid = self._i32(upd) < n_ok_dev.to(torch.int32)
-                self._record(self._i32(grp), self._i32(rw), self._i32(ps), valid)
+            upd, grp, ps, _ = entry_layout(np.repeat([[st.num_cached] for st in rows], G, 1),
+                                           np.repeat(full_new[:, None], G, 1))
+            if len(upd):
+                self._record(self._i32(grp), self._i32(rows_np[upd]), self._i32(ps), self._i32(upd) < n_ok_32)
             status_parts.append(n_ok_dev.to(torch.int64))
 
         # Phases 3-5: new requests.
@@ -438,40 +451,36 @@ class KVCacheManager:
     def _release_behind_windows(self, states: list[_Row]) -> None:
         """Window groups give back the blocks behind their window (tail first,
         one free call per request and group) and hold the null block there."""
-        grp, rw, ps, call = [], [], [], []
-        for idx, st in enumerate(states):
-            for g, w in enumerate(self.sliding_windows):
-                if w is None:
-                    continue
-                skip = max(0, st.num_tokens - w + 1) // self.block_size
-                if skip > st.null_upto[g]:
-                    k = skip - st.null_upto[g]
-                    grp.extend([g] * k); rw.extend([st.row] * k); ps.extend(range(skip - 1, st.null_upto[g] - 1, -1))
-                    call.extend([idx * self.num_groups + g] * k)
-                    st.null_upto[g] = skip
-        if not grp:
+        starts = np.array([st.null_upto for st in states], dtype=np.int64)
+        stops = starts.copy()
+        for g, w in enumerate(self.sliding_windows):
+            if w is not None:
+                skip = np.array([max(0, st.num_tokens - w + 1) // self.block_size for st in states])
+                stops[:, g] = np.maximum(skip, starts[:, g])
+        idx, grp, ps, call = entry_layout(starts, stops, reverse=True)
+        for st, upto in zip(states, stops.tolist()):
+            st.null_upto = upto
+        if not len(idx):
             return
-        g_t, r_t, p_t = self._i32(grp), self._i32(rw), self._i32(ps)
+        rows_np = np.array([st.row for st in states], dtype=np.int64)
+        g_t, r_t, p_t = self._i32(grp), self._i32(rows_np[idx]), self._i32(ps)
         block_ops.release(self.block_table, g_t, r_t, p_t, self._i32(call), ref_cnt=self.pool.ref_cnt,
-                          last_seen=self.pool.last_seen, stamp=self._next_stamp(len(grp)), fq=self.pool.free_queue,
+                          last_seen=self.pool.last_seen, stamp=self._next_stamp(len(idx)), fq=self.pool.free_queue,
                           table=self.pool.table, uncached_first=self.uncached_first)
         self.block_table[g_t.long(), r_t.long(), p_t.long()] = 0
         self._launch(3)
 
     def _release_requests(self, request_ids: Sequence[str]) -> None:
-        G = self.num_groups
-        grp, rw, ps, call = [], [], [], []
-        for idx, rid in enumerate(request_ids):
-            st = self._reqs[rid]
-            for g in range(G):
-                k = st.num_blocks
-                grp.extend([g] * k); rw.extend([st.row] * k); ps.extend(range(k - 1, -1, -1))
-                call.extend([idx * G + g] * k)
-        if not grp:
+        """Free whole requests: one free call per request and group, tail first."""
+        states = [self._reqs[rid] for rid in request_ids]
+        idx, grp, ps, call = entry_layout(np.zeros((len(states), self.num_groups), dtype=np.int64),
+                                          np.repeat([[st.num_blocks] for st in states], self.num_groups, 1),
+                                          reverse=True)
+        if not len(idx):
             return
-        stamp = self._next_stamp(len(grp))
-        block_ops.release(self.block_table, self._i32(grp), self._i32(rw), self._i32(ps), self._i32(call),
-                          ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, stamp=stamp,
+        rows_np = np.array([st.row for st in states], dtype=np.int64)
+        block_ops.release(self.block_table, self._i32(grp), self._i32(rows_np[idx]), self._i32(ps), self._i32(call),
+                          ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, stamp=self._next_stamp(len(idx)),
                           fq=self.pool.free_queue, table=self.pool.table, uncached_first=self.uncached_first)
         self._launch(3)
 
@@ -561,8 +570,7 @@ class KVCacheManager:
 
     def _pending_chains(self, K, rows_np, n_full, P, li, lp, lg):
         dev, bs = self.device, self.block_size
-        ei = np.repeat(np.arange(K), n_full)
-        ep = np.concatenate([np.arange(n) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
+        ei, _, ep, _ = entry_layout(np.zeros(K, dtype=np.int64), n_full)
         if not len(ei):
             return None
         E = len(ei)
@@ -606,9 +614,7 @@ class KVCacheManager:
         skip = np.array([bool(r.skip_prefix_cache) for r in new], dtype=np.int32)
         max_hit = np.where(skip == 1, 0, (n_tok - 1) // bs)
         P = int(max(1, max_hit.max()))
-        li = np.repeat(np.arange(len(new)), max_hit * G)
-        lp = np.concatenate([np.repeat(np.arange(h), G) for h in max_hit]) if max_hit.sum() else np.zeros(0, np.int64)
-        lg = np.concatenate([np.tile(np.arange(G), h) for h in max_hit]) if max_hit.sum() else np.zeros(0, np.int64)
+        li, lg, lp, _ = entry_layout(np.zeros((len(new), G), dtype=np.int64), np.repeat(max_hit[:, None], G, 1))
         return n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg
 
     def _lookup_only(self, request: NewRequest, count_stats: bool) -> ComputedBlocks:
@@ -687,9 +693,7 @@ class KVCacheManager:
             block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
             self._launch(2)
         # Phase 5b: allocate, in (request, group, position) order.
-        ai = np.repeat(np.arange(K), n_blocks * G)
-        ag = np.concatenate([np.repeat(np.arange(G), n) for n in n_blocks])
-        ap = np.concatenate([np.tile(np.arange(n), G) for n in n_blocks])
+        ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_blocks[:, None], G, 1))
         ai_t, ap_t = self._i32(ai), self._i32(ap)
         want = (ai_t < admitted) & (ap_t >= hit_safe[ai_t.long()])
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
@@ -710,9 +714,7 @@ class KVCacheManager:
             block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
             self._launch(2)
         # Phase 5d: cache every block that is full, in (request, group, position) order.
-        ci = np.repeat(np.arange(K), n_full * G)
-        cg = np.concatenate([np.repeat(np.arange(G), n) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
-        cp = np.concatenate([np.tile(np.arange(n), G) for n in n_full]) if n_full.sum() else np.zeros(0, np.int64)
+        ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_full[:, None], G, 1))
         if len(ci):
             ci_t, cp_t = self._i32(ci), self._i32(cp)
             valid = (ci_t < admitted) & (cp_t >= hit_safe[ci_t.long()])

@@ -248,3 +248,16 @@ def test_a_forged_digest_is_a_miss_on_both():
     assert results[0] == results[1] and results[0].num_computed_tokens == [0]
     assert dev.free_queue() == ref.free_queue() and dev.pool.table_entries() == ref.pool.table()
     dev.check_invariants(verify_digests=False)
+
+
+def test_entry_layout_orders_by_request_group_position():
+    from gpukv.manager import entry_layout
+
+    req, grp, pos, call = entry_layout([[0, 2], [1, 1]], [[2, 3], [3, 1]])
+    # request 0: group 0 positions 0, 1; group 1 position 2; request 1: group 0 positions 1, 2.
+    assert req.tolist() == [0, 0, 0, 1, 1]
+    assert grp.tolist() == [0, 0, 1, 0, 0]
+    assert pos.tolist() == [0, 1, 2, 1, 2]
+    assert call.tolist() == [0, 0, 1, 2, 2]
+    _, _, pos, _ = entry_layout([0, 5], [3, 4], reverse=True)  # the second is empty
+    assert pos.tolist() == [2, 1, 0]
