@@ -191,6 +191,21 @@ def _claim_slots(slot_block_ptr, slot, blk, want, cap):
     return slot, won, from_tomb, want
 
 
+@triton.jit
+def _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_slot_ptr,
+           lo, hi, g, blk, want, cap, TILE: tl.constexpr):
+    """Claim a slot for each wanting lane's block from its key's home slot,
+    then write the key (read only by later launches) and the block's slot
+    (NO_SLOT where no slot was found). Returns ``_claim_slots``'s tuple."""
+    slot, won, from_tomb, failed = _claim_slots(slot_block_ptr, _home(lo, hi, g, cap), blk, want, cap)
+    tl.store(slot_lo_ptr + slot, lo, mask=won)
+    tl.store(slot_hi_ptr + slot, hi, mask=won)
+    tl.store(slot_group_ptr + slot, g, mask=won)
+    tl.store(block_slot_ptr + blk, slot, mask=won)
+    tl.store(block_slot_ptr + blk, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=failed)
+    return slot, won, from_tomb, failed
+
+
 # --------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------
@@ -252,16 +267,9 @@ def _insert_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
     g = tl.load(group_ptr + idx, mask=want, other=0)
     seq = tl.load(seq_ptr + idx, mask=want, other=0)
 
-    slot = _home(lo, hi, g, cap)
-    slot, won, from_tomb, failed = _claim_slots(slot_block_ptr, slot, blk, want, cap)
-
-    # The slot is ours: write its key (read only by later launches).
-    tl.store(slot_lo_ptr + slot, lo, mask=won)
-    tl.store(slot_hi_ptr + slot, hi, mask=won)
-    tl.store(slot_group_ptr + slot, g, mask=won)
+    slot, won, from_tomb, failed = _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_slot_ptr,
+                                          lo, hi, g, blk, want, cap, TILE)
     tl.store(block_seq_ptr + blk, seq, mask=won)
-    tl.store(block_slot_ptr + blk, slot, mask=won)
-    tl.store(block_slot_ptr + blk, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=failed)
 
     n_won = tl.sum(won.to(tl.int64), 0)
     n_tomb = tl.sum(from_tomb.to(tl.int64), 0)
@@ -400,14 +408,9 @@ def _rebuild_place_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_p
         hi = tl.load(scratch_hi_ptr + offs, mask=want, other=0)
         g = tl.load(scratch_group_ptr + offs, mask=want, other=0)
         blk = offs.to(tl.int32)
-        slot = _home(lo, hi, g, cap)
-        slot, won, from_tomb, failed = _claim_slots(slot_block_ptr, slot, blk, want, cap)
-        tl.store(slot_lo_ptr + slot, lo, mask=won)
-        tl.store(slot_hi_ptr + slot, hi, mask=won)
-        tl.store(slot_group_ptr + slot, g, mask=won)
-        tl.store(block_slot_ptr + offs, slot, mask=won)
-        # cannot happen while live <= cap; kept so a bug shows up as a flag
-        tl.store(block_slot_ptr + offs, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=failed)
+        # (failing cannot happen while live <= cap; kept so a bug shows up as a flag)
+        slot, won, from_tomb, failed = _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                                              block_slot_ptr, lo, hi, g, blk, want, cap, TILE)
         n_failed = tl.sum(failed.to(tl.int64), 0)
         tl.atomic_add(counters_ptr + _D_LIVE, -n_failed, mask=n_failed > 0)
         tl.atomic_or(counters_ptr + _D_ERRORS, _D_ERR_FULL, mask=n_failed > 0)
