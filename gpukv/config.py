@@ -484,15 +484,26 @@ def _with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
     return dataclasses.replace(config, num_blocks=num_blocks, tensors=tensors)
 
 
+def _sorted_groups(config: KVCacheConfig) -> KVCacheConfig:
+    """The config with its groups in ``type_id`` order (stable), as vLLM sorts
+    them before comparing workers: two workers that built the same groups in a
+    different order then agree on which group index is which."""
+    groups = sorted(config.kv_cache_groups, key=lambda g: g.kv_cache_spec.type_id)
+    return dataclasses.replace(config, kv_cache_groups=groups)
+
+
 def unify_kv_cache_configs(
     configs: list[KVCacheConfig], *, names: Sequence[str] | None = None
 ) -> list[KVCacheConfig]:
     """Make several workers' configs agree: same groups, the smallest ``num_blocks``.
 
-    Every config must have the same ``kv_cache_groups`` (layer names and specs,
-    in order) as ``configs[0]``; otherwise ValueError naming the first one that
-    differs (``names[i]`` when given, e.g. "rank 2", else "config i") and how.
-    Returns new configs, in order; each tensor shrinks to
+    Each config's groups are first sorted by their spec's ``type_id`` (stable;
+    vLLM 0.8.5 does the same), so workers that listed the same groups in a
+    different order agree. Then every config must have the same
+    ``kv_cache_groups`` (layer names and specs, in that order) as
+    ``configs[0]``; otherwise ValueError naming the first one that differs
+    (``names[i]`` when given, e.g. "rank 2", else "config i") and how.
+    Returns new configs, in order, with sorted groups; each tensor shrinks to
     ``page_size * min_num_blocks`` bytes.
     """
     if not isinstance(configs, (list, tuple)) or not configs:
@@ -505,6 +516,7 @@ def unify_kv_cache_configs(
     elif len(names) != len(configs):
         raise ValueError(f"got {len(names)} names for {len(configs)} configs")
 
+    configs = [_sorted_groups(config) for config in configs]
     for index, config in enumerate(configs[1:], start=1):
         difference = _groups_difference(configs[0].kv_cache_groups, config.kv_cache_groups)
         if difference is not None:

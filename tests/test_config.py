@@ -3,6 +3,7 @@ with every expected number worked out by hand in the comments."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -409,7 +410,28 @@ def test_unify_hybrid_configs_keep_their_layout():
     small = get_kv_cache_config(gemma_like(), GiB, max_model_len=4096)
     big = get_kv_cache_config(gemma_like(), 3 * GiB, max_model_len=4096)
     unified = unify_kv_cache_configs([big, small])
-    assert unified == [small, small]
+    # Same layout as `small`, groups in type_id order (full attention first).
+    by_type = sorted(small.kv_cache_groups, key=lambda g: g.kv_cache_spec.type_id)
+    assert [g.kv_cache_spec for g in by_type[:1]] == [FULL]
+    assert unified == [dataclasses.replace(small, kv_cache_groups=by_type)] * 2
+
+
+def _two_group_config(num_blocks: int, order: tuple[int, int]) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec(["full"], FULL), KVCacheGroupSpec(["window"], SW_1K)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        tensors=[KVCacheTensor(PAGE * num_blocks, ["full", "window"])],
+        kv_cache_groups=[groups[i] for i in order],
+    )
+
+
+def test_unify_sorts_groups_by_type_id_as_vllm_does():
+    # Two workers that built the same groups in a different order agree, and
+    # both get the groups in type_id order ("full_attention_..." < "sliding_window_...").
+    unified = unify_kv_cache_configs([_two_group_config(40, (1, 0)), _two_group_config(30, (0, 1))])
+    assert [[g.layer_names for g in c.kv_cache_groups] for c in unified] == [[["full"], ["window"]]] * 2
+    assert [c.num_blocks for c in unified] == [30, 30]
+    assert unified[0] == unified[1] == _two_group_config(30, (0, 1))
 
 
 @pytest.mark.parametrize(
