@@ -30,8 +30,14 @@ from gpukv.kernels import hash_table as table_ops
 _TILE = 256
 
 
-@triton.jit
-def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, ref_ptr, last_ptr, blk_ptr, E, R, M, stamp,
+# Arguments that change from step to step (counts, stamps, widths) are
+# ``do_not_specialize``: Triton would otherwise compile a variant per value
+# class (== 1, divisible by 16) they fall in, a compile stall inside a step
+# on a GPU (``tests/kernels/test_compile.py`` bounds the variants). Stamps
+# and root-digest lanes are typed ``tl.int64``, so a stamp past 2**31 does
+# not switch them from i32 to i64 either.
+@triton.jit(do_not_specialize=["E", "R", "stamp"])
+def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, ref_ptr, last_ptr, blk_ptr, E, R, M, stamp: tl.int64,
                         TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < E
@@ -46,8 +52,8 @@ def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, ref_ptr, last_ptr, blk_
     tl.store(blk_ptr + offs, tl.where(real, b, 0), mask=lane)
 
 
-@triton.jit
-def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E, stamp,
+@triton.jit(do_not_specialize=["E", "stamp"])
+def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E, stamp: tl.int64,
                           UNCACHED_FIRST: tl.constexpr, TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < E
@@ -84,7 +90,7 @@ def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, stamp: in
     fq_ops.push(fq, blocks, where, call)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def _touch_kernel(blk_ptr, valid_ptr, ref_ptr, was_free_ptr, K, TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < K
@@ -104,7 +110,7 @@ def touch(blocks, valid, *, ref_cnt, fq) -> None:
     fq_ops.remove(fq, blocks, was_free)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E", "R"])
 def _place_kernel(popped_ptr, want_ptr, rank_ptr, g_ptr, row_ptr, pos_ptr, bt_ptr, ref_ptr, E, R, M,
                   TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
@@ -139,9 +145,9 @@ def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, e
                                             TILE=_TILE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["root_lo", "root_hi", "K"])
 def _record_kernel(blk_ptr, valid_ptr, row_ptr, pos_ptr, tokens_ptr, T, digests_ptr, extras_ptr, M,
-                   root_lo, root_hi, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr, K,
+                   root_lo: tl.int64, root_hi: tl.int64, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr, K,
                    BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < K

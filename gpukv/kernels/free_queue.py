@@ -199,7 +199,11 @@ def _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base,
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit
+# Arguments that change from step to step (counts, stamps, widths) are
+# ``do_not_specialize``: Triton would otherwise compile a variant per value
+# class (== 1, divisible by 16) they fall in, a compile stall inside a step
+# on a GPU (``tests/kernels/test_compile.py`` bounds the variants).
+@triton.jit(do_not_specialize=["K"])
 def _remove_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, valid_ptr, count_ptr,
                    K, N, CMASK,
                    HAS_VALID: tl.constexpr, HAS_COUNT: tl.constexpr, TILE: tl.constexpr):
@@ -225,7 +229,9 @@ def _remove_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, valid_ptr, count_ptr,
     tl.atomic_or(ctr_ptr + ERROR, n_bad * 0 + ERR_BAD_BLOCK, mask=n_bad > 0)
 
 
-@triton.jit
+# ``count_ptr`` is read once, as a scalar: its alignment (a fresh tensor or a
+# slice of a status vector, depending on the caller) gains nothing.
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["count_ptr"])
 def _pop_kernel(ring_ptr, pos_ptr, ctr_ptr, count_ptr, out_ptr, M, CMASK,
                 TILE: tl.constexpr):
     lanes = tl.arange(0, TILE)
@@ -269,7 +275,7 @@ def _pop_kernel(ring_ptr, pos_ptr, ctr_ptr, count_ptr, out_ptr, M, CMASK,
     tl.store(ctr_ptr + LAST_POP, found)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E"])
 def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_ptr,
                  E, N, C, CMASK, base,
                  HAS_CALL: tl.constexpr, TILE: tl.constexpr):
@@ -377,7 +383,7 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
     tl.store(ctr_ptr + COMPACTIONS, comps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["incoming"])
 def _compact_kernel(ring_ptr, pos_ptr, ctr_ptr, incoming, tomb_limit, C, CMASK, base,
                     FORCE: tl.constexpr, TILE: tl.constexpr):
     head = tl.load(ctr_ptr + HEAD)

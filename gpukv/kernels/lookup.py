@@ -38,7 +38,10 @@ ST_HIT_TOKENS = 6
 ST_NEW_BLOCKS = 7  # blocks the admitted requests pop (their new blocks)
 NUM_STATUS = 8
 
-_BIG = 1 << 30
+# "No request" / "no position": larger than any request index or block
+# position. A constexpr, as the real compiler reads only constexpr globals in
+# a kernel (the interpreter reads any).
+_BIG: tl.constexpr = tl.constexpr(1 << 30)
 
 
 @triton.jit
@@ -53,10 +56,16 @@ def _row_inputs(digests_ptr, extras_ptr, r, p, M, mask, root_lo, root_hi):
     return par_lo, par_hi, tl.load(extras_ptr + ext, mask=mask, other=0), tl.load(extras_ptr + ext + 1, mask=mask, other=0)
 
 
-@triton.jit
+# Arguments that change from step to step (counts, stamps, widths) are
+# ``do_not_specialize``: Triton would otherwise compile a variant per value
+# class (== 1, divisible by 16) they fall in, a compile stall inside a step
+# on a GPU (``tests/kernels/test_compile.py`` bounds the variants). Stamps
+# and root-digest lanes are typed ``tl.int64``, so a stamp past 2**31 does
+# not switch them from i32 to i64 either.
+@triton.jit(do_not_specialize=["K", "root_lo", "root_hi"])
 def _verify_kernel(
     cand_ptr, row_ptr, pos_ptr, out_ptr, K,
-    tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo, root_hi,
+    tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo: tl.int64, root_hi: tl.int64,
     blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr,
     FROM_POOL: tl.constexpr, BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -200,11 +209,11 @@ def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
     return c, inh & (c >= 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "P", "stamp"])
 def _admit_kernel(
     cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, resolved_ptr,
     max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, win_ptr, K, P,
-    ref_ptr, touched_ptr, stamp, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
+    ref_ptr, touched_ptr, stamp: tl.int64, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
     G: tl.constexpr, TILE: tl.constexpr,
 ):
     """Sequential admission (one program). ``cache[K, P, G]``: verified cache
