@@ -1,22 +1,32 @@
-"""The block-hash scheme, host implementation.
+"""The block-hash scheme (v2, keyed BLAKE3), host implementation.
 
-A KV block is identified by a chained, keyed 128-bit digest (DESIGN.md §2,
-"Block hashing")::
+A KV block is identified by a chained, keyed 128-bit digest (docs/design.md,
+"Hashing")::
 
-    digest(block j) = SipHash-2-4-128(key, parent || tokens || extra)
+    H(m)             = the first 16 bytes of BLAKE3 keyed_hash(key32, m)
+    digest(block j)  = H(parent || extra || tokens)
 
     parent = digest(block j-1), or root_digest(key) for block 0   (16 bytes)
-    tokens = the block's token ids, each as a little-endian uint32 (4*block_size bytes)
     extra  = the block's extra-key digest (16 bytes), NO_EXTRA (zeros) when none
+    tokens = the block's token ids, each as a little-endian uint32 (4*block_size bytes)
 
 so two blocks share a digest only if their whole prefixes (and extra keys)
-agree. Everything here is deterministic given the key; the device kernels must
-reproduce it bit for bit.
+agree. Every message stays within one BLAKE3 chunk (<= 1024 bytes), so the
+device kernel (``gpukv/kernels/block_hash.py``) needs no tree hashing: a block
+of more than ``SEGMENT_TOKENS`` (248) tokens is folded in segments of at most
+248 tokens, ``s = parent; for each segment: s = H(s || extra || segment)``,
+and its digest is the last ``s`` (a block of <= 248 tokens is one call).
+Everything here is deterministic given the key; the device kernel reproduces
+it bit for bit.
+
+Keys. The gpukv key is 16 bytes (:func:`resolve_hash_key`). BLAKE3's keyed
+mode takes 32, derived with BLAKE3's own key-derivation mode::
+
+    key32 = BLAKE3 derive_key(context=KEY_CONTEXT, key_material=key)   (32 bytes)
 
 Conventions shared with the device:
 
-* A digest is 16 bytes: the SipHash-2-4 128-bit output as the reference C
-  implementation writes it. Its two 64-bit *lanes* are
+* A digest is 16 bytes. Its two 64-bit *lanes* are
   ``lo = int.from_bytes(d[0:8], "little")`` and ``hi = int.from_bytes(d[8:16],
   "little")``; numpy arrays of lanes here are uint64 ``[n, 2]`` (``[:, 0]`` = lo),
   the device stores the same bits as int64.
@@ -25,23 +35,26 @@ Conventions shared with the device:
 Byte layouts fixed by this module (changing any of them changes every digest,
 so each carries a version tag):
 
-* root digest  = ``siphash128(key, b"gpukv:root:v1")``
-* extra keys   = ``siphash128(key, b"gpukv:extra:v1" + fields)``, see
+* root digest  = ``H(b"gpukv:root:v2")``
+* extra keys   = ``H(b"gpukv:extra:v2" + fields)``, see
   :func:`encode_extra_keys` for the fields.
 * key from ``PYTHONHASHSEED`` = first 16 bytes of
   ``sha256(b"gpukv:hash-key:PYTHONHASHSEED:v1\\x00" + str(int(seed)).encode())``,
-  see :func:`resolve_hash_key`.
+  see :func:`resolve_hash_key` (unchanged from v1: the same seed gives the
+  same 16-byte key; only the digests built from it changed).
 
-Two implementations compute the same digests: a pure-Python one
-(:func:`siphash128`, :func:`block_digest`, :func:`hash_block_chain`), readable
-and used as the specification, and a numpy one vectorised across messages
-(:func:`siphash128_lanes`, :func:`block_digests_lanes`, :func:`hash_requests`)
-for hashing many requests at once. The tests hold them equal.
+The hashing itself is the ``blake3`` package (the BLAKE3 team's Rust
+implementation). :func:`keyed_digest` is H; :func:`block_digest` and
+:func:`hash_block_chain` hash one block / one request; :func:`hash_requests`
+and :func:`block_digests_lanes` take many requests or blocks at once,
+building their token bytes with numpy in one go. All of them loop over
+prebuilt bytes with no per-token Python, and the tests hold them equal.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import logging
 import os
@@ -49,6 +62,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import blake3
 import numpy as np
 
 __all__ = [
@@ -56,16 +70,17 @@ __all__ = [
     "KEY_SIZE",
     "NO_EXTRA",
     "HASH_KEY_ENV",
+    "KEY_CONTEXT",
+    "SEGMENT_TOKENS",
     "MMItem",
-    "siphash64",
-    "siphash128",
+    "blake3_key",
+    "keyed_digest",
     "resolve_hash_key",
     "root_digest",
     "block_digest",
     "encode_extra_keys",
     "extra_key_digests",
     "hash_block_chain",
-    "siphash128_lanes",
     "block_digests_lanes",
     "hash_requests",
     "digests_to_lanes",
@@ -81,9 +96,19 @@ NO_EXTRA = bytes(DIGEST_SIZE)
 #: Environment variable holding an explicit key as 32 hex characters.
 HASH_KEY_ENV = "GPUKV_HASH_KEY"
 
-ROOT_MESSAGE = b"gpukv:root:v1"
-EXTRA_PREFIX = b"gpukv:extra:v1"
+#: BLAKE3 derive_key context turning the 16-byte gpukv key into the 32-byte
+#: BLAKE3 key (hard-coded, globally unique and application-specific, as BLAKE3
+#: asks of a context string).
+KEY_CONTEXT = "gpukv 2026-12-01 block hash key v2"
+ROOT_MESSAGE = b"gpukv:root:v2"
+EXTRA_PREFIX = b"gpukv:extra:v2"
 SEED_KEY_PREFIX = b"gpukv:hash-key:PYTHONHASHSEED:v1\x00"
+
+#: Most tokens hashed in one BLAKE3 call: 16 + 16 + 4 * 248 = 1024 bytes, one
+#: BLAKE3 chunk. Longer blocks are folded in segments of this many tokens.
+SEGMENT_TOKENS = 248
+#: Bytes of one BLAKE3 chunk, the longest message the scheme hashes.
+CHUNK_BYTES = 1024
 
 # Extra-key field tags (see encode_extra_keys).
 TAG_LORA = 0x01
@@ -92,12 +117,6 @@ TAG_SALT = 0x03
 
 TOKEN_LIMIT = 1 << 32  # token ids are stored as uint32
 _MASK64 = (1 << 64) - 1
-
-# SipHash initial state constants: "somepseudorandomlygeneratedbytes".
-_C0 = 0x736F6D6570736575
-_C1 = 0x646F72616E646F6D
-_C2 = 0x6C7967656E657261
-_C3 = 0x7465646279746573
 
 # array.array type code for a 4-byte unsigned int (it is "I" on every common
 # platform, but the C standard only promises "at least 2 bytes").
@@ -225,6 +244,61 @@ def _checked_tokens(tokens: Any, name: str, base: int = 0) -> np.ndarray:
     raise TypeError(f"{name} must be a sequence of int token ids, not {type(tokens).__name__}")
 
 
+def _flat_tokens(token_lists: Sequence[Any], name: str) -> tuple[np.ndarray, list[int]]:
+    """Validate many requests' token ids; return them concatenated (uint32)
+    and each request's length.
+
+    A list is converted by ``array.array`` (which refuses floats, strings,
+    negatives and values >= 2**32 at C speed); one numpy pass over all of
+    them then looks for bools (which ``array.array`` takes as 0 and 1).
+    Anything else, or a list that fails, goes through :func:`_checked_tokens`,
+    which names the bad position. Errors name ``name[r][i]``; a bool is
+    reported after every other kind of error.
+    """
+    parts: list[Any] = []
+    lengths: list[int] = []
+    listed: list[int] = []
+    arrays: list[int] = []  # 1-D integer arrays, range-checked together below
+    for r, t in enumerate(token_lists):
+        part = None
+        if type(t) is list:
+            try:
+                part = array.array(_U32_CODE, t)
+                listed.append(r)
+            except (TypeError, OverflowError, ValueError):
+                part = None
+        elif isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu":
+            part = t
+            arrays.append(r)
+        if part is None:  # checked (and refused, if bad) with the position named
+            part = _checked_tokens(t, f"{name}[{r}]").astype(np.uint32, copy=False)
+        parts.append(part)
+        lengths.append(len(part))
+    if not parts:
+        return np.zeros(0, dtype=np.uint32), lengths
+    if arrays:
+        # One range check for all of them (int64 wraps values >= 2**63 to
+        # negatives, which fail too); if one fails, find it and name it.
+        joined = np.concatenate([parts[r] for r in arrays], dtype=np.int64, casting="unsafe")
+        if joined.size and (joined.min() < 0 or joined.max() >= TOKEN_LIMIT):
+            for r in arrays:
+                _checked_tokens(parts[r], f"{name}[{r}]")
+        for r in arrays:
+            parts[r] = parts[r].astype(np.uint32)  # exact: checked above
+    flat = np.frombuffer(b"".join(parts), dtype=np.uint32)
+    if listed:
+        low = np.flatnonzero(flat <= 1)
+        if low.size:
+            starts = np.cumsum([0] + lengths)
+            rows = np.searchsorted(starts, low, side="right") - 1
+            listed_set = set(listed)
+            for pos, r in zip(low.tolist(), rows.tolist()):
+                if r in listed_set:
+                    i = pos - int(starts[r])
+                    if isinstance(token_lists[r][i], (bool, np.bool_)):
+                        raise _bad_token(token_lists[r][i], f"{name}[{r}][{i}]")
+    return flat, lengths
+
 def _out_of_range(arr: np.ndarray) -> int | None:
     """Flat index of the first element of integer ``arr`` outside [0, 2**32), or None."""
     if arr.size == 0:
@@ -274,74 +348,37 @@ def _check_lanes(lanes: Any, what: str, n: int | None = None) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------
-# SipHash-2-4, pure Python (the specification)
+# BLAKE3 primitives
 # --------------------------------------------------------------------------
 
 
-def _sipround(v0: int, v1: int, v2: int, v3: int) -> tuple[int, int, int, int]:
-    """One SipRound on 64-bit words (Python ints kept in [0, 2**64))."""
-    # Rotations are written out inline: this is the hot loop of the pure path.
-    v0 = (v0 + v1) & _MASK64
-    v1 = ((v1 << 13) | (v1 >> 51)) & _MASK64
-    v1 ^= v0
-    v0 = ((v0 << 32) | (v0 >> 32)) & _MASK64
-    v2 = (v2 + v3) & _MASK64
-    v3 = ((v3 << 16) | (v3 >> 48)) & _MASK64
-    v3 ^= v2
-    v0 = (v0 + v3) & _MASK64
-    v3 = ((v3 << 21) | (v3 >> 43)) & _MASK64
-    v3 ^= v0
-    v2 = (v2 + v1) & _MASK64
-    v1 = ((v1 << 17) | (v1 >> 47)) & _MASK64
-    v1 ^= v2
-    v2 = ((v2 << 32) | (v2 >> 32)) & _MASK64
-    return v0, v1, v2, v3
+def blake3_key(key: bytes) -> bytes:
+    """The 32-byte BLAKE3 key of a 16-byte gpukv key:
+    ``BLAKE3 derive_key(KEY_CONTEXT, key)``. It is as secret as ``key``."""
+    return blake3.blake3(_check_key(key), derive_key_context=KEY_CONTEXT).digest()
 
 
-def _siphash(key: Any, data: Any, wide: bool) -> bytes:
-    """SipHash-2-4 of ``data`` under ``key``: 8 bytes, or 16 when ``wide``."""
-    k0, k1 = struct.unpack("<QQ", _check_key(key))
+@functools.lru_cache(maxsize=16)
+def _hasher(key: bytes) -> Any:
+    """A BLAKE3 hasher keyed with ``blake3_key(key)`` that has absorbed
+    nothing. Callers hash with a ``copy()`` of it (never with it: it is shared),
+    which skips the key derivation. Cached per key (``key`` is checked bytes):
+    the cache holds the key, as any caller of this module does; it shows only
+    counts."""
+    return blake3.blake3(key=blake3_key(key))
+
+
+def keyed_digest(key: bytes, data: Any) -> bytes:
+    """H: the first 16 bytes of BLAKE3 ``keyed_hash(blake3_key(key), data)``.
+
+    ``data`` is any bytes-like object. Messages of the scheme are at most one
+    chunk (1024 bytes) long; this function hashes any length.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, not {type(data).__name__}")
-    data = bytes(data)
-    v0, v1, v2, v3 = k0 ^ _C0, k1 ^ _C1, k0 ^ _C2, k1 ^ _C3
-    if wide:
-        v1 ^= 0xEE  # the 128-bit variant's tweak of the initial state
-    # Compression: the message as little-endian 64-bit words, the last one
-    # holding the leftover bytes and (length mod 256) in its top byte.
-    nfull = len(data) // 8
-    words = list(struct.unpack_from(f"<{nfull}Q", data))
-    words.append(((len(data) & 0xFF) << 56) | int.from_bytes(data[8 * nfull :], "little"))
-    for m in words:
-        v3 ^= m
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        v0 ^= m
-    # Finalisation: 4 rounds per 64-bit output word.
-    v2 ^= 0xEE if wide else 0xFF
-    for _ in range(4):
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    out = (v0 ^ v1 ^ v2 ^ v3).to_bytes(8, "little")
-    if wide:
-        v1 ^= 0xDD
-        for _ in range(4):
-            v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        out += (v0 ^ v1 ^ v2 ^ v3).to_bytes(8, "little")
-    return out
-
-
-def siphash64(key: bytes, data: bytes) -> bytes:
-    """SipHash-2-4 with 64-bit output: 8 bytes, little-endian as the reference writes them."""
-    return _siphash(key, data, wide=False)
-
-
-def siphash128(key: bytes, data: bytes) -> bytes:
-    """SipHash-2-4 with 128-bit output: 16 bytes, as the reference implementation writes them.
-
-    Bytes 0..7 are the first output word (lane ``lo``), bytes 8..15 the second
-    (lane ``hi``), each little-endian.
-    """
-    return _siphash(key, data, wide=True)
+    h = _hasher(_check_key(key)).copy()
+    h.update(data)
+    return h.digest(DIGEST_SIZE)
 
 
 # --------------------------------------------------------------------------
@@ -401,8 +438,8 @@ def resolve_hash_key(key: bytes | str | None = None) -> bytes:
         if isinstance(key, str):
             return _parse_hex_key(key, "hash key string")
         return _check_key(key)
-    env_key = os.environ.get(HASH_KEY_ENV, "")
-    if env_key.strip():
+    env_key = os.environ.get(HASH_KEY_ENV)
+    if env_key is not None and env_key != "":  # set but blank is malformed, not "unset"
         logger.debug("gpukv hash key taken from %s", HASH_KEY_ENV)
         return _parse_hex_key(env_key, HASH_KEY_ENV)
     seed = os.environ.get("PYTHONHASHSEED", "")
@@ -414,35 +451,143 @@ def resolve_hash_key(key: bytes | str | None = None) -> bytes:
 
 
 # --------------------------------------------------------------------------
-# Block digests, pure Python
+# Block digests
 # --------------------------------------------------------------------------
 
 
 def root_digest(key: bytes) -> bytes:
-    """The parent digest of every request's first block: ``siphash128(key, b"gpukv:root:v1")``."""
-    return siphash128(key, ROOT_MESSAGE)
+    """The parent digest of every request's first block: ``H(b"gpukv:root:v2")``."""
+    return keyed_digest(key, ROOT_MESSAGE)
 
 
-def _tokens_le32(tokens: np.ndarray) -> bytes:
-    """Token ids (validated uint32) as little-endian uint32 bytes."""
+def _le32_bytes(tokens: np.ndarray) -> bytes:
+    """Validated token ids (any integer dtype, values in [0, 2**32)) as
+    little-endian uint32 bytes."""
     return tokens.astype("<u4", copy=False).tobytes()
+
+
+def _digest_list(values: Sequence[Any], count: int, what: str) -> list[bytes]:
+    """The first ``count`` entries of ``values`` as checked 16-byte digests."""
+    out = list(values[:count])
+    for i, v in enumerate(out):
+        if type(v) is not bytes or len(v) != DIGEST_SIZE:
+            out[i] = _check_digest(v, f"{what}[{i}]")
+    return out
+
+
+def _chain(hasher: Any, parent: bytes, tok: bytes, start: int, count: int,
+           block_size: int, extras: Sequence[bytes] | None) -> list[bytes]:
+    """The chained digests of ``count`` consecutive blocks.
+
+    ``tok`` holds little-endian uint32 token ids; block ``i`` is the
+    ``4 * block_size`` bytes at ``start + i * 4 * block_size``. ``parent``
+    is the digest the first block chains from, ``extras[i]`` block i's
+    checked extra-key digest (None: NO_EXTRA). ``hasher`` is the caller's own
+    copy of ``_hasher(key)``, reset before every message (cheaper than a new
+    hasher per message). The loop does one slice, one concatenation and one
+    BLAKE3 call per block (per segment of a block over SEGMENT_TOKENS tokens).
+    """
+    reset, update, digest = hasher.reset, hasher.update, hasher.digest
+    step = 4 * block_size
+    stop = start + count * step
+    out: list[bytes] = []
+    append = out.append
+    if block_size <= SEGMENT_TOKENS:
+        if extras is None:
+            for i in range(start, stop, step):
+                reset()
+                update(parent + NO_EXTRA + tok[i : i + step])
+                parent = digest(DIGEST_SIZE)
+                append(parent)
+        else:
+            for i, extra in zip(range(start, stop, step), extras):
+                reset()
+                update(parent + extra + tok[i : i + step])
+                parent = digest(DIGEST_SIZE)
+                append(parent)
+        return out
+    # A long block: fold its segments, each one chunk-sized message.
+    seg = 4 * SEGMENT_TOKENS
+    for b, i in enumerate(range(start, stop, step)):
+        extra = NO_EXTRA if extras is None else extras[b]
+        end = i + step
+        for j in range(i, end, seg):
+            reset()
+            update(parent + extra + tok[j : min(j + seg, end)])
+            parent = digest(DIGEST_SIZE)
+        append(parent)
+    return out
+
+
+def _tails(tokens: np.ndarray, extras: np.ndarray | None) -> tuple[bytes, list[int]]:
+    """Every message of many blocks but its parent, laid out by numpy at once.
+
+    ``tokens`` is ``[n, block_size]`` (values in [0, 2**32)), ``extras`` uint64
+    ``[n, 2]`` lanes or None (NO_EXTRA). Block i's messages are, for each of
+    its segments, ``extra || segment tokens (LE u32)``; they follow each
+    other in the result, block after block. Also returns the segments'
+    lengths in bytes (one entry for a block of <= SEGMENT_TOKENS tokens).
+    """
+    n, block_size = tokens.shape
+    cuts = list(range(0, block_size, SEGMENT_TOKENS)) + [block_size]
+    seg_lens = [DIGEST_SIZE + 4 * (hi - lo) for lo, hi in zip(cuts, cuts[1:])]
+    buf = np.zeros((n, sum(seg_lens)), dtype=np.uint8)
+    tok = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)  # [n, 4 * block_size]
+    ext = None if extras is None else np.ascontiguousarray(extras, dtype="<u8").view(np.uint8)
+    at = 0
+    for lo, hi, length in zip(cuts, cuts[1:], seg_lens):
+        if ext is not None:
+            buf[:, at : at + DIGEST_SIZE] = ext
+        buf[:, at + DIGEST_SIZE : at + length] = tok[:, 4 * lo : 4 * hi]
+        at += length
+    return buf.tobytes(), seg_lens
+
+
+def _chain_tails(hasher: Any, parent: bytes, tails: bytes, start: int, count: int,
+                 seg_lens: list[int]) -> list[bytes]:
+    """The chained digests of ``count`` blocks whose messages, less their
+    parents, are laid out in ``tails`` from byte ``start`` (see :func:`_tails`):
+    one concatenation and one BLAKE3 call per segment."""
+    reset, update, digest = hasher.reset, hasher.update, hasher.digest
+    out: list[bytes] = []
+    append = out.append
+    if len(seg_lens) == 1:
+        step = seg_lens[0]
+        for i in range(start, start + count * step, step):
+            reset()
+            update(parent + tails[i : i + step])
+            parent = digest(DIGEST_SIZE)
+            append(parent)
+        return out
+    at = start
+    for _ in range(count):
+        for length in seg_lens:
+            reset()
+            update(parent + tails[at : at + length])
+            parent = digest(DIGEST_SIZE)
+            at += length
+        append(parent)
+    return out
 
 
 def block_digest(
     key: bytes, parent: bytes, token_ids: Sequence[int], extra: bytes = NO_EXTRA
 ) -> bytes:
-    """The digest of one block: ``siphash128(key, parent || tokens as LE uint32 || extra)``.
+    """The digest of one block: ``H(parent || extra || tokens as LE uint32)``.
 
     ``parent`` is the previous block's digest (``root_digest(key)`` for the
     first block), ``extra`` the block's extra-key digest (``NO_EXTRA`` if none).
-    Token ids must be ints in [0, 2**32); bools are not token ids.
+    Token ids must be ints in [0, 2**32); bools are not token ids. A block of
+    more than ``SEGMENT_TOKENS`` tokens is folded segment by segment (module
+    docstring).
     """
+    key = _check_key(key)
     parent = _check_digest(parent, "parent")
     extra = _check_digest(extra, "extra")
     tokens = _token_array(token_ids)
     if tokens.size == 0:
         raise ValueError("a block needs at least one token id; token_ids is empty")
-    return siphash128(key, parent + _tokens_le32(tokens) + extra)
+    return _chain(_hasher(key).copy(), parent, _le32_bytes(tokens), 0, 1, tokens.size, [extra])[0]
 
 
 def hash_block_chain(
@@ -488,14 +633,9 @@ def hash_block_chain(
     if count == 0:
         return []
     lo = start_block * block_size
-    tokens = _tokens_le32(_token_array(token_ids[lo : num_full * block_size], "token_ids", lo))
-    step = 4 * block_size
-    out = []
-    for i in range(count):
-        extra = NO_EXTRA if extras is None else _check_digest(extras[i], f"extras[{i}]")
-        parent = siphash128(key, parent + tokens[i * step : (i + 1) * step] + extra)
-        out.append(parent)
-    return out
+    tokens = _token_array(token_ids[lo : num_full * block_size], "token_ids", lo)
+    ext = None if extras is None else _digest_list(extras, count, "extras")
+    return _chain(_hasher(key).copy(), parent, _le32_bytes(tokens), 0, count, block_size, ext)
 
 
 # --------------------------------------------------------------------------
@@ -593,7 +733,7 @@ def extra_key_digests(
     Block ``b`` (tokens ``[b*block_size, (b+1)*block_size)``) has as extra keys
     the LoRA id (every block), each mm item overlapping its token range, and the
     cache salt (block 0 only, so requests with different salts share no block).
-    Its digest is ``siphash128(key, b"gpukv:extra:v1" + encode_extra_keys(...))``,
+    Its digest is ``H(b"gpukv:extra:v2" + encode_extra_keys(...))`` (:func:`keyed_digest`),
     or ``NO_EXTRA`` when it has no extra keys.
     """
     key = _check_key(key)
@@ -617,13 +757,13 @@ def extra_key_digests(
             out.append(NO_EXTRA)
         else:
             if encoded not in memo:
-                memo[encoded] = siphash128(key, EXTRA_PREFIX + encoded)
+                memo[encoded] = keyed_digest(key, EXTRA_PREFIX + encoded)
             out.append(memo[encoded])
     return out
 
 
 # --------------------------------------------------------------------------
-# numpy implementation, vectorised across messages
+# Lanes, and many blocks or requests at once
 # --------------------------------------------------------------------------
 
 
@@ -639,132 +779,54 @@ def lanes_to_digests(lanes: np.ndarray) -> list[bytes]:
     return [raw[i : i + DIGEST_SIZE] for i in range(0, len(raw), DIGEST_SIZE)]
 
 
-# numpy scalars for the shift amounts, so no per-call conversion of Python ints.
-_ROTATIONS = {b: (np.uint64(b), np.uint64(64 - b)) for b in (13, 16, 17, 21, 32)}
-_U64_EE = np.uint64(0xEE)
-_U64_DD = np.uint64(0xDD)
-
-
-def _np_rotl(x: np.ndarray, b: int, t: np.ndarray) -> None:
-    """``x = rotl(x, b)`` in place on uint64 ``x``; ``t`` is scratch of the same shape."""
-    left, right = _ROTATIONS[b]
-    np.left_shift(x, left, out=t)
-    np.right_shift(x, right, out=x)
-    np.bitwise_or(x, t, out=x)
-
-
-def _np_sipround(v0, v1, v2, v3, t) -> None:
-    """One SipRound in place on uint64 arrays (the steps of :func:`_sipround`).
-
-    uint64 array arithmetic wraps modulo 2**64, which is what SipHash wants;
-    every step writes into an existing array, so a round allocates nothing.
-    """
-    v0 += v1
-    _np_rotl(v1, 13, t)
-    v1 ^= v0
-    _np_rotl(v0, 32, t)
-    v2 += v3
-    _np_rotl(v3, 16, t)
-    v3 ^= v2
-    v0 += v3
-    _np_rotl(v3, 21, t)
-    v3 ^= v0
-    v2 += v1
-    _np_rotl(v1, 17, t)
-    v1 ^= v2
-    _np_rotl(v2, 32, t)
-
-
-def _message_buffer(n: int, length: int) -> np.ndarray:
-    """A uint8 ``[n, 8*(length//8 + 1)]`` buffer for n messages of ``length`` bytes.
-
-    The caller writes the messages into ``[:, :length]``. The bytes after them
-    already hold SipHash's padding: zeros, and ``length mod 256`` in the very
-    last byte, so the buffer read as little-endian 64-bit words is exactly the
-    word sequence SipHash compresses.
-    """
-    buf = np.empty((n, 8 * (length // 8 + 1)), dtype=np.uint8)
-    buf[:, length:] = 0
-    buf[:, -1] = length & 0xFF
-    return buf
-
-
-def _buffer_words(buf: np.ndarray) -> np.ndarray:
-    """A filled :func:`_message_buffer` -> native uint64 words ``[W, n]``.
-
-    Word-major, so each compression step reads one contiguous row.
-    """
-    return np.ascontiguousarray(buf.view("<u8").T).astype(np.uint64, copy=False)
-
-
-def _siphash128_words(key: bytes, words: np.ndarray) -> np.ndarray:
-    """SipHash-2-4-128 of n messages given as ``[W, n]`` words -> uint64 ``[n, 2]`` lanes."""
-    k0, k1 = struct.unpack("<QQ", key)
-    n = words.shape[1]
-    v0 = np.full(n, k0 ^ _C0, dtype=np.uint64)
-    v1 = np.full(n, k1 ^ _C1 ^ 0xEE, dtype=np.uint64)
-    v2 = np.full(n, k0 ^ _C2, dtype=np.uint64)
-    v3 = np.full(n, k1 ^ _C3, dtype=np.uint64)
-    t = np.empty(n, dtype=np.uint64)
-    out = np.empty((n, 2), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for m in words:  # a Python loop over word positions, never over messages
-            v3 ^= m
-            _np_sipround(v0, v1, v2, v3, t)
-            _np_sipround(v0, v1, v2, v3, t)
-            v0 ^= m
-        v2 ^= _U64_EE
-        for _ in range(4):
-            _np_sipround(v0, v1, v2, v3, t)
-        out[:, 0] = v0 ^ v1 ^ v2 ^ v3
-        v1 ^= _U64_DD
-        for _ in range(4):
-            _np_sipround(v0, v1, v2, v3, t)
-        out[:, 1] = v0 ^ v1 ^ v2 ^ v3
-    return out
-
-
-def siphash128_lanes(key: bytes, messages: np.ndarray) -> np.ndarray:
-    """SipHash-2-4-128 of n messages of equal length at once.
-
-    ``messages`` is a uint8 array ``[n, L]`` (row i = message i). Returns uint64
-    ``[n, 2]`` lanes; ``lanes_to_digests(result)[i] == siphash128(key, bytes(messages[i]))``.
-    """
-    key = _check_key(key)
-    msgs = np.asarray(messages)
-    if msgs.dtype != np.uint8:
-        raise TypeError(f"messages must be a uint8 array, got dtype {msgs.dtype}")
-    if msgs.ndim != 2:
-        raise ValueError(f"messages must have shape [n, L] (one message per row), got {msgs.shape}")
-    n, length = msgs.shape
-    buf = _message_buffer(n, length)
-    buf[:, :length] = msgs
-    return _siphash128_words(key, _buffer_words(buf))
+def _joined_lanes(digests: list[bytes]) -> np.ndarray:
+    """Checked 16-byte digests -> uint64 ``[n, 2]`` lanes, in one copy."""
+    return np.frombuffer(b"".join(digests), dtype="<u8").astype(np.uint64).reshape(-1, 2)
 
 
 def block_digests_lanes(
     key: bytes, parents: np.ndarray, tokens: np.ndarray, extras: np.ndarray
 ) -> np.ndarray:
-    """The digests of n blocks at once, as lanes.
+    """The digests of n independent blocks at once, as lanes.
 
     ``parents`` and ``extras`` are uint64 (or int64) ``[n, 2]`` lanes, ``tokens``
     an integer ``[n, block_size]`` array of ids in [0, 2**32). Row i of the
     result equals ``block_digest(key, parents[i], tokens[i], extras[i])`` as lanes.
+    All n messages are laid out by numpy in one buffer, then hashed in one loop.
     """
     key = _check_key(key)
     parents = _check_lanes(parents, "parents")
     n = parents.shape[0]
     extras = _check_lanes(extras, "extras", n)
     toks = _token_matrix(tokens, n)
-    tok_bytes = 4 * toks.shape[1]
-    # The message layout of block_digest: parent(16) || tokens(LE u32) || extra(16).
-    buf = _message_buffer(n, 2 * DIGEST_SIZE + tok_bytes)
+    block_size = toks.shape[1]
+    if n == 0:
+        return np.zeros((0, 2), dtype=np.uint64)
+    hasher = _hasher(key).copy()
+    if block_size > SEGMENT_TOKENS:  # folded: each row is a chain of segments
+        tails, seg_lens = _tails(toks, extras)
+        width = sum(seg_lens)
+        out = [
+            _chain_tails(hasher, p, tails, r * width, 1, seg_lens)[0]
+            for r, p in enumerate(lanes_to_digests(parents))
+        ]
+        return _joined_lanes(out)
+    # Message layout of block_digest: parent(16) || extra(16) || tokens (LE u32).
+    length = 2 * DIGEST_SIZE + 4 * block_size
+    buf = np.empty((n, length), dtype=np.uint8)
     # ascontiguousarray: a byte view needs C order (inputs may be slices or fancy-indexed).
     buf[:, :DIGEST_SIZE] = np.ascontiguousarray(parents, dtype="<u8").view(np.uint8)
-    buf[:, DIGEST_SIZE : DIGEST_SIZE + tok_bytes] = np.ascontiguousarray(toks, dtype="<u4").view(np.uint8)
-    end = 2 * DIGEST_SIZE + tok_bytes
-    buf[:, DIGEST_SIZE + tok_bytes : end] = np.ascontiguousarray(extras, dtype="<u8").view(np.uint8)
-    return _siphash128_words(key, _buffer_words(buf))
+    buf[:, DIGEST_SIZE : 2 * DIGEST_SIZE] = np.ascontiguousarray(extras, dtype="<u8").view(np.uint8)
+    buf[:, 2 * DIGEST_SIZE :] = np.ascontiguousarray(toks, dtype="<u4").view(np.uint8)
+    raw = memoryview(buf).cast("B")
+    reset, update, digest = hasher.reset, hasher.update, hasher.digest
+    out = []
+    append = out.append
+    for i in range(0, n * length, length):
+        reset()
+        update(raw[i : i + length])
+        append(digest(DIGEST_SIZE))
+    return _joined_lanes(out)
 
 
 def hash_requests(
@@ -773,15 +835,15 @@ def hash_requests(
     block_size: int,
     extras: Sequence[Sequence[bytes]] | None = None,
 ) -> list[list[bytes]]:
-    """The full-block digest chains of many requests, vectorised across requests.
+    """The full-block digest chains of many requests.
 
     Equals ``[hash_block_chain(key, t, block_size, extras=e) for t, e in ...]``.
     ``extras[r][b]`` is the extra-key digest of block b of request r (at least
     one per full block, further entries ignored; None means NO_EXTRA
-    everywhere). Block j of every request that has one is hashed in one numpy
-    call, so the cost is about (longest chain) calls of width (number of
-    requests). Token lists may be lists or 1-D integer arrays; arrays skip the
-    per-element Python checks and are much faster to take in.
+    everywhere). The messages of every block of every request, less their
+    parents, are laid out by numpy in one go; then each chain is one loop
+    over them (one concatenation and one BLAKE3 call per block). Token lists
+    may be lists (checked all at once) or 1-D integer arrays.
     """
     key = _check_key(key)
     block_size = _check_int(block_size, "block_size", minimum=1)
@@ -790,41 +852,36 @@ def hash_requests(
         raise ValueError(
             f"extras has {len(extras)} entries, token_lists {num_req}: give one list per request"
         )
-    tokens = [_checked_tokens(t, f"token_lists[{r}]") for r, t in enumerate(token_lists)]
-    nblocks = [len(t) // block_size for t in tokens]
-    # Longest chain first, so the requests still active at block j are a prefix
-    # of `order`; request order[i]'s block j is row start[i] + j of the flat output.
-    order = sorted(range(num_req), key=lambda r: -nblocks[r])
-    counts = np.array([nblocks[r] for r in order], dtype=np.int64)
-    start = np.zeros(num_req, dtype=np.int64)
-    np.cumsum(counts[:-1], out=start[1:])
-    total = int(counts.sum())
-    extra = np.zeros((total, 2), dtype=np.uint64)
+    flat, lengths = _flat_tokens(token_lists, "token_lists")
+    nblocks = [n // block_size for n in lengths]
+    ext: list[list[bytes] | None] = [None] * num_req
     if extras is not None:
-        for i, r in enumerate(order):
+        for r in range(num_req):
             if len(extras[r]) < nblocks[r]:
                 raise ValueError(
                     f"extras[{r}] has {len(extras[r])} entries but request {r} has "
                     f"{nblocks[r]} full blocks; give one extra-key digest per full block"
                 )
-            extra[start[i] : start[i] + nblocks[r]] = digests_to_lanes(extras[r][: nblocks[r]])
-    sorted_tokens = [tokens[r] for r in order]
-    out = np.empty((total, 2), dtype=np.uint64)
-    parents = np.tile(digests_to_lanes([root_digest(key)]), (num_req, 1))
-    for j in range(int(counts[0]) if num_req else 0):
-        m = int(np.count_nonzero(counts > j))
-        lo, hi = j * block_size, (j + 1) * block_size
-        # Gathering slices costs no copy of whole requests; the values were
-        # range-checked on the way in, so the unsafe cast to uint32 is exact.
-        block = np.concatenate(
-            [t[lo:hi] for t in sorted_tokens[:m]], dtype=np.uint32, casting="unsafe"
-        ).reshape(m, block_size)
-        rows = start[:m] + j
-        lanes = block_digests_lanes(key, parents[:m], block, extra[rows])
-        out[rows] = lanes
-        parents[:m] = lanes
-    digests = lanes_to_digests(out)
-    result: list[list[bytes]] = [[] for _ in range(num_req)]
-    for i, r in enumerate(order):
-        result[r] = digests[start[i] : start[i] + nblocks[r]]
+            ext[r] = _digest_list(extras[r], nblocks[r], f"extras[{r}]")
+    total = sum(nblocks)
+    if total == 0:
+        return [[] for _ in range(num_req)]
+    # Every full block of every request, as rows, then all their messages
+    # (less the parents) in one numpy pass.
+    starts = np.cumsum([0] + lengths[:-1]).tolist()
+    blocks = np.concatenate(
+        [flat[s0 : s0 + nb * block_size] for s0, nb in zip(starts, nblocks)]
+    ).reshape(total, block_size)
+    ext_lanes = None
+    if extras is not None:
+        ext_lanes = _joined_lanes([d for e in ext if e for d in e])
+    tails, seg_lens = _tails(blocks, ext_lanes)
+    width = sum(seg_lens)
+    hasher = _hasher(key).copy()
+    root = root_digest(key)
+    result: list[list[bytes]] = []
+    at = 0
+    for nb in nblocks:
+        result.append(_chain_tails(hasher, root, tails, at, nb, seg_lens))
+        at += nb * width
     return result

@@ -1,5 +1,7 @@
-"""Tests of gpukv.hashing: SipHash vectors, the block-digest layout, chains,
-extra keys, key resolution, token validation, and numpy == pure Python."""
+"""Tests of gpukv.hashing (block-hash scheme v2, keyed BLAKE3): the BLAKE3
+team's published test vectors, the message layouts, segment folding of long
+blocks, chains, extra keys, key resolution, token validation, and the batch
+paths equal to the one-request ones."""
 
 from __future__ import annotations
 
@@ -11,14 +13,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpukv import hashing
 from gpukv.hashing import (
     NO_EXTRA,
     MMItem,
+    blake3_key,
     block_digest,
     block_digests_lanes,
     digests_to_lanes,
@@ -26,120 +31,124 @@ from gpukv.hashing import (
     extra_key_digests,
     hash_block_chain,
     hash_requests,
+    keyed_digest,
     lanes_to_digests,
     resolve_hash_key,
     root_digest,
-    siphash64,
-    siphash128,
-    siphash128_lanes,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-VECTORS_FILE = Path(__file__).parents[2] / "shared/data/siphash_vectors.json"
-
-# The reference vectors' key and messages: key 00..0f, message i = bytes 0..i-1.
-VECTOR_KEY = bytes(range(16))
-# A few of the reference vectors inline, so the scheme is checked even where
-# shared/ is absent: lengths 0, 7, 8, 15 (around the 8-byte word boundary) and 63.
-INLINE_64 = {
-    0: "310e0edd47db6f72",
-    7: "37d1018bf50002ab",
-    8: "6224939a79f5f593",
-    15: "e545be4961ca29a1",
-    63: "724506eb4c328a95",
-}
-INLINE_128 = {
-    0: "a3817f04ba25a8e66df67214c7550293",
-    7: "a1f1ebbed8dbc153c0b84aa61ff08239",
-    8: "3b62a9ba6258f5610f83e264f31497b4",
-    15: "5493e99933b0a8117e08ec0f97cfc3d9",
-    63: "5150d1772f50834a503e069a973fbd7c",
-}
+# The BLAKE3 team's test vectors (lengths 0, 1, 1023, 1024, 1025), with attribution.
+VECTORS_FILE = Path(__file__).parent / "data" / "blake3_test_vectors.json"
 
 KEY = bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")
 OTHER_KEY = bytes(16)
+CONTEXT = "gpukv 2026-12-01 block hash key v2"
 
 
-def _msg(i: int) -> bytes:
-    return bytes(range(i))
+def _vectors() -> dict:
+    return json.loads(VECTORS_FILE.read_text())
 
 
-def _lanes_hex(key: bytes, lengths: range) -> list[str]:
-    """siphash128_lanes of message i for each i, one call per length."""
-    out = []
-    for i in lengths:
-        msgs = np.tile(np.frombuffer(_msg(i), dtype=np.uint8), (3, 1)).reshape(3, i)
-        got = lanes_to_digests(siphash128_lanes(key, msgs))
-        assert got[0] == got[1] == got[2]
-        out.append(got[0].hex())
-    return out
+def _vector_input(n: int) -> bytes:
+    return bytes(i % 251 for i in range(n))
 
 
-# ---------------------------------------------------------------- SipHash vectors
+def H(key: bytes, message: bytes) -> bytes:
+    """The scheme's H, written out with the blake3 package alone."""
+    key32 = blake3.blake3(key, derive_key_context=CONTEXT).digest()
+    return blake3.blake3(message, key=key32).digest(16)
 
 
-@pytest.mark.parametrize("i", sorted(INLINE_128))
-def test_inline_vectors(i):
-    assert siphash64(VECTOR_KEY, _msg(i)).hex() == INLINE_64[i]
-    assert siphash128(VECTOR_KEY, _msg(i)).hex() == INLINE_128[i]
-    assert _lanes_hex(VECTOR_KEY, range(i, i + 1)) == [INLINE_128[i]]
+def _le32(tokens) -> bytes:
+    return b"".join(struct.pack("<I", t) for t in tokens)
 
 
-def _load_vectors():
-    if not VECTORS_FILE.is_file():
-        pytest.skip(
-            f"{VECTORS_FILE} not found (shared/ is not beside the repo); "
-            "the inline vectors still run"
-        )
-    data = json.loads(VECTORS_FILE.read_text())
-    assert bytes.fromhex(data["key_hex"]) == VECTOR_KEY
-    return data
+# ---------------------------------------------------------------- BLAKE3 vectors
 
 
-def test_all_vectors_siphash64():
-    vectors = _load_vectors()["siphash_2_4_64"]
-    assert len(vectors) == 64
-    assert [siphash64(VECTOR_KEY, _msg(i)).hex() for i in range(64)] == vectors
+@pytest.mark.parametrize("case", _vectors()["cases"], ids=lambda c: f"len{c['input_len']}")
+def test_blake3_package_passes_published_vectors(case):
+    """The host hashes with the blake3 package: it must give the published
+    outputs (default 32-byte output = prefix of the extended one)."""
+    data = _vectors()
+    msg = _vector_input(case["input_len"])
+    key = data["key"].encode("ascii")
+    assert len(key) == 32
+    for mode, hasher in [
+        ("hash", blake3.blake3(msg)),
+        ("keyed_hash", blake3.blake3(msg, key=key)),
+        ("derive_key", blake3.blake3(msg, derive_key_context=data["context_string"])),
+    ]:
+        assert hasher.digest(131).hex() == case[mode]
+        assert hasher.digest().hex() == case[mode][:64]
 
 
-def test_all_vectors_siphash128():
-    vectors = _load_vectors()["siphash_2_4_128"]
-    assert len(vectors) == 64
-    assert [siphash128(VECTOR_KEY, _msg(i)).hex() for i in range(64)] == vectors
-    assert _lanes_hex(VECTOR_KEY, range(64)) == vectors
+def test_keyed_digest_is_truncated_keyed_blake3():
+    """H = the first 16 bytes of keyed BLAKE3 under the derived key, for the
+    lengths around BLAKE3's 64-byte block and the 1024-byte chunk."""
+    key32 = blake3.blake3(KEY, derive_key_context=CONTEXT).digest()
+    assert blake3_key(KEY) == key32
+    for n in (0, 1, 63, 64, 65, 96, 1023, 1024, 1025):
+        msg = _vector_input(n)
+        assert keyed_digest(KEY, msg) == blake3.blake3(msg, key=key32).digest()[:16]
+    assert keyed_digest(KEY, bytearray(b"ab")) == keyed_digest(KEY, memoryview(b"ab"))
+    assert keyed_digest(KEY, b"") != keyed_digest(OTHER_KEY, b"")
 
 
-def test_inline_vectors_match_file():
-    data = _load_vectors()
-    for i, h in INLINE_64.items():
-        assert data["siphash_2_4_64"][i] == h
-    for i, h in INLINE_128.items():
-        assert data["siphash_2_4_128"][i] == h
+def test_key_derivation():
+    """key32 = BLAKE3 derive_key(KEY_CONTEXT, key): 32 bytes, one per key,
+    specific to the context (tests/kernels/test_block_hash.py also writes the
+    two derive-key steps out by hand)."""
+    assert blake3_key(KEY) == blake3.blake3(KEY, derive_key_context=CONTEXT).digest()
+    assert len(blake3_key(KEY)) == 32
+    assert blake3_key(KEY) != blake3_key(OTHER_KEY)
+    assert blake3_key(KEY) != blake3.blake3(KEY, derive_key_context="gpukv").digest()
+    assert hashing.KEY_CONTEXT == CONTEXT
 
 
 @pytest.mark.parametrize(
     "key, exc",
     [(bytes(15), ValueError), (bytes(17), ValueError), ("00" * 16, TypeError), (12345, TypeError)],
 )
-def test_siphash_rejects_bad_key(key, exc):
+def test_rejects_bad_key(key, exc):
     with pytest.raises(exc, match="16 bytes"):
-        siphash128(key, b"")
+        keyed_digest(key, b"")
     with pytest.raises(exc, match="16 bytes"):
-        siphash128_lanes(key, np.zeros((1, 3), np.uint8))
+        blake3_key(key)
+    with pytest.raises(exc, match="16 bytes"):
+        block_digests_lanes(key, np.zeros((1, 2), np.uint64), np.zeros((1, 3), np.int64),
+                            np.zeros((1, 2), np.uint64))
+    with pytest.raises(exc, match="16 bytes"):
+        hash_requests(key, [[1, 2]], 1)
 
 
-def test_siphash_lanes_rejects_bad_messages():
-    with pytest.raises(TypeError, match="uint8"):
-        siphash128_lanes(KEY, np.zeros((2, 3), np.int32))
-    with pytest.raises(ValueError, match=r"\[n, L\]"):
-        siphash128_lanes(KEY, np.zeros(3, np.uint8))
+def test_keyed_digest_rejects_non_bytes():
+    with pytest.raises(TypeError, match="data must be bytes"):
+        keyed_digest(KEY, "abc")
+
+
+def test_key_never_shown():
+    """No repr or message this module makes shows the key or the derived key."""
+    secret = bytes(range(0xA0, 0xB0))
+    derived = blake3_key(secret)
+    block_digest(secret, bytes(16), [1, 2, 3])  # puts the key in the hasher cache
+    shown = [repr(hashing._hasher), repr(hashing._hasher.cache_info()), repr(hashing._hasher(secret))]
+    for bad in (secret[:15], secret + b"x"):
+        with pytest.raises(ValueError) as info:
+            keyed_digest(bad, b"")
+        shown.append(str(info.value))
+    for text in shown:
+        for value in (secret, derived):
+            assert value.hex() not in text.lower()
+            assert repr(value) not in text
 
 
 # ---------------------------------------------------------------- digest layout
 
 
 def test_root_digest_is_keyed_constant():
-    assert root_digest(KEY) == siphash128(KEY, b"gpukv:root:v1")
+    assert root_digest(KEY) == H(KEY, b"gpukv:root:v2")
     assert root_digest(KEY) != root_digest(OTHER_KEY)
 
 
@@ -147,16 +156,42 @@ def test_block_digest_layout_by_hand():
     parent = bytes(range(100, 116))
     extra = bytes(range(200, 216))
     tokens = [1, 0x01020304, 2**32 - 1]
-    # parent(16) || tokens as little-endian uint32 || extra(16)
+    # parent(16) || extra(16) || tokens as little-endian uint32
     message = (
         parent
+        + extra
         + b"\x01\x00\x00\x00"
         + b"\x04\x03\x02\x01"
         + b"\xff\xff\xff\xff"
-        + extra
     )
-    assert block_digest(KEY, parent, tokens, extra) == siphash128(KEY, message)
-    assert block_digest(KEY, parent, tokens) == siphash128(KEY, message[:-16] + bytes(16))
+    assert block_digest(KEY, parent, tokens, extra) == H(KEY, message)
+    assert block_digest(KEY, parent, tokens) == H(KEY, parent + bytes(16) + message[32:])
+
+
+@pytest.mark.parametrize("n", [247, 248, 249, 496, 497, 512, 1000])
+def test_long_blocks_fold_in_segments(n):
+    """A block of more than 248 tokens (a message over one 1024-byte chunk)
+    is folded: s = parent; s = H(s || extra || segment) per segment of at
+    most 248 tokens. Up to 248 tokens it is one message of <= 1024 bytes."""
+    rng = np.random.default_rng(n)
+    tokens = rng.integers(0, 2**32, size=n, dtype=np.int64).tolist()
+    parent, extra = bytes(range(16)), bytes(range(16, 32))
+    s = parent
+    for lo in range(0, n, 248):
+        message = s + extra + _le32(tokens[lo : lo + 248])
+        assert len(message) <= 1024
+        s = H(KEY, message)
+    assert block_digest(KEY, parent, tokens, extra) == s
+    if n <= 248:
+        assert s == H(KEY, parent + extra + _le32(tokens))
+    # The chain and the batch paths fold the same way.
+    assert hash_block_chain(KEY, tokens * 2, n, extras=[extra, extra], parent=parent) == [
+        s, block_digest(KEY, s, tokens, extra)]
+    lanes = block_digests_lanes(KEY, digests_to_lanes([parent]), np.array([tokens]),
+                                digests_to_lanes([extra]))
+    assert lanes_to_digests(lanes) == [s]
+    assert hash_requests(KEY, [tokens], n, [[extra]]) == [
+        hash_block_chain(KEY, tokens, n, extras=[extra])]
 
 
 def test_lanes_convention():
@@ -171,19 +206,22 @@ def test_lanes_convention():
     assert digests_to_lanes([]).shape == (0, 2)
 
 
+VECTOR_KEY = bytes(range(16))
+
+
 def test_chain_golden_values():
     """Pinned digests for a fixed key: any change of layout or scheme shows here
     (and they are a cross-check for the device kernels)."""
-    assert root_digest(VECTOR_KEY).hex() == "aee9333cdd280370b3190d16030d6ea2"
+    assert root_digest(VECTOR_KEY).hex() == "0436b386d03969616c68293db6e9d083"
     assert [d.hex() for d in hash_block_chain(VECTOR_KEY, list(range(8)), 4)] == [
-        "6d5c72f35c838c2d4e0053b39713c96c",
-        "c7551a2f057063d7806ff2b3a07087bd",
+        "8ffe57595c47c3a4d33e2495f71dbc97",
+        "37b5a2ed83c39791e84708535e86f159",
     ]
     extras = extra_key_digests(VECTOR_KEY, 3, 3, lora_id=7, cache_salt="s")
     assert [d.hex() for d in hash_block_chain(VECTOR_KEY, list(range(9)), 3, extras=extras)] == [
-        "3b3d892a12be7af9761e5aa7d4ebe9af",
-        "2ceda2e32d36aadd6c2239ac70eec3ec",
-        "d531a4c4f592feb2f3470ba95ea6f261",
+        "9b1fc4465a7ffb8614028f078d121ec9",
+        "489dda3bbd825898d3b7a8ce5396ae34",
+        "80437c45c5d30ed96c2489ecaa58c132",
     ]
 
 
@@ -294,17 +332,7 @@ def test_numpy_integer_tokens_accepted():
     assert block_digest(KEY, bytes(16), (1, 2, 70000)) == ref
 
 
-# ---------------------------------------------------------------- numpy == pure
-
-
-@settings(max_examples=40, deadline=None)
-@given(length=st.integers(0, 40), n=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
-def test_siphash128_lanes_equals_pure(length, n, seed):
-    rng = np.random.default_rng(seed)
-    key = rng.bytes(16)
-    msgs = rng.integers(0, 256, size=(n, length), dtype=np.uint8)
-    want = [siphash128(key, bytes(m)) for m in msgs]
-    assert lanes_to_digests(siphash128_lanes(key, msgs)) == want
+# ---------------------------------------------------------------- batches == one at a time
 
 
 @settings(max_examples=40, deadline=None)
@@ -360,6 +388,26 @@ def test_hash_requests_edge_cases():
         hash_requests(KEY, [[1, 2]], 1, extras=[[NO_EXTRA]])
 
 
+def test_hash_requests_token_checks_in_batch():
+    """The batch path checks every request's tokens (lists all at once) and
+    names the bad position; lists, tuples and arrays may be mixed."""
+    with pytest.raises(TypeError, match=r"token_lists\[1\]\[2\] is a bool"):
+        hash_requests(KEY, [[0, 1, 2], [1, 0, True, 5]], 2)
+    with pytest.raises(ValueError, match=r"token_lists\[0\]\[1\] = -1"):
+        hash_requests(KEY, [[0, -1], [1, 2]], 2)
+    with pytest.raises(TypeError, match=r"token_lists\[1\]\[0\] has type float"):
+        hash_requests(KEY, [[0, 1], [1.0, 2]], 2)
+    with pytest.raises(ValueError, match=r"token_lists\[2\]\[1\] = 4294967296"):
+        hash_requests(KEY, [np.array([0, 1]), [1, 2], np.array([3, 2**32], dtype=np.uint64)], 2)
+    with pytest.raises(ValueError, match=r"token_lists\[0\]\[0\] = -5"):
+        hash_requests(KEY, [np.array([-5, 1], dtype=np.int8)], 2)
+    mixed = [[0, 1, 2, 3], (4, 5, 6), np.array([7, 8, 9, 2**32 - 1], dtype=np.uint64),
+             np.arange(10, dtype=np.int16)[::2]]
+    assert hash_requests(KEY, mixed, 2) == [hash_block_chain(KEY, list(t), 2) for t in mixed]
+    # 0 and 1 are token ids like any other (only bools are refused).
+    assert hash_requests(KEY, [[0, 1, 1, 0]], 2) == [hash_block_chain(KEY, [0, 1, 1, 0], 2)]
+
+
 # ---------------------------------------------------------------- extra keys
 
 
@@ -381,7 +429,7 @@ def test_extra_key_encoding_by_hand():
     [digest] = extra_key_digests(
         KEY, 1, 16, lora_id=7, mm_items=[MMItem(5, 10, "ab")], cache_salt="é"
     )
-    assert digest == siphash128(KEY, b"gpukv:extra:v1" + both)
+    assert digest == H(KEY, b"gpukv:extra:v2" + both)
 
 
 def test_lora_changes_every_block():
@@ -519,7 +567,8 @@ def test_bad_explicit_keys(clean_env, key, match):
 
 
 def test_bad_env_keys_do_not_echo(clean_env):
-    for value, match in [(SECRET_HEX, "32 hex characters"), ("zz" + SECRET_HEX, "only hex digits")]:
+    for value, match in [(SECRET_HEX, "32 hex characters"), ("zz" + SECRET_HEX, "only hex digits"),
+                         ("   ", "got 0 characters")]:  # set but blank: an error, not silently "unset"
         clean_env.setenv("GPUKV_HASH_KEY", value)
         with pytest.raises(ValueError, match=f"GPUKV_HASH_KEY must.*{match}") as info:
             resolve_hash_key()

@@ -4,7 +4,7 @@ Semantics (those of ``reference.BlockPool``'s table, DESIGN.md section 2):
 
 * A key is ``(lo, hi, group)``: the 128-bit block digest as two int64 lanes
   (the two's-complement views of the uint64 halves, see
-  ``gpukv/kernels/hashing.py``) and the KV-cache group id (int32). Any value
+  ``gpukv/kernels/block_hash.py``) and the KV-cache group id (int32). Any value
   is a valid key, (0, 0) and negative lanes included.
 * Several blocks may be cached under one key (duplicates, kept as in vLLM);
   they are ordered by insertion. A lookup returns the **oldest live** block
@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels.hashing import rotl64, to_u64
+from gpukv.kernels.block_hash import to_u64
 
 __all__ = [
     "EMPTY",
@@ -154,6 +154,12 @@ Device = Union[torch.device, str]
 
 
 @triton.jit
+def rotl64(x, B: tl.constexpr):
+    """Rotate the uint64 ``x`` left by the constant ``B`` (0 < B < 64): slot mixing."""
+    return (x << B) | (x >> (64 - B))
+
+
+@triton.jit
 def _home(lo, hi, group, cap):
     """Home slot (int32) of keys (int64 lo, int64 hi, int32 group)."""
     h = to_u64(lo) ^ rotl64(to_u64(hi), 29)
@@ -211,7 +217,12 @@ def _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_slot_
 # --------------------------------------------------------------------------
 
 
-@triton.jit
+# Arguments that change from step to step (counts, stamps, widths) are
+# ``do_not_specialize``: Triton would otherwise compile a variant per value
+# class (== 1, divisible by 16) they fall in, a compile stall inside a step
+# on a GPU (``tests/kernels/test_compile.py`` bounds the variants). ``cap``
+# and ``N`` too: the manager sizes a scratch table per step.
+@triton.jit(do_not_specialize=["K"])
 def _insert_seq_kernel(valid_ptr, seq_ptr, counters_ptr, K,
                        HAS_VALID: tl.constexpr, TILE: tl.constexpr):
     """One program: seq[i] = NEXT_SEQ + #valid entries before i; NEXT_SEQ += #valid."""
@@ -230,7 +241,7 @@ def _insert_seq_kernel(valid_ptr, seq_ptr, counters_ptr, K,
     tl.store(counters_ptr + _D_NEXT_SEQ, base)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "cap", "N"])
 def _insert_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
                    block_slot_ptr, block_seq_ptr, counters_ptr,
                    lo_ptr, hi_ptr, s_lo, s_hi, group_ptr, block_ptr, valid_ptr,
@@ -281,7 +292,7 @@ def _insert_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
     tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "cap"])
 def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
                  block_seq_ptr, lo_ptr, hi_ptr, s_lo, s_hi, group_ptr,
                  valid_ptr, out_ptr, K, cap,
@@ -321,7 +332,7 @@ def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
     tl.store(out_ptr + offs, best_blk, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "cap", "N"])
 def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
                   valid_ptr, K, cap, N,
                   HAS_VALID: tl.constexpr, TILE: tl.constexpr):
