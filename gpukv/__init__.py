@@ -13,9 +13,21 @@ from gpukv.config import (
     unify_kv_cache_configs,
 )
 from gpukv.distributed import reconcile_kv_cache_config
+from gpukv.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    GpukvError,
+    GpukvInputError,
+    InvalidInputError,
+    InvalidTypeError,
+    ManagerFailedError,
+    NoFreeBlocksError,
+    StaleComputedBlocksError,
+    UnknownRequestError,
+)
 from gpukv.hashing import MMItem
 from gpukv.metrics import PrefixCacheStats, PrefixCachingMetrics
-from gpukv.request import NewRequest, RunningUpdate, StepResult
+from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate, StepResult
 from gpukv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -28,18 +40,29 @@ from gpukv.spec import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapacityError",
+    "ComputedBlocks",
+    "DuplicateRequestError",
     "FullAttentionSpec",
+    "GpukvError",
+    "GpukvInputError",
+    "InvalidInputError",
+    "InvalidTypeError",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
     "KVCacheTensor",
     "MMItem",
+    "ManagerFailedError",
     "NewRequest",
+    "NoFreeBlocksError",
     "PrefixCacheStats",
     "PrefixCachingMetrics",
     "RunningUpdate",
     "SlidingWindowSpec",
+    "StaleComputedBlocksError",
     "StepResult",
+    "UnknownRequestError",
     "available_kv_cache_memory",
     "check_enough_kv_cache_memory",
     "get_kv_cache_config",

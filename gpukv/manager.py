@@ -22,6 +22,7 @@ where its window no longer reaches).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -29,15 +30,40 @@ import numpy as np
 import torch
 
 from gpukv import _runtime, hashing
+from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.kernels import blocks as block_ops
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels import lookup as lookup_ops
-from gpukv.kernels.hashing import hash_block_chains, key_lanes
+from gpukv.kernels.block_hash import hash_block_chains, hash_block_chains_host, key_lanes
+
+# Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
+# kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
+# digests come from the same function on the host (the ``blake3`` package),
+# held bit-identical to the kernel by tests/kernels/test_block_hash.py.
+# GPUKV_HASH_KERNEL=1 forces the kernel (the compile and fault tests launch it).
+_hash_chains = (hash_block_chains_host if _runtime.INTERPRETED and os.environ.get("GPUKV_HASH_KERNEL") != "1"
+                else hash_block_chains)
+from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
 from gpukv.pool import DevicePool
-from gpukv.reference import ComputedBlocks
-from gpukv.request import NewRequest, RunningUpdate, StepResult, check_step_inputs, check_token_ids
+from gpukv.request import (
+    MAX_NUM_BLOCKS,
+    ComputedBlocks,
+    ManagerLimits,
+    NewRequest,
+    RunningUpdate,
+    Step,
+    StepResult,
+    check_memory,
+    check_size,
+    normalize_computed,
+    normalize_device,
+    normalize_step,
+    normalize_token_ids,
+    normalize_windows,
+    resolve_key,
+)
 
 
 def _signed(x: int) -> int:
@@ -51,6 +77,22 @@ def _lanes(d: bytes) -> tuple[int, int]:
 def _as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
     """uint32 token ids in the int32 bit pattern the device stores."""
     return tokens.astype(np.int64).astype(np.uint32).view(np.int32)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def device_bytes(num_blocks: int, block_size: int, num_groups: int, max_model_len: int,
+                 max_num_reqs: int) -> dict[str, int]:
+    """Bytes the device manager allocates at construction, by the argument
+    that drives them (``gpukv.pool`` and the request rows below), so a size
+    that cannot fit is refused before anything is allocated."""
+    N, M = num_blocks, -(-max_model_len // block_size)
+    cap = _pow2_at_least(2 * N)  # free-queue ring and hash-table slots
+    pool = N * (4 + 4 * block_size + 32 + 16 + 8 + 4 + 8 + 8) + cap * (4 + 24)
+    rows = max_num_reqs * (4 * max_model_len + 2 * 16 * (M + 1) + 4 * num_groups * M)
+    return {"num_blocks": pool, "max_model_len": rows}  # rows: max_num_reqs of them, sized by max_model_len
 
 
 def entry_layout(starts, stops, *, reverse: bool = False):
@@ -103,7 +145,7 @@ class StepCounters:
     history: list = field(default_factory=list)
 
 
-class KVCacheManager:
+class KVCacheManager(FailStop):
     """Device-resident manager with the reference's API (``gpukv.reference``)."""
 
     def __init__(
@@ -119,21 +161,22 @@ class KVCacheManager:
         max_num_reqs: int = 64,
         device: torch.device | str | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size must be an int, got {block_size!r}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        windows = list(sliding_windows)
-        if not windows:
-            raise ValueError("sliding_windows needs one entry per KV-cache group (None = full attention)")
-        for w in windows:
-            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-                raise ValueError(f"sliding window must be >= 1, got {w!r}")
+        # Every argument is checked, and the memory it takes estimated, before
+        # anything is allocated (numpy integers are accepted as sizes).
+        block_size = check_size(block_size, "block_size", 1)
+        windows = list(normalize_windows(sliding_windows))
+        num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
         if not enable_caching:
-            raise ValueError("the device manager always caches; use gpukv.reference.KVCacheManager with enable_caching=False")
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-        self.device = torch.device(device) if device is not None else _runtime.default_device()
+            raise InvalidInputError("the device manager always caches", argument="enable_caching",
+                                    fix="use gpukv.reference.KVCacheManager with enable_caching=False")
+        max_model_len = check_size(max_model_len, "max_model_len", 1, 2**31 - 1)
+        max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
+        device = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
+                  else _runtime.default_device())
+        key = resolve_key(hash_key)
+        check_memory(device_bytes(num_blocks, block_size, len(windows), max_model_len, max_num_reqs), device,
+                     "the device manager", also="max_num_reqs")
+        self.device = device
         self.block_size = block_size
         self.sliding_windows = windows
         self.num_groups = len(windows)
@@ -142,7 +185,8 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.uncached_first = bool(uncached_first)
         self.pool = DevicePool(num_blocks, block_size, self.device, uncached_first=uncached_first)
-        self._key = hashing.resolve_hash_key(hash_key)
+        self._key = key
+        self._limits = ManagerLimits(block_size, num_blocks, tuple(windows), max_model_len, True)
         self._root = hashing.root_digest(self._key)
         self._root_lanes = _lanes(self._root)
         self._key_dev = key_lanes(self._key, self.device)
@@ -150,8 +194,6 @@ class KVCacheManager:
         self._M = -(-max_model_len // block_size)
         self._rows_cap = 0
         self.tokens = self.digests = self.extras = self.block_table = None
-        if isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, int) or max_num_reqs < 1:
-            raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
         # Request rows (tokens, digests, block tables) are sized for this many
         # requests at once (running ones and a step's candidates); past it they
         # double, between steps' kernels, never inside one.
@@ -179,6 +221,13 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def limits(self) -> ManagerLimits:
+        """What every call is checked against (block size, pool size, windows,
+        ``max_model_len``): ``gpukv.request.min_blocks_to_admit(n, m.limits,
+        can_hit)`` is the bound past which a new request is refused up front."""
+        return self._limits
+
+    @property
     def num_free_blocks(self) -> int:
         return int(self.pool.num_free.item())
 
@@ -186,30 +235,37 @@ class KVCacheManager:
     def num_evictions(self) -> int:
         return int(self.pool.evictions.item())
 
+    @reading
     def free_queue(self) -> list[int]:
         return self.pool.free_queue_list()
 
+    @reading
     def request_ids(self) -> list[str]:
         return list(self._reqs)
 
+    @reading
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         st = self._state(request_id)
         return self.block_table[:, st.row, : st.num_blocks].cpu().tolist()
 
+    @reading
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
         """int32[G, len(request_ids), M] block tables of these requests (a
         device gather; rows past a request's blocks hold stale ids)."""
         rows = torch.tensor([self._state(r).row for r in request_ids], dtype=torch.long, device=self.device)
         return self.block_table[:, rows]
 
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         return self._state(request_id).num_tokens
 
+    @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
         st = self._state(request_id)
         n = st.num_tokens // self.block_size
         return hashing.lanes_to_digests(self.digests[st.row, :n].cpu().numpy())
 
+    @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         vals = self._stats_dev.cpu().tolist()
         self._stats_dev.zero_()
@@ -217,6 +273,7 @@ class KVCacheManager:
         self._reset_flag = False
         return stats
 
+    @mutating
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks - 1:
             return False
@@ -238,17 +295,21 @@ class KVCacheManager:
         assert held[1:].tolist() == self.pool.ref_counts()[1:], "reference counts disagree with the block tables"
 
     # ----------------------------------------------------- request-level API
+    @mutating
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes no block."""
-        self._check([], [], [request])
+        (request,) = self._normalize((), (), [request], single=True).new
         return self._lookup_only(request, count_stats=True)
 
+    @mutating
     def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
                        computed: ComputedBlocks | None = None) -> list[list[int]] | None:
         if isinstance(request, NewRequest):
-            if new_token_ids:
-                raise ValueError("allocate_slots: a new request brings its tokens in NewRequest.token_ids")
-            self._check([], [], [request])
+            if len(normalize_token_ids(new_token_ids, "new_token_ids")):
+                raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
+                                        argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
+            (request,) = self._normalize((), (), [request], single=True).new
+            computed = normalize_computed(computed, self._limits)
             cap = 0
             if computed is not None:
                 # Checked before anything changes: the given hit must still be
@@ -258,44 +319,55 @@ class KVCacheManager:
                 if (len(computed.block_ids) != self.num_groups or cap * self.block_size != computed.num_tokens
                         or cap > now.num_tokens // self.block_size
                         or any(list(computed.block_ids[g]) != now.block_ids[g][:cap] for g in range(self.num_groups))):
-                    raise ValueError("allocate_slots: the computed blocks are stale (evicted since the lookup); "
-                                     "call get_computed_blocks again")
+                    raise StaleComputedBlocksError("the computed blocks are stale (evicted since the lookup)",
+                                                   argument="computed", fix="call get_computed_blocks again")
             res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
             if res.num_admitted == 0:
                 return None
             got = res.num_computed_tokens[0]
             blocks = self.get_block_ids(request.request_id)
             return [g[got // self.block_size:] for g in blocks]
+        if not isinstance(request, str):
+            raise InvalidTypeError(f"must be a NewRequest or a running request's id (str), got "
+                                   f"{type(request).__name__}", argument="request",
+                                   fix="pass a NewRequest to admit, or the id of a running request")
+        if computed is not None:
+            raise InvalidInputError("computed blocks are for new requests only", argument="computed",
+                                    fix="pass computed=None with a running request's id")
+        (update,) = self._normalize((), [RunningUpdate(request, new_token_ids)], (), single=True).running
         before = self._state(request).num_blocks
-        res = self._step((), [RunningUpdate(request, new_token_ids)], ())
+        res = self._step((), [update], ())
         if not res.ok:
             return None
         return [g[before:] for g in self.get_block_ids(request)]
 
+    @mutating
     def free(self, request_id: str) -> None:
-        self._state(request_id)
+        (request_id,) = self._normalize([request_id], (), (), single=True).finished
         self._step([request_id], (), ())
 
+    @mutating
     def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
              new: Sequence[NewRequest] = ()) -> StepResult:
-        """The batched step; same phases and results as the reference's."""
-        return self._step(list(finished), list(running), list(new))
+        """The batched step; same phases and results as the reference's, and
+        the same argument checks (``gpukv.request.normalize_step``): a refused
+        call raises a ``gpukv.errors`` class and changes nothing."""
+        step = self._normalize(finished, running, new)
+        return self._step(list(step.finished), list(step.running), list(step.new))
 
     # -------------------------------------------------------------- internals
     def _state(self, request_id: str) -> _Row:
         try:
             return self._reqs[request_id]
         except (KeyError, TypeError):
-            raise KeyError(f"unknown request id {request_id!r}: it was never admitted or was already freed") from None
+            raise UnknownRequestError(f"unknown request id {request_id!r}: it was never admitted or was already "
+                                      "freed", argument="request_id",
+                                      fix="pass the id of a request this manager holds") from None
 
-    def _check(self, finished, running, new) -> None:
-        check_step_inputs(finished, running, new, known=self._reqs, block_size=self.block_size,
-                          num_blocks=self.num_blocks, num_groups=self.num_groups, max_tokens=self.max_model_len)
-        for u in running:
-            n = self._reqs[u.request_id].num_tokens + len(u.new_token_ids)
-            if n > self.max_model_len:
-                raise ValueError(f"running request {u.request_id!r} would hold {n} tokens, more than "
-                                 f"max_model_len {self.max_model_len}")
+    def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
+        """Every argument checked and normalised (``gpukv.request``), before anything changes."""
+        return normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
+                              num_tokens=lambda rid: self._reqs[rid].num_tokens, single=single)
 
     def _grow_rows(self, need: int) -> None:
         if need <= self._rows_cap:
@@ -338,7 +410,7 @@ class KVCacheManager:
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None) -> StepResult:
-        self._check(finished, running, new)
+        """A step on normalised arguments (``_normalize``): nothing here refuses input."""
         self.counters.launches = 0
         self.counters.syncs = 0
         G, bs = self.num_groups, self.block_size
@@ -360,7 +432,7 @@ class KVCacheManager:
         if running:
             rows = [self._reqs[u.request_id] for u in running]
             self._release_behind_windows(rows)
-            adds = [check_token_ids(u.new_token_ids, u.request_id) for u in running]
+            adds = [u.new_token_ids for u in running]
             new_totals = [st.num_tokens + len(a) for st, a in zip(rows, adds)]
             needs = [(-(-n // bs) - st.num_blocks) * G for st, n in zip(rows, new_totals)]
             self._write_tokens([st.row for st in rows], [st.num_tokens for st in rows], adds)
@@ -402,7 +474,11 @@ class KVCacheManager:
         cand_rows: list[int] = []
         if new:
             cand_rows = [self._take_row() for _ in new]
-            status, hits = self._admit_new(new, cand_rows, blocked, count_stats, hit_caps)
+            try:
+                status, hits = self._admit_new(new, cand_rows, blocked, count_stats, hit_caps)
+            except BaseException:
+                self._free_rows.extend(reversed(cand_rows))  # no row leaks, whatever went wrong
+                raise
             status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64)]
 
         # The one device-to-host read of the step (none when nothing is unknown).
@@ -534,7 +610,7 @@ class KVCacheManager:
         prev = self.digests[rows_t, (starts_t - 1).clamp(min=0)]
         parents = torch.where((starts_t > 0)[:, None], prev, root[None, :]).contiguous()
         nb = torch.as_tensor([e - s for _, s, e in work], dtype=torch.int32, device=self.device)
-        out = hash_block_chains(self._key_dev, parents, toks, nb, extras, block_size=bs, max_blocks=width)
+        out = _hash_chains(self._key_dev, parents, toks, nb, extras, block_size=bs, max_blocks=width)
         self._launch()
         # Positions past a row's last block go to the dump column M: a scatter
         # of fixed shape, not a boolean mask (which would read the device).
@@ -551,22 +627,18 @@ class KVCacheManager:
         self._launch(5)  # record, insert (2), maybe_rebuild (2)
 
     def _prepare_new(self, new: Sequence[NewRequest], rows: list[int]) -> None:
-        """Tokens, extra-key digests and digests of new requests into their rows."""
+        """Tokens, extra-key digests and digests of new requests into their rows.
+        Every digest is computed here, on the device, from the tokens and
+        extra keys: what a caller handed in as ``block_hashes`` decides nothing
+        (``docs/design.md``)."""
         bs = self.block_size
-        arrays = [check_token_ids(r.token_ids, r.request_id) for r in new]
+        arrays = [r.token_ids for r in new]
         self._write_tokens(rows, [0] * len(rows), arrays)
         rows_t = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         self.extras[rows_t] = 0
         states = [_Row(row, 0, 0, 0, r.lora_id, tuple(r.mm_items), r.cache_salt) for r, row in zip(new, rows)]
         self._write_extras(states, [len(a) // bs for a in arrays])
-        given = [(row, r) for row, r in zip(rows, new) if r.block_hashes is not None and len(r.block_hashes)]
-        if given:
-            idx = np.concatenate([np.arange(len(r.block_hashes)) + row * (self._M + 1) for row, r in given])
-            vals = np.concatenate([hashing.digests_to_lanes(list(r.block_hashes)).view(np.int64) for _, r in given])
-            self.digests.view(-1, 2).index_copy_(0, torch.as_tensor(idx, device=self.device),
-                                                torch.as_tensor(vals, device=self.device))
-        todo = [(row, len(a) // bs) for row, r, a in zip(rows, new, arrays) if r.block_hashes is None]
-        self._hash_rows([r for r, _ in todo], [0] * len(todo), [n for _, n in todo])
+        self._hash_rows(list(rows), [0] * len(rows), [len(a) // bs for a in arrays])
 
     def _pending_chains(self, K, rows_np, n_full, P, li, lp, lg):
         dev, bs = self.device, self.block_size
@@ -582,7 +654,8 @@ class KVCacheManager:
         ones = torch.ones(E, dtype=torch.int32, device=dev)
         table_ops.insert(scratch, lo, hi, ep_t, self._i32(np.arange(E)), ones)
         head = table_ops.find_oldest(scratch, lo, hi, ep_t, ones)
-        # Inputs equal to the chain head's (digests can be caller-supplied).
+        # Inputs equal to the chain head's (digests are the manager's own, so
+        # only a hash collision could fail this; checked all the same).
         ok = lookup_ops.verify(e_rows[head.long()].contiguous(), e_rows, ep_t, tokens=self.tokens,
                                digests=self.digests, extras=self.extras, root=self._root_lanes, from_pool=False,
                                block_size=bs)

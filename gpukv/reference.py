@@ -33,14 +33,43 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from gpukv import hashing
+from gpukv.errors import (
+    InvalidInputError,
+    InvalidTypeError,
+    NoFreeBlocksError,
+    StaleComputedBlocksError,
+    UnknownRequestError,
+)
+from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
-from gpukv.request import NewRequest, RunningUpdate, StepResult, check_step_inputs, check_token_ids
+from gpukv.request import (
+    MAX_NUM_BLOCKS,
+    ComputedBlocks,
+    ManagerLimits,
+    NewRequest,
+    RunningUpdate,
+    Step,
+    StepResult,
+    check_memory,
+    check_size,
+    normalize_computed,
+    normalize_step,
+    normalize_token_ids,
+    normalize_windows,
+    resolve_key,
+    token_array_for_host,
+)
 
 NULL_BLOCK = 0
 
+__all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCacheManager", "NoFreeBlocksError"]
 
-class NoFreeBlocksError(RuntimeError):
-    """An allocation asked for more blocks than the free queue holds."""
+# Host bytes per block of a full reference pool (counts, free-queue links,
+# cached-block records and table entries), for the check before allocating.
+_HOST_BYTES_PER_BLOCK = 640
+# Below this many requests to hash at once, one chain per request beats a
+# vectorised round (whose cost is mostly per call, not per row).
+_MIN_VECTOR_ROWS = 24
 
 
 @dataclass(frozen=True)
@@ -54,12 +83,8 @@ class CachedBlockInfo:
     extra: bytes
 
 
-def _check_count(value: int, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+def _check_count(value: int, name: str, minimum: int, maximum: int | None = None) -> int:
+    return check_size(value, name, minimum, maximum)
 
 
 class BlockPool:
@@ -72,7 +97,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, uncached_first: bool = True, enable_caching: bool = True) -> None:
-        self.num_blocks = _check_count(num_blocks, "num_blocks", 2)
+        self.num_blocks = _check_count(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
+        check_memory({"num_blocks": self.num_blocks * _HOST_BYTES_PER_BLOCK}, None, "the reference pool")
         self.uncached_first = bool(uncached_first)
         self.enable_caching = bool(enable_caching)
         self.ref_cnt = [0] * self.num_blocks
@@ -240,15 +266,6 @@ class _RequestState:
 
 
 @dataclass
-class ComputedBlocks:
-    """A request's prefix-cache hit: per group, the block at each hit position
-    (the null block where a sliding window does not reach)."""
-
-    block_ids: list[list[int]]
-    num_tokens: int
-
-
-@dataclass
 class _Plan:
     """A new request's admission plan within one step."""
 
@@ -260,7 +277,7 @@ class _Plan:
     num_new_blocks: int
 
 
-class KVCacheManager:
+class KVCacheManager(FailStop):
     """Request-level calls over one shared ``BlockPool``.
 
     ``sliding_windows`` has one entry per KV-cache group: None for full
@@ -268,6 +285,10 @@ class KVCacheManager:
     block size; a request holds one block list per group. A sliding-window
     group keeps only the blocks its window still reaches and the null block
     before them.
+
+    ``max_model_len`` (None: no limit) refuses requests longer than it, as
+    the device manager does; every argument of every call is checked by
+    ``gpukv.request.normalize_step`` before anything changes.
     """
 
     def __init__(
@@ -279,22 +300,30 @@ class KVCacheManager:
         enable_caching: bool = True,
         uncached_first: bool = True,
         hash_key: bytes | str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.block_size = _check_count(block_size, "block_size", 1)
-        windows = list(sliding_windows)
-        if not windows:
-            raise ValueError("sliding_windows needs one entry per KV-cache group (None = full attention)")
-        for w in windows:
-            if w is not None:
-                _check_count(w, "sliding window", 1)
+        windows = list(normalize_windows(sliding_windows))
+        num_blocks = _check_count(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
+        if max_model_len is not None:
+            max_model_len = _check_count(max_model_len, "max_model_len", 1)
+        self.max_model_len = max_model_len
         self.sliding_windows = windows
         self.num_groups = len(windows)
         self.enable_caching = bool(enable_caching)
+        self._key = resolve_key(hash_key)
         self.pool = BlockPool(num_blocks, uncached_first=uncached_first, enable_caching=enable_caching)
-        self._key = hashing.resolve_hash_key(hash_key)
+        self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root = hashing.root_digest(self._key)
         self._requests: dict[str, _RequestState] = {}
         self.stats = PrefixCacheStats()
+        # Digests this manager computed for requests that may come back (refused
+        # this step, looked up by get_computed_blocks, freed to be resumed):
+        # reused only for the same id, extra keys and leading tokens, so they
+        # are exactly what hashing again would give. LRU, bounded in digests.
+        self._digest_memo: OrderedDict[str, tuple] = OrderedDict()
+        self._memo_digests = 0
+        self._memo_limit = 2 * num_blocks + 1024
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "KVCacheManager":
@@ -321,6 +350,13 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def limits(self) -> ManagerLimits:
+        """What every call is checked against (block size, pool size, windows,
+        ``max_model_len``): ``gpukv.request.min_blocks_to_admit(n, m.limits,
+        can_hit)`` is the bound past which a new request is refused up front."""
+        return self._limits
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
@@ -328,6 +364,7 @@ class KVCacheManager:
     def num_evictions(self) -> int:
         return self.pool.num_evictions
 
+    @reading
     def free_queue(self) -> list[int]:
         """Free block ids, front (reused first) to back."""
         return self.pool.free_queue()
@@ -337,39 +374,48 @@ class KVCacheManager:
         """Fraction of the pool (null block excluded) that is referenced."""
         return 1.0 - self.pool.num_free_blocks / (self.pool.num_blocks - 1)
 
+    @reading
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
+    @reading
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block ids per group, position by position."""
         return [list(b) for b in self._state(request_id).blocks]
 
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         return self._state(request_id).num_computed_tokens
 
+    @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
         """Digests of the request's full blocks (to carry over a preemption,
         as vLLM's ``Request.block_hashes`` does)."""
         return list(self._state(request_id).block_hashes)
 
+    @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Hand out the stats gathered since the last call and start afresh."""
         stats, self.stats = self.stats, PrefixCacheStats()
         return stats
 
+    @mutating
     def reset_prefix_cache(self) -> bool:
         ok = self.pool.reset_prefix_cache()
         if ok:  # every block was free, so no request holds a cached block
             self.stats.reset = True
         return ok
 
+    @mutating
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes nothing else."""
-        self._check_new([request])
+        (request,) = self._normalize((), (), [request], single=True).new
         plan = self._plan(self._new_state(request), [])
+        self._remember_digests(plan.state)
         self._record(plan)
         return ComputedBlocks([[b for b in g] for g in plan.hits], plan.num_hit_blocks * self.block_size)
 
+    @mutating
     def allocate_slots(
         self,
         request: NewRequest | str,
@@ -385,9 +431,11 @@ class KVCacheManager:
         case nothing changed.
         """
         if isinstance(request, NewRequest):
-            if new_token_ids:
-                raise ValueError("allocate_slots: a new request brings its tokens in NewRequest.token_ids")
-            self._check_new([request])
+            if len(normalize_token_ids(new_token_ids, "new_token_ids")):
+                raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
+                                        argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
+            (request,) = self._normalize((), (), [request], single=True).new
+            computed = normalize_computed(computed, self._limits)
             state = self._new_state(request)
             hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
             num_hit = computed.num_tokens // self.block_size if computed is not None else 0
@@ -395,12 +443,19 @@ class KVCacheManager:
             plan = _Plan(state, num_hit, hits, self._num_blocks_for(len(state.tokens)) * self.num_groups - num_hit * self.num_groups)
             need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
             if need > self.pool.num_free_blocks:
+                self._remember_digests(state)
                 return None
             before = [list(g) for g in hits]
             self._admit([plan])
             return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
-        update = RunningUpdate(request, new_token_ids)
-        self._check_running([update], finished=set())
+        if not isinstance(request, str):
+            raise InvalidTypeError(f"must be a NewRequest or a running request's id (str), got "
+                                   f"{type(request).__name__}", argument="request",
+                                   fix="pass a NewRequest to admit, or the id of a running request")
+        if computed is not None:
+            raise InvalidInputError("computed blocks are for new requests only", argument="computed",
+                                    fix="pass computed=None with a running request's id")
+        (update,) = self._normalize((), [RunningUpdate(request, new_token_ids)], (), single=True).running
         before = [len(b) for b in self._state(request).blocks]
         self._release_skipped(self._state(request))
         if not self._run(update):
@@ -408,11 +463,13 @@ class KVCacheManager:
         self._cache_running([self._state(request)])
         return [self._state(request).blocks[g][before[g]:] for g in range(self.num_groups)]
 
+    @mutating
     def free(self, request_id: str) -> None:
         """Give back a request's blocks (tail first, group by group) and forget it."""
-        self._state(request_id)
+        (request_id,) = self._normalize([request_id], (), (), single=True).finished
         self._free_request(request_id)
 
+    @mutating
     def step(
         self,
         finished: Sequence[str] = (),
@@ -435,24 +492,29 @@ class KVCacheManager:
         5. touch the hits of every admitted request, then allocate for each in
            order, then cache the blocks that will be full.
 
-        Every argument is checked before anything changes.
+        Every argument is checked before anything changes (``gpukv.request``:
+        containers may be lists, tuples or iterators, materialised once; a str
+        is not a list of ids); a refused call raises a ``gpukv.errors`` class
+        and changes nothing.
         """
-        finished, running, new = list(finished), list(running), list(new)
-        self._check_step(finished, running, new)
+        step = self._normalize(finished, running, new)
+        finished, running, new = step.finished, step.running, step.new
         for rid in finished:
             self._free_request(rid)
-        for update in running:
-            self._release_skipped(self._requests[update.request_id])
-        grown = []
-        for k, update in enumerate(running):
-            if not self._run(update):
-                self._cache_running(grown)
-                return StepResult(running_failed_at=k)
-            grown.append(self._requests[update.request_id])
+        requests = self._requests
+        if any(w is not None for w in self.sliding_windows):  # full attention releases nothing
+            for update in running:
+                self._release_skipped(requests[update.request_id])
+        grown = [requests[update.request_id] for update in running]
+        failed_at = self._run_all(running, grown)
+        if failed_at is not None:
+            self._cache_running(grown[:failed_at])
+            return StepResult(running_failed_at=failed_at)
         self._cache_running(grown)
         plans: list[_Plan] = []
+        # Each request is hashed when its lookup comes (in ``_plan``), so the
+        # requests after the first refused one are not hashed at all.
         states = [self._new_state(r) for r in new]
-        self._extend_hashes([s for s in states if not s.block_hashes])
         # Phases 3 and 4 interleave: a request's lookup depends only on the
         # requests before it, so looking up stops at the first refused one.
         num_free = self.pool.num_free_blocks
@@ -474,6 +536,8 @@ class KVCacheManager:
             touched |= first_touch
             admitted += 1
         self._admit(plans[:admitted])
+        for st in states[admitted:]:
+            self._remember_digests(st)
         return StepResult(
             num_admitted=admitted,
             num_computed_tokens=[p.num_hit_blocks * self.block_size for p in plans[:admitted]],
@@ -496,24 +560,19 @@ class KVCacheManager:
         try:
             return self._requests[request_id]
         except (KeyError, TypeError):
-            raise KeyError(f"unknown request id {request_id!r}: it was never admitted or was already freed") from None
+            raise UnknownRequestError(f"unknown request id {request_id!r}: it was never admitted or was already "
+                                      "freed", argument="request_id",
+                                      fix="pass the id of a request this manager holds") from None
 
-    def _check_step(self, finished, running, new) -> None:
-        check_step_inputs(finished, running, new, **self._limits())
-
-    def _check_running(self, running, finished: set[str]) -> None:
-        check_step_inputs((), running, (), **self._limits())
-
-    def _check_new(self, new) -> None:
-        check_step_inputs((), (), new, **self._limits())
-
-    def _limits(self) -> dict:
-        return dict(known=self._requests, block_size=self.block_size, num_blocks=self.pool.num_blocks,
-                    num_groups=self.num_groups)
+    def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
+        """Every argument checked and normalised (``gpukv.request``), before anything changes."""
+        return normalize_step(finished, running, new, known=self._requests, limits=self._limits,
+                              num_tokens=lambda rid: len(self._requests[rid].tokens), single=single)
 
     def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
         if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):
-            raise ValueError("allocate_slots: computed blocks do not match this manager's groups")
+            raise InvalidInputError("the computed blocks do not match this manager's groups", argument="computed",
+                                    fix="pass what get_computed_blocks returned for this request")
         self._extend_hashes([state] if not state.block_hashes else [])
         for g, blocks in enumerate(hits):
             for i, b in enumerate(blocks):
@@ -521,26 +580,52 @@ class KVCacheManager:
                     continue
                 info = self.pool.cached_info(b)
                 if info is None or info.digest != state.block_hashes[i] or info.group != g:
-                    raise ValueError(
-                        "allocate_slots: the computed blocks are stale (evicted since the lookup); "
-                        "call get_computed_blocks again"
-                    )
+                    raise StaleComputedBlocksError(
+                        "the computed blocks are stale (evicted since the lookup)", argument="computed",
+                        fix="call get_computed_blocks again")
 
     # ------------------------------------------------------------- hashing
+    def _remember_digests(self, st: _RequestState) -> None:
+        if not st.block_hashes:
+            return
+        old = self._digest_memo.pop(st.request_id, None)
+        if old is not None:
+            self._memo_digests -= len(old[2])
+        n = len(st.block_hashes)
+        tokens = np.asarray(st.tokens[: n * self.block_size], dtype=np.int64)
+        self._digest_memo[st.request_id] = (tokens, (st.lora_id, st.mm_items, st.cache_salt),
+                                            list(st.block_hashes), list(st.extras[:n]))
+        self._memo_digests += n
+        while self._memo_digests > self._memo_limit and len(self._digest_memo) > 1:
+            _, (_, _, digests, _) = self._digest_memo.popitem(last=False)
+            self._memo_digests -= len(digests)
+
+    def _recall_digests(self, st: _RequestState) -> None:
+        entry = self._digest_memo.pop(st.request_id, None)
+        if entry is None:
+            return
+        tokens, extra_keys, digests, extras = entry
+        self._memo_digests -= len(digests)
+        if (extra_keys == (st.lora_id, st.mm_items, st.cache_salt) and len(st.tokens) >= len(tokens)
+                and np.array_equal(st.tokens[: len(tokens)], tokens)):
+            st.block_hashes, st.extras = digests, extras
+
     def _new_state(self, r: NewRequest) -> _RequestState:
+        """A normalised new request's state. Its digests are always computed
+        by this manager, from its own tokens and extra keys (or recalled from
+        when it hashed the same id, extra keys and tokens before): what a
+        caller hands in as ``block_hashes`` decides nothing (``docs/design.md``)."""
         st = _RequestState(
             request_id=r.request_id,
-            tokens=check_token_ids(r.token_ids, r.request_id),
+            tokens=token_array_for_host(r.token_ids),
             lora_id=r.lora_id,
-            mm_items=tuple(r.mm_items),
+            mm_items=r.mm_items,
             cache_salt=r.cache_salt,
-            skip_prefix_cache=bool(r.skip_prefix_cache),
+            skip_prefix_cache=r.skip_prefix_cache,
             blocks=[[] for _ in range(self.num_groups)],
             num_cached_blocks=[0] * self.num_groups,
         )
-        if r.block_hashes is not None:
-            st.block_hashes = list(r.block_hashes)
-            st.extras = self._extras(st, 0, len(st.block_hashes))
+        self._recall_digests(st)
         return st
 
     def _extras(self, st: _RequestState, first: int, count: int) -> list[bytes]:
@@ -553,7 +638,10 @@ class KVCacheManager:
 
     def _extend_hashes(self, states: list[_RequestState]) -> None:
         """Hash every full block not hashed yet, vectorised across requests
-        (round r hashes the r-th missing block of every request at once)."""
+        (round r hashes the r-th missing block of every request at once) while
+        many requests are left; below ``_MIN_VECTOR_ROWS`` each remaining chain
+        is hashed on its own (a round costs about as much for one row as for
+        many)."""
         bs = self.block_size
         work = []
         for st in states:
@@ -562,6 +650,11 @@ class KVCacheManager:
                 st.extras.extend(self._extras(st, start, stop - start))
                 work.append((st, start, stop))
         rnd = 0
+        while work and len(work) < _MIN_VECTOR_ROWS:
+            st, s, e = work.pop()
+            parent = st.block_hashes[-1] if st.block_hashes else self._root
+            st.block_hashes.extend(hashing.hash_block_chain(self._key, st.tokens[s * bs:e * bs], bs,
+                                                            extras=st.extras[s:e], parent=parent))
         while work:
             parents = np.array(
                 [hashing.digests_to_lanes([st.block_hashes[-1] if st.block_hashes else self._root])[0] for st, _, _ in work],
@@ -574,6 +667,12 @@ class KVCacheManager:
                 st.block_hashes.append(d)
             rnd += 1
             work = [w for w in work if w[1] + rnd < w[2]]
+            if len(work) < _MIN_VECTOR_ROWS:
+                for st, s, e in work:
+                    st.block_hashes.extend(hashing.hash_block_chain(
+                        self._key, st.tokens[(s + rnd) * bs:e * bs], bs, extras=st.extras[s + rnd:e],
+                        parent=st.block_hashes[-1]))
+                break
 
     def _token_bytes(self, st: _RequestState, i: int) -> bytes:
         bs = self.block_size
@@ -722,28 +821,52 @@ class KVCacheManager:
     def _run(self, update: RunningUpdate) -> bool:
         """Append a running request's tokens and give it blocks for all of
         them. False, with nothing changed, when the blocks do not fit."""
-        st = self._state(update.request_id)
-        new_tokens = [t % 2**32 for t in check_token_ids(update.new_token_ids, update.request_id).tolist()]
-        num_tokens = len(st.tokens) + len(new_tokens)
-        n_total = self._num_blocks_for(num_tokens)
-        need = sum(n_total - len(st.blocks[g]) for g in range(self.num_groups))
-        if need > self.pool.num_free_blocks:
-            return False
-        if isinstance(st.tokens, np.ndarray):  # a list from the first append on
-            st.tokens = st.tokens.tolist()
-        st.tokens.extend(new_tokens)
-        for g in range(self.num_groups):
-            st.blocks[g].extend(self.pool.allocate(n_total - len(st.blocks[g])))
-        st.num_computed_tokens = num_tokens
-        return True
+        return self._run_all([update], [self._state(update.request_id)]) is None
+
+    def _run_all(self, updates: Sequence[RunningUpdate], states: Sequence[_RequestState]) -> int | None:
+        """``_run`` for each update in order (``states``: their requests'
+        states): the index of the first whose blocks do not fit, it and the
+        later ones left unchanged, or None when all fit."""
+        bs = self.block_size
+        pool = self.pool
+        free = pool._free  # len(free) is pool.num_free_blocks
+        for k, (update, st) in enumerate(zip(updates, states)):
+            new_tokens = update.new_token_ids
+            if type(new_tokens) is not np.ndarray:
+                new_tokens = token_array_for_host(new_tokens)
+            new_tokens = new_tokens.tolist()
+            tokens = st.tokens
+            num_tokens = len(tokens) + len(new_tokens)
+            n_total = -(-num_tokens // bs)
+            need = 0
+            for blocks in st.blocks:
+                need += n_total - len(blocks)
+            if need > len(free):
+                return k
+            if isinstance(tokens, np.ndarray):  # a list from the first append on
+                tokens = st.tokens = tokens.tolist()
+            tokens.extend(new_tokens)
+            for blocks in st.blocks:
+                n = n_total - len(blocks)
+                if n:  # allocating none changes nothing
+                    blocks.extend(pool.allocate(n))
+            st.num_computed_tokens = num_tokens
+        return None
 
     def _cache_running(self, states: list[_RequestState]) -> None:
         """Cache the blocks running requests filled, request by request; the
         hashing is done first for all of them at once (it reads no pool state,
         so doing it early changes nothing)."""
         self._extend_hashes(states)
+        bs = self.block_size
         for st in states:
-            self._cache_full_blocks(st)
+            # Every full block is hashed now, so only a group that has not
+            # cached all of them gives ``_cache_full_blocks`` anything to do.
+            num_full = st.num_computed_tokens // bs
+            for cached in st.num_cached_blocks:
+                if cached < num_full:
+                    self._cache_full_blocks(st)
+                    break
 
     def _skipped_blocks(self, st: _RequestState) -> list[int]:
         """Per group, how many leading blocks no token computed from now on can
@@ -761,6 +884,12 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = st.num_computed_tokens // bs
+        if len(st.tokens) // bs <= len(st.block_hashes):  # nothing left to hash
+            for cached in st.num_cached_blocks:
+                if cached < num_full:
+                    break
+            else:  # and every group has cached its full blocks already
+                return
         self._extend_hashes([st])
         for g in range(self.num_groups):
             for i in range(st.num_cached_blocks[g], num_full):
@@ -774,5 +903,6 @@ class KVCacheManager:
 
     def _free_request(self, request_id: str) -> None:
         st = self._requests.pop(request_id)
+        self._remember_digests(st)  # a preempted request comes back with the same prefix
         for g in range(self.num_groups):
             self.pool.free(list(reversed(st.blocks[g])))

@@ -1,76 +1,92 @@
-"""What a caller hands the block manager: new requests, running updates, and
-what a batched step gives back.
+"""What a caller hands the block manager (new requests, running updates), what
+a batched step gives back, and the one place where every argument is checked.
 
 Both managers (the reference and the device one) take these same types, so a
-serving loop can switch backends without touching its own code.
+serving loop can switch backends without touching its own code, and both
+normalise their arguments through the functions below before changing
+anything: they accept and refuse exactly the same inputs, with the same
+``gpukv.errors`` classes, and after a refusal nothing has changed.
+
+Normalisation, done once per call:
+
+* Containers (``finished``, ``running``, ``new``, ``mm_items``,
+  ``block_hashes``, ``sliding_windows``) must be ordered collections: a list,
+  tuple, range or other ``Sequence``, or an iterator (a generator, ``map``,
+  ``iter(...)``), which is materialised once, before anything is checked, so
+  nothing is consumed twice or dropped. A str or bytes (``finished="ab"`` is
+  not the ids "a" and "b"), None, a set or dict (their order is not the
+  caller's), an array or tensor, or any other object is refused.
+* Token ids become a fresh 1-D int64 numpy array (a copy: a caller that
+  changes its list or array afterwards changes nothing in the manager), checked
+  for kind, rank and range in one vectorised pass: a list goes through
+  ``np.asarray`` once (its element types are read in one C-level pass, so bools
+  and floats hidden in a list of ints are found); arrays and CPU tensors must
+  be 1-D, integer (not bool), each id in ``[0, 2**32)``. A tensor on a CUDA
+  device (tokens a sampler just produced) must be 1-D int32 or int64 and is
+  kept as it is, unread: reading it would stop the host until the GPU catches
+  up; its ids are taken modulo 2**32 (by both managers). Tensors on any other
+  device (``meta``, ...) are refused.
+* Everything a ``NewRequest`` carries is checked (request id, LoRA id in
+  ``[0, 2**64)``, salt and multimodal hashes encodable as UTF-8, multimodal
+  items inside the prompt and not overlapping, ``skip_prefix_cache`` a bool)
+  and comes back as a new ``NewRequest`` whose ``token_ids`` is the int64 array
+  (or the CUDA tensor), ``mm_items`` a tuple sorted by offset and
+  ``block_hashes`` None.
+* ``NewRequest.block_hashes`` is deprecated and ignored: its form is still
+  checked (one 16-byte digest per full block), a ``DeprecationWarning`` is
+  emitted, and the manager computes every digest itself (``docs/design.md``
+  says why that is what makes hits exact).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Container, Sequence
+from typing import Any, Callable, Container
 
 import numpy as np
 import torch
 
+from gpukv.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidInputError,
+    InvalidTypeError,
+    UnknownRequestError,
+)
 from gpukv.hashing import MMItem
 
 MAX_TOKEN_ID = 2**32 - 1
+MAX_LORA_ID = 2**64 - 1
+# The device hash table holds at most 2**30 slots, two per block; both
+# managers take the same sizes, so the reference has the same bound.
+MAX_NUM_BLOCKS = 2**29
+
+_INTS = (int, np.integer)
+_BOOLS = (bool, np.bool_)
 
 
-def check_token_ids(token_ids: Sequence[int], what: str) -> np.ndarray | torch.Tensor:
-    """Return ``token_ids`` as an int64 array, or raise saying what is wrong.
-
-    Token ids are hashed as little-endian uint32, so each must be an int in
-    ``[0, 2**32)``; bools, floats and strings are refused rather than coerced.
-    A tensor on a GPU (tokens a sampler just produced) is returned as it is,
-    with its dtype and shape checked but not its values: reading them would
-    stop the host until the GPU catches up. Its ids are taken modulo 2**32.
-    """
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dtype not in (torch.int32, torch.int64) or token_ids.dim() > 1:
-            raise TypeError(f"{what}: a token tensor must be 1-D int32 or int64, got {token_ids.dtype} "
-                            f"of shape {tuple(token_ids.shape)}")
-        if token_ids.device.type != "cpu":
-            return token_ids.reshape(-1)
-        token_ids = token_ids.numpy()
-    if isinstance(token_ids, (str, bytes)):
-        raise TypeError(f"{what}: token ids must be a sequence of ints, got {type(token_ids).__name__}")
-    if isinstance(token_ids, np.ndarray):
-        arr = token_ids
-    else:
-        token_ids = list(token_ids)
-        for i, t in enumerate(token_ids):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(
-                    f"{what}: token id at position {i} is {t!r} ({type(t).__name__}); token ids must be ints"
-                )
-        arr = np.asarray(token_ids, dtype=object if not token_ids else None)
-    if arr.size and arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "O":  # ints too large for int64
-            bad = next(i for i, t in enumerate(arr.tolist()) if not 0 <= t <= MAX_TOKEN_ID)
-            raise ValueError(
-                f"{what}: token id at position {bad} is {arr[bad]}, outside [0, 2**32)"
-            )
-        raise TypeError(f"{what}: token ids must be ints, got an array of {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False).reshape(-1)
-    if arr.size:
-        bad = np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"{what}: token id at position {i} is {int(arr[i])}, outside [0, 2**32)")
-    return arr
-
+# ----------------------------------------------------------------- the types
 
 @dataclass(frozen=True)
 class NewRequest:
     """A request asking to be admitted: look up its prefix, then compute the rest.
 
     ``token_ids`` are all tokens known so far (a resumed request brings its
-    prompt and what it generated). ``block_hashes``, when given, are the
-    chained digests of its full blocks computed by the caller with the
-    manager's key (vLLM's ``Request.block_hashes``); hits are verified against
-    the tokens, so a wrong digest can cost a hit but never give a wrong one.
+    prompt and what it generated): a sequence or iterator of ints in
+    ``[0, 2**32)``, a 1-D integer numpy array, or a 1-D int32/int64 tensor.
+    ``lora_id`` is None or an int in ``[0, 2**64)``; ``mm_items`` the
+    multimodal items (inside the prompt, not overlapping each other);
+    ``cache_salt`` None or a str (requests with different salts share no
+    block); ``skip_prefix_cache`` a bool.
+
+    ``block_hashes`` is deprecated and ignored (a ``DeprecationWarning`` when
+    given): the manager computes every digest itself from the tokens and extra
+    keys, so a caller's digests can neither give nor poison a hit. It is kept
+    for compatibility; its form is still checked (one 16-byte digest per full
+    block).
     """
 
     request_id: str
@@ -82,7 +98,7 @@ class NewRequest:
     block_hashes: Sequence[bytes] | None = field(default=None, repr=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RunningUpdate:
     """A running request's work this step.
 
@@ -94,6 +110,14 @@ class RunningUpdate:
 
     request_id: str
     new_token_ids: Sequence[int] = ()
+
+    def __init__(self, request_id: str, new_token_ids: Sequence[int] = ()) -> None:
+        # What the generated frozen __init__ does (object.__setattr__ per
+        # field), written straight into the instance's __dict__: a decode step
+        # builds one update per running request.
+        fields = self.__dict__
+        fields["request_id"] = request_id
+        fields["new_token_ids"] = new_token_ids
 
 
 @dataclass
@@ -116,82 +140,605 @@ class StepResult:
         return self.running_failed_at is None
 
 
-def _all_digests(values: Sequence[bytes]) -> bool:
-    """Whether every value is a 16-byte digest (one join, not a Python loop)."""
+@dataclass
+class ComputedBlocks:
+    """A request's prefix-cache hit: per group, the block at each hit position
+    (the null block where a sliding window does not reach)."""
+
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ManagerLimits:
+    """What the step checks need to know of a manager (fixed at construction)."""
+
+    block_size: int
+    num_blocks: int
+    sliding_windows: tuple[int | None, ...]
+    max_model_len: int | None = None
+    caching: bool = True
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step's arguments, normalised and checked: ``finished`` request ids,
+    ``running`` updates whose ``new_token_ids`` are int64 arrays (or CUDA
+    tensors), ``new`` requests as described in the module docstring."""
+
+    finished: tuple[str, ...] = ()
+    running: tuple[RunningUpdate, ...] = ()
+    new: tuple[NewRequest, ...] = ()
+
+
+# ------------------------------------------------------------------ scalars
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _short(value: Any) -> str:
+    """A short repr for messages; objects without a plain value (whose repr
+    would show a memory address) are shown by their type only."""
+    if value is None or isinstance(value, (str, bytes, bytearray, int, float, complex, np.generic)):
+        text = repr(value)
+    else:
+        text = f"<{_type_name(value)}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int(value: Any, argument: str, *, minimum: int | None = None, maximum: int | None = None,
+              fix: str = "") -> int:
+    """``value`` as a Python int, or raise: a bool or non-integer is an
+    ``InvalidTypeError``; below ``minimum`` an ``InvalidInputError``; above
+    ``maximum`` a ``CapacityError`` (numpy integers are accepted)."""
+    if isinstance(value, _BOOLS) or not isinstance(value, _INTS):
+        raise InvalidTypeError(f"must be an int, got {_type_name(value)} {_short(value)}", argument=argument,
+                               fix=fix or "pass a Python or numpy integer")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise InvalidInputError(f"must be >= {minimum}, got {value}", argument=argument,
+                                fix=fix or f"pass an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise CapacityError(f"must be <= {maximum}, got {value}", argument=argument,
+                            fix=fix or f"pass an int <= {maximum}")
+    return value
+
+
+def check_utf8(text: str, argument: str) -> None:
+    """Raise unless ``text`` can be encoded as UTF-8 (a lone surrogate cannot)."""
     try:
-        return len(b"".join(values)) == 16 * len(values) and all(len(v) == 16 for v in values[:1])
-    except TypeError:
-        return False
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"is not valid UTF-8 ({e.reason} at index {e.start})", argument=argument,
+                                fix="pass a str without lone surrogates (e.g. decode bytes with errors='replace')"
+                                ) from None
 
 
-def check_step_inputs(
-    finished: Sequence[str],
-    running: Sequence[RunningUpdate],
-    new: Sequence[NewRequest],
+# --------------------------------------------------------------- containers
+
+def as_list(value: Any, argument: str, items: str) -> list:
+    """An ordered collection (list, tuple, range, other Sequence) or an
+    iterator (materialised once) as a new list; anything else is refused with
+    an ``InvalidTypeError`` naming ``argument``. ``items`` says what the
+    collection holds, for the message."""
+    if isinstance(value, list):
+        return list(value)
+    fix = f"pass a list of {items} (an empty list for none)"
+    if value is None:
+        raise InvalidTypeError(f"got None, expected a list of {items}", argument=argument, fix=fix)
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"got {_type_name(value)} {_short(value)}; a string is not a list of {items}",
+                               argument=argument, fix=f"wrap it in a list, e.g. [{_short(value)}]")
+    if isinstance(value, (Set, Mapping)):
+        raise InvalidTypeError(f"got a {_type_name(value)}, whose order is not yours; the order of {items} matters",
+                               argument=argument, fix=f"pass a list of {items} in the order you mean")
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        raise InvalidTypeError(f"got a {_type_name(value)}, expected a list of {items}", argument=argument, fix=fix)
+    if isinstance(value, (Sequence, Iterator)):
+        return list(value)
+    raise InvalidTypeError(f"got {_type_name(value)} {_short(value)}, expected a list of {items}",
+                           argument=argument, fix=fix)
+
+
+# ------------------------------------------------------------------- tokens
+
+def _token_error(problem: str, argument: str, type_error: bool):
+    cls = InvalidTypeError if type_error else InvalidInputError
+    return cls(problem, argument=argument, fix="pass a 1-D sequence of int token ids in [0, 2**32)")
+
+
+def _checked_int_array(arr: np.ndarray, argument: str, label: str, copy: bool = True) -> np.ndarray:
+    """An integer array's values checked in one vectorised pass; as int64, a
+    fresh copy unless ``copy`` is False (the array is already the manager's)."""
+    if arr.size:
+        bad = np.flatnonzero((arr > MAX_TOKEN_ID) | (arr < 0)) if arr.dtype.kind == "i" else \
+            np.flatnonzero(arr > MAX_TOKEN_ID)
+        if bad.size:
+            i = int(bad[0])
+            raise _token_error(f"{label}token id at position {i} is {int(arr[i])}, outside [0, 2**32)", argument, False)
+    return np.array(arr, dtype=np.int64, copy=True) if copy else arr.astype(np.int64, copy=False)
+
+
+def _tokens_from_list(seq: list, argument: str, label: str) -> np.ndarray:
+    if not seq:
+        return np.zeros(0, dtype=np.int64)
+    types = set(map(type, seq))  # one C-level pass over the elements
+    bad_types = {t for t in types if not issubclass(t, _INTS) or issubclass(t, _BOOLS)}
+    if bad_types:
+        i = next(i for i, t in enumerate(map(type, seq)) if t in bad_types)  # only on the error path
+        raise _token_error(f"{label}token id at position {i} is {_short(seq[i])} ({_type_name(seq[i])}); "
+                           "token ids must be ints", argument, True)
+    try:
+        arr = np.asarray(seq, dtype=np.int64)
+    except OverflowError:  # an id beyond int64: find it (vectorised on the object array)
+        obj = np.asarray(seq, dtype=object)
+        i = int(np.flatnonzero((obj < 0) | (obj > MAX_TOKEN_ID))[0])
+        raise _token_error(f"{label}token id at position {i} is {int(seq[i])}, outside [0, 2**32)",
+                           argument, False) from None
+    return _checked_int_array(arr, argument, label, copy=False)
+
+
+# Token lists up to this long are checked element by element in Python (a few
+# ints are checked faster in a loop than by a numpy pass); longer ones, and any list
+# holding something other than an int in range, take the vectorised path.
+_SHORT_TOKENS = 16
+_INT64 = np.dtype(np.int64)  # a dtype object: np.array resolves it faster than the np.int64 type
+
+
+def _short_int_tokens(value: Any) -> np.ndarray | None:
+    """A short list or tuple of plain ints, each in ``[0, 2**32)``, as a fresh
+    int64 array; None for anything else (the caller then takes the general
+    path, which gives the same array or raises the same error)."""
+    if (type(value) is list or type(value) is tuple) and len(value) <= _SHORT_TOKENS:
+        for x in value:
+            if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
+                return None
+        return np.array(value, _INT64)
+    return None
+
+
+def normalize_token_ids(value: Any, argument: str, request_id: str | None = None) -> np.ndarray | torch.Tensor:
+    """Token ids as a fresh 1-D int64 array (a CUDA tensor is kept, unread),
+    or an ``InvalidTypeError``/``InvalidInputError`` naming ``argument``."""
+    fast = _short_int_tokens(value)
+    if fast is not None:
+        return fast
+    label = f"(request {request_id!r}) " if request_id is not None else ""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int32, torch.int64):
+            raise InvalidTypeError(f"{label}a token tensor must be 1-D int32 or int64, got {value.dtype} "
+                                   f"of shape {tuple(value.shape)}", argument=argument,
+                                   fix="convert it with .to(torch.int64)")
+        if value.dim() != 1:
+            raise InvalidInputError(f"{label}a token tensor must be 1-D int32 or int64, got shape "
+                                    f"{tuple(value.shape)}", argument=argument,
+                                    fix="pass one request's tokens as a 1-D tensor (one request per row)")
+        if value.device.type == "cuda":
+            return value
+        if value.device.type != "cpu":
+            raise InvalidTypeError(f"{label}a token tensor on device {value.device} cannot be read",
+                                   argument=argument, fix="pass it on the CPU or a CUDA device")
+        value = value.numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise InvalidInputError(f"{label}token ids must be 1-D, got an array of shape {value.shape}",
+                                    argument=argument,
+                                    fix="pass one request's tokens as a 1-D array (one request per row)")
+        if value.dtype.kind == "O":
+            return _tokens_from_list(value.tolist(), argument, label)
+        if value.dtype.kind not in "iu":
+            raise _token_error(f"{label}token ids must be ints, got an array of {value.dtype}", argument, True)
+        return _checked_int_array(value, argument, label)
+    if isinstance(value, (str, bytes, bytearray, memoryview, Set, Mapping)) or value is None:
+        raise InvalidTypeError(f"{label}token ids must be a sequence of ints, got {_type_name(value)}",
+                               argument=argument, fix="pass a list, tuple, 1-D array or tensor of int token ids")
+    if isinstance(value, (Sequence, Iterator)):
+        return _tokens_from_list(list(value), argument, label)
+    raise InvalidTypeError(f"{label}token ids must be a sequence of ints, got {_type_name(value)}",
+                           argument=argument, fix="pass a list, tuple, 1-D array or tensor of int token ids")
+
+
+def check_token_ids(token_ids: Any, what: str) -> np.ndarray | torch.Tensor:
+    """``normalize_token_ids`` under its older name: ``token_ids`` as a fresh
+    int64 array (a CUDA tensor as it is), errors naming ``what``."""
+    return normalize_token_ids(token_ids, what)
+
+
+def token_array_for_host(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Normalised token ids as an int64 host array: a CUDA tensor is read here
+    (its ids taken modulo 2**32, as the device manager stores them)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.to("cpu", torch.int64).numpy() & MAX_TOKEN_ID
+    return tokens
+
+
+# ------------------------------------------------------------- new requests
+
+def _normalize_mm_items(value: Any, argument: str, label: str, num_tokens: int) -> tuple[MMItem, ...]:
+    items = as_list(value, argument, "MMItem")
+    out = []
+    for i, item in enumerate(items):
+        where = f"{argument}[{i}]"
+        if not isinstance(item, MMItem):
+            raise InvalidTypeError(f"{label}must be an MMItem, got {_type_name(item)}", argument=where,
+                                   fix="pass gpukv.MMItem(offset, length, hash) items")
+        offset = check_int(item.offset, f"{where}.offset", minimum=0)
+        length = check_int(item.length, f"{where}.length", minimum=1)
+        if not isinstance(item.hash, str) or not item.hash:
+            raise InvalidTypeError(f"{label}the item's hash must be a non-empty str", argument=f"{where}.hash",
+                                   fix="pass the item's content hash as a str")
+        check_utf8(item.hash, f"{where}.hash")
+        if offset + length > num_tokens:
+            raise InvalidInputError(f"{label}the item covers tokens [{offset}, {offset + length}), outside the "
+                                    f"prompt's {num_tokens} tokens", argument=where,
+                                    fix="give items that lie inside the request's tokens")
+        out.append(MMItem(offset, length, item.hash))
+    out.sort(key=lambda m: (m.offset, m.length, m.hash))
+    for a, b in zip(out, out[1:]):
+        if b.offset < a.offset + a.length:
+            raise InvalidInputError(f"{label}items [{a.offset}, {a.offset + a.length}) and [{b.offset}, "
+                                    f"{b.offset + b.length}) overlap", argument=argument,
+                                    fix="give each token position to at most one multimodal item")
+    return tuple(out)
+
+
+def _check_block_hashes(value: Any, argument: str, label: str, num_full: int) -> None:
+    """The deprecated digests' form: one 16-byte digest per full block (the
+    element types and lengths are read in C-level passes, not a Python loop)."""
+    digests = as_list(value, argument, "16-byte digests")
+    fix = "drop block_hashes (deprecated and ignored: the manager computes every digest itself)"
+    bad_types = {t for t in set(map(type, digests)) if not issubclass(t, (bytes, bytearray, memoryview))}
+    if bad_types:
+        i = next(i for i, d in enumerate(digests) if type(d) in bad_types)  # only on the error path
+        raise InvalidTypeError(f"{label}block_hashes[{i}] is {_type_name(digests[i])}, not a 16-byte digest",
+                               argument=argument, fix=fix)
+    lengths = set(map(len, digests))
+    if len(digests) != num_full or lengths - {16}:
+        raise InvalidInputError(f"{label}must be {num_full} digests of 16 bytes (one per full block), got "
+                                f"{len(digests)} of lengths {sorted(lengths)}", argument=argument, fix=fix)
+
+
+def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRequest, bool]:
+    """A ``NewRequest`` checked on its own (no manager state) and normalised
+    (see the module docstring); also whether it carried ``block_hashes``."""
+    if not isinstance(r, NewRequest):
+        raise InvalidTypeError(f"must be a NewRequest, got {_type_name(r)}", argument=argument,
+                               fix="wrap each request in gpukv.NewRequest(request_id, token_ids, ...)")
+    rid = r.request_id
+    if not isinstance(rid, str):
+        raise InvalidTypeError(f"request ids are non-empty strings, got {_type_name(rid)} {_short(rid)}",
+                               argument=f"{argument}.request_id", fix="pass a str request id")
+    if not rid:
+        raise InvalidInputError("request ids are non-empty strings, got ''", argument=f"{argument}.request_id",
+                                fix="pass a non-empty str request id")
+    label = f"(request {rid!r}) "
+    tokens = normalize_token_ids(r.token_ids, f"{argument}.token_ids", rid)
+    n = len(tokens)
+    if n == 0:
+        raise InvalidInputError(f"{label}new request has no tokens", argument=f"{argument}.token_ids",
+                                fix="give a new request at least one token")
+    lora = r.lora_id
+    if lora is not None:
+        lora = check_int(lora, f"{argument}.lora_id", minimum=0, fix="pass None or an int in [0, 2**64)")
+        if lora > MAX_LORA_ID:
+            raise InvalidInputError(f"{label}lora_id must be < 2**64, got {lora}", argument=f"{argument}.lora_id",
+                                    fix="pass None or an int in [0, 2**64)")
+    salt = r.cache_salt
+    if salt is not None:
+        if not isinstance(salt, str):
+            raise InvalidTypeError(f"{label}cache_salt must be a str or None, got {_type_name(salt)}",
+                                   argument=f"{argument}.cache_salt", fix="pass the salt as a str")
+        check_utf8(salt, f"{argument}.cache_salt")
+    skip = r.skip_prefix_cache
+    if not isinstance(skip, _BOOLS):
+        raise InvalidTypeError(f"{label}skip_prefix_cache must be a bool, got {_type_name(skip)} {_short(skip)}",
+                               argument=f"{argument}.skip_prefix_cache", fix="pass True or False")
+    mm = _normalize_mm_items(r.mm_items, f"{argument}.mm_items", label, n)
+    if r.block_hashes is not None:
+        _check_block_hashes(r.block_hashes, f"{argument}.block_hashes", label, n // block_size)
+    return NewRequest(rid, tokens, lora, mm, salt, bool(skip), None), r.block_hashes is not None
+
+
+def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool) -> int:
+    """The fewest pool blocks a request of ``num_tokens`` tokens holds once
+    admitted, with the longest cache hit it could ever get: a full-attention
+    group holds a block per position; a sliding-window group holds the
+    window's run of the hit (null before it) and the blocks after the hit."""
+    bs = limits.block_size
+    n_total = -(-num_tokens // bs)
+    max_hit = (num_tokens - 1) // bs if can_hit else 0
+    total = 0
+    for w in limits.sliding_windows:
+        if w is None:
+            total += n_total
+        else:
+            total += min(-(-(w - 1) // bs), max_hit) + n_total - max_hit
+    return total
+
+
+# -------------------------------------------------------------- whole calls
+
+def _unknown(rid: str, argument: str) -> UnknownRequestError:
+    return UnknownRequestError(f"unknown request id {rid!r}: it was never admitted or was already freed",
+                               argument=argument, fix="pass the id of a request this manager holds")
+
+
+def check_request_id(rid: Any, argument: str, known: Container[str]) -> str:
+    """A request id the manager holds, or raise naming ``argument``."""
+    if not isinstance(rid, str):
+        raise InvalidTypeError(f"request ids are str, got {_type_name(rid)} {_short(rid)}", argument=argument,
+                               fix="pass the request's str id")
+    if rid not in known:
+        raise _unknown(rid, argument)
+    return rid
+
+
+def _warn_block_hashes() -> None:
+    warnings.warn(
+        "NewRequest.block_hashes is deprecated and ignored: the manager computes every digest itself from the "
+        "tokens and extra keys (caller-supplied digests could poison the cache); stop passing it",
+        DeprecationWarning, stacklevel=_caller_stacklevel(),
+    )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_stacklevel() -> int:
+    """The stack level of the first frame outside gpukv's own modules (so the
+    warning points at the caller's line)."""
+    import sys
+
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def normalize_step(
+    finished: Any,
+    running: Any,
+    new: Any,
     *,
     known: Container[str],
-    block_size: int,
-    num_blocks: int,
-    num_groups: int,
-    max_tokens: int | None = None,
-) -> None:
-    """Raise, saying what is wrong, unless a step's inputs make sense for a
-    manager that holds the requests ``known``. Changes nothing: managers call
-    it before touching any state, so a bad step leaves everything as it was."""
+    limits: ManagerLimits,
+    num_tokens: Callable[[str], int] | None = None,
+    single: bool = False,
+) -> Step:
+    """Check and normalise one call's arguments against a manager that holds
+    the requests ``known`` (``num_tokens(rid)``: how many tokens one holds, for
+    the ``max_model_len`` check of running updates). Raises a ``gpukv.errors``
+    class naming the argument; changes nothing anywhere.
 
-    def require_known(rid):
-        if not isinstance(rid, str) or rid not in known:
-            raise KeyError(f"unknown request id {rid!r}: it was never admitted or was already freed")
+    ``single``: the call is ``free(request_id)``, ``allocate_slots(request,
+    new_token_ids)`` or ``get_computed_blocks(request)``, one request handed in
+    as a one-element ``finished``/``running``/``new``; messages then name
+    those arguments (``request_id``, ``request``, ``new_token_ids``)."""
+    def name(kind: str, i: int, attr: str = "") -> str:
+        if not single:
+            return f"{kind}[{i}]" + (f".{attr}" if attr else "")
+        if kind == "finished":
+            return "request_id"
+        if kind == "running":
+            return "new_token_ids" if attr == "new_token_ids" else "request"
+        return "request" + (f".{attr}" if attr else "")
 
+    fin = as_list(finished, "finished", "request ids (str)")
+    run = as_list(running, "running", "RunningUpdate")
+    nw = as_list(new, "new", "NewRequest")
     done: set[str] = set()
-    for rid in finished:
-        require_known(rid)
+    for i, rid in enumerate(fin):
+        check_request_id(rid, name("finished", i), known)
         if rid in done:
-            raise ValueError(f"request {rid!r} is finished twice in one step (double free)")
+            raise DuplicateRequestError(f"request {rid!r} is finished twice in one step (double free)",
+                                        argument=name("finished", i), fix="list each finished request once")
         done.add(rid)
+    updates = []
     seen: set[str] = set()
-    for update in running:
-        if not isinstance(update, RunningUpdate):
-            raise TypeError(f"running entries must be RunningUpdate, got {type(update).__name__}")
-        rid = update.request_id
-        require_known(rid)
+    max_model_len = limits.max_model_len if num_tokens is not None else None
+    for i, u in enumerate(run):
+        if type(u) is not RunningUpdate and not isinstance(u, RunningUpdate):
+            raise InvalidTypeError(f"running entries must be RunningUpdate, got {_type_name(u)}",
+                                   argument=name("running", i),
+                                   fix="wrap each update in gpukv.RunningUpdate(request_id, new_token_ids)")
+        rid = u.request_id
+        if type(rid) is not str or rid not in known:  # the names are built on the error path only
+            check_request_id(rid, name("running", i, "request_id"), known)
         if rid in done:
-            raise ValueError(f"request {rid!r} is both finished and running in one step")
+            raise DuplicateRequestError(f"request {rid!r} is both finished and running in one step",
+                                        argument=name("running", i), fix="either finish it or run it")
         if rid in seen:
-            raise ValueError(f"request {rid!r} has two running updates in one step")
+            raise DuplicateRequestError(f"request {rid!r} has two running updates in one step",
+                                        argument=name("running", i), fix="merge its tokens into one RunningUpdate")
         seen.add(rid)
-        check_token_ids(update.new_token_ids, f"running request {rid!r}")
+        tokens = u.new_token_ids
+        if type(tokens) is list and len(tokens) <= _SHORT_TOKENS:  # _short_int_tokens, inlined for decode steps
+            for x in tokens:
+                if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
+                    tokens = normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
+                    break
+            else:
+                tokens = np.array(tokens, _INT64)
+        else:
+            tokens = normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
+        if max_model_len is not None:
+            total = num_tokens(rid) + len(tokens)
+            if total > max_model_len:
+                raise CapacityError(f"running request {rid!r} would hold {total} tokens, more than max_model_len "
+                                    f"{max_model_len}", argument=name("running", i, "new_token_ids"),
+                                    fix="finish the request instead")
+        updates.append(RunningUpdate(rid, tokens))
+    requests = []
     seen = set()
-    for r in new:
-        if not isinstance(r, NewRequest):
-            raise TypeError(f"new entries must be NewRequest, got {type(r).__name__}")
-        rid = r.request_id
-        if not isinstance(rid, str) or not rid:
-            raise TypeError(f"request ids are non-empty strings, got {rid!r}")
+    warn = False
+    for i, r in enumerate(nw):
+        req, given = normalize_new_request(r, name("new", i), limits.block_size)
+        warn |= given
+        rid = req.request_id
         if rid in known or rid in seen:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise DuplicateRequestError(f"request id {rid!r} is already in use",
+                                        argument=name("new", i, "request_id"),
+                                        fix="give every live request its own id")
         seen.add(rid)
-        tokens = check_token_ids(r.token_ids, f"new request {rid!r}")
-        if tokens.size == 0:
-            raise ValueError(f"new request {rid!r} has no tokens")
-        if max_tokens is not None and tokens.size > max_tokens:
-            raise ValueError(f"new request {rid!r} has {tokens.size} tokens, more than max_model_len {max_tokens}")
-        if r.block_hashes is not None:
-            n_full = tokens.size // block_size
-            if len(r.block_hashes) != n_full or not _all_digests(r.block_hashes):
-                raise ValueError(
-                    f"new request {rid!r}: block_hashes must be {n_full} digests of 16 bytes (one per full block)"
-                )
-        if r.lora_id is not None and (isinstance(r.lora_id, bool) or not isinstance(r.lora_id, int) or r.lora_id < 0):
-            raise ValueError(f"new request {rid!r}: lora_id must be a non-negative int, got {r.lora_id!r}")
-        if r.cache_salt is not None and not isinstance(r.cache_salt, str):
-            raise TypeError(f"new request {rid!r}: cache_salt must be a str")
-        for item in r.mm_items:
-            if not isinstance(item, MMItem):
-                raise TypeError(f"new request {rid!r}: mm_items must be MMItem, got {type(item).__name__}")
-        n_blocks = -(-tokens.size // block_size) * num_groups
-        if n_blocks > num_blocks - 1:
-            raise ValueError(
-                f"new request {rid!r} needs {n_blocks} blocks, more than the whole pool "
-                f"({num_blocks - 1}); it can never be admitted"
-            )
+        n = len(req.token_ids)
+        if limits.max_model_len is not None and n > limits.max_model_len:
+            raise CapacityError(f"new request {rid!r} has {n} tokens, more than max_model_len "
+                                f"{limits.max_model_len}", argument=name("new", i, "token_ids"),
+                                fix="shorten the prompt or build the manager with a larger max_model_len")
+        need = min_blocks_to_admit(n, limits, limits.caching and not req.skip_prefix_cache)
+        if need > limits.num_blocks - 1:
+            raise CapacityError(f"new request {rid!r} needs {need} blocks even with the longest possible cache "
+                                f"hit, more than the whole pool ({limits.num_blocks - 1}); it can never be admitted",
+                                argument=name("new", i, "token_ids"), fix="shorten the request or build a larger pool")
+        requests.append(req)
+    if warn:
+        _warn_block_hashes()
+    return Step(tuple(fin), tuple(updates), tuple(requests))
+
+
+def check_step_inputs(finished, running, new, *, known: Container[str], block_size: int, num_blocks: int,
+                      num_groups: int, max_tokens: int | None = None) -> None:
+    """Raise unless a step's inputs make sense for a full-attention manager
+    with ``num_groups`` groups holding ``known``; changes nothing. Kept for
+    callers of the older API: managers use ``normalize_step``."""
+    limits = ManagerLimits(block_size, num_blocks, (None,) * num_groups, max_tokens)
+    normalize_step(finished, running, new, known=known, limits=limits)
+
+
+def normalize_computed(computed: Any, limits: ManagerLimits) -> ComputedBlocks | None:
+    """``allocate_slots``' ``computed``: None or a ``ComputedBlocks`` of this
+    manager's shape (one list per group, ``num_tokens / block_size`` ints in
+    each); whether the blocks are still valid is the manager's to check."""
+    if computed is None:
+        return None
+    fix = "pass what get_computed_blocks returned for this request, or None"
+    if not isinstance(computed, ComputedBlocks):
+        raise InvalidTypeError(f"must be a ComputedBlocks or None, got {_type_name(computed)}", argument="computed",
+                               fix=fix)
+    bs, G = limits.block_size, len(limits.sliding_windows)
+    num = check_int(computed.num_tokens, "computed.num_tokens", minimum=0, fix=fix)
+    groups = as_list(computed.block_ids, "computed.block_ids", "per-group lists of block ids")
+    groups = [as_list(g, f"computed.block_ids[{k}]", "block ids") for k, g in enumerate(groups)]
+    if num % bs or len(groups) != G or any(len(g) != num // bs for g in groups):
+        raise InvalidInputError("the computed blocks do not match this manager's groups and block size",
+                                argument="computed", fix=fix)
+    for k, g in enumerate(groups):
+        for p, b in enumerate(g):
+            groups[k][p] = check_int(b, f"computed.block_ids[{k}][{p}]", minimum=0,
+                                     maximum=limits.num_blocks - 1, fix=fix)
+    return ComputedBlocks(groups, num)
+
+
+# ------------------------------------------------------------ construction
+
+def normalize_windows(sliding_windows: Any) -> tuple[int | None, ...]:
+    windows = as_list(sliding_windows, "sliding_windows", "windows (None for full attention)")
+    if not windows:
+        raise InvalidInputError("needs one entry per KV-cache group (None = full attention)",
+                                argument="sliding_windows", fix="pass e.g. [None] for one full-attention group")
+    out = []
+    for i, w in enumerate(windows):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, _BOOLS) or not isinstance(w, _INTS):
+            raise InvalidTypeError(f"sliding window must be >= 1 tokens or None, got {_type_name(w)} {_short(w)}",
+                                   argument=f"sliding_windows[{i}]", fix="pass an int window or None")
+        if w < 1:
+            raise InvalidInputError(f"sliding window must be >= 1, got {int(w)}", argument=f"sliding_windows[{i}]",
+                                    fix="pass a window of at least one token, or None for full attention")
+        out.append(int(w))
+    return tuple(out)
+
+
+def check_size(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
+    """A constructor size: an int (numpy integers accepted), not a bool, in
+    ``[minimum, maximum]``; the message keeps the "<name> must be >= <minimum>"
+    wording."""
+    if isinstance(value, _BOOLS) or not isinstance(value, _INTS):
+        raise InvalidTypeError(f"{name} must be an int, got {_type_name(value)} {_short(value)}", argument=name,
+                               fix="pass a Python or numpy integer")
+    if value < minimum:
+        raise InvalidInputError(f"{name} must be >= {minimum}, got {int(value)}", argument=name,
+                                fix=f"pass {name} >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise CapacityError(f"{name} must be <= {maximum}, got {int(value)}", argument=name,
+                            fix=f"pass {name} <= {maximum}")
+    return int(value)
+
+
+def resolve_key(hash_key: Any) -> bytes:
+    """``gpukv.hashing.resolve_hash_key`` with its errors as ``gpukv.errors``
+    classes naming ``hash_key`` (the messages never show the key)."""
+    from gpukv.hashing import resolve_hash_key
+
+    try:
+        return resolve_hash_key(hash_key)
+    except TypeError as e:
+        raise InvalidTypeError(str(e), argument="hash_key", fix="pass 16 bytes, 32 hex characters or None") from None
+    except ValueError as e:
+        raise InvalidInputError(str(e), argument="hash_key", fix="pass 16 bytes, 32 hex characters or None") from None
+
+
+def available_memory(device: torch.device | None) -> int | None:
+    """Bytes that can still be allocated on ``device`` (host memory for the
+    CPU or None), or None when it cannot be told."""
+    if device is not None and device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # noqa: BLE001 - no answer is not an error here
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(needed: dict[str, int], device: torch.device | None, what: str, also: str = "") -> None:
+    """Raise a ``CapacityError`` before allocating when the parts of
+    ``needed`` (argument name -> bytes it costs) add up to more than
+    ``device`` (None: host memory) has free. Names the largest part."""
+    total = sum(needed.values())
+    free = available_memory(device)
+    if free is None or total <= free:
+        return
+    biggest = max(needed, key=needed.get)
+    parts = ", ".join(f"{k}: {v / 2**30:.2f} GiB" for k, v in needed.items())
+    raise CapacityError(f"{what} needs about {total / 2**30:.2f} GiB on {device or 'the host'} ({parts}), but only "
+                        f"{free / 2**30:.2f} GiB are available", argument=biggest,
+                        fix=f"lower {', '.join([*needed, also] if also else needed)} (the largest part is {biggest})")
+
+
+def normalize_device(device: Any, interpreted: bool, cuda_available: bool) -> torch.device:
+    """The device a device manager lives on: a CUDA device that exists, or the
+    CPU under Triton's interpreter."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidInputError(f"{_short(device)} is not a device torch knows ({str(e).splitlines()[0][:80]})",
+                                argument="device", fix="pass 'cuda', 'cuda:N' or, without CUDA, 'cpu' (or None)"
+                                ) from None
+    if dev.type == "cuda":
+        if not cuda_available:
+            raise InvalidInputError(f"{dev} was asked for, but CUDA is not available here", argument="device",
+                                    fix="pass 'cpu' or None on a machine without CUDA")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidInputError(f"{dev} does not exist ({torch.cuda.device_count()} CUDA devices)",
+                                    argument="device", fix="pass a device index below the device count")
+        return dev
+    if dev.type == "cpu":
+        if not interpreted:
+            raise InvalidInputError("the kernels run on the CPU only under Triton's interpreter, which is off",
+                                    argument="device", fix="pass 'cuda' (or set TRITON_INTERPRET=1 before import)")
+        return dev
+    raise InvalidInputError(f"device type {dev.type!r} is not supported", argument="device",
+                            fix="pass 'cuda', 'cuda:N' or, without CUDA, 'cpu' (or None)")

@@ -1,0 +1,114 @@
+"""The errors gpukv raises on purpose: refused arguments, and a stopped manager.
+
+Every class derives from ``GpukvError`` and from the builtin exception a
+Python caller would expect (``ValueError``, ``TypeError``, ``KeyError``), so
+``except ValueError`` keeps working. Each error says which argument is wrong
+(``argument``, e.g. ``"new[0].token_ids"``), what is wrong with it, and how to
+fix it (``fix``); ``str(error)`` is ``"<argument>: <problem>; <fix>"``.
+
+Both managers (``gpukv.reference`` and ``gpukv.manager``) check every argument
+before changing anything, through the one normalisation in
+``gpukv.request``: a ``GpukvInputError`` (every class below but the last two)
+from a manager call means the call was refused and changed nothing, and the
+manager can be used on as before. Anything else raised inside a call that
+changes state is a fault (``gpukv.failstop``).
+
+| class | builtin | meaning |
+| --- | --- | --- |
+| ``InvalidTypeError`` | ``TypeError`` | an argument of the wrong kind: a str where a list of ids goes, a float token id, a tensor of the wrong dtype or on the wrong device, ``None`` where a container goes |
+| ``InvalidInputError`` | ``ValueError`` | the right kind but a value the manager cannot take: a negative token id, a 2-D token array, a LoRA id >= 2**64, a salt that is not valid UTF-8, multimodal items that overlap or leave the prompt, a block size < 1 |
+| ``DuplicateRequestError`` | ``ValueError`` | a request id used twice: finished twice in a step (double free), a new id already in use, finished and running in one step |
+| ``CapacityError`` | ``ValueError`` | too large for this manager: a request longer than ``max_model_len`` or one that cannot fit the whole pool even with the best possible cache hit; constructor sizes that cannot be allocated (raised before anything is allocated) |
+| ``StaleComputedBlocksError`` | ``ValueError`` | ``allocate_slots`` got computed blocks that no longer match the cache (evicted since ``get_computed_blocks``) |
+| ``UnknownRequestError`` | ``KeyError`` | a request id the manager does not hold (never admitted, or already freed) |
+| ``NoFreeBlocksError`` | ``RuntimeError`` | ``BlockPool.allocate`` (the reference's low-level pool) asked for more blocks than are free; manager calls report a lack of blocks in their result instead, so inside one it is a fault |
+| ``ManagerFailedError`` | ``RuntimeError`` | the manager stopped after a fault inside an earlier call and refuses every call (``gpukv.failstop``) |
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "DuplicateRequestError",
+    "GpukvError",
+    "GpukvInputError",
+    "InvalidInputError",
+    "InvalidTypeError",
+    "ManagerFailedError",
+    "NoFreeBlocksError",
+    "StaleComputedBlocksError",
+    "UnknownRequestError",
+]
+
+
+class GpukvError(Exception):
+    """Base class of every error gpukv raises on purpose.
+
+    ``argument`` names the offending argument (``"finished"``,
+    ``"new[2].lora_id"``, ``"num_blocks"``...), ``problem`` says what is wrong
+    and ``fix`` what to do instead; any of them may be empty for errors that
+    are not about one argument.
+    """
+
+    def __init__(self, problem: str = "", *, argument: str = "", fix: str = "") -> None:
+        self.argument = argument
+        self.problem = problem
+        self.fix = fix
+        text = problem
+        if argument:
+            text = f"{argument}: {text}" if text else argument
+        if fix:
+            text = f"{text}; {fix}"
+        super().__init__(text)
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.problem, self.argument, self.fix))
+
+
+def _rebuild(cls, problem, argument, fix):
+    return cls(problem, argument=argument, fix=fix)
+
+
+class GpukvInputError(GpukvError):
+    """A call refused because of its arguments, before anything changed."""
+
+
+class InvalidTypeError(GpukvInputError, TypeError):
+    """An argument of the wrong kind (wrong Python type, dtype, rank of
+    container, or device)."""
+
+
+class InvalidInputError(GpukvInputError, ValueError):
+    """An argument of the right kind whose value cannot be accepted."""
+
+
+class DuplicateRequestError(InvalidInputError):
+    """A request id used twice where once is the rule (double free, an id
+    already in use, finished and running in one step)."""
+
+
+class CapacityError(InvalidInputError):
+    """Too large for this manager: a request that can never be admitted or is
+    longer than ``max_model_len``, or constructor sizes that cannot be
+    allocated (checked before allocating anything)."""
+
+
+class StaleComputedBlocksError(InvalidInputError):
+    """``allocate_slots`` was handed a cache hit that is no longer valid."""
+
+
+class UnknownRequestError(GpukvInputError, KeyError):
+    """A request id the manager does not hold."""
+
+
+class NoFreeBlocksError(GpukvError, RuntimeError):
+    """The reference ``BlockPool.allocate`` asked for more blocks than the free
+    queue holds (a programming error in a caller of the low-level pool)."""
+
+
+class ManagerFailedError(GpukvError, RuntimeError):
+    """The manager stopped after a fault inside an earlier call (its state may
+    be half updated) and refuses every call; the message names the fault."""

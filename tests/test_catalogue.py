@@ -1,0 +1,556 @@
+"""A catalogue of bad inputs (issue 7, item 2), each run on both managers.
+
+For every entry: both managers raise the same ``gpukv.errors`` class with the
+same message, which names the argument (``error.argument``, the message's
+start) and says how to fix it (``error.fix``, its end); every piece of state
+is bit-identical to before (each tensor of the device manager, its pool, free
+queue and hash table, and every host structure: request rows, the row
+allocator, counters, stats; the reference's pool, free queue, table, requests
+and stats); and a good step still works afterwards, with the same result on
+both.
+
+The managers are built once per module (the device manager runs under
+Triton's interpreter here, a step costs about a second) and share one
+pre-populated scenario: "a" and "b" running, "c" finished with its blocks
+cached. The good step after each entry finishes the previous probe request
+and admits the next one, so the scenario stays as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from gpukv.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    GpukvError,
+    GpukvInputError,
+    InvalidInputError,
+    InvalidTypeError,
+    UnknownRequestError,
+)
+from gpukv.hashing import MMItem
+from gpukv.manager import KVCacheManager as DeviceManager
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
+NUM_BLOCKS, BLOCK_SIZE, WINDOWS, MAX_LEN = 24, 2, [None, 4], 32
+
+
+# ---------------------------------------------------------------- snapshots
+
+def state_of(obj, seen=None):
+    """Everything an object holds, recursively, as comparable plain values:
+    tensors as (dtype, shape, device, bytes), dicts in their order."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.device.type,
+                obj.detach().cpu().contiguous().numpy().tobytes())
+    if isinstance(obj, np.ndarray):
+        return ("array", obj.dtype.str, obj.shape, obj.tobytes())
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, np.generic, torch.device, torch.dtype)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [state_of(x, seen) for x in obj])
+    if isinstance(obj, (set, frozenset)):
+        return ("set", sorted(repr(x) for x in obj))
+    if isinstance(obj, dict):
+        return ("dict", [(state_of(k, seen), state_of(v, seen)) for k, v in obj.items()])
+    if callable(obj) and not hasattr(obj, "__dict__"):
+        return ("callable", repr(obj))
+    if id(obj) in seen:
+        return ("seen", type(obj).__name__)
+    seen.add(id(obj))
+    fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            fields[name] = getattr(obj, name)
+    return (type(obj).__name__, {k: state_of(v, seen) for k, v in sorted(fields.items())})
+
+
+def tensors_of(m) -> int:
+    """How many tensors the snapshot of a device manager compares (a guard
+    that the walk reaches the pool, free queue and hash table)."""
+    count = 0
+
+    def walk(x):
+        nonlocal count
+        if isinstance(x, tuple) and x and x[0] == "tensor":
+            count += 1
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(state_of(m))
+    return count
+
+
+# ----------------------------------------------------------------- scenario
+
+class Scenario:
+    def __init__(self) -> None:
+        self.ref = ReferenceManager(NUM_BLOCKS, BLOCK_SIZE, sliding_windows=WINDOWS, hash_key=KEY,
+                                    max_model_len=MAX_LEN)
+        self.dev = DeviceManager(NUM_BLOCKS, BLOCK_SIZE, sliding_windows=WINDOWS, hash_key=KEY,
+                                 max_model_len=MAX_LEN, max_num_reqs=4)
+        self.probe = itertools.count()
+        self.last_probe = None
+        for m in self.managers():
+            m.step(new=[NewRequest("a", [1, 2, 3, 4, 5]), NewRequest("b", [1, 2, 3, 4, 9, 9]),
+                        NewRequest("c", [20, 21, 22, 23, 24])])
+            m.step(finished=["c"], running=[RunningUpdate("a", [6])])
+
+    def managers(self):
+        return (self.ref, self.dev)
+
+    def good_step(self):
+        """Finish the last probe, admit the next: the same result on both."""
+        k = next(self.probe)
+        finished = [self.last_probe] if self.last_probe else []
+        req = NewRequest(f"probe{k}", [40, 41, 42, 43, 44])
+        results = [m.step(finished=finished, new=[req]) for m in self.managers()]
+        self.last_probe = req.request_id
+        assert results[0] == results[1]
+        assert results[0].num_admitted == 1
+        assert results[0].num_computed_tokens == ([0] if k == 0 else [4])
+        for m in self.managers():
+            assert m.get_block_ids(req.request_id) == self.ref.get_block_ids(req.request_id)
+        assert self.dev.free_queue() == self.ref.free_queue()
+        assert self.dev.pool.ref_counts() == self.ref.pool.ref_cnt
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return Scenario()
+
+
+# ---------------------------------------------------------------- the table
+
+OK_NEW = dict(request_id="n", token_ids=[1, 2, 3, 4, 5])
+
+
+def new(**kw):
+    """A step with one new request, ``kw`` overriding the good defaults."""
+    return lambda m: m.step(new=[NewRequest(**{**OK_NEW, **kw})])
+
+
+def tok(tokens):
+    return new(token_ids=tokens)
+
+
+def gen(*items):
+    return (x for x in items)
+
+
+def raw_mm(offset, length, hash_):
+    """An MMItem built without its own checks (a caller can always do this):
+    the managers must check what they are handed, not trust the type."""
+    item = object.__new__(MMItem)
+    for k, v in (("offset", offset), ("length", length), ("hash", hash_)):
+        object.__setattr__(item, k, v)
+    return item
+
+
+CASES = [
+    # --- finished: the wrong kind of container, bad ids
+    ("finished-str", lambda m: m.step(finished="a"), InvalidTypeError, "finished"),
+    ("finished-str-ab", lambda m: m.step(finished="ab"), InvalidTypeError, "finished"),
+    ("finished-bytes", lambda m: m.step(finished=b"a"), InvalidTypeError, "finished"),
+    ("finished-none", lambda m: m.step(finished=None), InvalidTypeError, "finished"),
+    ("finished-object", lambda m: m.step(finished=object()), InvalidTypeError, "finished"),
+    ("finished-set", lambda m: m.step(finished={"a"}), InvalidTypeError, "finished"),
+    ("finished-dict", lambda m: m.step(finished={"a": 1}), InvalidTypeError, "finished"),
+    ("finished-array", lambda m: m.step(finished=np.array(["a"])), InvalidTypeError, "finished"),
+    ("finished-int-id", lambda m: m.step(finished=[1]), InvalidTypeError, "finished[0]"),
+    ("finished-unknown", lambda m: m.step(finished=["nope"]), UnknownRequestError, "finished[0]"),
+    ("finished-generator-unknown", lambda m: m.step(finished=gen("a", "nope")), UnknownRequestError, "finished[1]"),
+    ("finished-twice", lambda m: m.step(finished=["a", "a"]), DuplicateRequestError, "finished[1]"),
+    # --- running
+    ("running-str", lambda m: m.step(running="a"), InvalidTypeError, "running"),
+    ("running-none", lambda m: m.step(running=None), InvalidTypeError, "running"),
+    ("running-object", lambda m: m.step(running=object()), InvalidTypeError, "running"),
+    ("running-bare-update", lambda m: m.step(running=RunningUpdate("a", [1])), InvalidTypeError, "running"),
+    ("running-tuple-entry", lambda m: m.step(running=[("a", [1])]), InvalidTypeError, "running[0]"),
+    ("running-unknown", lambda m: m.step(running=[RunningUpdate("zz", [1])]), UnknownRequestError,
+     "running[0].request_id"),
+    ("running-int-id", lambda m: m.step(running=[RunningUpdate(5, [1])]), InvalidTypeError, "running[0].request_id"),
+    ("running-twice", lambda m: m.step(running=[RunningUpdate("a", [1]), RunningUpdate("a", [2])]),
+     DuplicateRequestError, "running[1]"),
+    ("finished-and-running", lambda m: m.step(finished=["a"], running=[RunningUpdate("a", [1])]),
+     DuplicateRequestError, "running[0]"),
+    ("running-float-token", lambda m: m.step(running=[RunningUpdate("a", [1.5])]), InvalidTypeError,
+     "running[0].new_token_ids"),
+    ("running-negative-token", lambda m: m.step(running=[RunningUpdate("a", [-1])]), InvalidInputError,
+     "running[0].new_token_ids"),
+    ("running-token-2**32", lambda m: m.step(running=[RunningUpdate("a", [2**32])]), InvalidInputError,
+     "running[0].new_token_ids"),
+    ("running-str-tokens", lambda m: m.step(running=[RunningUpdate("a", "xyz")]), InvalidTypeError,
+     "running[0].new_token_ids"),
+    ("running-past-max-model-len", lambda m: m.step(running=[RunningUpdate("a", list(range(40)))]), CapacityError,
+     "running[0].new_token_ids"),
+    ("running-2d-array", lambda m: m.step(running=[RunningUpdate("a", np.ones((1, 2), dtype=np.int64))]),
+     InvalidInputError, "running[0].new_token_ids"),
+    ("running-float-tensor", lambda m: m.step(running=[RunningUpdate("a", torch.tensor([1.0]))]), InvalidTypeError,
+     "running[0].new_token_ids"),
+    ("running-meta-tensor", lambda m: m.step(running=[RunningUpdate("a", torch.tensor([1], device="meta"))]),
+     InvalidTypeError, "running[0].new_token_ids"),
+    ("running-generator-then-bad-new",
+     lambda m: m.step(running=gen(RunningUpdate("a", iter([7]))), new=[NewRequest("n", iter([1, 2]), lora_id=-1)]),
+     InvalidInputError, "new[0].lora_id"),
+    # --- new: containers and entries
+    ("new-str", lambda m: m.step(new="n"), InvalidTypeError, "new"),
+    ("new-none", lambda m: m.step(new=None), InvalidTypeError, "new"),
+    ("new-object", lambda m: m.step(new=object()), InvalidTypeError, "new"),
+    ("new-bare-request", lambda m: m.step(new=NewRequest("n", [1])), InvalidTypeError, "new"),
+    ("new-set", lambda m: m.step(new={1, 2}), InvalidTypeError, "new"),
+    ("new-tuple-entry", lambda m: m.step(new=[("n", [1])]), InvalidTypeError, "new[0]"),
+    ("new-int-id", new(request_id=5), InvalidTypeError, "new[0].request_id"),
+    ("new-empty-id", new(request_id=""), InvalidInputError, "new[0].request_id"),
+    ("new-id-in-use", new(request_id="a"), DuplicateRequestError, "new[0].request_id"),
+    ("new-id-twice", lambda m: m.step(new=[NewRequest("n", [1]), NewRequest("n", [2])]), DuplicateRequestError,
+     "new[1].request_id"),
+    # --- new: tokens
+    ("tokens-empty", tok([]), InvalidInputError, "new[0].token_ids"),
+    # Iterators are built inside the call: each manager gets a fresh one.
+    ("tokens-empty-iterator", lambda m: m.step(new=[NewRequest("n", iter([]))]), InvalidInputError,
+     "new[0].token_ids"),
+    ("tokens-float", tok([1, 1.5]), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-bool", tok([True]), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-bool-among-ints", tok([1, 2, True, 4]), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-negative", tok([1, -2]), InvalidInputError, "new[0].token_ids"),
+    ("tokens-2**32", tok([1, 2**32]), InvalidInputError, "new[0].token_ids"),
+    ("tokens-2**70", tok([1, 2**70]), InvalidInputError, "new[0].token_ids"),
+    ("tokens-negative-and-huge", tok([-1, 2**64]), InvalidInputError, "new[0].token_ids"),
+    ("tokens-str-element", tok(["x"]), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-none-element", tok([1, None]), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-none", tok(None), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-str", tok("abc"), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-int", tok(5), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-set", tok({1, 2}), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-iterator-with-float", lambda m: m.step(new=[NewRequest("n", iter([1, 2.0]))]), InvalidTypeError,
+     "new[0].token_ids"),
+    ("tokens-0d-array", tok(np.array(5)), InvalidInputError, "new[0].token_ids"),
+    ("tokens-2d-array", tok(np.array([[1, 2], [3, 4]])), InvalidInputError, "new[0].token_ids"),
+    ("tokens-2d-list", tok([[1, 2], [3, 4]]), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-0d-tensor", tok(torch.tensor(3)), InvalidInputError, "new[0].token_ids"),
+    ("tokens-2d-tensor", tok(torch.tensor([[1, 2], [3, 4]])), InvalidInputError, "new[0].token_ids"),
+    ("tokens-float-array", tok(np.array([1.0, 2.0])), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-bool-array", tok(np.array([True, False])), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-negative-array", tok(np.array([1, -1])), InvalidInputError, "new[0].token_ids"),
+    ("tokens-uint64-array-out-of-range", tok(np.array([1, 2**32], dtype=np.uint64)), InvalidInputError,
+     "new[0].token_ids"),
+    ("tokens-object-array-with-str", tok(np.array([1, "x"], dtype=object)), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-float-tensor", tok(torch.tensor([1.0, 2.0])), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-bool-tensor", tok(torch.tensor([True])), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-int16-tensor", tok(torch.tensor([1, 2], dtype=torch.int16)), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-negative-tensor", tok(torch.tensor([1, -1])), InvalidInputError, "new[0].token_ids"),
+    ("tokens-meta-tensor", tok(torch.tensor([1, 2], device="meta")), InvalidTypeError, "new[0].token_ids"),
+    ("tokens-past-max-model-len", tok(list(range(MAX_LEN + 1))), CapacityError, "new[0].token_ids"),
+    # 32 tokens without a possible hit: 16 blocks per group, 32 > 23 in the pool.
+    ("tokens-never-fit-the-pool", new(token_ids=list(range(MAX_LEN)), skip_prefix_cache=True), CapacityError,
+     "new[0].token_ids"),
+    # --- new: LoRA, salt, skip_prefix_cache
+    ("lora-negative", new(lora_id=-1), InvalidInputError, "new[0].lora_id"),
+    ("lora-2**64", new(lora_id=2**64), InvalidInputError, "new[0].lora_id"),
+    ("lora-bool", new(lora_id=True), InvalidTypeError, "new[0].lora_id"),
+    ("lora-float", new(lora_id=1.0), InvalidTypeError, "new[0].lora_id"),
+    ("lora-str", new(lora_id="1"), InvalidTypeError, "new[0].lora_id"),
+    ("salt-lone-surrogate", new(cache_salt="tenant-\ud800"), InvalidInputError, "new[0].cache_salt"),
+    ("salt-bytes", new(cache_salt=b"tenant"), InvalidTypeError, "new[0].cache_salt"),
+    ("salt-int", new(cache_salt=5), InvalidTypeError, "new[0].cache_salt"),
+    ("skip-int", new(skip_prefix_cache=1), InvalidTypeError, "new[0].skip_prefix_cache"),
+    ("skip-str", new(skip_prefix_cache="yes"), InvalidTypeError, "new[0].skip_prefix_cache"),
+    ("skip-none", new(skip_prefix_cache=None), InvalidTypeError, "new[0].skip_prefix_cache"),
+    # --- new: multimodal items
+    ("mm-str", new(mm_items="img"), InvalidTypeError, "new[0].mm_items"),
+    ("mm-none", new(mm_items=None), InvalidTypeError, "new[0].mm_items"),
+    ("mm-object", new(mm_items=object()), InvalidTypeError, "new[0].mm_items"),
+    ("mm-bare-item", new(mm_items=MMItem(0, 2, "img")), InvalidTypeError, "new[0].mm_items"),
+    ("mm-set", new(mm_items={MMItem(0, 2, "img")}), InvalidTypeError, "new[0].mm_items"),
+    ("mm-tuple-entry", new(mm_items=[(0, 2, "img")]), InvalidTypeError, "new[0].mm_items[0]"),
+    ("mm-generator-with-bad-entry",
+     lambda m: m.step(new=[NewRequest("n", [1, 2, 3], mm_items=gen(MMItem(0, 1, "img"), "x"))]), InvalidTypeError,
+     "new[0].mm_items[1]"),
+    ("mm-hash-lone-surrogate", new(mm_items=(raw_mm(0, 2, "img-\udc00"),)), InvalidInputError,
+     "new[0].mm_items[0].hash"),
+    ("mm-overlapping", new(mm_items=(MMItem(0, 2, "x"), MMItem(1, 2, "y"))), InvalidInputError, "new[0].mm_items"),
+    ("mm-outside-prompt", new(mm_items=(MMItem(3, 5, "x"),)), InvalidInputError, "new[0].mm_items[0]"),
+    ("mm-past-the-end", new(mm_items=(MMItem(5, 1, "x"),)), InvalidInputError, "new[0].mm_items[0]"),
+    ("mm-raw-negative-offset", new(mm_items=(raw_mm(-1, 2, "x"),)), InvalidInputError, "new[0].mm_items[0].offset"),
+    ("mm-raw-empty-hash", new(mm_items=(raw_mm(0, 2, ""),)), InvalidTypeError, "new[0].mm_items[0].hash"),
+    # --- new: block_hashes (deprecated, ignored, but its form is checked)
+    ("hashes-mixed-lengths", new(block_hashes=[bytes(16), bytes(15)]), InvalidInputError, "new[0].block_hashes"),
+    ("hashes-wrong-count", new(block_hashes=[bytes(16)]), InvalidInputError, "new[0].block_hashes"),
+    ("hashes-str-entries", new(block_hashes=["x" * 16, "y" * 16]), InvalidTypeError, "new[0].block_hashes"),
+    ("hashes-str", new(block_hashes="abc"), InvalidTypeError, "new[0].block_hashes"),
+    # --- a valid finish (or update) next to an invalid new request: nothing happens
+    ("finish-then-lora-2**64", lambda m: m.step(finished=["a"], new=[NewRequest("n", [1], lora_id=2**64)]),
+     InvalidInputError, "new[0].lora_id"),
+    ("finish-then-surrogate-salt", lambda m: m.step(finished=["a"], new=[NewRequest("n", [1], cache_salt="\ud800")]),
+     InvalidInputError, "new[0].cache_salt"),
+    ("finish-then-surrogate-mm",
+     lambda m: m.step(finished=["a"], new=[NewRequest("n", [1], mm_items=(raw_mm(0, 1, "\ud800"),))]),
+     InvalidInputError, "new[0].mm_items[0].hash"),
+    ("update-then-2d-tokens",
+     lambda m: m.step(running=[RunningUpdate("a", [7])], new=[NewRequest("n", np.ones((2, 2), dtype=np.int64))]),
+     InvalidInputError, "new[0].token_ids"),
+    # --- the request-level calls
+    ("free-unknown", lambda m: m.free("nope"), UnknownRequestError, "request_id"),
+    ("free-int", lambda m: m.free(5), InvalidTypeError, "request_id"),
+    ("free-list", lambda m: m.free(["a"]), InvalidTypeError, "request_id"),
+    ("get-block-ids-unknown", lambda m: m.get_block_ids("nope"), UnknownRequestError, "request_id"),
+    ("get-computed-blocks-str", lambda m: m.get_computed_blocks("a"), InvalidTypeError, "request"),
+    ("get-computed-blocks-in-use", lambda m: m.get_computed_blocks(NewRequest("a", [1])), DuplicateRequestError,
+     "request.request_id"),
+    ("get-computed-blocks-bad-tokens", lambda m: m.get_computed_blocks(NewRequest("n", [-1])), InvalidInputError,
+     "request.token_ids"),
+    ("allocate-new-with-tokens", lambda m: m.allocate_slots(NewRequest("n", [1]), [5]), InvalidInputError,
+     "new_token_ids"),
+    ("allocate-computed-str", lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3]), computed="x"),
+     InvalidTypeError, "computed"),
+    ("allocate-computed-odd-tokens",
+     lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3]), computed=ComputedBlocks([[1], [1]], 3)),
+     InvalidInputError, "computed"),
+    ("allocate-computed-one-group",
+     lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3]), computed=ComputedBlocks([[1]], 2)),
+     InvalidInputError, "computed"),
+    ("allocate-running-float", lambda m: m.allocate_slots("a", [1.5]), InvalidTypeError, "new_token_ids"),
+    ("allocate-running-unknown", lambda m: m.allocate_slots("zz", [1]), UnknownRequestError, "request"),
+    ("allocate-int-request", lambda m: m.allocate_slots(5), InvalidTypeError, "request"),
+    ("allocate-running-with-computed", lambda m: m.allocate_slots("a", [1], computed=ComputedBlocks([[], []], 0)),
+     InvalidInputError, "computed"),
+]
+
+
+def test_the_catalogue_is_large_enough():
+    assert len(CASES) >= 60
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_the_snapshot_reaches_every_device_tensor(scenario):
+    # ref_cnt, free queue (ring, pos, counters), hash table (7), blk_* (3),
+    # last_seen, touched, evictions, rows (4), windows, stats, key: >= 20.
+    assert tensors_of(scenario.dev) >= 20
+
+
+@pytest.mark.parametrize("name, call, exc, argument", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_by_both_with_nothing_changed(scenario, name, call, exc, argument):
+    errors = []
+    for m in scenario.managers():
+        before = state_of(m)
+        with pytest.raises(GpukvInputError) as info:
+            call(m)
+        err = info.value
+        assert type(err) is exc, f"{type(m).__module__}: {type(err).__name__}: {err}"
+        assert isinstance(err, GpukvError)
+        assert err.argument == argument, str(err)
+        assert str(err).startswith(argument + ":"), str(err)
+        assert err.fix and str(err).endswith(err.fix), str(err)
+        after = state_of(m)
+        assert after == before, f"{type(m).__module__} changed state on a refused call"
+        errors.append((type(err), str(err)))
+    assert errors[0] == errors[1], "the managers refuse differently"
+    scenario.good_step()
+    for m in scenario.managers():
+        m.check_invariants()
+
+
+# ------------------------------------------- what both accept, and alike
+
+ACCEPTED = [
+    ("generators-everywhere", lambda rid: dict(
+        finished=gen(), running=gen(RunningUpdate("a", iter([]))),
+        new=gen(NewRequest(rid, iter([50, 51, 52]), mm_items=gen(MMItem(0, 1, "img")))))),
+    ("tuple-range-and-numpy-ints", lambda rid: dict(
+        new=(NewRequest(rid, range(60, 63), lora_id=np.int64(3)),))),
+    ("array-and-tensor-tokens", lambda rid: dict(
+        new=[NewRequest(rid, np.array([70, 71, 72], dtype=np.uint32)),
+             NewRequest(rid + "t", torch.tensor([70, 71, 72, 73], dtype=torch.int32))])),
+    ("numpy-bool-skip", lambda rid: dict(new=[NewRequest(rid, [80, 81, 82], skip_prefix_cache=np.bool_(True))])),
+]
+
+
+@pytest.mark.parametrize("name, make", ACCEPTED, ids=[a[0] for a in ACCEPTED])
+def test_unusual_but_valid_inputs_are_accepted_alike(scenario, name, make):
+    # Each call gets fresh iterators: a generator can be consumed once.
+    results = [m.step(**make(f"acc-{name}")) for m in scenario.managers()]
+    assert results[0] == results[1] and results[0].num_admitted >= 1
+    for m in scenario.managers():
+        m.check_invariants()
+    ids = [r.request_id for r in make(f"acc-{name}").get("new", ())][: results[0].num_admitted]
+    for rid in ids:
+        assert scenario.dev.get_block_ids(rid) == scenario.ref.get_block_ids(rid)
+    for m in scenario.managers():
+        m.step(finished=ids)
+    assert scenario.dev.free_queue() == scenario.ref.free_queue()
+
+
+def test_a_running_update_and_a_new_request_with_iterator_tokens_keep_counts_right():
+    # Once, the device manager's checks consumed the iterators and its ref
+    # counts went out of step with its block tables.
+    for m in (ReferenceManager(16, 2, hash_key=KEY, max_model_len=32),
+              DeviceManager(16, 2, hash_key=KEY, max_model_len=32, max_num_reqs=2)):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+        res = m.step(running=[RunningUpdate("a", iter([4, 5]))], new=[NewRequest("b", iter([1, 2, 3, 4, 6]))])
+        assert res.ok and res.num_computed_tokens == [4]
+        assert m.get_block_ids("a") == [[1, 2, 3]] and m.get_block_ids("b") == [[1, 2, 4]]
+        m.check_invariants()
+
+
+def test_refusals_do_not_leak_device_rows():
+    dev = DeviceManager(8, 2, hash_key=KEY, max_model_len=16, max_num_reqs=4)
+    rows = (dev._rows_cap, list(dev._free_rows))
+    for k in range(40):
+        with pytest.raises(InvalidInputError):
+            dev.step(new=[NewRequest(f"n{k}", [1, 2], lora_id=2**64)])
+    assert (dev._rows_cap, dev._free_rows) == rows
+
+
+# ------------------------------------------------------------ constructors
+
+def build(kind, **kw):
+    args = dict(num_blocks=8, block_size=2, hash_key=KEY, max_model_len=16)
+    args.update(kw)
+    if kind == "ref":
+        args.pop("max_num_reqs", None)
+        args.pop("device", None)
+        return ReferenceManager(args.pop("num_blocks"), args.pop("block_size"), **args)
+    return DeviceManager(args.pop("num_blocks"), args.pop("block_size"), **args)
+
+
+CONSTRUCTOR_CASES = [
+    ("num-blocks-1", dict(num_blocks=1), InvalidInputError, "num_blocks"),
+    ("num-blocks-float", dict(num_blocks=2.5), InvalidTypeError, "num_blocks"),
+    ("num-blocks-bool", dict(num_blocks=True), InvalidTypeError, "num_blocks"),
+    ("num-blocks-past-the-table", dict(num_blocks=2**40), CapacityError, "num_blocks"),
+    ("block-size-0", dict(block_size=0), InvalidInputError, "block_size"),
+    ("block-size-str", dict(block_size="16"), InvalidTypeError, "block_size"),
+    ("windows-str", dict(sliding_windows="4"), InvalidTypeError, "sliding_windows"),
+    ("windows-empty", dict(sliding_windows=[]), InvalidInputError, "sliding_windows"),
+    ("windows-zero", dict(sliding_windows=[None, 0]), InvalidInputError, "sliding_windows[1]"),
+    ("windows-bool", dict(sliding_windows=[True]), InvalidTypeError, "sliding_windows[0]"),
+    ("max-model-len-0", dict(max_model_len=0), InvalidInputError, "max_model_len"),
+    ("hash-key-short", dict(hash_key=b"short"), InvalidInputError, "hash_key"),
+    ("hash-key-int", dict(hash_key=5), InvalidTypeError, "hash_key"),
+]
+
+
+@pytest.mark.parametrize("name, kw, exc, argument", CONSTRUCTOR_CASES, ids=[c[0] for c in CONSTRUCTOR_CASES])
+@pytest.mark.parametrize("kind", ["ref", "dev"])
+def test_bad_constructor_arguments(kind, name, kw, exc, argument):
+    with pytest.raises(GpukvInputError) as info:
+        build(kind, **kw)
+    assert type(info.value) is exc and info.value.argument == argument, str(info.value)
+    assert info.value.fix and str(info.value).startswith(argument)
+
+
+@pytest.mark.parametrize("kw, exc", [
+    (dict(device="nonsense"), InvalidInputError),
+    (dict(device="meta"), InvalidInputError),
+    (dict(device="cuda:99"), InvalidInputError),
+    (dict(max_num_reqs=0), InvalidInputError),
+    (dict(max_num_reqs=2.0), InvalidTypeError),
+])
+def test_bad_device_manager_arguments(kw, exc):
+    with pytest.raises(exc) as info:
+        build("dev", **kw)
+    assert info.value.argument == next(iter(kw)), str(info.value)
+
+
+def test_sizes_too_large_to_allocate_are_refused_before_allocating(monkeypatch):
+    import gpukv.manager
+    import gpukv.reference
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before refusing")
+
+    monkeypatch.setattr(gpukv.manager, "DevicePool", no_allocation)
+    # Rows for 2**20 requests of 2**31 - 1 tokens: petabytes.
+    with pytest.raises(CapacityError, match="GiB") as info:
+        DeviceManager(8, 16, max_model_len=2**31 - 1, max_num_reqs=2**20, hash_key=KEY)
+    assert info.value.argument == "max_model_len" and "max_num_reqs" in info.value.fix
+    with pytest.raises(CapacityError):
+        DeviceManager(2**29, 4096, hash_key=KEY)  # 2**29 blocks of 4096 tokens: 8 TiB of token records
+    # The reference: 2**29 blocks of host records (hundreds of GiB), refused
+    # before the pool's lists are built.
+    monkeypatch.setattr(gpukv.reference, "OrderedDict", no_allocation)
+    with pytest.raises(CapacityError, match="GiB") as info:
+        ReferenceManager(2**29, 16, hash_key=KEY)
+    assert info.value.argument == "num_blocks"
+
+
+def test_numpy_integers_are_accepted_as_sizes_by_both():
+    kw = dict(sliding_windows=[None, np.int64(4)], hash_key=KEY, max_model_len=np.int32(16))
+    ref = ReferenceManager(np.int64(12), np.int32(2), **kw)
+    dev = DeviceManager(np.int64(12), np.int32(2), max_num_reqs=np.int16(2), **kw)
+    for m in (ref, dev):
+        assert type(m.num_blocks) is int and type(m.block_size) is int
+        assert m.step(new=[NewRequest("a", [1, 2, 3])]).num_admitted == 1
+    assert dev.get_block_ids("a") == ref.get_block_ids("a")
+
+
+def test_errors_pickle_and_read_as_their_builtins():
+    import pickle
+
+    err = UnknownRequestError("unknown request id 'x'", argument="finished[0]", fix="pass a live id")
+    assert str(err) == "finished[0]: unknown request id 'x'; pass a live id"  # no KeyError quoting
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is UnknownRequestError and back.argument == "finished[0]" and str(back) == str(err)
+    assert isinstance(err, KeyError) and isinstance(InvalidTypeError(), TypeError)
+    assert isinstance(CapacityError(), ValueError) and isinstance(DuplicateRequestError(), ValueError)
+    assert dataclasses.is_dataclass(ComputedBlocks)
+
+
+# ------------------------- "can never be admitted" is judged on the best case
+
+@pytest.mark.parametrize("kind", ["ref", "dev"])
+def test_a_window_request_that_fits_with_its_hit_is_not_refused(kind):
+    # Window 3, block size 1: a hit needs the last ceil(2/1) = 2 blocks. Pool
+    # of 7 = 6 usable blocks.
+    m = (ReferenceManager(7, 1, sliding_windows=[3], hash_key=KEY) if kind == "ref"
+         else DeviceManager(7, 1, sliding_windows=[3], hash_key=KEY, max_model_len=16, max_num_reqs=2))
+    assert m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6])]).num_computed_tokens == [0]
+    assert m.get_block_ids("a") == [[1, 2, 3, 4, 5, 6]]  # all full, all cached
+    m.step(finished=["a"])
+    assert m.free_queue() == [6, 5, 4, 3, 2, 1]  # cached: to the back, tail first
+    # b needs 7 blocks by the old bound (7 > 6: refused up front). Its best
+    # case is a hit of 6 blocks: the window's run of 2 (blocks 5, 6) plus one
+    # new block = 3 blocks. Admitted: positions 0..3 null, 4..5 hit, 6 popped.
+    res = m.step(new=[NewRequest("b", [1, 2, 3, 4, 5, 6, 7])])
+    assert res.num_admitted == 1 and res.num_computed_tokens == [6]
+    assert m.get_block_ids("b") == [[0, 0, 0, 0, 5, 6, 4]]
+    assert m.free_queue() == [3, 2, 1]
+    m.check_invariants()
+    # The same length with nothing to hit fits the bound (it could hit) but
+    # not the pool: it is not admitted, and nothing is raised.
+    assert m.step(new=[NewRequest("c", [9, 9, 9, 9, 9, 9, 9])]).num_admitted == 0
+    m.step(finished=["b"])
+    assert m.step(new=[NewRequest("c", [9, 9, 9, 9, 9, 9, 9])]).num_admitted == 0  # not even in an empty pool
+    # Without a possible hit the best case is the worst: refused up front.
+    with pytest.raises(CapacityError, match="needs 7 blocks even with the longest possible cache hit") as info:
+        m.step(new=[NewRequest("d", [1, 2, 3, 4, 5, 6, 7], skip_prefix_cache=True)])
+    assert info.value.argument == "new[0].token_ids" and "can never be admitted" in str(info.value)
+    m.check_invariants()
+
+
+def test_min_blocks_to_admit():
+    from gpukv.request import ManagerLimits, min_blocks_to_admit
+
+    full = ManagerLimits(1, 7, (None,))
+    window = ManagerLimits(1, 7, (3,))
+    hybrid = ManagerLimits(2, 64, (None, 4))
+    assert min_blocks_to_admit(7, full, True) == 7
+    assert min_blocks_to_admit(7, window, True) == 3  # run of 2 + 1 new
+    assert min_blocks_to_admit(7, window, False) == 7
+    assert min_blocks_to_admit(1, window, True) == 1  # no full block before the last token: no hit
+    # 9 tokens, block size 2: 5 blocks, a hit of at most 4; window 4 needs 2.
+    assert min_blocks_to_admit(9, hybrid, True) == 5 + (2 + 1)

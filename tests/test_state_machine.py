@@ -1,0 +1,784 @@
+"""A stateful fuzzer: a serving loop driving the block managers, step by step.
+
+A hypothesis ``RuleBasedStateMachine`` plays a serving engine against the
+reference manager (the model) and, with the device backend, the device
+manager (the system under test) in lockstep. Rules: admit batches of new
+requests (shared prefixes, LoRA ids, salts, multimodal items,
+``skip_prefix_cache``), decode, finish, preempt and resume, a whole
+scheduling step at once, reset the prefix cache, evict under pressure (tiny
+pools), look a request up, and an adversarial caller handing in forged,
+copied, random or honest ``block_hashes``. Refused steps are handled as a
+serving loop does: a running update that does not fit preempts the most
+recently admitted request (its tokens, including the ones its update brought,
+come back later as a new request) and the remaining updates are retried; new
+requests past ``num_admitted`` keep waiting, in order.
+
+After every manager call:
+
+* both managers returned the same ``StepResult`` and agree on block tables,
+  reference counts, free-queue order, table contents, stats, evictions,
+  computed tokens and digests; ``check_invariants()`` holds on both;
+* ground truth, kept by the machine and not by any manager: for every block id,
+  the group and the exact inputs it was last computed from (the token prefix up
+  to the block's end, LoRA id, cache salt and the multimodal items in that
+  prefix). A hit must be a block computed from exactly the request's own
+  prefix, every block a live request holds must hold what that request's
+  prefix says, every cached block must be full and (unless
+  ``GPUKV_FUZZ_CHECK_DIGESTS=0``) cached under the honest digest of what it
+  was computed from;
+* the window groups hold the null block exactly where the design says, and
+  the stats count what the step looked up.
+
+Environment (see ``docs/fuzzing.md``):
+
+* ``GPUKV_FUZZ_BACKEND`` = ``reference`` | ``device``: a long run of that
+  backend only (the reference alone against its invariants and the ground
+  truth, or the device against the reference). Unset: the CI run, both, a
+  few examples each.
+* ``GPUKV_FUZZ_STEPS``: total rule steps of a long run (split between the
+  full-attention and the sliding-window layouts).
+* ``GPUKV_FUZZ_CHECK_DIGESTS=0``: do not require cached blocks to sit under
+  honest digests (to see what a forged digest does beyond that).
+* ``GPUKV_FUZZ_ADVERSARIAL=0``: no adversarial rule.
+* ``GPUKV_FUZZ_REPORT=path``: write the run's counters there as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, note, settings, strategies as st
+from hypothesis.control import current_build_context
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+
+from gpukv import hashing
+from gpukv.hashing import MMItem
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
+ROOT = hashing.root_digest(KEY)
+MAX_TOKENS = 40  # per request (and the device's max_model_len)
+
+BACKEND = os.environ.get("GPUKV_FUZZ_BACKEND") or None
+if BACKEND not in (None, "reference", "device"):
+    raise ValueError(f"GPUKV_FUZZ_BACKEND must be 'reference' or 'device', got {BACKEND!r}")
+FUZZ_STEPS = int(os.environ.get("GPUKV_FUZZ_STEPS", "0") or 0)
+CHECK_DIGESTS = os.environ.get("GPUKV_FUZZ_CHECK_DIGESTS", "1") != "0"
+ADVERSARIAL = os.environ.get("GPUKV_FUZZ_ADVERSARIAL", "1") != "0"
+
+LAYOUTS = {
+    "full": [[None], [None, None]],
+    "window": [[None, 3], [3], [None, 5], [2, None]],
+}
+
+# Two settings profiles: CI (derandomised, small, about two minutes on a
+# 2-core CPU machine with the device kernels interpreted) and long fuzz runs.
+settings.register_profile(
+    "gpukv-fuzz-ci", deadline=None, suppress_health_check=list(HealthCheck), database=None,
+    derandomize=True, print_blob=True, report_multiple_bugs=False,
+)
+settings.register_profile(
+    "gpukv-fuzz-long", deadline=None, suppress_health_check=list(HealthCheck), database=None,
+    print_blob=True, report_multiple_bugs=False,
+)
+# (examples, steps per example) of the CI run, per layout.
+CI_SIZES = {"reference": (80, 30), "device": (5, 10)}
+LONG_STEPS_PER_EXAMPLE = {"reference": 30, "device": 20}
+
+COUNTS: Counter = Counter()
+
+# Caller digests are deprecated (and ignored); the fuzzer hands them in on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:NewRequest.block_hashes is deprecated:DeprecationWarning")
+
+TOKEN = st.sampled_from([0, 1, 2, 3] * 3 + [4, 5, 2**32 - 1])
+
+
+# ---------------------------------------------------------------- the model
+@dataclass
+class Req:
+    """What the serving loop knows of a request (the managers are not asked)."""
+
+    rid: str
+    tokens: list[int]
+    lora: int | None
+    salt: str | None
+    mm: tuple[MMItem, ...]
+    skip: bool
+    null_upto: list[int] = field(default_factory=list)  # per group: positions below hold the null block
+    _idents: list = field(default_factory=list, repr=False)
+
+    def ident(self, p: int, bs: int) -> tuple:
+        """What block ``p`` of this request is computed from: the token prefix
+        up to the block's end, the LoRA id, the salt and the multimodal items
+        starting in that prefix. Cached per position until tokens are added."""
+        while len(self._idents) <= p:
+            end = min(len(self.tokens), (len(self._idents) + 1) * bs)
+            self._idents.append(ident_of(self.tokens[:end], self.lora, self.salt, self.mm))
+        return self._idents[p]
+
+    def extend(self, tokens: list[int], bs: int) -> None:
+        del self._idents[len(self.tokens) // bs:]  # the partial block's inputs change
+        self.tokens.extend(tokens)
+
+
+def ident_of(tokens, lora, salt, mm) -> tuple:
+    end = len(tokens)
+    return (tuple(tokens), lora, salt or None, tuple(sorted((i for i in mm if i.offset < end),
+                                                            key=lambda i: (i.offset, i.length, i.hash))))
+
+
+def show_ident(ident) -> str:
+    tokens, lora, salt, mm = ident
+    return f"tokens={list(tokens)} lora={lora} salt={salt!r} mm={list(mm)}"
+
+
+def to_ints(tokens) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        return [int(t) % 2**32 for t in tokens.tolist()]
+    return [int(t) for t in (tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)]
+
+
+def fmt_tokens(tokens) -> str:
+    if isinstance(tokens, torch.Tensor):
+        return f"torch.tensor({tokens.tolist()}, dtype={tokens.dtype})"
+    if isinstance(tokens, np.ndarray):
+        return f"np.array({tokens.tolist()}, dtype=np.{tokens.dtype})"
+    return repr(list(tokens))
+
+
+def fmt_new(r: NewRequest) -> str:
+    args = [repr(r.request_id), fmt_tokens(r.token_ids)]
+    if r.lora_id is not None:
+        args.append(f"lora_id={r.lora_id}")
+    if r.mm_items:
+        args.append(f"mm_items={tuple(r.mm_items)!r}")
+    if r.cache_salt is not None:
+        args.append(f"cache_salt={r.cache_salt!r}")
+    if r.skip_prefix_cache:
+        args.append("skip_prefix_cache=True")
+    if r.block_hashes is not None:
+        args.append("block_hashes=[" + ", ".join(f"bytes.fromhex('{d.hex()}')" for d in r.block_hashes) + "]")
+    return f"NewRequest({', '.join(args)})"
+
+
+def fmt_step(finished, running, new) -> str:
+    parts = []
+    if finished:
+        parts.append(f"finished={list(finished)!r}")
+    if running:
+        parts.append("running=[" + ", ".join(f"RunningUpdate({u.request_id!r}, {fmt_tokens(u.new_token_ids)})"
+                                             for u in running) + "]")
+    if new:
+        parts.append("new=[" + ", ".join(fmt_new(r) for r in new) + "]")
+    return f"step({', '.join(parts)})"
+
+
+def trace(line: str) -> None:
+    """A line of the replayable trace, printed with a failing example."""
+    if current_build_context().is_final:
+        note(line)
+
+
+# ---------------------------------------------------------------- the machine
+class ServingLoop(RuleBasedStateMachine):
+    BACKEND = "reference"
+    LAYOUT = "full"
+
+    def __init__(self):
+        super().__init__()
+        self.ref = None
+        self.dev = None
+        COUNTS["examples"] += 1
+
+    # ------------------------------------------------------------ setup
+    @initialize(data=st.data())
+    def setup(self, data):
+        windows = data.draw(st.sampled_from(LAYOUTS[self.LAYOUT]), label="sliding_windows")
+        bs = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
+        per_group = data.draw(st.integers(3, 16), label="blocks per group")
+        uncached_first = data.draw(st.booleans(), label="uncached_first")
+        self.G = len(windows)
+        self.bs = bs
+        self.windows = windows
+        # Blocks a window group keeps at a hit boundary (design.md).
+        self.W = [None if w is None else -(-(w - 1) // bs) for w in windows]
+        self.N = per_group * self.G + 1
+        self.cap = min(MAX_TOKENS, ((self.N - 1) // self.G) * bs)  # never "can never be admitted"
+        self.ref = ReferenceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY)
+        trace(f"m = KVCacheManager({self.N}, {bs}, sliding_windows={windows}, uncached_first={uncached_first}, "
+              f"hash_key=bytes(range(16)))")
+        if self.BACKEND == "device":
+            from gpukv.manager import KVCacheManager as DeviceManager
+
+            rows = data.draw(st.sampled_from([2, 64]), label="max_num_reqs")
+            self.dev = DeviceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first,
+                                     hash_key=KEY, max_model_len=MAX_TOKENS, max_num_reqs=rows)
+        self.reqs: dict[str, Req] = {}
+        self.order: list[str] = []  # running, oldest admission first
+        self.waiting: list[NewRequest] = []
+        self.truth: dict[int, tuple] = {}  # block id -> (group, ident) it was last computed from
+        self.honest_memo: dict[tuple, bytes] = {}
+        self.docs: list[list[int]] = []
+        self.next_id = 0
+        self.check_all(expect={"requests": 0})
+
+    # ------------------------------------------------------------ drawing
+    def fresh_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def draw_tokens(self, data, *, min_len: int = 1) -> list[int]:
+        # Earlier prompts, and running requests' tokens so far (a conversation
+        # going on from a previous answer).
+        docs = self.docs[-12:] + [list(self.reqs[rid].tokens) for rid in self.order[-4:]]
+        if docs and data.draw(st.booleans(), label="share a prefix"):
+            doc = data.draw(st.sampled_from(docs), label="doc")
+            cut = data.draw(st.integers(0, len(doc)), label="cut")
+            tokens = doc[:cut] + data.draw(st.lists(TOKEN, min_size=0 if cut else 1, max_size=6), label="tail")
+        else:
+            tokens = data.draw(st.lists(TOKEN, min_size=1, max_size=12), label="tokens")
+        tokens = tokens[: self.cap]
+        while len(tokens) < min_len:
+            tokens.append(0)
+        return tokens
+
+    def draw_extras(self, data, n_tokens: int) -> dict:
+        kw = {}
+        lora = data.draw(st.sampled_from([None, None, None, 1, 2]), label="lora_id")
+        if lora is not None:
+            kw["lora_id"] = lora
+        salt = data.draw(st.sampled_from([None, None, None, "s1", "s2", ""]), label="cache_salt")
+        if salt is not None:
+            kw["cache_salt"] = salt
+        if data.draw(st.sampled_from([False, False, False, True]), label="multimodal"):
+            offset = data.draw(st.integers(0, n_tokens - 1), label="mm offset")
+            length = data.draw(st.integers(1, n_tokens - offset), label="mm length")
+            items = [MMItem(offset, length, data.draw(st.sampled_from(["img-a", "img-b"]), label="mm hash"))]
+            if offset + length < n_tokens and data.draw(st.booleans(), label="second item"):
+                o2 = data.draw(st.integers(offset + length, n_tokens - 1), label="mm offset 2")
+                items.append(MMItem(o2, data.draw(st.integers(1, n_tokens - o2), label="mm length 2"), "img-c"))
+            kw["mm_items"] = tuple(items)
+        if data.draw(st.sampled_from([False] * 7 + [True]), label="skip_prefix_cache"):
+            kw["skip_prefix_cache"] = True
+        return kw
+
+    def draw_new(self, data) -> NewRequest:
+        tokens = self.draw_tokens(data)
+        kw = self.draw_extras(data, len(tokens))
+        self.docs.append(tokens)
+        form = data.draw(st.sampled_from(["list"] * 6 + ["numpy"]), label="token container")
+        token_ids = np.array(tokens, dtype=np.int64) if form == "numpy" else list(tokens)
+        return NewRequest(self.fresh_id(), token_ids, **kw)
+
+    def draw_update(self, data, rid: str) -> RunningUpdate:
+        room = self.cap - len(self.reqs[rid].tokens)
+        tokens = data.draw(st.lists(TOKEN, min_size=0, max_size=min(3, room)), label=f"decode {rid}")
+        form = data.draw(st.sampled_from(["list"] * 6 + ["numpy", "torch"]), label="token container")
+        if form == "numpy":
+            return RunningUpdate(rid, np.array(tokens, dtype=np.int64))
+        if form == "torch":
+            return RunningUpdate(rid, torch.tensor(tokens, dtype=torch.int64))
+        return RunningUpdate(rid, tokens)
+
+    def draw_updates(self, data, rids) -> list[RunningUpdate]:
+        return [self.draw_update(data, rid) for rid in rids
+                if data.draw(st.booleans(), label=f"update {rid}")]
+
+    def honest_chain(self, tokens, lora=None, salt=None, mm=()) -> list[bytes]:
+        n = len(tokens) // self.bs
+        extras = hashing.extra_key_digests(KEY, n, self.bs, lora_id=lora, mm_items=mm, cache_salt=salt)
+        return hashing.hash_block_chain(KEY, tokens, self.bs, extras=extras)
+
+    def honest_digest(self, ident) -> bytes:
+        """The digest an honest caller (or the manager) gives a full block
+        computed from ``ident`` (memoised along the chain)."""
+        d = self.honest_memo.get(ident)
+        if d is None:
+            tokens, lora, salt, mm = ident
+            bs = self.bs
+            n = len(tokens) // bs
+            prev = (n - 1) * bs
+            parent = ROOT if n == 1 else self.honest_digest(ident_of(tokens[:prev], lora, salt, mm))
+            extra = hashing.extra_key_digests(KEY, 1, bs, lora_id=lora, mm_items=mm, cache_salt=salt,
+                                              first_block=n - 1)[0]
+            d = hashing.block_digest(KEY, parent, list(tokens[prev:]), extra)
+            self.honest_memo[ident] = d
+        return d
+
+    # ------------------------------------------------------------ manager calls
+    def managers(self):
+        return [self.ref] if self.dev is None else [self.ref, self.dev]
+
+    def call_step(self, finished, updates, new):
+        """One manager step on every backend, then the model, the ground truth
+        and every check."""
+        finished, updates, new = list(finished), list(updates), list(new)
+        line = fmt_step(finished, updates, new) if current_build_context().is_final else ""
+        old_len = {u.request_id: len(self.reqs[u.request_id].tokens) for u in updates}
+        res = self.ref.step(finished, updates, new)
+        trace(f"m.{line}  # -> {res}")
+        COUNTS["manager_steps"] += 1
+        if self.dev is not None:
+            res_dev = self.dev.step(finished, updates, new)
+            assert res_dev == res, f"device {res_dev} != reference {res}"
+        bs = self.bs
+        # The result makes sense.
+        k = res.running_failed_at
+        assert k is None or 0 <= k < len(updates), res
+        if k is not None:
+            COUNTS["running_refused"] += 1
+            assert res.num_admitted == 0 and res.num_computed_tokens == [], res
+        assert 0 <= res.num_admitted <= len(new) and len(res.num_computed_tokens) == res.num_admitted, res
+        if k is None:
+            COUNTS["new_refused"] += len(new) - res.num_admitted
+        # Model: finished requests go; applied updates grow; admitted requests join.
+        for rid in finished:
+            self.forget(rid)
+        for u in updates:  # phase 2a: every update's window groups release what their window left behind
+            st_ = self.reqs[u.request_id]
+            for g, w in enumerate(self.windows):
+                if w is not None:
+                    st_.null_upto[g] = max(st_.null_upto[g], max(0, old_len[u.request_id] - w + 1) // bs)
+        applied = updates if k is None else updates[:k]
+        for u in applied:
+            req = self.reqs[u.request_id]
+            req.extend(to_ints(u.new_token_ids), bs)
+            blocks = self.ref.get_block_ids(req.rid)
+            for g in range(self.G):
+                for p in range(old_len[req.rid] // bs, -(-len(req.tokens) // bs)):
+                    self.compute(blocks[g][p], g, req, p)
+        # Stats count the new requests looked up: up to the first refused one.
+        expected_stats = {"requests": 0}
+        if new and k is None:
+            expected_stats = {"requests": min(len(new), res.num_admitted + 1)}
+            if res.num_admitted == len(new):
+                live = [r for r in new if not r.skip_prefix_cache]
+                expected_stats.update(
+                    queries=sum(-(-len(r.token_ids) // bs) for r in live),
+                    query_tokens=sum(len(r.token_ids) for r in live),
+                    hit_tokens=sum(res.num_computed_tokens),
+                )
+        for i, r in enumerate(new[: res.num_admitted]):
+            hit_tokens = res.num_computed_tokens[i]
+            n = len(r.token_ids)
+            assert hit_tokens % bs == 0 and 0 <= hit_tokens <= (n - 1) // bs * bs, (r.request_id, hit_tokens)
+            if r.skip_prefix_cache:
+                assert hit_tokens == 0, r.request_id
+            h = hit_tokens // bs
+            COUNTS["hit_blocks"] += h
+            COUNTS["admitted"] += 1
+            if r.block_hashes is not None:
+                COUNTS["admitted_with_caller_digests"] += 1
+            req = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items),
+                      bool(r.skip_prefix_cache),
+                      null_upto=[0 if W is None else max(0, h - W) for W in self.W])
+            self.reqs[req.rid] = req
+            self.order.append(req.rid)
+            blocks = self.ref.get_block_ids(req.rid)
+            for g in range(self.G):
+                for p in range(h):
+                    b = blocks[g][p]
+                    if b != 0:
+                        self.check_hit(b, g, req, p)
+                for p in range(h, -(-n // bs)):
+                    self.compute(blocks[g][p], g, req, p)
+        self.check_all(expect=expected_stats)
+        return res
+
+    def compute(self, b: int, g: int, req: Req, p: int) -> None:
+        """Block ``b`` now holds group ``g``'s KV of request ``req``'s block ``p``."""
+        assert b != 0, f"{req.rid}: the null block at computed position {p} of group {g}"
+        self.truth[b] = (g, req.ident(p, self.bs))
+
+    def check_hit(self, b: int, g: int, req: Req, p: int) -> None:
+        want = req.ident(p, self.bs)
+        got = self.truth.get(b)
+        if got != (g, want):
+            COUNTS["false_hits"] += 1
+            raise AssertionError(
+                f"FALSE HIT: {req.rid} got block {b} at position {p} of group {g}; the block was computed "
+                + ("never" if got is None else f"for group {got[0]} from {show_ident(got[1])}")
+                + f", the request's prefix is {show_ident(want)}"
+            )
+
+    def forget(self, rid: str) -> None:
+        del self.reqs[rid]
+        self.order.remove(rid)
+
+    # ------------------------------------------------------------ the serving loop
+    def serve(self, finished=(), updates=(), fresh=(), *, admit_waiting=True):
+        """A scheduling step as a serving loop makes it, refusals included."""
+        new = (self.waiting if admit_waiting else []) + list(fresh)
+        if admit_waiting:
+            self.waiting = []
+        res = self.call_step(finished, updates, new)
+        if res.ok:
+            self.waiting = new[res.num_admitted:] + self.waiting
+            return
+        self.waiting = new + self.waiting  # none was looked at
+        pending = list(updates[res.running_failed_at:])
+        while pending:
+            victim = self.order[-1]  # the most recently admitted request goes first
+            extra = next((to_ints(u.new_token_ids) for u in pending if u.request_id == victim), [])
+            self.preempt([victim], extra={victim: extra})
+            pending = [u for u in pending if u.request_id != victim]
+            if not pending:
+                break
+            res = self.call_step((), pending, ())
+            if res.ok:
+                break
+            pending = pending[res.running_failed_at:]
+
+    def preempt(self, rids, *, extra=None, carry=False):
+        """Free running requests and queue them, first in line, to resume with
+        every token they have (plus the ones an unapplied update brought)."""
+        extra = extra or {}
+        resumed = []
+        carried = {}
+        for rid in rids:
+            req = self.reqs[rid]
+            if carry and not extra.get(rid):
+                carried[rid] = self.ref.block_hashes(rid)
+                if self.dev is not None:
+                    assert self.dev.block_hashes(rid) == carried[rid], rid
+            tokens = req.tokens + list(extra.get(rid, []))
+            kw = dict(lora_id=req.lora, cache_salt=req.salt, mm_items=req.mm, skip_prefix_cache=req.skip,
+                      block_hashes=carried.get(rid))
+            resumed.append(NewRequest(rid, tokens, **kw))
+        self.call_step(rids, (), ())
+        COUNTS["preemptions"] += len(rids)
+        self.waiting = resumed + self.waiting
+
+    # ------------------------------------------------------------ rules
+    @rule(data=st.data())
+    def admit(self, data):
+        """New requests (and the waiting ones, first) in one batch."""
+        k = data.draw(st.integers(1, 3), label="new requests") if len(self.waiting) < 5 else 0
+        self.serve(fresh=[self.draw_new(data) for _ in range(k)])
+        COUNTS["rule_admit"] += 1
+
+    @rule(data=st.data())
+    def schedule(self, data):
+        """A whole scheduling step: finish some, decode others, admit new."""
+        finished = [rid for rid in self.order if data.draw(st.sampled_from([False, False, True]), label=f"finish {rid}")]
+        updates = self.draw_updates(data, [rid for rid in self.order if rid not in finished])
+        k = data.draw(st.integers(0, 2), label="new requests") if len(self.waiting) < 5 else 0
+        self.serve(finished, updates, [self.draw_new(data) for _ in range(k)])
+        COUNTS["rule_schedule"] += 1
+
+    @precondition(lambda self: self.order)
+    @rule(data=st.data())
+    def decode(self, data):
+        """Running updates only (no new request is looked at)."""
+        updates = self.draw_updates(data, self.order) or [self.draw_update(data, self.order[-1])]
+        self.serve(updates=updates, admit_waiting=False)
+        COUNTS["rule_decode"] += 1
+
+    @precondition(lambda self: self.order or self.waiting)
+    @rule(data=st.data())
+    def finish(self, data):
+        """Requests finish (or a waiting one is aborted: no manager call)."""
+        if self.waiting and (not self.order or data.draw(st.booleans(), label="abort a waiting request")):
+            self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1), label="which"))
+            COUNTS["rule_finish"] += 1
+            return
+        rids = data.draw(st.lists(st.sampled_from(self.order), min_size=1, max_size=3, unique=True), label="finish")
+        self.call_step(rids, (), ())
+        COUNTS["rule_finish"] += 1
+
+    @precondition(lambda self: self.order)
+    @rule(data=st.data())
+    def preempt_one(self, data):
+        """A running request is preempted; it resumes later with its tokens
+        (and, sometimes, the digests the manager computed for it)."""
+        rid = data.draw(st.sampled_from(self.order), label="preempt")
+        self.preempt([rid], carry=data.draw(st.booleans(), label="carry block_hashes"))
+        COUNTS["rule_preempt"] += 1
+
+    @rule(drain=st.booleans())
+    def reset(self, drain):
+        """Reset the prefix cache: refused while any block is held; drained
+        first (everything preempted), it must succeed."""
+        if drain and self.order:
+            self.preempt(list(reversed(self.order)))
+        expected = not self.reqs
+        got = [m.reset_prefix_cache() for m in self.managers()]
+        trace(f"m.reset_prefix_cache()  # -> {got[0]}")
+        assert got == [expected] * len(got), (got, expected)
+        COUNTS["resets"] += expected
+        self.check_all(expect={"requests": 0, "reset": expected})
+        COUNTS["rule_reset"] += 1
+
+    @rule(data=st.data())
+    def evict_pressure(self, data):
+        """Requests of never-seen tokens sized to fill the free pool, served
+        ahead of the waiting queue (and dropped if refused): allocation has to
+        evict cached blocks."""
+        k = data.draw(st.integers(1, 3), label="pressure requests")
+        free = self.ref.num_free_blocks
+        per = max(1, min(self.cap // self.bs, free // (k * self.G) + data.draw(st.integers(0, 1), label="over")))
+        fresh = []
+        for _ in range(k):
+            base = 1000 + 64 * self.next_id
+            n = max(1, per * self.bs - data.draw(st.integers(0, self.bs - 1), label="short by"))
+            fresh.append(NewRequest(self.fresh_id(), [base + i for i in range(n)]))
+        before = self.ref.num_evictions
+        self.call_step((), (), fresh)
+        COUNTS["evictions"] += self.ref.num_evictions - before
+        COUNTS["rule_evict"] += 1
+
+    @rule(data=st.data())
+    def lookup(self, data):
+        """get_computed_blocks on a candidate: the same blocks on both, each
+        computed from exactly the candidate's prefix; only stats change."""
+        r = self.draw_new(data)
+        got = [m.get_computed_blocks(r) for m in self.managers()]
+        trace(f"m.get_computed_blocks({fmt_new(r)})  # -> {got[0]}")
+        assert all(c == got[0] for c in got), got
+        c = got[0]
+        h = c.num_tokens // self.bs
+        assert c.num_tokens % self.bs == 0 and 0 <= h <= (len(r.token_ids) - 1) // self.bs
+        probe = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items), False)
+        for g in range(self.G):
+            assert len(c.block_ids[g]) == h
+            for p, b in enumerate(c.block_ids[g]):
+                if b != 0:
+                    self.check_hit(b, g, probe, p)
+                else:
+                    assert self.W[g] is not None and p < h - self.W[g], (g, p, c)
+        self.check_all(expect={"requests": 1, "hit_tokens": 0 if r.skip_prefix_cache else c.num_tokens})
+        COUNTS["rule_lookup"] += 1
+
+    @precondition(lambda self: ADVERSARIAL)
+    @rule(data=st.data())
+    def adversarial(self, data):
+        """Callers hand in digests: forged (another prefix's honest chain on
+        other tokens, LoRA, salt or images), copied, random, mixed or honest;
+        honest victims asking for the prefix follow, in the same batch or the
+        next step. No victim may hit a block computed from anything else."""
+        bs = self.bs
+        if (self.order or self.waiting) and data.draw(st.booleans(), label="clear the stage"):
+            self.waiting = []  # aborted
+            if self.order:
+                self.call_step(list(self.order), (), ())
+        victim_tokens = self.draw_tokens(data, min_len=min(self.cap, 2 * bs + 1))  # long enough to hit a forgery
+        v_kw = self.draw_extras(data, len(victim_tokens))
+        v_kw.pop("skip_prefix_cache", None)
+        v_chain = self.honest_chain(victim_tokens, v_kw.get("lora_id"), v_kw.get("cache_salt"),
+                                    v_kw.get("mm_items", ()))
+        liars = []
+        for _ in range(data.draw(st.integers(1, 2), label="liars")):
+            mode = data.draw(st.sampled_from(["forged", "forged", "copied", "random", "mixed", "honest"]),
+                             label="digest mode")
+            tokens = list(victim_tokens)
+            kw = dict(v_kw)
+            if mode in ("forged", "mixed"):
+                # The victim's honest chain on other inputs: other tokens in
+                # some block, or another LoRA, salt or image.
+                what = data.draw(st.sampled_from(["tokens", "tokens", "lora", "salt", "mm"]), label="forge")
+                if what == "tokens":
+                    j = data.draw(st.integers(0, len(tokens) - 1), label="changed position")
+                    tokens[j] = data.draw(st.sampled_from([t for t in (0, 1, 2, 3, 7) if t != tokens[j]]),
+                                          label="new token")
+                elif what == "lora":
+                    kw["lora_id"] = 3 if kw.get("lora_id") is None else None
+                elif what == "salt":
+                    kw["cache_salt"] = "evil" if not kw.get("cache_salt") else None
+                else:
+                    kw["mm_items"] = (MMItem(0, len(tokens), "img-evil"),) if not kw.get("mm_items") else ()
+                kw = {a: v for a, v in kw.items() if v not in (None, ())}
+                if data.draw(st.booleans(), label="extend"):
+                    tokens += data.draw(st.lists(TOKEN, max_size=bs + 1), label="liar tail")
+                    tokens = tokens[: self.cap]
+                n = len(tokens) // bs
+                digests = (v_chain + [bytes(16)] * n)[:n]
+                if mode == "mixed":  # honest up to a point, forged after it
+                    own = self.honest_chain(tokens, kw.get("lora_id"), kw.get("cache_salt"), kw.get("mm_items", ()))
+                    cut = data.draw(st.integers(0, n), label="honest up to")
+                    digests = own[:cut] + digests[cut:]
+            else:
+                if mode != "honest" and data.draw(st.booleans(), label="other tokens"):
+                    tokens = self.draw_tokens(data)
+                    kw = self.draw_extras(data, len(tokens))
+                n = len(tokens) // bs
+                if mode == "honest":
+                    digests = self.honest_chain(tokens, kw.get("lora_id"), kw.get("cache_salt"),
+                                                kw.get("mm_items", ()))
+                elif mode == "copied":
+                    sources = [self.ref.block_hashes(rid) for rid in self.order] + [v_chain]
+                    src = data.draw(st.sampled_from(sources), label="copied from")
+                    digests = (src + [data.draw(st.binary(min_size=16, max_size=16), label="pad")] * n)[:n]
+                else:
+                    pool = [bytes(16), v_chain[0] if v_chain else bytes(16)]
+                    digests = [data.draw(st.sampled_from(pool) | st.binary(min_size=16, max_size=16),
+                                         label="random digest") for _ in range(n)]
+            self.docs.append(tokens)
+            liars.append(NewRequest(self.fresh_id(), tokens, block_hashes=digests, **kw))
+            COUNTS[f"adversarial_{mode}"] += 1
+        if data.draw(st.booleans(), label="an honest prefix first"):
+            # The victim's honest prefix cached before the liars come: the
+            # blocks a liar's forged chain hangs from (issue 7's example).
+            cut = data.draw(st.integers(bs, len(victim_tokens)), label="honest prefix length")
+            kw = {a: v for a, v in v_kw.items() if a != "mm_items"}
+            kw["mm_items"] = tuple(i for i in v_kw.get("mm_items", ()) if i.offset + i.length <= cut)
+            self.serve(fresh=[NewRequest(self.fresh_id(), list(victim_tokens[:cut]), **kw)])
+        victims = [NewRequest(self.fresh_id(), list(victim_tokens), **v_kw)]
+        if data.draw(st.booleans(), label="a longer victim"):
+            longer = (victim_tokens + data.draw(st.lists(TOKEN, min_size=1, max_size=bs + 1), label="more"))[: self.cap]
+            victims.append(NewRequest(self.fresh_id(), longer, **v_kw))
+        if data.draw(st.booleans(), label="victim digests too"):
+            victims[0] = NewRequest(victims[0].request_id, victims[0].token_ids, block_hashes=v_chain, **v_kw)
+        if data.draw(st.booleans(), label="same batch"):
+            order = data.draw(st.permutations(liars + victims), label="batch order")
+            self.serve(fresh=order)
+        else:
+            self.serve(fresh=liars)
+            self.serve(fresh=victims)
+        COUNTS["rule_adversarial"] += 1
+
+    # ------------------------------------------------------------ checks
+    def check_all(self, expect=None) -> None:
+        """Everything the managers hold against the model, the ground truth and
+        each other."""
+        COUNTS["checks"] += 1
+        ref, bs = self.ref, self.bs
+        ref.check_invariants()
+        assert sorted(ref.request_ids()) == sorted(self.reqs), (ref.request_ids(), list(self.reqs))
+        assert len(set(ref.free_queue())) == ref.num_free_blocks == len(ref.free_queue())
+        for rid, req in self.reqs.items():
+            n = len(req.tokens)
+            assert ref.num_computed_tokens(rid) == n, rid
+            blocks = ref.get_block_ids(rid)
+            assert len(blocks) == self.G and all(len(g) == -(-n // bs) for g in blocks), (rid, blocks)
+            for g in range(self.G):
+                for p, b in enumerate(blocks[g]):
+                    if p < req.null_upto[g]:
+                        assert b == 0, f"{rid}: group {g} (window {self.windows[g]}) position {p} holds block {b}, " \
+                                       f"not the null block (null below {req.null_upto[g]})"
+                        continue
+                    assert b != 0, f"{rid}: group {g} position {p} holds the null block"
+                    want = (g, req.ident(p, bs))
+                    have = self.truth.get(b)
+                    assert have == want, (
+                        f"{rid} holds block {b} at position {p} of group {g}, but the block was last computed "
+                        + ("never" if have is None else f"for group {have[0]} from {show_ident(have[1])}")
+                        + f"; the request needs {show_ident(want[1])}"
+                    )
+        for (digest, g), blocks in ref.pool.table().items():
+            for b in blocks:
+                have = self.truth.get(b)
+                assert have is not None and have[0] == g, f"cached block {b} (group {g}) was never computed there"
+                assert len(have[1][0]) % bs == 0 and have[1][0], f"cached block {b} is not full: {show_ident(have[1])}"
+                if CHECK_DIGESTS:
+                    assert self.honest_digest(have[1]) == digest, (
+                        f"block {b} is cached under a digest that is not the digest of what it was computed from "
+                        f"({show_ident(have[1])}): a caller-supplied digest was trusted"
+                    )
+        stats = ref.make_prefix_cache_stats()
+        assert stats.hits <= stats.queries and stats.hit_tokens <= stats.query_tokens, stats
+        for name, value in (expect or {}).items():
+            assert getattr(stats, name) == value, f"stats.{name} = {getattr(stats, name)}, expected {value}: {stats}"
+        COUNTS["lookups"] += stats.requests
+        if self.dev is not None:
+            self.compare_device(stats)
+
+    def compare_device(self, ref_stats) -> None:
+        ref, dev = self.ref, self.dev
+        dev.check_invariants(verify_digests=CHECK_DIGESTS)
+        assert dev.make_prefix_cache_stats() == ref_stats
+        assert dev.free_queue() == ref.free_queue()
+        assert dev.num_free_blocks == ref.num_free_blocks
+        assert dev.pool.ref_counts() == ref.pool.ref_cnt
+        assert dev.pool.table_entries() == ref.pool.table()
+        assert dev.num_evictions == ref.num_evictions
+        assert sorted(dev.request_ids()) == sorted(ref.request_ids())
+        for rid in ref.request_ids():
+            assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
+            assert dev.num_computed_tokens(rid) == ref.num_computed_tokens(rid), rid
+            assert dev.block_hashes(rid) == ref.block_hashes(rid), rid
+        rows, cap, live = getattr(dev, "_free_rows", None), getattr(dev, "_rows_cap", None), getattr(dev, "_reqs", None)
+        if rows is not None and cap is not None and live is not None:  # request rows neither leak nor double up
+            used = [st_.row for st_ in live.values()]
+            assert sorted(list(rows) + used) == list(range(cap)), "device request rows leaked or doubled"
+
+
+# ---------------------------------------------------------------- the tests
+def machine(backend: str, layout: str):
+    return type(f"ServingLoop_{backend}_{layout}", (ServingLoop,), {"BACKEND": backend, "LAYOUT": layout})
+
+
+def rules_run(counts) -> int:
+    return sum(v for k, v in counts.items() if k.startswith("rule_"))
+
+
+def run(backend: str, layout: str) -> None:
+    """One layout family on one backend: the CI sizes, or (long runs) batches
+    of examples until ``GPUKV_FUZZ_STEPS / len(LAYOUTS)`` rules have run (an
+    example can end before its last step when hypothesis' buffer fills, so the
+    example count alone does not fix the number of steps)."""
+    if BACKEND is None:
+        examples, steps = CI_SIZES[backend]
+        target = None
+        profile = "gpukv-fuzz-ci"
+    else:
+        steps = LONG_STEPS_PER_EXAMPLE[backend]
+        target = math.ceil((FUZZ_STEPS or 1000) / len(LAYOUTS))
+        profile = "gpukv-fuzz-long"
+    before = Counter(COUNTS)
+    start = time.perf_counter()
+    failure = None
+    batches = 0
+    try:
+        while True:
+            if target is not None:
+                remaining = target - rules_run(COUNTS - before)
+                if remaining <= 0:
+                    break
+                examples = max(1, math.ceil(remaining / steps))
+            conf = settings(settings.get_profile(profile), max_examples=examples, stateful_step_count=steps)
+            run_state_machine_as_test(machine(backend, layout), settings=conf)
+            batches += 1
+            if target is None:
+                break
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        counts = dict(COUNTS - before)
+        counts["rules"] = rules_run(counts)
+        summary = {"backend": backend, "layout": layout, "profile": profile, "target_rules": target,
+                   "batches": batches, "steps_per_example": steps, "wall_s": round(time.perf_counter() - start, 1),
+                   "failed": failure is not None, **counts}
+        print("\nfuzz summary:", json.dumps(summary, sort_keys=True))
+        path = os.environ.get("GPUKV_FUZZ_REPORT")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(summary, sort_keys=True) + "\n")
+    if BACKEND is None and backend == "reference" and CHECK_DIGESTS and ADVERSARIAL:
+        # The CI run exercised what it is for.
+        for what in ("hit_blocks", "preemptions", "evictions", "running_refused", "new_refused", "resets",
+                     "admitted_with_caller_digests"):
+            assert counts.get(what, 0) > 0, (what, counts)
+
+
+@pytest.mark.skipif(BACKEND == "device", reason="GPUKV_FUZZ_BACKEND=device: the device run only")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fuzz_reference_alone(layout):
+    """The reference in a serving loop: its invariants, the model and the ground truth."""
+    run("reference", layout)
+
+
+@pytest.mark.skipif(BACKEND == "reference", reason="GPUKV_FUZZ_BACKEND=reference: the reference run only")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fuzz_device_against_reference(layout):
+    """The device manager and the reference in lockstep: the same everything after every call."""
+    run("device", layout)
