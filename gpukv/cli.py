@@ -1,18 +1,83 @@
-"""The ``gpukv`` command line: ``gpukv replay [TRACE]``."""
+"""The ``gpukv`` command line: ``gpukv replay [TRACE]``.
+
+Exit status: 0 done; 2 a bad trace, option, environment variable or output
+path (one line on stderr, ``gpukv replay: FILE:LINE: problem`` for a trace,
+checked before the replay starts wherever it can be); 1 an internal error (one
+line; ``GPUKV_DEBUG=1`` shows the traceback); 130 interrupted (Ctrl-C); 141 the
+reader of stdout went away (``gpukv replay | head``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
+from pathlib import Path
 
-from gpukv import _runtime
+from gpukv import _runtime, hashing
 from gpukv.plot import replay_svg
 from gpukv.replay import Replay, ReplayOptions
-from gpukv.traces import builtin_trace_path, load_trace
+from gpukv.traces import MAX_SIZE, TraceError, builtin_trace_path, load_trace
+
+try:  # typed manager errors (gpukv/errors.py)
+    from gpukv.errors import GpukvError
+except ImportError:  # pragma: no cover - older trees
+    GpukvError = ()
 
 BUILTIN_REQUESTS = 300
+PROG = "gpukv"
+
+# Defaults of the sizes a step trace's config may set instead.
+DEFAULT_SIZES = {"block_size": 16, "num_blocks": 65_536, "max_model_len": 131_072}
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 1
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `cat` in the same spot
+
+
+class CliError(Exception):
+    """A problem with what the user handed in: one line, exit status 2."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE, prog: str | None = None) -> None:
+        super().__init__(" ".join(str(message).split()))
+        self.status, self.prog = status, prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage block) and exit 2."""
+
+    def error(self, message: str):  # noqa: D102
+        raise CliError(f"{message} (see '{self.prog} --help')", prog=self.prog)
+
+
+def _int_option(minimum: int, maximum: int | None = None, why: str = ""):
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be {'positive' if minimum == 1 else f'>= {minimum}'}{why}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def _ms_option(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
+    return value
 
 
 def _replay_parser(sub) -> argparse.ArgumentParser:
@@ -20,7 +85,8 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
         "replay",
         help="run a serving loop over a trace and report hit rates, evictions, preemptions and manager time",
         description="Replay a trace through the block manager. With no TRACE, replays the built-in workload "
-        f"(the first {BUILTIN_REQUESTS} requests of the Mooncake conversation trace).",
+        f"(the first {BUILTIN_REQUESTS} requests of the Mooncake conversation trace). Exit status: 0 done, "
+        "2 a bad trace, option or output path (one line on stderr), 1 an internal error, 130 interrupted.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl or a step-trace .json (default: built-in workload)")
     p.add_argument("--format", choices=["auto", "mooncake", "step"], default="auto")
@@ -31,39 +97,41 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also replay on the reference and report whether the results agree "
                    "(default: on when the backend is device)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=65_536)
-    p.add_argument("--max-model-len", type=int, default=131_072)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=_int_option(1, MAX_SIZE), default=None,
+                   help=f"tokens per block (default {DEFAULT_SIZES['block_size']}; a step trace's config wins)")
+    p.add_argument("--num-blocks", type=_int_option(2, MAX_SIZE, " (block 0 is the null block)"), default=None,
+                   help=f"blocks in the pool, the null block included (default {DEFAULT_SIZES['num_blocks']})")
+    p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=None,
+                   help=f"default {DEFAULT_SIZES['max_model_len']}")
+    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256)
     p.add_argument("--uncached-first", action=argparse.BooleanOptionalAction, default=True,
                    help="free uncached blocks to the front of the free queue (default) or all to the back")
     p.add_argument("--admission", choices=["batch", "one"], default="batch",
                    help="admit a step's candidates in one batched step (default) or one step call each (vLLM's order)")
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--max-requests", type=_int_option(1), default=None)
+    p.add_argument("--max-steps", type=_int_option(1), default=None,
+                   help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
     p.add_argument("--arrival", choices=["back-to-back", "timestamp"], default="back-to-back",
-                   help="Mooncake arrivals: all waiting from step 0 in order, or by timestamp")
-    p.add_argument("--step-ms", type=float, default=100.0, help="with --arrival timestamp: milliseconds per step")
+                   help="Mooncake arrivals: all waiting from step 0 in order, or by timestamp (steps in which "
+                   "nothing runs or waits are skipped)")
+    p.add_argument("--step-ms", type=_ms_option, default=100.0,
+                   help="with --arrival timestamp: milliseconds per step")
     p.add_argument("--json", metavar="OUT", help="write the full report (summary, per-request records, final state)")
     p.add_argument("--plot", metavar="OUT.svg", help="write an SVG: token hit rate and manager time over the steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
-def _positive(args, names) -> None:
-    for name in names:
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            raise SystemExit(f"gpukv replay: --{name.replace('_', '-')} must be positive, got {v}")
-
-
 def _print_summary(report: dict) -> None:
     s = report["summary"]
     c = report["config"]
+    steps = f"{s['steps']} steps"
+    if s.get("skipped_idle_steps"):
+        steps += f" (and {s['skipped_idle_steps']:,} idle steps skipped)"
     rows = [
         ("backend", s["backend"]),
-        ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, {s['rejected']} rejected), {s['steps']} steps"),
+        ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, {s['rejected']} rejected), {steps}"),
         ("pool", f"{c['num_blocks']} blocks of {c['block_size']} tokens, max {c['max_num_seqs']} running, admission {c['admission']}"),
         ("token hit rate", f"{s['token_hit_rate']:.4f}  ({s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt tokens)"),
         ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hits']:,} hits of {s['queries']:,} blocks asked, {s['lookup_requests']} lookups)"),
@@ -82,71 +150,233 @@ def _print_summary(report: dict) -> None:
         print(f"note: ... and {len(report['messages']) - 10} more (see --json)")
 
 
+def _check_output(path: str, option: str, trace: str | None) -> Path:
+    """Refuse, before anything runs, an output path that cannot be written."""
+    if not path:
+        raise CliError(f"{option}: empty path")
+    out = Path(path)
+    if out.is_dir():
+        raise CliError(f"{option} {path}: is a directory; give a file name")
+    parent = out.parent
+    if not parent.exists():
+        raise CliError(f"{option} {path}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise CliError(f"{option} {path}: {str(parent)!r} is not a directory")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise CliError(f"{option} {path}: file is not writable")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"{option} {path}: cannot create files in {str(parent)!r} (permission denied)")
+    if trace is not None and out.exists() and out.resolve() == Path(trace).resolve():
+        raise CliError(f"{option} {path}: that is the trace; writing the report would overwrite it")
+    return out
+
+
+def _write_atomically(out: Path, text: str, option: str) -> None:
+    """Write ``text`` to ``out`` via a temporary file in the same directory, so
+    an interrupted or failed write never leaves a truncated report."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        # mkstemp makes the file private; give it the mode a plain open() would.
+        if out.exists():
+            mode = out.stat().st_mode & 0o777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, out)
+        tmp = None
+    except OSError as e:
+        raise CliError(f"{option} {out}: could not write: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _hash_key() -> bytes:
+    """The key from ``GPUKV_HASH_KEY`` / ``PYTHONHASHSEED`` (as the managers
+    resolve it), refusing malformed values instead of falling back."""
+    raw = os.environ.get(hashing.HASH_KEY_ENV)
+    if raw is not None and raw != "" and not raw.strip():
+        raise CliError(f"{hashing.HASH_KEY_ENV} is set but blank: set it to 32 hex characters (16 bytes), "
+                       "or unset it for a random key")
+    try:
+        return hashing.resolve_hash_key()
+    except (ValueError, TypeError) as e:
+        raise CliError(f"{e}") from None
+
+
+def _os_problem(e: OSError) -> str:
+    if e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
 def replay_main(args) -> int:
-    _positive(args, ["block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_requests", "max_steps", "step_ms"])
     path = args.trace
     max_requests = args.max_requests
     if path is None:
         path = builtin_trace_path()
         max_requests = max_requests or BUILTIN_REQUESTS
+    # Everything the user handed in is checked before the replay starts.
+    outputs = {}
+    for option, value in (("--json", args.json), ("--plot", args.plot)):
+        if value is not None:
+            outputs[option] = _check_output(value, option, args.trace)
+    if len(outputs) == 2 and outputs["--json"].resolve() == outputs["--plot"].resolve():
+        raise CliError(f"--json and --plot name the same file {args.json!r}")
+    if args.arrival == "timestamp" and args.format == "step":
+        raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
+    key = _hash_key()  # one key for both runs, so their digests (and tables) agree
     try:
         trace = load_trace(path, args.format, max_requests=max_requests, arrival=args.arrival, step_ms=args.step_ms)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"gpukv replay: {e}")
+    except TraceError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot read the trace: {_os_problem(e)}") from None
+    except (ValueError, TypeError) as e:
+        raise CliError(f"{path}: {e}") from None
+    if trace.kind == "step" and args.arrival == "timestamp":
+        raise CliError(f"{path}: --arrival timestamp applies to Mooncake traces, and this is a step trace")
+
+    sizes = {}
+    for name, default in DEFAULT_SIZES.items():
+        given = getattr(args, name)
+        if trace.kind == "step" and name in trace.config:
+            sizes[name] = trace.config[name]
+            if given is not None and given != trace.config[name]:
+                print(f"note: the step trace's config sets {name} {trace.config[name]}; "
+                      f"--{name.replace('_', '-')} {given} is not used")
+        else:
+            sizes[name] = given if given is not None else default
+
     backend = args.backend
     if backend == "auto":
         backend = "device" if _runtime.CUDA_AVAILABLE else "reference"
         if backend == "reference":
             print("note: no CUDA device here, so the reference backend runs; --backend device runs the device "
                   "kernels under Triton's interpreter (same results, much slower)")
+    progress = not args.no_progress and sys.stderr.isatty()
 
-    def options(name: str) -> ReplayOptions:
-        return ReplayOptions(
-            block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+    def run(name: str) -> dict:
+        opts = ReplayOptions(
             max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
-            prompt_only=args.prompt_only, backend=name, progress=not args.no_progress and sys.stderr.isatty(),
-            max_steps=args.max_steps, hash_key=key,
+            prompt_only=args.prompt_only, backend=name, progress=progress, max_steps=args.max_steps, hash_key=key,
+            **sizes,
         )
+        what = f"{path}: " if args.trace is not None else ""
+        try:
+            replay = Replay(trace, opts)
+        except MemoryError:
+            raise CliError(f"not enough memory for a {name} manager of {sizes['num_blocks']:,} blocks of "
+                           f"{sizes['block_size']} tokens; lower --num-blocks") from None
+        except (ValueError, TypeError) as e:  # sizes the manager refuses (gpukv.errors included)
+            raise CliError(f"the {name} manager refused the configuration: {e}") from None
+        _state["progress_line_open"] = progress
+        try:
+            out = replay.run()
+            _state["progress_line_open"] = False
+            return out
+        except MemoryError:
+            raise CliError(f"{what}ran out of memory during the replay (try a smaller trace or pool)") from None
+        except GpukvError as e:
+            if isinstance(e, (ValueError, TypeError, KeyError)):
+                raise CliError(f"{what}the {name} manager refused a request of the trace: {e}") from None
+            raise
 
-    # One key for both runs, so their digests (and so their tables) agree.
-    key = os.urandom(16)
-    report = Replay(trace, options(backend)).run()
-    _print_summary(report)
+    report = run(backend)
     compare = args.compare if args.compare is not None else backend == "device"
+    ref = None
     if compare and backend != "reference":
-        print()
-        print("the same replay on the reference:")
-        ref = Replay(trace, options("reference")).run()
-        _print_summary(ref)
+        ref = run("reference")
         agree = {
             "requests": ref["requests"] == report["requests"],
             "final free queue": ref["final"]["free_queue"] == report["final"]["free_queue"],
             "summary counts": all(ref["summary"][k] == report["summary"][k] for k in _COUNTS),
         }
-        print("device vs reference: " + ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}" for k, v in agree.items()))
         report["reference"] = {"summary": ref["summary"], "agree": agree}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f)
+    # Files first: a reader of stdout that goes away must not cost the report.
+    if "--json" in outputs:
+        _write_atomically(outputs["--json"], json.dumps(report), "--json")
+    if "--plot" in outputs:
+        _write_atomically(outputs["--plot"], replay_svg(report), "--plot")
+    _print_summary(report)
+    if ref is not None:
+        print()
+        print("the same replay on the reference:")
+        _print_summary(ref)
+        agree = report["reference"]["agree"]
+        print("device vs reference: " + ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}" for k, v in agree.items()))
+    if "--json" in outputs:
         print(f"report written to {args.json}")
-    if args.plot:
-        with open(args.plot, "w") as f:
-            f.write(replay_svg(report))
+    if "--plot" in outputs:
         print(f"plot written to {args.plot}")
+    sys.stdout.flush()  # a closed pipe shows here, inside main's handler
     return 0
 
 
 _COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "preemptions", "evictions", "admissions")
 
 
+_state = {"progress_line_open": False}
+
+
+def _fail(prefix: str, message: str) -> None:
+    try:
+        if _state["progress_line_open"]:  # the progress bar's "\r..." line has no newline yet
+            sys.stderr.write("\n")
+            _state["progress_line_open"] = False
+        sys.stderr.write(f"{prefix}: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _silence_stdout() -> None:
+    """After EPIPE on stdout, point it at /dev/null so the interpreter's
+    final flush does not fail again (Python's documented recipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except Exception:  # OSError, or io.UnsupportedOperation for a captured stdout
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpukv", description="gpukv: a GPU-resident KV-cache block manager")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """Run the command; on an error, print one line on stderr and exit
+    (``SystemExit``) with the status the module docstring lists."""
+    parser = _Parser(prog=PROG, description="gpukv: a GPU-resident KV-cache block manager")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _replay_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "replay":
-        return replay_main(args)
-    return 2
+    prefix = PROG
+    try:
+        args = parser.parse_args(argv)
+        prefix = f"{PROG} {args.command}"
+        if args.command == "replay":
+            return replay_main(args)
+        raise CliError(f"unknown command {args.command!r}")
+    except CliError as e:
+        _fail(e.prog or prefix, str(e))
+        raise SystemExit(e.status) from None
+    except KeyboardInterrupt:
+        _fail(prefix, "interrupted; nothing was written")
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:
+        _silence_stdout()
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
+    except Exception as e:  # a bug: still one line, the traceback on request
+        if os.environ.get("GPUKV_DEBUG"):
+            raise
+        text = " ".join(str(e).split())
+        _fail(prefix, f"internal error ({type(e).__name__}: {text[:300]}); this is a bug in gpukv, "
+                      "rerun with GPUKV_DEBUG=1 for the traceback")
+        raise SystemExit(EXIT_INTERNAL) from None
 
 
 if __name__ == "__main__":

@@ -6,21 +6,29 @@ gives running requests the blocks for their new tokens (preempting the most
 recently admitted request while they do not fit), and, when nothing was
 preempted, admits waiting requests from the front. A prefill computes the whole
 prompt in its step.
+
+A preempted request keeps every token it has, including those its update
+brought in the step it was preempted in (vLLM appended them before scheduling:
+the previous step sampled them), so its resumed prefill computes them; step
+and Mooncake traces alike. With Mooncake arrivals by timestamp, stretches in
+which nothing runs or waits are skipped, not stepped through: step numbers
+keep the arrival clock, the report's ``steps`` counts the steps run and
+``skipped_idle_steps`` the rest. The managers hash the tokens themselves.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from gpukv import hashing
 from gpukv.request import NewRequest, RunningUpdate
-from gpukv.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+from gpukv.traces import Trace, TraceRequest
 
 
 @dataclass
@@ -46,7 +54,6 @@ class _Live:
     tokens: np.ndarray  # every token known: prompt + generated so far
     status: str = "waiting"  # waiting | running | finished | rejected
     sampled: int = 0  # generated tokens sampled so far (Mooncake)
-    block_hashes: list[bytes] | None = None
     admitted_step: int | None = None
     num_cached_tokens: int | None = None
     block_ids: list[list[int]] | None = None
@@ -69,46 +76,6 @@ def make_manager(opts: ReplayOptions):
     kwargs = dict(max_model_len=opts.max_model_len, max_num_reqs=2 * opts.max_num_seqs) if opts.backend == "device" else {}
     return KVCacheManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first, hash_key=opts.hash_key,
                           **kwargs)
-
-
-# Below this many requests per block position, hashing each remaining chain in
-# pure Python beats a numpy round (whose cost is mostly per call, not per row).
-_MIN_VECTOR_ROWS = 24
-
-
-def mooncake_block_hashes(key: bytes, requests: list[TraceRequest], block_size: int) -> list[np.ndarray]:
-    """The chained digests (uint64 lanes) of every request's full prompt
-    blocks, hashed vectorised across requests block position by position."""
-    n_full = np.array([r.input_length // block_size for r in requests], dtype=np.int64)
-    out = [np.zeros((int(n), 2), dtype=np.uint64) for n in n_full]
-    if not requests or n_full.max() == 0:
-        return out
-    width = max(len(r.hash_ids) for r in requests)
-    ids = np.zeros((len(requests), width), dtype=np.int64)
-    for i, r in enumerate(requests):
-        ids[i, : len(r.hash_ids)] = r.hash_ids
-    parents = np.tile(hashing.digests_to_lanes([hashing.root_digest(key)]), (len(requests), 1))
-    no_extra = hashing.digests_to_lanes([hashing.NO_EXTRA])
-    active = np.arange(len(requests))
-    offs = np.arange(block_size, dtype=np.int64)
-    for j in range(int(n_full.max())):
-        active = active[n_full[active] > j]
-        if len(active) < _MIN_VECTOR_ROWS:
-            for a in active.tolist():
-                r = requests[a]
-                tokens = r.prompt_tokens()[: n_full[a] * block_size]
-                rest = hashing.hash_block_chain(
-                    key, tokens, block_size, parent=hashing.lanes_to_digests(parents[a:a + 1])[0], start_block=j
-                )
-                out[a][j:] = hashing.digests_to_lanes(rest)
-            break
-        pos = j * block_size + offs
-        tokens = ids[active][:, pos // MOONCAKE_BLOCK_TOKENS] * MOONCAKE_BLOCK_TOKENS + pos % MOONCAKE_BLOCK_TOKENS
-        lanes = hashing.block_digests_lanes(key, parents[active], tokens, np.repeat(no_extra, len(active), axis=0))
-        parents[active] = lanes
-        for a, lane in zip(active.tolist(), lanes):
-            out[a][j] = lane
-    return out
 
 
 class _Progress:
@@ -154,10 +121,7 @@ class Replay:
         self.messages: list[str] = []
         self.totals = dict(prompt_tokens=0, cached_tokens=0, admissions=0, preemptions=0)
         self.stats = None
-        self._hashes: dict[str, np.ndarray] = {}
-        if trace.kind == "mooncake":
-            lanes = mooncake_block_hashes(self.manager.hash_key, trace.requests, opts.block_size)
-            self._hashes = {r.request_id: h for r, h in zip(trace.requests, lanes)}
+        self.skipped_steps = 0  # idle steps between far-apart arrivals, not run
 
     # --------------------------------------------------------------- driving
     def run(self) -> dict:
@@ -168,8 +132,10 @@ class Replay:
         if trace.steps is None:
             for r in trace.requests:
                 arrivals.setdefault(r.arrival_step, []).append(r)
-        last_arrival = max(arrivals, default=0)
-        step = 0
+        arrival_steps = sorted(arrivals)
+        next_arrival = 0  # index into arrival_steps
+        step = 0  # the step's number (with --arrival timestamp: time / step_ms)
+        executed = 0  # steps run; idle stretches between arrivals are skipped
         t0 = time.perf_counter()
         while True:
             if trace.steps is not None:
@@ -178,17 +144,26 @@ class Replay:
                 ev = trace.steps[step]
                 self._step(step, ev.finish, ev.decode, ev.new)
             else:
-                if step > last_arrival and not self.waiting and not self.running:
-                    break
+                while next_arrival < len(arrival_steps) and arrival_steps[next_arrival] < step:
+                    next_arrival += 1
+                if not self.waiting and not self.running:
+                    if next_arrival == len(arrival_steps):
+                        break
+                    # Nothing runs or waits until the next arrival: those steps
+                    # would call the manager with nothing to do. Skip them.
+                    if arrival_steps[next_arrival] > step:
+                        self.skipped_steps += arrival_steps[next_arrival] - step
+                        step = arrival_steps[next_arrival]
                 finish, decode = self._mooncake_events()
                 self._step(step, finish, decode, arrivals.get(step, []))
             step += 1
+            executed += 1
             progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
-            if opts.max_steps is not None and step >= opts.max_steps:
+            if opts.max_steps is not None and executed >= opts.max_steps:
                 self.messages.append(f"stopped after --max-steps {opts.max_steps}")
                 break
         progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step, force=True)
-        return self._report(step, time.perf_counter() - t0)
+        return self._report(executed, time.perf_counter() - t0)
 
     def _mooncake_events(self) -> tuple[list[str], dict[str, np.ndarray]]:
         finish, decode = [], {}
@@ -235,15 +210,26 @@ class Replay:
                 self._finish(live, step, "finished", reason="reached max_model_len")
                 continue
             updates.append(RunningUpdate(live.rid, tokens))
-        n_slots = opts.max_num_seqs - len(self.running)
-        batch = [l for l, _ in zip(self.waiting, range(n_slots))] if opts.admission == "batch" else []
+        batch = []
+        if opts.admission == "batch":
+            # The front of the queue, stopping at a request that can never fit
+            # (it waits until nothing runs, then is rejected below).
+            for live in itertools.islice(self.waiting, max(0, opts.max_num_seqs - len(self.running))):
+                if self._never_fits(live):
+                    break
+                batch.append(live)
         result = self._timed(self.manager.step, finished, updates, [self._new_request(l) for l in batch])
         applied = updates[: result.running_failed_at if not result.ok else len(updates)]
+        pending = {u.request_id: u.new_token_ids for u in updates}
         preempted = False
         while not result.ok:
             failing = updates[result.running_failed_at]
             victim = self.running.pop()
-            self._preempt(victim)
+            # The victim's update of this step was never applied (updates run
+            # in admission order and victims are the latest admitted): its
+            # tokens were sampled by the previous step, so it keeps them and
+            # its resumed prefill computes them, as in vLLM.
+            self._preempt(victim, pending.get(victim.rid))
             preempted = True
             if victim.rid == failing.request_id:
                 break
@@ -261,7 +247,7 @@ class Replay:
                 for i in range(result.num_admitted):
                     self._admitted(self.waiting.popleft(), step, result.num_computed_tokens[i])
             else:
-                while self.waiting and len(self.running) < opts.max_num_seqs:
+                while self.waiting and len(self.running) < opts.max_num_seqs and not self._never_fits(self.waiting[0]):
                     res = self._timed(self.manager.step, (), (), [self._new_request(self.waiting[0])])
                     if res.num_admitted == 0:
                         break
@@ -293,20 +279,21 @@ class Replay:
         else:
             self.waiting.append(live)
 
+    def _never_fits(self, live: _Live) -> bool:
+        """Whether ``live`` (a resumed request may have grown) exceeds
+        ``max_model_len`` or needs more blocks than the pool has."""
+        n = len(live.tokens)
+        return n > self.opts.max_model_len or -(-n // self.opts.block_size) * self.manager.num_groups > self.manager.num_blocks - 1
+
     def _new_request(self, live: _Live) -> NewRequest:
+        # The manager hashes the tokens itself (caller-supplied digests are
+        # deprecated: they could poison the cache).
         spec = live.spec
-        if live.block_hashes is None and spec.request_id in self._hashes:
-            # Kept while the request waits: a refused request is asked again next step.
-            live.block_hashes = hashing.lanes_to_digests(self._hashes[spec.request_id])
-        hashes = live.block_hashes
-        if hashes is not None and len(hashes) != len(live.tokens) // self.opts.block_size:
-            hashes = None
         return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,
-                          cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache, block_hashes=hashes)
+                          cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache)
 
     def _admitted(self, live: _Live, step: int, num_cached: int) -> None:
         live.status = "running"
-        live.block_hashes = None  # the manager holds them now
         self.running.append(live)
         if live.admitted_step is None:
             live.admitted_step = step
@@ -318,11 +305,16 @@ class Replay:
         if live.spec.output_length is not None:
             live.sampled += 1  # the prefill samples the next token
 
-    def _preempt(self, live: _Live) -> None:
-        live.block_hashes = self.manager.block_hashes(live.rid)
+    def _preempt(self, live: _Live, unapplied=None) -> None:
         self._timed(self.manager.free, live.rid)
-        if live.spec.output_length is not None and live.sampled > 0:
-            # vLLM keeps the last sampled token; the resumed prefill computes it.
+        if unapplied is not None and len(unapplied):
+            # The tokens its update brought this step (for a Mooncake request,
+            # the last sampled one; vLLM keeps them and the resumed prefill
+            # computes them).
+            live.tokens = np.concatenate([live.tokens, np.asarray(unapplied, dtype=np.int64)])
+        elif live.spec.output_length is not None and live.sampled > 0:
+            # A Mooncake request preempted without an update this step still
+            # keeps its last sampled token.
             live.tokens = np.concatenate([live.tokens, live.spec.output_tokens(live.sampled - 1, live.sampled)])
         live.status = "waiting"
         live.preemptions += 1
@@ -349,6 +341,7 @@ class Replay:
             "finished": sum(l.status == "finished" for l in self.live.values()),
             "rejected": sum(l.status == "rejected" for l in self.live.values()),
             "steps": num_steps,
+            "skipped_idle_steps": self.skipped_steps,
             "prompt_tokens": tot["prompt_tokens"],
             "cached_tokens": tot["cached_tokens"],
             "token_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,

@@ -20,11 +20,14 @@ PREEMPTION_TRACE = {
         {"decode": [{"id": "b", "token_ids": [8]}, {"id": "a", "token_ids": [7]}]},
         # a needs a third block: none free, so b (admitted last) is preempted:
         # freed tail first, 4 and 3 to the back. a pops 4 (evicting [6, 8]).
-        # b's entry is dropped (b is no longer running); nothing is admitted.
+        # b keeps the token its update brought ([10]: sampled by the previous
+        # step, as in vLLM), so it waits with [4, 5, 6, 8, 10]; b's later
+        # decode entries are dropped (b is no longer running); nothing is admitted.
         {"decode": [{"id": "a", "token_ids": [9]}, {"id": "b", "token_ids": [10]}]},
         # a finishes: 4 (partial, uncached) to the front, 2 and 1 to the back:
-        # [4, 3, 2, 1]. b is resumed with its 4 tokens: it hits block 3 ([4, 5])
-        # and pops 4.
+        # [4, 3, 2, 1]. b is resumed with its 5 tokens: it hits block 3 ([4, 5];
+        # [6, 8] was evicted), and pops 4 and 2 (evicting a's [3, 7]) for
+        # [6, 8] and [10]. Left free: [1].
         {"finish": ["a"]},
     ],
 }
@@ -42,12 +45,35 @@ def test_preemption_resumption_and_report(admission):
     assert (a["admitted_step"], a["num_cached_tokens"], a["block_ids"], a["preemptions"]) == (0, 0, [[1, 2]], 0)
     assert (b["admitted_step"], b["num_cached_tokens"], b["block_ids"], b["preemptions"]) == (0, 0, [[3, 4]], 1)
     assert a["status"] == "finished" and b["status"] == "running"
-    assert report["final"]["free_queue"] == [2, 1]
+    assert report["final"]["free_queue"] == [1]
     s = report["summary"]
-    assert (s["preemptions"], s["evictions"], s["admissions"]) == (1, 1, 3)
-    assert (s["prompt_tokens"], s["cached_tokens"]) == (3 + 3 + 4, 2)
-    assert s["lookup_requests"] == 3
-    assert report["blocks_in_use"] == [4, 4, 3, 2]  # after step 2: a holds 3, b none
+    assert (s["preemptions"], s["evictions"], s["admissions"]) == (1, 2, 3)
+    assert (s["prompt_tokens"], s["cached_tokens"]) == (3 + 3 + 5, 2)
+    assert (s["lookup_requests"], s["queries"], s["hits"]) == (3, 2 + 2 + 3, 1)
+    assert report["blocks_in_use"] == [4, 4, 3, 3]  # after step 2: a holds 3, b none
+
+
+@pytest.mark.parametrize("admission", ["batch", "one"])
+def test_preempted_request_keeps_the_tokens_its_update_brought(admission):
+    replay = Replay(parse_step_trace(PREEMPTION_TRACE), ReplayOptions(hash_key=bytes(16), admission=admission))
+    replay.run()
+    b = replay.live["b"]
+    assert b.tokens.tolist() == [4, 5, 6, 8, 10]  # 10 came with the update of the step b was preempted in
+    assert replay.manager.get_block_ids("b") == [[3, 4, 2]]  # hit 3 ([4, 5]); 4 = [6, 8], 2 = [10]
+    assert replay.manager.num_free_blocks == 1
+
+
+def test_preempted_request_with_several_new_tokens_keeps_them_all():
+    # Same as PREEMPTION_TRACE, but b's update in the preempting step brings 3
+    # tokens: b resumes with 7 tokens = 4 blocks, which fits once a finishes.
+    doc = json.loads(json.dumps(PREEMPTION_TRACE))
+    doc["steps"][2]["decode"][1]["token_ids"] = [10, 11, 12]
+    replay = Replay(parse_step_trace(doc), ReplayOptions(hash_key=bytes(16)))
+    report = replay.run()
+    assert replay.live["b"].tokens.tolist() == [4, 5, 6, 8, 10, 11, 12]
+    assert replay.manager.get_block_ids("b") == [[3, 4, 2, 1]]
+    assert (report["summary"]["prompt_tokens"], report["summary"]["cached_tokens"]) == (3 + 3 + 7, 2)
+    assert report["final"]["free_queue"] == []
 
 
 def test_requests_that_can_never_run_are_rejected_and_the_replay_goes_on():
@@ -127,11 +153,14 @@ def test_cli_writes_a_plot(tmp_path):
     assert len(lines) == 2 and all(line.get("points") for line in lines)
 
 
-def test_cli_rejects_bad_numbers():
-    with pytest.raises(SystemExit, match="--block-size must be positive"):
+def test_cli_rejects_bad_numbers(capsys):
+    # More in tests/test_cli.py: one line on stderr, exit status 2.
+    with pytest.raises(SystemExit) as info:
         main(["replay", "--block-size", "0"])
-    with pytest.raises(SystemExit, match="does not exist"):
+    assert info.value.code == 2 and "--block-size: must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
         main(["replay", "/no/such/trace.jsonl"])
+    assert info.value.code == 2 and "no such file" in capsys.readouterr().err
 
 
 MOONCAKE = SHARED / "data" / "mooncake" / "conversation_trace.jsonl"

@@ -1,0 +1,435 @@
+"""`gpukv replay` never crashes or lies: every malformed trace, option, output
+path or environment variable is one line on stderr naming the file, the line
+and the problem, with exit status 2 and no traceback; far-apart arrivals are
+skipped, not stepped through."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from gpukv import cli
+from gpukv.cli import main
+from gpukv.replay import Replay, ReplayOptions
+from gpukv.traces import MAX_HASH_ID, load_trace
+
+REC = {"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}
+
+
+def line(**changes) -> str:
+    rec = dict(REC, **changes)
+    for k in [k for k, v in changes.items() if v is DROP]:
+        del rec[k]
+    return json.dumps(rec)
+
+
+DROP = object()
+
+
+def run_cli(argv, capsys, monkeypatch=None) -> tuple[int, str, str]:
+    """main(argv) in-process: (exit status, stdout, stderr)."""
+    try:
+        status = main(["replay", "--backend", "reference", "--no-progress", *argv])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(status, err, *needles):
+    assert status == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def write(tmp_path, name, text) -> str:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+# ---------------------------------------------------------------- Mooncake
+
+
+BAD_MOONCAKE = {
+    # name: (lines of the file, the line to blame, words the message must hold)
+    "hash id 2**55 (used to alias id 0)": ([line(), line(hash_ids=[2**55, 1])], 2,
+                                          ["hash_ids[0] is 36028797018963968", f"[0, {MAX_HASH_ID}]", "2**31"]),
+    "hash id 10**30": ([line(hash_ids=[1, 10**30])], 1, ["hash_ids[1] is 1000000000000000000000000000000",
+                                                        f"[0, {MAX_HASH_ID}]"]),
+    "hash id 2**63 (outside int64)": ([line(hash_ids=[2**63])], 1, ["hash_ids[0]", "outside"]),
+    "hash id one past the limit": ([line(hash_ids=[1, MAX_HASH_ID + 1])], 1, ["hash_ids[1] is 4194304"]),
+    "negative hash id": ([line(), line(), line(hash_ids=[-1, 2])], 3, ["hash_ids[0] is -1"]),
+    "nested hash_ids": ([line(hash_ids=[[1], 2])], 1, ["hash_ids[0] must be an integer, got an array"]),
+    "float hash id": ([line(hash_ids=[1.5, 2])], 1, ["hash_ids[0] must be an integer, got a number 1.5"]),
+    "bool hash id": ([line(hash_ids=[True, 2])], 1, ["hash_ids[0] must be an integer, got a boolean"]),
+    "hash_ids not a list": ([line(hash_ids="12")], 1, ["'hash_ids' must be an array"]),
+    "deeply nested JSON": ([line(), "[" * 100_000 + "]" * 100_000], 2, ["nested too deeply"]),
+    "non-object line (array)": ([line(), "[1, 2]"], 2, ["expected a JSON object", "got an array"]),
+    "non-object line (number)": (["42"], 1, ["expected a JSON object", "got an integer"]),
+    "non-object line (null)": (["null"], 1, ["expected a JSON object", "got null"]),
+    "missing field": ([line(hash_ids=DROP)], 1, ["missing field 'hash_ids'"]),
+    "missing fields": (["{}"], 1, ["missing fields 'timestamp', 'input_length', 'output_length', 'hash_ids'"]),
+    "timestamp a string": ([line(timestamp="0")], 1, ["'timestamp' must be a number", 'a string "0"']),
+    "timestamp a bool": ([line(timestamp=True)], 1, ["'timestamp' must be a number"]),
+    "timestamp NaN": (['{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": [1]}'], 1,
+                      ["'timestamp' must be finite"]),
+    "timestamp Infinity": (['{"timestamp": Infinity, "input_length": 1, "output_length": 1, "hash_ids": [1]}'], 1,
+                           ["'timestamp' must be finite"]),
+    "negative timestamp": ([line(), line(timestamp=-5)], 2, ["'timestamp' must be >= 0", "-5"]),
+    "input_length a float": ([line(input_length=600.0)], 1, ["'input_length' must be an integer"]),
+    "input_length zero": ([line(input_length=0)], 1, ["'input_length' must be >= 1"]),
+    "input_length too long for its ids": ([line(input_length=1025)], 1, ["input_length 1025 does not fit 2 hash_ids"]),
+    "output_length null": ([line(output_length=None)], 1, ["'output_length' must be an integer, got null"]),
+    "output_length negative": ([line(output_length=-1)], 1, ["'output_length' must be >= 0"]),
+    "not JSON": ([line(), '{"timestamp": 0,'], 2, ["not JSON"]),
+    "an integer of 5000 digits": ([line(), '{"timestamp": ' + "9" * 5000 + "}"], 2, ["not JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MOONCAKE))
+def test_malformed_mooncake_line_is_one_error_line(case, tmp_path, capsys):
+    lines, lineno, needles = BAD_MOONCAKE[case]
+    path = write(tmp_path, "trace.jsonl", "\n".join(lines) + "\n")
+    status, out, err = run_cli([path, "--arrival", "timestamp"], capsys)
+    assert_one_line_error(status, err, f"{path}:{lineno}: ", *needles)
+    assert "token hit rate" not in out  # nothing ran
+
+
+def test_invalid_utf8_names_the_line(tmp_path, capsys):
+    path = write(tmp_path, "trace.jsonl", (line() + "\n").encode() + b'{"timestamp": "\xff"}\n')
+    assert_one_line_error(*run_cli([path], capsys)[::2], f"{path}:2: ", "not UTF-8")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_empty_trace_is_an_error(text, tmp_path, capsys):
+    path = write(tmp_path, "trace.jsonl", text)
+    assert_one_line_error(*run_cli([path], capsys)[::2], path, "empty trace")
+
+
+def test_largest_hash_id_is_accepted_and_exact(tmp_path):
+    path = write(tmp_path, "trace.jsonl", line(hash_ids=[MAX_HASH_ID, 0], input_length=513) + "\n")
+    tokens = load_trace(path).requests[0].prompt_tokens()
+    assert tokens[0] == MAX_HASH_ID * 512 and tokens[511] == 2**31 - 1 and tokens[512] == 0
+
+
+# ------------------------------------------------------------- step traces
+
+
+def doc_text(config='"block_size": 2,\n            "num_blocks": 10', **fields) -> str:
+    """A two-step trace, one field of request b per line (``fields`` override
+    or add to ``"id": "b", "token_ids": [1, 2, 3, 4]``)."""
+    b = dict({"id": "b", "token_ids": [1, 2, 3, 4]}, **fields)
+    members = ",\n            ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in b.items())
+    return ('{"config": {' + config + '},\n'
+            ' "steps": [\n'
+            '  {"new": [{"id": "a", "token_ids": [1, 2, 3]}]},\n'
+            '  {"new": [{' + members + '}]}]}\n')
+
+
+def line_of(text: str, needle: str | tuple[str, int]) -> int:
+    """The line of ``needle`` (or of its n-th later occurrence: ``(needle, n)``)."""
+    needle, n = needle if isinstance(needle, tuple) else (needle, 0)
+    at = text.index(needle)
+    for _ in range(n):
+        at = text.index(needle, at + 1)
+    return text[:at].count("\n") + 1
+
+
+TOKENS_B = ('"token_ids"', 1)  # request b's token_ids (a's come first)
+MM = [{"offset": 0, "length": 2, "hash": "x"}, {"offset": 1, "length": 2, "hash": "y"}]
+
+BAD_STEP = {
+    # name: (document text, needle on the line to blame (None: line 1), words the message must hold)
+    "num_blocks: 1": (doc_text('"block_size": 2,\n "num_blocks": 1'), '"num_blocks"', ["num_blocks must be >= 2", "null block"]),
+    "block_size: 0": (doc_text('\n"block_size": 0'), '"block_size"', ["block_size must be positive"]),
+    "block_size a string": (doc_text('\n"block_size": "16"'), '"block_size"', ["'block_size' must be an integer"]),
+    "num_blocks above int32": (doc_text(f'\n"num_blocks": {2**31}'), '"num_blocks"',
+                               ["num_blocks must be at most 2147483647"]),
+    "unknown config field": (doc_text('\n"num_block": 5'), '"num_block"', ['unknown field "num_block"']),
+    "lora_id: -1": (doc_text(lora_id=-1), '"lora_id"', ["step 1 new request 'b'", "lora_id must be in [0, 2**64)"]),
+    "lora_id: 2**64": (doc_text(lora_id=2**64), '"lora_id"', ["lora_id must be in [0, 2**64), got 18446744073709551616"]),
+    "lora_id a float": (doc_text(lora_id=1.0), '"lora_id"', ["'lora_id' must be an integer, got a number 1.0"]),
+    "token -1": (doc_text(token_ids=[1, -1]), TOKENS_B, ["token id at position 1 is -1, outside [0, 2**32)"]),
+    "token 2**32": (doc_text(token_ids=[2**32]), TOKENS_B, ["token id at position 0 is 4294967296"]),
+    "nested tokens": (doc_text(token_ids=[1, [2]]), TOKENS_B, ["position 1 is an array"]),
+    "float token": (doc_text(token_ids=[1, 2.0]), TOKENS_B, ["position 1 is a number 2.0"]),
+    "bool token": (doc_text(token_ids=[True]), TOKENS_B, ["position 0 is a boolean true"]),
+    "tokens not a list": (doc_text(token_ids="1 2"), TOKENS_B, ["'token_ids' must be an array of integers, got a string"]),
+    "no tokens": (doc_text(token_ids=[]), TOKENS_B, ["no tokens"]),
+    "missing token_ids": ('{"steps": [\n {"new": [\n  {"id": "b"}]}]}', '{"id": "b"}', ["missing field 'token_ids'"]),
+    "typo in a field name": (doc_text(token_id=[1]), '"token_id"', ['unknown field "token_id"']),
+    "skip_prefix_cache not a bool": (doc_text(skip_prefix_cache=1), '"skip_prefix_cache"',
+                                     ["'skip_prefix_cache' must be true or false, got an integer 1"]),
+    "cache_salt a lone surrogate": (doc_text(cache_salt="\ud800"), '"cache_salt"', ["cache_salt is not valid Unicode"]),
+    "cache_salt a number": (doc_text(cache_salt=5), '"cache_salt"', ["'cache_salt' must be a string"]),
+    "mm item outside the prompt": (doc_text(mm=[{"offset": 2, "length": 3, "hash": "img"}]), '"mm"',
+                                   ["mm[0]", "inside the prompt of 4 tokens"]),
+    "mm items overlapping": (doc_text(mm=MM), '"mm"', ["mm[1]", "offsets 0 and 1 overlap"]),
+    "mm hash a lone surrogate": (doc_text(mm=[{"offset": 0, "length": 1, "hash": "\udc00"}]), '"mm"',
+                                 ["hash is not valid Unicode"]),
+    "request id used twice": (doc_text(id="a"), ('"id": "a"', 1), ["step 1 new request 'a'", "request id used twice"]),
+    "request id an object": (doc_text(id={"x": 1}), '"id": {', ["field 'id' must be a string or an integer, got an object"]),
+    "finish id a list": ('{"steps": [{"new": [{"id": "a", "token_ids": [1]}]},\n {"finish": [[1]]}]}', '"finish"',
+                         ["step 1 finish", "a request id must be a string or an integer, got an array"]),
+    "top level an array": ("[1, 2]", None, ["expected a JSON object", "got an array"]),
+    "steps missing": ('{"config": {}}', None, ["missing field 'steps'"]),
+    "a step not an object": ('{"steps": [\n  [1]\n]}', "[1]", ["step 0: expected an object, got an array"]),
+    "decode twice in one step": ('{"steps": [{"new": [{"id": "a", "token_ids": [1]}]},\n'
+                                 ' {"decode": [{"id": "a", "token_ids": [2]},\n'
+                                 '             {"id": "a", "token_ids": [3]}]}]}', ('{"id": "a"', 2),
+                                 ["step 1 decode 'a': decoded twice in one step"]),
+    "not JSON": ('{"steps": [\n  {"new": []},\n  {"new": [}\n]}', '{"new": [}', ["not JSON"]),
+    "deeply nested JSON": ('{"steps":\n' + "[" * 100_000 + "]" * 100_000 + "}", "[[[", ["nested too deeply"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STEP))
+def test_malformed_step_trace_is_one_error_line(case, tmp_path, capsys):
+    text, needle, words = BAD_STEP[case]
+    path = write(tmp_path, "steps.json", text)
+    status, out, err = run_cli([path], capsys)
+    where = f"{path}:{line_of(text, needle) if needle else 1}: "
+    msg = assert_one_line_error(status, err, where, *words)
+    assert "token hit rate" not in out, msg
+
+
+@pytest.mark.parametrize("text", ['{"steps": []}', '{"steps": [{}, {"finish": ["x"]}]}', "", "  \n"])
+def test_step_trace_without_requests_is_an_error(text, tmp_path, capsys):
+    path = write(tmp_path, "steps.json", text)
+    assert_one_line_error(*run_cli([path], capsys)[::2], path, "empty trace")
+
+
+def test_step_trace_config_overriding_an_option_says_so(tmp_path, capsys):
+    path = write(tmp_path, "steps.json", doc_text())
+    status, out, err = run_cli([path, "--block-size", "4"], capsys)
+    assert status == 0 and err == ""
+    assert "config sets block_size 2; --block-size 4 is not used" in out
+    assert "blocks of 2 tokens" in out
+
+
+# ----------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--block-size", "0"], ["--block-size", "must be positive, got 0"]),
+    (["--block-size", "x"], ["--block-size", "expected an integer, got 'x'"]),
+    (["--block-size", str(2**31)], ["--block-size", "at most 2147483647"]),
+    (["--num-blocks", "1"], ["--num-blocks", "must be >= 2", "null block"]),
+    (["--max-model-len", "-3"], ["--max-model-len", "must be positive"]),
+    (["--max-num-seqs", "0"], ["--max-num-seqs", "must be positive"]),
+    (["--max-requests", "0"], ["--max-requests", "must be positive"]),
+    (["--max-steps", "1.5"], ["--max-steps", "expected an integer"]),
+    (["--step-ms", "0"], ["--step-ms", "positive and finite"]),
+    (["--step-ms", "nan"], ["--step-ms", "positive and finite"]),
+    (["--step-ms", "inf"], ["--step-ms", "positive and finite"]),
+    (["--admission", "all"], ["--admission", "invalid choice"]),
+    (["--bogus"], ["gpukv: unrecognized arguments: --bogus"]),
+    (["/no/such/trace.jsonl"], ["/no/such/trace.jsonl", "no such file"]),
+])
+def test_bad_option_is_one_error_line(argv, words, capsys):
+    status, out, err = run_cli(argv, capsys)
+    assert_one_line_error(status, err, "gpukv", *words)
+    assert out == ""
+
+
+def test_trace_that_is_a_directory(tmp_path, capsys):
+    assert_one_line_error(*run_cli([str(tmp_path)], capsys)[::2], str(tmp_path), "is a directory")
+
+
+def test_arrival_timestamp_on_a_step_trace_is_refused(tmp_path, capsys):
+    path = write(tmp_path, "steps.json", doc_text())
+    assert_one_line_error(*run_cli([path, "--arrival", "timestamp"], capsys)[::2], "step trace")
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_into_a_missing_directory_is_refused_before_the_replay(option, tmp_path, capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(Replay, "run", lambda self: ran.append(1))
+    target = tmp_path / "no" / "such" / "out"
+    status, out, err = run_cli(["--max-requests", "2", option, str(target)], capsys)
+    assert_one_line_error(status, err, option, str(target), "does not exist")
+    assert ran == [] and out == ""
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_that_is_a_directory_or_the_trace_is_refused(option, tmp_path, capsys):
+    assert_one_line_error(*run_cli([option, str(tmp_path)], capsys)[::2], option, "is a directory")
+    path = write(tmp_path, "trace.jsonl", line() + "\n")
+    assert_one_line_error(*run_cli([path, option, path], capsys)[::2], "overwrite")
+    assert (tmp_path / "trace.jsonl").read_text() == line() + "\n"
+
+
+def test_json_and_plot_on_one_file_is_refused(tmp_path, capsys):
+    out = str(tmp_path / "x")
+    assert_one_line_error(*run_cli(["--json", out, "--plot", out], capsys)[::2], "same file")
+
+
+# ------------------------------------------------------------ hash key env
+
+
+@pytest.mark.parametrize("value, words", [
+    ("xyz", ["GPUKV_HASH_KEY", "32 hex characters", "got 3"]),
+    ("0" * 31, ["GPUKV_HASH_KEY", "32 hex characters"]),
+    ("g" * 32, ["GPUKV_HASH_KEY", "hex digits"]),
+    ("   ", ["GPUKV_HASH_KEY", "blank"]),
+])
+def test_malformed_hash_key_env_is_an_error(value, words, capsys, monkeypatch):
+    monkeypatch.setenv("GPUKV_HASH_KEY", value)
+    status, out, err = run_cli(["--max-requests", "1"], capsys)
+    msg = assert_one_line_error(status, err, *words)
+    assert value.strip() == "" or value not in msg  # the key is a secret: never echoed
+    assert out == ""
+
+
+def test_hash_key_env_is_used(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUKV_HASH_KEY", "00" * 16)
+    seen = []
+    real = Replay.__init__
+
+    def spy(self, trace, opts, manager=None):
+        seen.append(opts.hash_key)
+        real(self, trace, opts, manager)
+
+    monkeypatch.setattr(Replay, "__init__", spy)
+    status, _, _ = run_cli(["--max-requests", "1", "--prompt-only"], capsys)
+    assert status == 0 and seen == [bytes(16)]
+
+
+# ---------------------------------------------- interrupts, pipes, failures
+
+
+def test_keyboard_interrupt_is_one_line_and_status_130(capsys, monkeypatch, tmp_path):
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Replay, "run", interrupted)
+    out = tmp_path / "r.json"
+    status, _, err = run_cli(["--max-requests", "1", "--json", str(out)], capsys)
+    assert status == 130 and err.splitlines() == ["gpukv replay: interrupted; nothing was written"]
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_internal_error_is_one_line_and_status_1(capsys, monkeypatch):
+    def boom(self):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(Replay, "run", boom)
+    status, _, err = run_cli(["--max-requests", "1"], capsys)
+    assert status == 1 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert "RuntimeError: boom second line" in err and "GPUKV_DEBUG=1" in err
+    monkeypatch.setenv("GPUKV_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["replay", "--backend", "reference", "--max-requests", "1"])
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GPUKV_HASH_KEY", None)
+    return env
+
+
+def test_broken_pipe_exits_quietly():
+    # stdout is a pipe whose reader is gone before anything is printed.
+    r, w = os.pipe()
+    os.close(r)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpukv", "replay", "--backend", "reference", "--max-requests", "1", "--prompt-only"],
+        stdout=w, stderr=subprocess.PIPE, env=_env(), cwd=ROOT, timeout=300,
+    )
+    os.close(w)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == b""
+
+
+def test_end_to_end_malformed_trace_subprocess(tmp_path):
+    path = write(tmp_path, "trace.jsonl", line() + "\n" + line(hash_ids=[10**30]) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "replay", path, "--backend", "reference"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"gpukv replay: {path}:2: hash_ids[0] is 1000000000000000000000000000000, outside [0, 4194303]: block h "
+        "holds tokens h*512+k, which must stay below 2**31 (generated tokens start there)"]
+    assert proc.stdout == ""
+
+
+# ---------------------------------------------------- far-apart arrivals
+
+
+def _arrivals(tmp_path, name, gap_ms) -> str:
+    # With 64-token blocks: r1 hits r0's 15 full prompt blocks (960 tokens; r0's
+    # 16th block holds generated tokens), r2 hits id 1's 8 blocks (512), r3 (id 3
+    # at position 0, a different chain from r1's id 3 at position 2) nothing.
+    recs = [
+        dict(timestamp=0, input_length=1000, output_length=3, hash_ids=[1, 2]),
+        dict(timestamp=gap_ms, input_length=1100, output_length=2, hash_ids=[1, 2, 3]),
+        dict(timestamp=gap_ms + 100, input_length=700, output_length=4, hash_ids=[1, 4]),
+        dict(timestamp=2 * gap_ms, input_length=512, output_length=1, hash_ids=[3]),
+    ]
+    return write(tmp_path, name, "".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_far_apart_timestamps_are_skipped_and_change_nothing(tmp_path):
+    far = load_trace(_arrivals(tmp_path, "far.jsonl", 1e15), arrival="timestamp")
+    near = load_trace(_arrivals(tmp_path, "near.jsonl", 1000), arrival="timestamp")
+    opts = dict(block_size=64, num_blocks=200, hash_key=bytes(16))
+    t = time.perf_counter()
+    a = Replay(far, ReplayOptions(**opts)).run()
+    assert time.perf_counter() - t < 10
+    b = Replay(near, ReplayOptions(**opts)).run()
+    sa, sb = a["summary"], b["summary"]
+    for k in ("steps", "prompt_tokens", "cached_tokens", "token_hit_rate", "queries", "hits", "block_hit_rate",
+              "admissions", "evictions", "preemptions", "finished", "max_blocks_in_use", "mean_blocks_in_use"):
+        assert sa[k] == sb[k], k
+    assert (sa["cached_tokens"], sa["prompt_tokens"]) == (960 + 512, 1000 + 1100 + 700 + 512)
+    # r0 runs steps 0-3; r1 and r2 the 6 steps from the gap on; r3 2 steps.
+    assert sa["steps"] == 4 + 6 + 2 and sa["skipped_idle_steps"] > 10**13
+    strip = lambda recs: {k: {f: v for f, v in r.items() if not f.endswith("_step")} for k, r in recs.items()}  # noqa: E731
+    assert strip(a["requests"]) == strip(b["requests"])
+    assert a["final"] == b["final"]
+    assert a["requests"]["r1"]["admitted_step"] == 10**13
+
+
+def test_far_apart_timestamps_through_the_cli(tmp_path):
+    path = _arrivals(tmp_path, "far.jsonl", 1e15)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "replay", path, "--arrival", "timestamp",
+                           "--backend", "reference", "--block-size", "64", "--num-blocks", "200"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "token hit rate     0.4444" in proc.stdout and "idle steps skipped" in proc.stdout
+    assert time.perf_counter() - t < 120
+
+
+def test_no_progress_line_state_is_left_after_an_error(capsys, monkeypatch):
+    def boom(self):
+        raise MemoryError
+
+    monkeypatch.setattr(Replay, "run", boom)
+    status, _, err = run_cli(["--max-requests", "1"], capsys)
+    assert_one_line_error(status, err, "ran out of memory")
+    assert cli._state["progress_line_open"] is False
+
+
+def test_a_manager_refusal_during_the_replay_is_one_line(capsys, monkeypatch):
+    errors = pytest.importorskip("gpukv.errors")
+
+    def refused(self):
+        raise errors.InvalidInputError("lora_id must be < 2**64", argument="new[0].lora_id", fix="use a smaller id")
+
+    monkeypatch.setattr(Replay, "run", refused)
+    status, _, err = run_cli(["--max-requests", "1"], capsys)
+    assert_one_line_error(status, err, "manager refused a request of the trace", "new[0].lora_id")

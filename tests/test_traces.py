@@ -1,0 +1,115 @@
+"""Trace loading: what a valid trace becomes, and where an invalid one is blamed."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gpukv.traces import (
+    MAX_HASH_ID,
+    TraceError,
+    _loads_located,
+    load_mooncake,
+    load_step_trace,
+    load_trace,
+    mooncake_tokens,
+    parse_step_trace,
+)
+
+
+def write_jsonl(tmp_path, recs, name="t.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in recs))
+    return path
+
+
+def rec(ts=0, n_in=600, n_out=2, ids=(1, 2)):
+    return {"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": list(ids)}
+
+
+def test_trace_error_is_one_line_with_file_and_line():
+    e = TraceError("x.jsonl", 7, "bad\nthing   here")
+    assert str(e) == "x.jsonl:7: bad thing here" and (e.path, e.line, e.problem) == ("x.jsonl", 7, "bad thing here")
+    assert str(TraceError("x.jsonl", None, "empty")) == "x.jsonl: empty"
+    assert isinstance(e, ValueError)
+
+
+def test_mooncake_arrivals_by_timestamp_and_blank_lines(tmp_path):
+    path = write_jsonl(tmp_path, [rec(ts=250), "", rec(ts=0), "   ", rec(ts=99.5)])
+    trace = load_mooncake(path, arrival="timestamp", step_ms=100)
+    assert [(r.request_id, r.arrival_step) for r in trace.requests] == [("r1", 0), ("r2", 0), ("r0", 2)]
+    assert [r.arrival_step for r in load_mooncake(path).requests] == [0, 0, 0]
+    assert len(load_mooncake(path, max_requests=2).requests) == 2
+
+
+def test_max_requests_stops_reading_before_a_bad_line(tmp_path):
+    path = write_jsonl(tmp_path, [rec(), "not json"])
+    assert len(load_trace(path, max_requests=1).requests) == 1
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: not JSON"):
+        load_trace(path)
+
+
+def test_hash_id_limit_is_where_tokens_reach_2_31(tmp_path):
+    assert MAX_HASH_ID == 2**22 - 1
+    tokens = mooncake_tokens(np.array([MAX_HASH_ID]), 512)
+    assert tokens[-1] == 2**31 - 1 and tokens.dtype == np.int64
+    with pytest.raises(ValueError, match="hash ids must be in"):
+        mooncake_tokens(np.array([MAX_HASH_ID + 1]), 512)
+    path = write_jsonl(tmp_path, [rec(ids=[MAX_HASH_ID, 2**55])])
+    with pytest.raises(TraceError, match=r":1: hash_ids\[1\] is 36028797018963968, outside \[0, 4194303\]"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"timestamp": -0.5}, "'timestamp' must be >= 0"),
+    ({"timestamp": 10**400}, "'timestamp' is an integer of 401 digits, too large"),
+    ({"input_length": True}, "'input_length' must be an integer, got a boolean true"),
+    ({"input_length": 2**40}, "more than 2147483647 tokens"),
+    ({"hash_ids": {"0": 1}}, "'hash_ids' must be an array of integers, got an object"),
+])
+def test_mooncake_field_errors(tmp_path, bad, words):
+    path = write_jsonl(tmp_path, [rec(), dict(rec(), **bad)])
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert info.value.line == 2 and words in info.value.problem
+
+
+def test_located_json_knows_every_member_line():
+    text = '{"a": 1,\n "b": [1,\n  2,\n  {"c":\n   3}],\n "d": {}}'
+    doc = _loads_located(text)
+    assert doc == json.loads(text)
+    assert doc.line == 1 and doc.lines == {"a": 1, "b": 2, "d": 6}
+    assert doc["b"].line == 2 and doc["b"].lines == [2, 3, 4]
+    assert doc["b"][2].lines == {"c": 5} and doc["d"].lines == {}
+
+
+def test_step_trace_parsed_from_a_dict_names_no_line():
+    with pytest.raises(TraceError) as info:
+        parse_step_trace({"steps": [{"new": [{"id": "x", "token_ids": [1, -1]}]}]}, where="mine")
+    assert str(info.value) == "mine: step 0 new request 'x': token id at position 1 is -1, outside [0, 2**32)"
+
+
+def test_step_trace_from_a_file_names_the_offending_line(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text('{"steps": [\n {"new": [{"id": "a",\n           "token_ids": [1, 2],\n'
+                    '           "lora_id": -1}]}]}')
+    with pytest.raises(TraceError) as info:
+        load_step_trace(path)
+    assert info.value.line == 4 and "lora_id must be in [0, 2**64)" in info.value.problem
+
+
+def test_step_trace_fields_become_requests():
+    trace = parse_step_trace({
+        "config": {"block_size": 4, "num_blocks": 9},
+        "steps": [
+            {"new": [{"id": 7, "token_ids": [1, 2, 3, 4, 5], "lora_id": 3, "cache_salt": "s",
+                      "mm": [{"offset": 3, "length": 2, "hash": "b"}, {"offset": 0, "length": 2, "hash": 5}],
+                      "skip_prefix_cache": True}]},
+            {"decode": [{"id": 7, "token_ids": [9]}], "finish": [7]},
+        ],
+    })
+    assert trace.config == {"block_size": 4, "num_blocks": 9} and trace.num_requests == 1
+    r = trace.steps[0].new[0]
+    assert (r.request_id, r.input_length, r.lora_id, r.cache_salt, r.skip_prefix_cache) == ("7", 5, 3, "s", True)
+    assert [(m.offset, m.length, m.hash) for m in r.mm_items] == [(0, 2, "5"), (3, 2, "b")]
+    assert trace.steps[1].decode["7"].tolist() == [9] and trace.steps[1].finish == ["7"]
