@@ -5,11 +5,16 @@ path (one line on stderr, ``gpukv replay: FILE:LINE: problem`` for a trace,
 checked before the replay starts wherever it can be); 1 an internal error (one
 line; ``GPUKV_DEBUG=1`` shows the traceback); 130 interrupted (Ctrl-C); 141 the
 reader of stdout went away (``gpukv replay | head``).
+
+Results (the summary, ``--json -``) go to stdout; notes, progress and errors to
+stderr. With ``--json -`` the JSON report alone is on stdout and the human
+summary moves to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -19,7 +24,7 @@ from pathlib import Path
 
 from gpukv import _runtime, hashing
 from gpukv.plot import replay_svg
-from gpukv.replay import Replay, ReplayOptions
+from gpukv.replay import PLAIN_INTERVAL_S, Replay, ReplayOptions
 from gpukv.traces import MAX_SIZE, TraceError, builtin_trace_path, load_trace
 
 try:  # typed manager errors (gpukv/errors.py)
@@ -45,6 +50,27 @@ class CliError(Exception):
     def __init__(self, message: str, status: int = EXIT_USAGE, prog: str | None = None) -> None:
         super().__init__(" ".join(str(message).split()))
         self.status, self.prog = status, prog
+
+
+def version() -> str:
+    """The installed distribution's version, else ``gpukv.__version__``."""
+    try:
+        return importlib.metadata.version("gpukv")
+    except importlib.metadata.PackageNotFoundError:
+        import gpukv
+
+        return str(getattr(gpukv, "__version__", "unknown"))
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None,
+    a plain flag) or the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,33 +108,39 @@ def _ms_option(text: str) -> float:
 
 def _replay_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "replay",
+        "replay", formatter_class=_HelpFormatter,
         help="run a serving loop over a trace and report hit rates, evictions, preemptions and manager time",
         description="Replay a trace through the block manager. With no TRACE, replays the built-in workload "
         f"(the first {BUILTIN_REQUESTS} requests of the Mooncake conversation trace). Exit status: 0 done, "
-        "2 a bad trace, option or output path (one line on stderr), 1 an internal error, 130 interrupted.",
+        "2 a bad trace, option or output path (one line on stderr), 1 an internal error, 130 interrupted. "
+        "Results go to stdout; notes and progress to stderr.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl or a step-trace .json (default: built-in workload)")
-    p.add_argument("--format", choices=["auto", "mooncake", "step"], default="auto")
+    p.add_argument("--format", choices=["auto", "mooncake", "step"], default="auto",
+                   help="the trace's format; auto: by its content")
     p.add_argument("--backend", choices=["auto", "device", "reference"], default="auto",
                    help="device: the GPU-resident manager (Triton kernels; on a machine without CUDA they run under "
-                   "Triton's interpreter, correct but slow); reference: the sequential spec; auto (default): device "
+                   "Triton's interpreter, correct but slow); reference: the sequential spec; auto: device "
                    "when CUDA is available, else reference")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also replay on the reference and report whether the results agree "
                    "(default: on when the backend is device)")
     p.add_argument("--block-size", type=_int_option(1, MAX_SIZE), default=None,
-                   help=f"tokens per block (default {DEFAULT_SIZES['block_size']}; a step trace's config wins)")
+                   help=f"tokens per block (default: {DEFAULT_SIZES['block_size']}; a step trace's config wins)")
     p.add_argument("--num-blocks", type=_int_option(2, MAX_SIZE, " (block 0 is the null block)"), default=None,
-                   help=f"blocks in the pool, the null block included (default {DEFAULT_SIZES['num_blocks']})")
+                   help=f"blocks in the pool, the null block included (default: {DEFAULT_SIZES['num_blocks']}; a step "
+                   "trace's config wins)")
     p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=None,
-                   help=f"default {DEFAULT_SIZES['max_model_len']}")
-    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256)
+                   help=f"longest request in tokens (default: {DEFAULT_SIZES['max_model_len']}; a step trace's config wins)")
+    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
+                   help="most requests running at once")
     p.add_argument("--uncached-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="free uncached blocks to the front of the free queue (default) or all to the back")
+                   help="free uncached blocks to the front of the free queue, or (--no-uncached-first) all to the back")
     p.add_argument("--admission", choices=["batch", "one"], default="batch",
-                   help="admit a step's candidates in one batched step (default) or one step call each (vLLM's order)")
-    p.add_argument("--max-requests", type=_int_option(1), default=None)
+                   help="batch: admit a step's candidates in one batched step; one: one step call each (vLLM's order)")
+    p.add_argument("--max-requests", type=_int_option(1), default=None,
+                   help=f"replay only the first N requests (default: all; {BUILTIN_REQUESTS} for the built-in "
+                   "workload)")
     p.add_argument("--max-steps", type=_int_option(1), default=None,
                    help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
@@ -117,13 +149,22 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    "nothing runs or waits are skipped)")
     p.add_argument("--step-ms", type=_ms_option, default=100.0,
                    help="with --arrival timestamp: milliseconds per step")
-    p.add_argument("--json", metavar="OUT", help="write the full report (summary, per-request records, final state)")
+    p.add_argument("--json", metavar="OUT",
+                   help="write the full report (summary, per-request records, final state, version, arguments, "
+                   "trace and config); '-' writes it to stdout and moves the human summary to stderr")
     p.add_argument("--plot", metavar="OUT.svg", help="write an SVG: token hit rate and manager time over the steps")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a live bar on a terminal, a plain line every "
+                   f"{PLAIN_INTERVAL_S:g} s elsewhere)")
     return p
 
 
-def _print_summary(report: dict) -> None:
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _print_summary(report: dict, file=None) -> None:
+    file = file if file is not None else sys.stdout
     s = report["summary"]
     c = report["config"]
     steps = f"{s['steps']} steps"
@@ -143,11 +184,11 @@ def _print_summary(report: dict) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+        print(f"{k:<{width}}  {v}", file=file)
     for m in report["messages"][:10]:
-        print(f"note: {m}")
+        _note(m)
     if len(report["messages"]) > 10:
-        print(f"note: ... and {len(report['messages']) - 10} more (see --json)")
+        _note(f"... and {len(report['messages']) - 10} more (see --json)")
 
 
 def _check_output(path: str, option: str, trace: str | None) -> Path:
@@ -226,8 +267,9 @@ def replay_main(args) -> int:
         max_requests = max_requests or BUILTIN_REQUESTS
     # Everything the user handed in is checked before the replay starts.
     outputs = {}
+    json_to_stdout = args.json == "-"
     for option, value in (("--json", args.json), ("--plot", args.plot)):
-        if value is not None:
+        if value is not None and not (option == "--json" and json_to_stdout):
             outputs[option] = _check_output(value, option, args.trace)
     if len(outputs) == 2 and outputs["--json"].resolve() == outputs["--plot"].resolve():
         raise CliError(f"--json and --plot name the same file {args.json!r}")
@@ -251,7 +293,7 @@ def replay_main(args) -> int:
         if trace.kind == "step" and name in trace.config:
             sizes[name] = trace.config[name]
             if given is not None and given != trace.config[name]:
-                print(f"note: the step trace's config sets {name} {trace.config[name]}; "
+                _note(f"the step trace's config sets {name} {trace.config[name]}; "
                       f"--{name.replace('_', '-')} {given} is not used")
         else:
             sizes[name] = given if given is not None else default
@@ -260,9 +302,9 @@ def replay_main(args) -> int:
     if backend == "auto":
         backend = "device" if _runtime.CUDA_AVAILABLE else "reference"
         if backend == "reference":
-            print("note: no CUDA device here, so the reference backend runs; --backend device runs the device "
+            _note("no CUDA device here, so the reference backend runs; --backend device runs the device "
                   "kernels under Triton's interpreter (same results, much slower)")
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = not args.no_progress
 
     def run(name: str) -> dict:
         opts = ReplayOptions(
@@ -278,11 +320,8 @@ def replay_main(args) -> int:
                            f"{sizes['block_size']} tokens; lower --num-blocks") from None
         except (ValueError, TypeError) as e:  # sizes the manager refuses (gpukv.errors included)
             raise CliError(f"the {name} manager refused the configuration: {e}") from None
-        _state["progress_line_open"] = progress
         try:
-            out = replay.run()
-            _state["progress_line_open"] = False
-            return out
+            return replay.run()  # its progress bar clears its line if the run fails
         except MemoryError:
             raise CliError(f"{what}ran out of memory during the replay (try a smaller trace or pool)") from None
         except GpukvError as e:
@@ -301,22 +340,34 @@ def replay_main(args) -> int:
             "summary counts": all(ref["summary"][k] == report["summary"][k] for k in _COUNTS),
         }
         report["reference"] = {"summary": ref["summary"], "agree": agree}
+    # What this report is of, so that it can be reproduced.
+    report = {
+        "gpukv_version": version(),
+        "arguments": dict(vars(args)),
+        "trace": args.trace if args.trace is not None else "built-in",
+        **report,
+    }
     # Files first: a reader of stdout that goes away must not cost the report.
     if "--json" in outputs:
-        _write_atomically(outputs["--json"], json.dumps(report), "--json")
+        _write_atomically(outputs["--json"], json.dumps(report, default=str), "--json")
     if "--plot" in outputs:
         _write_atomically(outputs["--plot"], replay_svg(report), "--plot")
-    _print_summary(report)
+    if json_to_stdout:
+        sys.stdout.write(json.dumps(report, default=str) + "\n")
+        sys.stdout.flush()
+    human = sys.stderr if json_to_stdout else sys.stdout
+    _print_summary(report, human)
     if ref is not None:
-        print()
-        print("the same replay on the reference:")
-        _print_summary(ref)
+        print(file=human)
+        print("the same replay on the reference:", file=human)
+        _print_summary(ref, human)
         agree = report["reference"]["agree"]
-        print("device vs reference: " + ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}" for k, v in agree.items()))
+        print("device vs reference: " + ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}" for k, v in agree.items()),
+              file=human)
     if "--json" in outputs:
-        print(f"report written to {args.json}")
+        _note(f"report written to {args.json}")
     if "--plot" in outputs:
-        print(f"plot written to {args.plot}")
+        _note(f"plot written to {args.plot}")
     sys.stdout.flush()  # a closed pipe shows here, inside main's handler
     return 0
 
@@ -324,6 +375,9 @@ def replay_main(args) -> int:
 _COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "preemptions", "evictions", "admissions")
 
 
+# Whether an unfinished progress line is on stderr (an error message must start
+# a line of its own). The replay's tqdm bar clears its line when a run fails,
+# so this stays False; kept for callers that set it.
 _state = {"progress_line_open": False}
 
 
@@ -351,7 +405,9 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; on an error, print one line on stderr and exit
     (``SystemExit``) with the status the module docstring lists."""
-    parser = _Parser(prog=PROG, description="gpukv: a GPU-resident KV-cache block manager")
+    parser = _Parser(prog=PROG, description="gpukv: a GPU-resident KV-cache block manager",
+                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _replay_parser(sub)
     prefix = PROG

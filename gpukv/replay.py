@@ -19,6 +19,7 @@ keep the arrival clock, the report's ``steps`` counts the steps run and
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from collections import deque
@@ -78,22 +79,73 @@ def make_manager(opts: ReplayOptions):
                           **kwargs)
 
 
-class _Progress:
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
-        self.start = self.last = time.perf_counter()
+class _PlainLines:
+    """A file for tqdm where stderr is no terminal (CI logs, files): each
+    refresh becomes one plain line, no carriage returns or padding."""
 
-    def update(self, done: int, step: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (not force and now - self.last < 0.5):
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+# Where stderr is no terminal, a line at most every this many seconds, and
+# none at all for a replay shorter than PLAIN_DELAY_S.
+PLAIN_INTERVAL_S = 15.0
+PLAIN_DELAY_S = 5.0
+
+
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+class _Progress:
+    """Requests done, on stderr, with tqdm: a live bar on a terminal, a plain
+    line every ``PLAIN_INTERVAL_S`` seconds elsewhere (so CI logs show it)."""
+
+    def __init__(self, enabled: bool, total: int, desc: str = "replay") -> None:
+        self.bar = None
+        self.done = 0
+        if not enabled:
             return
-        self.last = now
-        frac = done / self.total if self.total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\rreplay [{bar:<30}] {done}/{self.total} requests, step {step}, {now - self.start:.1f}s")
-        if force:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        sized = tty and _columns(sys.stderr) > 0  # a pty with no size set reports 0 columns
+        self.bar = tqdm(
+            total=total, desc=desc, unit="req", disable=False, leave=True,
+            file=sys.stderr if tty else _PlainLines(sys.stderr),
+            mininterval=0.5 if tty else PLAIN_INTERVAL_S, maxinterval=PLAIN_INTERVAL_S * 2,
+            delay=0 if tty else PLAIN_DELAY_S, ascii=not tty,
+            dynamic_ncols=sized, ncols=None if sized else 80, nrows=None if sized else 24,
+        )
+
+    def update(self, done: int, step: int) -> None:
+        if self.bar is None:
+            return
+        if done > self.done:
+            self.bar.update(done - self.done)
+            self.done = done
+        self.bar.set_postfix_str(f"step {step}", refresh=False)
+
+    def close(self, step: int, ok: bool = True) -> None:
+        if self.bar is None:
+            return
+        if ok:
+            self.bar.set_postfix_str(f"step {step}", refresh=False)
+        else:
+            self.bar.leave = False  # clear the line, so an error message starts on its own
+        self.bar.close()
+        self.bar = None
 
 
 class Replay:
@@ -127,7 +179,7 @@ class Replay:
     def run(self) -> dict:
         trace, opts = self.trace, self.opts
         n_total = trace.num_requests
-        progress = _Progress(opts.progress, n_total)
+        progress = _Progress(opts.progress, n_total, f"replay ({opts.backend})")
         arrivals: dict[int, list[TraceRequest]] = {}
         if trace.steps is None:
             for r in trace.requests:
@@ -137,32 +189,37 @@ class Replay:
         step = 0  # the step's number (with --arrival timestamp: time / step_ms)
         executed = 0  # steps run; idle stretches between arrivals are skipped
         t0 = time.perf_counter()
-        while True:
-            if trace.steps is not None:
-                if step >= len(trace.steps):
-                    break
-                ev = trace.steps[step]
-                self._step(step, ev.finish, ev.decode, ev.new)
-            else:
-                while next_arrival < len(arrival_steps) and arrival_steps[next_arrival] < step:
-                    next_arrival += 1
-                if not self.waiting and not self.running:
-                    if next_arrival == len(arrival_steps):
+        try:
+            while True:
+                if trace.steps is not None:
+                    if step >= len(trace.steps):
                         break
-                    # Nothing runs or waits until the next arrival: those steps
-                    # would call the manager with nothing to do. Skip them.
-                    if arrival_steps[next_arrival] > step:
-                        self.skipped_steps += arrival_steps[next_arrival] - step
-                        step = arrival_steps[next_arrival]
-                finish, decode = self._mooncake_events()
-                self._step(step, finish, decode, arrivals.get(step, []))
-            step += 1
-            executed += 1
-            progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
-            if opts.max_steps is not None and executed >= opts.max_steps:
-                self.messages.append(f"stopped after --max-steps {opts.max_steps}")
-                break
-        progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step, force=True)
+                    ev = trace.steps[step]
+                    self._step(step, ev.finish, ev.decode, ev.new)
+                else:
+                    while next_arrival < len(arrival_steps) and arrival_steps[next_arrival] < step:
+                        next_arrival += 1
+                    if not self.waiting and not self.running:
+                        if next_arrival == len(arrival_steps):
+                            break
+                        # Nothing runs or waits until the next arrival: those steps
+                        # would call the manager with nothing to do. Skip them.
+                        if arrival_steps[next_arrival] > step:
+                            self.skipped_steps += arrival_steps[next_arrival] - step
+                            step = arrival_steps[next_arrival]
+                    finish, decode = self._mooncake_events()
+                    self._step(step, finish, decode, arrivals.get(step, []))
+                step += 1
+                executed += 1
+                progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
+                if opts.max_steps is not None and executed >= opts.max_steps:
+                    self.messages.append(f"stopped after --max-steps {opts.max_steps}")
+                    break
+        except BaseException:
+            progress.close(step, ok=False)
+            raise
+        progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
+        progress.close(step)
         return self._report(executed, time.perf_counter() - t0)
 
     def _mooncake_events(self) -> tuple[list[str], dict[str, np.ndarray]]:
@@ -377,6 +434,8 @@ class Replay:
                 "max_model_len": self.opts.max_model_len, "max_num_seqs": self.opts.max_num_seqs,
                 "admission": self.opts.admission, "uncached_first": self.opts.uncached_first,
                 "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
+                "backend": self.opts.backend,
+                "sliding_windows": list(getattr(self.manager, "sliding_windows", [None])),
             },
             "summary": summary,
             "requests": requests,

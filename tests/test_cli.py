@@ -216,8 +216,10 @@ def test_step_trace_without_requests_is_an_error(text, tmp_path, capsys):
 def test_step_trace_config_overriding_an_option_says_so(tmp_path, capsys):
     path = write(tmp_path, "steps.json", doc_text())
     status, out, err = run_cli([path, "--block-size", "4"], capsys)
-    assert status == 0 and err == ""
-    assert "config sets block_size 2; --block-size 4 is not used" in out
+    assert status == 0
+    # A note goes to stderr, the results to stdout.
+    assert err.splitlines() == ["note: the step trace's config sets block_size 2; --block-size 4 is not used"]
+    assert "note:" not in out and "config sets" not in out
     assert "blocks of 2 tokens" in out
 
 
@@ -433,3 +435,159 @@ def test_a_manager_refusal_during_the_replay_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(Replay, "run", refused)
     status, _, err = run_cli(["--max-requests", "1"], capsys)
     assert_one_line_error(status, err, "manager refused a request of the trace", "new[0].lora_id")
+
+
+# ------------------------------------------------------- CLI conventions
+
+
+def test_version_prints_the_version_and_exits_0(capsys):
+    import importlib.metadata
+
+    import gpukv
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out, err = capsys.readouterr()
+    try:
+        expected = importlib.metadata.version("gpukv")
+    except importlib.metadata.PackageNotFoundError:
+        expected = gpukv.__version__
+    assert out.strip() == f"gpukv {expected}" and err == ""
+    assert cli.version() == expected
+
+
+def test_version_falls_back_to_the_module_attribute(monkeypatch):
+    import importlib.metadata
+
+    import gpukv
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert cli.version() == gpukv.__version__
+
+
+def test_version_through_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "--version"], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("gpukv ") and proc.stdout.split()[1] == cli.version() and proc.stderr == ""
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: auto)", "(default: 256)", "(default: batch)", "(default: back-to-back)",
+                  "(default: 100.0)", "(default: 16;", "(default: 65536;", "(default: 131072;"):
+        assert shown in text, shown
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+REPORT_KEYS = {"gpukv_version", "arguments", "trace", "config", "summary", "requests", "final", "messages"}
+
+
+def test_json_dash_writes_valid_json_to_stdout(capsys):
+    status, out, err = run_cli(["--max-requests", "2", "--prompt-only", "--json", "-"], capsys)
+    assert status == 0, err
+    report = json.loads(out)  # stdout is the JSON report and nothing else
+    assert REPORT_KEYS <= set(report)
+    assert report["gpukv_version"] == cli.version()
+    assert report["trace"] == "built-in"
+    args = report["arguments"]
+    assert args["json"] == "-" and args["max_requests"] == 2 and args["prompt_only"] is True
+    assert args["backend"] == "reference" and args["command"] == "replay"
+    config = report["config"]
+    assert {"num_blocks": 65_536, "block_size": 16, "sliding_windows": [None], "backend": "reference"}.items() \
+        <= config.items()
+    # The human summary went to stderr, and nothing was written to a file named "-".
+    assert "token hit rate" in err and "manager time/step" in err
+    assert not os.path.exists("-")
+
+
+def test_json_file_carries_version_arguments_trace_and_config(tmp_path, capsys):
+    path = write(tmp_path, "steps.json", doc_text())
+    out_json = tmp_path / "r.json"
+    status, out, err = run_cli([path, "--json", str(out_json)], capsys)
+    assert status == 0, err
+    report = json.loads(out_json.read_text())
+    assert REPORT_KEYS <= set(report)
+    assert report["trace"] == path and report["arguments"]["trace"] == path
+    assert report["arguments"]["json"] == str(out_json)
+    assert report["config"]["block_size"] == 2 and report["config"]["backend"] == "reference"
+    assert report["config"]["sliding_windows"] == [None] and report["config"]["num_blocks"] >= 2
+    # Results on stdout; the "written to" note on stderr.
+    assert "token hit rate" in out and "report written" not in out
+    assert f"note: report written to {out_json}" in err
+
+
+def test_json_dash_from_a_subprocess_is_parseable():
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "replay", "--backend", "reference", "--max-requests", "1",
+                           "--prompt-only", "--json", "-"], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert REPORT_KEYS <= set(report) and report["trace"] == "built-in"
+    assert "token hit rate" in proc.stderr
+
+
+def test_no_cuda_note_goes_to_stderr(capsys, monkeypatch):
+    from gpukv import _runtime
+
+    monkeypatch.setattr(_runtime, "CUDA_AVAILABLE", False)
+    try:
+        status = main(["replay", "--no-progress", "--max-requests", "1", "--prompt-only"])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    assert status == 0
+    assert "note: no CUDA device here" in err and "note:" not in out
+    assert "token hit rate" in out
+
+
+def test_progress_uses_tqdm_and_prints_plain_lines_off_a_terminal(capsys, monkeypatch):
+    import gpukv.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "PLAIN_DELAY_S", 0.0)
+    monkeypatch.setattr(replay_mod, "PLAIN_INTERVAL_S", 0.0)
+    try:
+        status = main(["replay", "--backend", "reference", "--max-requests", "3", "--prompt-only"])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    assert status == 0
+    lines = [l for l in err.splitlines() if l.startswith("replay (reference):")]
+    assert lines, err
+    assert "\r" not in err  # plain lines, readable in a CI log
+    assert "3/3" in lines[-1] and "100%" in lines[-1]
+    assert "replay (reference)" not in out  # progress never on stdout
+
+
+def test_progress_is_quiet_for_a_short_replay_off_a_terminal(capsys):
+    try:
+        status = main(["replay", "--backend", "reference", "--max-requests", "1", "--prompt-only"])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    assert status == 0 and err == ""
+
+
+def test_progress_line_is_cleared_when_the_replay_fails(capsys, monkeypatch):
+    import gpukv.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "PLAIN_DELAY_S", 0.0)
+
+    def boom(self, *args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(Replay, "_step", boom)
+    try:
+        status = main(["replay", "--backend", "reference", "--max-requests", "1"])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    assert status == 2 and out == ""
+    assert err.splitlines()[-1].startswith("gpukv replay: ") and "ran out of memory" in err
