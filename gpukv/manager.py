@@ -36,14 +36,6 @@ from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels.block_hash import hash_block_chains, hash_block_chains_host, key_lanes
-
-# Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
-# kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
-# digests come from the same function on the host (the ``blake3`` package),
-# held bit-identical to the kernel by tests/kernels/test_block_hash.py.
-# GPUKV_HASH_KERNEL=1 forces the kernel (the compile and fault tests launch it).
-_hash_chains = (hash_block_chains_host if _runtime.INTERPRETED and os.environ.get("GPUKV_HASH_KERNEL") != "1"
-                else hash_block_chains)
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
 from gpukv.pool import DevicePool
@@ -64,6 +56,14 @@ from gpukv.request import (
     normalize_windows,
     resolve_key,
 )
+
+# Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
+# kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
+# digests come from the same function on the host (the ``blake3`` package),
+# held bit-identical to the kernel by tests/kernels/test_block_hash.py.
+# GPUKV_HASH_KERNEL=1 forces the kernel (the compile and fault tests launch it).
+_hash_chains = (hash_block_chains_host if _runtime.INTERPRETED and os.environ.get("GPUKV_HASH_KERNEL") != "1"
+                else hash_block_chains)
 
 
 def _signed(x: int) -> int:
