@@ -24,7 +24,7 @@ PREFIX = list(range(100, 108))
 
 
 class _InjectedFault(RuntimeError):
-    pass
+    """The fault a test injects (never raised by gpukv itself)."""
 
 
 class _FailingKernel:
