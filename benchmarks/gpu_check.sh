@@ -16,6 +16,7 @@ t1=$(date +%s)
 timeout 120 python3 benchmarks/bench_step.py --steps 30 --running 256 --new 16 --json "$out/bench_step.json" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 t2=$(date +%s)
+timeout 240 python3 benchmarks/bench_host.py --steps 50 --json "$out/bench_host.json" 2>&1 | tee "$out/bench_host.log"
 timeout 120 python3 -m gpukv replay --backend device --json "$out/replay_device.json" 2>&1 | tee "$out/replay.log"
 replay_rc=${PIPESTATUS[0]}
 t3=$(date +%s)
@@ -24,4 +25,5 @@ echo "| check | result | seconds |"
 echo "| --- | --- | --- |"
 echo "| gpu tests | $(tail -n 1 "$out/gpu_tests.log") (rc $tests_rc) | $((t1 - t0)) |"
 echo "| step benchmark | $(grep 'ratio' "$out/bench.log" | sed 's/^ *//') (rc $bench_rc) | $((t2 - t1)) |"
+echo "| host cost (decode B=1..1024, prefill) | see bench_host.log | - |"
 echo "| replay (device) | $(grep 'manager time/step' "$out/replay.log" | sed 's/  */ /g') (rc $replay_rc) | $((t3 - t2)) |"

@@ -22,6 +22,7 @@ where its window no longer reaches).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,14 +32,17 @@ import torch
 
 from gpukv import _runtime, hashing
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
+from gpukv.kernels import _common
 from gpukv.kernels import blocks as block_ops
-from gpukv.kernels import free_queue as fq_ops
+from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels import lookup as lookup_ops
-from gpukv.kernels.block_hash import hash_block_chains, hash_block_chains_host, key_lanes
+from gpukv.kernels.block_hash import hash_rows, hash_rows_host, key_lanes
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
 from gpukv.pool import DevicePool
+from gpukv.rows import RowAllocator
+from gpukv.staging import Staging, StepCounters, TorchOpCounter
 from gpukv.request import (
     MAX_NUM_BLOCKS,
     ComputedBlocks,
@@ -47,10 +51,13 @@ from gpukv.request import (
     RunningUpdate,
     Step,
     StepResult,
+    check_decode_lengths,
     check_memory,
     check_size,
     normalize_computed,
+    normalize_decode_tokens,
     normalize_device,
+    normalize_rows,
     normalize_step,
     normalize_token_ids,
     normalize_windows,
@@ -62,8 +69,8 @@ from gpukv.request import (
 # digests come from the same function on the host (the ``blake3`` package),
 # held bit-identical to the kernel by tests/kernels/test_block_hash.py.
 # GPUKV_HASH_KERNEL=1 forces the kernel (the compile and fault tests launch it).
-_hash_chains = (hash_block_chains_host if _runtime.INTERPRETED and os.environ.get("GPUKV_HASH_KERNEL") != "1"
-                else hash_block_chains)
+_hash_rows = (hash_rows_host if _runtime.INTERPRETED and os.environ.get("GPUKV_HASH_KERNEL") != "1"
+              else hash_rows)
 
 
 def _signed(x: int) -> int:
@@ -116,37 +123,41 @@ def entry_layout(starts, stops, *, reverse: bool = False):
 
 
 @dataclass
-class _Row:
-    """What the host knows of a request without asking the device."""
+class DecodePlan:
+    """A batched decode step as the host plans it (``KVCacheManager.decode``):
+    the rows, what they need, and the packed int32 plan uploaded once into
+    the bucket's fixed device buffer (layout: ``gpukv/kernels/decode.py``)."""
 
-    row: int
-    num_tokens: int = 0
-    num_blocks: int = 0  # per group
-    num_cached: int = 0  # leading blocks cached (or hits), per group
-    lora_id: int | None = None
-    mm_items: tuple = ()
-    cache_salt: str | None = None
-    extras_known: int = 0  # extra-key digests written for blocks < this
-    null_upto: list = field(default_factory=list)  # per group: positions below hold the null block
-
-    @property
-    def has_extra_keys(self) -> bool:
-        return self.lora_id is not None or bool(self.mm_items) or self.cache_salt is not None
+    rows: np.ndarray  # int64[B]
+    tokens_per_row: int
+    bucket: tuple  # (BP, k, L): rows, tokens per row, window releases per row and group
+    packed: np.ndarray  # int32, the bucket's plan layout
+    need: np.ndarray  # int64[B] blocks each row needs (all groups)
+    window_stops: np.ndarray  # int64[B, G] rows' null-block boundaries after the step
+    fits_known: bool  # the host's free-block lower bound covers the whole batch
 
 
 @dataclass
-class StepCounters:
-    """Per-step cost, for benchmarks: Triton kernel launches (the torch glue
-    between them, gathers and prefix sums, is not counted) and device-to-host
-    reads of the last step; ``history`` keeps (launches, reads) per step."""
+class DecodeBuffers:
+    """Fixed device buffers of one decode bucket: the uploaded plan, its
+    views, the new tokens and every kernel's scratch (nothing is allocated
+    inside a decode step, so a CUDA graph can capture it)."""
 
-    launches: int = 0
-    syncs: int = 0
-    history: list = field(default_factory=list)
+    plan: torch.Tensor
+    views: dict
+    new_tokens: torch.Tensor
+    count: torch.Tensor
+    status: torch.Tensor
+    popped: torch.Tensor
+    release_scratch: torch.Tensor
+    release_workspace: torch.Tensor
+    record_scratch: torch.Tensor
+    record_seq: torch.Tensor
 
 
 class KVCacheManager(FailStop):
-    """Device-resident manager with the reference's API (``gpukv.reference``)."""
+    """Device-resident manager with the reference's API (``gpukv.reference``),
+    plus the batched ``decode(rows, new_token_ids)`` entry for serving loops."""
 
     def __init__(
         self,
@@ -182,6 +193,7 @@ class KVCacheManager(FailStop):
         self.num_groups = len(windows)
         # Blocks a window group must still see at a hit boundary; -1 = full attention.
         self._window_blocks = [-1 if w is None else -(-(w - 1) // block_size) for w in windows]
+        self._window_groups = [g for g, w in enumerate(windows) if w is not None]
         self.max_model_len = max_model_len
         self.uncached_first = bool(uncached_first)
         self.pool = DevicePool(num_blocks, block_size, self.device, uncached_first=uncached_first)
@@ -192,20 +204,29 @@ class KVCacheManager(FailStop):
         self._key_dev = key_lanes(self._key, self.device)
         self._T = max_model_len
         self._M = -(-max_model_len // block_size)
+        self.counters = StepCounters()
+        self._staging = Staging(self.device, self.counters)
+        self._counting_depth = 0
+        # Request rows (tokens, digests, block tables on the device; token
+        # counts and window boundaries mirrored on the host) are sized for
+        # this many requests at once (running ones and a step's candidates);
+        # past it they double, between steps' kernels, never inside one.
+        self.rows_generation = 0  # bumped when the row tensors are reallocated
         self._rows_cap = 0
         self.tokens = self.digests = self.extras = self.block_table = None
-        # Request rows (tokens, digests, block tables) are sized for this many
-        # requests at once (running ones and a step's candidates); past it they
-        # double, between steps' kernels, never inside one.
+        self._ntok = np.zeros(0, dtype=np.int64)
+        self._null = np.zeros((0, self.num_groups), dtype=np.int64)
+        self._rows = RowAllocator(max_num_reqs, on_grow=self._grow_rows)
         self._grow_rows(max_num_reqs)
         self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
-        self._free_rows: list[int] = list(range(self._rows_cap))[::-1]
-        self._reqs: dict[str, _Row] = {}
+        self._reqs: dict[str, int] = {}  # request id -> row
+        self._row_ids: dict[int, str] = {}
+        self._decode_bufs: dict[tuple, DecodeBuffers] = {}
+        self._host_plans: dict[tuple, tuple] = {}
         self._stats_dev = torch.zeros(5, dtype=torch.int64, device=self.device)
         self._reset_flag = False
         self._stamp = 0
         self._free_lower_bound = num_blocks - 1
-        self.counters = StepCounters()
 
     def __repr__(self) -> str:  # never show the key
         return (f"KVCacheManager(device={self.device}, num_blocks={self.num_blocks}, "
@@ -229,11 +250,21 @@ class KVCacheManager(FailStop):
 
     @property
     def num_free_blocks(self) -> int:
-        return int(self.pool.num_free.item())
+        """Free blocks now (reads the device: waits for the GPU)."""
+        return self.read_num_free_blocks()
 
     @property
     def num_evictions(self) -> int:
-        return int(self.pool.evictions.item())
+        """Cached blocks evicted so far (reads the device: waits for the GPU)."""
+        return self.read_num_evictions()
+
+    def read_num_free_blocks(self) -> int:
+        """Free blocks now; reads the device (waits for the GPU)."""
+        return int(self._read(self.pool.num_free)[0])
+
+    def read_num_evictions(self) -> int:
+        """Cached blocks evicted so far; reads the device (waits for the GPU)."""
+        return int(self._read(self.pool.evictions)[0])
 
     @reading
     def free_queue(self) -> list[int]:
@@ -244,30 +275,35 @@ class KVCacheManager(FailStop):
         return list(self._reqs)
 
     @reading
+    def row_of(self, request_id: str) -> int:
+        """The row a running request holds (``gpukv.rows``; ``decode`` takes rows)."""
+        return self._state(request_id)
+
+    @reading
     def get_block_ids(self, request_id: str) -> list[list[int]]:
-        st = self._state(request_id)
-        return self.block_table[:, st.row, : st.num_blocks].cpu().tolist()
+        row = self._state(request_id)
+        return self.block_table[:, row, : self._num_blocks(row)].cpu().tolist()
 
     @reading
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
         """int32[G, len(request_ids), M] block tables of these requests (a
         device gather; rows past a request's blocks hold stale ids)."""
-        rows = torch.tensor([self._state(r).row for r in request_ids], dtype=torch.long, device=self.device)
+        rows = self._staging.upload(np.array([self._state(r) for r in request_ids], dtype=np.int64))
         return self.block_table[:, rows]
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
-        return self._state(request_id).num_tokens
+        return int(self._ntok[self._state(request_id)])
 
     @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
-        st = self._state(request_id)
-        n = st.num_tokens // self.block_size
-        return hashing.lanes_to_digests(self.digests[st.row, :n].cpu().numpy())
+        row = self._state(request_id)
+        n = int(self._ntok[row]) // self.block_size
+        return hashing.lanes_to_digests(self.digests[row, :n].cpu().numpy())
 
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        vals = self._stats_dev.cpu().tolist()
+        vals = self._read(self._stats_dev)
         self._stats_dev.zero_()
         stats = PrefixCacheStats(*vals, reset=self._reset_flag)
         self._reset_flag = False
@@ -275,7 +311,7 @@ class KVCacheManager(FailStop):
 
     @mutating
     def reset_prefix_cache(self) -> bool:
-        if self.num_free_blocks != self.num_blocks - 1:
+        if self.read_num_free_blocks() != self.num_blocks - 1:
             return False
         self.pool.reset_prefix_cache()
         self._reset_flag = True
@@ -287,19 +323,21 @@ class KVCacheManager(FailStop):
         self.pool.check_invariants(self._key, self._root, verify_digests=verify_digests)
         held = np.zeros(self.num_blocks, dtype=np.int64)
         bt = self.block_table.cpu().numpy()
-        for st in self._reqs.values():
+        for row in self._reqs.values():
             for g in range(self.num_groups):
-                for b in bt[g, st.row, : st.num_blocks]:
+                for b in bt[g, row, : self._num_blocks(row)]:
                     if b:
                         held[b] += 1
         assert held[1:].tolist() == self.pool.ref_counts()[1:], "reference counts disagree with the block tables"
+        assert sorted(self._reqs.values()) == sorted(np.flatnonzero(self._rows.in_use).tolist()), "row leak"
 
     # ----------------------------------------------------- request-level API
     @mutating
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes no block."""
         (request,) = self._normalize((), (), [request], single=True).new
-        return self._lookup_only(request, count_stats=True)
+        with self._counting():
+            return self._lookup_only(request, count_stats=True)
 
     @mutating
     def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
@@ -310,18 +348,20 @@ class KVCacheManager(FailStop):
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
             (request,) = self._normalize((), (), [request], single=True).new
             computed = normalize_computed(computed, self._limits)
-            cap = 0
-            if computed is not None:
-                # Checked before anything changes: the given hit must still be
-                # what a lookup finds now (a prefix of it may be taken).
-                now = self._lookup_only(request, count_stats=False)
-                cap = computed.num_tokens // self.block_size
-                if (len(computed.block_ids) != self.num_groups or cap * self.block_size != computed.num_tokens
-                        or cap > now.num_tokens // self.block_size
-                        or any(list(computed.block_ids[g]) != now.block_ids[g][:cap] for g in range(self.num_groups))):
-                    raise StaleComputedBlocksError("the computed blocks are stale (evicted since the lookup)",
-                                                   argument="computed", fix="call get_computed_blocks again")
-            res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
+            with self._counting():
+                cap = 0
+                if computed is not None:
+                    # Checked before anything changes: the given hit must still be
+                    # what a lookup finds now (a prefix of it may be taken).
+                    now = self._lookup_only(request, count_stats=False)
+                    cap = computed.num_tokens // self.block_size
+                    if (len(computed.block_ids) != self.num_groups or cap * self.block_size != computed.num_tokens
+                            or cap > now.num_tokens // self.block_size
+                            or any(list(computed.block_ids[g]) != now.block_ids[g][:cap]
+                                   for g in range(self.num_groups))):
+                        raise StaleComputedBlocksError("the computed blocks are stale (evicted since the lookup)",
+                                                       argument="computed", fix="call get_computed_blocks again")
+                res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
             if res.num_admitted == 0:
                 return None
             got = res.num_computed_tokens[0]
@@ -335,8 +375,9 @@ class KVCacheManager(FailStop):
             raise InvalidInputError("computed blocks are for new requests only", argument="computed",
                                     fix="pass computed=None with a running request's id")
         (update,) = self._normalize((), [RunningUpdate(request, new_token_ids)], (), single=True).running
-        before = self._state(request).num_blocks
-        res = self._step((), [update], ())
+        before = self._num_blocks(self._state(request))
+        with self._counting():
+            res = self._step((), [update], ())
         if not res.ok:
             return None
         return [g[before:] for g in self.get_block_ids(request)]
@@ -344,7 +385,8 @@ class KVCacheManager(FailStop):
     @mutating
     def free(self, request_id: str) -> None:
         (request_id,) = self._normalize([request_id], (), (), single=True).finished
-        self._step([request_id], (), ())
+        with self._counting():
+            self._step([request_id], (), ())
 
     @mutating
     def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
@@ -353,10 +395,209 @@ class KVCacheManager(FailStop):
         the same argument checks (``gpukv.request.normalize_step``): a refused
         call raises a ``gpukv.errors`` class and changes nothing."""
         step = self._normalize(finished, running, new)
-        return self._step(list(step.finished), list(step.running), list(step.new))
+        with self._counting():
+            return self._step(list(step.finished), list(step.running), list(step.new))
+
+    @mutating
+    def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, graphs=None) -> StepResult:
+        """The running requests at ``rows`` (``StepResult.rows`` / ``row_of``)
+        each append ``k`` tokens and get their blocks: the same result as
+        ``step(running=[RunningUpdate(id, tokens) ...])`` in row order
+        (``running_failed_at`` indexes ``rows``), at a host cost that does not
+        grow with the batch.
+
+        ``rows``: host ints (list, numpy or CPU tensor), distinct, each a
+        running request's. ``new_token_ids``: ``[B]`` or ``[B, k]``; a tensor
+        on the manager's CUDA device (a model runner's sampled tokens) is read
+        only by the device; anything else is checked on the host.
+
+        The host plans the step with numpy (no Python per request) into one
+        int32 buffer, uploads it through pinned memory, and launches a fixed
+        sequence of kernels per batch bucket (rows padded to a power of two);
+        ``gpukv.graphs.DecodeGraphs`` replays that sequence as a CUDA graph.
+        The host reads the device only when its lower bound of free blocks
+        does not cover the batch (then once, with the kernels' error words).
+        ``graphs`` (a ``gpukv.graphs.DecodeGraphs``) replays the kernels as
+        a CUDA graph instead of launching them.
+        """
+        rows_np = normalize_rows(rows, self._rows.in_use)
+        tokens = normalize_decode_tokens(new_token_ids, len(rows_np), self.device)
+        check_decode_lengths(self._ntok[rows_np], tokens.shape[1], self._limits)
+        if not len(rows_np):
+            return StepResult()
+        with self._counting():
+            plan = self.plan_decode(rows_np, tokens.shape[1])
+            bufs = self.stage_decode(plan, tokens)
+            (graphs.launch if graphs is not None else self.launch_decode)(plan.bucket, bufs)
+            return self.finish_decode(plan, bufs)
+
+    # --------------------------------------------------------- decode, in parts
+    # ``decode`` is these four calls; ``gpukv.graphs`` runs the same plan,
+    # stage and finish around a captured ``launch_decode``.
+    def plan_decode(self, rows: np.ndarray, k: int) -> DecodePlan:
+        """The host plan of a decode of ``k`` tokens for each of ``rows``
+        (checked by ``decode``): a few vectorised numpy operations written
+        into the bucket's plan array, no Python per request."""
+        bs, G = self.block_size, self.num_groups
+        B = len(rows)
+        n = self._ntok[rows]
+        n_after = n + k
+        nb0 = -(-n // bs)
+        f0 = n // bs
+        need_row = -(-n_after // bs) - nb0  # new blocks per group
+        starts = self._null[rows]
+        stops = self._window_stops(n, starts) if self._window_groups else starts
+        wg = self._window_groups
+        released = (stops - starts)[:, wg]
+        L = _pow2_at_least(max(1, int(released.max()))) if wg else 0
+        bucket = (_pow2_at_least(max(B, 8)), k, L)
+        packed, v, per_row = self._host_plan(bucket)
+        v["rows"][:B] = rows
+        v["rows"][B:] = -1
+        v["ntok"][:B] = n
+        v["cum"][:B] = np.cumsum(need_row * G)
+        v["cum"][B:] = decode_ops.BIG
+        v["h_start"][:B] = f0
+        v["h_count"][:B] = n_after // bs - f0
+        v["h_count"][B:] = 0
+        a_want = v["a_want"]
+        a_want[:B] = per_row[None, :] < need_row[:, None]
+        a_want[B:] = 0
+        v["a_row"][:B] = rows[:, None]
+        v["a_pos"][:B] = nb0[:, None] + per_row[None, :]
+        v["a_rank"].ravel()[:] = np.cumsum(a_want.ravel()) - 1
+        v["c_row"][:B] = rows[:, None]
+        v["c_pos"][:B] = f0[:, None] + per_row[None, :]
+        c_valid = v["c_valid"]
+        c_valid[:B] = per_row[None, :] < v["h_count"][:B, None]
+        c_valid[B:] = 0
+        if L:
+            ell = np.arange(L)
+            v["r_row"][:B] = rows[:, None, None]
+            v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
+            v["r_valid"][:B] = ell < released[:, :, None]
+            v["r_valid"][B:] = 0
+        need = need_row * G
+        return DecodePlan(rows, k, bucket, packed, need, stops, int(need.sum()) <= self._free_lower_bound)
+
+    def _host_plan(self, bucket: tuple):
+        """The bucket's host plan array, its named views (shaped [BP, ...])
+        with the parts that never change filled in, and each row's block
+        offset per entry (0..A-1, for each group)."""
+        cached = self._host_plans.get(bucket)
+        if cached is not None:
+            return cached
+        BP, k, L = bucket
+        G, A = self.num_groups, -(-k // self.block_size)
+        packed = np.zeros(self._decode_plan_size(bucket), dtype=np.int32)
+        views, off = {}, 0
+        for name, size in self._decode_layout(bucket):
+            views[name] = packed[off: off + size].reshape(BP, -1) if name[:2] in ("a_", "c_", "r_") \
+                else packed[off: off + size]
+            off += size
+        grp = np.repeat(np.arange(G), A)
+        views["a_grp"][:] = grp
+        views["c_grp"][:] = grp
+        if L:
+            W = len(self._window_groups)
+            for name in ("r_grp", "r_row", "r_pos", "r_call", "r_valid"):
+                views[name] = views[name].reshape(BP, W, L)
+            views["r_grp"][:] = np.array(self._window_groups)[None, :, None]
+            views["r_call"][:] = np.arange(BP)[:, None, None] * G + views["r_grp"]
+        cached = (packed, views, np.tile(np.arange(A), G))
+        self._host_plans[bucket] = cached
+        return cached
+
+    def stage_decode(self, plan: DecodePlan, tokens) -> DecodeBuffers:
+        """Upload the plan and the new tokens into the bucket's fixed buffers
+        (pinned, non-blocking; tokens already on the device are copied there)."""
+        bufs = self._decode_buffers(plan.bucket)
+        self._staging.upload(plan.packed, out=bufs.plan)
+        B = len(plan.rows)
+        if isinstance(tokens, torch.Tensor):
+            bufs.new_tokens[:B].copy_(tokens)  # int64 ids wrap to their uint32 bits in int32
+        else:
+            self._staging.upload(_as_int32_tokens(tokens), out=bufs.new_tokens)
+        return bufs
+
+    def launch_decode(self, bucket: tuple, bufs: DecodeBuffers) -> None:
+        """The decode step's kernels: a fixed sequence for a bucket, reading
+        only its fixed buffers and the pool (what a CUDA graph captures)."""
+        v, pool = bufs.views, self.pool
+        if bucket[2]:  # window groups release what their window left behind
+            block_ops.release(self.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
+                              ref_cnt=pool.ref_cnt, last_seen=pool.last_seen, fq=pool.free_queue, table=pool.table,
+                              uncached_first=self.uncached_first, scratch=bufs.release_scratch,
+                              workspace=bufs.release_workspace)
+        decode_ops.decode_fit(v["rows"], v["ntok"], v["cum"], v["h_count"], v["a_want"], v["c_valid"],
+                              bufs.new_tokens, tokens=self.tokens, fq_counters=pool.free_queue.counters,
+                              count=bufs.count, status=bufs.status)
+        block_ops.allocate(bufs.count, v["a_want"], v["a_grp"], v["a_row"], v["a_pos"], block_table=self.block_table,
+                           ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions,
+                           rank=v["a_rank"], popped=bufs.popped)
+        self._hash_launch(v["rows"], v["h_start"], v["h_count"])
+        self._record(v["c_grp"], v["c_row"], v["c_pos"], v["c_valid"], scratch=bufs.record_scratch,
+                     seq=bufs.record_seq)
+
+    def finish_decode(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
+        """Bring the host's mirror up to date; reads the device only when the
+        host could not tell that the whole batch fits."""
+        B = len(plan.rows)
+        if plan.fits_known:
+            n_fit = B
+            self._free_lower_bound -= int(plan.need.sum())
+        else:
+            status = self._read(bufs.status)
+            self._check_errors(status[decode_ops.ST_QUEUE_ERRORS])
+            n_fit = int(status[decode_ops.ST_FIT])
+            self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
+        self._ntok[plan.rows[:n_fit]] += plan.tokens_per_row
+        self._null[plan.rows] = plan.window_stops
+        return StepResult(running_failed_at=None if n_fit == B else n_fit)
+
+    def _decode_layout(self, bucket: tuple) -> list[tuple[str, int]]:
+        """(name, length) of each array of a bucket's packed plan, in order."""
+        BP, k, L = bucket
+        G, A, W = self.num_groups, -(-k // self.block_size), len(self._window_groups)
+        E, ER = BP * G * A, BP * W * L
+        names = [("rows", BP), ("ntok", BP), ("cum", BP), ("h_start", BP), ("h_count", BP)]
+        names += [(f"a_{x}", E) for x in ("grp", "row", "pos", "want", "rank")]
+        names += [(f"c_{x}", E) for x in ("grp", "row", "pos", "valid")]
+        names += [(f"r_{x}", ER) for x in ("grp", "row", "pos", "call", "valid")] if L else []
+        return names
+
+    def _decode_plan_size(self, bucket: tuple) -> int:
+        return sum(n for _, n in self._decode_layout(bucket))
+
+    def _decode_buffers(self, bucket: tuple) -> DecodeBuffers:
+        bufs = self._decode_bufs.get(bucket)
+        if bufs is not None:
+            return bufs
+        BP, k, L = bucket
+        G, A, W = self.num_groups, -(-k // self.block_size), len(self._window_groups)
+        E, ER = BP * G * A, BP * W * L
+        names = self._decode_layout(bucket)
+        dev = self.device
+        plan = torch.zeros(sum(n for _, n in names), dtype=torch.int32, device=dev)
+        views, off = {}, 0
+        for name, size in names:
+            views[name] = plan[off: off + size]
+            off += size
+        bufs = DecodeBuffers(
+            plan=plan, views=views, new_tokens=torch.zeros((BP, k), dtype=torch.int32, device=dev),
+            count=torch.zeros(1, dtype=torch.int64, device=dev),
+            status=torch.zeros(decode_ops.NUM_STATUS, dtype=torch.int64, device=dev),
+            popped=torch.zeros(E, dtype=torch.int32, device=dev),
+            release_scratch=torch.zeros((2, max(ER, 1)), dtype=torch.int32, device=dev),
+            release_workspace=torch.zeros(max(ER, 1), dtype=torch.int64, device=dev),
+            record_scratch=torch.zeros((4, E), dtype=torch.int64, device=dev),
+            record_seq=torch.zeros(E, dtype=torch.int64, device=dev))
+        self._decode_bufs[bucket] = bufs
+        return bufs
 
     # -------------------------------------------------------------- internals
-    def _state(self, request_id: str) -> _Row:
+    def _state(self, request_id: str) -> int:
+        """The row of a running request (or UnknownRequestError)."""
         try:
             return self._reqs[request_id]
         except (KeyError, TypeError):
@@ -364,15 +605,51 @@ class KVCacheManager(FailStop):
                                       "freed", argument="request_id",
                                       fix="pass the id of a request this manager holds") from None
 
+    def _num_blocks(self, row: int) -> int:
+        return -(-int(self._ntok[row]) // self.block_size)
+
     def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
         return normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
-                              num_tokens=lambda rid: self._reqs[rid].num_tokens, single=single)
+                              num_tokens=lambda rid: int(self._ntok[self._reqs[rid]]), single=single)
 
-    def _grow_rows(self, need: int) -> None:
-        if need <= self._rows_cap:
+    @contextlib.contextmanager
+    def _counting(self):
+        """One step's accounting (``counters``) and staging buffer; nested
+        calls (a lookup inside an admission) count in the outer step."""
+        self._counting_depth += 1
+        if self._counting_depth > 1:
+            try:
+                yield
+            finally:
+                self._counting_depth -= 1
             return
-        cap = max(need, 2 * self._rows_cap)
+        c = self.counters
+        c.h2d = c.d2h = c.torch_ops = 0
+        base = _common.launches()
+        self._staging.begin_step()
+        try:
+            with (TorchOpCounter(c) if c.count_torch_ops else contextlib.nullcontext()):
+                yield
+        finally:
+            c.launches = _common.launches() - base
+            c.steps += 1
+            self._staging.end_step()
+            self._counting_depth -= 1
+
+    def _read(self, t: torch.Tensor) -> list:
+        """A device-to-host read (counted): the host waits for the GPU."""
+        self.counters.d2h += 1
+        return t.cpu().tolist()
+
+    def _check_errors(self, queue_errors: int) -> None:
+        if queue_errors:
+            raise RuntimeError(f"free-queue error flags {queue_errors:#x} set on the device: a kernel broke the "
+                               "queue's contract (a bug; the manager stops)")
+
+    def _grow_rows(self, cap: int) -> None:
+        if cap <= self._rows_cap:
+            return
         dev, G, T, M = self.device, self.num_groups, self._T, self._M
 
         def grown(old, shape, dtype):
@@ -388,257 +665,215 @@ class KVCacheManager(FailStop):
         if self.block_table is not None:
             bt[:, : self._rows_cap] = self.block_table
         self.block_table = bt
-        if self._rows_cap:
-            self._free_rows = list(range(cap - 1, self._rows_cap - 1, -1)) + self._free_rows
+        self._ntok = np.concatenate([self._ntok, np.zeros(cap - self._rows_cap, dtype=np.int64)])
+        self._null = np.concatenate([self._null, np.zeros((cap - self._rows_cap, G), dtype=np.int64)])
         self._rows_cap = cap
+        self.rows_generation += 1
 
-    def _take_row(self) -> int:
-        if not self._free_rows:
-            self._grow_rows(self._rows_cap + 1)
-        return self._free_rows.pop()
+    def _up(self, a, dtype=np.int32) -> torch.Tensor:
+        """A host array on the device (pinned staging, non-blocking)."""
+        return self._staging.upload(np.asarray(a, dtype=dtype))
 
-    def _i32(self, a) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(a, dtype=np.int32), device=self.device)
+    _i32 = _up
 
     def _next_stamp(self, n: int) -> int:
         stamp = self._stamp
         self._stamp += n + 1
         return stamp
 
-    def _launch(self, n: int = 1) -> None:
-        self.counters.launches += n
+    def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Per (request, group): where the null blocks end once the window
+        groups release what ``num_tokens`` computed tokens no longer see."""
+        stops = starts.copy()
+        for g in self._window_groups:
+            skip = np.maximum(0, num_tokens - self.sliding_windows[g] + 1) // self.block_size
+            stops[:, g] = np.maximum(skip, starts[:, g])
+        return stops
+
+    def _hash_launch(self, rows_t, starts_t, counts_t) -> None:
+        """Chained digests of blocks ``[start, start + count)`` of each row, on
+        the device, from the tokens and extra digests already there."""
+        args = (self._key_dev, rows_t, starts_t, counts_t)
+        kw = dict(tokens=self.tokens, digests=self.digests, extras=self.extras, root=self._root_lanes,
+                  block_size=self.block_size)
+        if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
+            _common.note_launch("block_hash._hash_rows_kernel")
+            with _common.kernel_running():
+                hash_rows_host(*args, **kw)
+        else:
+            _hash_rows(*args, **kw)
+
+    def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
+        block_ops.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
+                         extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
+                         blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table,
+                         scratch=scratch, seq=seq)
+        table_ops.maybe_rebuild(self.pool.table)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None) -> StepResult:
         """A step on normalised arguments (``_normalize``): nothing here refuses input."""
-        self.counters.launches = 0
-        self.counters.syncs = 0
-        G, bs = self.num_groups, self.block_size
-        dev = self.device
-        pool = self.pool
-        status_parts: list[torch.Tensor] = []
-
-        # Phase 1: free the finished requests.
-        if finished:
+        if finished:  # phase 1
             self._release_requests(finished)
-            for rid in finished:
-                self._free_rows.append(self._reqs.pop(rid).row)
-
-        # Phase 2: running updates.
-        n_run = len(running)
-        blocked = torch.zeros(1, dtype=torch.int32, device=dev)
-        n_ok_dev = None
-        needs = []
-        if running:
-            rows = [self._reqs[u.request_id] for u in running]
-            self._release_behind_windows(rows)
-            adds = [u.new_token_ids for u in running]
-            new_totals = [st.num_tokens + len(a) for st, a in zip(rows, adds)]
-            needs = [(-(-n // bs) - st.num_blocks) * G for st, n in zip(rows, new_totals)]
-            self._write_tokens([st.row for st in rows], [st.num_tokens for st in rows], adds)
-            cum = np.cumsum(needs)
-            total = int(cum[-1])
-            if total <= self._free_lower_bound:
-                n_ok_dev = torch.full((1,), n_run, dtype=torch.int64, device=dev)
-                count = torch.full((1,), total, dtype=torch.int64, device=dev)
-                ok_known = True
-            else:
-                cum_dev = torch.as_tensor(cum, dtype=torch.int64, device=dev)
-                n_ok_dev = (cum_dev <= pool.num_free).sum().reshape(1)
-                count = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), cum_dev])[n_ok_dev]
-                blocked = (n_ok_dev < n_run).to(torch.int32)
-                ok_known = False
-            rows_np = np.array([st.row for st in rows], dtype=np.int64)
-            nb_new = np.array([-(-n // bs) for n in new_totals], dtype=np.int64)
-            full_new = np.array([n // bs for n in new_totals], dtype=np.int64)
-            n_ok_32 = n_ok_dev.to(torch.int32)
-            # Entries: (update, group, position) in pop order.
-            upd, grp, ps, _ = entry_layout(np.repeat([[st.num_blocks] for st in rows], G, 1),
-                                           np.repeat(nb_new[:, None], G, 1))
-            if len(upd):
-                block_ops.allocate(count, self._i32(upd) < n_ok_32, self._i32(grp), self._i32(rows_np[upd]),
-                                   self._i32(ps), block_table=self.block_table, ref_cnt=pool.ref_cnt,
-                                   fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
-                self._launch(3)
-            self._write_extras(rows, full_new.tolist())
-            self._hash_rows(rows_np.tolist(), [st.num_cached for st in rows], full_new.tolist())
-            # Cache the blocks that are full now.
-            upd, grp, ps, _ = entry_layout(np.repeat([[st.num_cached] for st in rows], G, 1),
-                                           np.repeat(full_new[:, None], G, 1))
-            if len(upd):
-                self._record(self._i32(grp), self._i32(rows_np[upd]), self._i32(ps), self._i32(upd) < n_ok_32)
-            status_parts.append(n_ok_dev.to(torch.int64))
-
-        # Phases 3-5: new requests.
-        K = len(new)
+        blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
+        run = self._run_updates(running, blocked) if running else None  # phase 2
+        status_parts = [run["n_ok"]] if run is not None else []
         cand_rows: list[int] = []
-        if new:
-            cand_rows = [self._take_row() for _ in new]
+        if new:  # phases 3-5
+            cand_rows = [self._rows.take() for _ in new]
             try:
                 status, hits = self._admit_new(new, cand_rows, blocked, count_stats, hit_caps)
             except BaseException:
-                self._free_rows.extend(reversed(cand_rows))  # no row leaks, whatever went wrong
+                self._rows.give_back_unused(cand_rows)  # no row leaks, whatever went wrong
                 raise
             status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64)]
-
         # The one device-to-host read of the step (none when nothing is unknown).
-        needs_read = bool(new) or (running and not ok_known)
-        if needs_read:
-            status_parts.append(pool.num_free.to(torch.int64))
-            host = torch.cat(status_parts).cpu().tolist()
-            self.counters.syncs += 1
+        host = None
+        if new or (run is not None and not run["fits_known"]):
+            status_parts.append(self.pool.num_free.to(torch.int64))
+            host = self._read(torch.cat(status_parts))
             self._free_lower_bound = host[-1]
-        else:
-            host = None
+        result = StepResult()
         pos = 0
-        n_ok = n_run
-        if running:
+        if run is not None:
+            n_ok = len(running)
             if host is not None:
-                n_ok = int(host[0])
-                pos = 1
-            if host is None:  # a read already gave the exact count after this step
-                self._free_lower_bound -= int(sum(needs[:n_ok]))
-            for u, add in zip(running[:n_ok], adds[:n_ok]):
-                st = self._reqs[u.request_id]
-                st.num_tokens += len(add)
-                st.num_blocks = -(-st.num_tokens // bs)
-                st.num_cached = st.num_tokens // bs
-        result = StepResult(running_failed_at=None if n_ok == n_run else n_ok)
+                n_ok, pos = int(host[0]), 1
+            else:  # no read: every update fit, and the bound drops by what they took
+                self._free_lower_bound -= int(run["needs"].sum())
+            self._ntok[run["rows"][:n_ok]] = run["n_after"][:n_ok]
+            result.running_failed_at = None if n_ok == len(running) else n_ok
         if new:
-            stat = host[pos: pos + lookup_ops.NUM_STATUS]
-            hits = host[pos + lookup_ops.NUM_STATUS: pos + lookup_ops.NUM_STATUS + K]
-            admitted = int(stat[lookup_ops.ST_ADMITTED])
-            result.num_admitted = admitted
-            result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
-            for i, (req, row) in enumerate(zip(new, cand_rows)):
-                if i < admitted:
-                    n = len(req.token_ids)
-                    h = int(hits[i])
-                    self._reqs[req.request_id] = _Row(
-                        row, n, -(-n // bs), n // bs, req.lora_id, tuple(req.mm_items), req.cache_salt,
-                        extras_known=n // bs,
-                        null_upto=[0 if w < 0 else max(0, h - w) for w in self._window_blocks],
-                    )
-                else:
-                    self._free_rows.append(row)
-        self.counters.history.append((self.counters.launches, self.counters.syncs))
+            self._finish_admission(new, cand_rows, host[pos:], result)
         return result
 
-    def _release_behind_windows(self, states: list[_Row]) -> None:
+    def _run_updates(self, running, blocked) -> dict:
+        """Phase 2: window releases, then every update's tokens, blocks,
+        digests and cache entries; whether all fit is decided on the device
+        (``blocked`` is set when not) unless the host's bound covers them."""
+        G, bs, pool = self.num_groups, self.block_size, self.pool
+        rows = np.array([self._reqs[u.request_id] for u in running], dtype=np.int64)
+        if self._window_groups:
+            self._release_behind_windows(rows)
+        adds = [u.new_token_ids for u in running]
+        n = self._ntok[rows]
+        n_after = n + np.array([len(a) for a in adds], dtype=np.int64)
+        nb0, nb1 = -(-n // bs), -(-n_after // bs)
+        needs = (nb1 - nb0) * G
+        self._write_tokens(rows, n, adds)
+        cum = np.cumsum(needs)
+        fits_known = int(cum[-1]) <= self._free_lower_bound
+        if fits_known:
+            n_ok_dev = torch.full((1,), len(running), dtype=torch.int64, device=self.device)
+            count = torch.full((1,), int(cum[-1]), dtype=torch.int64, device=self.device)
+        else:
+            cum_dev = self._up(cum, np.int64)
+            n_ok_dev = (cum_dev <= pool.num_free).sum().reshape(1)
+            count = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), cum_dev])[n_ok_dev]
+            blocked.copy_((n_ok_dev < len(running)).to(torch.int32))
+        n_ok_32 = n_ok_dev.to(torch.int32)
+        upd, grp, ps, _ = entry_layout(np.repeat(nb0[:, None], G, 1), np.repeat(nb1[:, None], G, 1))
+        if len(upd):  # entries in pop order: (update, group, position)
+            block_ops.allocate(count, self._up(upd) < n_ok_32, self._up(grp), self._up(rows[upd]), self._up(ps),
+                               block_table=self.block_table, ref_cnt=pool.ref_cnt, fq=pool.free_queue,
+                               table=pool.table, evictions=pool.evictions)
+        f0, f1 = n // bs, n_after // bs
+        if (f1 > f0).any():
+            self._hash_launch(self._up(rows), self._up(f0), self._up(f1 - f0))
+            upd, grp, ps, _ = entry_layout(np.repeat(f0[:, None], G, 1), np.repeat(f1[:, None], G, 1))
+            self._record(self._up(grp), self._up(rows[upd]), self._up(ps), self._up(upd) < n_ok_32)
+        return {"rows": rows, "n_after": n_after, "needs": needs, "fits_known": fits_known, "n_ok": n_ok_dev}
+
+    def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult) -> None:
+        """The admitted requests keep their rows; the others give theirs back."""
+        stat = host[: lookup_ops.NUM_STATUS]
+        hits = host[lookup_ops.NUM_STATUS: lookup_ops.NUM_STATUS + len(new)]
+        admitted = int(stat[lookup_ops.ST_ADMITTED])
+        bs = self.block_size
+        result.num_admitted = admitted
+        result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
+        result.rows = cand_rows[:admitted]
+        for req, row, h in zip(new[:admitted], cand_rows, hits):
+            self._reqs[req.request_id] = row
+            self._row_ids[row] = req.request_id
+            self._ntok[row] = len(req.token_ids)
+            self._null[row] = [0 if w < 0 else max(0, int(h) - w) for w in self._window_blocks]
+        self._rows.give_back_unused(cand_rows[admitted:])
+
+    def _release_behind_windows(self, rows: np.ndarray) -> None:
         """Window groups give back the blocks behind their window (tail first,
         one free call per request and group) and hold the null block there."""
-        starts = np.array([st.null_upto for st in states], dtype=np.int64)
-        stops = starts.copy()
-        for g, w in enumerate(self.sliding_windows):
-            if w is not None:
-                skip = np.array([max(0, st.num_tokens - w + 1) // self.block_size for st in states])
-                stops[:, g] = np.maximum(skip, starts[:, g])
+        starts = self._null[rows]
+        stops = self._window_stops(self._ntok[rows], starts)
         idx, grp, ps, call = entry_layout(starts, stops, reverse=True)
-        for st, upto in zip(states, stops.tolist()):
-            st.null_upto = upto
+        self._null[rows] = stops
         if not len(idx):
             return
-        rows_np = np.array([st.row for st in states], dtype=np.int64)
-        g_t, r_t, p_t = self._i32(grp), self._i32(rows_np[idx]), self._i32(ps)
-        block_ops.release(self.block_table, g_t, r_t, p_t, self._i32(call), ref_cnt=self.pool.ref_cnt,
-                          last_seen=self.pool.last_seen, stamp=self._next_stamp(len(idx)), fq=self.pool.free_queue,
+        block_ops.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call),
+                          ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, fq=self.pool.free_queue,
                           table=self.pool.table, uncached_first=self.uncached_first)
-        self.block_table[g_t.long(), r_t.long(), p_t.long()] = 0
-        self._launch(3)
 
     def _release_requests(self, request_ids: Sequence[str]) -> None:
         """Free whole requests: one free call per request and group, tail first."""
-        states = [self._reqs[rid] for rid in request_ids]
-        idx, grp, ps, call = entry_layout(np.zeros((len(states), self.num_groups), dtype=np.int64),
-                                          np.repeat([[st.num_blocks] for st in states], self.num_groups, 1),
-                                          reverse=True)
-        if not len(idx):
-            return
-        rows_np = np.array([st.row for st in states], dtype=np.int64)
-        block_ops.release(self.block_table, self._i32(grp), self._i32(rows_np[idx]), self._i32(ps), self._i32(call),
-                          ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, stamp=self._next_stamp(len(idx)),
-                          fq=self.pool.free_queue, table=self.pool.table, uncached_first=self.uncached_first)
-        self._launch(3)
+        rows = np.array([self._reqs.pop(rid) for rid in request_ids], dtype=np.int64)
+        nb = -(-self._ntok[rows] // self.block_size)
+        idx, grp, ps, call = entry_layout(np.zeros((len(rows), self.num_groups), dtype=np.int64),
+                                          np.repeat(nb[:, None], self.num_groups, 1), reverse=True)
+        if len(idx):
+            block_ops.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call),
+                              ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, fq=self.pool.free_queue,
+                              table=self.pool.table, uncached_first=self.uncached_first)
+        for row in rows.tolist():
+            del self._row_ids[row]
+            self._ntok[row] = 0
+            self._null[row] = 0
+            self._rows.give_back(row)
 
-    def _write_tokens(self, rows: list[int], starts: list[int], token_arrays: list) -> None:
+    def _write_tokens(self, rows, starts, token_arrays: list) -> None:
         """Write tokens into request rows. Arrays come from the host; tensors
         already on the device (sampled tokens) are copied there, unread."""
-        idx = [np.arange(s, s + len(a), dtype=np.int64) + r * self._T for r, s, a in zip(rows, starts, token_arrays)]
-        if not idx or sum(len(i) for i in idx) == 0:
+        lens = np.array([len(a) for a in token_arrays], dtype=np.int64)
+        total = int(lens.sum())
+        if total == 0:
             return
-        flat_idx = torch.as_tensor(np.concatenate(idx), device=self.device)
+        rows, starts = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+        first = np.repeat(rows * self._T + starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+        flat_idx = self._up(first + np.arange(total), np.int64)
         if any(isinstance(a, torch.Tensor) for a in token_arrays):
             vals = torch.cat([a.to(self.device, torch.int64) if isinstance(a, torch.Tensor)
-                              else torch.as_tensor(np.asarray(a, dtype=np.int64), device=self.device)
-                              for a in token_arrays]).to(torch.int32)  # two's complement = the uint32 bits
+                              else self._up(a, np.int64) for a in token_arrays]).to(torch.int32)
         else:
-            vals = torch.as_tensor(_as_int32_tokens(np.concatenate(token_arrays)), device=self.device)
+            vals = self._up(_as_int32_tokens(np.concatenate(token_arrays)), np.int32)
         self.tokens.view(-1).index_copy_(0, flat_idx, vals)
 
-    def _write_extras(self, states: list[_Row], num_full: list[int]) -> None:
-        """Extra-key digests of blocks that became full (host side: they depend
-        on the request's LoRA, multimodal items and salt, not on the device)."""
-        idx, vals = [], []
-        for st, n in zip(states, num_full):
-            if n > st.extras_known and st.has_extra_keys:
-                ds = hashing.extra_key_digests(self._key, n - st.extras_known, self.block_size, lora_id=st.lora_id,
-                                               mm_items=st.mm_items, cache_salt=st.cache_salt,
-                                               first_block=st.extras_known)
-                idx.append(np.arange(st.extras_known, n) + st.row * (self._M + 1))
-                vals.append(hashing.digests_to_lanes(ds).view(np.int64))
-            st.extras_known = max(st.extras_known, n)
-        if idx:
-            flat = torch.as_tensor(np.concatenate(idx), device=self.device)
-            self.extras.view(-1, 2).index_copy_(0, flat, torch.as_tensor(np.concatenate(vals), device=self.device))
-
-    def _hash_rows(self, rows: list[int], starts: list[int], stops: list[int]) -> None:
-        """Chained digests of blocks [start, stop) of each row, on the device,
-        from the tokens already there."""
-        work = [(r, s, e) for r, s, e in zip(rows, starts, stops) if e > s]
-        if not work:
-            return
+    def _write_new_extras(self, new: Sequence[NewRequest], rows: list[int]) -> None:
+        """Every extra-key digest of a new request's row, at admission: its
+        prompt blocks' (LoRA, multimodal items, salt) and, for every later
+        block, the LoRA-only digest (later tokens carry no multimodal item or
+        salt), so running steps and decodes never compute extra keys."""
+        self.extras[self._up(rows, np.int64)] = 0
         bs = self.block_size
-        width = max(e - s for _, s, e in work)
-        rows_t = torch.as_tensor([r for r, _, _ in work], dtype=torch.long, device=self.device)
-        starts_t = torch.as_tensor([s for _, s, _ in work], dtype=torch.long, device=self.device)
-        cols = starts_t[:, None] * bs + torch.arange(width * bs, device=self.device)[None, :]
-        cols = cols.clamp(max=self._T - 1)
-        toks = self.tokens[rows_t[:, None], cols].contiguous()
-        bcols = (starts_t[:, None] + torch.arange(width, device=self.device)[None, :]).clamp(max=self._M - 1)
-        extras = self.extras[rows_t[:, None], bcols].contiguous()
-        root = torch.tensor(self._root_lanes, dtype=torch.int64, device=self.device)
-        prev = self.digests[rows_t, (starts_t - 1).clamp(min=0)]
-        parents = torch.where((starts_t > 0)[:, None], prev, root[None, :]).contiguous()
-        nb = torch.as_tensor([e - s for _, s, e in work], dtype=torch.int32, device=self.device)
-        out = _hash_chains(self._key_dev, parents, toks, nb, extras, block_size=bs, max_blocks=width)
-        self._launch()
-        # Positions past a row's last block go to the dump column M: a scatter
-        # of fixed shape, not a boolean mask (which would read the device).
-        mask = torch.arange(width, device=self.device)[None, :] < nb[:, None].long()
-        cols_out = torch.where(mask, starts_t[:, None] + torch.arange(width, device=self.device)[None, :],
-                               torch.full_like(bcols, self._M))
-        self.digests[rows_t[:, None].expand(-1, width), cols_out] = out
-
-    def _record(self, grp, rw, ps, valid) -> None:
-        block_ops.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
-                         extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
-                         blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table)
-        table_ops.maybe_rebuild(self.pool.table)
-        self._launch(5)  # record, insert (2), maybe_rebuild (2)
+        for r, row in zip(new, rows):
+            if r.lora_id is None and not r.mm_items and r.cache_salt is None:
+                continue
+            nb = -(-len(r.token_ids) // bs)
+            ds = hashing.extra_key_digests(self._key, nb, bs, lora_id=r.lora_id, mm_items=r.mm_items,
+                                           cache_salt=r.cache_salt)
+            self.extras[row, :nb] = self._up(hashing.digests_to_lanes(ds).view(np.int64), np.int64)
+            if r.lora_id is not None and nb < self._M:
+                (later,) = hashing.extra_key_digests(self._key, 1, bs, lora_id=r.lora_id, first_block=max(nb, 1))
+                self.extras[row, nb: self._M] = self._up(hashing.digests_to_lanes([later]).view(np.int64), np.int64)
 
     def _prepare_new(self, new: Sequence[NewRequest], rows: list[int]) -> None:
         """Tokens, extra-key digests and digests of new requests into their rows.
         Every digest is computed here, on the device, from the tokens and
         extra keys: what a caller handed in as ``block_hashes`` decides nothing
         (``docs/design.md``)."""
-        bs = self.block_size
         arrays = [r.token_ids for r in new]
-        self._write_tokens(rows, [0] * len(rows), arrays)
-        rows_t = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        self.extras[rows_t] = 0
-        states = [_Row(row, 0, 0, 0, r.lora_id, tuple(r.mm_items), r.cache_salt) for r, row in zip(new, rows)]
-        self._write_extras(states, [len(a) // bs for a in arrays])
-        self._hash_rows(list(rows), [0] * len(rows), [len(a) // bs for a in arrays])
+        self._write_tokens(rows, np.zeros(len(rows), dtype=np.int64), arrays)
+        self._write_new_extras(new, rows)
+        full = np.array([len(a) // self.block_size for a in arrays], dtype=np.int64)
+        self._hash_launch(self._up(rows), self._up(np.zeros(len(rows))), self._up(full))
 
     def _pending_chains(self, K, rows_np, n_full, P, li, lp, lg):
         dev, bs = self.device, self.block_size
@@ -674,7 +909,6 @@ class KVCacheManager(FailStop):
             h = head[entry]
             heads[torch.as_tensor(qi, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
                 ok[entry] != 0, h, torch.full_like(h, -1))
-        self._launch(4)  # insert (2), find, verify
         return heads, nxt, ei_t, ok
 
     def _lookup_tables(self, new, rows):
@@ -692,14 +926,14 @@ class KVCacheManager(FailStop):
 
     def _lookup_only(self, request: NewRequest, count_stats: bool) -> ComputedBlocks:
         """The hit a step would give this request now, changing no block."""
-        row = self._take_row()
+        row = self._rows.take()
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
             _, hit, cache = self._admit_new([request], [row], blocked, count_stats, None, dry=True)
-            n = int(hit[0].item())
+            n = int(self._read(hit)[0])
             blocks = cache[0, :n].T.cpu().tolist() if n else [[] for _ in range(self.num_groups)]
         finally:
-            self._free_rows.append(row)
+            self._rows.give_back_unused([row])
         for g, w in enumerate(self._window_blocks):
             if w >= 0:  # a window group holds the null block before its last W hit positions
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
@@ -728,8 +962,6 @@ class KVCacheManager(FailStop):
                                    root=self._root_lanes, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
                                    blk_extra=pool.blk_extra, from_pool=True, block_size=bs)
             cache[li_t.long(), lp_t.long(), lg_t.long()] = ok
-            self._launch(2)
-            # Blocks earlier requests of this step compute: every request's full
             # blocks are entries (request-major); a scratch multimap keyed by
             # (digest, position) names each entry's chain head (the earliest
             # entry with that key), a sort by (head, entry) links the chains in
@@ -746,7 +978,6 @@ class KVCacheManager(FailStop):
                          ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
                          blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev,
                          chains=chains, resolved=resolved)
-        self._launch()
         if count_stats:
             self._stats_dev += status[lookup_ops.ST_REQUESTS: lookup_ops.ST_HIT_TOKENS + 1]
         if dry:
@@ -764,16 +995,12 @@ class KVCacheManager(FailStop):
             in_hit = (li_t < admitted) & (lp_t < h)
             real = in_hit & (lp_t >= first_real)
             block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
-            self._launch(2)
-        # Phase 5b: allocate, in (request, group, position) order.
         ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_blocks[:, None], G, 1))
         ai_t, ap_t = self._i32(ai), self._i32(ap)
         want = (ai_t < admitted) & (ap_t >= hit_safe[ai_t.long()])
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
         block_ops.allocate(count, want, self._i32(ag), self._i32(rows_np[ai]), ap_t, block_table=self.block_table,
                            ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
-        self._launch(3)
-        # Phase 5c: hits into the block tables (pending hits take a reference).
         if len(li):
             li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
             c = cache[li_l, lp_l, lg_l]
@@ -785,8 +1012,6 @@ class KVCacheManager(FailStop):
             old = self.block_table[lg_l, r_l, lp_l]
             self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
             block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
-            self._launch(2)
-        # Phase 5d: cache every block that is full, in (request, group, position) order.
         ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_full[:, None], G, 1))
         if len(ci):
             ci_t, cp_t = self._i32(ci), self._i32(cp)

@@ -42,6 +42,7 @@ from gpukv.errors import (
 )
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
+from gpukv.rows import RowAllocator
 from gpukv.request import (
     MAX_NUM_BLOCKS,
     ComputedBlocks,
@@ -50,9 +51,12 @@ from gpukv.request import (
     RunningUpdate,
     Step,
     StepResult,
+    check_decode_lengths,
     check_memory,
     check_size,
     normalize_computed,
+    normalize_decode_tokens,
+    normalize_rows,
     normalize_step,
     normalize_token_ids,
     normalize_windows,
@@ -259,6 +263,7 @@ class _RequestState:
     blocks: list[list[int]] = field(default_factory=list)
     # per group: blocks at positions below this are cached (or null)
     num_cached_blocks: list[int] = field(default_factory=list)
+    row: int = -1  # gpukv.rows: set at admission
 
     @property
     def has_extra_keys(self) -> bool:
@@ -301,8 +306,10 @@ class KVCacheManager(FailStop):
         uncached_first: bool = True,
         hash_key: bytes | str | None = None,
         max_model_len: int | None = None,
+        max_num_reqs: int = 64,
     ) -> None:
         self.block_size = _check_count(block_size, "block_size", 1)
+        max_num_reqs = _check_count(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
         windows = list(normalize_windows(sliding_windows))
         num_blocks = _check_count(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
         if max_model_len is not None:
@@ -316,6 +323,8 @@ class KVCacheManager(FailStop):
         self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root = hashing.root_digest(self._key)
         self._requests: dict[str, _RequestState] = {}
+        self._rows = RowAllocator(max_num_reqs)  # handed out as the device manager does
+        self._row_ids: dict[int, str] = {}
         self.stats = PrefixCacheStats()
         # Digests this manager computed for requests that may come back (refused
         # this step, looked up by get_computed_blocks, freed to be resumed):
@@ -541,7 +550,28 @@ class KVCacheManager(FailStop):
         return StepResult(
             num_admitted=admitted,
             num_computed_tokens=[p.num_hit_blocks * self.block_size for p in plans[:admitted]],
+            rows=[p.state.row for p in plans[:admitted]],
         )
+
+    @mutating
+    def decode(self, rows: Sequence[int], new_token_ids) -> StepResult:
+        """The running requests at ``rows`` (``StepResult.rows``) each append
+        ``k`` new tokens (``new_token_ids`` is ``[B]`` or ``[B, k]``) and get
+        their blocks: ``step(running=[RunningUpdate(id_of_row, tokens)...])``
+        in row order, with the same results (``running_failed_at`` indexes
+        ``rows``). The device manager's batched decode entry, on the host."""
+        rows_np = normalize_rows(rows, self._rows.in_use)
+        tokens = normalize_decode_tokens(new_token_ids, len(rows_np), None)
+        lengths = np.array([self._requests[self._row_ids[r]].num_computed_tokens for r in rows_np.tolist()],
+                           dtype=np.int64)
+        check_decode_lengths(lengths, tokens.shape[1], self._limits)
+        updates = [RunningUpdate(self._row_ids[r], t) for r, t in zip(rows_np.tolist(), tokens)]
+        return self.step(running=updates)
+
+    @reading
+    def row_of(self, request_id: str) -> int:
+        """The row a running request holds (``gpukv.rows``)."""
+        return self._state(request_id).row
 
     def check_invariants(self) -> None:
         """Pool invariants, plus: each block's count equals the number of
@@ -802,6 +832,8 @@ class KVCacheManager(FailStop):
             for g in range(self.num_groups):
                 st.blocks[g].extend(self.pool.allocate(n_total - plan.num_hit_blocks))
             st.num_computed_tokens = len(st.tokens)
+            st.row = self._rows.take()
+            self._row_ids[st.row] = st.request_id
             self._requests[st.request_id] = st
         for plan in plans:
             self._cache_full_blocks(plan.state)
@@ -903,6 +935,8 @@ class KVCacheManager(FailStop):
 
     def _free_request(self, request_id: str) -> None:
         st = self._requests.pop(request_id)
+        self._rows.give_back(st.row)
+        del self._row_ids[st.row]
         self._remember_digests(st)  # a preempted request comes back with the same prefix
         for g in range(self.num_groups):
             self.pool.free(list(reversed(st.blocks[g])))

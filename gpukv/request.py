@@ -128,12 +128,15 @@ class StepResult:
     that could not get its blocks (it and the later ones got nothing and no new
     request was looked at), or None. ``num_admitted``: the first
     ``num_admitted`` new requests were admitted. ``num_computed_tokens[i]``:
-    the prefix-cache hit, in tokens, of admitted request ``i``.
+    the prefix-cache hit, in tokens, of admitted request ``i``; ``rows[i]``
+    its row, the index ``decode`` addresses it by (``gpukv.rows``). After a
+    ``decode``, ``running_failed_at`` indexes its ``rows``.
     """
 
     running_failed_at: int | None = None
     num_admitted: int = 0
     num_computed_tokens: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -742,3 +745,73 @@ def normalize_device(device: Any, interpreted: bool, cuda_available: bool) -> to
         return dev
     raise InvalidInputError(f"device type {dev.type!r} is not supported", argument="device",
                             fix="pass 'cuda', 'cuda:N' or, without CUDA, 'cpu' (or None)")
+
+
+def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
+    """The rows of a batched decode as a fresh 1-D int64 array: a list, tuple,
+    1-D int array or CPU tensor of distinct rows that requests hold."""
+    fix = "pass the rows StepResult.rows (or row_of) gave, each once"
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise InvalidTypeError(f"rows must be on the host, got a tensor on {value.device}", argument="rows",
+                                   fix="pass a list, a numpy array or a CPU tensor (the manager stages them)")
+        value = value.numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu" or value.ndim != 1:
+            raise InvalidTypeError(f"rows must be a 1-D integer array, got {value.dtype} of shape {value.shape}",
+                                   argument="rows", fix=fix)
+        rows = np.array(value, dtype=np.int64)
+    else:
+        items = as_list(value, "rows", "rows")
+        if any(type(x) is not int and not isinstance(x, np.integer) for x in items):
+            raise InvalidTypeError("rows must be ints", argument="rows", fix=fix)
+        rows = np.array(items, dtype=np.int64).reshape(-1)
+    if rows.size:
+        bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
+        if bad.size == 0:
+            bad = np.flatnonzero(~in_use[rows])
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidInputError(f"rows[{i}] = {int(rows[i])} is not the row of a running request",
+                                    argument="rows", fix=fix)
+        if np.unique(rows).size != rows.size:
+            raise InvalidInputError("a row appears twice", argument="rows", fix=fix)
+    return rows
+
+
+def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | None) -> np.ndarray | torch.Tensor:
+    """A decode's new tokens as ``[num_rows, k]`` (k >= 1 tokens per row): a
+    tensor on the manager's device is kept unread (ids taken modulo 2**32);
+    anything else becomes a checked int64 array."""
+    fix = "pass one row of new token ids per request, as a [B] or [B, k] tensor or array"
+    if isinstance(value, torch.Tensor) and device is not None and value.device == device:
+        if value.dtype not in (torch.int32, torch.int64):
+            raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
+                                   argument="new_token_ids", fix=fix)
+        tokens = value if value.dim() == 2 else value.reshape(-1, 1) if value.dim() == 1 else None
+    else:
+        if isinstance(value, torch.Tensor):
+            if value.dtype not in (torch.int32, torch.int64):
+                raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
+                                       argument="new_token_ids", fix=fix)
+            value = value.detach().cpu().numpy()
+        arr = value if isinstance(value, np.ndarray) else np.asarray(as_list(value, "new_token_ids", "token ids"))
+        if arr.dtype.kind not in "iu":
+            raise InvalidTypeError(f"new_token_ids must be ints, got {arr.dtype}", argument="new_token_ids", fix=fix)
+        tokens = arr if arr.ndim == 2 else arr.reshape(-1, 1) if arr.ndim == 1 else None
+        if tokens is not None:
+            tokens = _checked_int_array(tokens.reshape(-1), "new_token_ids", "").reshape(tokens.shape)
+    if tokens is None or tokens.shape[0] != num_rows or tokens.shape[1] < 1:
+        shape = tuple(value.shape) if hasattr(value, "shape") else "?"
+        raise InvalidInputError(f"new_token_ids has shape {shape}, want [{num_rows}] or [{num_rows}, k >= 1]",
+                                argument="new_token_ids", fix=fix)
+    return tokens
+
+
+def check_decode_lengths(num_tokens: np.ndarray, k: int, limits: ManagerLimits) -> None:
+    """Refuse a decode that takes a request past ``max_model_len``."""
+    if limits.max_model_len is not None and num_tokens.size and int(num_tokens.max()) + k > limits.max_model_len:
+        i = int(np.argmax(num_tokens))
+        raise CapacityError(f"rows[{i}] would hold {int(num_tokens[i]) + k} tokens, over max_model_len "
+                            f"{limits.max_model_len}", argument="new_token_ids",
+                            fix="finish the request, or raise max_model_len")

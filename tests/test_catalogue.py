@@ -408,11 +408,11 @@ def test_a_running_update_and_a_new_request_with_iterator_tokens_keep_counts_rig
 
 def test_refusals_do_not_leak_device_rows():
     dev = DeviceManager(8, 2, hash_key=KEY, max_model_len=16, max_num_reqs=4)
-    rows = (dev._rows_cap, list(dev._free_rows))
+    rows = dev._rows.state()
     for k in range(40):
         with pytest.raises(InvalidInputError):
             dev.step(new=[NewRequest(f"n{k}", [1, 2], lora_id=2**64)])
-    assert (dev._rows_cap, dev._free_rows) == rows
+    assert dev._rows.state() == rows
 
 
 # ------------------------------------------------------------ constructors

@@ -47,6 +47,7 @@ def _workload(m) -> None:
     pending hits, decode that allocates, finishing, eviction, lookup."""
     m.step(new=[NewRequest("a", PREFIX + [1, 2, 3]), NewRequest("b", PREFIX + [4])])
     m.step(running=[RunningUpdate("a", [5, 6]), RunningUpdate("b", [7])])
+    m.decode([m.row_of("a"), m.row_of("b")], [[8, 9], [10, 11]])
     m.step(finished=["a"], new=[NewRequest("c", PREFIX + [1, 2, 3, 5, 9])])
     m.step(finished=["b", "c"])
     m.step(new=[NewRequest(f"e{i}", [1000 * (i + 1) + t for t in range(12)]) for i in range(3)])
@@ -58,7 +59,7 @@ def _workload(m) -> None:
 @pytest.fixture(autouse=True)
 def _hash_on_the_device(monkeypatch):
     """Under the interpreter the manager hashes on the host; launch the kernel."""
-    monkeypatch.setattr(manager_module, "_hash_chains", block_hash.hash_block_chains)
+    monkeypatch.setattr(manager_module, "_hash_rows", block_hash.hash_rows)
 
 
 def _device() -> DeviceManager:
@@ -66,8 +67,10 @@ def _device() -> DeviceManager:
 
 
 # Kernels no manager step launches: the slot mapping (the serving loop's),
-# byte hashing (test vectors) and compaction (only when the free-queue ring wraps).
-NOT_LAUNCHED = {"block_hash._blake3_bytes_kernel", "free_queue._compact_kernel", "slot_mapping._slot_mapping_kernel"}
+# byte hashing (test vectors), the batch chain hasher (the manager hashes rows
+# in place) and compaction (only when the free-queue ring wraps).
+NOT_LAUNCHED = {"block_hash._blake3_bytes_kernel", "block_hash._hash_block_chains_kernel", "free_queue._compact_kernel",
+                "slot_mapping._slot_mapping_kernel"}
 
 
 def _kernels():

@@ -280,17 +280,17 @@ def manager_workload(*, windows=(None,), block_size: int = 16, num_blocks: int =
     ``allocate_slots``, and a prefix-cache reset; after every step, the slot
     mapping an attention kernel would take. Counts vary every step."""
     from gpukv import manager as manager_module
-    from gpukv.kernels.block_hash import hash_block_chains
+    from gpukv.kernels.block_hash import hash_rows
     from gpukv.request import NewRequest, RunningUpdate
 
     # The manager hashes on the host under the interpreter; record the kernel.
-    host_hashing, manager_module._hash_chains = manager_module._hash_chains, hash_block_chains
+    host_hashing, manager_module._hash_rows = manager_module._hash_rows, hash_rows
     try:
         _manager_steps(manager_module.KVCacheManager, NewRequest, RunningUpdate, windows=windows,
                        block_size=block_size, num_blocks=num_blocks, steps=steps, uncached_first=uncached_first,
                        seed=seed)
     finally:
-        manager_module._hash_chains = host_hashing
+        manager_module._hash_rows = host_hashing
 
 
 def _manager_steps(KVCacheManager, NewRequest, RunningUpdate, *, windows, block_size, num_blocks, steps,
@@ -317,6 +317,12 @@ def _manager_steps(KVCacheManager, NewRequest, RunningUpdate, *, windows, block_
             victim = running.pop()
             mgr.step(finished=[victim])
         running += [r.request_id for r in new[: res.num_admitted]]
+        if running and step % 2:  # the batched decode entry, one and two tokens a row
+            rows = [mgr.row_of(r) for r in running]
+            res = mgr.decode(rows, [[(step + i) % 7] * (1 + step % 4 // 2) for i in range(len(rows))])
+            if not res.ok:
+                mgr.step(finished=running[res.running_failed_at:])
+                running = running[: res.running_failed_at]
         _attention_inputs(mgr, running, step)
     # A running update that cannot fit: ask for more blocks than are free.
     if running:

@@ -91,6 +91,8 @@ __all__ = [
     "to_i64",
     "hash_block_chains",
     "hash_block_chains_host",
+    "hash_rows",
+    "hash_rows_host",
     "key_lanes",
     "blake3_bytes",
     "DEFAULT_TILE",
@@ -423,6 +425,64 @@ def _hash_block_chains_kernel(
         tl.store(out_row + b * s_ob + s_oc, zero_i, mask=rmask)
 
 
+@triton.jit(do_not_specialize=["E", "T", "M", "root_lo", "root_hi"])
+def _hash_rows_kernel(
+    key_ptr,        # int64[2]: the gpukv key lanes (k0, k1)
+    row_ptr,        # int32[E]: entry i hashes request row row[i]
+    start_ptr,      # int32[E]: ... from block start[i] (its parent: block start - 1, or the root)
+    count_ptr,      # int32[E]: ... this many blocks (0: the entry is padding)
+    tokens_ptr,     # int32[R, T] request rows' tokens
+    digests_ptr,    # int64[R, M, 2] request rows' digests (read: parents; written: the result)
+    extras_ptr,     # int64[R, M, 2] request rows' extra-key digests
+    E, T, M,
+    root_lo: tl.int64, root_hi: tl.int64,  # the root digest lanes (block 0's parent)
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+):
+    """The chained digests of blocks ``[start, start + count)`` of each
+    entry's row, read from and written to the request rows in place (one
+    lane per entry; entries are distinct rows)."""
+    lanes = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    emask = lanes < E
+    zero_i = tl.zeros([TILE], dtype=tl.int64)
+    K0, K1, K2, K3, K4, K5, K6, K7 = derive_block_key(
+        tl.load(key_ptr) + zero_i, tl.load(key_ptr + 1) + zero_i)
+    r = tl.load(row_ptr + lanes, mask=emask, other=0).to(tl.int64)
+    st = tl.load(start_ptr + lanes, mask=emask, other=0).to(tl.int64)
+    nb = tl.load(count_ptr + lanes, mask=emask, other=0)
+    nb = tl.where(emask & (r >= 0) & (st >= 0), tl.maximum(nb, 0), 0)
+    r = tl.where(nb > 0, r, 0)
+    has_parent = (nb > 0) & (st > 0)
+    prev = (r * M + st - 1) * 2
+    p_lo = to_u64(tl.where(has_parent, tl.load(digests_ptr + prev, mask=has_parent, other=0), root_lo))
+    p_hi = to_u64(tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=has_parent, other=0), root_hi))
+    p0 = _lo32(p_lo)
+    p1 = _hi32(p_lo)
+    p2 = _lo32(p_hi)
+    p3 = _hi32(p_hi)
+    NSEG: tl.constexpr = (BLOCK_SIZE + SEGMENT_TOKENS - 1) // SEGMENT_TOKENS
+    LAST: tl.constexpr = BLOCK_SIZE - (NSEG - 1) * SEGMENT_TOKENS
+    n_hash = tl.max(nb, axis=0)
+    for b in range(0, n_hash):
+        active = b < nb
+        at = (r * M + st + b) * 2
+        e_lo = to_u64(tl.load(extras_ptr + at, mask=active, other=0))
+        e_hi = to_u64(tl.load(extras_ptr + at + 1, mask=active, other=0))
+        blk = tokens_ptr + r * T + (st + b) * BLOCK_SIZE
+        s0, s1, s2, s3 = p0, p1, p2, p3
+        for s in range(0, NSEG):
+            n_tok = tl.where(s == NSEG - 1, LAST, SEGMENT_TOKENS)
+            s0, s1, s2, s3 = segment_digest(
+                K0, K1, K2, K3, K4, K5, K6, K7, s0, s1, s2, s3,
+                _lo32(e_lo), _hi32(e_lo), _lo32(e_hi), _hi32(e_hi),
+                blk + s * SEGMENT_TOKENS, n_tok, active)
+        tl.store(digests_ptr + at, _pack64(s0, s1), mask=active)
+        tl.store(digests_ptr + at + 1, _pack64(s2, s3), mask=active)
+        p0 = tl.where(active, s0, p0)
+        p1 = tl.where(active, s1, p1)
+        p2 = tl.where(active, s2, p2)
+        p3 = tl.where(active, s3, p3)
+
+
 @triton.jit
 def _msg_word(row_ptr, w, length, lo):
     """Message word ``w`` (bytes ``4w .. 4w + 3``, little-endian) of a row of
@@ -732,6 +792,65 @@ def hash_block_chains_host(
     return out
 
 
+def _rows_args(rows, starts, counts, tokens, digests, extras):
+    dev = tokens.device
+    E = rows.shape[0]
+    for t, name in ((rows, "rows"), (starts, "starts"), (counts, "counts")):
+        _check(t, name, torch.int32, (E,), dev)
+    R, T = tokens.shape
+    _check(digests, "digests", torch.int64, (R, None, 2), dev)
+    _check(extras, "extras", torch.int64, tuple(digests.shape), dev)
+    if not (tokens.is_contiguous() and digests.is_contiguous() and extras.is_contiguous()):
+        raise ValueError("tokens, digests and extras must be contiguous")
+    return E, T, digests.shape[1]
+
+
+def hash_rows(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, *,
+              tokens: torch.Tensor, digests: torch.Tensor, extras: torch.Tensor, root: tuple[int, int],
+              block_size: int, tile: int = DEFAULT_TILE) -> None:
+    """Chained digests of blocks ``[starts[i], starts[i] + counts[i])`` of
+    request row ``rows[i]``, in place: ``digests[row, b]`` from the row's
+    tokens ``tokens[row, b*bs:(b+1)*bs]``, its extra digest ``extras[row,
+    b]`` and the parent ``digests[row, b - 1]`` (``root`` for block 0).
+    ``key`` is ``key_lanes``'s int64[2]; ``rows``/``starts``/``counts``
+    int32[E], distinct rows, ``counts[i] == 0`` for padding. The caller keeps
+    ``(starts + counts) * block_size <= T`` and ``starts + counts <= M``.
+    One launch, no host sync; the grid depends only on E."""
+    E, T, M = _rows_args(rows, starts, counts, tokens, digests, extras)
+    _check_device(tokens.device)
+    if E == 0:
+        return
+    _hash_rows_kernel[(triton.cdiv(E, tile),)](
+        key, rows, starts, counts, tokens, digests, extras, E, T, M, int(root[0]), int(root[1]),
+        BLOCK_SIZE=int(block_size), TILE=tile, num_warps=_num_warps(tile))
+
+
+def hash_rows_host(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, *,
+                   tokens: torch.Tensor, digests: torch.Tensor, extras: torch.Tensor, root: tuple[int, int],
+                   block_size: int, tile: int = DEFAULT_TILE) -> None:
+    """``hash_rows`` computed on the host with ``gpukv.hashing`` (reads the
+    tensors: a sync on a GPU); for runs under Triton's interpreter.
+    tests/kernels/test_block_hash.py holds the two equal."""
+    from gpukv import hashing
+
+    _rows_args(rows, starts, counts, tokens, digests, extras)
+    work = [(r, s, n) for r, s, n in zip(rows.tolist(), starts.tolist(), counts.tolist()) if n > 0 and r >= 0]
+    if not work:
+        return
+    key16 = b"".join((k & _U64_MASK).to_bytes(8, "little") for k in key.tolist())
+    root16 = b"".join((int(k) & _U64_MASK).to_bytes(8, "little") for k in root)
+    toks = tokens.numpy().view("<u4") if tokens.device.type == "cpu" else tokens.cpu().numpy().view("<u4")
+    dig = digests if digests.device.type == "cpu" else digests.cpu()
+    ext = extras if extras.device.type == "cpu" else extras.cpu()
+    bs = int(block_size)
+    for r, s, n in work:
+        parent = root16 if s == 0 else hashing.lanes_to_digests(dig[r, s - 1: s].numpy())[0]
+        row_extras = hashing.lanes_to_digests(ext[r, s: s + n].numpy())
+        chain = hashing.hash_block_chain(key16, toks[r, s * bs: (s + n) * bs], bs, extras=row_extras, parent=parent)
+        lanes = torch.from_numpy(hashing.digests_to_lanes(chain).view("<i8"))
+        digests[r, s: s + n] = lanes.to(digests.device)
+
+
 _IV_WORDS = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A,
              0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19)
 
@@ -819,3 +938,8 @@ def blake3_bytes(
         lanes = torch.tensor([_signed64(int.from_bytes(key[8 * i: 8 * i + 8], "little"))
                               for i in range(4)], dtype=torch.int64, device=device)
     return _launch_bytes(lanes, messages, lengths, KEYED_HASH.value, tile)
+
+
+from gpukv.kernels import _common  # noqa: E402
+
+_common.count_launches(globals())

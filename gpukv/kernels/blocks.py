@@ -30,64 +30,81 @@ from gpukv.kernels import hash_table as table_ops
 _TILE = 256
 
 
-# Arguments that change from step to step (counts, stamps, widths) are
+# Arguments that change from step to step (counts, widths) are
 # ``do_not_specialize``: Triton would otherwise compile a variant per value
 # class (== 1, divisible by 16) they fall in, a compile stall inside a step
-# on a GPU (``tests/kernels/test_compile.py`` bounds the variants). Stamps
-# and root-digest lanes are typed ``tl.int64``, so a stamp past 2**31 does
-# not switch them from i32 to i64 either.
-@triton.jit(do_not_specialize=["E", "R", "stamp"])
-def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, ref_ptr, last_ptr, blk_ptr, E, R, M, stamp: tl.int64,
-                        TILE: tl.constexpr):
+# on a GPU (``tests/kernels/test_compile.py`` bounds the variants). No kernel
+# here takes a per-step value as a scalar argument: a CUDA graph would replay
+# the value it captured.
+@triton.jit(do_not_specialize=["E", "R"])
+def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, valid_ptr, ref_ptr, last_ptr, blk_ptr, E, R, M,
+                        HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+    """Per entry: drop the reference of ``bt[g, row, pos]``, note the entry
+    as the block's latest (``last[b] = max(entry)``), zero the table slot."""
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < E
+    if HAS_VALID:  # padding entries of a fixed-shape batch
+        lane = lane & (tl.load(valid_ptr + offs, mask=lane, other=0) != 0)
     g = tl.load(g_ptr + offs, mask=lane, other=0).to(tl.int64)
     r = tl.load(row_ptr + offs, mask=lane, other=0).to(tl.int64)
     p = tl.load(pos_ptr + offs, mask=lane, other=0).to(tl.int64)
-    b = tl.load(bt_ptr + (g * R + r) * M + p, mask=lane, other=0)
+    slot = bt_ptr + (g * R + r) * M + p
+    b = tl.load(slot, mask=lane, other=0)
     real = lane & (b > 0)
     bs = tl.where(real, b, 0)
     tl.atomic_add(ref_ptr + bs, tl.where(real, -1, 0), mask=real)
-    tl.atomic_max(last_ptr + bs, stamp + offs.to(tl.int64), mask=real)
-    tl.store(blk_ptr + offs, tl.where(real, b, 0), mask=lane)
+    tl.atomic_max(last_ptr + bs, offs.to(tl.int64), mask=real)
+    tl.store(slot, tl.zeros([TILE], tl.int32), mask=real)
+    tl.store(blk_ptr + offs, tl.where(real, b, 0), mask=offs < E)
 
 
-@triton.jit(do_not_specialize=["E", "stamp"])
-def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E, stamp: tl.int64,
+@triton.jit(do_not_specialize=["E"])
+def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E,
                           UNCACHED_FIRST: tl.constexpr, TILE: tl.constexpr):
+    """Per entry: where its block goes (0 stays, 1 back, 2 front). Only the
+    block's latest entry can send it back, and that entry alone resets
+    ``last[b]`` to -1 afterwards: an entry that reads after the reset sees -1,
+    not its own index, so it is not the latest either way, and ``last``
+    is all -1 again between batches (no stamp to carry from step to step)."""
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < E
     b = tl.load(blk_ptr + offs, mask=lane, other=0)
     real = lane & (b > 0)
     bs = tl.where(real, b, 0)
     rc = tl.load(ref_ptr + bs, mask=real, other=1)
-    last = tl.load(last_ptr + bs, mask=real, other=-1)
-    goes = real & (rc == 0) & (last == stamp + offs.to(tl.int64))
+    latest = real & (tl.load(last_ptr + bs, mask=real, other=-1) == offs.to(tl.int64))
+    goes = latest & (rc == 0)
     cached = tl.load(slot_ptr + bs, mask=real, other=-1) >= 0
     if UNCACHED_FIRST:
         where = tl.where(cached, 1, 2)
     else:
         where = tl.full([TILE], 1, tl.int32)
     tl.store(where_ptr + offs, tl.where(goes, where, 0).to(tl.int32), mask=lane)
+    tl.store(last_ptr + bs, tl.full([TILE], -1, tl.int64), mask=latest)
 
 
-def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, stamp: int, fq, table,
-            uncached_first: bool) -> None:
+def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, fq, table, uncached_first: bool,
+            valid=None, scratch=None, workspace=None) -> None:
     """Drop one reference per entry (``block_table[group, row, pos]``, entries
-    in sequential free order, ``call`` non-decreasing) and return the blocks
-    that reach 0 to the free queue. ``last_seen`` int64[N] scratch; ``stamp``
-    must exceed every stamp used before plus the batch size."""
+    in sequential free order, ``call`` non-decreasing), zero those table
+    slots, and return the blocks that reach 0 to the free queue.
+    ``last_seen`` int64[N] is all -1 between calls (this keeps it so).
+    ``valid`` (int32[E], optional) masks padding entries off; ``scratch``
+    (optional int32[2, >= E]) takes the per-entry blocks and destinations,
+    ``workspace`` (optional int64[E]) the push's."""
     E = group.numel()
     if E == 0:
         return
     G, R, M = block_table.shape
-    blocks = torch.empty(E, dtype=torch.int32, device=group.device)
-    where = torch.empty(E, dtype=torch.int32, device=group.device)
+    if scratch is None:  # rows a multiple of 16 lanes apart: the pointers' alignment never varies
+        scratch = torch.empty((2, -(-E // 16) * 16), dtype=torch.int32, device=group.device)
+    blocks, where = scratch[0, :E], scratch[1, :E]
     grid = (triton.cdiv(E, _TILE),)
-    _release_dec_kernel[grid](block_table, group, row, pos, ref_cnt, last_seen, blocks, E, R, M, stamp, TILE=_TILE)
-    _release_where_kernel[grid](blocks, ref_cnt, last_seen, table.block_slot, where, E, stamp,
+    _release_dec_kernel[grid](block_table, group, row, pos, valid if valid is not None else group, ref_cnt,
+                              last_seen, blocks, E, R, M, HAS_VALID=valid is not None, TILE=_TILE)
+    _release_where_kernel[grid](blocks, ref_cnt, last_seen, table.block_slot, where, E,
                                 UNCACHED_FIRST=uncached_first, TILE=_TILE)
-    fq_ops.push(fq, blocks, where, call)
+    fq_ops.push(fq, blocks, where, call, workspace=workspace)
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -125,36 +142,45 @@ def _place_kernel(popped_ptr, want_ptr, rank_ptr, g_ptr, row_ptr, pos_ptr, bt_pt
     tl.store(ref_ptr + tl.where(want, b, 0), tl.full([TILE], 1, tl.int32), mask=want & (b > 0))
 
 
-def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, evictions) -> None:
+def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, evictions, rank=None,
+             popped=None) -> None:
     """Pop ``count`` (int64[1] device tensor) blocks and place them, in order,
     at the entries where ``want`` is set (``count`` must equal their number).
     Popped blocks that are still cached lose their hash (lazy eviction);
-    ``evictions`` (int64[1]) counts them."""
+    ``evictions`` (int64[1]) counts them. ``rank`` (int32[E], optional: the
+    number of wanted entries before each) and ``popped`` (int32[E] scratch)
+    let a caller that planned them on the device skip the prefix sum."""
     E = want.numel()
     if E == 0:
         return
-    popped = torch.empty(E, dtype=torch.int32, device=want.device)
+    if popped is None:
+        popped = torch.empty(E, dtype=torch.int32, device=want.device)
     fq_ops.pop(fq, count, popped)
-    valid = popped > 0
-    safe = torch.where(valid, popped, torch.zeros_like(popped)).long()
-    evictions += ((table.block_slot[safe] >= 0) & valid).sum()
-    table_ops.erase(table, popped, valid)
-    rank = (torch.cumsum(want.to(torch.int32), 0) - 1).to(torch.int32)
+    table_ops.erase(table, popped, erased=evictions)  # popped[count:] = -1 is padding
+    if rank is None:
+        rank = (torch.cumsum(want.to(torch.int32), 0) - 1).to(torch.int32)
     G, R, M = block_table.shape
     _place_kernel[(triton.cdiv(E, _TILE),)](popped, want, rank, group, row, pos, block_table, ref_cnt, E, R, M,
                                             TILE=_TILE)
 
 
-@triton.jit(do_not_specialize=["root_lo", "root_hi", "K"])
-def _record_kernel(blk_ptr, valid_ptr, row_ptr, pos_ptr, tokens_ptr, T, digests_ptr, extras_ptr, M,
-                   root_lo: tl.int64, root_hi: tl.int64, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr, K,
+@triton.jit(do_not_specialize=["root_lo", "root_hi", "K", "R"])
+def _record_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, valid_ptr, R, MB, tokens_ptr, T, digests_ptr, extras_ptr, M,
+                   root_lo: tl.int64, root_hi: tl.int64, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr,
+                   blk_out_ptr, ok_out_ptr, key_out_ptr, K,
                    BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr):
+    """Per valid entry whose table slot ``bt[g, row, pos]`` (``bt`` int32[G, R,
+    MB]) holds a block b: copy the block's inputs (parent digest, tokens,
+    extra digest) into b's record, and write the insert's inputs: ``blk_out``
+    b, ``ok_out`` 1 (else 0), ``key_out[2 * i]`` the digest lanes."""
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < K
     v = lane & (tl.load(valid_ptr + offs, mask=lane, other=0) != 0)
-    b = tl.load(blk_ptr + offs, mask=v, other=0).to(tl.int64)
+    g = tl.load(g_ptr + offs, mask=v, other=0).to(tl.int64)
     r = tl.load(row_ptr + offs, mask=v, other=0).to(tl.int64)
     p = tl.load(pos_ptr + offs, mask=v, other=0).to(tl.int64)
+    b = tl.load(bt_ptr + (g * R + r) * MB + p, mask=v, other=0).to(tl.int64)
+    v = v & (b > 0)
     has_parent = p > 0
     prev = (r * M + p - 1) * 2
     par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=v & has_parent, other=0), root_lo)
@@ -168,25 +194,38 @@ def _record_kernel(blk_ptr, valid_ptr, row_ptr, pos_ptr, tokens_ptr, T, digests_
     m2 = v[:, None] & (cols < BS)[None, :]
     toks = tl.load(tokens_ptr + (r * T + p * BS)[:, None] + cols[None, :], mask=m2, other=0)
     tl.store(blk_tokens_ptr + (b * BS)[:, None] + cols[None, :], toks, mask=m2)
+    tl.store(blk_out_ptr + offs, tl.where(v, b, 0).to(tl.int32), mask=lane)
+    tl.store(ok_out_ptr + offs, v.to(tl.int32), mask=lane)
+    tl.store(key_out_ptr + offs * 2, tl.load(digests_ptr + ext, mask=v, other=0), mask=lane)
+    tl.store(key_out_ptr + offs * 2 + 1, tl.load(digests_ptr + ext + 1, mask=v, other=0), mask=lane)
 
 
 def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root, blk_tokens, blk_parent,
-           blk_extra, table) -> None:
+           blk_extra, table, scratch=None, seq=None) -> None:
     """Cache the blocks at ``block_table[group, row, pos]`` where ``valid``:
     keep their inputs for verification, then insert them into the table in
-    entry order (duplicates of a cached hash are kept, newest last)."""
+    entry order (duplicates of a cached hash are kept, newest last).
+    ``scratch`` (optional int64[4, >= K]) holds the insert's inputs, ``seq``
+    (optional int64[K]) its sequence numbers."""
     K = group.numel()
     if K == 0:
         return
+    G, R, MB = block_table.shape
     T = tokens.shape[1]
     M = digests.shape[1]  # digests and extras share one layout (may be wider than the block table)
     bs = blk_tokens.shape[1]
-    g64, r64, p64 = group.long(), row.long(), pos.long()
-    blk = block_table[g64, r64, p64]
-    valid = valid & (blk > 0)
+    if scratch is None:  # rows a multiple of 16 lanes apart: the pointers' alignment never varies
+        scratch = torch.empty((4, -(-K // 16) * 16), dtype=torch.int64, device=group.device)
+    key = scratch[0:2].view(-1)[: 2 * K].view(K, 2)
+    blk, ok = scratch[2].view(torch.int32)[:K], scratch[3].view(torch.int32)[:K]
     _record_kernel[(triton.cdiv(K, _TILE),)](
-        blk, valid, row, pos, tokens, T, digests, extras, M, root[0], root[1],
-        blk_tokens, blk_parent, blk_extra, K, BS=bs, BS_P2=triton.next_power_of_2(bs), TILE=_TILE,
+        block_table, group, row, pos, valid, R, MB, tokens, T, digests, extras, M, root[0], root[1],
+        blk_tokens, blk_parent, blk_extra, blk, ok, key, K,
+        BS=bs, BS_P2=triton.next_power_of_2(bs), TILE=_TILE,
     )
-    lanes = digests[r64, p64]
-    table_ops.insert(table, lanes[:, 0], lanes[:, 1], group, blk, valid)
+    table_ops.insert(table, key[:, 0], key[:, 1], group, blk, ok, seq=seq)
+
+
+from gpukv.kernels import _common  # noqa: E402
+
+_common.count_launches(globals())

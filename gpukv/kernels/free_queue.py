@@ -691,3 +691,8 @@ def maybe_compact(fq: FreeQueue, incoming: int = 0, *, tomb_limit: Optional[int]
         fq.ring, fq.pos, fq.counters, int(incoming), limit, fq.capacity, fq.capacity - 1, BASE,
         FORCE=False, TILE=tile, num_warps=_warps(tile),
     )
+
+
+from gpukv.kernels import _common  # noqa: E402
+
+_common.count_launches(globals())

@@ -334,8 +334,8 @@ def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
 
 @triton.jit(do_not_specialize=["K", "cap", "N"])
 def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
-                  valid_ptr, K, cap, N,
-                  HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+                  valid_ptr, erased_ptr, K, cap, N,
+                  HAS_VALID: tl.constexpr, COUNT_ERASED: tl.constexpr, TILE: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * TILE + tl.arange(0, TILE)
     m = offs < K
@@ -344,9 +344,9 @@ def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
         v = m & (tl.load(valid_ptr + offs, mask=m, other=0) != 0)
     else:
         v = m
-    in_range = (blk >= 0) & (blk < N)
-    bad = v & (~in_range)
-    want = v & in_range
+    # Negative ids are padding (a pop's unfilled tail): skipped, no error.
+    bad = v & (blk >= N)
+    want = v & (blk >= 0) & (blk < N)
     slot = tl.load(block_slot_ptr + blk, mask=want, other=_D_NO_SLOT)
     want = want & (slot >= 0)
     # A slot followed by an EMPTY one ends every probe that reaches it, so it
@@ -362,6 +362,8 @@ def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
     n_tomb = tl.sum((want & (~to_empty)).to(tl.int64), 0)
     tl.atomic_add(counters_ptr + _D_LIVE, -n_gone, mask=n_gone > 0)
     tl.atomic_add(counters_ptr + _D_TOMBSTONES, n_tomb, mask=n_tomb > 0)
+    if COUNT_ERASED:  # allocation's evictions: the popped blocks that were cached
+        tl.atomic_add(erased_ptr, n_gone, mask=n_gone > 0)
     err = tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK
     tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
 
@@ -621,7 +623,7 @@ def _valid(valid, K: int, dev: torch.device):
 
 def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
            group: Union[torch.Tensor, int], block: torch.Tensor,
-           valid: Optional[torch.Tensor] = None, *, tile: int = _TILE,
+           valid: Optional[torch.Tensor] = None, *, tile: int = _TILE, seq: Optional[torch.Tensor] = None,
            _lane_perm: Optional[torch.Tensor] = None) -> None:
     """Cache ``block[i]`` under key ``(lo[i], hi[i], group[i])`` for each valid i.
 
@@ -631,6 +633,7 @@ def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
     batch order (after everything cached before). A block that is already
     cached (or appears twice) is dropped and sets ``ERR_DOUBLE_INSERT``; an id
     outside ``0..N-1`` sets ``ERR_BAD_BLOCK``. Two launches, no host sync.
+    ``seq`` (int64[>= K], optional) is scratch for the sequence numbers.
     ``_lane_perm`` (int32[K], a permutation; tests only) makes lane j handle
     entry ``_lane_perm[j]``, to simulate another thread schedule under the
     interpreter: the result must not change.
@@ -645,7 +648,8 @@ def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
         raise ValueError(f"tile must be a power of two, got {tile}")
     if K == 0:
         return
-    seq = torch.empty(K, dtype=torch.int64, device=dev)
+    if seq is None:  # scratch: each entry's sequence number
+        seq = torch.empty(K, dtype=torch.int64, device=dev)
     vptr = valid if valid is not None else block  # placeholder, never read
     _insert_seq_kernel[(1,)](vptr, seq, table.counters, K,
                              HAS_VALID=valid is not None, TILE=_PREP_TILE)
@@ -689,20 +693,24 @@ def find_oldest(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
 
 
 def erase(table: HashTable, block: torch.Tensor, valid: Optional[torch.Tensor] = None,
-          *, tile: int = _TILE) -> None:
+          *, erased: Optional[torch.Tensor] = None, tile: int = _TILE) -> None:
     """Remove the given blocks' entries (int32[K], distinct within one call);
-    a block that is not cached is ignored, an id outside ``0..N-1`` sets
-    ``ERR_BAD_BLOCK``. One launch."""
+    a block that is not cached is ignored, a negative id is padding (skipped),
+    an id ``>= N`` sets ``ERR_BAD_BLOCK``. ``erased`` (int64[1], optional)
+    is increased by the number of entries removed. One launch."""
     dev = table.device
     block = _vec(block, "block", (torch.int32,), None, dev).contiguous()
     K = block.shape[0]
     valid = _valid(valid, K, dev)
+    if erased is not None:
+        erased = _vec(erased, "erased", (torch.int64,), 1, dev)
     if K == 0:
         return
     _erase_kernel[(triton.cdiv(K, tile),)](
         table.slot_block, table.block_slot, table.counters, block,
-        valid if valid is not None else block, K, table.capacity, table.num_blocks,
-        HAS_VALID=valid is not None, TILE=tile,
+        valid if valid is not None else block, erased if erased is not None else table.counters,
+        K, table.capacity, table.num_blocks,
+        HAS_VALID=valid is not None, COUNT_ERASED=erased is not None, TILE=tile,
     )
 
 
@@ -746,3 +754,8 @@ def maybe_rebuild(table: HashTable, min_tombstones: Optional[int] = None) -> Non
 def clear_errors(table: HashTable) -> None:
     """Reset the error flags (after the host has read them)."""
     table.counters[ERRORS:ERRORS + 1].zero_()
+
+
+from gpukv.kernels import _common  # noqa: E402
+
+_common.count_launches(globals())

@@ -327,3 +327,8 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
         ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
         G=G, TILE=tile,
     )
+
+
+from gpukv.kernels import _common  # noqa: E402
+
+_common.count_launches(globals())

@@ -247,3 +247,8 @@ def slot_mapping(
             BLOCK_SIZE=block_size, WRITE_POS=bool(with_positions), TILE=_TILE,
         )
     return (slots, positions) if with_positions else slots
+
+
+from gpukv.kernels import _common  # noqa: E402
+
+_common.count_launches(globals())

@@ -39,7 +39,7 @@ def test_release_uses_the_last_occurrence_and_sends_cached_back_uncached_front()
     last = torch.full((8,), -1, dtype=torch.int64)
     # Free row 0 (tail first: 2, 1) as call 0, then row 1 (3, 1) as call 1.
     blocks.release(bt, i32([0, 0, 0, 0]), i32([0, 0, 1, 1]), i32([1, 0, 1, 0]), i32([0, 0, 1, 1]),
-                   ref_cnt=ref, last_seen=last, stamp=0, fq=fq, table=table, uncached_first=True)
+                   ref_cnt=ref, last_seen=last, fq=fq, table=table, uncached_first=True)
     # Call 0: 2 (cached) to the back; 1 still held. Call 1: 3 (uncached) and 1
     # (uncached, now free) to the front, in that order.
     assert fq.to_list() == [3, 1, 4, 5, 6, 7, 2]

@@ -1,0 +1,145 @@
+"""Host-to-device uploads without hidden synchronisation, and the counters
+that say what a step really cost.
+
+A copy from pageable host memory to the GPU makes the host wait until the copy
+is done (the CUDA driver stages it through a pinned bounce buffer), so a step
+that uploads its plan with ``torch.as_tensor(array, device="cuda")`` stalls
+the host on the GPU each time. ``Staging`` copies host arrays into a pinned
+buffer allocated once and issues ``non_blocking`` copies from it: the host
+goes on at once. Two pinned buffers alternate between steps; before a buffer
+is reused, the host waits on the event recorded after the step that last
+used it (two steps ago, normally long finished), so a pending copy never
+reads bytes the host has overwritten.
+
+Without CUDA (Triton's interpreter on CPU tensors) an upload is a plain
+tensor view of the array; it is counted all the same, so counts measured on
+a CPU say what a GPU step would upload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class StepCounters:
+    """What the last step cost, counted where it happens: Triton kernel
+    launches (``gpukv.kernels._common`` counts every launch), host-to-device
+    uploads (``Staging``), device-to-host reads (the manager's ``read_*``
+    paths), and torch kernels (only while ``count_torch_ops`` is True: a
+    dispatch hook that costs host time itself, so benchmarks switch it on in a
+    separate counting pass). ``steps`` counts steps since construction."""
+
+    launches: int = 0
+    h2d: int = 0
+    d2h: int = 0
+    torch_ops: int = 0
+    steps: int = 0
+    count_torch_ops: bool = False
+
+    @property
+    def syncs(self) -> int:
+        """Device-to-host reads (the older name)."""
+        return self.d2h
+
+    def as_dict(self) -> dict[str, int]:
+        return {"launches": self.launches, "h2d": self.h2d, "d2h": self.d2h, "torch_ops": self.torch_ops}
+
+
+class Staging:
+    """Uploads of int arrays through two alternating pinned buffers."""
+
+    def __init__(self, device: torch.device, counters: StepCounters, nbytes: int = 1 << 16) -> None:
+        self.device = device
+        self.counters = counters
+        self._pinned = device.type == "cuda"
+        self._bufs = [self._alloc(nbytes), self._alloc(nbytes)]
+        self._events: list = [None, None]
+        self._cur = 0
+        self._off = 0
+        self._want = 0  # bytes a step needed that a buffer did not hold
+        self._keep: list[torch.Tensor] = []  # one-off pinned tensors of this step
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def begin_step(self) -> None:
+        """Switch to the other buffer, once the step that last used it is done."""
+        self._cur ^= 1
+        event = self._events[self._cur]
+        if event is not None:
+            event.synchronize()
+        if self._want > len(self._bufs[self._cur]):
+            self._bufs[self._cur] = self._alloc(self._want)
+        self._off = 0
+        self._keep = []
+
+    def end_step(self) -> None:
+        if self._pinned:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._cur] = event
+
+    def upload(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``array`` on the device (into ``out`` when given: a fixed buffer
+        of the same dtype and at least as many elements)."""
+        self.counters.h2d += 1
+        array = np.ascontiguousarray(array)
+        if not self._pinned:
+            src = torch.from_numpy(array)
+            if out is None:
+                return src.to(self.device)
+            out.view(-1)[: src.numel()].copy_(src.view(-1))
+            return out
+        host = self._host_view(array)
+        if out is None:
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+            return out
+        out.view(-1)[: host.numel()].copy_(host.view(-1), non_blocking=True)
+        return out
+
+    def _host_view(self, array: np.ndarray) -> torch.Tensor:
+        dtype = torch.from_numpy(array[:0].reshape(-1)).dtype
+        if array.size == 0:
+            return torch.empty(array.shape, dtype=dtype)
+        nbytes = array.nbytes
+        start = -(-self._off // 8) * 8
+        buf = self._bufs[self._cur]
+        if start + nbytes > len(buf):  # this step outgrew the buffer: a one-off one now, a bigger one later
+            self._want = max(self._want, 2 * (start + nbytes))
+            region = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._keep.append(region)
+        else:
+            region = buf[start: start + nbytes]
+            self._off = start + nbytes
+        host = region.view(dtype).view(array.shape)
+        host.numpy()[...] = array
+        return host
+
+
+_METADATA_OPS = ("view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "reshape", "alias",
+                 "permute", "transpose", "detach", "split", "unbind", "t.default", "lift_fresh", "_local_scalar")
+
+
+class TorchOpCounter(TorchDispatchMode):
+    """Counts the torch kernels a step runs (``StepCounters.torch_ops``):
+    every dispatched aten op but metadata-only ones (views, reshapes), and
+    none inside a Triton kernel (``gpukv.kernels._common.kernel_running``:
+    the interpreter runs kernels through torch on the host)."""
+
+    def __init__(self, counters: StepCounters) -> None:
+        super().__init__()
+        self.counters = counters
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from gpukv.kernels import _common
+
+        name = str(func)
+        if not _common.in_kernel() and not any(m in name for m in _METADATA_OPS):
+            self.counters.torch_ops += 1
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,153 @@
+"""The batched decode entry (``decode(rows, new_token_ids)``) of both managers:
+hand-worked, against ``step(running=...)`` and device against reference step
+by step, bad input refused with nothing changed, and the device's launch
+sequence fixed within a batch bucket (what a CUDA graph needs)."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError
+from gpukv.kernels import _common
+from gpukv.manager import KVCacheManager as DeviceManager
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
+
+
+def pair(num_blocks, block_size, windows=(None,), max_model_len=128, max_num_reqs=4):
+    ref = ReferenceManager(num_blocks, block_size, sliding_windows=windows, hash_key=KEY,
+                           max_model_len=max_model_len, max_num_reqs=max_num_reqs)
+    dev = DeviceManager(num_blocks, block_size, sliding_windows=windows, hash_key=KEY,
+                        max_model_len=max_model_len, max_num_reqs=max_num_reqs)
+    return ref, dev
+
+
+def state(m):
+    return (m.free_queue(), list(m.pool.ref_counts() if hasattr(m.pool, "ref_counts") else m.pool.ref_cnt),
+            m.pool.table_entries() if hasattr(m.pool, "table_entries") else m.pool.table(),
+            {r: (m.get_block_ids(r), m.num_computed_tokens(r), m.row_of(r)) for r in sorted(m.request_ids())})
+
+
+def test_hand_worked_decode_fills_a_block_caches_it_and_stops_at_the_first_misfit():
+    # Pool of 5 blocks (4 usable), block size 2. "a" holds [1] with token 10,
+    # "b" holds [2, 3] with tokens 20, 21, 22. Free queue: 4.
+    for m in pair(5, 2):
+        res = m.step(new=[NewRequest("a", [10]), NewRequest("b", [20, 21, 22])])
+        assert res.rows == [0, 1] and res.num_computed_tokens == [0, 0]
+        assert m.free_queue() == [4]
+        # a: 1 -> 2 tokens (block 1 becomes full, no new block); b: 3 -> 4 (block 3 full).
+        assert m.decode([0, 1], [11, 23]).ok
+        assert m.get_block_ids("a") == [[1]] and m.get_block_ids("b") == [[2, 3]]
+        assert len(m.pool.table_entries() if hasattr(m.pool, "table_entries") else m.pool.table()) == 3
+        # Next decode: b (listed first) needs block 4, a needs one more: only b fits.
+        res = m.decode([1, 0], np.array([[24], [12]]))
+        assert res.running_failed_at == 1
+        assert m.get_block_ids("b") == [[2, 3, 4]] and m.get_block_ids("a") == [[1]]
+        assert m.num_computed_tokens("a") == 2 and m.num_computed_tokens("b") == 5
+        assert m.free_queue() == []
+        m.check_invariants()
+
+
+def test_decode_equals_step_with_running_updates():
+    one, two = pair(40, 4)[1], pair(40, 4)[1]
+    for m in (one, two):
+        m.step(new=[NewRequest(f"r{i}", list(range(i * 100, i * 100 + 5 + i))) for i in range(3)])
+    for t in range(9):
+        toks = [[1000 + t, 2000 + t], [3000 + t, 4000 + t], [5000 + t, 6000 + t]]
+        a = one.decode([2, 0, 1], toks)
+        b = two.step(running=[RunningUpdate("r2", toks[0]), RunningUpdate("r0", toks[1]),
+                              RunningUpdate("r1", toks[2])])
+        assert a == b
+        assert state(one) == state(two)
+        assert [one.block_hashes(f"r{i}") for i in range(3)] == [two.block_hashes(f"r{i}") for i in range(3)]
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 5)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_device_decode_matches_the_reference_step_by_step(windows, seed):
+    rng = random.Random(seed)
+    ref, dev = pair(24 * len(windows), 2, windows=windows, max_model_len=64)
+    next_id = 0
+    for step in range(14):
+        held = sorted(ref.request_ids())
+        if len(held) < 3 or rng.random() < 0.3:
+            new = [NewRequest(f"q{next_id + i}", [rng.randrange(4) for _ in range(rng.randint(1, 9))])
+                   for i in range(rng.randint(1, 2))]
+            next_id += len(new)
+            results = [m.step(new=new) for m in (ref, dev)]
+        else:
+            rows = [ref.row_of(r) for r in held]
+            rng.shuffle(rows)
+            rows = rows[: rng.randint(1, len(rows))]
+            k = rng.choice([1, 1, 3])
+            if max(ref.num_computed_tokens(r) for r in held) + k > 64:
+                results = [m.step(finished=held) for m in (ref, dev)]
+            else:
+                toks = np.array([[rng.randrange(4) for _ in range(k)] for _ in rows])
+                results = [m.decode(rows, toks) for m in (ref, dev)]
+                if not results[0].ok:  # the loop preempts the first that did not fit
+                    victim = [r for r in held if ref.row_of(r) == rows[results[0].running_failed_at]]
+                    assert [m.step(finished=victim) for m in (ref, dev)]
+        assert results[0] == results[1], f"step {step}"
+        assert state(ref) == state(dev), f"step {step}"
+        dev.check_invariants()
+
+
+BAD = {
+    "a row no request holds": ([3], [1], InvalidInputError, "rows[0] = 3 is not the row of a running request"),
+    "a negative row": ([-1], [1], InvalidInputError, "rows[0] = -1"),
+    "a row twice": ([0, 0], [1, 2], InvalidInputError, "a row appears twice"),
+    "rows as a str": ("0", [1], InvalidTypeError, "rows"),
+    "float rows": (np.array([0.0]), [1], InvalidTypeError, "1-D integer array"),
+    "too few tokens": ([0, 1], [1], InvalidInputError, "want [2] or [2, k >= 1]"),
+    "a negative token": ([0], [-1], InvalidInputError, "outside [0, 2**32)"),
+    "float tokens": ([0], [1.5], InvalidTypeError, "must be ints"),
+    "zero tokens per row": ([0], np.zeros((1, 0), dtype=np.int64), InvalidInputError, "k >= 1"),
+    "past max_model_len": ([0], np.ones((1, 7), dtype=np.int64), CapacityError, "over max_model_len 8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_decode_input_is_refused_alike_and_changes_nothing(case):
+    rows, toks, cls, text = BAD[case]
+    for m in pair(8, 2, max_model_len=8):
+        m.step(new=[NewRequest("a", [1, 2]), NewRequest("b", [3])])
+        before = state(m)
+        with pytest.raises(cls) as info:
+            m.decode(rows, toks)
+        assert text in str(info.value), str(info.value)
+        assert state(m) == before and not m.failed
+        assert m.decode([0], [5]).ok  # and the manager still works
+
+
+def test_a_decode_step_is_a_fixed_launch_sequence_within_its_bucket():
+    """Steps of one bucket (5 rows pad to 8) launch the same kernels with the
+    same shapes and scalar arguments whatever fills or needs a block, so a
+    CUDA graph captured once replays every step of the bucket."""
+    for windows in [(None,), (None, 3)]:
+        _, dev = pair(64, 2, windows=windows, max_model_len=64, max_num_reqs=8)
+        res = dev.step(new=[NewRequest(f"r{i}", list(range(10 * i, 10 * i + 2 + i))) for i in range(5)])
+        rows = res.rows
+        dev.decode(rows, torch.zeros(5, dtype=torch.int64))  # the window catches up with the prompts
+        records = []
+        for t in range(1, 6):
+            with _common.recording() as rec:
+                assert dev.decode(rows, torch.tensor([t] * 5, dtype=torch.int64)).ok
+            records.append(rec)
+            assert dev.counters.d2h == 0 and dev.counters.h2d == 1  # the plan; the tokens were on the device
+        assert all(r == records[0] for r in records), windows
+        # fit, pop, erase, place, hash, record, insert (2), rebuild (2); windows: release (3) first
+        assert len(records[0]) == (13 if windows[1:] else 10)
+
+
+def test_counters_of_a_decode_that_the_host_cannot_prove_fits():
+    _, dev = pair(6, 2, max_model_len=16)
+    res = dev.step(new=[NewRequest("a", [1, 2]), NewRequest("b", [3, 4])])
+    assert dev.decode(res.rows, [5, 6]).ok  # needs 2 of 3 free: known
+    assert dev.counters.d2h == 0
+    assert dev.decode(res.rows, [[7, 8], [9, 10]]).running_failed_at == 1  # needs 2 of 1
+    assert dev.counters.d2h == 1  # one status read
