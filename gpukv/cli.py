@@ -375,17 +375,10 @@ def replay_main(args) -> int:
 _COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "preemptions", "evictions", "admissions")
 
 
-# Whether an unfinished progress line is on stderr (an error message must start
-# a line of its own). The replay's tqdm bar clears its line when a run fails,
-# so this stays False; kept for callers that set it.
-_state = {"progress_line_open": False}
-
-
 def _fail(prefix: str, message: str) -> None:
+    # The replay's tqdm bar clears its line when a run fails, so the message
+    # starts a line of its own. A stderr that cannot be written is let go.
     try:
-        if _state["progress_line_open"]:  # the progress bar's "\r..." line has no newline yet
-            sys.stderr.write("\n")
-            _state["progress_line_open"] = False
         sys.stderr.write(f"{prefix}: {message}\n")
         sys.stderr.flush()
     except (OSError, ValueError):

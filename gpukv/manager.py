@@ -282,7 +282,7 @@ class KVCacheManager(FailStop):
     @reading
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         row = self._state(request_id)
-        return self.block_table[:, row, : self._num_blocks(row)].cpu().tolist()
+        return self._read(self.block_table[:, row, : self._num_blocks(row)])
 
     @reading
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
@@ -299,7 +299,7 @@ class KVCacheManager(FailStop):
     def block_hashes(self, request_id: str) -> list[bytes]:
         row = self._state(request_id)
         n = int(self._ntok[row]) // self.block_size
-        return hashing.lanes_to_digests(self.digests[row, :n].cpu().numpy())
+        return hashing.lanes_to_digests(np.array(self._read(self.digests[row, :n]), dtype=np.int64).reshape(-1, 2))
 
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -573,14 +573,13 @@ class KVCacheManager(FailStop):
         bufs = self._decode_bufs.get(bucket)
         if bufs is not None:
             return bufs
-        BP, k, L = bucket
-        G, A, W = self.num_groups, -(-k // self.block_size), len(self._window_groups)
-        E, ER = BP * G * A, BP * W * L
-        names = self._decode_layout(bucket)
+        BP, k = bucket[:2]
         dev = self.device
-        plan = torch.zeros(sum(n for _, n in names), dtype=torch.int32, device=dev)
+        sizes = dict(self._decode_layout(bucket))
+        E, ER = sizes["a_grp"], max(sizes.get("r_grp", 0), 1)
+        plan = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=dev)
         views, off = {}, 0
-        for name, size in names:
+        for name, size in sizes.items():
             views[name] = plan[off: off + size]
             off += size
         bufs = DecodeBuffers(
@@ -588,8 +587,8 @@ class KVCacheManager(FailStop):
             count=torch.zeros(1, dtype=torch.int64, device=dev),
             status=torch.zeros(decode_ops.NUM_STATUS, dtype=torch.int64, device=dev),
             popped=torch.zeros(E, dtype=torch.int32, device=dev),
-            release_scratch=torch.zeros((2, max(ER, 1)), dtype=torch.int32, device=dev),
-            release_workspace=torch.zeros(max(ER, 1), dtype=torch.int64, device=dev),
+            release_scratch=torch.zeros((2, ER), dtype=torch.int32, device=dev),
+            release_workspace=torch.zeros(ER, dtype=torch.int64, device=dev),
             record_scratch=torch.zeros((4, E), dtype=torch.int64, device=dev),
             record_seq=torch.zeros(E, dtype=torch.int64, device=dev))
         self._decode_bufs[bucket] = bufs
@@ -673,8 +672,6 @@ class KVCacheManager(FailStop):
     def _up(self, a, dtype=np.int32) -> torch.Tensor:
         """A host array on the device (pinned staging, non-blocking)."""
         return self._staging.upload(np.asarray(a, dtype=dtype))
-
-    _i32 = _up
 
     def _next_stamp(self, n: int) -> int:
         stamp = self._stamp
@@ -881,13 +878,13 @@ class KVCacheManager(FailStop):
         if not len(ei):
             return None
         E = len(ei)
-        ei_t, ep_t = self._i32(ei), self._i32(ep)
-        e_rows = self._i32(rows_np[ei])
+        ei_t, ep_t = self._up(ei), self._up(ep)
+        e_rows = self._up(rows_np[ei])
         lanes = self.digests[e_rows.long(), ep_t.long()]
         lo, hi = lanes[:, 0].contiguous(), lanes[:, 1].contiguous()
         scratch = table_ops.HashTable.create(E, dev)
         ones = torch.ones(E, dtype=torch.int32, device=dev)
-        table_ops.insert(scratch, lo, hi, ep_t, self._i32(np.arange(E)), ones)
+        table_ops.insert(scratch, lo, hi, ep_t, self._up(np.arange(E)), ones)
         head = table_ops.find_oldest(scratch, lo, hi, ep_t, ones)
         # Inputs equal to the chain head's (digests are the manager's own, so
         # only a hash collision could fail this; checked all the same).
@@ -931,7 +928,7 @@ class KVCacheManager(FailStop):
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
             _, hit, cache = self._admit_new([request], [row], blocked, count_stats, None, dry=True)
             n = int(self._read(hit)[0])
-            blocks = cache[0, :n].T.cpu().tolist() if n else [[] for _ in range(self.num_groups)]
+            blocks = self._read(cache[0, :n].T) if n else [[] for _ in range(self.num_groups)]
         finally:
             self._rows.give_back_unused([row])
         for g, w in enumerate(self._window_blocks):
@@ -953,8 +950,8 @@ class KVCacheManager(FailStop):
         cache = torch.full((K, P, G), -1, dtype=torch.int32, device=dev)
         chains = None
         if len(li):
-            li_t, lp_t, lg_t = self._i32(li), self._i32(lp), self._i32(lg)
-            lrow_t = self._i32(rows_np[li])
+            li_t, lp_t, lg_t = self._up(li), self._up(lp), self._up(lg)
+            lrow_t = self._up(rows_np[li])
             lanes = self.digests[lrow_t.long(), lp_t.long()]
             found = table_ops.find_oldest(pool.table, lanes[:, 0].contiguous(), lanes[:, 1].contiguous(), lg_t,
                                           torch.ones_like(lg_t))
@@ -974,7 +971,7 @@ class KVCacheManager(FailStop):
             chains = (torch.full((K, P), -1, dtype=torch.int32, device=dev),) + tuple(
                 torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(3))
         resolved = torch.full((K, P), -1, dtype=torch.int32, device=dev)
-        lookup_ops.admit(cache, None, self._i32(max_hit), self._i32(n_blocks), self._i32(n_tok), self._i32(skip),
+        lookup_ops.admit(cache, None, self._up(max_hit), self._up(n_blocks), self._up(n_tok), self._up(skip),
                          ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
                          blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev,
                          chains=chains, resolved=resolved)
@@ -987,7 +984,7 @@ class KVCacheManager(FailStop):
         # Phase 5a: touch every admitted request's cache hits (a window group
         # holds real blocks only for the last W positions of its hit).
         if len(li):
-            li_t, lp_t, lg_t = self._i32(li), self._i32(lp), self._i32(lg)
+            li_t, lp_t, lg_t = self._up(li), self._up(lp), self._up(lg)
             c = cache[li_t.long(), lp_t.long(), lg_t.long()]
             h = hit_safe[li_t.long()]
             w = self._win_dev[lg_t.long()]
@@ -996,25 +993,25 @@ class KVCacheManager(FailStop):
             real = in_hit & (lp_t >= first_real)
             block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
         ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_blocks[:, None], G, 1))
-        ai_t, ap_t = self._i32(ai), self._i32(ap)
+        ai_t, ap_t = self._up(ai), self._up(ap)
         want = (ai_t < admitted) & (ap_t >= hit_safe[ai_t.long()])
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
-        block_ops.allocate(count, want, self._i32(ag), self._i32(rows_np[ai]), ap_t, block_table=self.block_table,
+        block_ops.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
                            ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
         if len(li):
             li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
             c = cache[li_l, lp_l, lg_l]
             e = resolved[li_l, lp_l]
-            e_row = self._i32(rows_np)[e.clamp(min=0).long()].long()
+            e_row = self._up(rows_np)[e.clamp(min=0).long()].long()
             from_pending = self.block_table[lg_l, e_row, lp_l]
             blk = torch.where(real, torch.where(c >= 0, c, from_pending), torch.zeros_like(c))
-            r_l = self._i32(rows_np[li]).long()
+            r_l = self._up(rows_np[li]).long()
             old = self.block_table[lg_l, r_l, lp_l]
             self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
             block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
         ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_full[:, None], G, 1))
         if len(ci):
-            ci_t, cp_t = self._i32(ci), self._i32(cp)
+            ci_t, cp_t = self._up(ci), self._up(cp)
             valid = (ci_t < admitted) & (cp_t >= hit_safe[ci_t.long()])
-            self._record(self._i32(cg), self._i32(rows_np[ci]), cp_t, valid)
+            self._record(self._up(cg), self._up(rows_np[ci]), cp_t, valid)
         return status, hit

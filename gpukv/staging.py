@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpukv.kernels import _common
+
 
 @dataclass
 class StepCounters:
@@ -137,8 +139,6 @@ class TorchOpCounter(TorchDispatchMode):
         self.counters = counters
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from gpukv.kernels import _common
-
         name = str(func)
         if not _common.in_kernel() and not any(m in name for m in _METADATA_OPS):
             self.counters.torch_ops += 1

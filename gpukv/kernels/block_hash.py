@@ -830,7 +830,8 @@ def hash_rows_host(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, 
                    block_size: int, tile: int = DEFAULT_TILE) -> None:
     """``hash_rows`` computed on the host with ``gpukv.hashing`` (reads the
     tensors: a sync on a GPU); for runs under Triton's interpreter.
-    tests/kernels/test_block_hash.py holds the two equal."""
+    tests/kernels/test_block_hash.py holds the two equal (and both equal to
+    ``gpukv.hashing.hash_block_chain``)."""
     from gpukv import hashing
 
     _rows_args(rows, starts, counts, tokens, digests, extras)

@@ -428,3 +428,45 @@ def test_gpu_many_requests_match_host():
     counts = [rng.randrange(0, M + 1) for _ in range(R)]
     out = _run(key, tokens, parents, counts, extras)
     assert torch.equal(out, _expected(key, tokens, parents, extras, counts, M, bs))
+
+
+# --------------------------------------------------------------------------
+# hash_rows: blocks of request rows hashed in place (the manager's path)
+# --------------------------------------------------------------------------
+
+
+def test_hash_rows_kernel_and_host_twin_equal_the_host_scheme_in_place():
+    """Rows continue their chains from the digest already in the row (the
+    root for block 0), read tokens >= 2**31 as uint32, use each block's extra
+    digest, and leave every other position untouched; padding entries
+    (count 0, row -1) do nothing."""
+    key, bs, R, M = bytes(range(16)), 4, 4, 5
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(-2**31, 2**31 - 1, (R, M * bs), dtype=torch.int32, generator=gen)
+    extras = torch.randint(-2**62, 2**62, (R, M + 1, 2), dtype=torch.int64, generator=gen)
+    extras[1] = 0  # a row without extra keys
+    root = host.root_digest(key)
+    root_lanes = struct.unpack("<qq", root)
+    sentinel = torch.full((R, M + 1, 2), 12345, dtype=torch.int64)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    first = (torch.tensor([2], **i32), torch.tensor([0], **i32), torch.tensor([1], **i32))
+    rest = (torch.tensor([0, 2, 1, -1], **i32), torch.tensor([0, 1, 0, 0], **i32), torch.tensor([3, 2, 0, 0], **i32))
+    results = []
+    for fn in (kb.hash_rows, kb.hash_rows_host):
+        digests = sentinel.clone().to(DEVICE)
+        kw = dict(tokens=tokens.to(DEVICE), digests=digests, extras=extras.to(DEVICE), root=root_lanes, block_size=bs)
+        fn(kb.key_lanes(key, DEVICE), *first, **kw)  # row 2's block 0, then its blocks 1-2 chain from it
+        fn(kb.key_lanes(key, DEVICE), *rest, **kw)
+        results.append(digests.cpu())
+    assert torch.equal(results[0], results[1])
+    out = results[0]
+
+    def expected(r, n):
+        ids = [t & M32 for t in tokens[r, : n * bs].tolist()]
+        ext = [lanes_to_bytes(*extras[r, b].tolist()) for b in range(n)]
+        return host.hash_block_chain(key, ids, bs, extras=ext, parent=root)
+
+    assert host.lanes_to_digests(out[0, :3].numpy()) == expected(0, 3)
+    assert host.lanes_to_digests(out[2, :3].numpy()) == expected(2, 3)
+    assert torch.equal(out[0, 3:], sentinel[0, 3:]) and torch.equal(out[2, 3:], sentinel[2, 3:])
+    assert torch.equal(out[1], sentinel[1]) and torch.equal(out[3], sentinel[3])
