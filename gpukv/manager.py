@@ -122,6 +122,10 @@ def entry_layout(starts, stops, *, reverse: bool = False):
     return call // G, call % G, pos, call
 
 
+#: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
+_UPLOADED = frozenset({"rows", "ntok", "cum", "r_grp", "r_row", "r_pos", "r_call", "r_valid"})
+
+
 @dataclass
 class DecodePlan:
     """A batched decode step as the host plans it (``KVCacheManager.decode``):
@@ -131,9 +135,9 @@ class DecodePlan:
     rows: np.ndarray  # int64[B]
     tokens_per_row: int
     bucket: tuple  # (BP, k, L): rows, tokens per row, window releases per row and group
-    packed: np.ndarray  # int32, the bucket's plan layout
+    packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout
     need: np.ndarray  # int64[B] blocks each row needs (all groups)
-    window_stops: np.ndarray  # int64[B, G] rows' null-block boundaries after the step
+    window_stops: np.ndarray | None  # int64[B, G] rows' null-block boundaries after the step (windows only)
     fits_known: bool  # the host's free-block lower bound covers the whole batch
 
 
@@ -153,6 +157,8 @@ class DecodeBuffers:
     release_workspace: torch.Tensor
     record_scratch: torch.Tensor
     record_seq: torch.Tensor
+    prepared: list | None = None  # the launches, replayable (``_common.preparing``)
+    generation: int = -1  # the row tensors' generation the prepared launches hold
 
 
 class KVCacheManager(FailStop):
@@ -422,11 +428,12 @@ class KVCacheManager(FailStop):
         """
         rows_np = normalize_rows(rows, self._rows.in_use)
         tokens = normalize_decode_tokens(new_token_ids, len(rows_np), self.device)
-        check_decode_lengths(self._ntok[rows_np], tokens.shape[1], self._limits)
+        num_tokens = self._ntok[rows_np]
+        check_decode_lengths(num_tokens, tokens.shape[1], self._limits)
         if not len(rows_np):
             return StepResult()
         with self._counting():
-            plan = self.plan_decode(rows_np, tokens.shape[1])
+            plan = self.plan_decode(rows_np, tokens.shape[1], num_tokens)
             bufs = self.stage_decode(plan, tokens)
             (graphs.launch if graphs is not None else self.launch_decode)(plan.bucket, bufs)
             return self.finish_decode(plan, bufs)
@@ -434,77 +441,61 @@ class KVCacheManager(FailStop):
     # --------------------------------------------------------- decode, in parts
     # ``decode`` is these four calls; ``gpukv.graphs`` runs the same plan,
     # stage and finish around a captured ``launch_decode``.
-    def plan_decode(self, rows: np.ndarray, k: int) -> DecodePlan:
+    def plan_decode(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None) -> DecodePlan:
         """The host plan of a decode of ``k`` tokens for each of ``rows``
-        (checked by ``decode``): a few vectorised numpy operations written
-        into the bucket's plan array, no Python per request."""
+        (checked by ``decode``): the rows, their token counts and the running
+        total of blocks they need (the device derives every entry from these,
+        ``kernels/decode.py``), and the window releases; a few vectorised
+        numpy operations, no Python per request. ``num_tokens``: the rows'
+        token counts, when the caller has them already."""
         bs, G = self.block_size, self.num_groups
         B = len(rows)
-        n = self._ntok[rows]
-        n_after = n + k
-        nb0 = -(-n // bs)
-        f0 = n // bs
-        need_row = -(-n_after // bs) - nb0  # new blocks per group
-        starts = self._null[rows]
-        stops = self._window_stops(n, starts) if self._window_groups else starts
+        n = self._ntok[rows] if num_tokens is None else num_tokens
+        need = (-(-(n + k) // bs) + n // -bs) * G  # new blocks, all groups
+        cum = np.cumsum(need)
         wg = self._window_groups
-        released = (stops - starts)[:, wg]
-        L = _pow2_at_least(max(1, int(released.max()))) if wg else 0
+        if wg:
+            starts = self._null[rows]
+            stops = self._window_stops(n, starts)
+            released = (stops - starts)[:, wg]
+            L = _pow2_at_least(max(1, int(released.max())))
+        else:
+            stops, L = None, 0
         bucket = (_pow2_at_least(max(B, 8)), k, L)
-        packed, v, per_row = self._host_plan(bucket)
+        packed, v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["rows"][B:] = -1
         v["ntok"][:B] = n
-        v["cum"][:B] = np.cumsum(need_row * G)
+        v["cum"][:B] = cum
         v["cum"][B:] = decode_ops.BIG
-        v["h_start"][:B] = f0
-        v["h_count"][:B] = n_after // bs - f0
-        v["h_count"][B:] = 0
-        a_want = v["a_want"]
-        a_want[:B] = per_row[None, :] < need_row[:, None]
-        a_want[B:] = 0
-        v["a_row"][:B] = rows[:, None]
-        v["a_pos"][:B] = nb0[:, None] + per_row[None, :]
-        v["a_rank"].ravel()[:] = np.cumsum(a_want.ravel()) - 1
-        v["c_row"][:B] = rows[:, None]
-        v["c_pos"][:B] = f0[:, None] + per_row[None, :]
-        c_valid = v["c_valid"]
-        c_valid[:B] = per_row[None, :] < v["h_count"][:B, None]
-        c_valid[B:] = 0
         if L:
             ell = np.arange(L)
             v["r_row"][:B] = rows[:, None, None]
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
-        need = need_row * G
-        return DecodePlan(rows, k, bucket, packed, need, stops, int(need.sum()) <= self._free_lower_bound)
+        return DecodePlan(rows, k, bucket, packed, need, stops, int(cum[-1]) <= self._free_lower_bound)
 
     def _host_plan(self, bucket: tuple):
-        """The bucket's host plan array, its named views (shaped [BP, ...])
-        with the parts that never change filled in, and each row's block
-        offset per entry (0..A-1, for each group)."""
+        """The bucket's host plan array (the uploaded part of its layout) and
+        its named views, with the parts that never change filled in."""
         cached = self._host_plans.get(bucket)
         if cached is not None:
             return cached
         BP, k, L = bucket
-        G, A = self.num_groups, -(-k // self.block_size)
-        packed = np.zeros(self._decode_plan_size(bucket), dtype=np.int32)
+        uploaded = [(name, size) for name, size in self._decode_layout(bucket) if name in _UPLOADED]
+        packed = np.zeros(sum(size for _, size in uploaded), dtype=np.int32)
         views, off = {}, 0
-        for name, size in self._decode_layout(bucket):
-            views[name] = packed[off: off + size].reshape(BP, -1) if name[:2] in ("a_", "c_", "r_") \
-                else packed[off: off + size]
+        for name, size in uploaded:
+            views[name] = packed[off: off + size]
             off += size
-        grp = np.repeat(np.arange(G), A)
-        views["a_grp"][:] = grp
-        views["c_grp"][:] = grp
         if L:
-            W = len(self._window_groups)
+            W, G = len(self._window_groups), self.num_groups
             for name in ("r_grp", "r_row", "r_pos", "r_call", "r_valid"):
                 views[name] = views[name].reshape(BP, W, L)
             views["r_grp"][:] = np.array(self._window_groups)[None, :, None]
             views["r_call"][:] = np.arange(BP)[:, None, None] * G + views["r_grp"]
-        cached = (packed, views, np.tile(np.arange(A), G))
+        cached = (packed, views)
         self._host_plans[bucket] = cached
         return cached
 
@@ -522,22 +513,34 @@ class KVCacheManager(FailStop):
 
     def launch_decode(self, bucket: tuple, bufs: DecodeBuffers) -> None:
         """The decode step's kernels: a fixed sequence for a bucket, reading
-        only its fixed buffers and the pool (what a CUDA graph captures)."""
+        only its fixed buffers and the pool (what a CUDA graph captures).
+        The first step of a bucket runs the launchers and keeps the launches;
+        later steps replay them, skipping the launchers' Python."""
+        if bufs.prepared is not None and bufs.generation == self.rows_generation:
+            for launch in bufs.prepared:
+                launch()
+            return
+        with _common.preparing() as prepared:
+            self._launch_decode_kernels(bucket, bufs)
+        bufs.prepared, bufs.generation = prepared, self.rows_generation
+
+    def _launch_decode_kernels(self, bucket: tuple, bufs: DecodeBuffers) -> None:
         v, pool = bufs.views, self.pool
         if bucket[2]:  # window groups release what their window left behind
             block_ops.release(self.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
                               ref_cnt=pool.ref_cnt, last_seen=pool.last_seen, fq=pool.free_queue, table=pool.table,
                               uncached_first=self.uncached_first, scratch=bufs.release_scratch,
                               workspace=bufs.release_workspace)
-        decode_ops.decode_fit(v["rows"], v["ntok"], v["cum"], v["h_count"], v["a_want"], v["c_valid"],
+        decode_ops.decode_fit(v["rows"], v["ntok"], v["cum"], v["h_start"], v["h_count"], v["alloc"], v["record"],
                               bufs.new_tokens, tokens=self.tokens, fq_counters=pool.free_queue.counters,
-                              count=bufs.count, status=bufs.status)
-        block_ops.allocate(bufs.count, v["a_want"], v["a_grp"], v["a_row"], v["a_pos"], block_table=self.block_table,
-                           ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions,
-                           rank=v["a_rank"], popped=bufs.popped)
+                              count=bufs.count, status=bufs.status, num_groups=self.num_groups,
+                              block_size=self.block_size)
+        grp, row, pos, want, rank = v["alloc"]
+        block_ops.allocate(bufs.count, want, grp, row, pos, block_table=self.block_table, ref_cnt=pool.ref_cnt,
+                           fq=pool.free_queue, table=pool.table, evictions=pool.evictions, rank=rank,
+                           popped=bufs.popped)
         self._hash_launch(v["rows"], v["h_start"], v["h_count"])
-        self._record(v["c_grp"], v["c_row"], v["c_pos"], v["c_valid"], scratch=bufs.record_scratch,
-                     seq=bufs.record_seq)
+        self._record(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def finish_decode(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
         """Bring the host's mirror up to date; reads the device only when the
@@ -552,22 +555,20 @@ class KVCacheManager(FailStop):
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
         self._ntok[plan.rows[:n_fit]] += plan.tokens_per_row
-        self._null[plan.rows] = plan.window_stops
+        if plan.window_stops is not None:
+            self._null[plan.rows] = plan.window_stops
         return StepResult(running_failed_at=None if n_fit == B else n_fit)
 
     def _decode_layout(self, bucket: tuple) -> list[tuple[str, int]]:
-        """(name, length) of each array of a bucket's packed plan, in order."""
+        """(name, length) of each int32 array of a bucket's device plan, in
+        order: first the ones the host uploads (``_UPLOADED``), then the ones
+        ``decode_fit`` writes (``kernels/decode.py``)."""
         BP, k, L = bucket
         G, A, W = self.num_groups, -(-k // self.block_size), len(self._window_groups)
-        E, ER = BP * G * A, BP * W * L
-        names = [("rows", BP), ("ntok", BP), ("cum", BP), ("h_start", BP), ("h_count", BP)]
-        names += [(f"a_{x}", E) for x in ("grp", "row", "pos", "want", "rank")]
-        names += [(f"c_{x}", E) for x in ("grp", "row", "pos", "valid")]
-        names += [(f"r_{x}", ER) for x in ("grp", "row", "pos", "call", "valid")] if L else []
-        return names
-
-    def _decode_plan_size(self, bucket: tuple) -> int:
-        return sum(n for _, n in self._decode_layout(bucket))
+        E = BP * G * A
+        names = [("rows", BP), ("ntok", BP), ("cum", BP)]
+        names += [(f"r_{x}", BP * W * L) for x in ("grp", "row", "pos", "call", "valid")] if L else []
+        return names + [("h_start", BP), ("h_count", BP), ("alloc", 5 * E), ("record", 4 * E)]
 
     def _decode_buffers(self, bucket: tuple) -> DecodeBuffers:
         bufs = self._decode_bufs.get(bucket)
@@ -576,12 +577,13 @@ class KVCacheManager(FailStop):
         BP, k = bucket[:2]
         dev = self.device
         sizes = dict(self._decode_layout(bucket))
-        E, ER = sizes["a_grp"], max(sizes.get("r_grp", 0), 1)
+        E, ER = sizes["record"] // 4, max(sizes.get("r_grp", 0), 1)
         plan = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=dev)
         views, off = {}, 0
         for name, size in sizes.items():
             views[name] = plan[off: off + size]
             off += size
+        views["alloc"], views["record"] = views["alloc"].view(5, E), views["record"].view(4, E)
         bufs = DecodeBuffers(
             plan=plan, views=views, new_tokens=torch.zeros((BP, k), dtype=torch.int32, device=dev),
             count=torch.zeros(1, dtype=torch.int64, device=dev),
@@ -694,9 +696,7 @@ class KVCacheManager(FailStop):
         kw = dict(tokens=self.tokens, digests=self.digests, extras=self.extras, root=self._root_lanes,
                   block_size=self.block_size)
         if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
-            _common.note_launch("block_hash._hash_rows_kernel")
-            with _common.kernel_running():
-                hash_rows_host(*args, **kw)
+            _common.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
         else:
             _hash_rows(*args, **kw)
 

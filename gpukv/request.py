@@ -767,14 +767,18 @@ def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
             raise InvalidTypeError("rows must be ints", argument="rows", fix=fix)
         rows = np.array(items, dtype=np.int64).reshape(-1)
     if rows.size:
-        bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
-        if bad.size == 0:
-            bad = np.flatnonzero(~in_use[rows])
+        # One pass for the common case; the slow path only finds what to report.
+        if int(rows.min()) >= 0 and int(rows.max()) < len(in_use) and in_use[rows].all():
+            bad = rows[:0]
+        else:
+            bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
+            if bad.size == 0:
+                bad = np.flatnonzero(~in_use[rows])
         if bad.size:
             i = int(bad[0])
             raise InvalidInputError(f"rows[{i}] = {int(rows[i])} is not the row of a running request",
                                     argument="rows", fix=fix)
-        if np.unique(rows).size != rows.size:
+        if int(np.bincount(rows).max()) > 1:
             raise InvalidInputError("a row appears twice", argument="rows", fix=fix)
     return rows
 

@@ -1,24 +1,29 @@
-"""The batched decode step's one device decision: which running requests fit.
+"""The batched decode step's device planning: which running requests fit, and
+the entries every later kernel of the step reads.
 
-A decode step (``KVCacheManager.decode``) is planned on the host from what the
-host knows exactly (each request's token count and window position) and
-uploaded as one int32 buffer of fixed shape per batch bucket. What only the
-device knows is the free count after this step's window releases, hence how
-many requests, in order, get their new blocks. ``decode_fit`` decides that
-and masks the plan accordingly, so every launch of the step has a shape fixed
-by the bucket and no host-dependent branch (a CUDA graph can replay it).
+A decode step (``KVCacheManager.decode``) gives each of B running requests
+``K`` new tokens. The host knows each request's token count exactly and
+uploads three int32 arrays of the bucket's fixed length ``BP`` (rows padded
+to a power of two): ``rows`` (-1 for padding), ``ntok`` (token counts
+before the step) and ``cum`` (the running total of blocks the requests need,
+all groups; padding holds ``BIG``, so it never fits). What only the device
+knows is the free count after this step's window releases, hence how many
+requests, in order, get their blocks. ``decode_fit`` decides that and writes
+every entry array of the step, masked past the fit, so every launch of the
+step has a shape fixed by the bucket and no host-dependent branch (a CUDA
+graph can replay it):
 
-Plan layout (int32, ``BP`` = bucket rows, ``PER_ROW`` = entries per row):
+* per row (``[BP]``): ``hash_start`` = its first block that becomes full,
+  ``hash_count`` = how many do (0 past the fit);
+* per (row, group, a < A) entry, row-major (``[BP * G * A]``, A = the most
+  new blocks a row can need, ``ceil(K / BS)``): allocation entries
+  ``alloc_group/row/pos/want/rank`` (``rank`` = wanted entries before it:
+  ``cum[i] - need[i] * G + g * need[i] + a``, no scan needed) and caching
+  entries ``record_group/row/pos/valid``;
+* the new tokens into the rows of the requests that fit.
 
-* ``rows[BP]`` request rows, -1 for padding; ``ntok[BP]`` their token counts
-  before the step; ``cum[BP]`` the running total of blocks they need (padding
-  holds ``BIG``, so it never fits); ``hash_count[BP]`` blocks each fills
-  (to hash); ``alloc_want[BP * PER_ROW]`` / ``record_valid[BP * PER_ROW]``
-  the allocation and caching entries the host asks for, request-major.
-
-One program (the prefix of requests that fit is a scan over requests; the
-bucket is at most a few thousand rows, a few tiles). Deterministic: no
-atomics.
+One program (the fit is a scan over requests; a bucket is a few thousand rows
+at most, a few tiles). Deterministic: no atomics.
 """
 
 from __future__ import annotations
@@ -55,20 +60,22 @@ _ST_QUEUE_ERRORS: tl.constexpr = tl.constexpr(ST_QUEUE_ERRORS)
 
 # Bucket sizes are runtime arguments, not constexprs: a new bucket (another
 # batch size or tokens per row) must not compile a new variant inside a step.
-@triton.jit(do_not_specialize=["T", "BP", "K", "PER_ROW"])
+@triton.jit(do_not_specialize=["T", "BP", "K", "G", "A"])
 def _decode_fit_kernel(
     rows_ptr,          # int32[BP] request rows (-1: padding)
     ntok_ptr,          # int32[BP] their token counts before the step
-    cum_ptr,           # int32[BP] cumulative blocks needed, request by request
-    hash_count_ptr,    # int32[BP] blocks each request fills; zeroed past the fit
-    alloc_want_ptr,    # int32[BP * PER_ROW] allocation entries; masked past the fit
-    record_valid_ptr,  # int32[BP * PER_ROW] caching entries; masked past the fit
+    cum_ptr,           # int32[BP] cumulative blocks needed (all groups), request by request
+    hash_start_ptr,    # int32[BP] out: first block that becomes full
+    hash_count_ptr,    # int32[BP] out: blocks that become full (0 past the fit)
+    alloc_ptr,         # int32[5, BP * G * A] out: group, row, pos, want, rank
+    record_ptr,        # int32[4, BP * G * A] out: group, row, pos, valid
     new_tok_ptr,       # int32[BP, K] the step's new tokens, row i's at i * K
     tokens_ptr, T,     # int32[R, T] request rows' tokens (written: the new ones)
     fq_counters_ptr,   # int64[8] free-queue counters (read: NUM_FREE, ERROR)
     count_ptr,         # int64[1] out: blocks to pop
     status_ptr,        # int64[NUM_STATUS] out
-    BP, K, PER_ROW,    # bucket rows, tokens per row, plan entries per row
+    BP, K, G, A,       # bucket rows, tokens per row, groups, entries per row and group
+    BS: tl.constexpr,  # block size
     TILE: tl.constexpr,
 ):
     free = tl.load(fq_counters_ptr + _NUM_FREE)
@@ -80,19 +87,36 @@ def _decode_fit_kernel(
         fits = cum <= free  # cum never decreases: the requests that fit are a prefix
         n_fit += tl.sum(fits.to(tl.int64), 0)
         count = tl.maximum(count, tl.max(tl.where(fits, cum, 0), 0))
-    for start in range(0, BP * PER_ROW, TILE):
-        offs = start + tl.arange(0, TILE)
-        m = offs < BP * PER_ROW
-        ok = (offs // PER_ROW).to(tl.int64) < n_fit
-        want = tl.load(alloc_want_ptr + offs, mask=m, other=0)
-        tl.store(alloc_want_ptr + offs, tl.where(ok, want, 0), mask=m)
-        valid = tl.load(record_valid_ptr + offs, mask=m, other=0)
-        tl.store(record_valid_ptr + offs, tl.where(ok, valid, 0), mask=m)
+    E = BP * G * A
+    for start in range(0, E, TILE):
+        e = start + tl.arange(0, TILE)
+        m = e < E
+        i = e // (G * A)
+        g = (e // A) % G
+        a = e % A
+        r = tl.load(rows_ptr + i, mask=m, other=-1)
+        n = tl.load(ntok_ptr + i, mask=m, other=0)
+        c = tl.load(cum_ptr + i, mask=m, other=0)
+        ok = m & (i.to(tl.int64) < n_fit) & (r >= 0)
+        nb0 = (n + BS - 1) // BS
+        need = (n + K + BS - 1) // BS - nb0
+        filled = (n + K) // BS - n // BS
+        tl.store(alloc_ptr + e, g, mask=m)
+        tl.store(alloc_ptr + E + e, tl.maximum(r, 0), mask=m)
+        tl.store(alloc_ptr + 2 * E + e, nb0 + a, mask=m)
+        tl.store(alloc_ptr + 3 * E + e, (ok & (a < need)).to(tl.int32), mask=m)
+        tl.store(alloc_ptr + 4 * E + e, c - need * G + g * need + a, mask=m)
+        tl.store(record_ptr + e, g, mask=m)
+        tl.store(record_ptr + E + e, tl.maximum(r, 0), mask=m)
+        tl.store(record_ptr + 2 * E + e, n // BS + a, mask=m)
+        tl.store(record_ptr + 3 * E + e, (ok & (a < filled)).to(tl.int32), mask=m)
     for start in range(0, BP, TILE):
         offs = start + tl.arange(0, TILE)
         m = offs < BP
-        n = tl.load(hash_count_ptr + offs, mask=m, other=0)
-        tl.store(hash_count_ptr + offs, tl.where(offs.to(tl.int64) < n_fit, n, 0), mask=m)
+        n = tl.load(ntok_ptr + offs, mask=m, other=0)
+        fit = m & (offs.to(tl.int64) < n_fit) & (tl.load(rows_ptr + offs, mask=m, other=-1) >= 0)
+        tl.store(hash_start_ptr + offs, n // BS, mask=m)
+        tl.store(hash_count_ptr + offs, tl.where(fit, (n + K) // BS - n // BS, 0), mask=m)
     for start in range(0, BP * K, TILE):
         offs = start + tl.arange(0, TILE)
         i = offs // K
@@ -108,23 +132,28 @@ def _decode_fit_kernel(
     tl.store(status_ptr + _ST_QUEUE_ERRORS, tl.load(fq_counters_ptr + _QUEUE_ERROR))
 
 
-def decode_fit(rows, ntok, cum, hash_count, alloc_want, record_valid, new_tokens, *, tokens, fq_counters, count,
-               status) -> None:
-    """Decide how many requests of a decode plan fit (a prefix), mask the plan
-    past them, write their new tokens into their rows, and set ``count`` (the
-    blocks to pop) and ``status`` (``ST_*``). Shapes as the module docstring;
-    one launch, no host sync."""
+def decode_fit(rows, ntok, cum, hash_start, hash_count, alloc, record, new_tokens, *, tokens, fq_counters, count,
+               status, num_groups: int, block_size: int) -> None:
+    """Decide how many requests of a decode plan fit (a prefix), write the
+    step's entries (``alloc`` int32[5, BP*G*A], ``record`` int32[4, BP*G*A],
+    ``hash_start``/``hash_count`` int32[BP]) masked past them, write their
+    new tokens (int32[BP, K]) into their rows, and set ``count`` (the blocks
+    to pop) and ``status`` (``ST_*``). One launch, no host sync."""
     BP = rows.shape[0]
     K = new_tokens.shape[1]
-    per_row = alloc_want.shape[0] // BP
-    for t, name in ((ntok, "ntok"), (cum, "cum"), (hash_count, "hash_count")):
+    A = -(-K // block_size)
+    E = BP * num_groups * A
+    for t, name in ((rows, "rows"), (ntok, "ntok"), (cum, "cum"), (hash_start, "hash_start"),
+                    (hash_count, "hash_count")):
         if t.shape != (BP,) or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32[{BP}], got {t.dtype}{list(t.shape)}")
-    if record_valid.shape != alloc_want.shape or new_tokens.shape[0] != BP or new_tokens.dtype != torch.int32:
-        raise ValueError("decode plan: record_valid must match alloc_want, new_tokens be int32[BP, K]")
-    _decode_fit_kernel[(1,)](rows, ntok, cum, hash_count, alloc_want, record_valid, new_tokens, tokens,
-                             tokens.shape[1], fq_counters, count, status, BP, K, max(per_row, 1),
-                             TILE=_TILE, num_warps=4)
+    if alloc.shape != (5, E) or record.shape != (4, E) or new_tokens.shape[0] != BP \
+            or new_tokens.dtype != torch.int32:
+        raise ValueError(f"decode plan: alloc must be int32[5, {E}], record int32[4, {E}], "
+                         f"new_tokens int32[{BP}, K]")
+    _decode_fit_kernel[(1,)](rows, ntok, cum, hash_start, hash_count, alloc, record, new_tokens, tokens,
+                             tokens.shape[1], fq_counters, count, status, BP, K, num_groups, A,
+                             BS=block_size, TILE=_TILE, num_warps=4)
 
 
 from gpukv.kernels import _common  # noqa: E402
