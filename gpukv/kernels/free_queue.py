@@ -603,7 +603,13 @@ def pop(fq: FreeQueue, count: Union[torch.Tensor, int], out: Optional[torch.Tens
     ``out[:count]`` holds the blocks in queue order and ``out[count:] = -1``.
     Contract: ``count <= num_free`` and ``count <= M``; otherwise
     ``ERR_SHORT`` is set and only what there is (at most M) is popped.
-    ``counters[LAST_POP]`` says how many were popped. One program.
+    ``counters[LAST_POP]`` says how many were popped. One program (a pop
+    takes the first ``count`` live entries in order, a scan): it walks tiles
+    from ``head`` until it has them, so its cost is ``(count + the tombstones
+    among them) / TILE`` iterations; tombstones come from ``remove`` and are
+    dropped by compaction (``push`` when the window would overflow,
+    ``maybe_compact`` when asked), so they can reach the window's length
+    (at most C) between compactions.
     """
     dev = fq.device
     count = _count_tensor(count, "count", dev)
@@ -643,7 +649,9 @@ def push(fq: FreeQueue, blocks: torch.Tensor, where: torch.Tensor,
     non-zero ``where`` (else ``ERR_PRESENT``: that entry becomes a tombstone);
     ids are in ``1..N-1`` (else ``ERR_BAD_BLOCK``, skipped). Compacts first when
     the window would overflow, so no ``maybe_compact`` is needed for safety.
-    One program, two passes over the entries.
+    One program, two passes over the entries (``E / TILE`` iterations each:
+    the order of a call's front-goers depends on the calls before it), plus a
+    compaction when the window would overflow (``window / TILE``, rare).
     """
     dev = fq.device
     blocks = _vector(blocks, "blocks", (torch.int32,), dev)

@@ -225,7 +225,9 @@ def _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_slot_
 @triton.jit(do_not_specialize=["K"])
 def _insert_seq_kernel(valid_ptr, seq_ptr, counters_ptr, K,
                        HAS_VALID: tl.constexpr, TILE: tl.constexpr):
-    """One program: seq[i] = NEXT_SEQ + #valid entries before i; NEXT_SEQ += #valid."""
+    """One program: seq[i] = NEXT_SEQ + #valid entries before i; NEXT_SEQ += #valid.
+    A prefix sum over the batch (``K / TILE`` iterations), sequential because
+    the batch order must become the insertion order."""
     base = tl.load(counters_ptr + _D_NEXT_SEQ)
     for start in range(0, K, TILE):
         offs = start + tl.arange(0, TILE)
@@ -392,15 +394,16 @@ def _rebuild_gather_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_
     go = tl.load(counters_ptr + _D_TOMBSTONES) > threshold
     if pid == 0:
         tl.store(flag_ptr, go.to(tl.int32))
-    if go:
-        offs = pid * TILE + tl.arange(0, TILE)
-        mb = offs < N
-        slot = tl.load(block_slot_ptr + offs, mask=mb, other=_D_NO_SLOT)
-        cached = mb & (slot >= 0)
-        tl.store(scratch_lo_ptr + offs, tl.load(slot_lo_ptr + slot, mask=cached, other=0), mask=cached)
-        tl.store(scratch_hi_ptr + offs, tl.load(slot_hi_ptr + slot, mask=cached, other=0), mask=cached)
-        tl.store(scratch_group_ptr + offs, tl.load(slot_group_ptr + slot, mask=cached, other=0), mask=cached)
-        tl.store(slot_block_ptr + offs, tl.full([TILE], _D_EMPTY, tl.int32), mask=offs < cap)
+    if go:  # a fixed number of programs, each striding over the tiles
+        for tile in range(pid, tl.cdiv(tl.maximum(cap, N), TILE), tl.num_programs(0)):
+            offs = tile * TILE + tl.arange(0, TILE)
+            mb = offs < N
+            slot = tl.load(block_slot_ptr + offs, mask=mb, other=_D_NO_SLOT)
+            cached = mb & (slot >= 0)
+            tl.store(scratch_lo_ptr + offs, tl.load(slot_lo_ptr + slot, mask=cached, other=0), mask=cached)
+            tl.store(scratch_hi_ptr + offs, tl.load(slot_hi_ptr + slot, mask=cached, other=0), mask=cached)
+            tl.store(scratch_group_ptr + offs, tl.load(slot_group_ptr + slot, mask=cached, other=0), mask=cached)
+            tl.store(slot_block_ptr + offs, tl.full([TILE], _D_EMPTY, tl.int32), mask=offs < cap)
 
 
 @triton.jit
@@ -412,21 +415,22 @@ def _rebuild_place_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_p
     wiped slot array. Sequence numbers are untouched, so the order is kept."""
     pid = tl.program_id(0)
     go = tl.load(flag_ptr) != 0
-    if go:
-        offs = pid * TILE + tl.arange(0, TILE)
-        mb = offs < N
-        old_slot = tl.load(block_slot_ptr + offs, mask=mb, other=_D_NO_SLOT)
-        want = mb & (old_slot >= 0)
-        lo = tl.load(scratch_lo_ptr + offs, mask=want, other=0)
-        hi = tl.load(scratch_hi_ptr + offs, mask=want, other=0)
-        g = tl.load(scratch_group_ptr + offs, mask=want, other=0)
-        blk = offs.to(tl.int32)
-        # (failing cannot happen while live <= cap; kept so a bug shows up as a flag)
-        slot, won, from_tomb, failed = _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
-                                              block_slot_ptr, lo, hi, g, blk, want, cap, TILE)
-        n_failed = tl.sum(failed.to(tl.int64), 0)
-        tl.atomic_add(counters_ptr + _D_LIVE, -n_failed, mask=n_failed > 0)
-        tl.atomic_or(counters_ptr + _D_ERRORS, _D_ERR_FULL, mask=n_failed > 0)
+    if go:  # a fixed number of programs, each striding over the tiles
+        for tile in range(pid, tl.cdiv(N, TILE), tl.num_programs(0)):
+            offs = tile * TILE + tl.arange(0, TILE)
+            mb = offs < N
+            old_slot = tl.load(block_slot_ptr + offs, mask=mb, other=_D_NO_SLOT)
+            want = mb & (old_slot >= 0)
+            lo = tl.load(scratch_lo_ptr + offs, mask=want, other=0)
+            hi = tl.load(scratch_hi_ptr + offs, mask=want, other=0)
+            g = tl.load(scratch_group_ptr + offs, mask=want, other=0)
+            blk = offs.to(tl.int32)
+            # (failing cannot happen while live <= cap; kept so a bug shows up as a flag)
+            slot, won, from_tomb, failed = _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                                                  block_slot_ptr, lo, hi, g, blk, want, cap, TILE)
+            n_failed = tl.sum(failed.to(tl.int64), 0)
+            tl.atomic_add(counters_ptr + _D_LIVE, -n_failed, mask=n_failed > 0)
+            tl.atomic_or(counters_ptr + _D_ERRORS, _D_ERR_FULL, mask=n_failed > 0)
         if pid == 0:
             tl.store(counters_ptr + _D_TOMBSTONES, 0)
 
@@ -724,9 +728,16 @@ def clear(table: HashTable) -> None:
     )
 
 
+#: Programs of a rebuild launch, whatever the pool's size: ``maybe_rebuild``
+#: runs every caching step, and when no rebuild is due its cost is this many
+#: programs reading one flag (a step's cost must not grow with the pool); when
+#: one is due they stride over the tiles (about one wave on an H100/H200).
+_REBUILD_PROGRAMS = 128
+
+
 def _rebuild(table: HashTable, threshold: int) -> None:
     n = max(table.capacity, table.num_blocks)
-    grid = (triton.cdiv(n, _TILE),)
+    grid = (min(triton.cdiv(n, _TILE), _REBUILD_PROGRAMS),)
     common = (table.slot_lo, table.slot_hi, table.slot_group, table.slot_block,
               table.block_slot, table.scratch_lo, table.scratch_hi, table.scratch_group,
               table.counters, table.rebuild_flag)

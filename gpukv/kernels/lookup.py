@@ -223,7 +223,11 @@ def _admit_kernel(
     hit takes; ``win[G]``: blocks a
     sliding-window group must see at a hit boundary, -1 for full attention.
     ``blocked[0] != 0`` (a running update failed) admits nothing and counts
-    nothing."""
+    nothing. Sequential over the step's K new requests (a request's admission
+    depends on the blocks the earlier ones took), parallel over each one's
+    positions: ``K * P * G / TILE`` iterations, plus the pending chains it
+    walks (at most the step's requests sharing a block), so it grows with the
+    step, never with the pool."""
     num_free = tl.load(free_ptr).to(tl.int64)
     blocked = tl.load(blocked_ptr)
     used = tl.zeros((), tl.int64)

@@ -332,16 +332,20 @@ def test_random_batches_match_model(ops, data):
 # --------------------------------------------------------------------------
 
 
-def test_tombstone_pileup_then_maybe_rebuild():
+@pytest.mark.parametrize("n, programs", [(64, None), (256, 1), (256, 3)])
+def test_tombstone_pileup_then_maybe_rebuild(n, programs, monkeypatch):
+    """With fewer rebuild programs than tiles (256 blocks: 512 slots, 4
+    tiles), each program strides over several tiles; the result is the same."""
+    if programs is not None:
+        monkeypatch.setattr(ht, "_REBUILD_PROGRAMS", programs)
     rng = random.Random(3)
-    n = 64
-    t = ht.HashTable.create(n, DEVICE)  # 128 slots, threshold 32
+    t = ht.HashTable.create(n, DEVICE)  # 2n slots, threshold n / 2
     m = Model()
     keys = [(rng.getrandbits(63), -rng.getrandbits(63), rng.randrange(2)) for _ in range(12)]
     # Fill, then churn: erase some, insert fresh blocks, until tombstones pile up.
     for _ in range(12):
         free = [b for b in range(n) if b not in m.key_of]
-        entries = [(rng.choice(keys), b) for b in rng.sample(free, min(len(free), 24))]
+        entries = [(rng.choice(keys), b) for b in rng.sample(free, min(len(free), 24 * n // 64))]
         do_insert(t, entries)
         m.insert(entries)
         cached = list(m.key_of)
