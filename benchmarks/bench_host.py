@@ -17,7 +17,7 @@ interpreter (no GPU) the kernels run on the host:
   work of the real step (checked: both return the same results); its wall
   time minus the interpreter's own launch path (``kernel_seconds``) is the
   host cost.
-* prefill: its torch glue indexes with kernel outputs (lookup results), so
+* prefill and churn: their torch glue indexes with kernel outputs (lookup results), so
   kernels must run; the figure is the wall time minus the time inside
   kernels, an over-estimate (on the decode, where both can be measured, this
   method reads several times the twin's figure: the interpreter leaves the
@@ -36,7 +36,12 @@ Workloads (block size 16, one full-attention group):
 * ``prefill``: a step admits 16 requests of 256 tokens sharing a 128-token
   prefix and frees the previous step's 16 (device and reference: one
   ``step``; vLLM: ``free`` + ``get_computed_blocks`` + ``allocate_slots``
-  per request).
+  per request);
+* ``churn``: 8 new 1,024-token requests a step into a pool full of cached
+  blocks (every allocation evicts), the previous step's 8 freed.
+
+On a GPU the table also gives each step's GPU time (CUDA events around the
+call, read after the host time is taken; eager launches, not a graph).
 
     PYTHONPATH=.:DIR DIR/venv/bin/python benchmarks/bench_host.py [--json out.json]
 
@@ -77,14 +82,24 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def host_ms(call, dev: torch.device | None = None) -> float:
-    """Milliseconds the call costs the host, kernels taken out."""
+def host_ms(call, dev: torch.device | None = None, gpu_ms: list | None = None) -> float:
+    """Milliseconds the call costs the host, kernels taken out. On CUDA,
+    ``gpu_ms`` (when given) also gets the GPU time of the call's work, from
+    CUDA events around it (read after the host time is taken)."""
+    cuda = dev is not None and dev.type == "cuda"
     if dev is not None:
         _sync(dev)
+    if cuda and gpu_ms is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     k0 = _common.kernel_seconds()
     t0 = time.perf_counter()
     call()
     wall = time.perf_counter() - t0
+    if cuda and gpu_ms is not None:
+        end.record()
+        end.synchronize()
+        gpu_ms.append(start.elapsed_time(end))
     return (wall - (_common.kernel_seconds() - k0)) * 1e3
 
 
@@ -104,6 +119,7 @@ class Twin:
         self.real = make()
         self.dev = self.real.device
         self.twin = make() if self.dev.type != "cuda" else None
+        self.gpu_ms: list[float] = []  # on CUDA: each timed call's GPU time
         self._reads: list = []
         if self.twin is not None:
             real_read, twin_counters = self.real._read, self.twin.counters
@@ -128,7 +144,7 @@ class Twin:
     def run(self, method: str, calls: list[tuple]) -> list[float]:
         """Host milliseconds of each call (``calls``: argument tuples)."""
         if self.twin is None:
-            return [host_ms(lambda a=a: getattr(self.real, method)(*a), self.dev) for a in calls]
+            return [host_ms(lambda a=a: getattr(self.real, method)(*a), self.dev, self.gpu_ms) for a in calls]
         expect = [getattr(self.real, method)(*a) for a in calls]
         times, got = [], []
         with _common.kernel_bodies_skipped():
@@ -161,7 +177,7 @@ def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float
         m.setup("decode", *a)
     times = m.run("decode", toks[warmup:-1])
     _sync(m.dev)
-    return times, _count(m, "decode", *toks[-1])
+    return times, dict(_count(m, "decode", *toks[-1]), gpu_ms=m.gpu_ms)
 
 
 def decode_vllm(vllm_kv, B: int, steps: int, warmup: int) -> list[float]:
@@ -186,31 +202,65 @@ def _prefill_batches(steps: int, batch: int = 16, length: int = 256, shared: int
             for s in range(steps)]
 
 
-def prefill_gpukv(kind: str, steps: int, warmup: int) -> tuple[list[float], dict]:
-    kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=32)
-    m = DeviceManager(8192, BS, **kw) if kind == "device" else ReferenceManager(8192, BS, **kw)
-    dev = getattr(m, "device", None)
-    times, prev = [], []
-    batches = _prefill_batches(warmup + steps + 1)
-    for s, batch in enumerate(batches[:-1]):
-        new = [NewRequest(r, t) for r, t in batch]
-        t = host_ms(lambda: m.step(finished=prev, new=new), dev)
+def _prefill_steps(steps: int) -> list[tuple[list, list]]:
+    """(finished, new) per step: 16 requests of 256 tokens sharing a 128-token
+    prefix, the previous step's 16 finished."""
+    out, prev = [], []
+    for batch in _prefill_batches(steps):
+        out.append((prev, batch))
         prev = [r for r, _ in batch]
-        if s >= warmup:
+    return out
+
+
+CHURN_BATCH, CHURN_LEN = 8, 1024
+
+
+def _churn_steps(steps: int) -> list[tuple[list, list]]:
+    """(finished, new) per step: 8 new 1,024-token requests into a pool full of
+    cached blocks (every allocation evicts), the previous step's 8 finished;
+    the first 4 steps fill the pool."""
+    rng = random.Random(3)
+    out, prev = [], []
+    for s in range(steps + 4):
+        batch = [(f"c{s}.{i}", [rng.randrange(VOCAB) for _ in range(CHURN_LEN)]) for i in range(CHURN_BATCH)]
+        out.append((prev, batch))
+        prev = [r for r, _ in batch]
+    return out
+
+
+STEP_WORKLOADS = {  # name: (steps builder, pool blocks, untimed leading steps)
+    "prefill": (_prefill_steps, 8192, 0),
+    "churn": (_churn_steps, 4 * CHURN_BATCH * CHURN_LEN // BS + 1, 4),
+}
+
+
+def steps_gpukv(kind: str, work: str, steps: int, warmup: int) -> tuple[list[float], dict]:
+    build, num_blocks, fill = STEP_WORKLOADS[work]
+    kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=32)
+    m = DeviceManager(num_blocks, BS, **kw) if kind == "device" else ReferenceManager(num_blocks, BS, **kw)
+    dev = getattr(m, "device", None)
+    plan = build(warmup + steps + 1)
+    times, gpu = [], []
+    for s, (finished, batch) in enumerate(plan[:-1]):
+        new = [NewRequest(r, t) for r, t in batch]
+        timed = s >= fill + warmup
+        t = host_ms(lambda: m.step(finished=finished, new=new), dev, gpu if timed else None)
+        if timed:
             times.append(t)
     counts = {}
     if kind == "device":
-        counts = _count_one(m, "step", prev, (), [NewRequest(r, t) for r, t in batches[-1]])
+        finished, batch = plan[-1]
+        counts = dict(_count_one(m, "step", finished, (), [NewRequest(r, t) for r, t in batch]), gpu_ms=gpu)
     return times, counts
 
 
-def prefill_vllm(vllm_kv, steps: int, warmup: int) -> list[float]:
-    d = VllmDriver(vllm_kv, num_blocks=8192, max_model_len=4096)
-    times, prev = [], []
-    for s, batch in enumerate(_prefill_batches(warmup + steps)):
-        t = host_ms(lambda: d.admit(batch, finished=prev))
-        prev = [r for r, _ in batch]
-        if s >= warmup:
+def steps_vllm(vllm_kv, work: str, steps: int, warmup: int) -> list[float]:
+    build, num_blocks, fill = STEP_WORKLOADS[work]
+    d = VllmDriver(vllm_kv, num_blocks=num_blocks, max_model_len=4096)
+    times = []
+    for s, (finished, batch) in enumerate(build(warmup + steps)):
+        t = host_ms(lambda: d.admit(batch, finished=finished))
+        if s >= fill + warmup:
             times.append(t)
     return times
 
@@ -249,18 +299,22 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({platform.machine()}), Triton interpreter"
     rows = []
-    work = [(f"decode B={B}", "decode", B) for B in args.batches] + [("prefill 16x256 (128 shared)", "prefill", 0)]
+    work = [(f"decode B={B}", "decode", B) for B in args.batches]
+    work += [("prefill 16x256 (128 shared)", "prefill", 0), ("churn 8x1024 into a full pool", "churn", 0)]
     for label, kind, B in work:
         if kind == "decode":
             dv, counts = decode_gpukv("device", B, args.steps, args.warmup)
             rf, _ = decode_gpukv("reference", B, args.steps, args.warmup)
             vl = decode_vllm(vllm_kv, B, args.steps, args.warmup) if vllm_kv else None
         else:
-            dv, counts = prefill_gpukv("device", args.steps, args.warmup)
-            rf, _ = prefill_gpukv("reference", args.steps, args.warmup)
-            vl = prefill_vllm(vllm_kv, args.steps, args.warmup) if vllm_kv else None
+            dv, counts = steps_gpukv("device", kind, args.steps, args.warmup)
+            rf, _ = steps_gpukv("reference", kind, args.steps, args.warmup)
+            vl = steps_vllm(vllm_kv, kind, args.steps, args.warmup) if vllm_kv else None
+        gpu = counts.pop("gpu_ms", [])
         row = {"work": label, "batch": B, "device_p50_ms": pct(dv, 50), "device_p99_ms": pct(dv, 99),
                "reference_p50_ms": pct(rf, 50), "counters": counts}
+        if gpu:
+            row.update(gpu_p50_ms=pct(gpu, 50), gpu_p99_ms=pct(gpu, 99))
         if vl:
             row.update(vllm_p50_ms=pct(vl, 50), vllm_p99_ms=pct(vl, 99), ratio_p50=pct(dv, 50) / pct(vl, 50))
         rows.append(row)
@@ -269,15 +323,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     print(f"Host cost per step, kernels excluded ({where}; gpukv {gpukv.__version__}, torch {torch.__version__}, "
           f"vLLM {getattr(vllm_kv, 'VLLM_VERSION', 'not importable')}); p50 (p99) ms over {args.steps} steps")
-    print("| work | vLLM 0.8.5 | device manager | ratio device/vLLM | reference | launches | torch ops | H2D | D2H |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| work | vLLM 0.8.5 | device manager | ratio device/vLLM | reference | launches | torch ops | H2D | D2H "
+          "| GPU time |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         c = r["counters"]
         v = f"{r['vllm_p50_ms']:.3f} ({r['vllm_p99_ms']:.3f})" if "vllm_p50_ms" in r else "-"
         q = f"{r['ratio_p50']:.2f}x" if "ratio_p50" in r else "-"
+        g = f"{r['gpu_p50_ms']:.3f} ({r['gpu_p99_ms']:.3f})" if "gpu_p50_ms" in r else "-"
         print(f"| {r['work']} | {v} | {r['device_p50_ms']:.3f} ({r['device_p99_ms']:.3f}) | {q} | "
               f"{r['reference_p50_ms']:.3f} | {c.get('launches', '-')} | {c.get('torch_ops', '-')} | "
-              f"{c.get('h2d', '-')} | {c.get('d2h', '-')} |")
+              f"{c.get('h2d', '-')} | {c.get('d2h', '-')} | {g} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"where": where, "gpukv": gpukv.__version__, "torch": torch.__version__,
