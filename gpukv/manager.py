@@ -10,10 +10,10 @@ no new requests whose allocations fit the host's lower bound of free blocks
 reads nothing.
 
 Device tensors per request row (rows are recycled): ``tokens`` int32[R, T]
-(T = ``max_model_len``), ``digests`` int64[R, M + 1, 2] (M = T / block size,
-rounded up; the last column takes masked-off writes) and ``extras`` (same
-layout) and the block tables ``block_table`` int32[G, R, M] that an
-attention kernel can read directly (``block_table_for``).
+(T = ``max_model_len``), ``digests`` int64[R, M, 2] (M = T / block size,
+rounded up) and ``extras`` (same layout), and the block tables
+``block_table`` int32[G, R, M] that an attention kernel can read directly
+(``block_table_for``).
 
 Hybrid models: any mix of full-attention and sliding-window groups sharing
 the pool, as the reference does them (a window group holds the null block
@@ -98,7 +98,7 @@ def device_bytes(num_blocks: int, block_size: int, num_groups: int, max_model_le
     N, M = num_blocks, -(-max_model_len // block_size)
     cap = _pow2_at_least(2 * N)  # free-queue ring and hash-table slots
     pool = N * (4 + 4 * block_size + 32 + 16 + 8 + 4 + 8 + 8) + cap * (4 + 24)
-    rows = max_num_reqs * (4 * max_model_len + 2 * 16 * (M + 1) + 4 * num_groups * M)
+    rows = max_num_reqs * (4 * max_model_len + 2 * 16 * M + 4 * num_groups * M)
     return {"num_blocks": pool, "max_model_len": rows}  # rows: max_num_reqs of them, sized by max_model_len
 
 
@@ -660,8 +660,8 @@ class KVCacheManager(FailStop):
             return t
 
         self.tokens = grown(self.tokens, (cap, T), torch.int32)
-        self.digests = grown(self.digests, (cap, M + 1, 2), torch.int64)  # column M: a dump for masked writes
-        self.extras = grown(self.extras, (cap, M + 1, 2), torch.int64)  # same layout as digests
+        self.digests = grown(self.digests, (cap, M, 2), torch.int64)
+        self.extras = grown(self.extras, (cap, M, 2), torch.int64)  # same layout as digests
         bt = torch.zeros((G, cap, M), dtype=torch.int32, device=dev)
         if self.block_table is not None:
             bt[:, : self._rows_cap] = self.block_table
@@ -959,6 +959,7 @@ class KVCacheManager(FailStop):
                                    root=self._root_lanes, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
                                    blk_extra=pool.blk_extra, from_pool=True, block_size=bs)
             cache[li_t.long(), lp_t.long(), lg_t.long()] = ok
+            # Blocks earlier requests of this step compute: every request's full
             # blocks are entries (request-major); a scratch multimap keyed by
             # (digest, position) names each entry's chain head (the earliest
             # entry with that key), a sort by (head, entry) links the chains in
@@ -983,8 +984,7 @@ class KVCacheManager(FailStop):
         hit_safe = hit.clamp(min=0)
         # Phase 5a: touch every admitted request's cache hits (a window group
         # holds real blocks only for the last W positions of its hit).
-        if len(li):
-            li_t, lp_t, lg_t = self._up(li), self._up(lp), self._up(lg)
+        if len(li):  # (the lookup entries' tensors are the ones uploaded for the lookup)
             c = cache[li_t.long(), lp_t.long(), lg_t.long()]
             h = hit_safe[li_t.long()]
             w = self._win_dev[lg_t.long()]
@@ -992,23 +992,25 @@ class KVCacheManager(FailStop):
             in_hit = (li_t < admitted) & (lp_t < h)
             real = in_hit & (lp_t >= first_real)
             block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+        # Phase 5b: allocate, in (request, group, position) order.
         ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_blocks[:, None], G, 1))
         ai_t, ap_t = self._up(ai), self._up(ap)
         want = (ai_t < admitted) & (ap_t >= hit_safe[ai_t.long()])
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
         block_ops.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
                            ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
+        # Phase 5c: hits into the block tables (pending hits take a reference).
         if len(li):
             li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
-            c = cache[li_l, lp_l, lg_l]
             e = resolved[li_l, lp_l]
             e_row = self._up(rows_np)[e.clamp(min=0).long()].long()
             from_pending = self.block_table[lg_l, e_row, lp_l]
             blk = torch.where(real, torch.where(c >= 0, c, from_pending), torch.zeros_like(c))
-            r_l = self._up(rows_np[li]).long()
+            r_l = lrow_t.long()
             old = self.block_table[lg_l, r_l, lp_l]
             self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
             block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+        # Phase 5d: cache every block that is full, in (request, group, position) order.
         ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_full[:, None], G, 1))
         if len(ci):
             ci_t, cp_t = self._up(ci), self._up(cp)
