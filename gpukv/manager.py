@@ -51,10 +51,12 @@ from gpukv.request import (
     RunningUpdate,
     Step,
     StepResult,
+    apply_allocate_args,
     check_decode_lengths,
     check_memory,
     check_size,
     normalize_computed,
+    normalize_decode_chunks,
     normalize_decode_tokens,
     normalize_device,
     normalize_rows,
@@ -123,7 +125,8 @@ def entry_layout(starts, stops, *, reverse: bool = False):
 
 
 #: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
-_UPLOADED = frozenset({"rows", "ntok", "cum", "r_grp", "r_row", "r_pos", "r_call", "r_valid"})
+_UPLOADED = frozenset({"rows", "ntok", "comp0", "comp1", "held", "need", "cum",
+                       "r_grp", "r_row", "r_pos", "r_call", "r_valid"})
 
 
 @dataclass
@@ -134,9 +137,13 @@ class DecodePlan:
 
     rows: np.ndarray  # int64[B]
     tokens_per_row: int
-    bucket: tuple  # (BP, k, L): rows, tokens per row, window releases per row and group
+    # (BP, k, L, A, C): rows, tokens per row, window releases per row and
+    # group, new blocks and newly cached blocks per row and group
+    bucket: tuple
     packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout
     need: np.ndarray  # int64[B] blocks each row needs (all groups)
+    computed: np.ndarray  # int64[B] rows' computed tokens after the step
+    held: np.ndarray  # int64[B] rows' block positions per group after the step
     window_stops: np.ndarray | None  # int64[B, G] rows' null-block boundaries after the step (windows only)
     fits_known: bool  # the host's free-block lower bound covers the whole batch
 
@@ -220,7 +227,12 @@ class KVCacheManager(FailStop):
         self.rows_generation = 0  # bumped when the row tensors are reallocated
         self._rows_cap = 0
         self.tokens = self.digests = self.extras = self.block_table = None
+        # Per row: known tokens, computed tokens (chunked prefill leaves some
+        # known ones uncomputed), block positions held per group (lookahead
+        # slots can hold more than the computed tokens need).
         self._ntok = np.zeros(0, dtype=np.int64)
+        self._ncomp = np.zeros(0, dtype=np.int64)
+        self._nalloc = np.zeros(0, dtype=np.int64)
         self._null = np.zeros((0, self.num_groups), dtype=np.int64)
         self._rows = RowAllocator(max_num_reqs, on_grow=self._grow_rows)
         self._grow_rows(max_num_reqs)
@@ -299,7 +311,7 @@ class KVCacheManager(FailStop):
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
-        return int(self._ntok[self._state(request_id)])
+        return int(self._ncomp[self._state(request_id)])
 
     @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
@@ -347,13 +359,20 @@ class KVCacheManager(FailStop):
 
     @mutating
     def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
-                       computed: ComputedBlocks | None = None) -> list[list[int]] | None:
+                       computed: ComputedBlocks | None = None, num_tokens: int | None = None,
+                       num_lookahead_tokens: int | None = None) -> list[list[int]] | None:
+        """vLLM's ``allocate_slots(request, num_tokens, new_computed_blocks,
+        num_lookahead_tokens)``, with the reference's arguments and results
+        (``gpukv.reference.KVCacheManager.allocate_slots``); reads the device
+        (the step's status, then the new block ids)."""
         if isinstance(request, NewRequest):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
                 raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
             (request,) = self._normalize((), (), [request], single=True).new
             computed = normalize_computed(computed, self._limits)
+            request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
+                                          num_lookahead_tokens, self._limits)
             with self._counting():
                 cap = 0
                 if computed is not None:
@@ -380,7 +399,8 @@ class KVCacheManager(FailStop):
         if computed is not None:
             raise InvalidInputError("computed blocks are for new requests only", argument="computed",
                                     fix="pass computed=None with a running request's id")
-        (update,) = self._normalize((), [RunningUpdate(request, new_token_ids)], (), single=True).running
+        update = RunningUpdate(request, new_token_ids, num_tokens, num_lookahead_tokens or 0)
+        (update,) = self._normalize((), [update], (), single=True).running
         before = self._num_blocks(self._state(request))
         with self._counting():
             res = self._step((), [update], ())
@@ -405,17 +425,22 @@ class KVCacheManager(FailStop):
             return self._step(list(step.finished), list(step.running), list(step.new))
 
     @mutating
-    def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, graphs=None) -> StepResult:
+    def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, num_tokens_to_compute=None,
+               num_lookahead_tokens: int = 0, graphs=None) -> StepResult:
         """The running requests at ``rows`` (``StepResult.rows`` / ``row_of``)
         each append ``k`` tokens and get their blocks: the same result as
-        ``step(running=[RunningUpdate(id, tokens) ...])`` in row order
-        (``running_failed_at`` indexes ``rows``), at a host cost that does not
-        grow with the batch.
+        ``step(running=[RunningUpdate(id, tokens, chunk, num_lookahead_tokens)
+        ...])`` in row order (``running_failed_at`` indexes ``rows``), at a
+        host cost that does not grow with the batch.
 
         ``rows``: host ints (list, numpy or CPU tensor), distinct, each a
-        running request's. ``new_token_ids``: ``[B]`` or ``[B, k]``; a tensor
-        on the manager's CUDA device (a model runner's sampled tokens) is read
+        running request's. ``new_token_ids``: ``[B]``, ``[B, k]``, or None
+        (``k = 0``: the rows only continue a chunked prefill); a tensor on
+        the manager's CUDA device (a model runner's sampled tokens) is read
         only by the device; anything else is checked on the host.
+        ``num_tokens_to_compute``: None (each row computes every known token)
+        or one chunk per row; ``num_lookahead_tokens``: slots reserved beyond
+        the computed tokens (speculative decoding), never cached.
 
         The host plans the step with numpy (no Python per request) into one
         int32 buffer, uploads it through pinned memory, and launches a fixed
@@ -428,12 +453,18 @@ class KVCacheManager(FailStop):
         """
         rows_np = normalize_rows(rows, self._rows.in_use)
         tokens = normalize_decode_tokens(new_token_ids, len(rows_np), self.device)
+        k = tokens.shape[1]
         num_tokens = self._ntok[rows_np]
-        check_decode_lengths(num_tokens, tokens.shape[1], self._limits)
+        check_decode_lengths(num_tokens, k, self._limits)
+        chunks, lookahead = None, 0
+        if num_tokens_to_compute is not None or num_lookahead_tokens != 0:
+            computed = self._ncomp[rows_np]
+            chunks, lookahead = normalize_decode_chunks(num_tokens_to_compute, num_tokens + k - computed, computed,
+                                                        num_lookahead_tokens, self._limits)
         if not len(rows_np):
             return StepResult()
         with self._counting():
-            plan = self.plan_decode(rows_np, tokens.shape[1], num_tokens)
+            plan = self.plan_decode(rows_np, k, num_tokens, chunks=chunks, lookahead=lookahead)
             bufs = self.stage_decode(plan, tokens)
             (graphs.launch if graphs is not None else self.launch_decode)(plan.bucket, bufs)
             return self.finish_decode(plan, bufs)
@@ -441,31 +472,47 @@ class KVCacheManager(FailStop):
     # --------------------------------------------------------- decode, in parts
     # ``decode`` is these four calls; ``gpukv.graphs`` runs the same plan,
     # stage and finish around a captured ``launch_decode``.
-    def plan_decode(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None) -> DecodePlan:
+    def plan_decode(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None, *,
+                    chunks: np.ndarray | None = None, lookahead: int = 0) -> DecodePlan:
         """The host plan of a decode of ``k`` tokens for each of ``rows``
-        (checked by ``decode``): the rows, their token counts and the running
-        total of blocks they need (the device derives every entry from these,
+        (checked by ``decode``): per row its token counts (known, computed
+        before and after), the blocks it holds and needs and the running total
+        of those (the device derives every entry from these,
         ``kernels/decode.py``), and the window releases; a few vectorised
         numpy operations, no Python per request. ``num_tokens``: the rows'
-        token counts, when the caller has them already."""
+        known token counts, when the caller has them already; ``chunks``:
+        tokens each row computes (None: all it knows after the append)."""
         bs, G = self.block_size, self.num_groups
         B = len(rows)
         n = self._ntok[rows] if num_tokens is None else num_tokens
-        need = (-(-(n + k) // bs) + n // -bs) * G  # new blocks, all groups
+        comp0, held0 = self._ncomp[rows], self._nalloc[rows]
+        comp1 = n + k if chunks is None else comp0 + chunks
+        held1 = np.maximum(held0, -(-(comp1 + lookahead) // bs))  # lookahead blocks held are kept
+        need_pg = held1 - held0
+        need = need_pg * G  # new blocks, all groups
         cum = np.cumsum(need)
+        filled = comp1 // bs - comp0 // bs
+        # Entries per row and group: what a plain decode of k tokens can need
+        # (so a steady decode keeps one bucket), more when a row needs more.
+        A = max(1, -(-(k + lookahead) // bs), _pow2_at_least(int(need_pg.max())))
+        C = max(1, -(-k // bs), _pow2_at_least(int(filled.max())))
         wg = self._window_groups
         if wg:
             starts = self._null[rows]
-            stops = self._window_stops(n, starts)
+            stops = self._window_stops(comp0, starts)
             released = (stops - starts)[:, wg]
             L = _pow2_at_least(max(1, int(released.max())))
         else:
             stops, L = None, 0
-        bucket = (_pow2_at_least(max(B, 8)), k, L)
+        bucket = (_pow2_at_least(max(B, 8)), k, L, A, C)
         packed, v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["rows"][B:] = -1
         v["ntok"][:B] = n
+        v["comp0"][:B] = comp0
+        v["comp1"][:B] = comp1
+        v["held"][:B] = held0
+        v["need"][:B] = need_pg
         v["cum"][:B] = cum
         v["cum"][B:] = decode_ops.BIG
         if L:
@@ -474,7 +521,7 @@ class KVCacheManager(FailStop):
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
-        return DecodePlan(rows, k, bucket, packed, need, stops, int(cum[-1]) <= self._free_lower_bound)
+        return DecodePlan(rows, k, bucket, packed, need, comp1, held1, stops, int(cum[-1]) <= self._free_lower_bound)
 
     def _host_plan(self, bucket: tuple):
         """The bucket's host plan array (the uploaded part of its layout) and
@@ -482,7 +529,7 @@ class KVCacheManager(FailStop):
         cached = self._host_plans.get(bucket)
         if cached is not None:
             return cached
-        BP, k, L = bucket
+        BP, k, L = bucket[:3]
         uploaded = [(name, size) for name, size in self._decode_layout(bucket) if name in _UPLOADED]
         packed = np.zeros(sum(size for _, size in uploaded), dtype=np.int32)
         views, off = {}, 0
@@ -531,8 +578,8 @@ class KVCacheManager(FailStop):
                               ref_cnt=pool.ref_cnt, last_seen=pool.last_seen, fq=pool.free_queue, table=pool.table,
                               uncached_first=self.uncached_first, scratch=bufs.release_scratch,
                               workspace=bufs.release_workspace)
-        decode_ops.decode_fit(v["rows"], v["ntok"], v["cum"], v["h_start"], v["h_count"], v["alloc"], v["record"],
-                              bufs.new_tokens, tokens=self.tokens, fq_counters=pool.free_queue.counters,
+        decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
+                              v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens, tokens=self.tokens, fq_counters=pool.free_queue.counters,
                               count=bufs.count, status=bufs.status, num_groups=self.num_groups,
                               block_size=self.block_size)
         grp, row, pos, want, rank = v["alloc"]
@@ -554,7 +601,10 @@ class KVCacheManager(FailStop):
             self._check_errors(status[decode_ops.ST_QUEUE_ERRORS])
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
-        self._ntok[plan.rows[:n_fit]] += plan.tokens_per_row
+        done = plan.rows[:n_fit]
+        self._ntok[done] += plan.tokens_per_row
+        self._ncomp[done] = plan.computed[:n_fit]
+        self._nalloc[done] = plan.held[:n_fit]
         if plan.window_stops is not None:
             self._null[plan.rows] = plan.window_stops
         return StepResult(running_failed_at=None if n_fit == B else n_fit)
@@ -563,12 +613,11 @@ class KVCacheManager(FailStop):
         """(name, length) of each int32 array of a bucket's device plan, in
         order: first the ones the host uploads (``_UPLOADED``), then the ones
         ``decode_fit`` writes (``kernels/decode.py``)."""
-        BP, k, L = bucket
-        G, A, W = self.num_groups, -(-k // self.block_size), len(self._window_groups)
-        E = BP * G * A
-        names = [("rows", BP), ("ntok", BP), ("cum", BP)]
+        BP, k, L, A, C = bucket
+        G, W = self.num_groups, len(self._window_groups)
+        names = [(x, BP) for x in ("rows", "ntok", "comp0", "comp1", "held", "need", "cum")]
         names += [(f"r_{x}", BP * W * L) for x in ("grp", "row", "pos", "call", "valid")] if L else []
-        return names + [("h_start", BP), ("h_count", BP), ("alloc", 5 * E), ("record", 4 * E)]
+        return names + [("h_start", BP), ("h_count", BP), ("alloc", 5 * BP * G * A), ("record", 4 * BP * G * C)]
 
     def _decode_buffers(self, bucket: tuple) -> DecodeBuffers:
         bufs = self._decode_bufs.get(bucket)
@@ -577,18 +626,18 @@ class KVCacheManager(FailStop):
         BP, k = bucket[:2]
         dev = self.device
         sizes = dict(self._decode_layout(bucket))
-        E, ER = sizes["record"] // 4, max(sizes.get("r_grp", 0), 1)
+        EA, E, ER = sizes["alloc"] // 5, sizes["record"] // 4, max(sizes.get("r_grp", 0), 1)
         plan = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=dev)
         views, off = {}, 0
         for name, size in sizes.items():
             views[name] = plan[off: off + size]
             off += size
-        views["alloc"], views["record"] = views["alloc"].view(5, E), views["record"].view(4, E)
+        views["alloc"], views["record"] = views["alloc"].view(5, EA), views["record"].view(4, E)
         bufs = DecodeBuffers(
             plan=plan, views=views, new_tokens=torch.zeros((BP, k), dtype=torch.int32, device=dev),
             count=torch.zeros(1, dtype=torch.int64, device=dev),
             status=torch.zeros(decode_ops.NUM_STATUS, dtype=torch.int64, device=dev),
-            popped=torch.zeros(E, dtype=torch.int32, device=dev),
+            popped=torch.zeros(EA, dtype=torch.int32, device=dev),
             release_scratch=torch.zeros((2, ER), dtype=torch.int32, device=dev),
             release_workspace=torch.zeros(ER, dtype=torch.int64, device=dev),
             record_scratch=torch.zeros((4, E), dtype=torch.int64, device=dev),
@@ -607,12 +656,13 @@ class KVCacheManager(FailStop):
                                       fix="pass the id of a request this manager holds") from None
 
     def _num_blocks(self, row: int) -> int:
-        return -(-int(self._ntok[row]) // self.block_size)
+        return int(self._nalloc[row])
 
     def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
         return normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
-                              num_tokens=lambda rid: int(self._ntok[self._reqs[rid]]), single=single)
+                              num_tokens=lambda rid: int(self._ntok[self._reqs[rid]]),
+                              num_computed=lambda rid: int(self._ncomp[self._reqs[rid]]), single=single)
 
     @contextlib.contextmanager
     def _counting(self):
@@ -666,7 +716,8 @@ class KVCacheManager(FailStop):
         if self.block_table is not None:
             bt[:, : self._rows_cap] = self.block_table
         self.block_table = bt
-        self._ntok = np.concatenate([self._ntok, np.zeros(cap - self._rows_cap, dtype=np.int64)])
+        more = np.zeros(cap - self._rows_cap, dtype=np.int64)
+        self._ntok, self._ncomp, self._nalloc = (np.concatenate([a, more]) for a in (self._ntok, self._ncomp, self._nalloc))
         self._null = np.concatenate([self._null, np.zeros((cap - self._rows_cap, G), dtype=np.int64)])
         self._rows_cap = cap
         self.rows_generation += 1
@@ -738,7 +789,8 @@ class KVCacheManager(FailStop):
                 n_ok, pos = int(host[0]), 1
             else:  # no read: every update fit, and the bound drops by what they took
                 self._free_lower_bound -= int(run["needs"].sum())
-            self._ntok[run["rows"][:n_ok]] = run["n_after"][:n_ok]
+            done = run["rows"][:n_ok]
+            self._ntok[done], self._ncomp[done], self._nalloc[done] = (run[x][:n_ok] for x in ("n_after", "c1", "a1"))
             result.running_failed_at = None if n_ok == len(running) else n_ok
         if new:
             self._finish_admission(new, cand_rows, host[pos:], result)
@@ -755,7 +807,13 @@ class KVCacheManager(FailStop):
         adds = [u.new_token_ids for u in running]
         n = self._ntok[rows]
         n_after = n + np.array([len(a) for a in adds], dtype=np.int64)
-        nb0, nb1 = -(-n // bs), -(-n_after // bs)
+        c0 = self._ncomp[rows]
+        chunks = np.array([-1 if u.num_tokens_to_compute is None else u.num_tokens_to_compute for u in running],
+                          dtype=np.int64)
+        c1 = np.where(chunks < 0, n_after, c0 + chunks)
+        lookahead = np.array([u.num_lookahead_tokens for u in running], dtype=np.int64)
+        nb0 = self._nalloc[rows]
+        nb1 = np.maximum(nb0, -(-(c1 + lookahead) // bs))  # lookahead blocks held are kept
         needs = (nb1 - nb0) * G
         self._write_tokens(rows, n, adds)
         cum = np.cumsum(needs)
@@ -774,12 +832,18 @@ class KVCacheManager(FailStop):
             block_ops.allocate(count, self._up(upd) < n_ok_32, self._up(grp), self._up(rows[upd]), self._up(ps),
                                block_table=self.block_table, ref_cnt=pool.ref_cnt, fq=pool.free_queue,
                                table=pool.table, evictions=pool.evictions)
+        # Digests for every known block that became full; cache entries for
+        # the full blocks computed this step (digests exist for them: a
+        # computed token is a known one).
         f0, f1 = n // bs, n_after // bs
         if (f1 > f0).any():
             self._hash_launch(self._up(rows), self._up(f0), self._up(f1 - f0))
-            upd, grp, ps, _ = entry_layout(np.repeat(f0[:, None], G, 1), np.repeat(f1[:, None], G, 1))
+        k0, k1 = c0 // bs, c1 // bs
+        if (k1 > k0).any():
+            upd, grp, ps, _ = entry_layout(np.repeat(k0[:, None], G, 1), np.repeat(k1[:, None], G, 1))
             self._record(self._up(grp), self._up(rows[upd]), self._up(ps), self._up(upd) < n_ok_32)
-        return {"rows": rows, "n_after": n_after, "needs": needs, "fits_known": fits_known, "n_ok": n_ok_dev}
+        return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
+                "n_ok": n_ok_dev}
 
     def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult) -> None:
         """The admitted requests keep their rows; the others give theirs back."""
@@ -793,7 +857,10 @@ class KVCacheManager(FailStop):
         for req, row, h in zip(new[:admitted], cand_rows, hits):
             self._reqs[req.request_id] = row
             self._row_ids[row] = req.request_id
-            self._ntok[row] = len(req.token_ids)
+            n = len(req.token_ids)
+            self._ntok[row] = n
+            self._ncomp[row] = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute, int(h) * bs)
+            self._nalloc[row] = -(-(int(self._ncomp[row]) + req.num_lookahead_tokens) // bs)
             self._null[row] = [0 if w < 0 else max(0, int(h) - w) for w in self._window_blocks]
         self._rows.give_back_unused(cand_rows[admitted:])
 
@@ -801,7 +868,7 @@ class KVCacheManager(FailStop):
         """Window groups give back the blocks behind their window (tail first,
         one free call per request and group) and hold the null block there."""
         starts = self._null[rows]
-        stops = self._window_stops(self._ntok[rows], starts)
+        stops = self._window_stops(self._ncomp[rows], starts)
         idx, grp, ps, call = entry_layout(starts, stops, reverse=True)
         self._null[rows] = stops
         if not len(idx):
@@ -813,7 +880,7 @@ class KVCacheManager(FailStop):
     def _release_requests(self, request_ids: Sequence[str]) -> None:
         """Free whole requests: one free call per request and group, tail first."""
         rows = np.array([self._reqs.pop(rid) for rid in request_ids], dtype=np.int64)
-        nb = -(-self._ntok[rows] // self.block_size)
+        nb = self._nalloc[rows]
         idx, grp, ps, call = entry_layout(np.zeros((len(rows), self.num_groups), dtype=np.int64),
                                           np.repeat(nb[:, None], self.num_groups, 1), reverse=True)
         if len(idx):
@@ -822,7 +889,7 @@ class KVCacheManager(FailStop):
                               table=self.pool.table, uncached_first=self.uncached_first)
         for row in rows.tolist():
             del self._row_ids[row]
-            self._ntok[row] = 0
+            self._ntok[row] = self._ncomp[row] = self._nalloc[row] = 0
             self._null[row] = 0
             self._rows.give_back(row)
 
@@ -942,6 +1009,10 @@ class KVCacheManager(FailStop):
         K = len(new)
         self._prepare_new(new, rows)
         n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg = self._lookup_tables(new, rows)
+        # Each request's chunk (the hit counts towards it) and lookahead slots.
+        comp = np.array([len(r.token_ids) if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+                         for r in new], dtype=np.int64)
+        lookahead = np.array([r.num_lookahead_tokens for r in new], dtype=np.int64)
         if hit_caps is not None:
             max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
             keep = lp < max_hit[li] if len(li) else np.zeros(0, bool)
@@ -972,10 +1043,11 @@ class KVCacheManager(FailStop):
             chains = (torch.full((K, P), -1, dtype=torch.int32, device=dev),) + tuple(
                 torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(3))
         resolved = torch.full((K, P), -1, dtype=torch.int32, device=dev)
+        comp_t, lookahead_t = self._up(comp), self._up(lookahead)
         lookup_ops.admit(cache, None, self._up(max_hit), self._up(n_blocks), self._up(n_tok), self._up(skip),
                          ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
                          blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev,
-                         chains=chains, resolved=resolved)
+                         chains=chains, resolved=resolved, compute=comp_t, lookahead=lookahead_t)
         if count_stats:
             self._stats_dev += status[lookup_ops.ST_REQUESTS: lookup_ops.ST_HIT_TOKENS + 1]
         if dry:
@@ -992,10 +1064,15 @@ class KVCacheManager(FailStop):
             in_hit = (li_t < admitted) & (lp_t < h)
             real = in_hit & (lp_t >= first_real)
             block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
-        # Phase 5b: allocate, in (request, group, position) order.
-        ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_blocks[:, None], G, 1))
+        # Phase 5b: allocate, in (request, group, position) order: positions
+        # from the hit up to what the chunk and lookahead need with that hit
+        # (entries laid out for the longest hit, which needs the most).
+        most = -(-(np.maximum(comp, max_hit * bs) + lookahead) // bs)
+        ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(most[:, None], G, 1))
         ai_t, ap_t = self._up(ai), self._up(ap)
-        want = (ai_t < admitted) & (ap_t >= hit_safe[ai_t.long()])
+        a_l = ai_t.long()
+        upto = (torch.maximum(comp_t[a_l], hit_safe[a_l] * bs) + lookahead_t[a_l] + bs - 1) // bs
+        want = (ai_t < admitted) & (ap_t >= hit_safe[a_l]) & (ap_t < upto)
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
         block_ops.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
                            ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
@@ -1010,8 +1087,9 @@ class KVCacheManager(FailStop):
             old = self.block_table[lg_l, r_l, lp_l]
             self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
             block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
-        # Phase 5d: cache every block that is full, in (request, group, position) order.
-        ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(n_full[:, None], G, 1))
+        # Phase 5d: cache every block of the chunk that is full, in (request,
+        # group, position) order (a hit past the chunk is cached already).
+        ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat((comp // bs)[:, None], G, 1))
         if len(ci):
             ci_t, cp_t = self._up(ci), self._up(cp)
             valid = (ci_t < admitted) & (cp_t >= hit_safe[ci_t.long()])

@@ -51,10 +51,13 @@ from gpukv.request import (
     RunningUpdate,
     Step,
     StepResult,
+    apply_allocate_args,
+    blocks_after_admission,
     check_decode_lengths,
     check_memory,
     check_size,
     normalize_computed,
+    normalize_decode_chunks,
     normalize_decode_tokens,
     normalize_rows,
     normalize_step,
@@ -264,6 +267,9 @@ class _RequestState:
     # per group: blocks at positions below this are cached (or null)
     num_cached_blocks: list[int] = field(default_factory=list)
     row: int = -1  # gpukv.rows: set at admission
+    # the admission's chunk (None: every token) and lookahead slots
+    chunk: int | None = None
+    lookahead: int = 0
 
     @property
     def has_extra_keys(self) -> bool:
@@ -430,14 +436,22 @@ class KVCacheManager(FailStop):
         request: NewRequest | str,
         new_token_ids: Sequence[int] = (),
         computed: ComputedBlocks | None = None,
+        num_tokens: int | None = None,
+        num_lookahead_tokens: int | None = None,
     ) -> list[list[int]] | None:
-        """Give a request the blocks for all its uncomputed tokens.
+        """Give a request the blocks for the tokens it computes now, as vLLM's
+        ``allocate_slots(request, num_tokens, new_computed_blocks,
+        num_lookahead_tokens)``.
 
         A ``NewRequest`` (with the ``computed`` that ``get_computed_blocks``
         returned for it, or none for no hit) is admitted; a request id is a
-        running request, ``new_token_ids`` appended first. Returns the newly
-        allocated block ids per group, or None when they do not fit, in which
-        case nothing changed.
+        running request, ``new_token_ids`` appended first. ``num_tokens``:
+        tokens computed now beyond those computed (for a new request: beyond
+        the hit), None for all known tokens (or a new request's own
+        ``num_tokens_to_compute``); ``num_lookahead_tokens``: slots beyond
+        them, never cached (None: 0, or a new request's own). Returns the
+        newly allocated block ids per group, or None when they do not fit, in
+        which case nothing changed.
         """
         if isinstance(request, NewRequest):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
@@ -445,11 +459,14 @@ class KVCacheManager(FailStop):
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
             (request,) = self._normalize((), (), [request], single=True).new
             computed = normalize_computed(computed, self._limits)
+            hit_tokens = computed.num_tokens if computed is not None else 0
+            request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
             state = self._new_state(request)
             hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
-            num_hit = computed.num_tokens // self.block_size if computed is not None else 0
+            num_hit = hit_tokens // self.block_size
             self._check_computed(state, hits, num_hit)
-            plan = _Plan(state, num_hit, hits, self._num_blocks_for(len(state.tokens)) * self.num_groups - num_hit * self.num_groups)
+            n_alloc = blocks_after_admission(num_hit, len(state.tokens), state.chunk, state.lookahead, self.block_size)
+            plan = _Plan(state, num_hit, hits, (n_alloc - num_hit) * self.num_groups)
             need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
             if need > self.pool.num_free_blocks:
                 self._remember_digests(state)
@@ -464,7 +481,8 @@ class KVCacheManager(FailStop):
         if computed is not None:
             raise InvalidInputError("computed blocks are for new requests only", argument="computed",
                                     fix="pass computed=None with a running request's id")
-        (update,) = self._normalize((), [RunningUpdate(request, new_token_ids)], (), single=True).running
+        update = RunningUpdate(request, new_token_ids, num_tokens, num_lookahead_tokens or 0)
+        (update,) = self._normalize((), [update], (), single=True).running
         before = [len(b) for b in self._state(request).blocks]
         self._release_skipped(self._state(request))
         if not self._run(update):
@@ -554,18 +572,26 @@ class KVCacheManager(FailStop):
         )
 
     @mutating
-    def decode(self, rows: Sequence[int], new_token_ids) -> StepResult:
+    def decode(self, rows: Sequence[int], new_token_ids, *, num_tokens_to_compute=None,
+               num_lookahead_tokens: int = 0) -> StepResult:
         """The running requests at ``rows`` (``StepResult.rows``) each append
-        ``k`` new tokens (``new_token_ids`` is ``[B]`` or ``[B, k]``) and get
-        their blocks: ``step(running=[RunningUpdate(id_of_row, tokens)...])``
-        in row order, with the same results (``running_failed_at`` indexes
-        ``rows``). The device manager's batched decode entry, on the host."""
+        ``k`` new tokens (``new_token_ids`` is ``[B]``, ``[B, k]`` or
+        ``[B, 0]`` to only continue a chunked prefill) and get their blocks:
+        ``step(running=[RunningUpdate(id_of_row, tokens, chunk,
+        num_lookahead_tokens)...])`` in row order, with the same results
+        (``running_failed_at`` indexes ``rows``). ``num_tokens_to_compute``:
+        None (every known token) or one chunk per row. The device manager's
+        batched decode entry, on the host."""
         rows_np = normalize_rows(rows, self._rows.in_use)
         tokens = normalize_decode_tokens(new_token_ids, len(rows_np), None)
-        lengths = np.array([self._requests[self._row_ids[r]].num_computed_tokens for r in rows_np.tolist()],
-                           dtype=np.int64)
+        states = [self._requests[self._row_ids[r]] for r in rows_np.tolist()]
+        lengths = np.array([len(st.tokens) for st in states], dtype=np.int64)
+        computed = np.array([st.num_computed_tokens for st in states], dtype=np.int64)
         check_decode_lengths(lengths, tokens.shape[1], self._limits)
-        updates = [RunningUpdate(self._row_ids[r], t) for r, t in zip(rows_np.tolist(), tokens)]
+        chunks, la = normalize_decode_chunks(num_tokens_to_compute, lengths + tokens.shape[1] - computed, computed,
+                                             num_lookahead_tokens, self._limits)
+        updates = [RunningUpdate(st.request_id, t, None if chunks is None else int(c), la)
+                   for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths)]
         return self.step(running=updates)
 
     @reading
@@ -597,7 +623,8 @@ class KVCacheManager(FailStop):
     def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
         return normalize_step(finished, running, new, known=self._requests, limits=self._limits,
-                              num_tokens=lambda rid: len(self._requests[rid].tokens), single=single)
+                              num_tokens=lambda rid: len(self._requests[rid].tokens),
+                              num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single)
 
     def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
         if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):
@@ -652,6 +679,8 @@ class KVCacheManager(FailStop):
             mm_items=r.mm_items,
             cache_salt=r.cache_salt,
             skip_prefix_cache=r.skip_prefix_cache,
+            chunk=r.num_tokens_to_compute,
+            lookahead=r.num_lookahead_tokens,
             blocks=[[] for _ in range(self.num_groups)],
             num_cached_blocks=[0] * self.num_groups,
         )
@@ -753,19 +782,22 @@ class KVCacheManager(FailStop):
         for g, window in enumerate(self.sliding_windows):
             first_real = self._first_real_hit(window, hit, g, block_at)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
-        n_total = self._num_blocks_for(num_tokens)
-        return _Plan(st, hit, hits, (n_total - hit) * self.num_groups)
+        n_alloc = blocks_after_admission(hit, num_tokens, st.chunk, st.lookahead, bs)
+        return _Plan(st, hit, hits, (n_alloc - hit) * self.num_groups)
 
     def _pending_hit(self, st: _RequestState, i: int, plans: list[_Plan]):
         """(plan index, i) for the first earlier request of the step that
         computes a block with our digest at position ``i`` (one that did not
         hit it: a window group may hit a position with the null block, so an
-        earlier request sharing the block need not hold it), if that block
-        verifies against ours; else None."""
+        earlier request sharing the block need not hold it; and whose chunk
+        reaches past the block, so it caches it), if that block verifies
+        against ours; else None."""
         digest = st.block_hashes[i]
+        bs = self.block_size
         for j, plan in enumerate(plans):
             other = plan.state
-            if i < len(other.block_hashes) and other.block_hashes[i] == digest and plan.num_hit_blocks <= i:
+            if (i < len(other.block_hashes) and other.block_hashes[i] == digest and plan.num_hit_blocks <= i
+                    and (other.chunk is None or i < other.chunk // bs)):
                 if (
                     self._token_bytes(other, i) != self._token_bytes(st, i)
                     or other.extras[i] != st.extras[i]
@@ -828,10 +860,12 @@ class KVCacheManager(FailStop):
                     resolved.append(b)
                 st.blocks[g] = resolved
                 st.num_cached_blocks[g] = plan.num_hit_blocks
-            n_total = self._num_blocks_for(len(st.tokens))
+            n_alloc = blocks_after_admission(plan.num_hit_blocks, len(st.tokens), st.chunk, st.lookahead,
+                                             self.block_size)
             for g in range(self.num_groups):
-                st.blocks[g].extend(self.pool.allocate(n_total - plan.num_hit_blocks))
-            st.num_computed_tokens = len(st.tokens)
+                st.blocks[g].extend(self.pool.allocate(n_alloc - plan.num_hit_blocks))
+            st.num_computed_tokens = max(len(st.tokens) if st.chunk is None else st.chunk,
+                                         plan.num_hit_blocks * self.block_size)
             st.row = self._rows.take()
             self._row_ids[st.row] = st.request_id
             self._requests[st.request_id] = st
@@ -851,8 +885,9 @@ class KVCacheManager(FailStop):
                     st.blocks[g][i] = NULL_BLOCK
 
     def _run(self, update: RunningUpdate) -> bool:
-        """Append a running request's tokens and give it blocks for all of
-        them. False, with nothing changed, when the blocks do not fit."""
+        """Append a running request's tokens and give it blocks for the
+        tokens it computes and its lookahead slots. False, with nothing
+        changed, when the blocks do not fit."""
         return self._run_all([update], [self._state(update.request_id)]) is None
 
     def _run_all(self, updates: Sequence[RunningUpdate], states: Sequence[_RequestState]) -> int | None:
@@ -869,7 +904,10 @@ class KVCacheManager(FailStop):
             new_tokens = new_tokens.tolist()
             tokens = st.tokens
             num_tokens = len(tokens) + len(new_tokens)
-            n_total = -(-num_tokens // bs)
+            chunk = update.num_tokens_to_compute
+            computed = num_tokens if chunk is None else st.num_computed_tokens + chunk
+            # Lookahead blocks from earlier steps are kept: a group never shrinks here.
+            n_total = max(-(-(computed + update.num_lookahead_tokens) // bs), len(st.blocks[0]))
             need = 0
             for blocks in st.blocks:
                 need += n_total - len(blocks)
@@ -882,7 +920,7 @@ class KVCacheManager(FailStop):
                 n = n_total - len(blocks)
                 if n:  # allocating none changes nothing
                     blocks.extend(pool.allocate(n))
-            st.num_computed_tokens = num_tokens
+            st.num_computed_tokens = computed
         return None
 
     def _cache_running(self, states: list[_RequestState]) -> None:

@@ -82,6 +82,12 @@ class NewRequest:
     ``cache_salt`` None or a str (requests with different salts share no
     block); ``skip_prefix_cache`` a bool.
 
+    ``num_tokens_to_compute`` (chunked prefill): compute only the first that
+    many tokens this step (None: all of them); the cache hit counts towards
+    them (a hit longer than the chunk is computed all the same), and the rest
+    are computed by later ``RunningUpdate``s. ``num_lookahead_tokens``: extra
+    slots beyond the computed tokens (see ``RunningUpdate``).
+
     ``block_hashes`` is deprecated and ignored (a ``DeprecationWarning`` when
     given): the manager computes every digest itself from the tokens and extra
     keys, so a caller's digests can neither give nor poison a hit. It is kept
@@ -96,6 +102,8 @@ class NewRequest:
     cache_salt: str | None = None
     skip_prefix_cache: bool = False
     block_hashes: Sequence[bytes] | None = field(default=None, repr=False)
+    num_tokens_to_compute: int | None = None
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True, init=False)
@@ -103,21 +111,29 @@ class RunningUpdate:
     """A running request's work this step.
 
     ``new_token_ids`` are appended first (a decode step appends the token it
-    sampled last step); then every token not yet computed is computed, so its
-    blocks must exist. An update with no new tokens and nothing uncomputed
-    needs nothing.
+    sampled last step); then ``num_tokens_to_compute`` more of its tokens are
+    computed (None: every token not computed yet), so their blocks must exist.
+    An update with no new tokens and nothing uncomputed needs nothing.
+    ``num_lookahead_tokens`` extra slots (speculative decoding) get blocks
+    too, beyond the computed tokens; they are never cached, and the request
+    keeps them for the tokens that later fill them.
     """
 
     request_id: str
     new_token_ids: Sequence[int] = ()
+    num_tokens_to_compute: int | None = None
+    num_lookahead_tokens: int = 0
 
-    def __init__(self, request_id: str, new_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, request_id: str, new_token_ids: Sequence[int] = (), num_tokens_to_compute: int | None = None,
+                 num_lookahead_tokens: int = 0) -> None:
         # What the generated frozen __init__ does (object.__setattr__ per
         # field), written straight into the instance's __dict__: a decode step
         # builds one update per running request.
         fields = self.__dict__
         fields["request_id"] = request_id
         fields["new_token_ids"] = new_token_ids
+        fields["num_tokens_to_compute"] = num_tokens_to_compute
+        fields["num_lookahead_tokens"] = num_lookahead_tokens
 
 
 @dataclass
@@ -440,24 +456,70 @@ def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRe
     mm = _normalize_mm_items(r.mm_items, f"{argument}.mm_items", label, n)
     if r.block_hashes is not None:
         _check_block_hashes(r.block_hashes, f"{argument}.block_hashes", label, n // block_size)
-    return NewRequest(rid, tokens, lora, mm, salt, bool(skip), None), r.block_hashes is not None
+    chunk = None
+    if r.num_tokens_to_compute is not None:
+        chunk = check_chunk(r.num_tokens_to_compute, f"{argument}.num_tokens_to_compute", n, label)
+    lookahead = check_lookahead(r.num_lookahead_tokens, f"{argument}.num_lookahead_tokens", label)
+    return (NewRequest(rid, tokens, lora, mm, salt, bool(skip), None, chunk, lookahead),
+            r.block_hashes is not None)
 
 
-def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool) -> int:
+def check_chunk(value: Any, argument: str, remaining: int, label: str) -> int:
+    """A chunk size: an int in ``[1, remaining]`` (``remaining``: the
+    request's known tokens not computed yet)."""
+    fix = "pass None to compute every known token, or an int from 1 to the tokens not computed yet"
+    k = check_int(value, argument, fix=fix)
+    if remaining == 0:
+        raise InvalidInputError(f"{label}has no token left to compute (every known token is computed), "
+                                f"got num_tokens_to_compute={k}", argument=argument,
+                                fix="append new tokens first, or leave num_tokens_to_compute=None")
+    if not 1 <= k <= remaining:
+        raise InvalidInputError(f"{label}num_tokens_to_compute must be in [1, {remaining}] (its known tokens not "
+                                f"computed yet), got {k}", argument=argument, fix=fix)
+    return k
+
+
+def check_lookahead(value: Any, argument: str, label: str) -> int:
+    """A lookahead slot count: an int >= 0."""
+    return check_int(value, argument, minimum=0, fix="pass how many speculative tokens to reserve slots for, 0 for none")
+
+
+def check_computed_length(computed: int, lookahead: int, limits: ManagerLimits, argument: str, rid: str) -> None:
+    """Refuse computed tokens plus lookahead slots past ``max_model_len``
+    (a request's block table holds no more)."""
+    if limits.max_model_len is not None and computed + lookahead > limits.max_model_len:
+        raise CapacityError(f"request {rid!r} would need slots for {computed} computed and {lookahead} lookahead "
+                            f"tokens, more than max_model_len {limits.max_model_len}", argument=argument,
+                            fix="reserve fewer lookahead tokens, or raise max_model_len")
+
+
+def blocks_after_admission(hit: int, num_tokens: int, chunk: int | None, lookahead: int, block_size: int) -> int:
+    """Blocks (per group, hit included) a new request of ``num_tokens``
+    tokens holds once admitted with a hit of ``hit`` blocks, computing the
+    first ``chunk`` tokens (None: all; the hit counts towards them) plus
+    ``lookahead`` slots."""
+    computed = max(num_tokens if chunk is None else chunk, hit * block_size)
+    return -(-(computed + lookahead) // block_size)
+
+
+def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool, chunk: int | None = None,
+                        lookahead: int = 0) -> int:
     """The fewest pool blocks a request of ``num_tokens`` tokens holds once
-    admitted, with the longest cache hit it could ever get: a full-attention
-    group holds a block per position; a sliding-window group holds the
-    window's run of the hit (null before it) and the blocks after the hit."""
+    admitted, over every cache hit it could get: a full-attention group holds
+    a block per position; a sliding-window group holds the window's run of
+    the hit (null before it) and the blocks after the hit."""
     bs = limits.block_size
-    n_total = -(-num_tokens // bs)
     max_hit = (num_tokens - 1) // bs if can_hit else 0
-    total = 0
+    if chunk is None and lookahead == 0:  # the longest hit is the cheapest
+        hits = np.array([max_hit], dtype=np.int64)
+    else:  # a longer hit can hold more blocks (it counts as computed): try every length
+        hits = np.arange(max_hit + 1, dtype=np.int64)
+    computed = np.maximum(num_tokens if chunk is None else chunk, hits * bs)
+    n_alloc = -(-(computed + lookahead) // bs)
+    total = np.zeros_like(hits)
     for w in limits.sliding_windows:
-        if w is None:
-            total += n_total
-        else:
-            total += min(-(-(w - 1) // bs), max_hit) + n_total - max_hit
-    return total
+        total += n_alloc if w is None else np.minimum(-(-(w - 1) // bs), hits) + n_alloc - hits
+    return int(total.min())
 
 
 # -------------------------------------------------------------- whole calls
@@ -508,11 +570,13 @@ def normalize_step(
     known: Container[str],
     limits: ManagerLimits,
     num_tokens: Callable[[str], int] | None = None,
+    num_computed: Callable[[str], int] | None = None,
     single: bool = False,
 ) -> Step:
     """Check and normalise one call's arguments against a manager that holds
     the requests ``known`` (``num_tokens(rid)``: how many tokens one holds, for
-    the ``max_model_len`` check of running updates). Raises a ``gpukv.errors``
+    the ``max_model_len`` check of running updates; ``num_computed(rid)``: how
+    many of them are computed, for chunk sizes). Raises a ``gpukv.errors``
     class naming the argument; changes nothing anywhere.
 
     ``single``: the call is ``free(request_id)``, ``allocate_slots(request,
@@ -525,7 +589,8 @@ def normalize_step(
         if kind == "finished":
             return "request_id"
         if kind == "running":
-            return "new_token_ids" if attr == "new_token_ids" else "request"
+            return {"new_token_ids": "new_token_ids", "num_tokens_to_compute": "num_tokens",
+                    "num_lookahead_tokens": "num_lookahead_tokens"}.get(attr, "request")
         return "request" + (f".{attr}" if attr else "")
 
     fin = as_list(finished, "finished", "request ids (str)")
@@ -572,7 +637,12 @@ def normalize_step(
                 raise CapacityError(f"running request {rid!r} would hold {total} tokens, more than max_model_len "
                                     f"{max_model_len}", argument=name("running", i, "new_token_ids"),
                                     fix="finish the request instead")
-        updates.append(RunningUpdate(rid, tokens))
+        chunk, lookahead = u.num_tokens_to_compute, u.num_lookahead_tokens
+        if chunk is not None or lookahead != 0:
+            chunk, lookahead = _check_running_chunk(u, rid, len(tokens), limits, num_tokens, num_computed,
+                                                    name("running", i, "num_tokens_to_compute"),
+                                                    name("running", i, "num_lookahead_tokens"))
+        updates.append(RunningUpdate(rid, tokens, chunk, lookahead))
     requests = []
     seen = set()
     warn = False
@@ -590,7 +660,13 @@ def normalize_step(
             raise CapacityError(f"new request {rid!r} has {n} tokens, more than max_model_len "
                                 f"{limits.max_model_len}", argument=name("new", i, "token_ids"),
                                 fix="shorten the prompt or build the manager with a larger max_model_len")
-        need = min_blocks_to_admit(n, limits, limits.caching and not req.skip_prefix_cache)
+        can_hit = limits.caching and not req.skip_prefix_cache
+        if req.num_lookahead_tokens:
+            longest = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute,
+                          (n - 1) // limits.block_size * limits.block_size if can_hit else 0)
+            check_computed_length(longest, req.num_lookahead_tokens, limits, name("new", i, "num_lookahead_tokens"),
+                                  rid)
+        need = min_blocks_to_admit(n, limits, can_hit, req.num_tokens_to_compute, req.num_lookahead_tokens)
         if need > limits.num_blocks - 1:
             raise CapacityError(f"new request {rid!r} needs {need} blocks even with the longest possible cache "
                                 f"hit, more than the whole pool ({limits.num_blocks - 1}); it can never be admitted",
@@ -599,6 +675,25 @@ def normalize_step(
     if warn:
         _warn_block_hashes()
     return Step(tuple(fin), tuple(updates), tuple(requests))
+
+
+def _check_running_chunk(u: RunningUpdate, rid: str, num_new: int, limits: ManagerLimits, num_tokens, num_computed,
+                         chunk_arg: str, lookahead_arg: str) -> tuple[int | None, int]:
+    """A running update's chunk and lookahead, checked against what the
+    request holds: the chunk within its known tokens not computed yet, the
+    computed tokens plus lookahead within ``max_model_len``."""
+    label = f"(request {rid!r}) "
+    lookahead = check_lookahead(u.num_lookahead_tokens, lookahead_arg, label)
+    if num_tokens is None or num_computed is None:  # no manager state: the form only
+        chunk = None if u.num_tokens_to_compute is None else check_int(u.num_tokens_to_compute, chunk_arg, minimum=1)
+        return chunk, lookahead
+    computed = num_computed(rid)
+    remaining = num_tokens(rid) + num_new - computed
+    chunk = u.num_tokens_to_compute
+    if chunk is not None:
+        chunk = check_chunk(chunk, chunk_arg, remaining, label)
+    check_computed_length(computed + (remaining if chunk is None else chunk), lookahead, limits, lookahead_arg, rid)
+    return chunk, lookahead
 
 
 def check_step_inputs(finished, running, new, *, known: Container[str], block_size: int, num_blocks: int,
@@ -784,10 +879,13 @@ def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
 
 
 def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | None) -> np.ndarray | torch.Tensor:
-    """A decode's new tokens as ``[num_rows, k]`` (k >= 1 tokens per row): a
-    tensor on the manager's device is kept unread (ids taken modulo 2**32);
-    anything else becomes a checked int64 array."""
-    fix = "pass one row of new token ids per request, as a [B] or [B, k] tensor or array"
+    """A decode's new tokens as ``[num_rows, k]`` (k >= 0 tokens per row;
+    None is ``k = 0``: the rows only continue a chunked prefill): a tensor on
+    the manager's device is kept unread (ids taken modulo 2**32); anything
+    else becomes a checked int64 array."""
+    fix = "pass one row of new token ids per request, as a [B] or [B, k] tensor or array (None: no new token)"
+    if value is None:
+        return np.zeros((num_rows, 0), dtype=np.int64)
     if isinstance(value, torch.Tensor) and device is not None and value.device == device:
         if value.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
@@ -805,11 +903,72 @@ def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | No
         tokens = arr if arr.ndim == 2 else arr.reshape(-1, 1) if arr.ndim == 1 else None
         if tokens is not None:
             tokens = _checked_int_array(tokens.reshape(-1), "new_token_ids", "").reshape(tokens.shape)
-    if tokens is None or tokens.shape[0] != num_rows or tokens.shape[1] < 1:
+    if tokens is None or tokens.shape[0] != num_rows:
         shape = tuple(value.shape) if hasattr(value, "shape") else "?"
-        raise InvalidInputError(f"new_token_ids has shape {shape}, want [{num_rows}] or [{num_rows}, k >= 1]",
+        raise InvalidInputError(f"new_token_ids has shape {shape}, want [{num_rows}] or [{num_rows}, k]",
                                 argument="new_token_ids", fix=fix)
     return tokens
+
+
+def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, num_lookahead_tokens: Any,
+                        limits: ManagerLimits) -> NewRequest:
+    """A normalised new request with ``allocate_slots``' ``num_tokens`` and
+    ``num_lookahead_tokens`` applied, as vLLM counts them: ``num_tokens``
+    tokens computed beyond the ``hit_tokens`` of the computed blocks (None:
+    the request's own ``num_tokens_to_compute``), lookahead slots beyond
+    those (None: the request's own)."""
+    from dataclasses import replace
+
+    n = len(request.token_ids)
+    if num_tokens is not None:
+        fix = f"pass an int from 1 to the {n - hit_tokens} tokens the hit leaves, or None for all"
+        k = check_int(num_tokens, "num_tokens", minimum=1, fix=fix)
+        if hit_tokens + k > n:
+            raise InvalidInputError(f"{hit_tokens} hit tokens plus num_tokens={k} is more than the request's {n} "
+                                    "tokens", argument="num_tokens", fix=fix)
+        request = replace(request, num_tokens_to_compute=hit_tokens + k)
+    if num_lookahead_tokens is not None:
+        la = check_lookahead(num_lookahead_tokens, "num_lookahead_tokens", "")
+        computed = max(n if request.num_tokens_to_compute is None else request.num_tokens_to_compute, hit_tokens)
+        check_computed_length(computed, la, limits, "num_lookahead_tokens", request.request_id)
+        request = replace(request, num_lookahead_tokens=la)
+    return request
+
+
+def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndarray, lookahead: Any,
+                            limits: ManagerLimits) -> tuple[np.ndarray | None, int]:
+    """A decode's ``num_tokens_to_compute`` (None, or one int per row, each
+    in ``[1, remaining]``) and ``num_lookahead_tokens`` (an int >= 0), checked
+    in one vectorised pass: ``remaining`` are the rows' known tokens not
+    computed yet after the append, ``computed`` their computed tokens."""
+    la = check_lookahead(lookahead, "num_lookahead_tokens", "")
+    chunks = None
+    fix = "pass None to compute every known token, or one int per row from 1 to its tokens not computed yet"
+    if value is not None:
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                raise InvalidTypeError(f"num_tokens_to_compute must be on the host, got a tensor on {value.device}",
+                                       argument="num_tokens_to_compute", fix=fix)
+            value = value.numpy()
+        arr = value if isinstance(value, np.ndarray) else np.asarray(as_list(value, "num_tokens_to_compute", "ints"))
+        if arr.dtype.kind not in "iu" or arr.shape != remaining.shape:
+            raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got {arr.dtype} of shape "
+                                   f"{arr.shape}", argument="num_tokens_to_compute", fix=fix)
+        chunks = arr.astype(np.int64)
+        bad = np.flatnonzero((chunks < 1) | (chunks > remaining))
+        if bad.size:
+            i = int(bad[0])
+            what = ("has no token left to compute" if remaining[i] == 0
+                    else f"must compute 1 to {int(remaining[i])} tokens")
+            raise InvalidInputError(f"rows[{i}] {what}, got num_tokens_to_compute[{i}] = {int(chunks[i])}",
+                                    argument="num_tokens_to_compute", fix=fix)
+    after = computed + (remaining if chunks is None else chunks)
+    if limits.max_model_len is not None and after.size and int(after.max()) + la > limits.max_model_len:
+        i = int(np.argmax(after))
+        raise CapacityError(f"rows[{i}] would need slots for {int(after[i])} computed and {la} lookahead tokens, "
+                            f"more than max_model_len {limits.max_model_len}", argument="num_lookahead_tokens",
+                            fix="reserve fewer lookahead tokens, or raise max_model_len")
+    return chunks, la
 
 
 def check_decode_lengths(num_tokens: np.ndarray, k: int, limits: ManagerLimits) -> None:

@@ -2,25 +2,32 @@
 the entries every later kernel of the step reads.
 
 A decode step (``KVCacheManager.decode``) gives each of B running requests
-``K`` new tokens. The host knows each request's token count exactly and
-uploads three int32 arrays of the bucket's fixed length ``BP`` (rows padded
-to a power of two): ``rows`` (-1 for padding), ``ntok`` (token counts
-before the step) and ``cum`` (the running total of blocks the requests need,
-all groups; padding holds ``BIG``, so it never fits). What only the device
-knows is the free count after this step's window releases, hence how many
+``K`` new tokens (K may be 0: the rows only continue a chunked prefill) and
+computes some of their known tokens. The host knows each request's counts
+exactly and uploads int32 arrays of the bucket's fixed length ``BP`` (rows
+padded to a power of two): ``rows`` (-1 for padding), ``ntok`` (known tokens
+before the step), ``comp0``/``comp1`` (computed tokens before and after),
+``held`` (block positions held per group before), ``need`` (new blocks per
+group) and ``cum`` (the running total of blocks the requests need, all
+groups; padding holds ``BIG``, so it never fits). What only the device knows
+is the free count after this step's window releases, hence how many
 requests, in order, get their blocks. ``decode_fit`` decides that and writes
 every entry array of the step, masked past the fit, so every launch of the
 step has a shape fixed by the bucket and no host-dependent branch (a CUDA
 graph can replay it):
 
-* per row (``[BP]``): ``hash_start`` = its first block that becomes full,
-  ``hash_count`` = how many do (0 past the fit);
+* per row (``[BP]``): ``hash_start`` = its first known block that becomes
+  full, ``hash_count`` = how many do (0 past the fit);
 * per (row, group, a < A) entry, row-major (``[BP * G * A]``, A = the most
-  new blocks a row can need, ``ceil(K / BS)``): allocation entries
-  ``alloc_group/row/pos/want/rank`` (``rank`` = wanted entries before it:
-  ``cum[i] - need[i] * G + g * need[i] + a``, no scan needed) and caching
-  entries ``record_group/row/pos/valid``;
-* the new tokens into the rows of the requests that fit.
+  new blocks a row needs per group, a bucket size): allocation entries
+  ``alloc_group/row/pos/want/rank`` at positions ``held + a`` (``rank`` =
+  wanted entries before it: ``cum[i] - need[i] * G + g * need[i] + a``, no
+  scan needed);
+* per (row, group, c < C) entry (``[BP * G * C]``, C = the most blocks a row
+  fills with computed tokens, a bucket size): caching entries
+  ``record_group/row/pos/valid`` at positions ``comp0 // BS + c``;
+* the new tokens into the rows of the requests that fit, after their known
+  tokens.
 
 One program (the fit is a scan over requests; a bucket is a few thousand rows
 at most, a few tiles). Deterministic: no atomics.
@@ -60,21 +67,25 @@ _ST_QUEUE_ERRORS: tl.constexpr = tl.constexpr(ST_QUEUE_ERRORS)
 
 # Bucket sizes are runtime arguments, not constexprs: a new bucket (another
 # batch size or tokens per row) must not compile a new variant inside a step.
-@triton.jit(do_not_specialize=["T", "BP", "K", "G", "A"])
+@triton.jit(do_not_specialize=["T", "BP", "K", "G", "A", "C"])
 def _decode_fit_kernel(
     rows_ptr,          # int32[BP] request rows (-1: padding)
-    ntok_ptr,          # int32[BP] their token counts before the step
+    ntok_ptr,          # int32[BP] their known tokens before the step
+    comp0_ptr,         # int32[BP] their computed tokens before the step
+    comp1_ptr,         # int32[BP] ... and after it
+    held_ptr,          # int32[BP] block positions each group holds before the step
+    need_ptr,          # int32[BP] new blocks per group
     cum_ptr,           # int32[BP] cumulative blocks needed (all groups), request by request
-    hash_start_ptr,    # int32[BP] out: first block that becomes full
-    hash_count_ptr,    # int32[BP] out: blocks that become full (0 past the fit)
+    hash_start_ptr,    # int32[BP] out: first known block that becomes full
+    hash_count_ptr,    # int32[BP] out: known blocks that become full (0 past the fit)
     alloc_ptr,         # int32[5, BP * G * A] out: group, row, pos, want, rank
-    record_ptr,        # int32[4, BP * G * A] out: group, row, pos, valid
+    record_ptr,        # int32[4, BP * G * C] out: group, row, pos, valid
     new_tok_ptr,       # int32[BP, K] the step's new tokens, row i's at i * K
     tokens_ptr, T,     # int32[R, T] request rows' tokens (written: the new ones)
     fq_counters_ptr,   # int64[8] free-queue counters (read: NUM_FREE, ERROR)
     count_ptr,         # int64[1] out: blocks to pop
     status_ptr,        # int64[NUM_STATUS] out
-    BP, K, G, A,       # bucket rows, tokens per row, groups, entries per row and group
+    BP, K, G, A, C,    # bucket rows, tokens per row, groups, alloc and record entries per row and group
     BS: tl.constexpr,  # block size
     TILE: tl.constexpr,
 ):
@@ -95,21 +106,30 @@ def _decode_fit_kernel(
         g = (e // A) % G
         a = e % A
         r = tl.load(rows_ptr + i, mask=m, other=-1)
-        n = tl.load(ntok_ptr + i, mask=m, other=0)
+        held = tl.load(held_ptr + i, mask=m, other=0)
+        need = tl.load(need_ptr + i, mask=m, other=0)
         c = tl.load(cum_ptr + i, mask=m, other=0)
         ok = m & (i.to(tl.int64) < n_fit) & (r >= 0)
-        nb0 = (n + BS - 1) // BS
-        need = (n + K + BS - 1) // BS - nb0
-        filled = (n + K) // BS - n // BS
         tl.store(alloc_ptr + e, g, mask=m)
         tl.store(alloc_ptr + E + e, tl.maximum(r, 0), mask=m)
-        tl.store(alloc_ptr + 2 * E + e, nb0 + a, mask=m)
+        tl.store(alloc_ptr + 2 * E + e, held + a, mask=m)
         tl.store(alloc_ptr + 3 * E + e, (ok & (a < need)).to(tl.int32), mask=m)
         tl.store(alloc_ptr + 4 * E + e, c - need * G + g * need + a, mask=m)
+    EC = BP * G * C
+    for start in range(0, EC, TILE):
+        e = start + tl.arange(0, TILE)
+        m = e < EC
+        i = e // (G * C)
+        g = (e // C) % G
+        j = e % C
+        r = tl.load(rows_ptr + i, mask=m, other=-1)
+        first = tl.load(comp0_ptr + i, mask=m, other=0) // BS
+        filled = tl.load(comp1_ptr + i, mask=m, other=0) // BS - first
+        ok = m & (i.to(tl.int64) < n_fit) & (r >= 0)
         tl.store(record_ptr + e, g, mask=m)
-        tl.store(record_ptr + E + e, tl.maximum(r, 0), mask=m)
-        tl.store(record_ptr + 2 * E + e, n // BS + a, mask=m)
-        tl.store(record_ptr + 3 * E + e, (ok & (a < filled)).to(tl.int32), mask=m)
+        tl.store(record_ptr + EC + e, tl.maximum(r, 0), mask=m)
+        tl.store(record_ptr + 2 * EC + e, first + j, mask=m)
+        tl.store(record_ptr + 3 * EC + e, (ok & (j < filled)).to(tl.int32), mask=m)
     for start in range(0, BP, TILE):
         offs = start + tl.arange(0, TILE)
         m = offs < BP
@@ -132,27 +152,28 @@ def _decode_fit_kernel(
     tl.store(status_ptr + _ST_QUEUE_ERRORS, tl.load(fq_counters_ptr + _QUEUE_ERROR))
 
 
-def decode_fit(rows, ntok, cum, hash_start, hash_count, alloc, record, new_tokens, *, tokens, fq_counters, count,
-               status, num_groups: int, block_size: int) -> None:
+def decode_fit(rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record, new_tokens, *,
+               tokens, fq_counters, count, status, num_groups: int, block_size: int) -> None:
     """Decide how many requests of a decode plan fit (a prefix), write the
-    step's entries (``alloc`` int32[5, BP*G*A], ``record`` int32[4, BP*G*A],
+    step's entries (``alloc`` int32[5, BP*G*A], ``record`` int32[4, BP*G*C],
     ``hash_start``/``hash_count`` int32[BP]) masked past them, write their
     new tokens (int32[BP, K]) into their rows, and set ``count`` (the blocks
-    to pop) and ``status`` (``ST_*``). One launch, no host sync."""
+    to pop) and ``status`` (``ST_*``). ``A`` and ``C`` are read from the
+    entry arrays' shapes. One launch, no host sync."""
     BP = rows.shape[0]
     K = new_tokens.shape[1]
-    A = -(-K // block_size)
-    E = BP * num_groups * A
-    for t, name in ((rows, "rows"), (ntok, "ntok"), (cum, "cum"), (hash_start, "hash_start"),
-                    (hash_count, "hash_count")):
+    G = num_groups
+    A, C = alloc.shape[1] // max(BP * G, 1), record.shape[1] // max(BP * G, 1)
+    for t, name in ((rows, "rows"), (ntok, "ntok"), (comp0, "comp0"), (comp1, "comp1"), (held, "held"),
+                    (need, "need"), (cum, "cum"), (hash_start, "hash_start"), (hash_count, "hash_count")):
         if t.shape != (BP,) or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32[{BP}], got {t.dtype}{list(t.shape)}")
-    if alloc.shape != (5, E) or record.shape != (4, E) or new_tokens.shape[0] != BP \
+    if alloc.shape != (5, BP * G * A) or record.shape != (4, BP * G * C) or new_tokens.shape[0] != BP \
             or new_tokens.dtype != torch.int32:
-        raise ValueError(f"decode plan: alloc must be int32[5, {E}], record int32[4, {E}], "
+        raise ValueError(f"decode plan: alloc must be int32[5, {BP}*{G}*A], record int32[4, {BP}*{G}*C], "
                          f"new_tokens int32[{BP}, K]")
-    _decode_fit_kernel[(1,)](rows, ntok, cum, hash_start, hash_count, alloc, record, new_tokens, tokens,
-                             tokens.shape[1], fq_counters, count, status, BP, K, num_groups, A,
+    _decode_fit_kernel[(1,)](rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record,
+                             new_tokens, tokens, tokens.shape[1], fq_counters, count, status, BP, K, G, A, C,
                              BS=block_size, TILE=_TILE, num_warps=4)
 
 

@@ -134,10 +134,11 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, inr):
+def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS):
     """Per position ``p``: whether an earlier request of the step computes a
-    block with request ``i``'s digest there (it did not hit it itself), and
-    which. ``pend[i, p]`` is the first entry of the chain of entries with that
+    block with request ``i``'s digest there (it did not hit it itself, and its
+    chunk ``comp`` covers the whole block, so it caches it), and which.
+    ``pend[i, p]`` is the first entry of the chain of entries with that
     (digest, position) in request order; ``next``/``cand``/``ok`` per entry:
     the next one, its request, whether its inputs equal the chain's first."""
     ent = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
@@ -149,7 +150,8 @@ def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, inr):
         c = tl.load(cand_ptr + es, mask=searching, other=_BIG)
         earlier = searching & (c < i)
         he = tl.load(hit_ptr + tl.where(earlier, c, 0), mask=earlier, other=_BIG)
-        here = earlier & (he <= p)
+        ce = tl.load(comp_ptr + tl.where(earlier, c, 0), mask=earlier, other=0)
+        here = earlier & (he <= p) & (p < ce // BS)
         same = tl.load(ok_ptr + es, mask=here, other=0) != 0
         found = found | (here & same)
         who = tl.where(here & same, c, who)
@@ -160,17 +162,18 @@ def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, inr):
 
 
 @triton.jit
-def _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, limit, g, G: tl.constexpr):
+def _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS,
+               G: tl.constexpr):
     """Whether request ``i`` can hit position ``p`` (< ``limit``) in group
     ``g``: a verified cached block, or a block an earlier request computes."""
     inr = p < limit
-    pending, _ = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, inr)
+    pending, _ = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS)
     c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
     return inr & ((c >= 0) | pending)
 
 
 @triton.jit
-def _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, limit, g, W,
+def _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, limit, g, W, BS,
                G: tl.constexpr, TILE: tl.constexpr):
     """The longest hit (<= ``limit`` blocks) group ``g`` can serve. Full
     attention (``W < 0``): its first miss. Sliding window of ``W`` blocks: the
@@ -183,7 +186,8 @@ def _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, l
     for p0 in range(0, P, TILE):
         p = p0 + lanes
         inr = p < limit
-        avail = _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, limit, g, G)
+        avail = _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS,
+                           G)
         miss = inr & (avail == 0)
         first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, p, _BIG)))
         last_miss = tl.maximum(tl.associative_scan(tl.where(miss, p, -1), 0, _max_combine), carry)
@@ -212,7 +216,7 @@ def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
 @triton.jit(do_not_specialize=["K", "P", "stamp"])
 def _admit_kernel(
     cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, resolved_ptr,
-    max_hit_ptr, num_blocks_ptr, num_tokens_ptr, skip_ptr, win_ptr, K, P,
+    max_hit_ptr, num_blocks_ptr, num_tokens_ptr, comp_ptr, lookahead_ptr, skip_ptr, win_ptr, K, P,
     ref_ptr, touched_ptr, stamp: tl.int64, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
     G: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -222,6 +226,11 @@ def _admit_kernel(
     receives, for admitted requests, the earlier request whose block a pending
     hit takes; ``win[G]``: blocks a
     sliding-window group must see at a hit boundary, -1 for full attention.
+    ``num_blocks``/``num_tokens``: each request's prompt (for the stats);
+    ``comp``/``lookahead``: its chunk (the hit counts towards it) and
+    lookahead slots, so it allocates up to ``ceil((max(comp, hit * BS) +
+    lookahead) / BS)`` blocks, and only its chunk's full blocks are ones later
+    requests of the step can hit before they are cached.
     ``blocked[0] != 0`` (a running update failed) admits nothing and counts
     nothing. Sequential over the step's K new requests (a request's admission
     depends on the blocks the earlier ones took), parallel over each one's
@@ -246,6 +255,8 @@ def _admit_kernel(
             skip = tl.load(skip_ptr + i)
             n_blocks = tl.load(num_blocks_ptr + i).to(tl.int64)
             n_tok = tl.load(num_tokens_ptr + i).to(tl.int64)
+            comp = tl.load(comp_ptr + i).to(tl.int64)
+            lookahead = tl.load(lookahead_ptr + i).to(tl.int64)
             # The hit every group can serve: a fixpoint, since a window group's
             # run depends on the bound the other groups set.
             hit = tl.where(skip != 0, 0, max_hit)
@@ -255,7 +266,7 @@ def _admit_kernel(
                 for g in tl.static_range(G):
                     W = tl.load(win_ptr + g)
                     hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr,
-                                                     i, P, hit, g, W, G, TILE))
+                                                     comp_ptr, i, P, hit, g, W, BS, G, TILE))
             # First touches: free cached hits no earlier admitted request touched
             # (a window group holds real blocks only for its last W hit positions).
             touches = tl.zeros((), tl.int64)
@@ -268,7 +279,8 @@ def _admit_kernel(
                     tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
                     touches += tl.sum((real & (rc == 0) & (tt != stamp)).to(tl.int64))
             hit64 = hit.to(tl.int64)
-            need = (n_blocks - hit64) * G + touches
+            n_alloc = (tl.maximum(comp, hit64 * BS) + lookahead + BS - 1) // BS
+            need = (n_alloc - hit64) * G + touches
             requests += 1
             queries += tl.where(skip != 0, 0, n_blocks)
             hits += hit64
@@ -277,11 +289,11 @@ def _admit_kernel(
             tl.store(hit_ptr + i, hit)
             if used + need <= num_free:
                 used += need
-                new_total += (n_blocks - hit64) * G
+                new_total += (n_alloc - hit64) * G
                 admitted += 1
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
-                    _, who = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, i, P, p, p < hit)
+                    _, who = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, p < hit, BS)
                     tl.store(resolved_ptr + i * P + p, who, mask=p < P)
                     for g in tl.static_range(G):
                         c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
@@ -302,7 +314,7 @@ def _admit_kernel(
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp: int,
           num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
-          tile: int = 64) -> None:
+          compute=None, lookahead=None, tile: int = 64) -> None:
     """Run the sequential admission (see ``_admit_kernel``); writes each
     considered request's hit (blocks) to ``hit_out`` and the step's counts to
     ``status`` (layout ``ST_*``). All arguments are device tensors but the
@@ -310,9 +322,15 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     int32[G] (-1 = full attention, the default for every group). ``chains``:
     (head int32[K, P], next int32[E], cand int32[E], ok int32[E]) entry chains
     of requests sharing a block (``pending`` is then unused); without it,
-    ``pending[K, P]`` names the earlier request directly."""
+    ``pending[K, P]`` names the earlier request directly. ``compute``/
+    ``lookahead`` int32[K]: each request's chunk (the hit counts towards it)
+    and lookahead slots; by default the whole prompt and none."""
     K, P, G = cache_hits.shape
     dev = cache_hits.device
+    if compute is None:
+        compute = num_tokens
+    if lookahead is None:
+        lookahead = torch.zeros_like(num_tokens)
     if window_blocks is None:
         window_blocks = torch.full((G,), -1, dtype=torch.int32, device=dev)
     if chains is None:
@@ -327,7 +345,8 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     if resolved is None:
         resolved = torch.empty((K, P), dtype=torch.int32, device=dev)
     _admit_kernel[(1,)](
-        cache_hits, head, nxt, cand, ok, resolved, max_hit, num_blocks, num_tokens, skip, window_blocks, K, P,
+        cache_hits, head, nxt, cand, ok, resolved, max_hit, num_blocks, num_tokens, compute, lookahead, skip,
+        window_blocks, K, P,
         ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
         G=G, TILE=tile,
     )

@@ -1,0 +1,218 @@
+"""Chunked prefill and lookahead slots, on both managers.
+
+Hand-worked cases with their exact block ids, and the device manager checked
+against the reference step by step over random chunk sizes, lookahead slots
+and token budgets (``step``, ``decode`` and ``allocate_slots``). The bad
+inputs are in ``test_catalogue.py``; the comparison with vLLM 0.8.5's own
+manager in ``test_vllm_chunked.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpukv.manager import KVCacheManager as DeviceManager
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
+PROMPT = list(range(12))
+
+
+def make(kind: str, num_blocks: int = 16, block_size: int = 4, windows=(None,)):
+    cls = ReferenceManager if kind == "reference" else DeviceManager
+    return cls(num_blocks, block_size, sliding_windows=list(windows), hash_key=KEY, max_model_len=64)
+
+
+BOTH = pytest.mark.parametrize("kind", ["reference", "device"])
+
+
+# ------------------------------------------------------------ hand-worked
+
+@BOTH
+def test_a_prompt_computed_in_chunks_caches_each_block_once_it_is_computed(kind):
+    m = make(kind)
+    res = m.step(new=[NewRequest("a", list(range(10)), num_tokens_to_compute=5)])
+    # 5 tokens computed: blocks for them only; block 1 (tokens 0-3) is full
+    # and computed, so cached; block 2 holds token 4.
+    assert (res.num_admitted, res.num_computed_tokens) == (1, [0])
+    assert m.get_block_ids("a") == [[1, 2]]
+    assert m.num_computed_tokens("a") == 5
+    # 3 more with 2 lookahead slots: tokens 5-7 fill block 2; slots 8-9 get block 3.
+    assert m.step(running=[RunningUpdate("a", (), 3, num_lookahead_tokens=2)]).ok
+    assert m.get_block_ids("a") == [[1, 2, 3]]
+    assert m.num_computed_tokens("a") == 8
+    # The same prompt hits the two computed blocks (its own last token is
+    # always computed), and a block of its own for tokens 8-9.
+    res = m.step(new=[NewRequest("b", list(range(10)))])
+    assert res.num_computed_tokens == [8]
+    assert m.get_block_ids("b") == [[1, 2, 4]]
+    # a's lookahead block is kept and filled: no new block for token 10.
+    assert m.step(running=[RunningUpdate("a", [99])]).ok
+    assert m.get_block_ids("a") == [[1, 2, 3]]
+    assert m.num_computed_tokens("a") == 11
+    m.check_invariants()
+
+
+@BOTH
+def test_a_later_request_of_the_step_hits_only_the_chunk_an_earlier_one_computes(kind):
+    m = make(kind)
+    res = m.step(new=[NewRequest("a", PROMPT, num_tokens_to_compute=5), NewRequest("b", PROMPT)])
+    # a computes tokens 0-4: only its first block is full and computed, so b
+    # hits that one (pending in the step) and computes the rest itself.
+    assert res.num_computed_tokens == [0, 4]
+    assert m.get_block_ids("a") == [[1, 2]]
+    assert m.get_block_ids("b") == [[1, 3, 4]]
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (5, 12)
+    m.check_invariants()
+
+
+@BOTH
+def test_a_hit_longer_than_the_chunk_counts_as_computed(kind):
+    m = make(kind)
+    m.step(new=[NewRequest("a", PROMPT)])
+    res = m.step(new=[NewRequest("c", PROMPT, num_tokens_to_compute=2)])
+    # The longest hit is 2 blocks (the last token is computed): 8 tokens,
+    # more than the chunk, so c holds just the hit blocks.
+    assert res.num_computed_tokens == [8]
+    assert m.get_block_ids("c") == [[1, 2]]
+    assert m.num_computed_tokens("c") == 8
+    assert m.step(running=[RunningUpdate("c", (), 4)]).ok
+    assert m.get_block_ids("c") == [[1, 2, 4]]
+    assert m.num_computed_tokens("c") == 12
+    m.check_invariants()
+
+
+@BOTH
+def test_a_sliding_window_releases_by_computed_tokens_while_a_prompt_is_half_computed(kind):
+    m = make(kind, block_size=2, windows=(None, 4))
+    m.step(new=[NewRequest("a", PROMPT, num_tokens_to_compute=6)])
+    assert m.get_block_ids("a") == [[1, 2, 3], [4, 5, 6]]
+    # Before computing 4 more, the window group drops what token 6 onwards
+    # cannot see: (6 - 4 + 1) // 2 = 1 block (not the 12 known tokens' 4).
+    assert m.step(running=[RunningUpdate("a", (), 4)]).ok
+    assert m.get_block_ids("a") == [[1, 2, 3, 7, 8], [0, 5, 6, 9, 10]]
+    assert m.num_computed_tokens("a") == 10
+    assert m.free_queue() == [11, 12, 13, 14, 15, 4]
+    # A token appended and computed with everything left, 3 lookahead slots:
+    # 13 computed + 3 slots = 8 blocks per group; the window now drops 3.
+    assert m.step(running=[RunningUpdate("a", [50], None, 3)]).ok
+    assert m.get_block_ids("a") == [[1, 2, 3, 7, 8, 11, 12, 13], [0, 0, 0, 9, 10, 14, 15, 4]]
+    # The same 13 tokens, chunk 3: the hit (6 blocks, the window's last two
+    # real) is longer than the chunk, so nothing new is allocated.
+    res = m.step(new=[NewRequest("b", PROMPT + [50], num_tokens_to_compute=3)])
+    assert res.num_computed_tokens == [12]
+    assert m.get_block_ids("b") == [[1, 2, 3, 7, 8, 11], [0, 0, 0, 0, 10, 14]]
+    m.check_invariants()
+
+
+@BOTH
+def test_lookahead_blocks_are_never_cached(kind):
+    m = make(kind)
+    m.step(new=[NewRequest("a", PROMPT[:4], num_lookahead_tokens=4)])
+    assert m.get_block_ids("a") == [[1, 2]]
+    m.step(running=[RunningUpdate("a", PROMPT[4:8], 2)])  # two of the four appended tokens
+    # Block 2 holds tokens 4-7, but only 4-5 are computed: not cached, so a
+    # request with the same 9 tokens hits block 1 alone.
+    res = m.step(new=[NewRequest("b", PROMPT[:9])])
+    assert res.num_computed_tokens == [4]
+    m.step(running=[RunningUpdate("a", (), 2)])
+    res = m.step(new=[NewRequest("c", PROMPT[:9])])
+    assert res.num_computed_tokens == [8]
+    m.check_invariants()
+
+
+@BOTH
+def test_decode_continues_chunks_and_reserves_lookahead(kind):
+    m = make(kind)
+    rows = m.step(new=[NewRequest("a", PROMPT, num_tokens_to_compute=3),
+                       NewRequest("b", list(range(100, 106)))]).rows
+    assert m.get_block_ids("a") == [[1]] and m.get_block_ids("b") == [[2, 3]]
+    # Row a continues its prefill (no new token) to 8 tokens: one more block.
+    res = m.decode(rows[:1], None, num_tokens_to_compute=[5])
+    assert res.ok and m.num_computed_tokens("a") == 8
+    assert m.get_block_ids("a") == [[1, 4]]
+    # Both append a token; a computes all it knows (13), b 7, with 2 slots each.
+    assert m.decode(rows, [[60], [61]], num_lookahead_tokens=2).ok
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (13, 7)
+    assert m.get_block_ids("a") == [[1, 4, 5, 6]]
+    assert m.get_block_ids("b") == [[2, 3, 7]]
+    m.check_invariants()
+
+
+@BOTH
+def test_allocate_slots_takes_vllm_num_tokens_and_lookahead(kind):
+    m = make(kind)
+    m.step(new=[NewRequest("a", PROMPT)])
+    req = NewRequest("b", PROMPT + [77, 78])
+    computed = m.get_computed_blocks(req)
+    assert computed.num_tokens == 12
+    # vLLM's num_tokens counts beyond the hit: 1 token, 3 lookahead slots.
+    assert m.allocate_slots(req, computed=computed, num_tokens=1, num_lookahead_tokens=3) == [[4]]
+    assert m.num_computed_tokens("b") == 13
+    assert m.allocate_slots("b", [79], num_tokens=2) == [[]]  # the lookahead block holds them
+    assert m.num_computed_tokens("b") == 15
+    assert m.get_block_ids("b") == [[1, 2, 3, 4]]
+    m.check_invariants()
+
+
+# ------------------------------------------------------- device vs reference
+
+def _random_session(seed: int, windows, steps: int = 20) -> None:
+    """Random chunked admissions, chunk continuations, decodes with lookahead
+    and finishes under a small pool, the device manager compared with the
+    reference after every call: results, block ids, computed counts, the free
+    queue and the invariants."""
+    rng = random.Random(seed)
+    ref, dev = make("reference", 24, 4, windows), make("device", 24, 4, windows)
+    next_id = 0
+    for _ in range(steps):
+        ids = ref.request_ids()
+        finished = [r for r in ids if rng.random() < 0.15]
+        running = []
+        for rid in ids:
+            if rid in finished or rng.random() < 0.2:
+                continue
+            known = len(ref._requests[rid].tokens)
+            left = known - ref.num_computed_tokens(rid)
+            lookahead = rng.choice([0, 0, 3])
+            if left:
+                running.append(RunningUpdate(rid, (), rng.randint(1, left), lookahead))
+            elif known < 50:
+                running.append(RunningUpdate(rid, [rng.randint(0, 2)], None, lookahead))
+        new = []
+        for _ in range(rng.randint(0, 3)):
+            n = rng.randint(1, 30)
+            chunk = rng.choice([None, rng.randint(1, n)])
+            new.append(NewRequest(f"r{next_id}", [rng.randint(0, 2) for _ in range(n)],
+                                  num_tokens_to_compute=chunk, num_lookahead_tokens=rng.choice([0, 0, 5])))
+            next_id += 1
+        if rng.random() < 0.3 and running and not finished and not new:
+            # the batched entry: continue the chunked rows only
+            mid = [u for u in running if not len(u.new_token_ids)]
+            if mid:
+                rows = [ref.row_of(u.request_id) for u in mid]
+                chunks = [u.num_tokens_to_compute for u in mid]
+                results = [m.decode(rows, None, num_tokens_to_compute=chunks) for m in (ref, dev)]
+                assert results[0] == results[1]
+                continue
+        results = [m.step(finished, running, new) for m in (ref, dev)]
+        assert results[0] == results[1]
+        for rid in ref.request_ids():
+            assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
+            assert dev.num_computed_tokens(rid) == ref.num_computed_tokens(rid), rid
+        assert dev.free_queue() == ref.free_queue()
+        ref.check_invariants()
+        dev.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_equals_reference_full_attention(seed):
+    _random_session(seed, (None,))
+
+
+@pytest.mark.parametrize("seed", range(6, 12))
+def test_device_equals_reference_with_a_sliding_window(seed):
+    _random_session(seed, (None, 6))
