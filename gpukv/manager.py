@@ -353,7 +353,7 @@ class KVCacheManager(FailStop):
     @mutating
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes no block."""
-        (request,) = self._normalize((), (), [request], single=True).new
+        (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         with self._counting():
             return self._lookup_only(request, count_stats=True)
 
@@ -369,7 +369,7 @@ class KVCacheManager(FailStop):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
                 raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
-            (request,) = self._normalize((), (), [request], single=True).new
+            (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
             computed = normalize_computed(computed, self._limits)
             request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
                                           num_lookahead_tokens, self._limits)
@@ -658,11 +658,12 @@ class KVCacheManager(FailStop):
     def _num_blocks(self, row: int) -> int:
         return int(self._nalloc[row])
 
-    def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
+    def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
         return normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
                               num_tokens=lambda rid: int(self._ntok[self._reqs[rid]]),
-                              num_computed=lambda rid: int(self._ncomp[self._reqs[rid]]), single=single)
+                              num_computed=lambda rid: int(self._ncomp[self._reqs[rid]]), single=single,
+                              defer_admissible=defer_admissible)
 
     @contextlib.contextmanager
     def _counting(self):

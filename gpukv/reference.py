@@ -424,7 +424,7 @@ class KVCacheManager(FailStop):
     @mutating
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes nothing else."""
-        (request,) = self._normalize((), (), [request], single=True).new
+        (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         plan = self._plan(self._new_state(request), [])
         self._remember_digests(plan.state)
         self._record(plan)
@@ -457,7 +457,7 @@ class KVCacheManager(FailStop):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
                 raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
-            (request,) = self._normalize((), (), [request], single=True).new
+            (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
             computed = normalize_computed(computed, self._limits)
             hit_tokens = computed.num_tokens if computed is not None else 0
             request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
@@ -620,11 +620,12 @@ class KVCacheManager(FailStop):
                                       "freed", argument="request_id",
                                       fix="pass the id of a request this manager holds") from None
 
-    def _normalize(self, finished, running, new, *, single: bool = False) -> Step:
+    def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
         return normalize_step(finished, running, new, known=self._requests, limits=self._limits,
                               num_tokens=lambda rid: len(self._requests[rid].tokens),
-                              num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single)
+                              num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single,
+                              defer_admissible=defer_admissible)
 
     def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
         if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):

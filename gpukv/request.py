@@ -572,6 +572,7 @@ def normalize_step(
     num_tokens: Callable[[str], int] | None = None,
     num_computed: Callable[[str], int] | None = None,
     single: bool = False,
+    defer_admissible: bool = False,
 ) -> Step:
     """Check and normalise one call's arguments against a manager that holds
     the requests ``known`` (``num_tokens(rid)``: how many tokens one holds, for
@@ -582,7 +583,9 @@ def normalize_step(
     ``single``: the call is ``free(request_id)``, ``allocate_slots(request,
     new_token_ids)`` or ``get_computed_blocks(request)``, one request handed in
     as a one-element ``finished``/``running``/``new``; messages then name
-    those arguments (``request_id``, ``request``, ``new_token_ids``)."""
+    those arguments (``request_id``, ``request``, ``new_token_ids``).
+    ``defer_admissible``: leave ``check_admissible`` to the caller
+    (``allocate_slots`` first applies its own chunk and lookahead)."""
     def name(kind: str, i: int, attr: str = "") -> str:
         if not single:
             return f"{kind}[{i}]" + (f".{attr}" if attr else "")
@@ -660,21 +663,29 @@ def normalize_step(
             raise CapacityError(f"new request {rid!r} has {n} tokens, more than max_model_len "
                                 f"{limits.max_model_len}", argument=name("new", i, "token_ids"),
                                 fix="shorten the prompt or build the manager with a larger max_model_len")
-        can_hit = limits.caching and not req.skip_prefix_cache
-        if req.num_lookahead_tokens:
-            longest = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute,
-                          (n - 1) // limits.block_size * limits.block_size if can_hit else 0)
-            check_computed_length(longest, req.num_lookahead_tokens, limits, name("new", i, "num_lookahead_tokens"),
-                                  rid)
-        need = min_blocks_to_admit(n, limits, can_hit, req.num_tokens_to_compute, req.num_lookahead_tokens)
-        if need > limits.num_blocks - 1:
-            raise CapacityError(f"new request {rid!r} needs {need} blocks even with the longest possible cache "
-                                f"hit, more than the whole pool ({limits.num_blocks - 1}); it can never be admitted",
-                                argument=name("new", i, "token_ids"), fix="shorten the request or build a larger pool")
+        if not defer_admissible:
+            check_admissible(req, limits, name("new", i, "num_lookahead_tokens"), name("new", i, "token_ids"))
         requests.append(req)
     if warn:
         _warn_block_hashes()
     return Step(tuple(fin), tuple(updates), tuple(requests))
+
+
+def check_admissible(req: NewRequest, limits: ManagerLimits, lookahead_arg: str, tokens_arg: str) -> None:
+    """Refuse a normalised new request that could never be admitted: its
+    computed tokens plus lookahead slots past ``max_model_len``, or more
+    blocks than the whole pool even with the best cache hit."""
+    n, rid = len(req.token_ids), req.request_id
+    can_hit = limits.caching and not req.skip_prefix_cache
+    if req.num_lookahead_tokens:
+        longest = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute,
+                      (n - 1) // limits.block_size * limits.block_size if can_hit else 0)
+        check_computed_length(longest, req.num_lookahead_tokens, limits, lookahead_arg, rid)
+    need = min_blocks_to_admit(n, limits, can_hit, req.num_tokens_to_compute, req.num_lookahead_tokens)
+    if need > limits.num_blocks - 1:
+        raise CapacityError(f"new request {rid!r} needs {need} blocks even with the best possible cache hit, "
+                            f"more than the whole pool ({limits.num_blocks - 1}); it can never be admitted",
+                            argument=tokens_arg, fix="shorten the request or build a larger pool")
 
 
 def _check_running_chunk(u: RunningUpdate, rid: str, num_new: int, limits: ManagerLimits, num_tokens, num_computed,
@@ -932,6 +943,7 @@ def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, n
         computed = max(n if request.num_tokens_to_compute is None else request.num_tokens_to_compute, hit_tokens)
         check_computed_length(computed, la, limits, "num_lookahead_tokens", request.request_id)
         request = replace(request, num_lookahead_tokens=la)
+    check_admissible(request, limits, "num_lookahead_tokens", "request.token_ids")
     return request
 
 

@@ -579,7 +579,7 @@ def test_a_window_request_that_fits_with_its_hit_is_not_refused(kind):
     m.step(finished=["b"])
     assert m.step(new=[NewRequest("c", [9, 9, 9, 9, 9, 9, 9])]).num_admitted == 0  # not even in an empty pool
     # Without a possible hit the best case is the worst: refused up front.
-    with pytest.raises(CapacityError, match="needs 7 blocks even with the longest possible cache hit") as info:
+    with pytest.raises(CapacityError, match="needs 7 blocks even with the best possible cache hit") as info:
         m.step(new=[NewRequest("d", [1, 2, 3, 4, 5, 6, 7], skip_prefix_cache=True)])
     assert info.value.argument == "new[0].token_ids" and "can never be admitted" in str(info.value)
     m.check_invariants()

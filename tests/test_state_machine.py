@@ -114,20 +114,31 @@ class Req:
     mm: tuple[MMItem, ...]
     skip: bool
     null_upto: list[int] = field(default_factory=list)  # per group: positions below hold the null block
+    computed: int = 0  # tokens computed (chunked prefill leaves known ones uncomputed)
+    held: int = 0  # block positions held per group (lookahead slots may hold more)
     _idents: list = field(default_factory=list, repr=False)
 
     def ident(self, p: int, bs: int) -> tuple:
-        """What block ``p`` of this request is computed from: the token prefix
-        up to the block's end, the LoRA id, the salt and the multimodal items
-        starting in that prefix. Cached per position until tokens are added."""
+        """What block ``p`` of this request is computed from: the computed
+        token prefix up to the block's end, the LoRA id, the salt and the
+        multimodal items starting in that prefix. Cached per position until
+        more tokens are computed."""
         while len(self._idents) <= p:
-            end = min(len(self.tokens), (len(self._idents) + 1) * bs)
+            end = min(self.computed, (len(self._idents) + 1) * bs)
             self._idents.append(ident_of(self.tokens[:end], self.lora, self.salt, self.mm))
         return self._idents[p]
 
-    def extend(self, tokens: list[int], bs: int) -> None:
-        del self._idents[len(self.tokens) // bs:]  # the partial block's inputs change
+    def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
+
+    def advance(self, computed: int, lookahead: int, bs: int) -> range:
+        """``computed`` tokens are computed now, with ``lookahead`` slots; the
+        block positions whose KV this step computed (or completed)."""
+        before = self.computed
+        del self._idents[before // bs:]  # the partial block's inputs change
+        self.computed = computed
+        self.held = max(self.held, -(-(computed + lookahead) // bs))
+        return range(before // bs, -(-computed // bs))
 
 
 def ident_of(tokens, lora, salt, mm) -> tuple:
@@ -165,6 +176,10 @@ def fmt_new(r: NewRequest) -> str:
         args.append(f"cache_salt={r.cache_salt!r}")
     if r.skip_prefix_cache:
         args.append("skip_prefix_cache=True")
+    if r.num_tokens_to_compute is not None:
+        args.append(f"num_tokens_to_compute={r.num_tokens_to_compute}")
+    if r.num_lookahead_tokens:
+        args.append(f"num_lookahead_tokens={r.num_lookahead_tokens}")
     if r.block_hashes is not None:
         args.append("block_hashes=[" + ", ".join(f"bytes.fromhex('{d.hex()}')" for d in r.block_hashes) + "]")
     return f"NewRequest({', '.join(args)})"
@@ -175,8 +190,9 @@ def fmt_step(finished, running, new) -> str:
     if finished:
         parts.append(f"finished={list(finished)!r}")
     if running:
-        parts.append("running=[" + ", ".join(f"RunningUpdate({u.request_id!r}, {fmt_tokens(u.new_token_ids)})"
-                                             for u in running) + "]")
+        parts.append("running=[" + ", ".join(
+            f"RunningUpdate({u.request_id!r}, {fmt_tokens(u.new_token_ids)}, {u.num_tokens_to_compute}, "
+            f"{u.num_lookahead_tokens})" for u in running) + "]")
     if new:
         parts.append("new=[" + ", ".join(fmt_new(r) for r in new) + "]")
     return f"step({', '.join(parts)})"
@@ -277,17 +293,36 @@ class ServingLoop(RuleBasedStateMachine):
         self.docs.append(tokens)
         form = data.draw(st.sampled_from(["list"] * 6 + ["numpy"]), label="token container")
         token_ids = np.array(tokens, dtype=np.int64) if form == "numpy" else list(tokens)
-        return NewRequest(self.fresh_id(), token_ids, **kw)
+        n = len(tokens)
+        chunk = None
+        if data.draw(st.sampled_from([False] * 3 + [True]), label="chunked prefill"):
+            chunk = data.draw(st.integers(1, n), label="num_tokens_to_compute")
+        lookahead = self.draw_lookahead(data, self.cap - n)
+        return NewRequest(self.fresh_id(), token_ids, num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead,
+                          **kw)
+
+    def draw_lookahead(self, data, room: int) -> int:
+        """Lookahead slots within ``room`` tokens (so a request never outgrows
+        the pool or max_model_len): mostly none."""
+        if room <= 0 or not data.draw(st.sampled_from([False] * 4 + [True]), label="lookahead"):
+            return 0
+        return data.draw(st.integers(1, min(3, room)), label="num_lookahead_tokens")
 
     def draw_update(self, data, rid: str) -> RunningUpdate:
-        room = self.cap - len(self.reqs[rid].tokens)
+        req = self.reqs[rid]
+        room = self.cap - len(req.tokens)
         tokens = data.draw(st.lists(TOKEN, min_size=0, max_size=min(3, room)), label=f"decode {rid}")
+        left = len(req.tokens) + len(tokens) - req.computed
+        chunk = None
+        if left and data.draw(st.sampled_from([False] * 2 + [True]), label="a chunk"):
+            chunk = data.draw(st.integers(1, left), label="num_tokens_to_compute")
+        lookahead = self.draw_lookahead(data, room - len(tokens))
         form = data.draw(st.sampled_from(["list"] * 6 + ["numpy", "torch"]), label="token container")
         if form == "numpy":
-            return RunningUpdate(rid, np.array(tokens, dtype=np.int64))
-        if form == "torch":
-            return RunningUpdate(rid, torch.tensor(tokens, dtype=torch.int64))
-        return RunningUpdate(rid, tokens)
+            tokens = np.array(tokens, dtype=np.int64)
+        elif form == "torch":
+            tokens = torch.tensor(tokens, dtype=torch.int64)
+        return RunningUpdate(rid, tokens, chunk, lookahead)
 
     def draw_updates(self, data, rids) -> list[RunningUpdate]:
         return [self.draw_update(data, rid) for rid in rids
@@ -323,7 +358,7 @@ class ServingLoop(RuleBasedStateMachine):
         and every check."""
         finished, updates, new = list(finished), list(updates), list(new)
         line = fmt_step(finished, updates, new) if current_build_context().is_final else ""
-        old_len = {u.request_id: len(self.reqs[u.request_id].tokens) for u in updates}
+        old_computed = {u.request_id: self.reqs[u.request_id].computed for u in updates}
         res = self.ref.step(finished, updates, new)
         trace(f"m.{line}  # -> {res}")
         COUNTS["manager_steps"] += 1
@@ -347,14 +382,16 @@ class ServingLoop(RuleBasedStateMachine):
             st_ = self.reqs[u.request_id]
             for g, w in enumerate(self.windows):
                 if w is not None:
-                    st_.null_upto[g] = max(st_.null_upto[g], max(0, old_len[u.request_id] - w + 1) // bs)
+                    st_.null_upto[g] = max(st_.null_upto[g], max(0, old_computed[u.request_id] - w + 1) // bs)
         applied = updates if k is None else updates[:k]
         for u in applied:
             req = self.reqs[u.request_id]
-            req.extend(to_ints(u.new_token_ids), bs)
+            req.extend(to_ints(u.new_token_ids))
+            chunk = u.num_tokens_to_compute
+            computed = len(req.tokens) if chunk is None else req.computed + chunk
             blocks = self.ref.get_block_ids(req.rid)
-            for g in range(self.G):
-                for p in range(old_len[req.rid] // bs, -(-len(req.tokens) // bs)):
+            for p in req.advance(computed, u.num_lookahead_tokens, bs):
+                for g in range(self.G):
                     self.compute(blocks[g][p], g, req, p)
         # Stats count the new requests looked up: up to the first refused one.
         expected_stats = {"requests": 0}
@@ -384,13 +421,17 @@ class ServingLoop(RuleBasedStateMachine):
             self.reqs[req.rid] = req
             self.order.append(req.rid)
             blocks = self.ref.get_block_ids(req.rid)
+            req.advance(hit_tokens, 0, bs)  # the hit is computed
             for g in range(self.G):
                 for p in range(h):
                     b = blocks[g][p]
                     if b != 0:
                         self.check_hit(b, g, req, p)
-                for p in range(h, -(-n // bs)):
-                    self.compute(blocks[g][p], g, req, p)
+            chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+            for p in req.advance(max(chunk, hit_tokens), r.num_lookahead_tokens, bs):
+                if p >= h:
+                    for g in range(self.G):
+                        self.compute(blocks[g][p], g, req, p)
         self.check_all(expect=expected_stats)
         return res
 
@@ -548,6 +589,7 @@ class ServingLoop(RuleBasedStateMachine):
         h = c.num_tokens // self.bs
         assert c.num_tokens % self.bs == 0 and 0 <= h <= (len(r.token_ids) - 1) // self.bs
         probe = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items), False)
+        probe.advance(c.num_tokens, 0, self.bs)  # what the hit blocks were computed from
         for g in range(self.G):
             assert len(c.block_ids[g]) == h
             for p, b in enumerate(c.block_ids[g]):
@@ -655,12 +697,15 @@ class ServingLoop(RuleBasedStateMachine):
         assert sorted(ref.request_ids()) == sorted(self.reqs), (ref.request_ids(), list(self.reqs))
         assert len(set(ref.free_queue())) == ref.num_free_blocks == len(ref.free_queue())
         for rid, req in self.reqs.items():
-            n = len(req.tokens)
-            assert ref.num_computed_tokens(rid) == n, rid
+            assert ref.num_computed_tokens(rid) == req.computed, rid
             blocks = ref.get_block_ids(rid)
-            assert len(blocks) == self.G and all(len(g) == -(-n // bs) for g in blocks), (rid, blocks)
+            assert len(blocks) == self.G and all(len(g) == req.held for g in blocks), (rid, blocks, req.held)
+            computed_blocks = -(-req.computed // bs)
             for g in range(self.G):
                 for p, b in enumerate(blocks[g]):
+                    if p >= computed_blocks:  # allocated for later chunks or lookahead: nothing computed yet
+                        assert b != 0, f"{rid}: group {g} position {p} holds the null block"
+                        continue
                     if p < req.null_upto[g]:
                         assert b == 0, f"{rid}: group {g} (window {self.windows[g]}) position {p} holds block {b}, " \
                                        f"not the null block (null below {req.null_upto[g]})"

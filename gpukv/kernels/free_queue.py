@@ -37,7 +37,12 @@ Operations (kernels + thin launchers; the launchers only enqueue work: no
   ``pos``. Many programs.
 * ``pop(fq, count, out)``: the first ``count`` live entries, front first, into
   ``out[:count]``; ``out[count:] = -1``. One program scanning tiles of the ring
-  from ``head`` with a prefix sum per tile, until ``count`` are found.
+  from ``head`` with a prefix sum per tile, until ``count`` are found. Its cost
+  is amortised over the steps, not bounded per pop: the head moves past every
+  tombstone it scans (they are consumed, never scanned twice), and each
+  tombstone was made by one ``remove`` (a hit on a free block) of some step, so
+  a run's pops scan at most ``(pops + removes) / TILE + pops`` tiles in all. One
+  pop after many hits scans their tombstones at once (at most ``N`` entries).
 * ``push(fq, blocks, where, call=None)``: free blocks, to the back (``where`` =
   1) or the front (2), in the order the reference ``BlockPool.free`` calls would
   leave them; every entry's final position comes from prefix sums (one
