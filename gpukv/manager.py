@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from gpukv import _runtime, hashing
+from gpukv.api import manager_args_from_config
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.kernels import _common
 from gpukv.kernels import blocks as block_ops
@@ -190,9 +191,6 @@ class KVCacheManager(FailStop):
         block_size = check_size(block_size, "block_size", 1)
         windows = list(normalize_windows(sliding_windows))
         num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
-        if not enable_caching:
-            raise InvalidInputError("the device manager always caches", argument="enable_caching",
-                                    fix="use gpukv.reference.KVCacheManager with enable_caching=False")
         max_model_len = check_size(max_model_len, "max_model_len", 1, 2**31 - 1)
         max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
         device = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
@@ -209,9 +207,12 @@ class KVCacheManager(FailStop):
         self._window_groups = [g for g, w in enumerate(windows) if w is not None]
         self.max_model_len = max_model_len
         self.uncached_first = bool(uncached_first)
+        # Without caching no lookup runs (every hit is 0, the stats still count
+        # the queries, as the reference's) and no block is ever recorded.
+        self.enable_caching = bool(enable_caching)
         self.pool = DevicePool(num_blocks, block_size, self.device, uncached_first=uncached_first)
         self._key = key
-        self._limits = ManagerLimits(block_size, num_blocks, tuple(windows), max_model_len, True)
+        self._limits = ManagerLimits(block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root = hashing.root_digest(self._key)
         self._root_lanes = _lanes(self._root)
         self._key_dev = key_lanes(self._key, self.device)
@@ -246,6 +247,13 @@ class KVCacheManager(FailStop):
         self._stamp = 0
         self._free_lower_bound = num_blocks - 1
 
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "KVCacheManager":
+        """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
+        one group per config group, ``kwargs`` as the constructor's."""
+        num_blocks, block_size, windows = manager_args_from_config(config)
+        return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
+
     def __repr__(self) -> str:  # never show the key
         return (f"KVCacheManager(device={self.device}, num_blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, groups={self.sliding_windows})")
@@ -253,10 +261,12 @@ class KVCacheManager(FailStop):
     # ------------------------------------------------------------ properties
     @property
     def hash_key(self) -> bytes:
+        """The 16-byte key of the block hash (never printed by ``repr``)."""
         return self._key
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the pool, the null block 0 included."""
         return self.pool.num_blocks
 
     @property
@@ -284,12 +294,24 @@ class KVCacheManager(FailStop):
         """Cached blocks evicted so far; reads the device (waits for the GPU)."""
         return int(self._read(self.pool.evictions)[0])
 
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use (reads the device: waits for the GPU)."""
+        return self.read_usage()
+
+    def read_usage(self) -> float:
+        """Fraction of the pool (null block excluded) that is referenced, as
+        vLLM's ``KVCacheManager.usage``; reads the device (waits for the GPU)."""
+        return 1.0 - self.read_num_free_blocks() / (self.num_blocks - 1)
+
     @reading
     def free_queue(self) -> list[int]:
+        """The free block ids, front (reused first) to back; reads the device."""
         return self.pool.free_queue_list()
 
     @reading
     def request_ids(self) -> list[str]:
+        """The running requests' ids, in admission order (host only)."""
         return list(self._reqs)
 
     @reading
@@ -299,6 +321,8 @@ class KVCacheManager(FailStop):
 
     @reading
     def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per group, position by position (the null
+        block 0 where a window dropped them); reads the device."""
         row = self._state(request_id)
         return self._read(self.block_table[:, row, : self._num_blocks(row)])
 
@@ -311,16 +335,33 @@ class KVCacheManager(FailStop):
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request computed so far, its hit included (host only)."""
         return int(self._ncomp[self._state(request_id)])
 
     @reading
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
+        """Per group, how many leading blocks of this request every one of the
+        ``num_running_requests`` running requests holds (vLLM's, for cascade
+        attention): blocks whose count equals that number, up to the first
+        that does not; a sliding-window group gives 0. Reads the device."""
+        row = self._state(request_id)
+        n = self._num_blocks(row)
+        blocks = self.block_table[:, row, :n].long()
+        same = (self.pool.ref_cnt[blocks] == num_running_requests).to(torch.int32)
+        leading = same.cumprod(dim=1).sum(dim=1)
+        out = self._read(leading)
+        return [0 if w is not None else int(c) for w, c in zip(self.sliding_windows, out)]
+
+    @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
+        """The digests of the request's full known blocks; reads the device."""
         row = self._state(request_id)
         n = int(self._ntok[row]) // self.block_size
         return hashing.lanes_to_digests(np.array(self._read(self.digests[row, :n]), dtype=np.int64).reshape(-1, 2))
 
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache stats since the last call (then zeroed); reads the device."""
         vals = self._read(self._stats_dev)
         self._stats_dev.zero_()
         stats = PrefixCacheStats(*vals, reset=self._reset_flag)
@@ -329,6 +370,8 @@ class KVCacheManager(FailStop):
 
     @mutating
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, when no request holds a block (else
+        False, nothing changed); reads the device."""
         if self.read_num_free_blocks() != self.num_blocks - 1:
             return False
         self.pool.reset_prefix_cache()
@@ -410,6 +453,7 @@ class KVCacheManager(FailStop):
 
     @mutating
     def free(self, request_id: str) -> None:
+        """Give back a request's blocks (tail first, group by group) and forget it."""
         (request_id,) = self._normalize([request_id], (), (), single=True).finished
         with self._counting():
             self._step([request_id], (), ())
@@ -753,6 +797,8 @@ class KVCacheManager(FailStop):
             _hash_rows(*args, **kw)
 
     def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
+        if not self.enable_caching:
+            return
         block_ops.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
                          extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
                          blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table,
@@ -768,6 +814,8 @@ class KVCacheManager(FailStop):
         run = self._run_updates(running, blocked) if running else None  # phase 2
         status_parts = [run["n_ok"]] if run is not None else []
         cand_rows: list[int] = []
+        if not self.enable_caching:
+            hit_caps = [0] * len(new)  # no lookup: every hit is 0
         if new:  # phases 3-5
             cand_rows = [self._rows.take() for _ in new]
             try:
@@ -994,7 +1042,8 @@ class KVCacheManager(FailStop):
         row = self._rows.take()
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
-            _, hit, cache = self._admit_new([request], [row], blocked, count_stats, None, dry=True)
+            caps = None if self.enable_caching else [0]
+            _, hit, cache = self._admit_new([request], [row], blocked, count_stats, caps, dry=True)
             n = int(self._read(hit)[0])
             blocks = self._read(cache[0, :n].T) if n else [[] for _ in range(self.num_groups)]
         finally:

@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
+import torch
 
 from gpukv import hashing
+from gpukv.api import manager_args_from_config
 from gpukv.errors import (
     InvalidInputError,
     InvalidTypeError,
@@ -90,6 +92,21 @@ class CachedBlockInfo:
     extra: bytes
 
 
+def _host_device(device) -> torch.device:
+    """The reference's ``device``: None or the CPU."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise InvalidTypeError(f"must be None, 'cpu' or a torch.device, got {device!r}", argument="device",
+                               fix="pass device=None (the reference lives on the host)") from None
+    if dev.type != "cpu":
+        raise InvalidInputError(f"the reference manager lives on the host, got {dev}", argument="device",
+                                fix="pass device=None, or use gpukv.manager.KVCacheManager on a GPU")
+    return dev
+
+
 def _check_count(value: int, name: str, minimum: int, maximum: int | None = None) -> int:
     return check_size(value, name, minimum, maximum)
 
@@ -120,6 +137,7 @@ class BlockPool:
     # ---------------------------------------------------------------- reading
     @property
     def num_free_blocks(self) -> int:
+        """Blocks in the free queue."""
         return len(self._free)
 
     def free_queue(self) -> list[int]:
@@ -313,7 +331,12 @@ class KVCacheManager(FailStop):
         hash_key: bytes | str | None = None,
         max_model_len: int | None = None,
         max_num_reqs: int = 64,
+        device: torch.device | str | None = None,
     ) -> None:
+        """Arguments as the device manager's (``gpukv.manager``); ``device``
+        is where ``block_table_for`` puts its tensor: None or the CPU (this
+        manager's state is host memory)."""
+        self.device = _host_device(device)
         self.block_size = _check_count(block_size, "block_size", 1)
         max_num_reqs = _check_count(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
         windows = list(normalize_windows(sliding_windows))
@@ -342,15 +365,10 @@ class KVCacheManager(FailStop):
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "KVCacheManager":
-        """A manager for a ``KVCacheConfig``: one group per config group."""
-        from gpukv.spec import SlidingWindowSpec
-
-        specs = [g.kv_cache_spec for g in config.kv_cache_groups]
-        block_sizes = {s.block_size for s in specs}
-        if len(block_sizes) != 1:
-            raise ValueError(f"all KV-cache groups must share one block size, got {sorted(block_sizes)}")
-        windows = [s.sliding_window if isinstance(s, SlidingWindowSpec) else None for s in specs]
-        return cls(config.num_blocks, block_sizes.pop(), sliding_windows=windows, **kwargs)
+        """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
+        one group per config group, ``kwargs`` as the constructor's."""
+        num_blocks, block_size, windows = manager_args_from_config(config)
+        return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
 
     def __repr__(self) -> str:  # never show the key
         return f"KVCacheManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, groups={self.sliding_windows})"
@@ -358,10 +376,12 @@ class KVCacheManager(FailStop):
     # ------------------------------------------------------------ public API
     @property
     def hash_key(self) -> bytes:
+        """The 16-byte key of the block hash (never printed by ``repr``)."""
         return self._key
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the pool, the null block 0 included."""
         return self.pool.num_blocks
 
     @property
@@ -373,10 +393,12 @@ class KVCacheManager(FailStop):
 
     @property
     def num_free_blocks(self) -> int:
+        """Free blocks now (``read_num_free_blocks``)."""
         return self.pool.num_free_blocks
 
     @property
     def num_evictions(self) -> int:
+        """Cached blocks evicted so far (``read_num_evictions``)."""
         return self.pool.num_evictions
 
     @reading
@@ -387,10 +409,60 @@ class KVCacheManager(FailStop):
     @property
     def usage(self) -> float:
         """Fraction of the pool (null block excluded) that is referenced."""
+        return self.read_usage()
+
+    def read_num_free_blocks(self) -> int:
+        """Free blocks now (the device manager's name; nothing to wait for here)."""
+        return self.pool.num_free_blocks
+
+    def read_num_evictions(self) -> int:
+        """Cached blocks evicted so far (the device manager's name)."""
+        return self.pool.num_evictions
+
+    def read_usage(self) -> float:
+        """Fraction of the pool (null block excluded) that is referenced, as
+        vLLM's ``KVCacheManager.usage``."""
         return 1.0 - self.pool.num_free_blocks / (self.pool.num_blocks - 1)
 
     @reading
+    def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """int32[G, len(request_ids), M] block tables of these requests, as
+        the device manager gives them (M = blocks per request at
+        ``max_model_len``, or the most any of them holds without a limit;
+        positions past a request's blocks hold 0)."""
+        states = [self._state(r) for r in request_ids]
+        if self.max_model_len is not None:
+            width = -(-self.max_model_len // self.block_size)
+        else:
+            width = max([len(st.blocks[0]) for st in states], default=0)
+        table = torch.zeros((self.num_groups, len(states), width), dtype=torch.int32)
+        for i, st in enumerate(states):
+            for g, blocks in enumerate(st.blocks):
+                table[g, i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return table.to(self.device)
+
+    @reading
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
+        """Per group, how many leading blocks of this request every one of the
+        ``num_running_requests`` running requests holds (vLLM's, for cascade
+        attention): blocks whose count equals that number, up to the first
+        that does not. A sliding-window group gives 0 (cascade attention
+        needs full attention)."""
+        st = self._state(request_id)
+        out = []
+        for g, window in enumerate(self.sliding_windows):
+            n = 0
+            if window is None:
+                for b in st.blocks[g]:
+                    if self.pool.ref_cnt[b] != num_running_requests:
+                        break
+                    n += 1
+            out.append(n)
+        return out
+
+    @reading
     def request_ids(self) -> list[str]:
+        """The running requests' ids, in admission order."""
         return list(self._requests)
 
     @reading
@@ -400,6 +472,7 @@ class KVCacheManager(FailStop):
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request computed so far, its hit included."""
         return self._state(request_id).num_computed_tokens
 
     @reading
@@ -416,6 +489,8 @@ class KVCacheManager(FailStop):
 
     @mutating
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, when no request holds a block (else
+        False, nothing changed)."""
         ok = self.pool.reset_prefix_cache()
         if ok:  # every block was free, so no request holds a cached block
             self.stats.reset = True

@@ -1,0 +1,95 @@
+"""The block-manager API both managers offer, as a ``typing.Protocol``.
+
+``gpukv.reference.KVCacheManager`` (the executable spec, on the host) and
+``gpukv.manager.KVCacheManager`` (state and kernels on the device) take the
+same constructor arguments and answer the same calls with the same results;
+``tests/test_api.py`` checks that both satisfy this protocol, member by member
+and signature by signature. ``docs/api.md`` maps each member to vLLM 0.8.5's
+``KVCacheManager``.
+
+Naming rule: a call that waits for the device is a ``read_*()`` method. The
+properties ``num_free_blocks``, ``num_evictions`` and ``usage`` are kept for
+callers of the older API and vLLM's spelling; on the device manager they wait
+too (they call the ``read_*`` method).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from gpukv.metrics import PrefixCacheStats
+from gpukv.request import ComputedBlocks, ManagerLimits, NewRequest, RunningUpdate, StepResult
+
+
+def manager_args_from_config(config: Any) -> tuple[int, int, list[int | None]]:
+    """``(num_blocks, block_size, sliding_windows)`` for a ``KVCacheConfig``:
+    one manager group per config group; all groups share one block size."""
+    from gpukv.spec import SlidingWindowSpec
+
+    specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+    block_sizes = {s.block_size for s in specs}
+    if len(block_sizes) != 1:
+        raise ValueError(f"all KV-cache groups must share one block size, got {sorted(block_sizes)}")
+    windows = [s.sliding_window if isinstance(s, SlidingWindowSpec) else None for s in specs]
+    return config.num_blocks, block_sizes.pop(), windows
+
+
+@runtime_checkable
+class BlockManager(Protocol):
+    """What a serving loop may call on either manager."""
+
+    block_size: int
+    num_groups: int
+    sliding_windows: list[int | None]
+    max_model_len: int | None
+    device: torch.device
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> "BlockManager": ...
+
+    # sizes and state
+    @property
+    def hash_key(self) -> bytes: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def limits(self) -> ManagerLimits: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_evictions(self) -> int: ...
+    @property
+    def usage(self) -> float: ...
+    def read_num_free_blocks(self) -> int: ...
+    def read_num_evictions(self) -> int: ...
+    def read_usage(self) -> float: ...
+    def free_queue(self) -> list[int]: ...
+    def request_ids(self) -> list[str]: ...
+    def check_invariants(self) -> None: ...
+
+    # one request
+    def row_of(self, request_id: str) -> int: ...
+    def get_block_ids(self, request_id: str) -> list[list[int]]: ...
+    def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor: ...
+    def num_computed_tokens(self, request_id: str) -> int: ...
+    def block_hashes(self, request_id: str) -> list[bytes]: ...
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]: ...
+
+    # prefix cache
+    def make_prefix_cache_stats(self) -> PrefixCacheStats: ...
+    def reset_prefix_cache(self) -> bool: ...
+
+    # vLLM's request-level calls
+    def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks: ...
+    def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
+                       computed: ComputedBlocks | None = None, num_tokens: int | None = None,
+                       num_lookahead_tokens: int | None = None) -> list[list[int]] | None: ...
+    def free(self, request_id: str) -> None: ...
+
+    # batched calls
+    def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
+             new: Sequence[NewRequest] = ()) -> StepResult: ...
+    def decode(self, rows: Any, new_token_ids: Any, *, num_tokens_to_compute: Any = None,
+               num_lookahead_tokens: int = 0) -> StepResult: ...

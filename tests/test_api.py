@@ -1,0 +1,142 @@
+"""One API for both managers (``gpukv.api.BlockManager``): the same members
+and signatures, and the calls added for it answered alike."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from gpukv.api import BlockManager
+from gpukv.manager import KVCacheManager as DeviceManager
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
+MANAGERS = [ReferenceManager, DeviceManager]
+# Members only the device manager has: the batched decode in parts, which
+# gpukv.graphs runs around a captured launch.
+DEVICE_ONLY = {"plan_decode", "stage_decode", "launch_decode", "finish_decode"}
+
+
+def public(cls) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def protocol_members() -> set[str]:
+    names = {n for n in vars(BlockManager) if not n.startswith("_")}
+    return names | set(BlockManager.__annotations__)
+
+
+def test_both_managers_have_the_same_public_surface():
+    assert public(ReferenceManager) == public(DeviceManager) - DEVICE_ONLY
+
+
+@pytest.mark.parametrize("cls", MANAGERS, ids=["reference", "device"])
+def test_each_manager_has_every_protocol_member(cls):
+    m = cls(8, 2, hash_key=KEY, max_model_len=16)
+    assert isinstance(m, BlockManager)
+    missing = {n for n in protocol_members() if not hasattr(m, n)}
+    assert not missing
+
+
+def _params(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in vars(BlockManager) if not n.startswith("_")
+                                        and callable(getattr(BlockManager, n))))
+def test_methods_take_the_same_arguments(name):
+    ref, dev = getattr(ReferenceManager, name), getattr(DeviceManager, name)
+    want = _params(getattr(BlockManager, name))
+    # Extra trailing keyword-only arguments are allowed (the device decode's graphs=).
+    assert _params(ref)[: len(want)] == want, name
+    assert _params(dev)[: len(want)] == want, name
+    extra = [p for p in _params(ref)[len(want):] + _params(dev)[len(want):]]
+    assert all(kind is inspect.Parameter.KEYWORD_ONLY for _, kind in extra), (name, extra)
+
+
+def test_constructors_take_the_same_arguments():
+    assert _params(ReferenceManager.__init__) == _params(DeviceManager.__init__)
+
+
+def test_every_public_method_has_a_docstring():
+    for cls in MANAGERS:
+        for name in public(cls):
+            member = inspect.getattr_static(cls, name)
+            if isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            if isinstance(member, property):
+                member = member.fget
+            if callable(member):
+                assert inspect.getdoc(member), f"{cls.__module__}.{name} has no docstring"
+
+
+# ------------------------------------------------------------ the calls
+
+@pytest.mark.parametrize("cls", MANAGERS, ids=["reference", "device"])
+def test_from_config_builds_one_group_per_config_group(cls):
+    from gpukv import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
+
+    spec = {"full.0": FullAttentionSpec(4, 1, 8, torch.float16),
+            "swa.0": SlidingWindowSpec(4, 1, 8, torch.float16, sliding_window=8)}
+    cfg = get_kv_cache_config(spec, available_memory=64 * 4 * 1 * 8 * 2 * 2 * 2, max_model_len=32)
+    m = cls.from_config(cfg, hash_key=KEY, max_model_len=32)
+    assert m.num_blocks == cfg.num_blocks
+    assert m.block_size == 4
+    assert sorted(m.sliding_windows, key=str) == sorted([None, 8], key=str)
+
+
+def _pair(**kw):
+    return [cls(12, 2, hash_key=KEY, max_model_len=16, **kw) for cls in MANAGERS]
+
+
+def test_usage_block_tables_and_common_prefix_blocks_agree():
+    managers = _pair()
+    for m in managers:
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5]), NewRequest("b", [1, 2, 3, 4, 9])])
+    ref, dev = managers
+    # a: blocks 1, 2, 3; b hits a's two full blocks and takes 4 of its own.
+    assert ref.get_block_ids("b") == dev.get_block_ids("b") == [[1, 2, 4]]
+    for m in managers:
+        assert m.usage == m.read_usage() == pytest.approx(4 / 11)
+        assert m.read_num_free_blocks() == 7
+        assert m.get_num_common_prefix_blocks("a", 2) == [2]
+        assert m.get_num_common_prefix_blocks("a", 1) == [0]
+        assert m.get_num_common_prefix_blocks("b", 2) == [2]
+    table = [m.block_table_for(["b", "a"]).cpu() for m in managers]
+    assert table[0].shape == table[1].shape == (1, 2, 8)
+    assert table[0][:, :, :3].tolist() == table[1][:, :, :3].tolist() == [[[1, 2, 4], [1, 2, 3]]]
+
+
+def test_a_window_group_has_no_common_prefix():
+    for cls in MANAGERS:
+        m = cls(12, 2, sliding_windows=[None, 2], hash_key=KEY, max_model_len=16)
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
+        assert m.get_num_common_prefix_blocks("a", 1) == [3, 0]
+
+
+def test_without_caching_nothing_hits_and_both_agree():
+    managers = _pair(enable_caching=False)
+    for m in managers:
+        res = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
+        assert res.num_computed_tokens == [0]
+        m.step(running=[RunningUpdate("a", [6, 7])])
+        res = m.step(new=[NewRequest("b", [1, 2, 3, 4, 5])])
+        assert res.num_computed_tokens == [0]  # a's full blocks were never cached
+        assert m.get_computed_blocks(NewRequest("c", [1, 2, 3])).num_tokens == 0
+        m.check_invariants()
+    ref, dev = managers
+    for rid in ("a", "b"):
+        assert dev.get_block_ids(rid) == ref.get_block_ids(rid)
+    assert dev.free_queue() == ref.free_queue()
+    assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
+
+
+def test_the_reference_lives_on_the_host():
+    from gpukv.errors import InvalidInputError
+
+    assert ReferenceManager(4, 2, device="cpu").device == torch.device("cpu")
+    with pytest.raises(InvalidInputError, match="device: the reference manager lives on the host"):
+        ReferenceManager(4, 2, device="meta")
