@@ -14,6 +14,7 @@ summary moves to stderr.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import importlib.metadata
 import json
 import math
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from gpukv import _runtime, hashing
 from gpukv.plot import replay_svg
-from gpukv.replay import PLAIN_INTERVAL_S, Replay, ReplayOptions
+from gpukv.replay import DEFAULT_MAX_NUM_BATCHED_TOKENS, PLAIN_INTERVAL_S, Replay, ReplayOptions
 from gpukv.traces import MAX_SIZE, TraceError, builtin_trace_path, load_trace
 
 try:  # typed manager errors (gpukv/errors.py)
@@ -106,6 +107,28 @@ def _ms_option(text: str) -> float:
     return value
 
 
+# Words --max-num-batched-tokens takes for "no budget" (as does 0).
+UNLIMITED_WORDS = ("unlimited", "none", "off")
+
+
+def _budget_option(text: str) -> int:
+    """A token budget: a positive int, or 0 / ``unlimited`` (also ``none``,
+    ``off``) for no budget, returned as 0."""
+    word = text.strip().lower()
+    if word in UNLIMITED_WORDS:
+        return 0
+    try:
+        value = int(word, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, or 0 or 'unlimited' for no budget, "
+                                         f"got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 or 'unlimited': no budget), got {value}")
+    if value > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SIZE}, got {value}")
+    return value
+
+
 def _replay_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "replay", formatter_class=_HelpFormatter,
@@ -134,6 +157,16 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help=f"longest request in tokens (default: {DEFAULT_SIZES['max_model_len']}; a step trace's config wins)")
     p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
                    help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=_budget_option, default=None, metavar="N",
+                   help="token budget per step, as vLLM's max_num_batched_tokens: running requests first (a decode "
+                   "costs 1, a prefill continues with a chunk), then new requests' first chunks while it lasts; "
+                   "0 or 'unlimited': no budget, each prompt computed whole in its admission step (default: "
+                   f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM 0.8.5's default for its OpenAI server on GPUs with "
+                   "at least 70 GiB such as the H100/H200 gpukv targets; it uses 2048 on smaller ones). Mooncake "
+                   "traces only: a step trace runs as written")
+    p.add_argument("--long-prefill-token-threshold", type=_int_option(0, MAX_SIZE), default=0, metavar="N",
+                   help="most prompt tokens one request computes in a step (default: 0, no cap, as in vLLM). "
+                   "Mooncake traces only")
     p.add_argument("--uncached-first", action=argparse.BooleanOptionalAction, default=True,
                    help="free uncached blocks to the front of the free queue, or (--no-uncached-first) all to the back")
     p.add_argument("--admission", choices=["batch", "one"], default="batch",
@@ -159,6 +192,10 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _rate(hits: int, queries: int) -> str:
+    return f"{hits / queries:.4f}" if queries else "   n/a"
+
+
 def _note(message: str) -> None:
     print(f"note: {message}", file=sys.stderr)
 
@@ -174,8 +211,19 @@ def _print_summary(report: dict, file=None) -> None:
         ("backend", s["backend"]),
         ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, {s['rejected']} rejected), {steps}"),
         ("pool", f"{c['num_blocks']} blocks of {c['block_size']} tokens, max {c['max_num_seqs']} running, admission {c['admission']}"),
-        ("token hit rate", f"{s['token_hit_rate']:.4f}  ({s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt tokens)"),
-        ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hits']:,} hits of {s['queries']:,} blocks asked, {s['lookup_requests']} lookups)"),
+        ("scheduling", _scheduling(c)),
+        ("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.4f}  ({s['hits']:,} of {s['queries']:,} tokens "
+                                  f"looked up, {s['lookup_requests']:,} lookups; vLLM's vllm:prefix_cache_hits / "
+                                  "queries: every lookup attempt, re-admissions after preemption apart)"),
+        ("  after preemption", f"{_rate(s['preempted_hits'], s['preempted_queries'])}  ({s['preempted_hits']:,} of "
+                               f"{s['preempted_queries']:,} tokens, {s['preempted_lookup_requests']:,} lookups of "
+                               "preempted requests)"),
+        ("  first admission", f"{s['first_admission_token_hit_rate']:.4f}  (each request once, at its first "
+                              "admission)"),
+        ("  every admission", f"{s['token_hit_rate']:.4f}  ({s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt "
+                              "tokens, re-admissions included)"),
+        ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks asked, "
+                           "lookups as in the first line)"),
         ("blocks in use", f"max {s['max_blocks_in_use']:,}, mean {s['mean_blocks_in_use']:,.0f}"),
         ("evictions", f"{s['evictions']:,}"),
         ("preemptions", f"{s['preemptions']:,}"),
@@ -189,6 +237,17 @@ def _print_summary(report: dict, file=None) -> None:
         _note(m)
     if len(report["messages"]) > 10:
         _note(f"... and {len(report['messages']) - 10} more (see --json)")
+
+
+def _scheduling(config: dict) -> str:
+    """The token budget and chunk cap a replay ran with, in words."""
+    if config["trace_kind"] == "step":
+        return "a step trace runs as written (no token budget, whole prompts)"
+    budget = config["max_num_batched_tokens"]
+    cap = config["long_prefill_token_threshold"]
+    text = f"token budget {budget:,} per step" if budget is not None else "no token budget"
+    text += f", prefill chunks of at most {cap:,} tokens" if cap else ", no chunk cap"
+    return text
 
 
 def _check_output(path: str, option: str, trace: str | None) -> Path:
@@ -259,6 +318,20 @@ def _os_problem(e: OSError) -> str:
     return str(e)
 
 
+def _resolve_budget(args, trace_kind: str) -> int | None:
+    """The token budget ReplayOptions takes (None: no budget), from
+    ``--max-num-batched-tokens`` (not given: the default; 0: none). Sets the
+    parsed argument to what applies, so the report's ``arguments`` say it; a
+    step trace, which runs as written, says so when either option was given."""
+    given = args.max_num_batched_tokens
+    if trace_kind == "step" and (given is not None or args.long_prefill_token_threshold):
+        _note("a step trace runs as written: --max-num-batched-tokens and --long-prefill-token-threshold "
+              "apply to Mooncake traces")
+    if given is None:
+        given = args.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return given or None
+
+
 def replay_main(args) -> int:
     path = args.trace
     max_requests = args.max_requests
@@ -298,19 +371,24 @@ def replay_main(args) -> int:
         else:
             sizes[name] = given if given is not None else default
 
+    budget = _resolve_budget(args, trace.kind)
+
     backend = args.backend
     if backend == "auto":
         backend = "device" if _runtime.CUDA_AVAILABLE else "reference"
         if backend == "reference":
             _note("no CUDA device here, so the reference backend runs; --backend device runs the device "
                   "kernels under Triton's interpreter (same results, much slower)")
+    if backend == "device" and not _triton_installed():
+        raise CliError("the device backend needs Triton, which is not installed here (it has wheels for Linux "
+                       "only: pip install triton); --backend reference runs without it")
     progress = not args.no_progress
 
     def run(name: str) -> dict:
         opts = ReplayOptions(
             max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
             prompt_only=args.prompt_only, backend=name, progress=progress, max_steps=args.max_steps, hash_key=key,
-            **sizes,
+            max_num_batched_tokens=budget, long_prefill_token_threshold=args.long_prefill_token_threshold, **sizes,
         )
         what = f"{path}: " if args.trace is not None else ""
         try:
@@ -393,6 +471,13 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except Exception:  # OSError, or io.UnsupportedOperation for a captured stdout
         pass
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

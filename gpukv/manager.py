@@ -242,7 +242,8 @@ class KVCacheManager(FailStop):
         self._row_ids: dict[int, str] = {}
         self._decode_bufs: dict[tuple, DecodeBuffers] = {}
         self._host_plans: dict[tuple, tuple] = {}
-        self._stats_dev = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # Counted on the host from the hits each step reads anyway (no read of its own).
+        self._stats = PrefixCacheStats()
         self._reset_flag = False
         self._stamp = 0
         self._free_lower_bound = num_blocks - 1
@@ -361,10 +362,9 @@ class KVCacheManager(FailStop):
 
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The prefix-cache stats since the last call (then zeroed); reads the device."""
-        vals = self._read(self._stats_dev)
-        self._stats_dev.zero_()
-        stats = PrefixCacheStats(*vals, reset=self._reset_flag)
+        """The prefix-cache stats since the last call (then zeroed); host only."""
+        stats, self._stats = self._stats, PrefixCacheStats()
+        stats.reset = self._reset_flag
         self._reset_flag = False
         return stats
 
@@ -819,7 +819,7 @@ class KVCacheManager(FailStop):
         if new:  # phases 3-5
             cand_rows = [self._rows.take() for _ in new]
             try:
-                status, hits = self._admit_new(new, cand_rows, blocked, count_stats, hit_caps)
+                status, hits = self._admit_new(new, cand_rows, blocked, hit_caps)
             except BaseException:
                 self._rows.give_back_unused(cand_rows)  # no row leaks, whatever went wrong
                 raise
@@ -842,7 +842,7 @@ class KVCacheManager(FailStop):
             self._ntok[done], self._ncomp[done], self._nalloc[done] = (run[x][:n_ok] for x in ("n_after", "c1", "a1"))
             result.running_failed_at = None if n_ok == len(running) else n_ok
         if new:
-            self._finish_admission(new, cand_rows, host[pos:], result)
+            self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
         return result
 
     def _run_updates(self, running, blocked) -> dict:
@@ -894,10 +894,13 @@ class KVCacheManager(FailStop):
         return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
                 "n_ok": n_ok_dev}
 
-    def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult) -> None:
+    def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult,
+                          count_stats: bool) -> None:
         """The admitted requests keep their rows; the others give theirs back."""
         stat = host[: lookup_ops.NUM_STATUS]
         hits = host[lookup_ops.NUM_STATUS: lookup_ops.NUM_STATUS + len(new)]
+        if count_stats:
+            self._count_lookups(new, hits)
         admitted = int(stat[lookup_ops.ST_ADMITTED])
         bs = self.block_size
         result.num_admitted = admitted
@@ -912,6 +915,16 @@ class KVCacheManager(FailStop):
             self._nalloc[row] = -(-(int(self._ncomp[row]) + req.num_lookahead_tokens) // bs)
             self._null[row] = [0 if w < 0 else max(0, int(h) - w) for w in self._window_blocks]
         self._rows.give_back_unused(cand_rows[admitted:])
+
+    def _count_lookups(self, new, hits: list) -> None:
+        """Stats of the lookups the admission made: every request it looked
+        at (a hit >= 0; it stops after the first refused one)."""
+        bs = self.block_size
+        for req, h in zip(new, hits):
+            if h < 0:
+                break
+            n = 0 if req.skip_prefix_cache else len(req.token_ids)
+            self._stats.record(n, int(h) * bs, -(-n // bs), int(h), preempted=req.num_preemptions > 0)
 
     def _release_behind_windows(self, rows: np.ndarray) -> None:
         """Window groups give back the blocks behind their window (tail first,
@@ -1043,8 +1056,10 @@ class KVCacheManager(FailStop):
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
             caps = None if self.enable_caching else [0]
-            _, hit, cache = self._admit_new([request], [row], blocked, count_stats, caps, dry=True)
+            _, hit, cache = self._admit_new([request], [row], blocked, caps, dry=True)
             n = int(self._read(hit)[0])
+            if count_stats:
+                self._count_lookups([request], [n])
             blocks = self._read(cache[0, :n].T) if n else [[] for _ in range(self.num_groups)]
         finally:
             self._rows.give_back_unused([row])
@@ -1053,7 +1068,7 @@ class KVCacheManager(FailStop):
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
         return ComputedBlocks(blocks, n * self.block_size)
 
-    def _admit_new(self, new, rows, blocked, count_stats: bool, hit_caps=None, dry: bool = False):
+    def _admit_new(self, new, rows, blocked, hit_caps=None, dry: bool = False):
         dev, bs, G = self.device, self.block_size, self.num_groups
         pool = self.pool
         K = len(new)
@@ -1098,8 +1113,6 @@ class KVCacheManager(FailStop):
                          ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
                          blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev,
                          chains=chains, resolved=resolved, compute=comp_t, lookahead=lookahead_t)
-        if count_stats:
-            self._stats_dev += status[lookup_ops.ST_REQUESTS: lookup_ops.ST_HIT_TOKENS + 1]
         if dry:
             return status, hit, cache
         admitted = status[lookup_ops.ST_ADMITTED].to(torch.int32)

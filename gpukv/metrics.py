@@ -1,9 +1,14 @@
 """Prefix-cache statistics and the hit-rate window over recent requests.
 
-Counting follows vLLM v1: every lookup attempt counts (a request refused this
-step and retried later counts again). ``queries`` and ``hits`` are in blocks, the
-``*_tokens`` fields in tokens. A request that opts out of the cache
-(``skip_prefix_cache``) counts as a request with no queries.
+Counting follows current vLLM v1 (the units of its Prometheus counters
+``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits``): every lookup
+attempt counts (a request refused this step and retried later counts again);
+``queries`` and ``hits`` are tokens (a request's tokens, and those its hit
+covers); a re-admission after a preemption (``NewRequest.num_preemptions >
+0``) counts in the ``preempted_*`` fields instead. Block counts are kept under
+their own names, ``query_blocks`` (``ceil(tokens / block_size)`` asked) and
+``hit_blocks``. A request that opts out of the cache (``skip_prefix_cache``)
+counts as a request with nothing queried.
 """
 
 from __future__ import annotations
@@ -16,40 +21,66 @@ from dataclasses import dataclass
 class PrefixCacheStats:
     """Counts since the last time the owner handed them out.
 
-    Invariant: ``hits <= queries`` and ``hit_tokens <= query_tokens``.
-    ``reset`` is True when the prefix cache was reset in this interval.
+    Invariant: ``hits <= queries`` and ``hit_blocks <= query_blocks`` (and
+    so for the preempted ones). ``reset`` is True when the prefix cache was
+    reset in this interval.
     """
 
     requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
+    queries: int = 0  # tokens asked
+    hits: int = 0  # tokens hit
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0  # tokens
+    preempted_hits: int = 0  # tokens
     reset: bool = False
 
-    def record(self, num_blocks: int, num_hit_blocks: int, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one lookup attempt."""
+    def record(self, num_tokens: int, num_hit_tokens: int, num_blocks: int, num_hit_blocks: int, *,
+               preempted: bool = False) -> None:
+        """Count one lookup attempt (``preempted``: a re-admission after a
+        preemption, counted apart as vLLM does)."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hit_tokens
+            return
         self.requests += 1
-        self.queries += num_blocks
-        self.hits += num_hit_blocks
-        self.query_tokens += num_tokens
-        self.hit_tokens += num_hit_tokens
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+        self.query_blocks += num_blocks
+        self.hit_blocks += num_hit_blocks
 
     def merge(self, other: "PrefixCacheStats") -> None:
-        self.requests += other.requests
-        self.queries += other.queries
-        self.hits += other.hits
-        self.query_tokens += other.query_tokens
-        self.hit_tokens += other.hit_tokens
+        """Add another interval's counts to these."""
+        for name in ("requests", "queries", "hits", "query_blocks", "hit_blocks", "preempted_requests",
+                     "preempted_queries", "preempted_hits"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reset = self.reset or other.reset
 
     @property
+    def query_tokens(self) -> int:
+        """``queries`` (the older name, from when ``queries`` counted blocks)."""
+        return self.queries
+
+    @property
+    def hit_tokens(self) -> int:
+        """``hits`` (the older name, from when ``hits`` counted blocks)."""
+        return self.hits
+
+    @property
     def hit_rate(self) -> float:
+        """Tokens hit over tokens asked (vLLM's prefix-cache hit rate)."""
         return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        """Blocks hit over blocks asked."""
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
 
 
 class PrefixCachingMetrics:
-    """Block hit rate over (about) the last ``max_recent_requests`` requests.
+    """Token hit rate over (about) the last ``max_recent_requests`` requests.
 
     ``observe`` takes one interval's stats; intervals are dropped oldest first
     while the requests they hold exceed the window, so the window covers at

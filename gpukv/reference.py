@@ -288,6 +288,7 @@ class _RequestState:
     # the admission's chunk (None: every token) and lookahead slots
     chunk: int | None = None
     lookahead: int = 0
+    preempted: bool = False  # a re-admission after a preemption (stats count it apart)
 
     @property
     def has_extra_keys(self) -> bool:
@@ -757,6 +758,7 @@ class KVCacheManager(FailStop):
             skip_prefix_cache=r.skip_prefix_cache,
             chunk=r.num_tokens_to_compute,
             lookahead=r.num_lookahead_tokens,
+            preempted=r.num_preemptions > 0,
             blocks=[[] for _ in range(self.num_groups)],
             num_cached_blocks=[0] * self.num_groups,
         )
@@ -915,10 +917,11 @@ class KVCacheManager(FailStop):
     def _record(self, plan: _Plan) -> None:
         st = plan.state
         if st.skip_prefix_cache:
-            self.stats.record(0, 0, 0, 0)
+            self.stats.record(0, 0, 0, 0, preempted=st.preempted)
             return
         n_tok = len(st.tokens)
-        self.stats.record(self._num_blocks_for(n_tok), plan.num_hit_blocks, n_tok, plan.num_hit_blocks * self.block_size)
+        self.stats.record(n_tok, plan.num_hit_blocks * self.block_size, self._num_blocks_for(n_tok),
+                          plan.num_hit_blocks, preempted=st.preempted)
 
     # ------------------------------------------------------------- changing
     def _admit(self, plans: list[_Plan]) -> None:

@@ -1,11 +1,21 @@
 """The main job: a serving loop over a trace, driving a block manager.
 
-The loop is vLLM v1's scheduling policy reduced to what the block manager
-sees (``docs/design.md`` §4 states it in full): each step frees what finished,
-gives running requests the blocks for their new tokens (preempting the most
-recently admitted request while they do not fit), and, when nothing was
-preempted, admits waiting requests from the front. A prefill computes the whole
-prompt in its step.
+The loop is vLLM v1's scheduling policy (0.8.5's ``Scheduler.schedule``)
+reduced to what the block manager sees (``docs/design.md`` §4,
+``docs/chunked_prefill.md``): each step frees what finished, schedules the
+running requests in admission order (a decoding request its new token, a
+request still prefilling its next prompt chunk), preempting the most recently
+admitted request while they do not fit, and, when nothing was preempted,
+admits waiting requests from the front, each computing the first chunk of its
+prompt. A step schedules at most ``max_num_batched_tokens`` tokens (vLLM's
+token budget; None: no budget) and a chunk is at most
+``long_prefill_token_threshold`` tokens (0: no cap); once the budget is spent,
+later running requests wait a step and nothing more is admitted. With no
+budget and no cap a prefill computes the whole prompt in its admission step.
+A request samples its first output token in the step that computes its last
+prompt chunk, as vLLM does, and decodes from the next step on. The budget
+applies to Mooncake traces; a step trace says what each step does and runs
+unbudgeted.
 
 A preempted request keeps every token it has, including those its update
 brought in the step it was preempted in (vLLM appended them before scheduling:
@@ -31,6 +41,10 @@ import numpy as np
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.traces import Trace, TraceRequest
 
+# vLLM 0.8.5 (engine/arg_utils.py, _set_default_args_v1): the OpenAI server's
+# max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
 
 @dataclass
 class ReplayOptions:
@@ -45,6 +59,10 @@ class ReplayOptions:
     hash_key: bytes | str | None = None
     progress: bool = False
     max_steps: int | None = None
+    # vLLM 0.8.5's default for its OpenAI server on a GPU of >= 70 GiB (the
+    # H100/H200 gpukv targets; 2048 on smaller ones). None: no budget.
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    long_prefill_token_threshold: int = 0  # per request per step; 0: no cap (vLLM's default)
 
 
 @dataclass
@@ -55,8 +73,10 @@ class _Live:
     tokens: np.ndarray  # every token known: prompt + generated so far
     status: str = "waiting"  # waiting | running | finished | rejected
     sampled: int = 0  # generated tokens sampled so far (Mooncake)
+    num_computed: int = 0  # tokens the manager has computed (0 while waiting)
     admitted_step: int | None = None
     num_cached_tokens: int | None = None
+    prefill_done_step: int | None = None  # the step its first prefill computed its last chunk
     block_ids: list[list[int]] | None = None
     preemptions: int = 0
     finished_step: int | None = None
@@ -65,6 +85,42 @@ class _Live:
     @property
     def rid(self) -> str:
         return self.spec.request_id
+
+    @property
+    def prefilling(self) -> bool:
+        """Running with known tokens not computed yet: its next chunk is due."""
+        return self.status == "running" and self.num_computed < len(self.tokens)
+
+    @property
+    def unsent_sampled(self) -> int:
+        """Mooncake: tokens sampled but not yet appended to ``tokens`` (the
+        next decode update brings them)."""
+        if self.spec.output_length is None:
+            return 0
+        return self.sampled - (len(self.tokens) - self.spec.input_length)
+
+
+class _TokenBudget:
+    """What one step may still schedule: vLLM's ``token_budget`` (None: no
+    budget) and ``long_prefill_token_threshold``, the cap on one request's
+    chunk (0: no cap)."""
+
+    def __init__(self, total: int | None, cap: int) -> None:
+        self.left = total
+        self.cap = cap
+
+    @property
+    def spent(self) -> bool:
+        return self.left is not None and self.left <= 0
+
+    def chunk(self, remaining: int) -> int:
+        """The tokens a request with ``remaining`` uncomputed ones computes now."""
+        n = remaining if self.cap <= 0 else min(remaining, self.cap)
+        return n if self.left is None else min(n, self.left)
+
+    def charge(self, num_tokens: int) -> None:
+        if self.left is not None:
+            self.left -= num_tokens
 
 
 def make_manager(opts: ReplayOptions):
@@ -162,7 +218,18 @@ class Replay:
             raise ValueError(f"admission must be 'batch' or 'one', got {opts.admission!r}")
         if opts.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {opts.max_num_seqs}")
+        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive or None (no budget), "
+                             f"got {opts.max_num_batched_tokens}")
+        if opts.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), "
+                             f"got {opts.long_prefill_token_threshold}")
         self.trace, self.opts = trace, opts
+        # A step trace says what each step does (which request decodes which
+        # tokens), so it runs as written: every prompt whole in its admission step.
+        chunked = trace.kind != "step"
+        self.max_num_batched_tokens = opts.max_num_batched_tokens if chunked else None
+        self.long_prefill_token_threshold = opts.long_prefill_token_threshold if chunked else 0
         self.manager = manager if manager is not None else make_manager(opts)
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
@@ -223,8 +290,14 @@ class Replay:
         return self._report(executed, time.perf_counter() - t0)
 
     def _mooncake_events(self) -> tuple[list[str], dict[str, np.ndarray]]:
+        """A Mooncake step's events: decoding requests that sampled their last
+        token (or, with ``prompt_only``, finished their prefill) finish, the
+        others bring the token they sampled last. A request still prefilling
+        has no event: the scheduler gives it its next chunk."""
         finish, decode = [], {}
         for live in self.running:
+            if live.prefilling:
+                continue
             if self.opts.prompt_only or live.sampled >= live.spec.output_length:
                 finish.append(live.rid)
             else:
@@ -239,8 +312,31 @@ class Replay:
 
     def _step(self, step: int, finish_ids, decode: dict, arrivals: list[TraceRequest]) -> None:
         self._t_step = 0.0
-        opts = self.opts
-        # (1) finish, in the listed order
+        finished = self._finish_listed(finish_ids, step)
+        for spec in arrivals:  # they join the back of the waiting queue
+            self._arrive(spec, step)
+        budget = _TokenBudget(self.max_num_batched_tokens, self.long_prefill_token_threshold)
+        updates = self._running_updates(step, decode, finished, budget)
+        batch = self._admission_batch(budget) if self.opts.admission == "batch" else []
+        result = self._timed(self.manager.step, finished, updates, [self._new_request(l, k) for l, k in batch])
+        preempted = self._apply_running(step, updates, result)
+        # Admission, only when nothing was preempted (vLLM's rule).
+        if not preempted:
+            if self.opts.admission == "batch":
+                for i in range(result.num_admitted):
+                    self._admitted(self.waiting.popleft(), step, result.num_computed_tokens[i], batch[i][1])
+            else:
+                self._admit_one_by_one(step, budget)
+            if not self.running and self.waiting:
+                # Nothing runs, so every block is free; a request that still
+                # does not fit never will. Rejecting it keeps the replay moving.
+                self._reject(self.waiting.popleft(), step, "did not fit into an empty pool")
+        self._record_step()
+
+    # ------------------------------------------------------------ scheduling
+    def _finish_listed(self, finish_ids, step: int) -> list[str]:
+        """Finish the listed requests, in order; the running ones' ids (their
+        blocks are freed first in the step)."""
         finished: list[str] = []
         for rid in finish_ids:
             live = self.live.get(rid)
@@ -252,30 +348,78 @@ class Replay:
             else:
                 self.waiting.remove(live)
             self._finish(live, step, "finished")
-        # (2) arrivals join the back of the waiting queue
-        for spec in arrivals:
-            self._arrive(spec, step)
-        # (3) decode, in the running list's (admission) order
+        return finished
+
+    def _running_updates(self, step: int, decode: dict, finished: list[str],
+                         budget: _TokenBudget) -> list[RunningUpdate]:
+        """The running requests' updates in admission order while the budget
+        lasts: a request still prefilling computes its next chunk, a decoding
+        one the tokens it brings. Once the budget is spent the rest wait a
+        step: they neither progress nor sample (vLLM stops its running loop
+        there too). One that would pass ``max_model_len`` finishes instead
+        (appended to ``finished``)."""
         updates = []
         for live in list(self.running):
+            if budget.spent:
+                break
+            if live.prefilling:
+                chunk = budget.chunk(len(live.tokens) - live.num_computed)
+                updates.append(RunningUpdate(live.rid, (), chunk))
+                budget.charge(chunk)
+                continue
             tokens = decode.get(live.rid)
             if tokens is None:
                 continue
-            if len(live.tokens) + len(tokens) > opts.max_model_len:
+            if len(live.tokens) + len(tokens) > self.opts.max_model_len:
                 self.running.remove(live)
                 finished.append(live.rid)
                 self._finish(live, step, "finished", reason="reached max_model_len")
                 continue
             updates.append(RunningUpdate(live.rid, tokens))
+            # A Mooncake decode is one token, within any budget left; a step
+            # trace (several tokens at once) runs unbudgeted.
+            budget.charge(len(tokens))
+        return updates
+
+    def _admission_batch(self, budget: _TokenBudget) -> list[tuple[_Live, int]]:
+        """The front of the waiting queue, each with the chunk its prefill
+        starts with, while seats and the budget last, stopping at a request
+        that can never fit (it waits until nothing runs, then is rejected)."""
         batch = []
-        if opts.admission == "batch":
-            # The front of the queue, stopping at a request that can never fit
-            # (it waits until nothing runs, then is rejected below).
-            for live in itertools.islice(self.waiting, max(0, opts.max_num_seqs - len(self.running))):
-                if self._never_fits(live):
-                    break
-                batch.append(live)
-        result = self._timed(self.manager.step, finished, updates, [self._new_request(l) for l in batch])
+        for live in itertools.islice(self.waiting, max(0, self.opts.max_num_seqs - len(self.running))):
+            if budget.spent or self._never_fits(live):
+                break
+            batch.append((live, self._first_chunk(live, budget)))
+        return batch
+
+    def _admit_one_by_one(self, step: int, budget: _TokenBudget) -> None:
+        """``admission="one"``: one step call per request from the front of
+        the queue (vLLM's order), while seats, the budget and the pool allow."""
+        while (self.waiting and len(self.running) < self.opts.max_num_seqs and not budget.spent
+               and not self._never_fits(self.waiting[0])):
+            live = self.waiting[0]
+            chunk = self._first_chunk(live, budget)  # not admitted: the step's admission ends anyway
+            res = self._timed(self.manager.step, (), (), [self._new_request(live, chunk)])
+            if res.num_admitted == 0:
+                break
+            self._admitted(self.waiting.popleft(), step, res.num_computed_tokens[0], chunk)
+
+    @staticmethod
+    def _first_chunk(live: _Live, budget: _TokenBudget) -> int:
+        """The tokens a new request's prefill starts with, charged to the
+        budget. The charge is the whole chunk, its cache hit included: the
+        hit is known only after the step (a batch can hit blocks an earlier
+        request of the same step computes) and counts towards the chunk.
+        vLLM looks the hit up first and charges only the uncached tokens, so
+        a cached prefix costs it no budget; here it does."""
+        chunk = budget.chunk(len(live.tokens))
+        budget.charge(chunk)
+        return chunk
+
+    def _apply_running(self, step: int, updates: list[RunningUpdate], result) -> bool:
+        """Preempt the most recently admitted request while the running
+        updates do not fit, then record what the applied ones computed; True
+        when anything was preempted."""
         applied = updates[: result.running_failed_at if not result.ok else len(updates)]
         pending = {u.request_id: u.new_token_ids for u in updates}
         preempted = False
@@ -295,24 +439,13 @@ class Replay:
             applied += updates[: result.running_failed_at if not result.ok else len(updates)]
         for u in applied:
             live = self.live[u.request_id]
-            live.tokens = np.concatenate([live.tokens, u.new_token_ids])
-            if live.spec.output_length is not None:
-                live.sampled += 1
-        # (4) admission, only when nothing was preempted
-        if not preempted:
-            if opts.admission == "batch":
-                for i in range(result.num_admitted):
-                    self._admitted(self.waiting.popleft(), step, result.num_computed_tokens[i])
-            else:
-                while self.waiting and len(self.running) < opts.max_num_seqs and not self._never_fits(self.waiting[0]):
-                    res = self._timed(self.manager.step, (), (), [self._new_request(self.waiting[0])])
-                    if res.num_admitted == 0:
-                        break
-                    self._admitted(self.waiting.popleft(), step, res.num_computed_tokens[0])
-            if not self.running and self.waiting:
-                # Nothing runs, so every block is free; a request that still
-                # does not fit never will. Rejecting it keeps the replay moving.
-                self._reject(self.waiting.popleft(), step, "did not fit into an empty pool")
+            if len(u.new_token_ids):  # a chunk brings none (an empty tuple would make the tokens float)
+                live.tokens = np.concatenate([live.tokens, u.new_token_ids])
+            chunk = u.num_tokens_to_compute
+            self._computed(live, len(live.tokens) if chunk is None else live.num_computed + chunk, step)
+        return preempted
+
+    def _record_step(self) -> None:
         self.step_ms.append(self._t_step * 1e3)
         tot = self.totals
         self.hit_rate.append(tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0)
@@ -338,29 +471,48 @@ class Replay:
 
     def _never_fits(self, live: _Live) -> bool:
         """Whether ``live`` (a resumed request may have grown) exceeds
-        ``max_model_len`` or needs more blocks than the pool has."""
+        ``max_model_len`` or needs more blocks than the pool has. Judged on
+        every token, not the first chunk: the prefill must hold them all."""
         n = len(live.tokens)
         return n > self.opts.max_model_len or -(-n // self.opts.block_size) * self.manager.num_groups > self.manager.num_blocks - 1
 
-    def _new_request(self, live: _Live) -> NewRequest:
+    def _new_request(self, live: _Live, chunk: int) -> NewRequest:
         # The manager hashes the tokens itself (caller-supplied digests are
-        # deprecated: they could poison the cache).
+        # deprecated: they could poison the cache). A chunk of the whole
+        # prompt is passed as None, the unchunked call.
         spec = live.spec
         return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,
-                          cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache)
+                          cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache,
+                          num_tokens_to_compute=None if chunk >= len(live.tokens) else chunk,
+                          num_preemptions=live.preemptions)  # re-admissions count apart in the stats
 
-    def _admitted(self, live: _Live, step: int, num_cached: int) -> None:
+    def _admitted(self, live: _Live, step: int, num_cached: int, chunk: int) -> None:
         live.status = "running"
         self.running.append(live)
         if live.admitted_step is None:
             live.admitted_step = step
             live.num_cached_tokens = num_cached
-            live.block_ids = self.manager.get_block_ids(live.rid)
         self.totals["admissions"] += 1
         self.totals["prompt_tokens"] += len(live.tokens)
         self.totals["cached_tokens"] += num_cached
+        # The hit counts towards the chunk: one longer than the chunk is computed all the same.
+        self._computed(live, max(chunk, num_cached), step)
+
+    def _computed(self, live: _Live, num_computed: int, step: int) -> None:
+        """The manager has computed ``live``'s first ``num_computed`` tokens.
+        Once it has every known one, the step samples the next token (for a
+        Mooncake request): as in vLLM, the step that computes a prompt's last
+        chunk samples its first output token, and the request decodes from
+        the next step on. A request's record keeps its blocks as its first
+        prefill leaves them."""
+        live.num_computed = num_computed
+        if num_computed < len(live.tokens):
+            return
+        if live.prefill_done_step is None:
+            live.prefill_done_step = step
+            live.block_ids = self.manager.get_block_ids(live.rid)
         if live.spec.output_length is not None:
-            live.sampled += 1  # the prefill samples the next token
+            live.sampled += 1
 
     def _preempt(self, live: _Live, unapplied=None) -> None:
         self._timed(self.manager.free, live.rid)
@@ -369,10 +521,12 @@ class Replay:
             # the last sampled one; vLLM keeps them and the resumed prefill
             # computes them).
             live.tokens = np.concatenate([live.tokens, np.asarray(unapplied, dtype=np.int64)])
-        elif live.spec.output_length is not None and live.sampled > 0:
-            # A Mooncake request preempted without an update this step still
-            # keeps its last sampled token.
-            live.tokens = np.concatenate([live.tokens, live.spec.output_tokens(live.sampled - 1, live.sampled)])
+        elif live.unsent_sampled > 0:
+            # A Mooncake request preempted without an update this step (one
+            # the budget left out) still keeps its last sampled token.
+            appended = len(live.tokens) - live.spec.input_length
+            live.tokens = np.concatenate([live.tokens, live.spec.output_tokens(appended, live.sampled)])
+        live.num_computed = 0
         live.status = "waiting"
         live.preemptions += 1
         self.totals["preemptions"] += 1
@@ -388,6 +542,11 @@ class Replay:
         self.messages.append(f"request {live.rid} rejected: {reason}")
 
     # ---------------------------------------------------------------- report
+    def _first_admission_hit_rate(self) -> float:
+        admitted = [l for l in self.live.values() if l.num_cached_tokens is not None]
+        prompt = sum(l.spec.input_length for l in admitted)
+        return sum(l.num_cached_tokens for l in admitted) / prompt if prompt else 0.0
+
     def _report(self, num_steps: int, wall_s: float) -> dict:
         stats = self.stats
         tot = self.totals
@@ -402,10 +561,21 @@ class Replay:
             "prompt_tokens": tot["prompt_tokens"],
             "cached_tokens": tot["cached_tokens"],
             "token_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
+            # Each request once: a re-admission after a preemption mostly hits
+            # its own blocks, which the figure above counts again.
+            "first_admission_token_hit_rate": self._first_admission_hit_rate(),
+            # The manager's stats, as vLLM counts them: every lookup attempt of a
+            # request not preempted before, in tokens; re-admissions apart.
+            "prefix_cache_hit_rate": stats.hit_rate if stats else 0.0,
             "queries": stats.queries if stats else 0,
             "hits": stats.hits if stats else 0,
-            "block_hit_rate": stats.hit_rate if stats else 0.0,
             "lookup_requests": stats.requests if stats else 0,
+            "query_blocks": stats.query_blocks if stats else 0,
+            "hit_blocks": stats.hit_blocks if stats else 0,
+            "block_hit_rate": stats.block_hit_rate if stats else 0.0,
+            "preempted_lookup_requests": stats.preempted_requests if stats else 0,
+            "preempted_queries": stats.preempted_queries if stats else 0,
+            "preempted_hits": stats.preempted_hits if stats else 0,
             "admissions": tot["admissions"],
             "preemptions": tot["preemptions"],
             "evictions": self.manager.num_evictions,
@@ -422,6 +592,7 @@ class Replay:
                 "admitted_step": l.admitted_step,
                 "num_prompt_tokens": l.spec.input_length,
                 "num_cached_tokens": l.num_cached_tokens,
+                "prefill_done_step": l.prefill_done_step,
                 "block_ids": l.block_ids,
                 "preemptions": l.preemptions,
                 "status": l.status,
@@ -433,6 +604,9 @@ class Replay:
                 "block_size": self.opts.block_size, "num_blocks": self.opts.num_blocks,
                 "max_model_len": self.opts.max_model_len, "max_num_seqs": self.opts.max_num_seqs,
                 "admission": self.opts.admission, "uncached_first": self.opts.uncached_first,
+                # As applied: a step trace runs unbudgeted (None, 0).
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "long_prefill_token_threshold": self.long_prefill_token_threshold,
                 "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
                 "backend": self.opts.backend,
                 "sliding_windows": list(getattr(self.manager, "sliding_windows", [None])),

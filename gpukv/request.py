@@ -87,6 +87,9 @@ class NewRequest:
     them (a hit longer than the chunk is computed all the same), and the rest
     are computed by later ``RunningUpdate``s. ``num_lookahead_tokens``: extra
     slots beyond the computed tokens (see ``RunningUpdate``).
+    ``num_preemptions``: how often the request was preempted before (as
+    vLLM's ``Request.num_preemptions``); a re-admission (> 0) counts in the
+    stats' ``preempted_*`` fields.
 
     ``block_hashes`` is deprecated and ignored (a ``DeprecationWarning`` when
     given): the manager computes every digest itself from the tokens and extra
@@ -104,6 +107,7 @@ class NewRequest:
     block_hashes: Sequence[bytes] | None = field(default=None, repr=False)
     num_tokens_to_compute: int | None = None
     num_lookahead_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True, init=False)
@@ -460,7 +464,9 @@ def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRe
     if r.num_tokens_to_compute is not None:
         chunk = check_chunk(r.num_tokens_to_compute, f"{argument}.num_tokens_to_compute", n, label)
     lookahead = check_lookahead(r.num_lookahead_tokens, f"{argument}.num_lookahead_tokens", label)
-    return (NewRequest(rid, tokens, lora, mm, salt, bool(skip), None, chunk, lookahead),
+    preemptions = check_int(r.num_preemptions, f"{argument}.num_preemptions", minimum=0,
+                            fix="pass how often the request was preempted before, 0 for a new one")
+    return (NewRequest(rid, tokens, lora, mm, salt, bool(skip), None, chunk, lookahead, preemptions),
             r.block_hashes is not None)
 
 

@@ -6,6 +6,7 @@ skipped, not stepped through."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def test_malformed_mooncake_line_is_one_error_line(case, tmp_path, capsys):
     path = write(tmp_path, "trace.jsonl", "\n".join(lines) + "\n")
     status, out, err = run_cli([path, "--arrival", "timestamp"], capsys)
     assert_one_line_error(status, err, f"{path}:{lineno}: ", *needles)
-    assert "token hit rate" not in out  # nothing ran
+    assert "prefix cache hit rate" not in out  # nothing ran
 
 
 def test_invalid_utf8_names_the_line(tmp_path, capsys):
@@ -204,7 +205,7 @@ def test_malformed_step_trace_is_one_error_line(case, tmp_path, capsys):
     status, out, err = run_cli([path], capsys)
     where = f"{path}:{line_of(text, needle) if needle else 1}: "
     msg = assert_one_line_error(status, err, where, *words)
-    assert "token hit rate" not in out, msg
+    assert "prefix cache hit rate" not in out, msg
 
 
 @pytest.mark.parametrize("text", ['{"steps": []}', '{"steps": [{}, {"finish": ["x"]}]}', "", "  \n"])
@@ -239,6 +240,10 @@ def test_step_trace_config_overriding_an_option_says_so(tmp_path, capsys):
     (["--step-ms", "nan"], ["--step-ms", "positive and finite"]),
     (["--step-ms", "inf"], ["--step-ms", "positive and finite"]),
     (["--admission", "all"], ["--admission", "invalid choice"]),
+    (["--max-num-batched-tokens", "-1"], ["--max-num-batched-tokens", "must be >= 0", "'unlimited': no budget"]),
+    (["--max-num-batched-tokens", "lots"], ["--max-num-batched-tokens", "expected a number of tokens", "'lots'"]),
+    (["--max-num-batched-tokens", str(2**31)], ["--max-num-batched-tokens", "at most 2147483647"]),
+    (["--long-prefill-token-threshold", "-5"], ["--long-prefill-token-threshold", "must be >= 0"]),
     (["--bogus"], ["gpukv: unrecognized arguments: --bogus"]),
     (["/no/such/trace.jsonl"], ["/no/such/trace.jsonl", "no such file"]),
 ])
@@ -412,7 +417,7 @@ def test_far_apart_timestamps_through_the_cli(tmp_path):
                            "--backend", "reference", "--block-size", "64", "--num-blocks", "200"],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "token hit rate     0.4444" in proc.stdout and "idle steps skipped" in proc.stdout
+    assert re.search(r"every admission +0.4444", proc.stdout) and "idle steps skipped" in proc.stdout
     assert time.perf_counter() - t < 120
 
 
@@ -482,9 +487,52 @@ def test_help_shows_the_defaults(capsys):
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("(default: auto)", "(default: 256)", "(default: batch)", "(default: back-to-back)",
-                  "(default: 100.0)", "(default: 16;", "(default: 65536;", "(default: 131072;"):
+                  "(default: 100.0)", "(default: 16;", "(default: 65536;", "(default: 131072;",
+                  "(default: 8192, vLLM 0.8.5's default for its OpenAI server on GPUs with at least 70 GiB",
+                  "0 or 'unlimited': no budget", "(default: 0, no cap, as in vLLM)"):
         assert shown in text, shown
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("argv, budget, given", [
+    ([], 8192, 8192),
+    (["--max-num-batched-tokens", "2048"], 2048, 2048),
+    (["--max-num-batched-tokens", "0"], None, 0),
+    (["--max-num-batched-tokens", "unlimited"], None, 0),
+    (["--max-num-batched-tokens", " Unlimited "], None, 0),
+    (["--max-num-batched-tokens", "none"], None, 0),
+])
+def test_token_budget_option(argv, budget, given, capsys):
+    status, out, err = run_cli(["--max-requests", "2", "--prompt-only", "--json", "-", *argv], capsys)
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["config"]["max_num_batched_tokens"] == budget
+    assert report["arguments"]["max_num_batched_tokens"] == given
+    assert report["config"]["long_prefill_token_threshold"] == 0
+    words = f"token budget {budget:,} per step" if budget else "no token budget"
+    assert re.search(rf"scheduling +{words}, no chunk cap", err)
+    assert re.search(r"  first admission +0\.0364  \(each request once, at its first admission\)", err)  # 512 of 14,080
+
+
+def test_long_prefill_threshold_option(capsys):
+    status, out, err = run_cli(["--max-requests", "2", "--prompt-only", "--json", "-",
+                                "--long-prefill-token-threshold", "1000"], capsys)
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["config"]["long_prefill_token_threshold"] == 1000
+    assert "token budget 8,192 per step, prefill chunks of at most 1,000 tokens" in err
+    # The first request's 6758 tokens take 7 steps of 1000 at most.
+    assert report["requests"]["r0"]["prefill_done_step"] == 6
+
+
+@pytest.mark.parametrize("argv, noted", [([], False), (["--max-num-batched-tokens", "64"], True),
+                                         (["--long-prefill-token-threshold", "2"], True)])
+def test_a_step_trace_runs_as_written_and_says_so_when_a_budget_is_given(argv, noted, tmp_path, capsys):
+    path = write(tmp_path, "steps.json", doc_text())
+    status, out, err = run_cli([path, *argv], capsys)
+    assert status == 0, err
+    assert ("a step trace runs as written" in err) == noted
+    assert re.search(r"scheduling +a step trace runs as written \(no token budget, whole prompts\)", out)
 
 
 REPORT_KEYS = {"gpukv_version", "arguments", "trace", "config", "summary", "requests", "final", "messages"}
@@ -504,7 +552,7 @@ def test_json_dash_writes_valid_json_to_stdout(capsys):
     assert {"num_blocks": 65_536, "block_size": 16, "sliding_windows": [None], "backend": "reference"}.items() \
         <= config.items()
     # The human summary went to stderr, and nothing was written to a file named "-".
-    assert "token hit rate" in err and "manager time/step" in err
+    assert "prefix cache hit rate" in err and "manager time/step" in err
     assert not os.path.exists("-")
 
 
@@ -520,7 +568,7 @@ def test_json_file_carries_version_arguments_trace_and_config(tmp_path, capsys):
     assert report["config"]["block_size"] == 2 and report["config"]["backend"] == "reference"
     assert report["config"]["sliding_windows"] == [None] and report["config"]["num_blocks"] >= 2
     # Results on stdout; the "written to" note on stderr.
-    assert "token hit rate" in out and "report written" not in out
+    assert "prefix cache hit rate" in out and "report written" not in out
     assert f"note: report written to {out_json}" in err
 
 
@@ -531,7 +579,7 @@ def test_json_dash_from_a_subprocess_is_parseable():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert REPORT_KEYS <= set(report) and report["trace"] == "built-in"
-    assert "token hit rate" in proc.stderr
+    assert "prefix cache hit rate" in proc.stderr
 
 
 def test_no_cuda_note_goes_to_stderr(capsys, monkeypatch):
@@ -545,7 +593,7 @@ def test_no_cuda_note_goes_to_stderr(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert status == 0
     assert "note: no CUDA device here" in err and "note:" not in out
-    assert "token hit rate" in out
+    assert "prefix cache hit rate" in out
 
 
 def test_progress_uses_tqdm_and_prints_plain_lines_off_a_terminal(capsys, monkeypatch):
@@ -591,3 +639,35 @@ def test_progress_line_is_cleared_when_the_replay_fails(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert status == 2 and out == ""
     assert err.splitlines()[-1].startswith("gpukv replay: ") and "ran out of memory" in err
+
+
+# ------------------------------------------------------------ without Triton
+
+def test_the_device_backend_without_triton_is_one_error_line(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_triton_installed", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--backend", "device", "--max-requests", "2", "--no-progress"])
+    status = info.value.code
+    assert_one_line_error(status, capsys.readouterr().err, "the device backend needs Triton", "--backend reference")
+
+
+_NO_TRITON = """
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTriton())
+import gpukv, gpukv.reference, gpukv.replay
+from gpukv.cli import main
+sys.exit(main(["replay", "--max-requests", "3", "--no-progress", "--json", "-"]))
+"""
+
+
+def test_the_reference_and_the_replay_run_where_triton_is_missing():
+    # As on macOS or Windows, where Triton has no wheel (pyproject installs it on Linux only).
+    out = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["config"]["backend"] == "reference"

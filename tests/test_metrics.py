@@ -41,11 +41,15 @@ def test_no_queries_is_a_zero_hit_rate():
 
 def test_stats_record_and_merge():
     a = PrefixCacheStats()
-    a.record(4, 2, 60, 32)
+    a.record(60, 32, 4, 2)
     b = PrefixCacheStats(reset=True)
-    b.record(1, 0, 5, 0)
+    b.record(5, 0, 1, 0)
+    b.record(40, 16, 3, 1, preempted=True)  # a re-admission counts apart
     a.merge(b)
-    assert (a.requests, a.queries, a.hits, a.query_tokens, a.hit_tokens, a.reset) == (2, 5, 2, 65, 32, True)
+    assert (a.requests, a.queries, a.hits, a.query_blocks, a.hit_blocks, a.reset) == (2, 65, 32, 5, 2, True)
+    assert (a.preempted_requests, a.preempted_queries, a.preempted_hits) == (1, 40, 16)
+    assert (a.query_tokens, a.hit_tokens) == (65, 32)
+    assert a.hit_rate == 32 / 65 and a.block_hit_rate == 2 / 5
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "10"])

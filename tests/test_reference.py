@@ -233,7 +233,20 @@ def test_admission_stops_at_the_first_request_that_does_not_fit():
     assert m.request_ids() == ["a"]
     stats = m.make_prefix_cache_stats()
     assert stats.requests == 2  # a and the refused b; c was not looked at
-    assert stats.queries == 3 + 3
+    assert stats.queries == 6 + 6  # tokens
+    assert stats.query_blocks == 3 + 3
+
+
+def test_a_re_admission_after_preemption_counts_apart():
+    m = mgr(10)
+    m.step(new=[NewRequest("a", list(range(6)))])
+    m.step(finished=["a"])
+    m.make_prefix_cache_stats()
+    res = m.step(new=[NewRequest("a", list(range(6)), num_preemptions=1), NewRequest("b", list(range(5)))])
+    assert res.num_computed_tokens == [4, 4]
+    stats = m.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits, stats.query_blocks, stats.hit_blocks) == (1, 5, 4, 3, 2)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 6, 4)
 
 
 def test_a_later_request_hits_blocks_an_earlier_one_computes_in_the_same_step():
@@ -356,8 +369,9 @@ def test_stats_count_blocks_and_tokens_per_attempt():
     admit(m, "a", [1, 2, 3, 4, 5])  # 3 blocks asked, 0 hit
     admit(m, "b", [1, 2, 3, 4, 5, 6])  # 3 asked, 2 hit
     s = m.make_prefix_cache_stats()
-    assert (s.requests, s.queries, s.hits) == (2, 6, 2)
-    assert (s.query_tokens, s.hit_tokens) == (11, 4)
+    assert (s.requests, s.queries, s.hits) == (2, 11, 4)  # tokens, as vLLM counts them
+    assert (s.query_blocks, s.hit_blocks) == (6, 2)
+    assert (s.query_tokens, s.hit_tokens) == (11, 4)  # the older names
     assert m.make_prefix_cache_stats().requests == 0
 
 

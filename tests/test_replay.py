@@ -49,7 +49,9 @@ def test_preemption_resumption_and_report(admission):
     s = report["summary"]
     assert (s["preemptions"], s["evictions"], s["admissions"]) == (1, 2, 3)
     assert (s["prompt_tokens"], s["cached_tokens"]) == (3 + 3 + 5, 2)
-    assert (s["lookup_requests"], s["queries"], s["hits"]) == (3, 2 + 2 + 3, 1)
+    # vLLM's counting: a and b's first lookups in tokens; b's re-admission apart.
+    assert (s["lookup_requests"], s["queries"], s["hits"], s["query_blocks"], s["hit_blocks"]) == (2, 6, 0, 4, 0)
+    assert (s["preempted_lookup_requests"], s["preempted_queries"], s["preempted_hits"]) == (1, 5, 2)
     assert report["blocks_in_use"] == [4, 4, 3, 3]  # after step 2: a holds 3, b none
 
 
@@ -123,18 +125,35 @@ def test_mooncake_decode_finishes_after_output_length_tokens():
     trace = load_trace(builtin_trace_path(), max_requests=2)
     for r in trace.requests:
         r.output_length = 3
-    report = Replay(trace, ReplayOptions(block_size=64, num_blocks=2000, hash_key=bytes(16))).run()
+    report = Replay(trace, ReplayOptions(block_size=64, num_blocks=2000, hash_key=bytes(16),
+                                         max_num_batched_tokens=None)).run()
     # step 0: prefill (samples token 1), steps 1-2 decode tokens 1-2, step 3 finish.
     assert [r["finished_step"] for r in report["requests"].values()] == [3, 3]
     # The second request shares hash id 0 (512 tokens = 8 blocks of 64) with the first.
     assert report["requests"]["r1"]["num_cached_tokens"] == 512
 
 
+def test_mooncake_decode_under_the_default_budget():
+    trace = load_trace(builtin_trace_path(), max_requests=2)
+    for r in trace.requests:
+        r.output_length = 3
+    report = Replay(trace, ReplayOptions(block_size=64, num_blocks=2000, hash_key=bytes(16))).run()
+    assert report["config"]["max_num_batched_tokens"] == 8192
+    # The default budget of 8192: step 0 computes r0's 6758 tokens and the first
+    # 8192 - 6758 = 1434 of r1's 7322 (its hit of 512, on r0's first blocks
+    # scheduled in the same step, counts towards them); step 1 computes r1's
+    # other 5888 and samples its first token, so r1 finishes a step after r0.
+    recs = report["requests"]
+    assert [r["prefill_done_step"] for r in recs.values()] == [0, 1]
+    assert [r["finished_step"] for r in recs.values()] == [3, 4]
+    assert recs["r1"]["admitted_step"] == 0 and recs["r1"]["num_cached_tokens"] == 512
+
+
 def test_cli_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert main(["replay", "--max-requests", "4", "--block-size", "64", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "token hit rate" in printed and "manager time/step" in printed
+    assert "prefix cache hit rate" in printed and "manager time/step" in printed
     report = json.loads(out.read_text())
     for key in ("prompt_tokens", "cached_tokens", "token_hit_rate", "queries", "hits", "preemptions", "evictions"):
         assert key in report["summary"]
@@ -170,7 +189,9 @@ MOONCAKE = SHARED / "data" / "mooncake" / "conversation_trace.jsonl"
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace lives in ../shared, which this checkout lacks")
 def test_whole_mooncake_trace_hit_rate_with_512_token_blocks():
     # shared/data/mooncake/README.md: with 512-token blocks, full blocks only
-    # and never the last token, the token hit ratio is 0.3734.
+    # and never the last token, the token hit ratio is 0.3734. The default token
+    # budget (8192) changes no hit: with no chunk cap a request is admitted only
+    # once every earlier one is scheduled whole (docs/chunked_prefill.md).
     trace = load_trace(MOONCAKE)
     opts = ReplayOptions(block_size=512, num_blocks=250_000, prompt_only=True, hash_key=bytes(16))
     report = Replay(trace, opts).run()
@@ -179,3 +200,242 @@ def test_whole_mooncake_trace_hit_rate_with_512_token_blocks():
     assert s["evictions"] == 0
     assert abs(s["token_hit_rate"] - 0.373) <= 0.002
     assert s["cached_tokens"] == 54_063_104
+
+
+# ----------------------------------------------------------------- chunked prefill
+
+
+def mooncake_trace(tmp_path, recs, **kw):
+    """A Mooncake trace of ``(input_length, output_length, hash_ids)`` lines,
+    all arriving at step 0; the requests are r0, r1, ..."""
+    path = tmp_path / "trace.jsonl"
+    lines = [{"timestamp": 0, "input_length": n, "output_length": out, "hash_ids": ids} for n, out, ids in recs]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return load_trace(path, **kw)
+
+
+class ChunkLog(Replay):
+    """A replay that records, per step, what it hands the manager: running
+    updates as ``(id, new tokens, chunk)``, new requests as ``(id, chunk)``
+    (None: every token)."""
+
+    def __init__(self, trace, opts):
+        super().__init__(trace, opts)
+        self.log: list[list[tuple]] = []
+        step = self.manager.step
+
+        def logged(finished=(), running=(), new=()):
+            self.log[-1] += [(u.request_id, len(u.new_token_ids), u.num_tokens_to_compute) for u in running]
+            self.log[-1] += [(r.request_id, r.num_tokens_to_compute) for r in new]
+            return step(finished, running, new)
+
+        self.manager.step = logged
+
+    def _step(self, *args):
+        self.log.append([])
+        super()._step(*args)
+
+
+# Blocks of 256 tokens; Mooncake hash id 1 is the first 512 tokens of r0, r1 and r2.
+THREE = [(1000, 2, [1, 2]), (1200, 1, [1, 3, 4]), (600, 1, [1, 5])]
+
+
+def chunk_replay(tmp_path, recs, **kw):
+    opts = dict(block_size=256, num_blocks=100, hash_key=bytes(16))
+    replay = ChunkLog(mooncake_trace(tmp_path, recs), ReplayOptions(**(opts | kw)))
+    return replay, replay.run()
+
+
+def fields(report, *names):
+    return {rid: tuple(r[n] for n in names) for rid, r in report["requests"].items()}
+
+
+@pytest.mark.parametrize("admission", ["batch", "one"])
+def test_chunked_schedule_worked_by_hand(tmp_path, admission):
+    replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, admission=admission)
+    assert replay.log == [
+        # r0 fits whole (1000, passed as None); r1 gets the 24 left. Its hit
+        # is the 2 blocks of hash id 1 that r0's chunk computes in this step:
+        # 512 tokens, longer than its chunk, so it has 512 computed. r2: no budget.
+        [("r0", None), ("r1", 24)],
+        # Running first: r0 decodes (1 token), r1 computes its other 688 and
+        # samples; r2 starts with the 1024 - 1 - 688 = 335 left (hit 512).
+        [("r0", 1, None), ("r1", 0, 688), ("r2", 335)],
+        # r0 and r1 finish (r0 sampled its 2 tokens, r1 its 1); r2 computes its last 88.
+        [("r2", 0, 88)],
+        [],  # r2 finishes
+    ]
+    assert fields(report, "admitted_step", "num_cached_tokens", "prefill_done_step", "finished_step") == {
+        "r0": (0, 0, 0, 2), "r1": (0, 512, 1, 2), "r2": (1, 512, 2, 3)}
+    s = report["summary"]
+    assert (s["prompt_tokens"], s["cached_tokens"], s["steps"], s["preemptions"]) == (2800, 1024, 4, 0)
+    assert s["token_hit_rate"] == s["first_admission_token_hit_rate"] == 1024 / 2800
+    # r0 holds 4 blocks; r1's hit shares two of them, its chunk needs none
+    # more; then r1 has 5 (3 of its own) and r2 its hit; then r2 alone (3).
+    assert report["blocks_in_use"] == [4, 7, 3, 0]
+    assert report["config"]["max_num_batched_tokens"] == 1024
+
+
+def test_long_prefill_threshold_caps_each_chunk(tmp_path):
+    replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, long_prefill_token_threshold=300)
+    assert replay.log == [
+        # 300 each: all three are admitted (1024 - 900 = 124 left). r0's
+        # chunk caches only its first block, so r1 and r2 hit 256 tokens.
+        [("r0", 300), ("r1", 300), ("r2", 300)],
+        [("r0", 0, 300), ("r1", 0, 300), ("r2", 0, 300)],  # r2 is done (600)
+        [("r0", 0, 300), ("r1", 0, 300)],  # r2 finishes
+        [("r0", 0, 100), ("r1", 0, 300)],  # both done
+        [("r0", 1, None)],  # r1 finishes, r0 decodes its second token
+        [],  # r0 finishes
+    ]
+    assert fields(report, "num_cached_tokens", "prefill_done_step", "finished_step") == {
+        "r0": (0, 3, 5), "r1": (256, 3, 4), "r2": (256, 1, 2)}
+    assert report["config"]["long_prefill_token_threshold"] == 300
+
+
+def test_threshold_without_a_budget(tmp_path):
+    replay, report = chunk_replay(tmp_path, THREE[:1], max_num_batched_tokens=None, long_prefill_token_threshold=400)
+    assert replay.log == [[("r0", 400)], [("r0", 0, 400)], [("r0", 0, 200)], [("r0", 1, None)], []]
+
+
+def test_preempted_prefill_resumes_from_zero_with_its_own_hit(tmp_path):
+    # 6 usable blocks of 256. r0 (4 blocks) and r1 (5 blocks) cannot run together.
+    recs = [(1000, 3, [1, 2]), (1200, 1, [3, 4, 5])]
+    replay, report = chunk_replay(tmp_path, recs, num_blocks=7, max_num_batched_tokens=1280)
+    assert replay.log == [
+        # r0 whole (4 blocks), r1's first 280 tokens (2 blocks, the first full and cached): the pool is full.
+        [("r0", None), ("r1", 280)],
+        # r1's next 920 need 3 more blocks: none free, so r1 (admitted last)
+        # is preempted; nothing is admitted in a step that preempts.
+        [("r0", 1, None), ("r1", 0, 920)],
+        [("r0", 1, None), ("r1", None)],  # r1 whole does not fit yet (needs 4 more, 2 free)
+        # r0 finishes; r1 is admitted whole again, and hits the block its first chunk cached.
+        [("r1", None)],
+        [],  # r1 finishes
+    ]
+    assert fields(report, "admitted_step", "num_cached_tokens", "prefill_done_step", "finished_step", "preemptions") \
+        == {"r0": (0, 0, 0, 3, 0), "r1": (0, 0, 3, 4, 1)}
+    s = report["summary"]
+    assert (s["preemptions"], s["admissions"]) == (1, 3)
+    assert (s["prompt_tokens"], s["cached_tokens"]) == (1000 + 1200 + 1200, 256)  # the re-admission's own hit
+    assert s["first_admission_token_hit_rate"] == 0.0
+
+
+def test_a_step_trace_runs_unbudgeted():
+    replay = Replay(parse_step_trace(PREEMPTION_TRACE),
+                    ReplayOptions(hash_key=bytes(16), max_num_batched_tokens=1, long_prefill_token_threshold=1))
+    report = replay.run()
+    assert (report["config"]["max_num_batched_tokens"], report["config"]["long_prefill_token_threshold"]) == (None, 0)
+    assert report["requests"]["a"]["prefill_done_step"] == 0 and report["blocks_in_use"] == [4, 4, 3, 3]
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_batched_tokens=0), dict(long_prefill_token_threshold=-1)])
+def test_bad_budget_options_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Replay(load_trace(builtin_trace_path(), max_requests=1), ReplayOptions(**bad))
+
+
+class Checked(Replay):
+    """Checks after every step that the replay's view of each request agrees
+    with the manager's, and that no running request was left unscheduled."""
+
+    def _running_updates(self, step, decode, finished, budget):
+        updates = super()._running_updates(step, decode, finished, budget)
+        # A decode costs 1 and a prefill's chunk never grows, so the demand
+        # ahead of a request scheduled last step never grows either.
+        assert {u.request_id for u in updates} == {l.rid for l in self.running}
+        return updates
+
+    def _record_step(self):
+        super()._record_step()
+        for live in self.running:
+            assert self.manager.num_computed_tokens(live.rid) == live.num_computed
+            assert live.unsent_sampled == (0 if live.prefilling else 1)
+        assert all(live.num_computed == 0 and live.unsent_sampled == 0 for live in self.waiting)
+
+
+@pytest.mark.parametrize("budget,threshold,admission", [(2048, 0, "batch"), (512, 0, "one"), (4096, 700, "batch")])
+def test_budgeted_builtin_workload_keeps_its_books(budget, threshold, admission):
+    trace = load_trace(builtin_trace_path(), max_requests=16)
+    report = Checked(trace, ReplayOptions(num_blocks=2500, hash_key=bytes(16), max_num_batched_tokens=budget,
+                                          long_prefill_token_threshold=threshold, admission=admission)).run()
+    s = report["summary"]
+    assert s["finished"] + s["rejected"] == 16 and s["preemptions"] > 0
+    assert max(report["blocks_in_use"]) <= 2499
+
+
+# What the replay produced before it scheduled chunks (captured from the code
+# of that time): with no budget and no cap it must produce exactly this.
+# ``digest`` is the first 16 hex digits of the SHA-256 of the JSON (sorted
+# keys) of the per-request block ids, the final free queue and blocks in use.
+SUMMARY_KEYS = ("requests", "finished", "rejected", "steps", "prompt_tokens", "cached_tokens", "token_hit_rate",
+                "queries", "hits", "lookup_requests", "admissions", "preemptions", "evictions", "max_blocks_in_use",
+                "mean_blocks_in_use")
+BEFORE_CHUNKING = {
+    "builtin40": dict(
+        summary=(40, 40, 0, 930, 506280, 19968, 0.039440625740696844, 31665, 1248, 40, 40, 0, 0, 30417,
+                 13080.770967741935),
+        admitted_step=[0] * 40, num_cached_tokens=[0] + [512] * 39,
+        finished_step=[500, 490, 794, 316, 3, 173, 453, 458, 402, 610, 71, 402, 548, 354, 14, 145, 355, 466, 929, 349,
+                       370, 475, 420, 848, 80, 265, 26, 745, 11, 584, 615, 344, 309, 1, 238, 449, 31, 240, 555, 524],
+        preemptions=[0] * 40, digests=("e0ecaa8b764ac759", "73540bdbc1adeb2e", "97afab682d54752d")),
+    "builtin40_4000_blocks": dict(
+        summary=(40, 39, 1, 3255, 422792, 22944, 0.054267819637079225, 3447544, 93370, 2769, 40, 1, 21881, 3999,
+                 3089.7182795698923),
+        admitted_step=[0, 0, 0, 0, 0, 0, 0, 453, 453, 500, 855, None, 855, 911, 911, 911, 911, 925, 1056, 1110, 1403,
+                       1459, 1459, 1773, 1773, 1985, 1985, 1985, 2250, 2250, 2250, 2250, 2250, 2250, 2594, 2621, 2621,
+                       2621, 2652, 2730],
+        num_cached_tokens=[0] + [512] * 10 + [None] + [512] * 28,
+        finished_step=[500, 490, 794, 316, 3, 173, 453, 911, 855, 1110, 926, 0, 1403, 1265, 925, 1056, 1266, 1391,
+                       1985, 1459, 1773, 1934, 1879, 2621, 1853, 2250, 2011, 2730, 2261, 2834, 2865, 2594, 2559, 2251,
+                       2832, 3070, 2652, 2861, 3232, 3254],
+        preemptions=[0] * 38 + [1, 0], digests=("196529171d4350ae", "a01be4d081cde95a", "1c3ab2aa4482cbe4")),
+    "preemption_trace": dict(
+        summary=(2, 1, 0, 4, 11, 2, 0.18181818181818182, 7, 1, 3, 3, 1, 2, 4, 3.5),
+        admitted_step=[0, 0], num_cached_tokens=[0, 0], finished_step=[3, None], preemptions=[0, 1],
+        digests=("dee4368a269e90de", "080a9ed428559ef6", "91ea77414eb49ab9")),
+}
+
+
+def _digest(obj) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _before_chunking_case(name: str):
+    if name == "preemption_trace":
+        return parse_step_trace(PREEMPTION_TRACE), {}
+    return load_trace(builtin_trace_path(), max_requests=40), {"num_blocks": 4000} if "4000" in name else {}
+
+
+@pytest.mark.parametrize("name,admission", [("builtin40", "batch"), ("builtin40_4000_blocks", "batch"),
+                                            ("builtin40_4000_blocks", "one"), ("preemption_trace", "batch"),
+                                            ("preemption_trace", "one")])
+def test_no_budget_is_exactly_the_unchunked_replay(name, admission):
+    trace, kw = _before_chunking_case(name)
+    report = Replay(trace, ReplayOptions(hash_key=bytes(16), admission=admission, max_num_batched_tokens=None,
+                                         long_prefill_token_threshold=0, **kw)).run()
+    want = BEFORE_CHUNKING[name]
+    s, recs = report["summary"], list(report["requests"].values())
+    # The stats' units changed since (queries and hits are tokens now, and
+    # re-admissions after a preemption count apart), so the lookup counts are
+    # compared as attempts of either kind; blocks hit and asked only where
+    # nothing was preempted (then they are the same blocks as before).
+    got = {k: s[k] for k in SUMMARY_KEYS}
+    got["lookup_requests"] = s["lookup_requests"] + s["preempted_lookup_requests"]
+    got["queries"], got["hits"] = s["query_blocks"], s["hit_blocks"]
+    expected = dict(zip(SUMMARY_KEYS, want["summary"]))
+    if s["preemptions"]:
+        for k in ("queries", "hits"):
+            del got[k], expected[k]
+    assert got == expected
+    assert [r["admitted_step"] for r in recs] == want["admitted_step"]
+    assert [r["num_cached_tokens"] for r in recs] == want["num_cached_tokens"]
+    assert [r["finished_step"] for r in recs] == want["finished_step"]
+    assert [r["preemptions"] for r in recs] == want["preemptions"]
+    got = (_digest([r["block_ids"] for r in recs]), _digest(report["final"]["free_queue"]),
+           _digest(report["blocks_in_use"]))
+    assert got == want["digests"]
+    # Unchunked, a prefill completes in its admission step.
+    assert all(r["prefill_done_step"] == r["admitted_step"] for r in recs)

@@ -180,6 +180,8 @@ def fmt_new(r: NewRequest) -> str:
         args.append(f"num_tokens_to_compute={r.num_tokens_to_compute}")
     if r.num_lookahead_tokens:
         args.append(f"num_lookahead_tokens={r.num_lookahead_tokens}")
+    if r.num_preemptions:
+        args.append(f"num_preemptions={r.num_preemptions}")
     if r.block_hashes is not None:
         args.append("block_hashes=[" + ", ".join(f"bytes.fromhex('{d.hex()}')" for d in r.block_hashes) + "]")
     return f"NewRequest({', '.join(args)})"
@@ -394,15 +396,19 @@ class ServingLoop(RuleBasedStateMachine):
                 for g in range(self.G):
                     self.compute(blocks[g][p], g, req, p)
         # Stats count the new requests looked up: up to the first refused one.
-        expected_stats = {"requests": 0}
+        # Re-admissions after a preemption count apart (``preempted_*``).
+        expected_stats = {"requests": 0, "preempted_requests": 0}
         if new and k is None:
-            expected_stats = {"requests": min(len(new), res.num_admitted + 1)}
+            looked = new[: min(len(new), res.num_admitted + 1)]
+            expected_stats = {"requests": sum(r.num_preemptions == 0 for r in looked),
+                              "preempted_requests": sum(r.num_preemptions > 0 for r in looked)}
             if res.num_admitted == len(new):
-                live = [r for r in new if not r.skip_prefix_cache]
+                live = [(r, h) for r, h in zip(new, res.num_computed_tokens)
+                        if not r.skip_prefix_cache and r.num_preemptions == 0]
                 expected_stats.update(
-                    queries=sum(-(-len(r.token_ids) // bs) for r in live),
-                    query_tokens=sum(len(r.token_ids) for r in live),
-                    hit_tokens=sum(res.num_computed_tokens),
+                    query_blocks=sum(-(-len(r.token_ids) // bs) for r, _ in live),
+                    queries=sum(len(r.token_ids) for r, _ in live),
+                    hits=sum(h for _, h in live),
                 )
         for i, r in enumerate(new[: res.num_admitted]):
             hit_tokens = res.num_computed_tokens[i]
@@ -493,7 +499,7 @@ class ServingLoop(RuleBasedStateMachine):
                     assert self.dev.block_hashes(rid) == carried[rid], rid
             tokens = req.tokens + list(extra.get(rid, []))
             kw = dict(lora_id=req.lora, cache_salt=req.salt, mm_items=req.mm, skip_prefix_cache=req.skip,
-                      block_hashes=carried.get(rid))
+                      block_hashes=carried.get(rid), num_preemptions=1)
             resumed.append(NewRequest(rid, tokens, **kw))
         self.call_step(rids, (), ())
         COUNTS["preemptions"] += len(rids)
