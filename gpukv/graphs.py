@@ -44,9 +44,12 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
 
-    def decode(self, rows, new_token_ids) -> StepResult:
-        """``manager.decode(rows, new_token_ids)``, its kernels replayed."""
-        return self.manager.decode(rows, new_token_ids, graphs=self)
+    def decode(self, rows, new_token_ids, *, num_tokens_to_compute=None, num_lookahead_tokens: int = 0) -> StepResult:
+        """``manager.decode(rows, new_token_ids, ...)``, its kernels replayed
+        (a chunk continuation or lookahead can need a bucket of its own: more
+        new or cached blocks per row)."""
+        return self.manager.decode(rows, new_token_ids, num_tokens_to_compute=num_tokens_to_compute,
+                                   num_lookahead_tokens=num_lookahead_tokens, graphs=self)
 
     def launch(self, bucket: tuple, bufs: Any) -> None:
         """Called by ``manager.decode`` with the plan staged in ``bufs``."""

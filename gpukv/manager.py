@@ -90,7 +90,8 @@ def _as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
 
 
 def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def device_bytes(num_blocks: int, block_size: int, num_groups: int, max_model_len: int,

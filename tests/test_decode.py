@@ -143,6 +143,20 @@ def test_a_decode_step_is_a_fixed_launch_sequence_within_its_bucket():
         assert len(records[0]) == (13 if windows[1:] else 10)
 
 
+def test_a_steady_decode_keeps_one_bucket_whether_or_not_a_row_needs_a_block():
+    """Rows of equal length need a block every other step (block size 2):
+    the steps with none must launch the same sequence as the others (once,
+    an empty step planned its entries as a bucket of its own)."""
+    _, dev = pair(64, 2, max_model_len=64, max_num_reqs=8)
+    rows = dev.step(new=[NewRequest(f"r{i}", [i, i]) for i in range(3)]).rows
+    records = []
+    for t in range(4):  # 3, 4, 5, 6 tokens: new blocks at 3 and 5 only
+        with _common.recording() as rec:
+            assert dev.decode(rows, [t] * 3).ok
+        records.append(rec)
+    assert all(r == records[0] for r in records)
+
+
 def test_counters_of_a_decode_that_the_host_cannot_prove_fits():
     _, dev = pair(6, 2, max_model_len=16)
     res = dev.step(new=[NewRequest("a", [1, 2]), NewRequest("b", [3, 4])])
