@@ -532,15 +532,15 @@ class KVCacheManager(FailStop):
         n = self._ntok[rows] if num_tokens is None else num_tokens
         comp0, held0 = self._ncomp[rows], self._nalloc[rows]
         comp1 = n + k if chunks is None else comp0 + chunks
-        held1 = np.maximum(held0, -(-(comp1 + lookahead) // bs))  # lookahead blocks held are kept
+        held1 = np.maximum(held0, (comp1 + (lookahead + bs - 1)) // bs)  # lookahead blocks held are kept
         need_pg = held1 - held0
-        need = need_pg * G  # new blocks, all groups
+        need = need_pg * G if G > 1 else need_pg  # new blocks, all groups
         cum = np.cumsum(need)
         filled = comp1 // bs - comp0 // bs
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        A = max(1, -(-(k + lookahead) // bs), _pow2_at_least(int(need_pg.max())))
-        C = max(1, -(-k // bs), _pow2_at_least(int(filled.max())))
+        A = max(-(-(k + lookahead) // bs), _pow2_at_least(int(need_pg.max())))
+        C = max(-(-k // bs), _pow2_at_least(int(filled.max())))
         wg = self._window_groups
         if wg:
             starts = self._null[rows]
