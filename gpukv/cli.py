@@ -186,6 +186,9 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help="write the full report (summary, per-request records, final state, version, arguments, "
                    "trace and config); '-' writes it to stdout and moves the human summary to stderr")
     p.add_argument("--plot", metavar="OUT.svg", help="write an SVG: token hit rate and manager time over the steps")
+    p.add_argument("--metrics-port", type=_int_option(0, 65535), default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the replay runs (vLLM's "
+                   "names where one exists; 0 picks a free port; needs the 'metrics' extra)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a live bar on a terminal, a plain line every "
                    f"{PLAIN_INTERVAL_S:g} s elsewhere)")
@@ -383,12 +386,14 @@ def replay_main(args) -> int:
         raise CliError("the device backend needs Triton, which is not installed here (it has wheels for Linux "
                        "only: pip install triton); --backend reference runs without it")
     progress = not args.no_progress
+    metrics = _serve_metrics(args.metrics_port) if args.metrics_port is not None else None
 
     def run(name: str) -> dict:
         opts = ReplayOptions(
             max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
             prompt_only=args.prompt_only, backend=name, progress=progress, max_steps=args.max_steps, hash_key=key,
-            max_num_batched_tokens=budget, long_prefill_token_threshold=args.long_prefill_token_threshold, **sizes,
+            max_num_batched_tokens=budget, long_prefill_token_threshold=args.long_prefill_token_threshold,
+            metrics=metrics if name == backend else None, **sizes,
         )
         what = f"{path}: " if args.trace is not None else ""
         try:
@@ -471,6 +476,22 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except Exception:  # OSError, or io.UnsupportedOperation for a captured stdout
         pass
+
+
+def _serve_metrics(port: int):
+    """Prometheus metrics served from a daemon thread while the replay runs."""
+    from gpukv import prometheus
+
+    try:
+        metrics = prometheus.ServingMetrics()
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    try:
+        bound = metrics.serve(port)
+    except OSError as e:
+        raise CliError(f"--metrics-port {port}: cannot listen there ({e.strerror or e})") from None
+    _note(f"Prometheus metrics at http://127.0.0.1:{bound}/metrics")
+    return metrics
 
 
 def _triton_installed() -> bool:

@@ -63,6 +63,8 @@ class ReplayOptions:
     # H100/H200 gpukv targets; 2048 on smaller ones). None: no budget.
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     long_prefill_token_threshold: int = 0  # per request per step; 0: no cap (vLLM's default)
+    # A gpukv.prometheus.ServingMetrics updated after every step, or None.
+    metrics: object | None = None
 
 
 @dataclass
@@ -240,7 +242,8 @@ class Replay:
         self.messages: list[str] = []
         self.totals = dict(prompt_tokens=0, cached_tokens=0, admissions=0, preemptions=0)
         self.stats = None
-        self.skipped_steps = 0  # idle steps between far-apart arrivals, not run
+        self.skipped_steps = 0
+        self._preemptions_observed = 0  # idle steps between far-apart arrivals, not run
 
     # --------------------------------------------------------------- driving
     def run(self) -> dict:
@@ -451,10 +454,23 @@ class Replay:
         self.hit_rate.append(tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0)
         self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.num_free_blocks)
         stats = self.manager.make_prefix_cache_stats()
+        if self.opts.metrics is not None:
+            self._observe(stats)
         if self.stats is None:
             self.stats = stats
         else:
             self.stats.merge(stats)
+
+    def _observe(self, stats) -> None:
+        """This step into the Prometheus metrics (``--metrics-port``)."""
+        m = self.manager
+        preemptions = self.totals["preemptions"]
+        self.opts.metrics.observe_step(
+            stats, usage=self.blocks_in_use[-1] / (m.num_blocks - 1), blocks_in_use=self.blocks_in_use[-1],
+            running=len(self.running), waiting=len(self.waiting),
+            preemptions=preemptions - self._preemptions_observed, evictions_total=m.num_evictions,
+            step_seconds=self._t_step)
+        self._preemptions_observed = preemptions
 
     # ----------------------------------------------------------- transitions
     def _arrive(self, spec: TraceRequest, step: int) -> None:
