@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from gpukv import _runtime, hashing
-from gpukv.plot import replay_svg
+from gpukv import plot
 from gpukv.replay import DEFAULT_MAX_NUM_BATCHED_TOKENS, PLAIN_INTERVAL_S, Replay, ReplayOptions
 from gpukv.traces import MAX_SIZE, TraceError, builtin_trace_path, load_trace
 
@@ -129,6 +129,131 @@ def _budget_option(text: str) -> int:
     return value
 
 
+def _list_option(parse_one):
+    """A comma-separated list of values, each parsed by ``parse_one``."""
+    def parse(text: str) -> list:
+        items = [t for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return [parse_one(t) for t in items]
+
+    return parse
+
+
+def _gib_option(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
+    return value
+
+
+def _sweep_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "sweep", formatter_class=_HelpFormatter,
+        help="replay one trace at several cache sizes and report the hit rate against capacity",
+        description="Replay a Mooncake trace (default: the built-in workload) at several KV-cache sizes, in "
+        "parallel processes on the reference manager, and report each size's prefix cache hit rate beside the "
+        "ceiling (a pool that never evicts). Sizes in blocks, tokens, or GiB for a model (--layers, --kv-heads, "
+        "--head-size, --dtype); with none, eight sizes doubling up to the ceiling.",
+    )
+    p.add_argument("trace", nargs="?", help="a Mooncake .jsonl (default: built-in workload)")
+    sizes = p.add_mutually_exclusive_group()
+    sizes.add_argument("--num-blocks", type=_list_option(_int_option(2, MAX_SIZE)), metavar="N,N,...",
+                       help="pool sizes in blocks")
+    sizes.add_argument("--tokens", type=_list_option(_int_option(1, MAX_SIZE)), metavar="T,T,...",
+                       help="pool sizes in tokens (whole blocks)")
+    sizes.add_argument("--gib", type=_list_option(_gib_option), metavar="G,G,...",
+                       help="pool sizes in GiB of KV cache for the model given by --layers etc.")
+    p.add_argument("--layers", type=_int_option(1), default=32, help="model layers (with --gib)")
+    p.add_argument("--kv-heads", type=_int_option(1), default=8, help="KV heads per layer (with --gib)")
+    p.add_argument("--head-size", type=_int_option(1), default=128, help="head size (with --gib)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float8_e4m3fn"], default="bfloat16",
+                   help="KV-cache dtype (with --gib)")
+    p.add_argument("--block-size", type=_int_option(1, MAX_SIZE), default=16, help="tokens per block")
+    p.add_argument("--max-requests", type=_int_option(1), default=None,
+                   help=f"replay only the first N requests (default: all; {BUILTIN_REQUESTS} for the built-in "
+                   "workload)")
+    p.add_argument("--max-num-batched-tokens", type=_budget_option, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   metavar="N", help="the token budget per step (0 or 'unlimited': none)")
+    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
+                   help="most requests running at once")
+    p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
+    p.add_argument("--jobs", type=_int_option(1), default=os.cpu_count() or 1,
+                   help="replays run at once, one process each")
+    p.add_argument("--json", metavar="OUT", help="write the points as JSON")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="draw hit rate against capacity (.png, .svg or .pdf; needs the 'plot' extra)")
+    return p
+
+
+def sweep_main(args) -> int:
+    from gpukv import sweep
+
+    path, label = args.trace, args.trace
+    max_requests = args.max_requests
+    if path is None:
+        path, label = str(builtin_trace_path()), "built-in workload"
+        max_requests = max_requests or BUILTIN_REQUESTS
+    outputs = {opt: _check_output(v, opt, args.trace) for opt, v in (("--json", args.json), ("--plot", args.plot))
+               if v is not None}
+    if "--plot" in outputs:
+        _check_plot(args.plot)
+    try:
+        trace = load_trace(path, "mooncake", max_requests=max_requests)
+    except TraceError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(_os_problem(e)) from None
+    bs = args.block_size
+    unit, capacities = "tokens", None
+    if args.num_blocks is not None:
+        blocks = args.num_blocks
+    elif args.tokens is not None:
+        blocks = [max(2, t // bs) for t in args.tokens]
+    elif args.gib is not None:
+        model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
+        try:
+            blocks = [model.blocks_for(g, bs) for g in args.gib]
+        except ValueError as e:
+            raise CliError(f"--gib: {e}") from None
+        unit, capacities = "GiB", list(args.gib)
+    else:
+        blocks = sweep.default_sizes(trace, bs)
+    opts = ReplayOptions(block_size=bs, max_num_seqs=args.max_num_seqs, prompt_only=args.prompt_only,
+                         max_num_batched_tokens=args.max_num_batched_tokens or None, hash_key=_hash_key())
+    _note(f"{len(blocks) + 1} replays of {trace.num_requests} requests, {min(args.jobs, len(blocks) + 1)} at a time")
+    result = sweep.run_sweep(path, blocks, opts, fmt="mooncake", max_requests=max_requests, jobs=args.jobs,
+                             capacity_unit=unit, capacities=capacities, trace_label=label)
+    result = {"gpukv_version": version(), "arguments": dict(vars(args)), **result}
+    if "--json" in outputs:
+        _write_atomically(outputs["--json"], json.dumps(result, default=str), "--json")
+        _note(f"points written to {args.json}")
+    if "--plot" in outputs:
+        plot.sweep_figure(result, outputs["--plot"])
+        _note(f"plot written to {args.plot}")
+    _print_sweep(result)
+    return 0
+
+
+def _print_sweep(result: dict) -> None:
+    unit = result["capacity_unit"]
+    print(f"{'capacity (' + unit + ')':>18}  {'blocks':>9}  {'hit rate':>8}  {'first adm.':>10}  {'evictions':>10}  "
+          f"{'preempted':>9}  {'rejected':>8}")
+    rows = [*result["points"], {**result["ceiling"], "label": "ceiling"}]
+    for p in rows:
+        cap = f"{p['capacity']:,.4g}" if unit == "GiB" else f"{p['capacity']:,}"
+        if "label" in p:
+            cap = f"{p['capacity']:,} (ceiling)"
+        print(f"{cap:>18}  {p['num_blocks']:>9,}  {p['prefix_cache_hit_rate']:>8.4f}  "
+              f"{p['first_admission_hit_rate']:>10.4f}  {p['evictions']:>10,}  {p['preemptions']:>9,}  "
+              f"{p['rejected']:>8,}")
+    print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, re-admissions after a "
+          "preemption apart); first adm.: each request's first admission; ceiling: a pool that never evicts")
+
+
 def _replay_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "replay", formatter_class=_HelpFormatter,
@@ -185,7 +310,9 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT",
                    help="write the full report (summary, per-request records, final state, version, arguments, "
                    "trace and config); '-' writes it to stdout and moves the human summary to stderr")
-    p.add_argument("--plot", metavar="OUT.svg", help="write an SVG: token hit rate and manager time over the steps")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="draw the token hit rate, blocks in use and manager time per step over the steps "
+                   "(.png, .svg or .pdf by the extension; needs the 'plot' extra)")
     p.add_argument("--metrics-port", type=_int_option(0, 65535), default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the replay runs (vLLM's "
                    "names where one exists; 0 picks a free port; needs the 'metrics' extra)")
@@ -349,6 +476,8 @@ def replay_main(args) -> int:
             outputs[option] = _check_output(value, option, args.trace)
     if len(outputs) == 2 and outputs["--json"].resolve() == outputs["--plot"].resolve():
         raise CliError(f"--json and --plot name the same file {args.json!r}")
+    if "--plot" in outputs:
+        _check_plot(args.plot)
     if args.arrival == "timestamp" and args.format == "step":
         raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
     key = _hash_key()  # one key for both runs, so their digests (and tables) agree
@@ -434,7 +563,7 @@ def replay_main(args) -> int:
     if "--json" in outputs:
         _write_atomically(outputs["--json"], json.dumps(report, default=str), "--json")
     if "--plot" in outputs:
-        _write_atomically(outputs["--plot"], replay_svg(report), "--plot")
+        plot.replay_figure(report, outputs["--plot"])
     if json_to_stdout:
         sys.stdout.write(json.dumps(report, default=str) + "\n")
         sys.stdout.flush()
@@ -494,6 +623,15 @@ def _serve_metrics(port: int):
     return metrics
 
 
+def _check_plot(path: str) -> None:
+    """A plot's format and matplotlib, checked before anything runs."""
+    try:
+        plot.check_path(path)
+        plot.require()
+    except (ValueError, ImportError) as e:
+        raise CliError(f"--plot {e}") from None
+
+
 def _triton_installed() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None
@@ -509,12 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _replay_parser(sub)
+    _sweep_parser(sub)
     prefix = PROG
     try:
         args = parser.parse_args(argv)
         prefix = f"{PROG} {args.command}"
         if args.command == "replay":
             return replay_main(args)
+        if args.command == "sweep":
+            return sweep_main(args)
         raise CliError(f"unknown command {args.command!r}")
     except CliError as e:
         _fail(e.prog or prefix, str(e))

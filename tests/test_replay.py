@@ -162,16 +162,6 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert isinstance(report["final"]["free_queue"], list)
 
 
-def test_cli_writes_a_plot(tmp_path):
-    import xml.etree.ElementTree as ET
-
-    out = tmp_path / "replay.svg"
-    assert main(["replay", "--max-requests", "3", "--block-size", "64", "--prompt-only", "--plot", str(out)]) == 0
-    svg = ET.parse(out).getroot()
-    lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
-    assert len(lines) == 2 and all(line.get("points") for line in lines)
-
-
 def test_cli_rejects_bad_numbers(capsys):
     # More in tests/test_cli.py: one line on stderr, exit status 2.
     with pytest.raises(SystemExit) as info:
