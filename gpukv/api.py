@@ -19,6 +19,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from gpukv.events import KVEventBatch
 from gpukv.metrics import PrefixCacheStats
 from gpukv.request import ComputedBlocks, ManagerLimits, NewRequest, RunningUpdate, StepResult
 
@@ -80,6 +81,7 @@ class BlockManager(Protocol):
     # prefix cache
     def make_prefix_cache_stats(self) -> PrefixCacheStats: ...
     def reset_prefix_cache(self) -> bool: ...
+    def take_events(self) -> list[KVEventBatch]: ...
 
     # vLLM's request-level calls
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks: ...

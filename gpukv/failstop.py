@@ -31,6 +31,10 @@ class FailStop:
         """Whether a call failed part-way and the manager refuses all calls since."""
         return self._fault is not None
 
+    def _after_call(self) -> None:
+        """Run after every call that may change state, once it succeeded (a
+        manager closes its batch of KV-cache events here)."""
+
     def _raise_if_failed(self) -> None:
         fault = self._fault
         if fault is not None:
@@ -49,7 +53,9 @@ def mutating(method: F) -> F:
     def call(self: FailStop, *args: Any, **kwargs: Any) -> Any:
         self._raise_if_failed()
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
+            self._after_call()
+            return out
         except (GpukvInputError, Warning):
             # Refused before anything changed (a warning turned into an error
             # by ``-W error`` is raised while the arguments are checked, too).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,6 +33,8 @@ import torch
 
 from gpukv import _runtime, hashing
 from gpukv.api import manager_args_from_config
+from gpukv.event_log import DeviceEventLog
+from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.kernels import _common
 from gpukv.kernels import blocks as block_ops
@@ -126,6 +129,10 @@ def entry_layout(starts, stops, *, reverse: bool = False):
     return call // G, call % G, pos, call
 
 
+#: KV-cache events the device buffer holds between two reads (more are
+#: dropped and reported): about 9 MB with 16-token blocks.
+KV_EVENTS_CAPACITY = 65_536
+
 #: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
 _UPLOADED = frozenset({"rows", "ntok", "comp0", "comp1", "held", "need", "cum",
                        "r_grp", "r_row", "r_pos", "r_call", "r_valid"})
@@ -186,6 +193,7 @@ class KVCacheManager(FailStop):
         max_model_len: int = 8192,
         max_num_reqs: int = 64,
         device: torch.device | str | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         # Every argument is checked, and the memory it takes estimated, before
         # anything is allocated (numpy integers are accepted as sizes).
@@ -236,6 +244,11 @@ class KVCacheManager(FailStop):
         self._ncomp = np.zeros(0, dtype=np.int64)
         self._nalloc = np.zeros(0, dtype=np.int64)
         self._null = np.zeros((0, self.num_groups), dtype=np.int64)
+        # KV-cache events (``gpukv.events``): written on the device as the cache
+        # changes, drained by the reads the host makes (``gpukv.event_log``).
+        self._events = (DeviceEventLog(KV_EVENTS_CAPACITY, block_size, device) if enable_kv_cache_events
+                        else None)
+        self._event_queue = EventQueue()
         self._rows = RowAllocator(max_num_reqs, on_grow=self._grow_rows)
         self._grow_rows(max_num_reqs)
         self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
@@ -375,6 +388,10 @@ class KVCacheManager(FailStop):
         False, nothing changed); reads the device."""
         if self.read_num_free_blocks() != self.num_blocks - 1:
             return False
+        if self._events is not None:
+            if self._events.bound:  # what came before the reset, first
+                self._drained(self._read(torch.cat(self._drain_parts())))
+            self._event_queue.add([AllBlocksCleared()])
         self.pool.reset_prefix_cache()
         self._reset_flag = True
         return True
@@ -608,6 +625,9 @@ class KVCacheManager(FailStop):
         only its fixed buffers and the pool (what a CUDA graph captures).
         The first step of a bucket runs the launchers and keeps the launches;
         later steps replay them, skipping the launchers' Python."""
+        if self._events is not None:  # its torch operations are not launches a replay would repeat
+            self._launch_decode_kernels(bucket, bufs)
+            return
         if bufs.prepared is not None and bufs.generation == self.rows_generation:
             for launch in bufs.prepared:
                 launch()
@@ -630,7 +650,7 @@ class KVCacheManager(FailStop):
         grp, row, pos, want, rank = v["alloc"]
         block_ops.allocate(bufs.count, want, grp, row, pos, block_table=self.block_table, ref_cnt=pool.ref_cnt,
                            fq=pool.free_queue, table=pool.table, evictions=pool.evictions, rank=rank,
-                           popped=bufs.popped)
+                           popped=bufs.popped, on_popped=self._popped_hook())
         self._hash_launch(v["rows"], v["h_start"], v["h_count"])
         self._record(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
@@ -638,11 +658,15 @@ class KVCacheManager(FailStop):
         """Bring the host's mirror up to date; reads the device only when the
         host could not tell that the whole batch fits."""
         B = len(plan.rows)
+        self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         if plan.fits_known:
             n_fit = B
             self._free_lower_bound -= int(plan.need.sum())
         else:
-            status = self._read(bufs.status)
+            parts = self._drain_parts()
+            status = self._read(torch.cat([bufs.status, *parts]) if parts else bufs.status)
+            if parts:
+                self._drained(status[decode_ops.NUM_STATUS:])
             self._check_errors(status[decode_ops.ST_QUEUE_ERRORS])
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
@@ -762,11 +786,49 @@ class KVCacheManager(FailStop):
         if self.block_table is not None:
             bt[:, : self._rows_cap] = self.block_table
         self.block_table = bt
+        lora = torch.zeros((cap, 2), dtype=torch.int64, device=dev)  # per row: has a LoRA id, its bits
+        if self._rows_cap:
+            lora[: self._rows_cap] = self._row_lora
+        self._row_lora = lora
         more = np.zeros(cap - self._rows_cap, dtype=np.int64)
         self._ntok, self._ncomp, self._nalloc = (np.concatenate([a, more]) for a in (self._ntok, self._ncomp, self._nalloc))
         self._null = np.concatenate([self._null, np.zeros((cap - self._rows_cap, G), dtype=np.int64)])
         self._rows_cap = cap
         self.rows_generation += 1
+
+    def _on_popped(self, popped: torch.Tensor) -> None:
+        """Removal events for the popped blocks that are still cached."""
+        self._events.removes(popped, self.pool.table)
+
+    def _popped_hook(self):
+        return self._on_popped if self._events is not None else None
+
+    def _expect_events(self, num_entries: int) -> None:
+        """Launches with this many entries may write events: a drain reads that many rows more."""
+        if self._events is not None:
+            self._events.bound += num_entries
+
+    def _drain_parts(self) -> list[torch.Tensor]:
+        return self._events.drain_parts() if self._events is not None else []
+
+    def _drained(self, values: list) -> None:
+        """The events a read brought, as one batch (an overflow is reported)."""
+        events, dropped = self._events.drained(values)
+        if dropped:
+            warnings.warn(f"gpukv: {dropped} KV-cache events were dropped (more than {self._events.capacity} "
+                          "between two reads of the device); the next batch says so", RuntimeWarning,
+                          stacklevel=3)
+        self._event_queue.add(events, dropped)
+
+    def take_events(self) -> list[KVEventBatch]:
+        """The KV-cache event batches made since the last call (``gpukv.events``),
+        oldest first; empty unless built with ``enable_kv_cache_events``. A
+        batch is made at each read of the step status; events of steps that
+        read nothing (a decode the host proved fits) are read here, one read."""
+        if self._events is not None and self._events.bound:
+            with self._counting():
+                self._drained(self._read(torch.cat(self._drain_parts())))
+        return self._event_queue.take()
 
     def _up(self, a, dtype=np.int32) -> torch.Tensor:
         """A host array on the device (pinned staging, non-blocking)."""
@@ -800,10 +862,15 @@ class KVCacheManager(FailStop):
     def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
         if not self.enable_caching:
             return
-        block_ops.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
-                         extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
-                         blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table,
-                         scratch=scratch, seq=seq)
+        inserted = block_ops.record(
+            grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
+            extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
+            blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table,
+            scratch=scratch, seq=seq)
+        if self._events is not None and inserted is not None:
+            blk, ok, key = inserted
+            self._events.stores(ok, blk, key, grp, rw, ps, blk_parent=self.pool.blk_parent,
+                                blk_tokens=self.pool.blk_tokens, row_lora=self._row_lora)
         table_ops.maybe_rebuild(self.pool.table)
 
     # The step ----------------------------------------------------------------
@@ -829,7 +896,12 @@ class KVCacheManager(FailStop):
         host = None
         if new or (run is not None and not run["fits_known"]):
             status_parts.append(self.pool.num_free.to(torch.int64))
-            host = self._read(torch.cat(status_parts))
+            main = sum(t.numel() for t in status_parts)
+            parts = self._drain_parts()  # the events ride on the step's one read
+            host = self._read(torch.cat(status_parts + parts))
+            if parts:
+                self._drained(host[main:])
+                host = host[:main]
             self._free_lower_bound = host[-1]
         result = StepResult()
         pos = 0
@@ -881,7 +953,8 @@ class KVCacheManager(FailStop):
         if len(upd):  # entries in pop order: (update, group, position)
             block_ops.allocate(count, self._up(upd) < n_ok_32, self._up(grp), self._up(rows[upd]), self._up(ps),
                                block_table=self.block_table, ref_cnt=pool.ref_cnt, fq=pool.free_queue,
-                               table=pool.table, evictions=pool.evictions)
+                               table=pool.table, evictions=pool.evictions, on_popped=self._popped_hook())
+            self._expect_events(len(upd))
         # Digests for every known block that became full; cache entries for
         # the full blocks computed this step (digests exist for them: a
         # computed token is a known one).
@@ -892,6 +965,7 @@ class KVCacheManager(FailStop):
         if (k1 > k0).any():
             upd, grp, ps, _ = entry_layout(np.repeat(k0[:, None], G, 1), np.repeat(k1[:, None], G, 1))
             self._record(self._up(grp), self._up(rows[upd]), self._up(ps), self._up(upd) < n_ok_32)
+            self._expect_events(len(upd))
         return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
                 "n_ok": n_ok_dev}
 
@@ -979,6 +1053,11 @@ class KVCacheManager(FailStop):
         block, the LoRA-only digest (later tokens carry no multimodal item or
         salt), so running steps and decodes never compute extra keys."""
         self.extras[self._up(rows, np.int64)] = 0
+        if self._events is not None:  # the LoRA id each row's stored blocks report
+            lora = [(0, 0) if r.lora_id is None else (1, r.lora_id - 2**64 if r.lora_id >= 2**63 else r.lora_id)
+                    for r in new]
+            self._row_lora[self._up(rows, np.int64)] = self._up(np.array(lora, dtype=np.int64).reshape(-1, 2),
+                                                                np.int64)
         bs = self.block_size
         for r, row in zip(new, rows):
             if r.lora_id is None and not r.mm_items and r.cache_salt is None:
@@ -1139,7 +1218,9 @@ class KVCacheManager(FailStop):
         want = (ai_t < admitted) & (ap_t >= hit_safe[a_l]) & (ap_t < upto)
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
         block_ops.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
-                           ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions)
+                           ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions,
+                           on_popped=self._popped_hook())
+        self._expect_events(len(ai))
         # Phase 5c: hits into the block tables (pending hits take a reference).
         if len(li):
             li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
@@ -1158,4 +1239,5 @@ class KVCacheManager(FailStop):
             ci_t, cp_t = self._up(ci), self._up(cp)
             valid = (ci_t < admitted) & (cp_t >= hit_safe[ci_t.long()])
             self._record(self._up(cg), self._up(rows_np[ci]), cp_t, valid)
+            self._expect_events(len(ci))
         return status, hit

@@ -42,6 +42,7 @@ from gpukv.errors import (
     StaleComputedBlocksError,
     UnknownRequestError,
 )
+from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
 from gpukv.rows import RowAllocator
@@ -133,6 +134,7 @@ class BlockPool:
         # (digest, group) -> its blocks in insertion order (dict keeps order).
         self._table: dict[tuple[bytes, int], dict[int, None]] = {}
         self.num_evictions = 0
+        self.on_evict = None  # called with a block's CachedBlockInfo as it is evicted (KV-cache events)
 
     # ---------------------------------------------------------------- reading
     @property
@@ -248,6 +250,8 @@ class BlockPool:
             del self._table[key]
         self._info[block_id] = None
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(info)
 
     # ----------------------------------------------------------------- checks
     def check_invariants(self) -> None:
@@ -333,10 +337,12 @@ class KVCacheManager(FailStop):
         max_model_len: int | None = None,
         max_num_reqs: int = 64,
         device: torch.device | str | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """Arguments as the device manager's (``gpukv.manager``); ``device``
         is where ``block_table_for`` puts its tensor: None or the CPU (this
-        manager's state is host memory)."""
+        manager's state is host memory). ``enable_kv_cache_events``: keep
+        ``gpukv.events`` batches for ``take_events``."""
         self.device = _host_device(device)
         self.block_size = _check_count(block_size, "block_size", 1)
         max_num_reqs = _check_count(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
@@ -350,6 +356,11 @@ class KVCacheManager(FailStop):
         self.enable_caching = bool(enable_caching)
         self._key = resolve_key(hash_key)
         self.pool = BlockPool(num_blocks, uncached_first=uncached_first, enable_caching=enable_caching)
+        # KV-cache events of the call under way (None: not kept), and the batches made.
+        self._event_log: list | None = [] if enable_kv_cache_events else None
+        self._event_queue = EventQueue()
+        if enable_kv_cache_events:
+            self.pool.on_evict = lambda info: self._event_log.append(BlockRemoved([info.digest], info.group))
         self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root = hashing.root_digest(self._key)
         self._requests: dict[str, _RequestState] = {}
@@ -493,6 +504,8 @@ class KVCacheManager(FailStop):
         """Forget every cached block, when no request holds a block (else
         False, nothing changed)."""
         ok = self.pool.reset_prefix_cache()
+        if ok and self._event_log is not None:
+            self._event_log.append(AllBlocksCleared())
         if ok:  # every block was free, so no request holds a cached block
             self.stats.reset = True
         return ok
@@ -669,6 +682,17 @@ class KVCacheManager(FailStop):
         updates = [RunningUpdate(st.request_id, t, None if chunks is None else int(c), la)
                    for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths)]
         return self.step(running=updates)
+
+    def take_events(self) -> list[KVEventBatch]:
+        """The KV-cache event batches made since the last call (``gpukv.events``;
+        one per call that changed the cache), oldest first; empty unless built
+        with ``enable_kv_cache_events``."""
+        return self._event_queue.take()
+
+    def _after_call(self) -> None:
+        if self._event_log:
+            self._event_queue.add(self._event_log)
+            self._event_log = []
 
     @reading
     def row_of(self, request_id: str) -> int:
@@ -1048,6 +1072,10 @@ class KVCacheManager(FailStop):
                 self.pool.cache(b, CachedBlockInfo(
                     st.block_hashes[i], g, self._parent(st, i), self._token_bytes(st, i), st.extras[i]
                 ))
+                if self._event_log is not None:
+                    self._event_log.append(BlockStored(
+                        [st.block_hashes[i]], st.block_hashes[i - 1] if i else None,
+                        [int(t) for t in st.tokens[i * bs:(i + 1) * bs]], bs, st.lora_id, g))
             st.num_cached_blocks[g] = max(st.num_cached_blocks[g], num_full)
 
     def _free_request(self, request_id: str) -> None:

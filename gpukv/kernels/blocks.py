@@ -143,19 +143,23 @@ def _place_kernel(popped_ptr, want_ptr, rank_ptr, g_ptr, row_ptr, pos_ptr, bt_pt
 
 
 def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, evictions, rank=None,
-             popped=None) -> None:
+             popped=None, on_popped=None) -> None:
     """Pop ``count`` (int64[1] device tensor) blocks and place them, in order,
     at the entries where ``want`` is set (``count`` must equal their number).
     Popped blocks that are still cached lose their hash (lazy eviction);
     ``evictions`` (int64[1]) counts them. ``rank`` (int32[E], optional: the
     number of wanted entries before each) and ``popped`` (int32[E] scratch)
-    let a caller that planned them on the device skip the prefix sum."""
+    let a caller that planned them on the device skip the prefix sum.
+    ``on_popped(popped)`` (optional) sees the popped blocks before their
+    hashes go (KV-cache events)."""
     E = want.numel()
     if E == 0:
         return
     if popped is None:
         popped = torch.empty(E, dtype=torch.int32, device=want.device)
     fq_ops.pop(fq, count, popped)
+    if on_popped is not None:
+        on_popped(popped)
     table_ops.erase(table, popped, erased=evictions)  # popped[count:] = -1 is padding
     if rank is None:
         rank = (torch.cumsum(want.to(torch.int32), 0) - 1).to(torch.int32)
@@ -201,15 +205,17 @@ def _record_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, valid_ptr, R, MB, tokens_ptr
 
 
 def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root, blk_tokens, blk_parent,
-           blk_extra, table, scratch=None, seq=None) -> None:
+           blk_extra, table, scratch=None, seq=None):
     """Cache the blocks at ``block_table[group, row, pos]`` where ``valid``:
     keep their inputs for verification, then insert them into the table in
     entry order (duplicates of a cached hash are kept, newest last).
     ``scratch`` (optional int64[4, >= K]) holds the insert's inputs, ``seq``
-    (optional int64[K]) its sequence numbers."""
+    (optional int64[K]) its sequence numbers. Returns the insert's inputs
+    (block int32[K], ok int32[K], digest lanes int64[K, 2]), or None for no
+    entry."""
     K = group.numel()
     if K == 0:
-        return
+        return None
     G, R, MB = block_table.shape
     T = tokens.shape[1]
     M = digests.shape[1]  # digests and extras share one layout (may be wider than the block table)
@@ -224,6 +230,7 @@ def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root
         BS=bs, BS_P2=triton.next_power_of_2(bs), TILE=_TILE,
     )
     table_ops.insert(table, key[:, 0], key[:, 1], group, blk, ok, seq=seq)
+    return blk, ok, key
 
 
 from gpukv.kernels import _common  # noqa: E402
