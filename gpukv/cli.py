@@ -157,7 +157,7 @@ def _sweep_parser(sub) -> argparse.ArgumentParser:
         description="Replay a Mooncake trace (default: the built-in workload) at several KV-cache sizes, in "
         "parallel processes on the reference manager, and report each size's prefix cache hit rate beside the "
         "ceiling (a pool that never evicts). Sizes in blocks, tokens, or GiB for a model (--layers, --kv-heads, "
-        "--head-size, --dtype); with none, eight sizes doubling up to the ceiling.",
+        "--head-size, --dtype); with none, up to seven sizes halving down from the ceiling.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl (default: built-in workload)")
     sizes = p.add_mutually_exclusive_group()

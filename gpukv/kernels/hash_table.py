@@ -1,6 +1,6 @@
 """The device block-hash table: a multimap (digest, group) -> cached blocks.
 
-Semantics (those of ``reference.BlockPool``'s table, DESIGN.md section 2):
+Semantics (those of ``reference.BlockPool``'s table, ``docs/design.md``, Semantics):
 
 * A key is ``(lo, hi, group)``: the 128-bit block digest as two int64 lanes
   (the two's-complement views of the uint64 halves, see
