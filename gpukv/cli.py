@@ -209,12 +209,12 @@ def sweep_main(args) -> int:
         raise CliError(_os_problem(e)) from None
     bs = args.block_size
     unit, capacities = "tokens", None
+    model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
     if args.num_blocks is not None:
         blocks = args.num_blocks
     elif args.tokens is not None:
         blocks = [max(2, t // bs) for t in args.tokens]
     elif args.gib is not None:
-        model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
         try:
             blocks = [model.blocks_for(g, bs) for g in args.gib]
         except ValueError as e:
@@ -226,7 +226,8 @@ def sweep_main(args) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens or None, hash_key=_hash_key())
     _note(f"{len(blocks) + 1} replays of {trace.num_requests} requests, {min(args.jobs, len(blocks) + 1)} at a time")
     result = sweep.run_sweep(path, blocks, opts, fmt="mooncake", max_requests=max_requests, jobs=args.jobs,
-                             capacity_unit=unit, capacities=capacities, trace_label=label)
+                             capacity_unit=unit, capacities=capacities, trace_label=label,
+                             capacity_of=model.gib_of if args.gib is not None else None)
     result = {"gpukv_version": version(), "arguments": dict(vars(args)), **result}
     if "--json" in outputs:
         _write_atomically(outputs["--json"], json.dumps(result, default=str), "--json")
@@ -246,7 +247,7 @@ def _print_sweep(result: dict) -> None:
     for p in rows:
         cap = f"{p['capacity']:,.4g}" if unit == "GiB" else f"{p['capacity']:,}"
         if "label" in p:
-            cap = f"{p['capacity']:,} (ceiling)"
+            cap += " (ceiling)"
         print(f"{cap:>18}  {p['num_blocks']:>9,}  {p['prefix_cache_hit_rate']:>8.4f}  "
               f"{p['first_admission_hit_rate']:>10.4f}  {p['evictions']:>10,}  {p['preemptions']:>9,}  "
               f"{p['rejected']:>8,}")
@@ -584,7 +585,9 @@ def replay_main(args) -> int:
     return 0
 
 
-_COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "preemptions", "evictions", "admissions")
+_COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "query_blocks", "hit_blocks", "lookup_requests",
+           "preempted_lookup_requests", "preempted_queries", "preempted_hits", "preemptions", "evictions",
+           "admissions")
 
 
 def _fail(prefix: str, message: str) -> None:

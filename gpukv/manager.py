@@ -56,6 +56,7 @@ from gpukv.request import (
     Step,
     StepResult,
     apply_allocate_args,
+    check_computed_for,
     check_decode_lengths,
     check_memory,
     check_size,
@@ -344,7 +345,8 @@ class KVCacheManager(FailStop):
     @reading
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
         """int32[G, len(request_ids), M] block tables of these requests (a
-        device gather; rows past a request's blocks hold stale ids)."""
+        device gather; positions past a request's blocks are not its blocks:
+        read only the first ``len(get_block_ids(id)[g])``)."""
         rows = self._staging.upload(np.array([self._state(r) for r in request_ids], dtype=np.int64))
         return self.block_table[:, rows]
 
@@ -432,19 +434,19 @@ class KVCacheManager(FailStop):
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
             (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
             computed = normalize_computed(computed, self._limits)
+            check_computed_for(request, computed, self._limits)
             request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
                                           num_lookahead_tokens, self._limits)
             with self._counting():
                 cap = 0
                 if computed is not None:
                     # Checked before anything changes: the given hit must still be
-                    # what a lookup finds now (a prefix of it may be taken).
-                    now = self._lookup_only(request, count_stats=False)
+                    # what a lookup capped at its length finds now (a longer hit
+                    # would move a window group's null blocks).
                     cap = computed.num_tokens // self.block_size
-                    if (len(computed.block_ids) != self.num_groups or cap * self.block_size != computed.num_tokens
-                            or cap > now.num_tokens // self.block_size
-                            or any(list(computed.block_ids[g]) != now.block_ids[g][:cap]
-                                   for g in range(self.num_groups))):
+                    now = self._lookup_only(request, count_stats=False, hit_cap=cap)
+                    if now.num_tokens != computed.num_tokens or any(
+                            list(computed.block_ids[g]) != now.block_ids[g] for g in range(self.num_groups)):
                         raise StaleComputedBlocksError("the computed blocks are stale (evicted since the lookup)",
                                                        argument="computed", fix="call get_computed_blocks again")
                 res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
@@ -816,10 +818,11 @@ class KVCacheManager(FailStop):
         events, dropped = self._events.drained(values)
         if dropped:
             warnings.warn(f"gpukv: {dropped} KV-cache events were dropped (more than {self._events.capacity} "
-                          "between two reads of the device); the next batch says so", RuntimeWarning,
+                          "between two reads of the device); the batch says how many", RuntimeWarning,
                           stacklevel=3)
         self._event_queue.add(events, dropped)
 
+    @mutating
     def take_events(self) -> list[KVEventBatch]:
         """The KV-cache event batches made since the last call (``gpukv.events``),
         oldest first; empty unless built with ``enable_kv_cache_events``. A
@@ -999,7 +1002,8 @@ class KVCacheManager(FailStop):
             if h < 0:
                 break
             n = 0 if req.skip_prefix_cache else len(req.token_ids)
-            self._stats.record(n, int(h) * bs, -(-n // bs), int(h), preempted=req.num_preemptions > 0)
+            self._stats.record(num_tokens=n, num_hit_tokens=int(h) * bs, num_blocks=-(-n // bs), num_hit_blocks=int(h),
+                               preempted=req.num_preemptions > 0)
 
     def _release_behind_windows(self, rows: np.ndarray) -> None:
         """Window groups give back the blocks behind their window (tail first,
@@ -1130,12 +1134,13 @@ class KVCacheManager(FailStop):
         li, lg, lp, _ = entry_layout(np.zeros((len(new), G), dtype=np.int64), np.repeat(max_hit[:, None], G, 1))
         return n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg
 
-    def _lookup_only(self, request: NewRequest, count_stats: bool) -> ComputedBlocks:
-        """The hit a step would give this request now, changing no block."""
+    def _lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
+        """The hit a step would give this request now (at most ``hit_cap``
+        blocks), changing no block."""
         row = self._rows.take()
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
-            caps = None if self.enable_caching else [0]
+            caps = [0] if not self.enable_caching else None if hit_cap is None else [hit_cap]
             _, hit, cache = self._admit_new([request], [row], blocked, caps, dry=True)
             n = int(self._read(hit)[0])
             if count_stats:

@@ -36,10 +36,11 @@ class PrefixCacheStats:
     preempted_hits: int = 0  # tokens
     reset: bool = False
 
-    def record(self, num_tokens: int, num_hit_tokens: int, num_blocks: int, num_hit_blocks: int, *,
+    def record(self, *, num_tokens: int, num_hit_tokens: int, num_blocks: int, num_hit_blocks: int,
                preempted: bool = False) -> None:
         """Count one lookup attempt (``preempted``: a re-admission after a
-        preemption, counted apart as vLLM does)."""
+        preemption, counted apart as vLLM does). Keyword-only: the units
+        changed once, and positions would swap them silently."""
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens

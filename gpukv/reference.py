@@ -56,6 +56,7 @@ from gpukv.request import (
     StepResult,
     apply_allocate_args,
     blocks_after_admission,
+    check_computed_for,
     check_decode_lengths,
     check_memory,
     check_size,
@@ -548,6 +549,7 @@ class KVCacheManager(FailStop):
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
             (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
             computed = normalize_computed(computed, self._limits)
+            check_computed_for(request, computed, self._limits)
             hit_tokens = computed.num_tokens if computed is not None else 0
             request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
             state = self._new_state(request)
@@ -683,6 +685,7 @@ class KVCacheManager(FailStop):
                    for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths)]
         return self.step(running=updates)
 
+    @mutating
     def take_events(self) -> list[KVEventBatch]:
         """The KV-cache event batches made since the last call (``gpukv.events``;
         one per call that changed the cache), oldest first; empty unless built
@@ -731,7 +734,7 @@ class KVCacheManager(FailStop):
         if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):
             raise InvalidInputError("the computed blocks do not match this manager's groups", argument="computed",
                                     fix="pass what get_computed_blocks returned for this request")
-        self._extend_hashes([state] if not state.block_hashes else [])
+        self._extend_hashes([state])  # incremental: a recalled shorter list is completed
         for g, blocks in enumerate(hits):
             for i, b in enumerate(blocks):
                 if b == NULL_BLOCK:
@@ -941,11 +944,12 @@ class KVCacheManager(FailStop):
     def _record(self, plan: _Plan) -> None:
         st = plan.state
         if st.skip_prefix_cache:
-            self.stats.record(0, 0, 0, 0, preempted=st.preempted)
+            self.stats.record(num_tokens=0, num_hit_tokens=0, num_blocks=0, num_hit_blocks=0, preempted=st.preempted)
             return
         n_tok = len(st.tokens)
-        self.stats.record(n_tok, plan.num_hit_blocks * self.block_size, self._num_blocks_for(n_tok),
-                          plan.num_hit_blocks, preempted=st.preempted)
+        self.stats.record(num_tokens=n_tok, num_hit_tokens=plan.num_hit_blocks * self.block_size,
+                          num_blocks=self._num_blocks_for(n_tok), num_hit_blocks=plan.num_hit_blocks,
+                          preempted=st.preempted)
 
     # ------------------------------------------------------------- changing
     def _admit(self, plans: list[_Plan]) -> None:

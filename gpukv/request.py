@@ -927,6 +927,32 @@ def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | No
     return tokens
 
 
+def check_computed_for(request: NewRequest, computed: ComputedBlocks | None, limits: ManagerLimits) -> None:
+    """A hit handed to ``allocate_slots`` has the form a lookup of this
+    request gives: at most ``floor((n - 1) / block_size)`` blocks (its last
+    token is always computed) and, per group, the null block exactly where a
+    sliding window drops blocks (before the window's run at the end of the
+    hit). Whether the blocks are still cached is the manager's to check."""
+    if computed is None:
+        return
+    fix = "pass what get_computed_blocks returned for this request"
+    n, bs = len(request.token_ids), limits.block_size
+    hit = computed.num_tokens // bs
+    max_hit = (n - 1) // bs if limits.caching and not request.skip_prefix_cache else 0
+    if hit > max_hit:
+        raise InvalidInputError(f"the computed blocks cover {computed.num_tokens} tokens; a lookup of this "
+                                f"{n}-token request hits at most {max_hit * bs} (its last token is always computed)",
+                                argument="computed", fix=fix)
+    for g, window in enumerate(limits.sliding_windows):
+        first_real = 0 if window is None else max(0, hit - -(-(window - 1) // bs))
+        for p, b in enumerate(computed.block_ids[g]):
+            if (b == 0) != (p < first_real):
+                where = "the null block" if b == 0 else f"block {b}"
+                raise InvalidInputError(f"computed.block_ids[{g}][{p}] is {where}; a lookup gives the null block "
+                                        f"exactly at positions below {first_real} in this group", argument="computed",
+                                        fix=fix)
+
+
 def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, num_lookahead_tokens: Any,
                         limits: ManagerLimits) -> NewRequest:
     """A normalised new request with ``allocate_slots``' ``num_tokens`` and

@@ -36,6 +36,14 @@ class ModelShape:
     head_size: int
     dtype: str = "float16"
 
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * block_size * getattr(torch, self.dtype).itemsize
+
+    def gib_of(self, num_blocks: int, block_size: int) -> float:
+        """The GiB ``num_blocks`` blocks take."""
+        return num_blocks * self.bytes_per_block(block_size) / 2**30
+
     def blocks_for(self, gib: float, block_size: int) -> int:
         from gpukv import FullAttentionSpec, get_kv_cache_config
 
@@ -76,10 +84,13 @@ def _run_point(job: tuple) -> dict:
 
 def run_sweep(trace_path: str, sizes_blocks: list[int], opts: ReplayOptions, *, fmt: str = "auto",
               max_requests: int | None = None, jobs: int | None = None, capacity_unit: str = "tokens",
-              capacities: list[float] | None = None, trace_label: str | None = None) -> dict:
+              capacities: list[float] | None = None, trace_label: str | None = None,
+              capacity_of=None) -> dict:
     """Replay ``trace_path`` at each pool size (blocks) and at the ceiling,
     ``jobs`` processes at a time; the points in the order given, each with
-    ``capacity`` in ``capacity_unit`` (``capacities``, or the pool's tokens)."""
+    ``capacity`` in ``capacity_unit`` (``capacities``, or the pool's tokens);
+    ``capacity_of(num_blocks, block_size)`` gives the ceiling's in that unit
+    when it is not tokens."""
     if opts.backend != "reference":
         raise ValueError("a sweep replays on the reference manager (its processes would share one GPU)")
     trace = load_trace(trace_path, fmt, max_requests=max_requests)
@@ -97,7 +108,7 @@ def run_sweep(trace_path: str, sizes_blocks: list[int], opts: ReplayOptions, *, 
     *points, ceiling = results
     for i, p in enumerate(points):
         p["capacity"] = capacities[i] if capacities is not None else p["num_blocks"] * opts.block_size
-    ceiling["capacity"] = top * opts.block_size
+    ceiling["capacity"] = capacity_of(top, opts.block_size) if capacity_of is not None else top * opts.block_size
     return {
         "trace": trace_label or str(trace_path),
         "num_requests": trace.num_requests,

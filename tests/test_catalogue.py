@@ -324,6 +324,12 @@ CASES = [
      lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3]), computed=ComputedBlocks([[1]], 2)),
      InvalidInputError, "computed"),
     ("allocate-running-float", lambda m: m.allocate_slots("a", [1.5]), InvalidTypeError, "new_token_ids"),
+    ("allocate-computed-covers-every-token",
+     lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3, 4]), computed=ComputedBlocks([[1, 2], [1, 2]], 4)),
+     InvalidInputError, "computed"),
+    ("allocate-computed-null-in-a-full-group",
+     lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3, 4, 5]), computed=ComputedBlocks([[0, 2], [1, 2]], 4)),
+     InvalidInputError, "computed"),
     # --- chunked prefill and lookahead slots ("a" holds 6 tokens, all computed)
     ("new-chunk-0", lambda m: m.step(new=[NewRequest("n", [1, 2, 3], num_tokens_to_compute=0)]),
      InvalidInputError, "new[0].num_tokens_to_compute"),

@@ -216,3 +216,34 @@ def test_device_equals_reference_full_attention(seed):
 @pytest.mark.parametrize("seed", range(6, 12))
 def test_device_equals_reference_with_a_sliding_window(seed):
     _random_session(seed, (None, 6))
+
+
+# ------------------------------------------------- allocate_slots with a hit
+
+@BOTH
+def test_a_hit_looked_up_after_a_shorter_lookup_of_the_same_id_is_accepted(kind):
+    # The reference once completed a recalled, shorter digest list only when
+    # it had none, and failed on this valid call (a stop, not a refusal).
+    m = make(kind, num_blocks=32)
+    prompt = list(range(17))
+    m.step(new=[NewRequest("a", prompt)])
+    m.get_computed_blocks(NewRequest("x", prompt[:9]))
+    hit = m.get_computed_blocks(NewRequest("y", prompt))
+    assert hit.num_tokens == 16
+    assert m.allocate_slots(NewRequest("x", prompt), computed=hit) == [[6]]
+    assert not m.failed
+    m.check_invariants()
+
+
+@BOTH
+def test_a_window_hit_stays_valid_when_the_cache_grows_after_the_lookup(kind):
+    # The device once compared the hit with a longer lookup's, whose window
+    # put the null block elsewhere, and called a valid hit stale.
+    m = make(kind, num_blocks=40, windows=(None, 4))
+    prompt = list(range(13))
+    m.step(new=[NewRequest("a", prompt[:9])])
+    hit = m.get_computed_blocks(NewRequest("x", prompt))
+    assert hit.block_ids == [[1, 2], [0, 5]]
+    m.step(new=[NewRequest("c", prompt)])  # now 3 blocks of the prefix are cached
+    assert m.allocate_slots(NewRequest("x", prompt), computed=hit) == [[11, 12], [13, 14]]
+    m.check_invariants()

@@ -76,6 +76,8 @@ def test_gib_sizes_through_the_command(tmp_path, capsys):
                  "--json", str(out_json)]) == 0
     result = json.loads(out_json.read_text())
     assert [(p["capacity"], p["num_blocks"]) for p in result["points"]] == [(0.5, 256), (1.0, 512)]
+    ceiling = result["ceiling"]
+    assert ceiling["capacity"] == ceiling["num_blocks"] / 512  # GiB too (512 blocks a GiB)
 
 
 def test_a_plot_with_an_unknown_extension_is_refused_before_anything_runs(tmp_path, capsys):
