@@ -55,3 +55,36 @@ def test_graph_replays_equal_the_eager_step_and_the_reference(windows):
         assert _state(eager) == _state(graphed) == _state(ref), step
     assert graphs.replays >= 30 and graphs.captures <= 3
     graphed.check_invariants()
+
+
+@pytest.mark.gpu
+def test_graph_replays_write_the_same_kv_events_as_the_reference():
+    """KV-cache events are torch operations around the kernels: a captured
+    decode must replay them too (the step counts them in finish_decode,
+    however the kernels ran)."""
+    from gpukv.events import BlockStored
+
+    rng = random.Random(1)
+    kw = dict(hash_key=KEY, max_model_len=512, max_num_reqs=16, enable_kv_cache_events=True)
+    graphed, ref = DeviceManager(120, 4, **kw), ReferenceManager(120, 4, **kw)
+    graphs = DecodeGraphs(graphed)
+    prompts = [[rng.randrange(50) for _ in range(rng.randint(3, 40))] for _ in range(11)]
+    for m in (graphed, ref):
+        res = m.step(new=[NewRequest(f"r{i}", p) for i, p in enumerate(prompts)])
+    rows = np.array(res.rows)
+    for step in range(40):
+        toks = torch.randint(0, 50, (len(rows),), device="cuda")
+        if not graphs.decode(rows, toks).ok or not ref.decode(rows, toks.cpu().numpy()).ok:
+            break
+
+    def flat(batches):
+        out = []
+        for b in batches:
+            for e in b.events:
+                hashes = e.block_hashes if hasattr(e, "block_hashes") else [None]
+                out += [(type(e).__name__, d, getattr(e, "group", None)) for d in hashes]
+        return out
+
+    got, want = flat(graphed.take_events()), flat(ref.take_events())
+    assert got == want and any(kind == BlockStored.__name__ for kind, _, _ in got)
+    assert graphs.replays > 0
