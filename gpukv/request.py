@@ -490,12 +490,17 @@ def check_lookahead(value: Any, argument: str, label: str) -> int:
     return check_int(value, argument, minimum=0, fix="pass how many speculative tokens to reserve slots for, 0 for none")
 
 
-def check_computed_length(computed: int, lookahead: int, limits: ManagerLimits, argument: str, rid: str) -> None:
+def check_computed_length(computed: int, lookahead: int, limits: ManagerLimits, argument: str, rid: str,
+                          *, with_best_hit: bool = False) -> None:
     """Refuse computed tokens plus lookahead slots past ``max_model_len``
-    (a request's block table holds no more)."""
+    (a request's block table holds no more). ``with_best_hit``: ``computed``
+    is what a new request computes with the longest hit it could get (its
+    real hit is known only in the step)."""
     if limits.max_model_len is not None and computed + lookahead > limits.max_model_len:
-        raise CapacityError(f"request {rid!r} would need slots for {computed} computed and {lookahead} lookahead "
-                            f"tokens, more than max_model_len {limits.max_model_len}", argument=argument,
+        what = f"up to {computed} computed (with the longest cache hit it could get)" if with_best_hit \
+            else f"{computed} computed"
+        raise CapacityError(f"request {rid!r} would need slots for {what} and {lookahead} lookahead tokens, more "
+                            f"than max_model_len {limits.max_model_len}", argument=argument,
                             fix="reserve fewer lookahead tokens, or raise max_model_len")
 
 
@@ -686,7 +691,7 @@ def check_admissible(req: NewRequest, limits: ManagerLimits, lookahead_arg: str,
     if req.num_lookahead_tokens:
         longest = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute,
                       (n - 1) // limits.block_size * limits.block_size if can_hit else 0)
-        check_computed_length(longest, req.num_lookahead_tokens, limits, lookahead_arg, rid)
+        check_computed_length(longest, req.num_lookahead_tokens, limits, lookahead_arg, rid, with_best_hit=True)
     need = min_blocks_to_admit(n, limits, can_hit, req.num_tokens_to_compute, req.num_lookahead_tokens)
     if need > limits.num_blocks - 1:
         raise CapacityError(f"new request {rid!r} needs {need} blocks even with the best possible cache hit, "
