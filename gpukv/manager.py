@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -37,7 +37,6 @@ from gpukv.event_log import DeviceEventLog
 from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.kernels import _common
-from gpukv.kernels import blocks as block_ops
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels import lookup as lookup_ops
@@ -641,18 +640,15 @@ class KVCacheManager(FailStop):
     def _launch_decode_kernels(self, bucket: tuple, bufs: DecodeBuffers) -> None:
         v, pool = bufs.views, self.pool
         if bucket[2]:  # window groups release what their window left behind
-            block_ops.release(self.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
-                              ref_cnt=pool.ref_cnt, last_seen=pool.last_seen, fq=pool.free_queue, table=pool.table,
-                              uncached_first=self.uncached_first, scratch=bufs.release_scratch,
-                              workspace=bufs.release_workspace)
+            pool.release(self.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
+                         scratch=bufs.release_scratch, workspace=bufs.release_workspace)
         decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
                               v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens, tokens=self.tokens, fq_counters=pool.free_queue.counters,
                               count=bufs.count, status=bufs.status, num_groups=self.num_groups,
                               block_size=self.block_size)
         grp, row, pos, want, rank = v["alloc"]
-        block_ops.allocate(bufs.count, want, grp, row, pos, block_table=self.block_table, ref_cnt=pool.ref_cnt,
-                           fq=pool.free_queue, table=pool.table, evictions=pool.evictions, rank=rank,
-                           popped=bufs.popped, on_popped=self._popped_hook())
+        pool.allocate(bufs.count, want, grp, row, pos, block_table=self.block_table, rank=rank, popped=bufs.popped,
+                      on_popped=self._popped_hook())
         self._hash_launch(v["rows"], v["h_start"], v["h_count"])
         self._record(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
@@ -865,16 +861,13 @@ class KVCacheManager(FailStop):
     def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
         if not self.enable_caching:
             return
-        inserted = block_ops.record(
-            grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens, digests=self.digests,
-            extras=self.extras, root=self._root_lanes, blk_tokens=self.pool.blk_tokens,
-            blk_parent=self.pool.blk_parent, blk_extra=self.pool.blk_extra, table=self.pool.table,
-            scratch=scratch, seq=seq)
+        inserted = self.pool.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens,
+                                    digests=self.digests, extras=self.extras, root=self._root_lanes, scratch=scratch,
+                                    seq=seq)
         if self._events is not None and inserted is not None:
             blk, ok, key = inserted
             self._events.stores(ok, blk, key, grp, rw, ps, blk_parent=self.pool.blk_parent,
                                 blk_tokens=self.pool.blk_tokens, row_lora=self._row_lora)
-        table_ops.maybe_rebuild(self.pool.table)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None) -> StepResult:
@@ -954,9 +947,8 @@ class KVCacheManager(FailStop):
         n_ok_32 = n_ok_dev.to(torch.int32)
         upd, grp, ps, _ = entry_layout(np.repeat(nb0[:, None], G, 1), np.repeat(nb1[:, None], G, 1))
         if len(upd):  # entries in pop order: (update, group, position)
-            block_ops.allocate(count, self._up(upd) < n_ok_32, self._up(grp), self._up(rows[upd]), self._up(ps),
-                               block_table=self.block_table, ref_cnt=pool.ref_cnt, fq=pool.free_queue,
-                               table=pool.table, evictions=pool.evictions, on_popped=self._popped_hook())
+            pool.allocate(count, self._up(upd) < n_ok_32, self._up(grp), self._up(rows[upd]), self._up(ps),
+                          block_table=self.block_table, on_popped=self._popped_hook())
             self._expect_events(len(upd))
         # Digests for every known block that became full; cache entries for
         # the full blocks computed this step (digests exist for them: a
@@ -1014,9 +1006,7 @@ class KVCacheManager(FailStop):
         self._null[rows] = stops
         if not len(idx):
             return
-        block_ops.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call),
-                          ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, fq=self.pool.free_queue,
-                          table=self.pool.table, uncached_first=self.uncached_first)
+        self.pool.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call))
 
     def _release_requests(self, request_ids: Sequence[str]) -> None:
         """Free whole requests: one free call per request and group, tail first."""
@@ -1025,9 +1015,7 @@ class KVCacheManager(FailStop):
         idx, grp, ps, call = entry_layout(np.zeros((len(rows), self.num_groups), dtype=np.int64),
                                           np.repeat(nb[:, None], self.num_groups, 1), reverse=True)
         if len(idx):
-            block_ops.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call),
-                              ref_cnt=self.pool.ref_cnt, last_seen=self.pool.last_seen, fq=self.pool.free_queue,
-                              table=self.pool.table, uncached_first=self.uncached_first)
+            self.pool.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call))
         for row in rows.tolist():
             del self._row_ids[row]
             self._ntok[row] = self._ncomp[row] = self._nalloc[row] = 0
@@ -1211,7 +1199,7 @@ class KVCacheManager(FailStop):
             first_real = torch.where(w < 0, torch.zeros_like(h), (h - w).clamp(min=0))
             in_hit = (li_t < admitted) & (lp_t < h)
             real = in_hit & (lp_t >= first_real)
-            block_ops.touch(c, (real & (c >= 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+            pool.touch(c, (real & (c >= 0)).to(torch.int32))
         # Phase 5b: allocate, in (request, group, position) order: positions
         # from the hit up to what the chunk and lookahead need with that hit
         # (entries laid out for the longest hit, which needs the most).
@@ -1222,9 +1210,8 @@ class KVCacheManager(FailStop):
         upto = (torch.maximum(comp_t[a_l], hit_safe[a_l] * bs) + lookahead_t[a_l] + bs - 1) // bs
         want = (ai_t < admitted) & (ap_t >= hit_safe[a_l]) & (ap_t < upto)
         count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
-        block_ops.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
-                           ref_cnt=pool.ref_cnt, fq=pool.free_queue, table=pool.table, evictions=pool.evictions,
-                           on_popped=self._popped_hook())
+        pool.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
+                      on_popped=self._popped_hook())
         self._expect_events(len(ai))
         # Phase 5c: hits into the block tables (pending hits take a reference).
         if len(li):
@@ -1236,7 +1223,7 @@ class KVCacheManager(FailStop):
             r_l = lrow_t.long()
             old = self.block_table[lg_l, r_l, lp_l]
             self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
-            block_ops.touch(from_pending, (real & (c < 0)).to(torch.int32), ref_cnt=pool.ref_cnt, fq=pool.free_queue)
+            pool.touch(from_pending, (real & (c < 0)).to(torch.int32))
         # Phase 5d: cache every block of the chunk that is full, in (request,
         # group, position) order (a hit past the chunk is cached already).
         ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat((comp // bs)[:, None], G, 1))

@@ -1,4 +1,7 @@
-"""The device-resident block pool: the state the kernels change.
+"""The device-resident block pool: the state the kernels change, and the
+verbs that change it (``release``, ``touch``, ``allocate``, ``record``, as
+vLLM's ``BlockPool`` has them), each one launcher call with the pool's own
+tensors, so the manager hands a kernel its entries and nothing of the pool.
 
 One object owns every device tensor of the pool, sized once at construction:
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from gpukv import hashing
+from gpukv.kernels import blocks as block_ops
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
 
@@ -53,6 +57,41 @@ class DevicePool:
         self.last_seen = torch.full((num_blocks,), -1, **i64)
         self.touched = torch.full((num_blocks,), -1, **i64)
         self.evictions = torch.zeros(1, **i64)
+
+    # ------------------------------------------------------------- the verbs
+    # What a step does to the pool, each one launcher call with the pool's
+    # own tensors (``gpukv.kernels.blocks``); the entries (group, row,
+    # position of a request's block table) come from the caller.
+    def release(self, block_table, group, row, pos, call, *, valid=None, scratch=None, workspace=None) -> None:
+        """Drop one reference per entry of ``block_table``, in free order (tail
+        first, ``call`` per request and group); blocks reaching 0 go back to
+        the free queue, uncached ones to the front when ``uncached_first``."""
+        block_ops.release(block_table, group, row, pos, call, ref_cnt=self.ref_cnt, last_seen=self.last_seen,
+                          fq=self.free_queue, table=self.table, uncached_first=self.uncached_first, valid=valid,
+                          scratch=scratch, workspace=workspace)
+
+    def touch(self, blocks, valid) -> None:
+        """A reference more for each valid block; free ones leave the free queue (a hit)."""
+        block_ops.touch(blocks, valid, ref_cnt=self.ref_cnt, fq=self.free_queue)
+
+    def allocate(self, count, want, group, row, pos, *, block_table, rank=None, popped=None,
+                 on_popped=None) -> None:
+        """Pop ``count`` blocks into the wanted entries of ``block_table``,
+        evicting the hashes of cached ones (``on_popped`` sees them first)."""
+        block_ops.allocate(count, want, group, row, pos, block_table=block_table, ref_cnt=self.ref_cnt,
+                           fq=self.free_queue, table=self.table, evictions=self.evictions, rank=rank,
+                           popped=popped, on_popped=on_popped)
+
+    def record(self, group, row, pos, valid, *, block_table, tokens, digests, extras, root, scratch=None,
+               seq=None):
+        """Cache the blocks at the valid entries under their rows' digests,
+        keeping their inputs for verification; returns the insert's inputs
+        (``gpukv.kernels.blocks.record``)."""
+        inserted = block_ops.record(group, row, pos, valid, block_table=block_table, tokens=tokens, digests=digests,
+                                    extras=extras, root=root, blk_tokens=self.blk_tokens, blk_parent=self.blk_parent,
+                                    blk_extra=self.blk_extra, table=self.table, scratch=scratch, seq=seq)
+        table_ops.maybe_rebuild(self.table)
+        return inserted
 
     @property
     def num_free(self) -> torch.Tensor:
