@@ -53,9 +53,19 @@ def test_hand_worked_batch_with_pending_hits_and_eviction():
     for m in (ref, dev):
         m.step(new=[NewRequest("p", [7, 8, 9]), NewRequest("r", [50, 51, 52, 53, 54, 55, 56])])
         m.step(finished=["p", "r"])
+        # Freed tail first: the partial blocks 2 (p) and 6 (r) to the front,
+        # the cached ones (1; 5, 4, 3) to the back.
+        assert m.free_queue() == [6, 2, 7, 8, 9, 1, 5, 4, 3]
         res = m.step(new=[NewRequest("a", list(range(300, 312))), NewRequest("b", [7, 8, 9]),
                           NewRequest("c", list(range(300, 305)))])
-    assert dev.free_queue() == ref.free_queue()
+        # b hits p's cached block 1 (touched before any allocation, so a's
+        # sixth block is 5, evicting r's); c hits the two blocks a computes
+        # in this same step (pending hits); b and c's new blocks evict 4 and 3.
+        assert (res.num_admitted, res.num_computed_tokens) == (3, [0, 2, 4])
+        assert m.get_block_ids("a") == [[6, 2, 7, 8, 9, 5]]
+        assert m.get_block_ids("b") == [[1, 4]]
+        assert m.get_block_ids("c") == [[6, 2, 3]]
+        assert m.free_queue() == [] and m.num_evictions == 3
     assert_same(ref, dev)
 
 

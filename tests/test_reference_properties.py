@@ -17,8 +17,14 @@ def test_invariants_hold_after_every_step(seed, num_blocks, block_size, uncached
     m = KVCacheManager(num_blocks * len(windows), block_size, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY)
 
     def check(step, managers, results):
-        managers[0].check_invariants()
-        assert sorted(managers[0].free_queue()) == sorted(set(managers[0].free_queue()))
+        m = managers[0]
+        m.check_invariants()
+        # From the public API alone: every block but the null block is either
+        # free or held by a running request, never both.
+        free = m.free_queue()
+        held = {b for rid in m.request_ids() for blocks in m.get_block_ids(rid) for b in blocks if b}
+        assert len(free) == len(set(free)) == m.num_free_blocks
+        assert set(free).isdisjoint(held) and set(free) | held == set(range(1, m.num_blocks))
 
     drive([m], seed, 25, check)
 
