@@ -33,6 +33,8 @@ from typing import Union
 
 @dataclass(frozen=True)
 class BlockStored:
+    """Blocks were cached (see the module docstring for the fields)."""
+
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
@@ -43,13 +45,15 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
+    """Cached blocks were evicted."""
+
     block_hashes: list[bytes]
     group: int = 0
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    pass
+    """The prefix cache was reset: every cached block is forgotten."""
 
 
 KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
@@ -57,6 +61,9 @@ KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 @dataclass(frozen=True)
 class KVEventBatch:
+    """One batch: its sequence number, events, wall time, and how many
+    events were dropped before it (a full device buffer)."""
+
     seq: int
     events: list[KVCacheEvent]
     ts: float = field(default_factory=time.time)
