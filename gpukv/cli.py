@@ -97,14 +97,22 @@ def _int_option(minimum: int, maximum: int | None = None, why: str = ""):
     return parse
 
 
-def _ms_option(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
-    return value
+def _positive_float_option(unit: str):
+    """An option's parser for a positive, finite number of ``unit``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not (0 < value < math.inf):
+            raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
+        return value
+
+    return parse
+
+
+_ms_option = _positive_float_option("milliseconds")
+_gib_option = _positive_float_option("GiB")
 
 
 # Words --max-num-batched-tokens takes for "no budget" (as does 0).
@@ -138,16 +146,6 @@ def _list_option(parse_one):
         return [parse_one(t) for t in items]
 
     return parse
-
-
-def _gib_option(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
-    return value
 
 
 def _sweep_parser(sub) -> argparse.ArgumentParser:

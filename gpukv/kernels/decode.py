@@ -65,6 +65,18 @@ _ST_FREE_AFTER: tl.constexpr = tl.constexpr(ST_FREE_AFTER)
 _ST_QUEUE_ERRORS: tl.constexpr = tl.constexpr(ST_QUEUE_ERRORS)
 
 
+@triton.jit
+def _entries(e, BP, G, W, rows_ptr, n_fit):
+    """Entries ``e`` of a row-major [BP, G, W] layout: in range, their row
+    index, group and slot, request row (-1 for padding), and whether their
+    request fits (a real row among the first ``n_fit``)."""
+    m = e < BP * G * W
+    i = e // (G * W)
+    r = tl.load(rows_ptr + i, mask=m, other=-1)
+    ok = m & (i.to(tl.int64) < n_fit) & (r >= 0)
+    return m, i, (e // W) % G, e % W, r, ok
+
+
 # Bucket sizes are runtime arguments, not constexprs: a new bucket (another
 # batch size or tokens per row) must not compile a new variant inside a step.
 @triton.jit(do_not_specialize=["T", "BP", "K", "G", "A", "C"])
@@ -101,15 +113,10 @@ def _decode_fit_kernel(
     E = BP * G * A
     for start in range(0, E, TILE):
         e = start + tl.arange(0, TILE)
-        m = e < E
-        i = e // (G * A)
-        g = (e // A) % G
-        a = e % A
-        r = tl.load(rows_ptr + i, mask=m, other=-1)
+        m, i, g, a, r, ok = _entries(e, BP, G, A, rows_ptr, n_fit)
         held = tl.load(held_ptr + i, mask=m, other=0)
         need = tl.load(need_ptr + i, mask=m, other=0)
         c = tl.load(cum_ptr + i, mask=m, other=0)
-        ok = m & (i.to(tl.int64) < n_fit) & (r >= 0)
         tl.store(alloc_ptr + e, g, mask=m)
         tl.store(alloc_ptr + E + e, tl.maximum(r, 0), mask=m)
         tl.store(alloc_ptr + 2 * E + e, held + a, mask=m)
@@ -118,14 +125,9 @@ def _decode_fit_kernel(
     EC = BP * G * C
     for start in range(0, EC, TILE):
         e = start + tl.arange(0, TILE)
-        m = e < EC
-        i = e // (G * C)
-        g = (e // C) % G
-        j = e % C
-        r = tl.load(rows_ptr + i, mask=m, other=-1)
+        m, i, g, j, r, ok = _entries(e, BP, G, C, rows_ptr, n_fit)
         first = tl.load(comp0_ptr + i, mask=m, other=0) // BS
         filled = tl.load(comp1_ptr + i, mask=m, other=0) // BS - first
-        ok = m & (i.to(tl.int64) < n_fit) & (r >= 0)
         tl.store(record_ptr + e, g, mask=m)
         tl.store(record_ptr + EC + e, tl.maximum(r, 0), mask=m)
         tl.store(record_ptr + 2 * EC + e, first + j, mask=m)
