@@ -32,8 +32,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gpukv import hashing
 from gpukv.reference import KVCacheManager as ReferenceManager
@@ -74,7 +74,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 # ----------------------------------------------------------------- gpukv side
 class GpukvDriver:
-    def __init__(self, num_blocks: int, max_model_len: int):
+    def __init__(self, num_blocks: int, max_model_len: int):  # noqa: ARG002  (VllmDriver's signature: one make() builds either)
         self.m = ReferenceManager(num_blocks, BLOCK_SIZE, hash_key=bytes(16))
 
     def admit(self, reqs: list[tuple[str, list[int]]], finished: list[str] = ()) -> None:
@@ -82,7 +82,7 @@ class GpukvDriver:
         assert res.num_admitted == len(reqs), "pool too small for the workload"
 
     def decode(self, rids: list[str], toks: list[int]) -> None:
-        res = self.m.step(running=[RunningUpdate(r, [t]) for r, t in zip(rids, toks)])
+        res = self.m.step(running=[RunningUpdate(r, [t]) for r, t in zip(rids, toks, strict=True)])
         assert res.ok
 
     def free(self, rids: list[str]) -> None:
@@ -108,7 +108,7 @@ class VllmDriver:
             self.reqs[rid] = req
 
     def decode(self, rids: list[str], toks: list[int]) -> None:
-        for rid, t in zip(rids, toks):
+        for rid, t in zip(rids, toks, strict=True):
             req = self.reqs[rid]
             req.append_output_token_ids(t)
             assert self.m.allocate_slots(req, 1) is not None
@@ -131,7 +131,11 @@ def bench_decode(make, steps: int, batch: int = 256) -> list[float]:
     d = make(num_blocks=batch * 24, max_model_len=4096)
     rids = [f"d{i}" for i in range(batch)]
     d.admit([(r, _tokens(rng, 100)) for r in rids])
-    return [_time(lambda toks=_tokens(rng, batch): d.decode(rids, toks)) for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        toks = _tokens(rng, batch)  # drawn outside the timed call
+        out.append(_time(lambda toks=toks: d.decode(rids, toks)))
+    return out
 
 
 def bench_prefill(make, steps: int, batch: int = 16, length: int = 256, shared: int = 128) -> list[float]:
@@ -142,7 +146,7 @@ def bench_prefill(make, steps: int, batch: int = 16, length: int = 256, shared: 
     for s in range(steps):
         reqs = [(f"p{s}.{i}", prefix + _tokens(rng, length - shared)) for i in range(batch)]
         d.free(prev)
-        out.append(_time(lambda: d.admit(reqs)))
+        out.append(_time(lambda reqs=reqs: d.admit(reqs)))
         prev = [r for r, _ in reqs]
     return out
 
@@ -154,7 +158,7 @@ def bench_single(make, steps: int, length: int = 2048) -> list[float]:
     for s in range(steps):
         req = [(f"s{s}", _tokens(rng, length))]
         d.free(prev)
-        out.append(_time(lambda: d.admit(req)))
+        out.append(_time(lambda req=req: d.admit(req)))
         prev = [f"s{s}"]
     return out
 
@@ -171,7 +175,7 @@ def bench_churn(make, steps: int, batch: int = 8, length: int = 1024) -> list[fl
     out = []
     for s in range(steps):
         reqs = [(f"c{s}.{i}", _tokens(rng, length)) for i in range(batch)]
-        out.append(_time(lambda: d.admit(reqs, finished=prev)))
+        out.append(_time(lambda reqs=reqs, prev=prev: d.admit(reqs, finished=prev)))
         prev = [r for r, _ in reqs]
     return out
 
@@ -228,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     hashes = bench_hashing()
     print(f"CPU path: gpukv reference vs vLLM {getattr(vllm_kv, 'VLLM_VERSION', '(not importable)')} "
-          f"KVCacheManager, thread CPU time per step, block size {BLOCK_SIZE}, {platform.processor() or platform.machine()}")
+          f"KVCacheManager, thread CPU time per step, block size {BLOCK_SIZE}, "
+          f"{platform.processor() or platform.machine()}")
     print("| work | vLLM p50 ms | gpukv p50 ms | ratio |")
     print("| --- | --- | --- | --- |")
     for r in rows:

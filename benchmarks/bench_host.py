@@ -17,11 +17,9 @@ interpreter (no GPU) the kernels run on the host:
   work of the real step (checked: both return the same results); its wall
   time minus the interpreter's own launch path (``kernel_seconds``) is the
   host cost.
-* prefill and churn: their torch glue indexes with kernel outputs (lookup results), so
-  kernels must run; the figure is the wall time minus the time inside
-  kernels, an over-estimate (on the decode, where both can be measured, this
-  method reads several times the twin's figure: the interpreter leaves the
-  host code cold between launches).
+* prefill and churn: the same twin (their host path, like the decode's,
+  never indexes with a device result: every entry after the plan's one
+  upload is derived on the device, ``gpukv.kernels.prefill``).
 
 What is left is Python, numpy and torch glue. A real GPU launch also costs
 host time in Triton's launcher; on a CPU it is outside the figure, and the
@@ -53,11 +51,9 @@ warm-up steps that compile every kernel variant.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 
@@ -129,7 +125,7 @@ class Twin:
                 self._reads.append(out)
                 return out
 
-            def replaying(t):
+            def replaying(_t):  # stands in for _read(t): the answer comes from the record
                 twin_counters.d2h += 1
                 return self._reads.pop(0)
 
@@ -188,7 +184,7 @@ def decode_vllm(vllm_kv, B: int, steps: int, warmup: int) -> list[float]:
     times = []
     for s in range(warmup + steps):
         toks = [rng.randrange(VOCAB) for _ in rids]
-        t = host_ms(lambda: d.decode(rids, toks))
+        t = host_ms(lambda toks=toks: d.decode(rids, toks))
         if s >= warmup:
             times.append(t)
     return times
@@ -237,21 +233,17 @@ STEP_WORKLOADS = {  # name: (steps builder, pool blocks, untimed leading steps)
 def steps_gpukv(kind: str, work: str, steps: int, warmup: int) -> tuple[list[float], dict]:
     build, num_blocks, fill = STEP_WORKLOADS[work]
     kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=32)
-    m = DeviceManager(num_blocks, BS, **kw) if kind == "device" else ReferenceManager(num_blocks, BS, **kw)
-    dev = getattr(m, "device", None)
-    plan = build(warmup + steps + 1)
-    times, gpu = [], []
-    for s, (finished, batch) in enumerate(plan[:-1]):
-        new = [NewRequest(r, t) for r, t in batch]
-        timed = s >= fill + warmup
-        t = host_ms(lambda: m.step(finished=finished, new=new), dev, gpu if timed else None)
-        if timed:
-            times.append(t)
-    counts = {}
-    if kind == "device":
-        finished, batch = plan[-1]
-        counts = dict(_count_one(m, "step", finished, (), [NewRequest(r, t) for r, t in batch]), gpu_ms=gpu)
-    return times, counts
+    calls = [(finished, (), [NewRequest(r, t) for r, t in batch]) for finished, batch in build(warmup + steps + 1)]
+    if kind == "reference":
+        m = ReferenceManager(num_blocks, BS, **kw)
+        times = [host_ms(lambda a=a: m.step(*a)) for a in calls[:-1]]
+        return times[fill + warmup:], {}
+    m = Twin(lambda: DeviceManager(num_blocks, BS, **kw))
+    for a in calls[: fill + warmup]:  # kernels run on both (and compile, on a GPU)
+        m.setup("step", *a)
+    times = m.run("step", calls[fill + warmup: -1])
+    _sync(m.dev)
+    return times, dict(_count(m, "step", *calls[-1]), gpu_ms=m.gpu_ms)
 
 
 def steps_vllm(vllm_kv, work: str, steps: int, warmup: int) -> list[float]:
@@ -259,7 +251,7 @@ def steps_vllm(vllm_kv, work: str, steps: int, warmup: int) -> list[float]:
     d = VllmDriver(vllm_kv, num_blocks=num_blocks, max_model_len=4096)
     times = []
     for s, (finished, batch) in enumerate(build(warmup + steps)):
-        t = host_ms(lambda: d.admit(batch, finished=finished))
+        t = host_ms(lambda batch=batch, finished=finished: d.admit(batch, finished=finished))
         if s >= fill + warmup:
             times.append(t)
     return times

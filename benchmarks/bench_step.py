@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from gpukv import _runtime
+from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -33,7 +33,7 @@ def workload(args, rng):
     prompts = [[rng.randrange(32000) for _ in range(args.prompt_len)] for _ in range(4)]
     counter = 0
     running: list[str] = []
-    for step in range(args.steps + args.warmup):
+    for _step in range(args.steps + args.warmup):
         finished = running[: max(0, len(running) - args.running)]
         running = running[len(finished):]
         decode = [RunningUpdate(rid, [rng.randrange(32000)]) for rid in running]
@@ -52,7 +52,6 @@ def run(manager, args, sync):
     times = []
     launches = []
     syncs = []
-    running: list[str] = []
     for i, (finished, decode, new) in enumerate(workload(args, rng)):
         sync()
         t = time.perf_counter()

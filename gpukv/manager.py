@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from gpukv import _runtime, hashing
+from gpukv.admission import AdmissionBuffers, plan_admission, pow2_at_least
 from gpukv.api import manager_args_from_config
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
@@ -40,14 +41,16 @@ from gpukv.kernels import _common
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels import prefill as prefill_ops
 from gpukv.kernels.block_hash import hash_rows, hash_rows_host, key_lanes
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
 from gpukv.pool import DevicePool
-from gpukv.rows import RowAllocator
+from gpukv.rows import DeviceRows
 from gpukv.staging import Staging, StepCounters, TorchOpCounter
 from gpukv.request import (
     MAX_NUM_BLOCKS,
+    as_int32_tokens,
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
@@ -87,26 +90,33 @@ def _lanes(d: bytes) -> tuple[int, int]:
     return _signed(int.from_bytes(d[:8], "little")), _signed(int.from_bytes(d[8:], "little"))
 
 
-def _as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
-    """uint32 token ids in the int32 bit pattern the device stores."""
-    return tokens.astype(np.int64).astype(np.uint32).view(np.int32)
-
-
-def _pow2_at_least(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 def device_bytes(num_blocks: int, block_size: int, num_groups: int, max_model_len: int,
                  max_num_reqs: int) -> dict[str, int]:
     """Bytes the device manager allocates at construction, by the argument
     that drives them (``gpukv.pool`` and the request rows below), so a size
     that cannot fit is refused before anything is allocated."""
     N, M = num_blocks, -(-max_model_len // block_size)
-    cap = _pow2_at_least(2 * N)  # free-queue ring and hash-table slots
+    cap = pow2_at_least(2 * N)  # free-queue ring and hash-table slots
     pool = N * (4 + 4 * block_size + 32 + 16 + 8 + 4 + 8 + 8) + cap * (4 + 24)
     rows = max_num_reqs * (4 * max_model_len + 2 * 16 * M + 4 * num_groups * M)
     return {"num_blocks": pool, "max_model_len": rows}  # rows: max_num_reqs of them, sized by max_model_len
+
+
+def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key) -> tuple:
+    """The constructor's arguments checked, and the memory they take
+    estimated, before anything is allocated (numpy integers are accepted as
+    sizes)."""
+    block_size = check_size(block_size, "block_size", 1)
+    windows = list(normalize_windows(sliding_windows))
+    num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
+    max_model_len = check_size(max_model_len, "max_model_len", 1, 2**31 - 1)
+    max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
+    device = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
+              else _runtime.default_device())
+    key = resolve_key(hash_key)
+    check_memory(device_bytes(num_blocks, block_size, len(windows), max_model_len, max_num_reqs), device,
+                 "the device manager", also="max_num_reqs")
+    return num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key
 
 
 def entry_layout(starts, stops, *, reverse: bool = False):
@@ -173,8 +183,7 @@ class DecodeBuffers:
     release_workspace: torch.Tensor
     record_scratch: torch.Tensor
     record_seq: torch.Tensor
-    prepared: list | None = None  # the launches, replayable (``_common.preparing``)
-    generation: int = -1  # the row tensors' generation the prepared launches hold
+    prepared: dict = field(default_factory=dict)  # "decode" -> (rows generation, replayable launches)
 
 
 class KVCacheManager(FailStop):
@@ -195,18 +204,8 @@ class KVCacheManager(FailStop):
         device: torch.device | str | None = None,
         enable_kv_cache_events: bool = False,
     ) -> None:
-        # Every argument is checked, and the memory it takes estimated, before
-        # anything is allocated (numpy integers are accepted as sizes).
-        block_size = check_size(block_size, "block_size", 1)
-        windows = list(normalize_windows(sliding_windows))
-        num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
-        max_model_len = check_size(max_model_len, "max_model_len", 1, 2**31 - 1)
-        max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
-        device = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
-                  else _runtime.default_device())
-        key = resolve_key(hash_key)
-        check_memory(device_bytes(num_blocks, block_size, len(windows), max_model_len, max_num_reqs), device,
-                     "the device manager", also="max_num_reqs")
+        num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key = _checked_args(
+            num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key)
         self.device = device
         self.block_size = block_size
         self.sliding_windows = windows
@@ -214,6 +213,7 @@ class KVCacheManager(FailStop):
         # Blocks a window group must still see at a hit boundary; -1 = full attention.
         self._window_blocks = [-1 if w is None else -(-(w - 1) // block_size) for w in windows]
         self._window_groups = [g for g, w in enumerate(windows) if w is not None]
+        self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
         self.max_model_len = max_model_len
         self.uncached_first = bool(uncached_first)
         # Without caching no lookup runs (every hit is 0, the stats still count
@@ -225,42 +225,40 @@ class KVCacheManager(FailStop):
         self._root = hashing.root_digest(self._key)
         self._root_lanes = _lanes(self._root)
         self._key_dev = key_lanes(self._key, self.device)
-        self._T = max_model_len
-        self._M = -(-max_model_len // block_size)
-        self.counters = StepCounters()
-        self._staging = Staging(self.device, self.counters)
-        self._counting_depth = 0
-        # Request rows (tokens, digests, block tables on the device; token
-        # counts and window boundaries mirrored on the host) are sized for
-        # this many requests at once (running ones and a step's candidates);
-        # past it they double, between steps' kernels, never inside one.
-        self.rows_generation = 0  # bumped when the row tensors are reallocated
-        self._rows_cap = 0
-        self.tokens = self.digests = self.extras = self.block_table = None
-        # Per row: known tokens, computed tokens (chunked prefill leaves some
-        # known ones uncomputed), block positions held per group (lookahead
-        # slots can hold more than the computed tokens need).
-        self._ntok = np.zeros(0, dtype=np.int64)
-        self._ncomp = np.zeros(0, dtype=np.int64)
-        self._nalloc = np.zeros(0, dtype=np.int64)
-        self._null = np.zeros((0, self.num_groups), dtype=np.int64)
+        # Request rows: tokens, digests and block tables on the device, counts
+        # mirrored on the host (``gpukv.rows.DeviceRows``).
+        self._rows = DeviceRows(max_num_reqs, num_groups=self.num_groups, max_model_len=max_model_len,
+                                block_size=block_size, device=self.device)
+        self._reqs: dict[str, int] = {}  # request id -> row
+        self._row_ids: dict[int, str] = {}
         # KV-cache events (``gpukv.events``): written on the device as the cache
         # changes, drained by the reads the host makes (``gpukv.event_log``).
         self._events = (DeviceEventLog(KV_EVENTS_CAPACITY, block_size, device) if enable_kv_cache_events
                         else None)
         self._event_queue = EventQueue()
-        self._rows = RowAllocator(max_num_reqs, on_grow=self._grow_rows)
-        self._grow_rows(max_num_reqs)
-        self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
-        self._reqs: dict[str, int] = {}  # request id -> row
-        self._row_ids: dict[int, str] = {}
-        self._decode_bufs: dict[tuple, DecodeBuffers] = {}
-        self._host_plans: dict[tuple, tuple] = {}
+        self._init_step_state()
         # Counted on the host from the hits each step reads anyway (no read of its own).
         self._stats = PrefixCacheStats()
         self._reset_flag = False
-        self._stamp = 0
         self._free_lower_bound = num_blocks - 1
+
+    def _init_step_state(self) -> None:
+        """What steps reuse: accounting, the pinned staging buffers, and the
+        per-bucket plans and device buffers (made on a bucket's first step)."""
+        self.counters = StepCounters()
+        self._staging = Staging(self.device, self.counters)
+        self._counting_depth = 0
+        self._decode_bufs: dict[tuple, DecodeBuffers] = {}
+        self._host_plans: dict[tuple, tuple] = {}
+        self._admission_bufs: dict[tuple, AdmissionBuffers] = {}
+        self._admission_plans: dict[tuple, np.ndarray] = {}
+        self._blocked = torch.zeros(1, dtype=torch.int32, device=self.device)  # a running update did not fit
+
+    @property
+    def rows_generation(self) -> int:
+        """Bumped when the row tensors are reallocated (captured graphs and
+        prepared launches hold the old ones)."""
+        return self._rows.generation
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "KVCacheManager":
@@ -339,7 +337,7 @@ class KVCacheManager(FailStop):
         """The request's block ids per group, position by position (the null
         block 0 where a window dropped them); reads the device."""
         row = self._state(request_id)
-        return self._read(self.block_table[:, row, : self._num_blocks(row)])
+        return self._read(self._rows.block_table[:, row, : self._num_blocks(row)])
 
     @reading
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
@@ -347,12 +345,12 @@ class KVCacheManager(FailStop):
         device gather; positions past a request's blocks are not its blocks:
         read only the first ``len(get_block_ids(id)[g])``)."""
         rows = self._staging.upload(np.array([self._state(r) for r in request_ids], dtype=np.int64))
-        return self.block_table[:, rows]
+        return self._rows.block_table[:, rows]
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included (host only)."""
-        return int(self._ncomp[self._state(request_id)])
+        return int(self._rows.num_computed[self._state(request_id)])
 
     @reading
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
@@ -362,7 +360,7 @@ class KVCacheManager(FailStop):
         that does not; a sliding-window group gives 0. Reads the device."""
         row = self._state(request_id)
         n = self._num_blocks(row)
-        blocks = self.block_table[:, row, :n].long()
+        blocks = self._rows.block_table[:, row, :n].long()
         same = (self.pool.ref_cnt[blocks] == num_running_requests).to(torch.int32)
         leading = same.cumprod(dim=1).sum(dim=1)
         out = self._read(leading)
@@ -372,8 +370,8 @@ class KVCacheManager(FailStop):
     def block_hashes(self, request_id: str) -> list[bytes]:
         """The digests of the request's full known blocks; reads the device."""
         row = self._state(request_id)
-        n = int(self._ntok[row]) // self.block_size
-        return hashing.lanes_to_digests(np.array(self._read(self.digests[row, :n]), dtype=np.int64).reshape(-1, 2))
+        n = int(self._rows.num_tokens[row]) // self.block_size
+        return hashing.lanes_to_digests(np.array(self._read(self._rows.digests[row, :n]), dtype=np.int64).reshape(-1, 2))
 
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -402,7 +400,7 @@ class KVCacheManager(FailStop):
         block's count equals the number of block-table rows that hold it."""
         self.pool.check_invariants(self._key, self._root, verify_digests=verify_digests)
         held = np.zeros(self.num_blocks, dtype=np.int64)
-        bt = self.block_table.cpu().numpy()
+        bt = self._rows.block_table.cpu().numpy()
         for row in self._reqs.values():
             for g in range(self.num_groups):
                 for b in bt[g, row, : self._num_blocks(row)]:
@@ -517,11 +515,11 @@ class KVCacheManager(FailStop):
         rows_np = normalize_rows(rows, self._rows.in_use)
         tokens = normalize_decode_tokens(new_token_ids, len(rows_np), self.device)
         k = tokens.shape[1]
-        num_tokens = self._ntok[rows_np]
+        num_tokens = self._rows.num_tokens[rows_np]
         check_decode_lengths(num_tokens, k, self._limits)
         chunks, lookahead = None, 0
         if num_tokens_to_compute is not None or num_lookahead_tokens != 0:
-            computed = self._ncomp[rows_np]
+            computed = self._rows.num_computed[rows_np]
             chunks, lookahead = normalize_decode_chunks(num_tokens_to_compute, num_tokens + k - computed, computed,
                                                         num_lookahead_tokens, self._limits)
         if not len(rows_np):
@@ -547,8 +545,8 @@ class KVCacheManager(FailStop):
         tokens each row computes (None: all it knows after the append)."""
         bs, G = self.block_size, self.num_groups
         B = len(rows)
-        n = self._ntok[rows] if num_tokens is None else num_tokens
-        comp0, held0 = self._ncomp[rows], self._nalloc[rows]
+        n = self._rows.num_tokens[rows] if num_tokens is None else num_tokens
+        comp0, held0 = self._rows.num_computed[rows], self._rows.num_held[rows]
         comp1 = n + k if chunks is None else comp0 + chunks
         held1 = np.maximum(held0, (comp1 + (lookahead + bs - 1)) // bs)  # lookahead blocks held are kept
         need_pg = held1 - held0
@@ -557,17 +555,17 @@ class KVCacheManager(FailStop):
         filled = comp1 // bs - comp0 // bs
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        A = max(-(-(k + lookahead) // bs), _pow2_at_least(int(need_pg.max())))
-        C = max(-(-k // bs), _pow2_at_least(int(filled.max())))
+        A = max(-(-(k + lookahead) // bs), pow2_at_least(int(need_pg.max())))
+        C = max(-(-k // bs), pow2_at_least(int(filled.max())))
         wg = self._window_groups
         if wg:
-            starts = self._null[rows]
+            starts = self._rows.null_until[rows]
             stops = self._window_stops(comp0, starts)
             released = (stops - starts)[:, wg]
-            L = _pow2_at_least(max(1, int(released.max())))
+            L = pow2_at_least(max(1, int(released.max())))
         else:
             stops, L = None, 0
-        bucket = (_pow2_at_least(max(B, 8)), k, L, A, C)
+        bucket = (pow2_at_least(max(B, 8)), k, L, A, C)
         packed, v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["rows"][B:] = -1
@@ -618,7 +616,7 @@ class KVCacheManager(FailStop):
         if isinstance(tokens, torch.Tensor):
             bufs.new_tokens[:B].copy_(tokens)  # int64 ids wrap to their uint32 bits in int32
         else:
-            self._staging.upload(_as_int32_tokens(tokens), out=bufs.new_tokens)
+            self._staging.upload(as_int32_tokens(tokens), out=bufs.new_tokens)
         return bufs
 
     def launch_decode(self, bucket: tuple, bufs: DecodeBuffers) -> None:
@@ -626,28 +624,19 @@ class KVCacheManager(FailStop):
         only its fixed buffers and the pool (what a CUDA graph captures).
         The first step of a bucket runs the launchers and keeps the launches;
         later steps replay them, skipping the launchers' Python."""
-        if self._events is not None:  # its torch operations are not launches a replay would repeat
-            self._launch_decode_kernels(bucket, bufs)
-            return
-        if bufs.prepared is not None and bufs.generation == self.rows_generation:
-            for launch in bufs.prepared:
-                launch()
-            return
-        with _common.preparing() as prepared:
-            self._launch_decode_kernels(bucket, bufs)
-        bufs.prepared, bufs.generation = prepared, self.rows_generation
+        self._replayed(bufs.prepared, "decode", lambda: self._launch_decode_kernels(bucket, bufs))
 
     def _launch_decode_kernels(self, bucket: tuple, bufs: DecodeBuffers) -> None:
         v, pool = bufs.views, self.pool
         if bucket[2]:  # window groups release what their window left behind
-            pool.release(self.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
+            pool.release(self._rows.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
                          scratch=bufs.release_scratch, workspace=bufs.release_workspace)
         decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
-                              v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens, tokens=self.tokens, fq_counters=pool.free_queue.counters,
+                              v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens, tokens=self._rows.tokens, fq_counters=pool.free_queue.counters,
                               count=bufs.count, status=bufs.status, num_groups=self.num_groups,
                               block_size=self.block_size)
         grp, row, pos, want, rank = v["alloc"]
-        pool.allocate(bufs.count, want, grp, row, pos, block_table=self.block_table, rank=rank, popped=bufs.popped,
+        pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank, popped=bufs.popped,
                       on_popped=self._popped_hook())
         self._hash_launch(v["rows"], v["h_start"], v["h_count"])
         self._record(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
@@ -669,11 +658,11 @@ class KVCacheManager(FailStop):
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
         done = plan.rows[:n_fit]
-        self._ntok[done] += plan.tokens_per_row
-        self._ncomp[done] = plan.computed[:n_fit]
-        self._nalloc[done] = plan.held[:n_fit]
+        self._rows.num_tokens[done] += plan.tokens_per_row
+        self._rows.num_computed[done] = plan.computed[:n_fit]
+        self._rows.num_held[done] = plan.held[:n_fit]
         if plan.window_stops is not None:
-            self._null[plan.rows] = plan.window_stops
+            self._rows.null_until[plan.rows] = plan.window_stops
         return StepResult(running_failed_at=None if n_fit == B else n_fit)
 
     def _decode_layout(self, bucket: tuple) -> list[tuple[str, int]]:
@@ -723,13 +712,13 @@ class KVCacheManager(FailStop):
                                       fix="pass the id of a request this manager holds") from None
 
     def _num_blocks(self, row: int) -> int:
-        return int(self._nalloc[row])
+        return int(self._rows.num_held[row])
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
         return normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
-                              num_tokens=lambda rid: int(self._ntok[self._reqs[rid]]),
-                              num_computed=lambda rid: int(self._ncomp[self._reqs[rid]]), single=single,
+                              num_tokens=lambda rid: int(self._rows.num_tokens[self._reqs[rid]]),
+                              num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]), single=single,
                               defer_admissible=defer_admissible)
 
     @contextlib.contextmanager
@@ -765,34 +754,6 @@ class KVCacheManager(FailStop):
         if queue_errors:
             raise RuntimeError(f"free-queue error flags {queue_errors:#x} set on the device: a kernel broke the "
                                "queue's contract (a bug; the manager stops)")
-
-    def _grow_rows(self, cap: int) -> None:
-        if cap <= self._rows_cap:
-            return
-        dev, G, T, M = self.device, self.num_groups, self._T, self._M
-
-        def grown(old, shape, dtype):
-            t = torch.zeros(shape, dtype=dtype, device=dev)
-            if old is not None:
-                t[tuple(slice(0, s) for s in old.shape)] = old
-            return t
-
-        self.tokens = grown(self.tokens, (cap, T), torch.int32)
-        self.digests = grown(self.digests, (cap, M, 2), torch.int64)
-        self.extras = grown(self.extras, (cap, M, 2), torch.int64)  # same layout as digests
-        bt = torch.zeros((G, cap, M), dtype=torch.int32, device=dev)
-        if self.block_table is not None:
-            bt[:, : self._rows_cap] = self.block_table
-        self.block_table = bt
-        lora = torch.zeros((cap, 2), dtype=torch.int64, device=dev)  # per row: has a LoRA id, its bits
-        if self._rows_cap:
-            lora[: self._rows_cap] = self._row_lora
-        self._row_lora = lora
-        more = np.zeros(cap - self._rows_cap, dtype=np.int64)
-        self._ntok, self._ncomp, self._nalloc = (np.concatenate([a, more]) for a in (self._ntok, self._ncomp, self._nalloc))
-        self._null = np.concatenate([self._null, np.zeros((cap - self._rows_cap, G), dtype=np.int64)])
-        self._rows_cap = cap
-        self.rows_generation += 1
 
     def _on_popped(self, popped: torch.Tensor) -> None:
         """Removal events for the popped blocks that are still cached."""
@@ -833,11 +794,6 @@ class KVCacheManager(FailStop):
         """A host array on the device (pinned staging, non-blocking)."""
         return self._staging.upload(np.asarray(a, dtype=dtype))
 
-    def _next_stamp(self, n: int) -> int:
-        stamp = self._stamp
-        self._stamp += n + 1
-        return stamp
-
     def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Per (request, group): where the null blocks end once the window
         groups release what ``num_tokens`` computed tokens no longer see."""
@@ -851,7 +807,7 @@ class KVCacheManager(FailStop):
         """Chained digests of blocks ``[start, start + count)`` of each row, on
         the device, from the tokens and extra digests already there."""
         args = (self._key_dev, rows_t, starts_t, counts_t)
-        kw = dict(tokens=self.tokens, digests=self.digests, extras=self.extras, root=self._root_lanes,
+        kw = dict(tokens=self._rows.tokens, digests=self._rows.digests, extras=self._rows.extras, root=self._root_lanes,
                   block_size=self.block_size)
         if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
             _common.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
@@ -861,20 +817,21 @@ class KVCacheManager(FailStop):
     def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
         if not self.enable_caching:
             return
-        inserted = self.pool.record(grp, rw, ps, valid, block_table=self.block_table, tokens=self.tokens,
-                                    digests=self.digests, extras=self.extras, root=self._root_lanes, scratch=scratch,
+        inserted = self.pool.record(grp, rw, ps, valid, block_table=self._rows.block_table, tokens=self._rows.tokens,
+                                    digests=self._rows.digests, extras=self._rows.extras, root=self._root_lanes, scratch=scratch,
                                     seq=seq)
         if self._events is not None and inserted is not None:
             blk, ok, key = inserted
             self._events.stores(ok, blk, key, grp, rw, ps, blk_parent=self.pool.blk_parent,
-                                blk_tokens=self.pool.blk_tokens, row_lora=self._row_lora)
+                                blk_tokens=self.pool.blk_tokens, row_lora=self._rows.lora)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None) -> StepResult:
         """A step on normalised arguments (``_normalize``): nothing here refuses input."""
         if finished:  # phase 1
             self._release_requests(finished)
-        blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
+        blocked = self._blocked
+        blocked.zero_()
         run = self._run_updates(running, blocked) if running else None  # phase 2
         status_parts = [run["n_ok"]] if run is not None else []
         cand_rows: list[int] = []
@@ -891,14 +848,7 @@ class KVCacheManager(FailStop):
         # The one device-to-host read of the step (none when nothing is unknown).
         host = None
         if new or (run is not None and not run["fits_known"]):
-            status_parts.append(self.pool.num_free.to(torch.int64))
-            main = sum(t.numel() for t in status_parts)
-            parts = self._drain_parts()  # the events ride on the step's one read
-            host = self._read(torch.cat(status_parts + parts))
-            if parts:
-                self._drained(host[main:])
-                host = host[:main]
-            self._free_lower_bound = host[-1]
+            host = self._read_step_status(status_parts)
         result = StepResult()
         pos = 0
         if run is not None:
@@ -908,11 +858,26 @@ class KVCacheManager(FailStop):
             else:  # no read: every update fit, and the bound drops by what they took
                 self._free_lower_bound -= int(run["needs"].sum())
             done = run["rows"][:n_ok]
-            self._ntok[done], self._ncomp[done], self._nalloc[done] = (run[x][:n_ok] for x in ("n_after", "c1", "a1"))
+            self._rows.num_tokens[done], self._rows.num_computed[done], self._rows.num_held[done] = (run[x][:n_ok] for x in ("n_after", "c1", "a1"))
             result.running_failed_at = None if n_ok == len(running) else n_ok
         if new:
             self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
         return result
+
+    def _read_step_status(self, parts: list) -> list:
+        """Read the step's status ``parts`` (int64), the free count and the free
+        queue's sticky error word in one read (with the events drained so
+        far); raises when the error word is set. Returns the parts' values."""
+        fq = self.pool.free_queue
+        parts = parts + [fq.counter("num_free"), fq.counter("error")]
+        main = sum(t.numel() for t in parts)
+        events = self._drain_parts()  # the events ride on the step's one read
+        host = self._read(torch.cat(parts + events))
+        if events:
+            self._drained(host[main:])
+        self._check_errors(host[main - 1])
+        self._free_lower_bound = host[main - 2]
+        return host[: main - 2]
 
     def _run_updates(self, running, blocked) -> dict:
         """Phase 2: window releases, then every update's tokens, blocks,
@@ -923,46 +888,55 @@ class KVCacheManager(FailStop):
         if self._window_groups:
             self._release_behind_windows(rows)
         adds = [u.new_token_ids for u in running]
-        n = self._ntok[rows]
+        n = self._rows.num_tokens[rows]
         n_after = n + np.array([len(a) for a in adds], dtype=np.int64)
-        c0 = self._ncomp[rows]
+        c0 = self._rows.num_computed[rows]
         chunks = np.array([-1 if u.num_tokens_to_compute is None else u.num_tokens_to_compute for u in running],
                           dtype=np.int64)
         c1 = np.where(chunks < 0, n_after, c0 + chunks)
         lookahead = np.array([u.num_lookahead_tokens for u in running], dtype=np.int64)
-        nb0 = self._nalloc[rows]
+        nb0 = self._rows.num_held[rows]
         nb1 = np.maximum(nb0, -(-(c1 + lookahead) // bs))  # lookahead blocks held are kept
         needs = (nb1 - nb0) * G
-        self._write_tokens(rows, n, adds)
-        cum = np.cumsum(needs)
-        fits_known = int(cum[-1]) <= self._free_lower_bound
-        if fits_known:
-            n_ok_dev = torch.full((1,), len(running), dtype=torch.int64, device=self.device)
-            count = torch.full((1,), int(cum[-1]), dtype=torch.int64, device=self.device)
-        else:
-            cum_dev = self._up(cum, np.int64)
-            n_ok_dev = (cum_dev <= pool.num_free).sum().reshape(1)
-            count = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), cum_dev])[n_ok_dev]
-            blocked.copy_((n_ok_dev < len(running)).to(torch.int32))
+        self._rows.write_tokens(rows, n, adds, self._up)
+        fits_known, n_ok_dev, count = self._updates_that_fit(np.cumsum(needs), blocked)
         n_ok_32 = n_ok_dev.to(torch.int32)
+        # Entries, uploaded together: allocations in pop order (update, group,
+        # position); digests for every known block that became full; cache
+        # entries for the full blocks computed this step (digests exist for
+        # them: a computed token is a known one).
         upd, grp, ps, _ = entry_layout(np.repeat(nb0[:, None], G, 1), np.repeat(nb1[:, None], G, 1))
-        if len(upd):  # entries in pop order: (update, group, position)
-            pool.allocate(count, self._up(upd) < n_ok_32, self._up(grp), self._up(rows[upd]), self._up(ps),
-                          block_table=self.block_table, on_popped=self._popped_hook())
-            self._expect_events(len(upd))
-        # Digests for every known block that became full; cache entries for
-        # the full blocks computed this step (digests exist for them: a
-        # computed token is a known one).
         f0, f1 = n // bs, n_after // bs
-        if (f1 > f0).any():
-            self._hash_launch(self._up(rows), self._up(f0), self._up(f1 - f0))
         k0, k1 = c0 // bs, c1 // bs
-        if (k1 > k0).any():
-            upd, grp, ps, _ = entry_layout(np.repeat(k0[:, None], G, 1), np.repeat(k1[:, None], G, 1))
-            self._record(self._up(grp), self._up(rows[upd]), self._up(ps), self._up(upd) < n_ok_32)
+        rec, rgrp, rps, _ = entry_layout(np.repeat(k0[:, None], G, 1), np.repeat(k1[:, None], G, 1))
+        (a_upd, a_grp, a_row, a_pos, h_row, h_start, h_count, r_upd, r_grp, r_row, r_pos) = self._up_packed(
+            upd, grp, rows[upd], ps, rows, f0, f1 - f0, rec, rgrp, rows[rec], rps)
+        if len(upd):
+            pool.allocate(count, a_upd < n_ok_32, a_grp, a_row, a_pos, block_table=self._rows.block_table,
+                          on_popped=self._popped_hook())
             self._expect_events(len(upd))
+        if (f1 > f0).any():
+            self._hash_launch(h_row, h_start, h_count)
+        if len(rec):
+            self._record(r_grp, r_row, r_pos, r_upd < n_ok_32)
+            self._expect_events(len(rec))
         return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
                 "n_ok": n_ok_dev}
+
+    def _updates_that_fit(self, cum: np.ndarray, blocked) -> tuple:
+        """How many updates, in order, get their blocks (``cum``: blocks needed
+        so far, update by update): known on the host when its lower bound of
+        free blocks covers them all, else decided on the device (``blocked``
+        set when not all fit). Returns (known, count int64[1], blocks to pop
+        int64[1])."""
+        if int(cum[-1]) <= self._free_lower_bound:
+            return (True, torch.full((1,), len(cum), dtype=torch.int64, device=self.device),
+                    torch.full((1,), int(cum[-1]), dtype=torch.int64, device=self.device))
+        cum_dev = self._up(cum, np.int64)
+        n_ok = (cum_dev <= self.pool.num_free).sum().reshape(1)
+        count = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), cum_dev])[n_ok]
+        blocked.copy_((n_ok < len(cum)).to(torch.int32))
+        return False, n_ok, count
 
     def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult,
                           count_stats: bool) -> None:
@@ -976,14 +950,21 @@ class KVCacheManager(FailStop):
         result.num_admitted = admitted
         result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
         result.rows = cand_rows[:admitted]
-        for req, row, h in zip(new[:admitted], cand_rows, hits):
-            self._reqs[req.request_id] = row
-            self._row_ids[row] = req.request_id
-            n = len(req.token_ids)
-            self._ntok[row] = n
-            self._ncomp[row] = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute, int(h) * bs)
-            self._nalloc[row] = -(-(int(self._ncomp[row]) + req.num_lookahead_tokens) // bs)
-            self._null[row] = [0 if w < 0 else max(0, int(h) - w) for w in self._window_blocks]
+        if admitted:
+            adm = np.asarray(cand_rows[:admitted], dtype=np.int64)
+            h = np.asarray(hits[:admitted], dtype=np.int64)
+            n = np.fromiter((len(r.token_ids) for r in new[:admitted]), np.int64, admitted)
+            chunk = np.fromiter((k if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+                                 for r, k in zip(new, n.tolist())), np.int64, admitted)
+            lookahead = np.fromiter((r.num_lookahead_tokens for r in new[:admitted]), np.int64, admitted)
+            computed = np.maximum(chunk, h * bs)
+            self._rows.num_tokens[adm], self._rows.num_computed[adm] = n, computed
+            self._rows.num_held[adm] = -(-(computed + lookahead) // bs)
+            w = np.asarray(self._window_blocks, dtype=np.int64)
+            self._rows.null_until[adm] = np.where(w < 0, 0, np.maximum(0, h[:, None] - w))
+            for req, row in zip(new, result.rows):
+                self._reqs[req.request_id] = row
+                self._row_ids[row] = req.request_id
         self._rows.give_back_unused(cand_rows[admitted:])
 
     def _count_lookups(self, new, hits: list) -> None:
@@ -1000,55 +981,50 @@ class KVCacheManager(FailStop):
     def _release_behind_windows(self, rows: np.ndarray) -> None:
         """Window groups give back the blocks behind their window (tail first,
         one free call per request and group) and hold the null block there."""
-        starts = self._null[rows]
-        stops = self._window_stops(self._ncomp[rows], starts)
+        starts = self._rows.null_until[rows]
+        stops = self._window_stops(self._rows.num_computed[rows], starts)
         idx, grp, ps, call = entry_layout(starts, stops, reverse=True)
-        self._null[rows] = stops
-        if not len(idx):
-            return
-        self.pool.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call))
+        self._rows.null_until[rows] = stops
+        if len(idx):
+            self._release_entries(rows[idx], grp, ps, call)
 
     def _release_requests(self, request_ids: Sequence[str]) -> None:
         """Free whole requests: one free call per request and group, tail first."""
         rows = np.array([self._reqs.pop(rid) for rid in request_ids], dtype=np.int64)
-        nb = self._nalloc[rows]
+        nb = self._rows.num_held[rows]
         idx, grp, ps, call = entry_layout(np.zeros((len(rows), self.num_groups), dtype=np.int64),
                                           np.repeat(nb[:, None], self.num_groups, 1), reverse=True)
         if len(idx):
-            self.pool.release(self.block_table, self._up(grp), self._up(rows[idx]), self._up(ps), self._up(call))
+            self._release_entries(rows[idx], grp, ps, call)
         for row in rows.tolist():
             del self._row_ids[row]
-            self._ntok[row] = self._ncomp[row] = self._nalloc[row] = 0
-            self._null[row] = 0
-            self._rows.give_back(row)
+        self._rows.release(rows)
 
-    def _write_tokens(self, rows, starts, token_arrays: list) -> None:
-        """Write tokens into request rows. Arrays come from the host; tensors
-        already on the device (sampled tokens) are copied there, unread."""
-        lens = np.array([len(a) for a in token_arrays], dtype=np.int64)
-        total = int(lens.sum())
-        if total == 0:
-            return
-        rows, starts = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
-        first = np.repeat(rows * self._T + starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
-        flat_idx = self._up(first + np.arange(total), np.int64)
-        if any(isinstance(a, torch.Tensor) for a in token_arrays):
-            vals = torch.cat([a.to(self.device, torch.int64) if isinstance(a, torch.Tensor)
-                              else self._up(a, np.int64) for a in token_arrays]).to(torch.int32)
-        else:
-            vals = self._up(_as_int32_tokens(np.concatenate(token_arrays)), np.int32)
-        self.tokens.view(-1).index_copy_(0, flat_idx, vals)
+    def _release_entries(self, rows, grp, pos, call) -> None:
+        """Release the blocks at these block-table entries (one upload)."""
+        self.pool.release(self._rows.block_table, *self._up_packed(grp, rows, pos, call))
 
-    def _write_new_extras(self, new: Sequence[NewRequest], rows: list[int]) -> None:
-        """Every extra-key digest of a new request's row, at admission: its
-        prompt blocks' (LoRA, multimodal items, salt) and, for every later
-        block, the LoRA-only digest (later tokens carry no multimodal item or
-        salt), so running steps and decodes never compute extra keys."""
-        self.extras[self._up(rows, np.int64)] = 0
+    def _up_packed(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Int32 host arrays on the device in one upload: their views, each
+        starting 32-byte aligned (Triton specialises pointers on it)."""
+        sizes = [len(a) for a in arrays]
+        starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])])
+        packed = np.zeros(int(starts[-1]), dtype=np.int32)
+        for a, o, n in zip(arrays, starts.tolist(), sizes):
+            packed[o: o + n] = a
+        dev = self._up(packed)
+        return [dev[o: o + n] for o, n in zip(starts.tolist(), sizes)]
+
+    def _write_extra_keys(self, new: Sequence[NewRequest], rows: list[int]) -> None:
+        """The extra-key digests of new requests that have extra keys (their
+        rows were zeroed by the admission's first launch): their prompt
+        blocks' (LoRA, multimodal items, salt) and, for every later block, the
+        LoRA-only digest (later tokens carry no multimodal item or salt), so
+        running steps and decodes never compute extra keys."""
         if self._events is not None:  # the LoRA id each row's stored blocks report
             lora = [(0, 0) if r.lora_id is None else (1, r.lora_id - 2**64 if r.lora_id >= 2**63 else r.lora_id)
                     for r in new]
-            self._row_lora[self._up(rows, np.int64)] = self._up(np.array(lora, dtype=np.int64).reshape(-1, 2),
+            self._rows.lora[self._up(rows, np.int64)] = self._up(np.array(lora, dtype=np.int64).reshape(-1, 2),
                                                                 np.int64)
         bs = self.block_size
         for r, row in zip(new, rows):
@@ -1057,70 +1033,10 @@ class KVCacheManager(FailStop):
             nb = -(-len(r.token_ids) // bs)
             ds = hashing.extra_key_digests(self._key, nb, bs, lora_id=r.lora_id, mm_items=r.mm_items,
                                            cache_salt=r.cache_salt)
-            self.extras[row, :nb] = self._up(hashing.digests_to_lanes(ds).view(np.int64), np.int64)
-            if r.lora_id is not None and nb < self._M:
+            self._rows.extras[row, :nb] = self._up(hashing.digests_to_lanes(ds).view(np.int64), np.int64)
+            if r.lora_id is not None and nb < self._rows.max_blocks:
                 (later,) = hashing.extra_key_digests(self._key, 1, bs, lora_id=r.lora_id, first_block=max(nb, 1))
-                self.extras[row, nb: self._M] = self._up(hashing.digests_to_lanes([later]).view(np.int64), np.int64)
-
-    def _prepare_new(self, new: Sequence[NewRequest], rows: list[int]) -> None:
-        """Tokens, extra-key digests and digests of new requests into their rows.
-        Every digest is computed here, on the device, from the tokens and
-        extra keys: what a caller handed in as ``block_hashes`` decides nothing
-        (``docs/design.md``)."""
-        arrays = [r.token_ids for r in new]
-        self._write_tokens(rows, np.zeros(len(rows), dtype=np.int64), arrays)
-        self._write_new_extras(new, rows)
-        full = np.array([len(a) // self.block_size for a in arrays], dtype=np.int64)
-        self._hash_launch(self._up(rows), self._up(np.zeros(len(rows))), self._up(full))
-
-    def _pending_chains(self, K, rows_np, n_full, P, li, lp, lg):
-        dev, bs = self.device, self.block_size
-        ei, _, ep, _ = entry_layout(np.zeros(K, dtype=np.int64), n_full)
-        if not len(ei):
-            return None
-        E = len(ei)
-        ei_t, ep_t = self._up(ei), self._up(ep)
-        e_rows = self._up(rows_np[ei])
-        lanes = self.digests[e_rows.long(), ep_t.long()]
-        lo, hi = lanes[:, 0].contiguous(), lanes[:, 1].contiguous()
-        scratch = table_ops.HashTable.create(E, dev)
-        ones = torch.ones(E, dtype=torch.int32, device=dev)
-        table_ops.insert(scratch, lo, hi, ep_t, self._up(np.arange(E)), ones)
-        head = table_ops.find_oldest(scratch, lo, hi, ep_t, ones)
-        # Inputs equal to the chain head's (digests are the manager's own, so
-        # only a hash collision could fail this; checked all the same).
-        ok = lookup_ops.verify(e_rows[head.long()].contiguous(), e_rows, ep_t, tokens=self.tokens,
-                               digests=self.digests, extras=self.extras, root=self._root_lanes, from_pool=False,
-                               block_size=bs)
-        ok = (ok >= 0).to(torch.int32)
-        order = torch.argsort(head.long() * E + torch.arange(E, device=dev))
-        nxt = torch.full((E,), -1, dtype=torch.int32, device=dev)
-        same = head[order[1:]] == head[order[:-1]]
-        nxt[order[:-1]] = torch.where(same, order[1:].to(torch.int32), torch.full_like(order[1:], -1).to(torch.int32))
-        # Each lookup position starts at its own entry's chain head.
-        offs = np.concatenate([[0], np.cumsum(n_full)[:-1]])
-        heads = torch.full((K, P), -1, dtype=torch.int32, device=dev)
-        q = lg == 0
-        if q.any():
-            qi, qp = li[q], lp[q]
-            entry = torch.as_tensor(offs[qi] + qp, device=dev)
-            h = head[entry]
-            heads[torch.as_tensor(qi, device=dev), torch.as_tensor(qp, device=dev)] = torch.where(
-                ok[entry] != 0, h, torch.full_like(h, -1))
-        return heads, nxt, ei_t, ok
-
-    def _lookup_tables(self, new, rows):
-        """Host layout of the lookup: one entry per (request, position < max
-        hit, group), and the per-request counts."""
-        bs, G = self.block_size, self.num_groups
-        n_tok = np.array([len(r.token_ids) for r in new], dtype=np.int64)
-        n_full = n_tok // bs
-        n_blocks = -(-n_tok // bs)
-        skip = np.array([bool(r.skip_prefix_cache) for r in new], dtype=np.int32)
-        max_hit = np.where(skip == 1, 0, (n_tok - 1) // bs)
-        P = int(max(1, max_hit.max()))
-        li, lg, lp, _ = entry_layout(np.zeros((len(new), G), dtype=np.int64), np.repeat(max_hit[:, None], G, 1))
-        return n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg
+                self._rows.extras[row, nb: self._rows.max_blocks] = self._up(hashing.digests_to_lanes([later]).view(np.int64), np.int64)
 
     def _lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
         """The hit a step would give this request now (at most ``hit_cap``
@@ -1142,94 +1058,84 @@ class KVCacheManager(FailStop):
         return ComputedBlocks(blocks, n * self.block_size)
 
     def _admit_new(self, new, rows, blocked, hit_caps=None, dry: bool = False):
-        dev, bs, G = self.device, self.block_size, self.num_groups
+        """Phases 3-5 of a step: the new requests into ``rows``, their
+        digests, lookups and admission, then (unless ``dry``) their blocks.
+        Planned on the host from the requests' lengths and uploaded once;
+        every entry after that is derived on the device
+        (``gpukv.kernels.prefill``), by launches prepared once per bucket and
+        replayed. Returns the admission's status and the hits (int32[K]; and
+        with ``dry`` the cached hits, int32[KP, P, G])."""
+        plan = plan_admission(new, rows, self.block_size, hit_caps, self._admission_plans)
+        bufs = self._admission_buffers(plan.bucket)
+        self._staging.upload(plan.packed, out=bufs.plan)
+        for off, t in plan.device_tokens:
+            bufs.views["tokens"][off: off + t.numel()].copy_(t)  # int64 ids wrap to their uint32 bits
+        self._replayed(bufs.prepared, "rows", lambda: prefill_ops.write_rows(bufs.views, tokens=self._rows.tokens,
+                                                                             extras=self._rows.extras))
+        self._write_extra_keys(new, rows)  # (host work, only for requests with extra keys)
+        if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
+            self._find_and_admit(bufs, blocked)
+            return bufs.status, bufs.hit[: len(new)], bufs.cache
+        self._replayed(bufs.prepared, "admit", lambda: (self._find_and_admit(bufs, blocked),
+                                                        self._take_admitted_blocks(bufs)))
+        self._expect_events(bufs.alloc.shape[1] + bufs.record.shape[1])
+        return bufs.status, bufs.hit[: len(new)]
+
+    def _replayed(self, prepared: dict, part: str, launch) -> None:
+        """Run ``launch`` (a fixed sequence of launches on fixed buffers) the
+        first time, keeping its launches in ``prepared[part]``; later, replay
+        them, skipping the launchers' Python (the plan/run split). Not with
+        KV-cache events (their launches are not all Triton's), and anew once
+        the row tensors were reallocated."""
+        if self._events is not None:
+            launch()
+            return
+        kept = prepared.get(part)
+        if kept is not None and kept[0] == self.rows_generation:
+            for one in kept[1]:
+                one()
+            return
+        with _common.preparing() as launches:
+            launch()
+        prepared[part] = (self.rows_generation, launches)
+
+    def _find_and_admit(self, bufs: AdmissionBuffers, blocked) -> None:
+        """The prompts' digests, their verified cached blocks, the chains of
+        the step's requests sharing a block, and the sequential admission."""
+        v, pool = bufs.views, self.pool
+        self._hash_launch(v["rows"], bufs.zeros, v["nfull"])
+        shared = dict(tokens=self._rows.tokens, digests=self._rows.digests, extras=self._rows.extras, root=self._root_lanes)
+        prefill_ops.lookup(v, bufs.cache, table=pool.table, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
+                           blk_extra=pool.blk_extra, **shared)
+        prefill_ops.chains(v, bufs.head, bufs.next, bufs.same, block_size=self.block_size, **shared)
+        lookup_ops.admit(bufs.cache, None, v["max_hit"], v["nblocks"], v["ntok"], v["skip"], ref_cnt=pool.ref_cnt,
+                         touched=pool.touched, stamp=pool.stamp, num_free=pool.num_free, blocked=blocked,
+                         block_size=self.block_size, hit_out=bufs.hit, status=bufs.status,
+                         window_blocks=self._win_dev, chains=(bufs.head, bufs.next, bufs.same),
+                         resolved=bufs.resolved, start=bufs.start, compute=v["comp"], lookahead=v["lookahead"],
+                         num_requests=v["num_requests"])
+
+    def _take_admitted_blocks(self, bufs: AdmissionBuffers) -> None:
+        """The admitted requests' blocks: first touches of their cached hits,
+        their new blocks, their hits into their block tables (a pending hit
+        takes a reference to the block an earlier request just got), and the
+        full blocks of their chunks cached, each in (request, group,
+        position) order."""
         pool = self.pool
-        K = len(new)
-        self._prepare_new(new, rows)
-        n_tok, n_full, n_blocks, skip, max_hit, P, li, lp, lg = self._lookup_tables(new, rows)
-        # Each request's chunk (the hit counts towards it) and lookahead slots.
-        comp = np.array([len(r.token_ids) if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-                         for r in new], dtype=np.int64)
-        lookahead = np.array([r.num_lookahead_tokens for r in new], dtype=np.int64)
-        if hit_caps is not None:
-            max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
-            keep = lp < max_hit[li] if len(li) else np.zeros(0, bool)
-            li, lp, lg = li[keep], lp[keep], lg[keep]
-        rows_np = np.asarray(rows, dtype=np.int64)
-        cache = torch.full((K, P, G), -1, dtype=torch.int32, device=dev)
-        chains = None
-        if len(li):
-            li_t, lp_t, lg_t = self._up(li), self._up(lp), self._up(lg)
-            lrow_t = self._up(rows_np[li])
-            lanes = self.digests[lrow_t.long(), lp_t.long()]
-            found = table_ops.find_oldest(pool.table, lanes[:, 0].contiguous(), lanes[:, 1].contiguous(), lg_t,
-                                          torch.ones_like(lg_t))
-            ok = lookup_ops.verify(found, lrow_t, lp_t, tokens=self.tokens, digests=self.digests, extras=self.extras,
-                                   root=self._root_lanes, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
-                                   blk_extra=pool.blk_extra, from_pool=True, block_size=bs)
-            cache[li_t.long(), lp_t.long(), lg_t.long()] = ok
-            # Blocks earlier requests of this step compute: every request's full
-            # blocks are entries (request-major); a scratch multimap keyed by
-            # (digest, position) names each entry's chain head (the earliest
-            # entry with that key), a sort by (head, entry) links the chains in
-            # request order, and the admission kernel walks them.
-            chains = self._pending_chains(K, rows_np, n_full, P, li, lp, lg)
-        hit = torch.full((K,), -1, dtype=torch.int32, device=dev)
-        status = torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=dev)
-        stamp = self._next_stamp(0)
-        if chains is None:
-            chains = (torch.full((K, P), -1, dtype=torch.int32, device=dev),) + tuple(
-                torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(3))
-        resolved = torch.full((K, P), -1, dtype=torch.int32, device=dev)
-        comp_t, lookahead_t = self._up(comp), self._up(lookahead)
-        lookup_ops.admit(cache, None, self._up(max_hit), self._up(n_blocks), self._up(n_tok), self._up(skip),
-                         ref_cnt=pool.ref_cnt, touched=pool.touched, stamp=stamp, num_free=pool.num_free,
-                         blocked=blocked, block_size=bs, hit_out=hit, status=status, window_blocks=self._win_dev,
-                         chains=chains, resolved=resolved, compute=comp_t, lookahead=lookahead_t)
-        if dry:
-            return status, hit, cache
-        admitted = status[lookup_ops.ST_ADMITTED].to(torch.int32)
-        hit_safe = hit.clamp(min=0)
-        # Phase 5a: touch every admitted request's cache hits (a window group
-        # holds real blocks only for the last W positions of its hit).
-        if len(li):  # (the lookup entries' tensors are the ones uploaded for the lookup)
-            c = cache[li_t.long(), lp_t.long(), lg_t.long()]
-            h = hit_safe[li_t.long()]
-            w = self._win_dev[lg_t.long()]
-            first_real = torch.where(w < 0, torch.zeros_like(h), (h - w).clamp(min=0))
-            in_hit = (li_t < admitted) & (lp_t < h)
-            real = in_hit & (lp_t >= first_real)
-            pool.touch(c, (real & (c >= 0)).to(torch.int32))
-        # Phase 5b: allocate, in (request, group, position) order: positions
-        # from the hit up to what the chunk and lookahead need with that hit
-        # (entries laid out for the longest hit, which needs the most).
-        most = -(-(np.maximum(comp, max_hit * bs) + lookahead) // bs)
-        ai, ag, ap, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat(most[:, None], G, 1))
-        ai_t, ap_t = self._up(ai), self._up(ap)
-        a_l = ai_t.long()
-        upto = (torch.maximum(comp_t[a_l], hit_safe[a_l] * bs) + lookahead_t[a_l] + bs - 1) // bs
-        want = (ai_t < admitted) & (ap_t >= hit_safe[a_l]) & (ap_t < upto)
-        count = status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
-        pool.allocate(count, want, self._up(ag), self._up(rows_np[ai]), ap_t, block_table=self.block_table,
+        prefill_ops.admission_entries(bufs.views, bufs.status, bufs.hit, bufs.start, bufs.cache, self._win_dev,
+                                      bufs.touch, bufs.alloc, bufs.record, block_size=self.block_size)
+        pool.touch(bufs.cache.view(-1), bufs.touch)
+        grp, row, pos, want, rank = bufs.alloc
+        count = bufs.status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
+        pool.allocate(count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank, popped=bufs.popped,
                       on_popped=self._popped_hook())
-        self._expect_events(len(ai))
-        # Phase 5c: hits into the block tables (pending hits take a reference).
-        if len(li):
-            li_l, lp_l, lg_l = li_t.long(), lp_t.long(), lg_t.long()
-            e = resolved[li_l, lp_l]
-            e_row = self._up(rows_np)[e.clamp(min=0).long()].long()
-            from_pending = self.block_table[lg_l, e_row, lp_l]
-            blk = torch.where(real, torch.where(c >= 0, c, from_pending), torch.zeros_like(c))
-            r_l = lrow_t.long()
-            old = self.block_table[lg_l, r_l, lp_l]
-            self.block_table[lg_l, r_l, lp_l] = torch.where(in_hit, blk, old)
-            pool.touch(from_pending, (real & (c < 0)).to(torch.int32))
-        # Phase 5d: cache every block of the chunk that is full, in (request,
-        # group, position) order (a hit past the chunk is cached already).
-        ci, cg, cp, _ = entry_layout(np.zeros((K, G), dtype=np.int64), np.repeat((comp // bs)[:, None], G, 1))
-        if len(ci):
-            ci_t, cp_t = self._up(ci), self._up(cp)
-            valid = (ci_t < admitted) & (cp_t >= hit_safe[ci_t.long()])
-            self._record(self._up(cg), self._up(rows_np[ci]), cp_t, valid)
-            self._expect_events(len(ci))
-        return status, hit
+        prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, self._win_dev,
+                               bufs.hit_blocks, bufs.pending, block_table=self._rows.block_table)
+        pool.touch(bufs.hit_blocks, bufs.pending)
+        self._record(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
+
+    def _admission_buffers(self, bucket: tuple) -> AdmissionBuffers:
+        bufs = self._admission_bufs.get(bucket)
+        if bufs is None:
+            bufs = self._admission_bufs[bucket] = AdmissionBuffers.create(bucket, self.num_groups, self.device)
+        return bufs

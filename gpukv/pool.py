@@ -14,7 +14,8 @@ One object owns every device tensor of the pool, sized once at construction:
   int64[N, 2]: what each cached block was computed from, so a hit is verified
   against the request's own inputs;
 * ``last_seen`` / ``touched`` int64[N]: per-step scratch stamps (which entry
-  of a free batch is a block's last, which block a step already hit);
+  of a free batch is a block's last, which block a step already hit), and
+  ``stamp`` int64[1], the admissions so far (each marks with its own);
 * ``evictions`` int64[1].
 
 The host-side views (``free_queue_list``, ``ref_counts``, ``table_entries``,
@@ -57,6 +58,7 @@ class DevicePool:
         self.last_seen = torch.full((num_blocks,), -1, **i64)
         self.touched = torch.full((num_blocks,), -1, **i64)
         self.evictions = torch.zeros(1, **i64)
+        self.stamp = torch.zeros(1, **i64)  # admissions so far: each marks ``touched`` with its own
 
     # ------------------------------------------------------------- the verbs
     # What a step does to the pool, each one launcher call with the pool's

@@ -368,6 +368,11 @@ def check_token_ids(token_ids: Any, what: str) -> np.ndarray | torch.Tensor:
     return normalize_token_ids(token_ids, what)
 
 
+def as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
+    """Normalised (uint32) token ids in the int32 bit pattern the device stores."""
+    return tokens.astype(np.int64).astype(np.uint32).view(np.int32)
+
+
 def token_array_for_host(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
     """Normalised token ids as an int64 host array: a CUDA tensor is read here
     (its ids taken modulo 2**32, as the device manager stores them)."""
@@ -379,6 +384,8 @@ def token_array_for_host(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
 # ------------------------------------------------------------- new requests
 
 def _normalize_mm_items(value: Any, argument: str, label: str, num_tokens: int) -> tuple[MMItem, ...]:
+    if value == () and type(value) is tuple:  # the default: no item (the common case, checked first)
+        return ()
     items = as_list(value, argument, "MMItem")
     out = []
     for i, item in enumerate(items):
@@ -463,9 +470,13 @@ def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRe
     chunk = None
     if r.num_tokens_to_compute is not None:
         chunk = check_chunk(r.num_tokens_to_compute, f"{argument}.num_tokens_to_compute", n, label)
-    lookahead = check_lookahead(r.num_lookahead_tokens, f"{argument}.num_lookahead_tokens", label)
-    preemptions = check_int(r.num_preemptions, f"{argument}.num_preemptions", minimum=0,
-                            fix="pass how often the request was preempted before, 0 for a new one")
+    lookahead = r.num_lookahead_tokens
+    if type(lookahead) is not int or lookahead != 0:  # 0, the default, needs no check
+        lookahead = check_lookahead(lookahead, f"{argument}.num_lookahead_tokens", label)
+    preemptions = r.num_preemptions
+    if type(preemptions) is not int or preemptions != 0:
+        preemptions = check_int(preemptions, f"{argument}.num_preemptions", minimum=0,
+                                fix="pass how often the request was preempted before, 0 for a new one")
     return (NewRequest(rid, tokens, lora, mm, salt, bool(skip), None, chunk, lookahead, preemptions),
             r.block_hashes is not None)
 
@@ -687,6 +698,8 @@ def check_admissible(req: NewRequest, limits: ManagerLimits, lookahead_arg: str,
     computed tokens plus lookahead slots past ``max_model_len``, or more
     blocks than the whole pool even with the best cache hit."""
     n, rid = len(req.token_ids), req.request_id
+    if req.num_lookahead_tokens == 0 and len(limits.sliding_windows) * -(-n // limits.block_size) < limits.num_blocks:
+        return  # it fits even with no hit (what every group holds then is at most that), so with any hit
     can_hit = limits.caching and not req.skip_prefix_cache
     if req.num_lookahead_tokens:
         longest = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute,

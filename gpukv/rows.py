@@ -18,6 +18,9 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import torch
+
+from gpukv.request import as_int32_tokens
 
 
 class RowAllocator:
@@ -74,3 +77,102 @@ class RowAllocator:
         grown[: self.capacity] = self.in_use
         self.in_use = grown
         self.capacity = cap
+
+
+class DeviceRows:
+    """The device manager's per-request rows, as vLLM's ``BlockTable`` for
+    many requests at once: the rows handed out (a ``RowAllocator``), and in
+    each row the request's state.
+
+    On the device (int32 unless said): ``tokens[R, T]`` (T = max_model_len),
+    ``digests`` and ``extras`` int64[R, M, 2] (M = T / block size, rounded up;
+    one layout: block digests and extra-key digests), ``block_table[G, R, M]``
+    (what an attention kernel reads) and ``lora`` int64[R, 2] (has a LoRA id,
+    its bits: what stored-block events report). Mirrored on the host (numpy
+    int64, indexed by row): ``num_tokens`` (known), ``num_computed``,
+    ``num_held`` (block positions per group, lookahead included) and
+    ``null_until[R, G]`` (where each window group's null blocks end).
+
+    Rows grow (doubling) between steps' kernels, never inside one;
+    ``generation`` counts the reallocations (prepared launches and captured
+    graphs hold the old tensors, so they are made anew after one).
+    """
+
+    def __init__(self, capacity: int, *, num_groups: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.num_groups = num_groups
+        self.max_tokens = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.generation = 0
+        self._capacity = 0
+        self.tokens = self.digests = self.extras = self.block_table = self.lora = None
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.num_computed = np.zeros(0, dtype=np.int64)
+        self.num_held = np.zeros(0, dtype=np.int64)
+        self.null_until = np.zeros((0, num_groups), dtype=np.int64)
+        self._allocator = RowAllocator(capacity, on_grow=self._grow)
+        self._grow(capacity)
+
+    # ---------------------------------------------------- handing rows out
+    @property
+    def in_use(self) -> np.ndarray:
+        return self._allocator.in_use
+
+    def take(self) -> int:
+        return self._allocator.take()
+
+    def give_back_unused(self, rows: list[int]) -> None:
+        self._allocator.give_back_unused(rows)
+
+    def state(self) -> tuple:
+        return self._allocator.state()
+
+    def release(self, rows: np.ndarray) -> None:
+        """Freed requests' rows: their counts cleared, the rows handed back."""
+        self.num_tokens[rows] = self.num_computed[rows] = self.num_held[rows] = 0
+        self.null_until[rows] = 0
+        for row in rows.tolist():
+            self._allocator.give_back(row)
+
+    # ------------------------------------------------------------- contents
+    def write_tokens(self, rows, starts, token_arrays: list, upload) -> None:
+        """Write tokens into rows after ``starts``: host arrays through
+        ``upload`` (one per dtype), tensors already on the device copied
+        there, unread."""
+        lens = np.array([len(a) for a in token_arrays], dtype=np.int64)
+        total = int(lens.sum())
+        if total == 0:
+            return
+        rows, starts = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+        first = np.repeat(rows * self.max_tokens + starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+        flat_idx = upload(first + np.arange(total), np.int64)
+        if any(isinstance(a, torch.Tensor) for a in token_arrays):
+            vals = torch.cat([a.to(self.device, torch.int64) if isinstance(a, torch.Tensor)
+                              else upload(a, np.int64) for a in token_arrays]).to(torch.int32)
+        else:
+            vals = upload(as_int32_tokens(np.concatenate(token_arrays)), np.int32)
+        self.tokens.view(-1).index_copy_(0, flat_idx, vals)
+
+    def _grow(self, capacity: int) -> None:
+        if capacity <= self._capacity:
+            return
+        dev, G, T, M, old = self.device, self.num_groups, self.max_tokens, self.max_blocks, self._capacity
+
+        def grown(t, shape, dtype, rows_dim: int = 0):
+            out = torch.zeros(shape, dtype=dtype, device=dev)
+            if t is not None:
+                out.narrow(rows_dim, 0, old).copy_(t)
+            return out
+
+        self.tokens = grown(self.tokens, (capacity, T), torch.int32)
+        self.digests = grown(self.digests, (capacity, M, 2), torch.int64)
+        self.extras = grown(self.extras, (capacity, M, 2), torch.int64)
+        self.block_table = grown(self.block_table, (G, capacity, M), torch.int32, rows_dim=1)
+        self.lora = grown(self.lora, (capacity, 2), torch.int64)
+        more = np.zeros(capacity - old, dtype=np.int64)
+        self.num_tokens, self.num_computed, self.num_held = (
+            np.concatenate([a, more]) for a in (self.num_tokens, self.num_computed, self.num_held))
+        self.null_until = np.concatenate([self.null_until, np.zeros((capacity - old, G), dtype=np.int64)])
+        self._capacity = capacity
+        self.generation += 1

@@ -19,7 +19,8 @@ import warnings
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpukv import hashing
 from gpukv.hashing import MMItem
@@ -141,7 +142,7 @@ MM_CHOICES = [(), (), (), (MMItem(0, 2, "img-A"),), (MMItem(0, 2, "img-B"),), (M
 
 
 @st.composite
-def request_specs(draw, counter, block_size: int, max_len: int):
+def request_specs(draw, counter, max_len: int):
     base = draw(st.sampled_from(BASES))
     cut = draw(st.integers(0, min(len(base), max_len - 1)))
     tail = draw(st.lists(st.integers(0, 9), min_size=0 if cut else 1, max_size=max_len - cut))
@@ -186,7 +187,7 @@ def adversarial_step(draw, m, block_size: int, max_len: int, counter: list, name
     finishes and running updates of ids it used before."""
     new = []
     for _ in range(draw(st.integers(1, 3))):
-        rid, spec = draw(request_specs(counter, block_size, max_len))
+        rid, spec = draw(request_specs(counter, max_len))
         live = []
         for prev in names[-3:]:
             if prev in m.request_ids():

@@ -391,8 +391,8 @@ def test_the_snapshot_reaches_every_device_tensor(scenario):
     assert tensors_of(scenario.dev) >= 20
 
 
-@pytest.mark.parametrize("name, call, exc, argument", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_by_both_with_nothing_changed(scenario, name, call, exc, argument):
+@pytest.mark.parametrize("_name, call, exc, argument", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_by_both_with_nothing_changed(scenario, _name, call, exc, argument):
     errors = []
     for m in scenario.managers():
         before = state_of(m)
@@ -493,9 +493,9 @@ CONSTRUCTOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, kw, exc, argument", CONSTRUCTOR_CASES, ids=[c[0] for c in CONSTRUCTOR_CASES])
+@pytest.mark.parametrize("_name, kw, exc, argument", CONSTRUCTOR_CASES, ids=[c[0] for c in CONSTRUCTOR_CASES])
 @pytest.mark.parametrize("kind", ["ref", "dev"])
-def test_bad_constructor_arguments(kind, name, kw, exc, argument):
+def test_bad_constructor_arguments(kind, _name, kw, exc, argument):
     with pytest.raises(GpukvInputError) as info:
         build(kind, **kw)
     assert type(info.value) is exc and info.value.argument == argument, str(info.value)
@@ -519,7 +519,7 @@ def test_sizes_too_large_to_allocate_are_refused_before_allocating(monkeypatch):
     import gpukv.manager
     import gpukv.reference
 
-    def no_allocation(*args, **kwargs):
+    def no_allocation(*_args, **_kwargs):
         raise AssertionError("allocated before refusing")
 
     monkeypatch.setattr(gpukv.manager, "DevicePool", no_allocation)

@@ -6,8 +6,8 @@ skipped, not stepped through."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,7 +33,7 @@ def line(**changes) -> str:
 DROP = object()
 
 
-def run_cli(argv, capsys, monkeypatch=None) -> tuple[int, str, str]:
+def run_cli(argv, capsys) -> tuple[int, str, str]:
     """main(argv) in-process: (exit status, stdout, stderr)."""
     try:
         status = main(["replay", "--backend", "reference", "--no-progress", *argv])
@@ -155,21 +155,24 @@ MM = [{"offset": 0, "length": 2, "hash": "x"}, {"offset": 1, "length": 2, "hash"
 
 BAD_STEP = {
     # name: (document text, needle on the line to blame (None: line 1), words the message must hold)
-    "num_blocks: 1": (doc_text('"block_size": 2,\n "num_blocks": 1'), '"num_blocks"', ["num_blocks must be >= 2", "null block"]),
+    "num_blocks: 1": (doc_text('"block_size": 2,\n "num_blocks": 1'), '"num_blocks"',
+                      ["num_blocks must be >= 2", "null block"]),
     "block_size: 0": (doc_text('\n"block_size": 0'), '"block_size"', ["block_size must be positive"]),
     "block_size a string": (doc_text('\n"block_size": "16"'), '"block_size"', ["'block_size' must be an integer"]),
     "num_blocks above int32": (doc_text(f'\n"num_blocks": {2**31}'), '"num_blocks"',
                                ["num_blocks must be at most 2147483647"]),
     "unknown config field": (doc_text('\n"num_block": 5'), '"num_block"', ['unknown field "num_block"']),
     "lora_id: -1": (doc_text(lora_id=-1), '"lora_id"', ["step 1 new request 'b'", "lora_id must be in [0, 2**64)"]),
-    "lora_id: 2**64": (doc_text(lora_id=2**64), '"lora_id"', ["lora_id must be in [0, 2**64), got 18446744073709551616"]),
+    "lora_id: 2**64": (doc_text(lora_id=2**64), '"lora_id"',
+                       ["lora_id must be in [0, 2**64), got 18446744073709551616"]),
     "lora_id a float": (doc_text(lora_id=1.0), '"lora_id"', ["'lora_id' must be an integer, got a number 1.0"]),
     "token -1": (doc_text(token_ids=[1, -1]), TOKENS_B, ["token id at position 1 is -1, outside [0, 2**32)"]),
     "token 2**32": (doc_text(token_ids=[2**32]), TOKENS_B, ["token id at position 0 is 4294967296"]),
     "nested tokens": (doc_text(token_ids=[1, [2]]), TOKENS_B, ["position 1 is an array"]),
     "float token": (doc_text(token_ids=[1, 2.0]), TOKENS_B, ["position 1 is a number 2.0"]),
     "bool token": (doc_text(token_ids=[True]), TOKENS_B, ["position 0 is a boolean true"]),
-    "tokens not a list": (doc_text(token_ids="1 2"), TOKENS_B, ["'token_ids' must be an array of integers, got a string"]),
+    "tokens not a list": (doc_text(token_ids="1 2"), TOKENS_B,
+                          ["'token_ids' must be an array of integers, got a string"]),
     "no tokens": (doc_text(token_ids=[]), TOKENS_B, ["no tokens"]),
     "missing token_ids": ('{"steps": [\n {"new": [\n  {"id": "b"}]}]}', '{"id": "b"}', ["missing field 'token_ids'"]),
     "typo in a field name": (doc_text(token_id=[1]), '"token_id"', ['unknown field "token_id"']),
@@ -183,7 +186,8 @@ BAD_STEP = {
     "mm hash a lone surrogate": (doc_text(mm=[{"offset": 0, "length": 1, "hash": "\udc00"}]), '"mm"',
                                  ["hash is not valid Unicode"]),
     "request id used twice": (doc_text(id="a"), ('"id": "a"', 1), ["step 1 new request 'a'", "request id used twice"]),
-    "request id an object": (doc_text(id={"x": 1}), '"id": {', ["field 'id' must be a string or an integer, got an object"]),
+    "request id an object": (doc_text(id={"x": 1}), '"id": {',
+                             ["field 'id' must be a string or an integer, got an object"]),
     "finish id a list": ('{"steps": [{"new": [{"id": "a", "token_ids": [1]}]},\n {"finish": [[1]]}]}', '"finish"',
                          ["step 1 finish", "a request id must be a string or an integer, got an array"]),
     "top level an array": ("[1, 2]", None, ["expected a JSON object", "got an array"]),
@@ -265,7 +269,7 @@ def test_arrival_timestamp_on_a_step_trace_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("option", ["--json", "--plot"])
 def test_output_into_a_missing_directory_is_refused_before_the_replay(option, tmp_path, capsys, monkeypatch):
     ran = []
-    monkeypatch.setattr(Replay, "run", lambda self: ran.append(1))
+    monkeypatch.setattr(Replay, "run", lambda _self: ran.append(1))
     target = tmp_path / "no" / "such" / "out"
     status, out, err = run_cli(["--max-requests", "2", option, str(target)], capsys)
     assert_one_line_error(status, err, option, str(target), "does not exist")
@@ -302,7 +306,7 @@ def test_malformed_hash_key_env_is_an_error(value, words, capsys, monkeypatch):
     assert out == ""
 
 
-def test_hash_key_env_is_used(capsys, monkeypatch, tmp_path):
+def test_hash_key_env_is_used(capsys, monkeypatch):
     monkeypatch.setenv("GPUKV_HASH_KEY", "00" * 16)
     seen = []
     real = Replay.__init__
@@ -320,7 +324,7 @@ def test_hash_key_env_is_used(capsys, monkeypatch, tmp_path):
 
 
 def test_keyboard_interrupt_is_one_line_and_status_130(capsys, monkeypatch, tmp_path):
-    def interrupted(self):
+    def interrupted(_self):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Replay, "run", interrupted)
@@ -331,7 +335,7 @@ def test_keyboard_interrupt_is_one_line_and_status_130(capsys, monkeypatch, tmp_
 
 
 def test_an_internal_error_is_one_line_and_status_1(capsys, monkeypatch):
-    def boom(self):
+    def boom(_self):
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(Replay, "run", boom)
@@ -422,7 +426,7 @@ def test_far_apart_timestamps_through_the_cli(tmp_path):
 
 
 def test_no_progress_line_state_is_left_after_an_error(capsys, monkeypatch):
-    def boom(self):
+    def boom(_self):
         raise MemoryError
 
     monkeypatch.setattr(Replay, "run", boom)
@@ -434,7 +438,7 @@ def test_no_progress_line_state_is_left_after_an_error(capsys, monkeypatch):
 def test_a_manager_refusal_during_the_replay_is_one_line(capsys, monkeypatch):
     errors = pytest.importorskip("gpukv.errors")
 
-    def refused(self):
+    def refused(_self):
         raise errors.InvalidInputError("lora_id must be < 2**64", argument="new[0].lora_id", fix="use a smaller id")
 
     monkeypatch.setattr(Replay, "run", refused)
@@ -542,7 +546,7 @@ def test_json_dash_writes_valid_json_to_stdout(capsys):
     status, out, err = run_cli(["--max-requests", "2", "--prompt-only", "--json", "-"], capsys)
     assert status == 0, err
     report = json.loads(out)  # stdout is the JSON report and nothing else
-    assert REPORT_KEYS <= set(report)
+    assert set(report) >= REPORT_KEYS
     assert report["gpukv_version"] == cli.version()
     assert report["trace"] == "built-in"
     args = report["arguments"]
@@ -562,7 +566,7 @@ def test_json_file_carries_version_arguments_trace_and_config(tmp_path, capsys):
     status, out, err = run_cli([path, "--json", str(out_json)], capsys)
     assert status == 0, err
     report = json.loads(out_json.read_text())
-    assert REPORT_KEYS <= set(report)
+    assert set(report) >= REPORT_KEYS
     assert report["trace"] == path and report["arguments"]["trace"] == path
     assert report["arguments"]["json"] == str(out_json)
     assert report["config"]["block_size"] == 2 and report["config"]["backend"] == "reference"
@@ -578,7 +582,7 @@ def test_json_dash_from_a_subprocess_is_parseable():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert REPORT_KEYS <= set(report) and report["trace"] == "built-in"
+    assert set(report) >= REPORT_KEYS and report["trace"] == "built-in"
     assert "prefix cache hit rate" in proc.stderr
 
 
@@ -607,7 +611,7 @@ def test_progress_uses_tqdm_and_prints_plain_lines_off_a_terminal(capsys, monkey
         status = e.code
     out, err = capsys.readouterr()
     assert status == 0
-    lines = [l for l in err.splitlines() if l.startswith("replay (reference):")]
+    lines = [line for line in err.splitlines() if line.startswith("replay (reference):")]
     assert lines, err
     assert "\r" not in err  # plain lines, readable in a CI log
     assert "3/3" in lines[-1] and "100%" in lines[-1]
@@ -628,7 +632,7 @@ def test_progress_line_is_cleared_when_the_replay_fails(capsys, monkeypatch):
 
     monkeypatch.setattr(replay_mod, "PLAIN_DELAY_S", 0.0)
 
-    def boom(self, *args, **kwargs):
+    def boom(_self, *_args, **_kwargs):
         raise MemoryError
 
     monkeypatch.setattr(Replay, "_step", boom)

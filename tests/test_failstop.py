@@ -14,8 +14,8 @@ import importlib
 import pytest
 
 from gpukv import NewRequest, RunningUpdate
-from gpukv.errors import InvalidInputError, ManagerFailedError, UnknownRequestError
 from gpukv import manager as manager_module
+from gpukv.errors import InvalidInputError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import _aot, block_hash
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
@@ -35,7 +35,7 @@ class _FailingKernel:
         self.launched = False
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
+        def launch(*_args, **_kwargs):
             self.launched = True
             raise _InjectedFault(f"injected fault in {self.name}")
 
@@ -68,9 +68,11 @@ def _device() -> DeviceManager:
 
 # Kernels no manager step launches: the slot mapping (the serving loop's),
 # byte hashing (test vectors), the batch chain hasher (the manager hashes rows
-# in place) and compaction (only when the free-queue ring wraps).
+# in place), compaction (only when the free-queue ring wraps), and the
+# table's find and the lookup's verify (public building blocks: the
+# admission probes and verifies inside ``prefill._lookup_kernel``).
 NOT_LAUNCHED = {"block_hash._blake3_bytes_kernel", "block_hash._hash_block_chains_kernel", "free_queue._compact_kernel",
-                "slot_mapping._slot_mapping_kernel"}
+                "slot_mapping._slot_mapping_kernel", "hash_table._find_kernel", "lookup._verify_kernel"}
 
 
 def _kernels():
@@ -148,7 +150,7 @@ def test_a_fault_in_the_reference_pool_stops_the_reference(monkeypatch):
     m = ReferenceManager(12, 4, hash_key=bytes(16))
     m.step(new=[NewRequest("a", PREFIX + [1])])
 
-    def broken(self, num_blocks):
+    def broken(_self, _num_blocks):
         raise _InjectedFault("injected fault in BlockPool.allocate")
 
     monkeypatch.setattr(type(m.pool), "allocate", broken)

@@ -72,7 +72,7 @@ def test_graph_replays_write_the_same_kv_events_as_the_reference():
     for m in (graphed, ref):
         res = m.step(new=[NewRequest(f"r{i}", p) for i, p in enumerate(prompts)])
     rows = np.array(res.rows)
-    for step in range(40):
+    for _step in range(40):
         toks = torch.randint(0, 50, (len(rows),), device="cuda")
         if not graphs.decode(rows, toks).ok or not ref.decode(rows, toks.cpu().numpy()).ok:
             break

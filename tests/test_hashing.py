@@ -258,7 +258,7 @@ def test_chain_depends_on_parent_and_prefix():
     a = hash_block_chain(KEY, [1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
     b = hash_block_chain(KEY, [1, 2, 0, 4, 5, 6, 7, 8, 9], 3)
     # A change in block 0 changes every later digest, though their tokens agree.
-    assert all(x != y for x, y in zip(a, b))
+    assert all(x != y for x, y in zip(a, b, strict=True))
     assert hash_block_chain(OTHER_KEY, [1, 2, 3, 4, 5, 6, 7, 8, 9], 3) != a
     assert hash_block_chain(KEY, [1, 2], 3) == []
 
@@ -346,7 +346,7 @@ def test_block_digests_lanes_equals_pure(block_size, n, seed):
     tokens = rng.integers(0, 2**32, size=(n, block_size), dtype=np.int64)
     tokens[0, 0] = 2**32 - 1  # the top of the range
     got = block_digests_lanes(key, digests_to_lanes(parents), tokens, digests_to_lanes(extras))
-    want = [block_digest(key, p, t.tolist(), e) for p, t, e in zip(parents, tokens, extras)]
+    want = [block_digest(key, p, t.tolist(), e) for p, t, e in zip(parents, tokens, extras, strict=True)]
     assert lanes_to_digests(got) == want
     # int64 lanes (the device's view) give the same result.
     parents64 = digests_to_lanes(parents).view(np.int64)
@@ -439,7 +439,7 @@ def test_lora_changes_every_block():
         extras = extra_key_digests(KEY, 5, 4, lora_id=lora)
         assert all(e != NO_EXTRA for e in extras)
         chain = hash_block_chain(KEY, tokens, 4, extras=extras)
-        assert all(x != y for x, y in zip(chain, plain))
+        assert all(x != y for x, y in zip(chain, plain, strict=True))
     assert extra_key_digests(KEY, 2, 4, lora_id=1) != extra_key_digests(KEY, 2, 4, lora_id=2)
 
 
@@ -454,7 +454,7 @@ def test_mm_item_changes_exactly_the_blocks_it_overlaps():
     # With a LoRA id, the overlapped blocks still differ from the others.
     base = extra_key_digests(KEY, 6, bs, lora_id=3)
     with_mm = extra_key_digests(KEY, 6, bs, lora_id=3, mm_items=[MMItem(5, 10, "img")])
-    assert [a != b for a, b in zip(base, with_mm)] == [False, True, True, True, False, False]
+    assert [a != b for a, b in zip(base, with_mm, strict=True)] == [False, True, True, True, False, False]
 
 
 def test_mm_items_are_canonical_and_distinguishing():
@@ -560,7 +560,8 @@ SECRET_HEX = "5ec2e75ec2e75ec2e75ec2e75ec2e7"  # 30 hex chars: wrong length
         ("zz" + SECRET_HEX, "only hex digits"),
     ],
 )
-def test_bad_explicit_keys(clean_env, key, match):
+@pytest.mark.usefixtures("clean_env")  # for its side effect: no hash key in the environment
+def test_bad_explicit_keys(key, match):
     with pytest.raises(ValueError, match=match) as info:
         resolve_hash_key(key)
     assert SECRET_HEX not in str(info.value)

@@ -3,7 +3,8 @@ same results after every step (returned ids and hits, block tables, reference
 counts, free-queue order, table contents, stats)."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager

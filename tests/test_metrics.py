@@ -44,7 +44,8 @@ def test_stats_record_and_merge():
     a.record(num_tokens=60, num_hit_tokens=32, num_blocks=4, num_hit_blocks=2)
     b = PrefixCacheStats(reset=True)
     b.record(num_tokens=5, num_hit_tokens=0, num_blocks=1, num_hit_blocks=0)
-    b.record(num_tokens=40, num_hit_tokens=16, num_blocks=3, num_hit_blocks=1, preempted=True)  # a re-admission counts apart
+    # a re-admission counts apart
+    b.record(num_tokens=40, num_hit_tokens=16, num_blocks=3, num_hit_blocks=1, preempted=True)
     a.merge(b)
     assert (a.requests, a.queries, a.hits, a.query_blocks, a.hit_blocks, a.reset) == (2, 65, 32, 5, 2, True)
     assert (a.preempted_requests, a.preempted_queries, a.preempted_hits) == (1, 40, 16)

@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from gpukv.hashing import MMItem
-from gpukv.reference import NULL_BLOCK, BlockPool, KVCacheManager, NoFreeBlocksError
+from gpukv.reference import BlockPool, KVCacheManager, NoFreeBlocksError
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))

@@ -1,7 +1,8 @@
 """Random workloads on the reference: invariants after every step, and the
 batched step agreeing with vLLM-style single-request calls."""
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpukv.reference import KVCacheManager
 from workload import drive
@@ -14,9 +15,10 @@ KEY = bytes(range(16))
        uncached_first=st.booleans(), window=st.sampled_from([None, 3, 5]))
 def test_invariants_hold_after_every_step(seed, num_blocks, block_size, uncached_first, window):
     windows = [None] if window is None else [None, window]
-    m = KVCacheManager(num_blocks * len(windows), block_size, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY)
+    m = KVCacheManager(num_blocks * len(windows), block_size, sliding_windows=windows, uncached_first=uncached_first,
+                       hash_key=KEY)
 
-    def check(step, managers, results):
+    def check(_step, managers, _results):
         m = managers[0]
         m.check_invariants()
         # From the public API alone: every block but the null block is either

@@ -105,7 +105,8 @@ def test_step_trace_errors_are_clear():
     with pytest.raises(ValueError, match="missing field 'token_ids'"):
         parse_step_trace({"steps": [{"new": [{"id": "x"}]}]})
     with pytest.raises(ValueError, match="request id used twice"):
-        parse_step_trace({"steps": [{"new": [{"id": "x", "token_ids": [1]}]}, {"new": [{"id": "x", "token_ids": [1]}]}]})
+        parse_step_trace({"steps": [{"new": [{"id": "x", "token_ids": [1]}]},
+                                    {"new": [{"id": "x", "token_ids": [1]}]}]})
     with pytest.raises(ValueError, match="position 1"):
         parse_step_trace({"steps": [{"new": [{"id": "x", "token_ids": [1, -1]}]}]})
     with pytest.raises(ValueError, match="block_size must be positive"):
@@ -333,7 +334,7 @@ class Checked(Replay):
         updates = super()._running_updates(step, decode, finished, budget)
         # A decode costs 1 and a prefill's chunk never grows, so the demand
         # ahead of a request scheduled last step never grows either.
-        assert {u.request_id for u in updates} == {l.rid for l in self.running}
+        assert {u.request_id for u in updates} == {item.rid for item in self.running}
         return updates
 
     def _record_step(self):
@@ -415,7 +416,7 @@ def test_no_budget_is_exactly_the_unchunked_replay(name, admission):
     got = {k: s[k] for k in SUMMARY_KEYS}
     got["lookup_requests"] = s["lookup_requests"] + s["preempted_lookup_requests"]
     got["queries"], got["hits"] = s["query_blocks"], s["hit_blocks"]
-    expected = dict(zip(SUMMARY_KEYS, want["summary"]))
+    expected = dict(zip(SUMMARY_KEYS, want["summary"], strict=True))
     if s["preemptions"]:
         for k in ("queries", "hits"):
             del got[k], expected[k]

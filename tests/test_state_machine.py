@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, note, settings, strategies as st
+from hypothesis import HealthCheck, note, settings
+from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
@@ -403,7 +404,7 @@ class ServingLoop(RuleBasedStateMachine):
             expected_stats = {"requests": sum(r.num_preemptions == 0 for r in looked),
                               "preempted_requests": sum(r.num_preemptions > 0 for r in looked)}
             if res.num_admitted == len(new):
-                live = [(r, h) for r, h in zip(new, res.num_computed_tokens)
+                live = [(r, h) for r, h in zip(new, res.num_computed_tokens, strict=True)
                         if not r.skip_prefix_cache and r.num_preemptions == 0]
                 expected_stats.update(
                     query_blocks=sum(-(-len(r.token_ids) // bs) for r, _ in live),
@@ -516,7 +517,8 @@ class ServingLoop(RuleBasedStateMachine):
     @rule(data=st.data())
     def schedule(self, data):
         """A whole scheduling step: finish some, decode others, admit new."""
-        finished = [rid for rid in self.order if data.draw(st.sampled_from([False, False, True]), label=f"finish {rid}")]
+        finished = [rid for rid in self.order
+                    if data.draw(st.sampled_from([False, False, True]), label=f"finish {rid}")]
         updates = self.draw_updates(data, [rid for rid in self.order if rid not in finished])
         k = data.draw(st.integers(0, 2), label="new requests") if len(self.waiting) < 5 else 0
         self.serve(finished, updates, [self.draw_new(data) for _ in range(k)])
@@ -606,7 +608,7 @@ class ServingLoop(RuleBasedStateMachine):
         self.check_all(expect={"requests": 1, "hit_tokens": 0 if r.skip_prefix_cache else c.num_tokens})
         COUNTS["rule_lookup"] += 1
 
-    @precondition(lambda self: ADVERSARIAL)
+    @precondition(lambda _self: ADVERSARIAL)
     @rule(data=st.data())
     def adversarial(self, data):
         """Callers hand in digests: forged (another prefix's honest chain on

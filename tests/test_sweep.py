@@ -22,7 +22,7 @@ def test_each_point_is_the_replay_at_that_size_and_the_ceiling_never_evicts():
     opts = ReplayOptions(block_size=16, hash_key=bytes(16))
     result = sweep.run_sweep(path, [900, 3000], opts, max_requests=12, jobs=1)
     trace = load_trace(path, max_requests=12)
-    for point, blocks in zip(result["points"], [900, 3000]):
+    for point, blocks in zip(result["points"], [900, 3000], strict=True):
         s = Replay(trace, ReplayOptions(block_size=16, hash_key=bytes(16), num_blocks=blocks)).run()["summary"]
         assert point["num_blocks"] == blocks and point["capacity"] == blocks * 16
         assert (point["prefix_cache_hit_rate"], point["evictions"], point["preemptions"]) == (
@@ -69,7 +69,8 @@ def test_the_command_writes_the_table_the_json_and_the_figure(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == PNG
 
 
-def test_gib_sizes_through_the_command(tmp_path, capsys):
+@pytest.mark.usefixtures("capsys")  # keeps the command's report off the test's output
+def test_gib_sizes_through_the_command(tmp_path):
     out_json = tmp_path / "sweep.json"
     assert main(["sweep", "--max-requests", "4", "--gib", "0.5,1", "--layers", "32", "--kv-heads", "8",
                  "--head-size", "128", "--dtype", "bfloat16", "--jobs", "1", "--prompt-only",

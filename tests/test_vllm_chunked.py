@@ -43,7 +43,7 @@ import pathlib
 import random
 import sys
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import pytest
 
@@ -74,7 +74,7 @@ vllm_kv = _import_vllm_kv()
 
 KEY = bytes(range(16))
 MAX_MODEL_LEN = 128  # far above every request here: vLLM silently caps blocks at cdiv(max_model_len, block_size)
-Manager = Union[ReferenceManager, DeviceManager]
+Manager = ReferenceManager | DeviceManager
 
 
 # ------------------------------------------------------------------ drivers
@@ -142,7 +142,7 @@ class Gpukv:
         self._computed = self.m.get_computed_blocks(self._req)
         return self._computed.block_ids[0], self._computed.num_tokens
 
-    def admit(self, rid: str, k: int, la: int) -> list[int] | None:
+    def admit(self, rid: str, k: int, la: int) -> list[int] | None:  # noqa: ARG002  (Vllm.admit's signature; lookup named it)
         got = self.m.allocate_slots(self._req, computed=self._computed, num_tokens=k, num_lookahead_tokens=la)
         return None if got is None else got[0]
 
@@ -235,7 +235,7 @@ def _pick(value: Any, uncached_first: bool) -> Any:
 def _play_script(side: Vllm | Gpukv, uncached_first: bool) -> None:
     """Run SCRIPT on one side, checking every result and the free queue after every step."""
     steps = iter(SCRIPT)
-    for n, (step, queue) in enumerate(zip(steps, steps)):
+    for n, (step, queue) in enumerate(zip(steps, steps, strict=True)):  # (step, queue) pairs
         where = f"step {n}: {step[:2]}"
         if step[0] == "admit":
             _, rid, tokens, k, la, hit_ids, hit_tokens, new_ids = step

@@ -18,7 +18,8 @@ def _prompt(rng: random.Random, docs: list[list[int]]) -> list[int]:
     if docs and rng.random() < 0.7:
         base = rng.choice(docs)
         cut = rng.randint(0, len(base))
-        return base[:cut] + [rng.randrange(2**32) if rng.random() < 0.1 else rng.randrange(50) for _ in range(rng.randint(0 if cut else 1, 12))]
+        tail = rng.randint(0 if cut else 1, 12)
+        return base[:cut] + [rng.randrange(2**32) if rng.random() < 0.1 else rng.randrange(50) for _ in range(tail)]
     return [rng.randrange(50) for _ in range(rng.randint(1, 24))]
 
 
@@ -60,7 +61,8 @@ def drive(managers, seed: int, num_steps: int, check, *, extras: bool = True, ma
     """
     running: list[str] = []
     waiting: list[NewRequest] = []
-    for step, (p_finish, p_decode, new, rng) in enumerate(random_steps(seed, num_steps, extras=extras, max_new=max_new)):
+    steps = random_steps(seed, num_steps, extras=extras, max_new=max_new)
+    for step, (p_finish, p_decode, new, rng) in enumerate(steps):
         finished = [rid for rid in running if rng.random() < p_finish]
         running = [rid for rid in running if rid not in finished]
         updates = [RunningUpdate(rid, [rng.randrange(50) for _ in range(rng.randint(1, 3))])

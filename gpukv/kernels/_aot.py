@@ -385,12 +385,28 @@ def _direct_block_hash(mod, dev) -> None:
     mod.blake3_bytes(msgs, derive_key_context="gpukv aot check")
 
 
+def _direct_lookup(mod, dev) -> None:
+    """``verify`` both ways (the manager's lookup runs the same comparison
+    inside ``prefill._lookup_kernel``)."""
+    import torch
+    i32 = dict(dtype=torch.int32, device=dev)
+    tokens = torch.arange(2 * 32, **i32).reshape(2, 32)
+    digests = torch.ones(2, 2, 2, dtype=torch.int64, device=dev)
+    cand, rows, pos = torch.tensor([0, 1], **i32), torch.tensor([1, 0], **i32), torch.tensor([1, 0], **i32)
+    mod.verify(cand, rows, pos, tokens=tokens, digests=digests, extras=digests, root=(1, 2), block_size=16,
+               from_pool=False)
+    mod.verify(cand, rows, pos, tokens=tokens, digests=digests, extras=digests, root=(1, 2), block_size=16,
+               from_pool=True, blk_tokens=tokens.view(-1, 16), blk_parent=digests.view(-1, 2),
+               blk_extra=digests.view(-1, 2))
+
+
 #: Per kernel module, the launcher calls ``direct_launches`` makes (modules
 #: that are not there are skipped).
 _DIRECT = {
     "free_queue": _direct_free_queue,
     "hash_table": _direct_hash_table,
     "block_hash": _direct_block_hash,
+    "lookup": _direct_lookup,
 }
 
 
@@ -401,7 +417,7 @@ def direct_launches() -> None:
     rebuild, an unmasked lookup, an insert under a lane permutation (the
     tests' thread-schedule hook), chained hashing with and without extra keys
     and at an odd block size, BLAKE3 of byte strings in its three
-    modes."""
+    modes, the lookup's ``verify`` both ways."""
     from gpukv import _runtime
 
     dev = _runtime.default_device()

@@ -294,26 +294,15 @@ def _insert_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
     tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
 
 
-@triton.jit(do_not_specialize=["K", "cap"])
-def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
-                 block_seq_ptr, lo_ptr, hi_ptr, s_lo, s_hi, group_ptr,
-                 valid_ptr, out_ptr, K, cap,
-                 HAS_VALID: tl.constexpr, TILE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * TILE + tl.arange(0, TILE)
-    m = offs < K
-    o64 = offs.to(tl.int64)
-    if HAS_VALID:
-        active = m & (tl.load(valid_ptr + offs, mask=m, other=0) != 0)
-    else:
-        active = m
-    lo = tl.load(lo_ptr + o64 * s_lo, mask=active, other=0)
-    hi = tl.load(hi_ptr + o64 * s_hi, mask=active, other=0)
-    g = tl.load(group_ptr + offs, mask=active, other=0)
+@triton.jit
+def probe_oldest(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_seq_ptr, lo, hi, g, active, cap):
+    """Per active lane, the oldest live block cached under key (``lo``, ``hi``,
+    ``g``), -1 if none: probes linearly from the key's home slot to the first
+    EMPTY slot (at most ``cap`` probes). Shared by ``_find_kernel`` and the
+    admission's lookup (``gpukv.kernels.prefill``)."""
     slot = _home(lo, hi, g, cap)
-
-    best_blk = tl.full([TILE], -1, tl.int32)
-    best_seq = tl.full([TILE], _D_SEQ_NONE, tl.int64)
+    best_blk = tl.where(active, -1, -1)
+    best_seq = tl.where(active, _D_SEQ_NONE, _D_SEQ_NONE).to(tl.int64)
     n = 0
     todo = tl.sum(active.to(tl.int32), 0)
     while todo > 0:
@@ -331,6 +320,27 @@ def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
         n += 1
         # stop after cap probes: no EMPTY slot at all, every slot has been seen
         todo = tl.where(n < cap, tl.sum(active.to(tl.int32), 0), 0)
+    return best_blk
+
+
+@triton.jit(do_not_specialize=["K", "cap"])
+def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
+                 block_seq_ptr, lo_ptr, hi_ptr, s_lo, s_hi, group_ptr,
+                 valid_ptr, out_ptr, K, cap,
+                 HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * TILE + tl.arange(0, TILE)
+    m = offs < K
+    o64 = offs.to(tl.int64)
+    if HAS_VALID:
+        active = m & (tl.load(valid_ptr + offs, mask=m, other=0) != 0)
+    else:
+        active = m
+    lo = tl.load(lo_ptr + o64 * s_lo, mask=active, other=0)
+    hi = tl.load(hi_ptr + o64 * s_hi, mask=active, other=0)
+    g = tl.load(group_ptr + offs, mask=active, other=0)
+    best_blk = probe_oldest(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_seq_ptr, lo, hi, g,
+                            active, cap)
     tl.store(out_ptr + offs, best_blk, mask=m)
 
 

@@ -78,11 +78,23 @@ def _verify_kernel(
     r = tl.load(row_ptr + offs, mask=lane, other=0).to(tl.int64)
     p = tl.load(pos_ptr + offs, mask=lane, other=0).to(tl.int64)
     ok = lane & (c >= 0)
-    c64 = tl.where(ok, c, 0).to(tl.int64)
+    ok = inputs_equal(tl.where(ok, c, 0).to(tl.int64), r, p, ok, tokens_ptr, T, digests_ptr, extras_ptr, M,
+                      root_lo, root_hi, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr, FROM_POOL, BS, BS_P2)
+    tl.store(out_ptr + offs, tl.where(ok, c, -1), mask=lane)
+
+
+@triton.jit
+def inputs_equal(c64, r, p, ok, tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo, root_hi,
+                 blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr, FROM_POOL: tl.constexpr, BS: tl.constexpr,
+                 BS_P2: tl.constexpr):
+    """``ok`` where block ``p`` of request row ``r`` (int64 lanes) has exactly
+    the inputs (parent digest, extra digest, tokens) of pool block ``c64``
+    (``FROM_POOL``: its kept copy) or of block ``p`` of request row ``c64``.
+    Shared by ``_verify_kernel`` and the admission's lookup and chains
+    (``gpukv.kernels.prefill``)."""
     par_lo, par_hi, ext_lo, ext_hi = _row_inputs(digests_ptr, extras_ptr, r, p, M, ok, root_lo, root_hi)
     cols = tl.arange(0, BS_P2)
-    colmask = cols < BS
-    mask2 = ok[:, None] & colmask[None, :]
+    mask2 = ok[:, None] & (cols < BS)[None, :]
     mine = tl.load(tokens_ptr + (r * T + p * BS)[:, None] + cols[None, :], mask=mask2, other=0)
     if FROM_POOL:
         o_par_lo = tl.load(blk_parent_ptr + c64 * 2, mask=ok, other=0)
@@ -94,8 +106,8 @@ def _verify_kernel(
         o_par_lo, o_par_hi, o_ext_lo, o_ext_hi = _row_inputs(digests_ptr, extras_ptr, c64, p, M, ok, root_lo, root_hi)
         theirs = tl.load(tokens_ptr + (c64 * T + p * BS)[:, None] + cols[None, :], mask=mask2, other=0)
     same_tokens = tl.min(tl.where(mask2, (mine == theirs).to(tl.int32), 1), axis=1) == 1
-    ok = ok & same_tokens & (par_lo == o_par_lo) & (par_hi == o_par_hi) & (ext_lo == o_ext_lo) & (ext_hi == o_ext_hi)
-    tl.store(out_ptr + offs, tl.where(ok, c, -1), mask=lane)
+    return ok & same_tokens & (par_lo == o_par_lo) & (par_hi == o_par_hi) & (ext_lo == o_ext_lo) & \
+        (ext_hi == o_ext_hi)
 
 
 def verify(cand, row, pos, *, tokens, digests, extras, root, block_size: int, blk_tokens=None, blk_parent=None,
@@ -134,20 +146,21 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS):
+def _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS):
     """Per position ``p``: whether an earlier request of the step computes a
     block with request ``i``'s digest there (it did not hit it itself, and its
     chunk ``comp`` covers the whole block, so it caches it), and which.
-    ``pend[i, p]`` is the first entry of the chain of entries with that
-    (digest, position) in request order; ``next``/``cand``/``ok`` per entry:
-    the next one, its request, whether its inputs equal the chain's first."""
+    Entries are (request j, position p) at ``j * P + p``; ``pend[i, p]`` is
+    the first entry of the chain of entries with that (digest, position) in
+    request order; ``next``/``ok`` per entry: the next one, whether its
+    inputs equal the chain's first."""
     ent = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
     found = ent < -1  # all False, of the lanes' shape
     who = tl.where(found, 0, -1)
     searching = ent >= 0
     while tl.max(searching.to(tl.int32)) > 0:
         es = tl.where(searching, ent, 0)
-        c = tl.load(cand_ptr + es, mask=searching, other=_BIG)
+        c = tl.where(searching, es // P, _BIG)
         earlier = searching & (c < i)
         he = tl.load(hit_ptr + tl.where(earlier, c, 0), mask=earlier, other=_BIG)
         ce = tl.load(comp_ptr + tl.where(earlier, c, 0), mask=earlier, other=0)
@@ -162,18 +175,18 @@ def _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, i
 
 
 @triton.jit
-def _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS,
+def _available(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS,
                G: tl.constexpr):
     """Whether request ``i`` can hit position ``p`` (< ``limit``) in group
     ``g``: a verified cached block, or a block an earlier request computes."""
     inr = p < limit
-    pending, _ = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS)
+    pending, _ = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS)
     c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
     return inr & ((c >= 0) | pending)
 
 
 @triton.jit
-def _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, limit, g, W, BS,
+def _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, limit, g, W, BS,
                G: tl.constexpr, TILE: tl.constexpr):
     """The longest hit (<= ``limit`` blocks) group ``g`` can serve. Full
     attention (``W < 0``): its first miss. Sliding window of ``W`` blocks: the
@@ -186,8 +199,7 @@ def _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_pt
     for p0 in range(0, P, TILE):
         p = p0 + lanes
         inr = p < limit
-        avail = _available(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS,
-                           G)
+        avail = _available(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS, G)
         miss = inr & (avail == 0)
         first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, p, _BIG)))
         last_miss = tl.maximum(tl.associative_scan(tl.where(miss, p, -1), 0, _max_combine), carry)
@@ -213,18 +225,19 @@ def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
     return c, inh & (c >= 0)
 
 
-@triton.jit(do_not_specialize=["K", "P", "stamp"])
+@triton.jit(do_not_specialize=["P"])
 def _admit_kernel(
-    cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, resolved_ptr,
-    max_hit_ptr, num_blocks_ptr, num_tokens_ptr, comp_ptr, lookahead_ptr, skip_ptr, win_ptr, K, P,
-    ref_ptr, touched_ptr, stamp: tl.int64, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
+    cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr,
+    max_hit_ptr, num_blocks_ptr, num_tokens_ptr, comp_ptr, lookahead_ptr, skip_ptr, win_ptr, nreq_ptr, P,
+    ref_ptr, touched_ptr, stamp_ptr, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
     G: tl.constexpr, TILE: tl.constexpr,
 ):
     """Sequential admission (one program). ``cache[K, P, G]``: verified cache
-    hit block or -1; ``pend[K, P]`` with ``next``/``cand``/``ok``: the chains of
+    hit block or -1; ``pend[K, P]`` with ``next``/``ok`` [K * P]: the chains of
     requests of the step sharing a block (see ``_pending``); ``resolved[K, P]``
     receives, for admitted requests, the earlier request whose block a pending
-    hit takes; ``win[G]``: blocks a
+    hit takes (-1: none), and ``start[K]`` the new blocks the admitted requests
+    before each take (where its own start in the step's pop order); ``win[G]``: blocks a
     sliding-window group must see at a hit boundary, -1 for full attention.
     ``num_blocks``/``num_tokens``: each request's prompt (for the stats);
     ``comp``/``lookahead``: its chunk (the hit counts towards it) and
@@ -232,13 +245,18 @@ def _admit_kernel(
     lookahead) / BS)`` blocks, and only its chunk's full blocks are ones later
     requests of the step can hit before they are cached.
     ``blocked[0] != 0`` (a running update failed) admits nothing and counts
-    nothing. Sequential over the step's K new requests (a request's admission
+    nothing. ``nreq[0]``: the requests (K); ``stamp[0]``: this launch's mark
+    in ``touched`` (bumped at the end, so every admission has its own). Both
+    are read on the device, so the launch's arguments never change from step
+    to step (it can be replayed). Sequential over the step's K new requests (a request's admission
     depends on the blocks the earlier ones took), parallel over each one's
     positions: ``K * P * G / TILE`` iterations, plus the pending chains it
     walks (at most the step's requests sharing a block), so it grows with the
     step, never with the pool."""
     num_free = tl.load(free_ptr).to(tl.int64)
     blocked = tl.load(blocked_ptr)
+    K = tl.load(nreq_ptr)
+    stamp = tl.load(stamp_ptr)
     used = tl.zeros((), tl.int64)
     new_total = tl.zeros((), tl.int64)
     admitted = tl.zeros((), tl.int64)
@@ -265,8 +283,8 @@ def _admit_kernel(
                 prev = hit
                 for g in tl.static_range(G):
                     W = tl.load(win_ptr + g)
-                    hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr,
-                                                     comp_ptr, i, P, hit, g, W, BS, G, TILE))
+                    hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
+                                                     hit, g, W, BS, G, TILE))
             # First touches: free cached hits no earlier admitted request touched
             # (a window group holds real blocks only for its last W hit positions).
             touches = tl.zeros((), tl.int64)
@@ -288,12 +306,13 @@ def _admit_kernel(
             htok += hit64 * BS
             tl.store(hit_ptr + i, hit)
             if used + need <= num_free:
+                tl.store(start_ptr + i, new_total.to(tl.int32))
                 used += need
                 new_total += (n_alloc - hit64) * G
                 admitted += 1
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
-                    _, who = _pending(pend_ptr, next_ptr, cand_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, p < hit, BS)
+                    _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, p < hit, BS)
                     tl.store(resolved_ptr + i * P + p, who, mask=p < P)
                     for g in tl.static_range(G):
                         c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
@@ -302,6 +321,9 @@ def _admit_kernel(
                 go = go * 0
             # Later requests read this request's hit (and touch marks).
             tl.debug_barrier()
+        else:  # not considered (an earlier one was refused): no hit
+            tl.store(hit_ptr + i, -1)
+    tl.store(stamp_ptr, stamp + 1)
     tl.store(status_ptr + 0, admitted)
     tl.store(status_ptr + 1, used)
     tl.store(status_ptr + 2, requests)
@@ -312,19 +334,25 @@ def _admit_kernel(
     tl.store(status_ptr + 7, new_total)
 
 
-def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp: int,
+def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp,
           num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
-          compute=None, lookahead=None, tile: int = 64) -> None:
-    """Run the sequential admission (see ``_admit_kernel``); writes each
-    considered request's hit (blocks) to ``hit_out`` and the step's counts to
-    ``status`` (layout ``ST_*``). All arguments are device tensors but the
-    ints; ``num_free`` and ``blocked`` are 1-element tensors; ``window_blocks``
+          start=None, compute=None, lookahead=None, num_requests=None, tile: int = 64) -> None:
+    """Run the sequential admission (see ``_admit_kernel``) over the first
+    ``num_requests`` (an int or an int32[1] device tensor; default: all K)
+    requests; writes each considered
+    request's hit (blocks) to ``hit_out`` and the step's counts to ``status``
+    (layout ``ST_*``). All arguments are device tensors but the ints;
+    ``num_free`` and ``blocked`` are 1-element tensors; ``window_blocks``
     int32[G] (-1 = full attention, the default for every group). ``chains``:
-    (head int32[K, P], next int32[E], cand int32[E], ok int32[E]) entry chains
-    of requests sharing a block (``pending`` is then unused); without it,
-    ``pending[K, P]`` names the earlier request directly. ``compute``/
-    ``lookahead`` int32[K]: each request's chunk (the hit counts towards it)
-    and lookahead slots; by default the whole prompt and none."""
+    (head int32[K, P], next int32[K * P], ok int32[K * P]), the chains of
+    requests sharing a block (``gpukv.kernels.prefill``; ``pending`` is then
+    unused); without it, ``pending[K, P]`` names the earlier request
+    directly. ``compute``/``lookahead`` int32[K]: each request's chunk (the
+    hit counts towards it) and lookahead slots; by default the whole prompt
+    and none. ``resolved`` int32[K, P] and ``start`` int32[K] receive the
+    pending hits' requests and each admitted request's first new block in the
+    step's pop order. ``stamp``: an int64[1] device counter (or an int, for
+    a one-off call) of admissions, bumped by this one."""
     K, P, G = cache_hits.shape
     dev = cache_hits.device
     if compute is None:
@@ -335,18 +363,23 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
         window_blocks = torch.full((G,), -1, dtype=torch.int32, device=dev)
     if chains is None:
         # ``pending`` names requests directly: a chain of one entry per position.
-        E = K * P
-        entry = torch.arange(E, dtype=torch.int32, device=dev).reshape(K, P)
-        cand = pending.reshape(-1).clamp(min=0)
-        chains = (torch.where(pending >= 0, entry, torch.full_like(entry, -1)),
-                  torch.full((E,), -1, dtype=torch.int32, device=dev), cand.to(torch.int32),
-                  torch.ones(E, dtype=torch.int32, device=dev))
-    head, nxt, cand, ok = chains
+        pos = torch.arange(P, dtype=torch.int32, device=dev)
+        chains = (torch.where(pending >= 0, pending * P + pos, torch.full_like(pending, -1)).to(torch.int32),
+                  torch.full((K * P,), -1, dtype=torch.int32, device=dev),
+                  torch.ones(K * P, dtype=torch.int32, device=dev))
+    head, nxt, ok = chains
     if resolved is None:
         resolved = torch.empty((K, P), dtype=torch.int32, device=dev)
+    if start is None:
+        start = torch.empty(K, dtype=torch.int32, device=dev)
+    if not isinstance(stamp, torch.Tensor):
+        stamp = torch.full((1,), int(stamp), dtype=torch.int64, device=dev)
+    if not isinstance(num_requests, torch.Tensor):
+        num_requests = torch.full((1,), K if num_requests is None else int(num_requests), dtype=torch.int32,
+                                  device=dev)
     _admit_kernel[(1,)](
-        cache_hits, head, nxt, cand, ok, resolved, max_hit, num_blocks, num_tokens, compute, lookahead, skip,
-        window_blocks, K, P,
+        cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, skip,
+        window_blocks, num_requests, P,
         ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
         G=G, TILE=tile,
     )

@@ -3,7 +3,9 @@
 import torch
 
 import gpukv._runtime  # noqa: F401
-from gpukv.kernels import blocks, free_queue as fq_ops, hash_table as table_ops
+from gpukv.kernels import blocks
+from gpukv.kernels import free_queue as fq_ops
+from gpukv.kernels import hash_table as table_ops
 
 i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
 

@@ -7,11 +7,11 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gpukv._runtime  # noqa: F401  (before triton: interpreter on CPU)
 from gpukv.kernels import free_queue as fq
-
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 DEVICE = gpukv._runtime.default_device()
 BACK, FRONT, SKIP = fq.WHERE_BACK, fq.WHERE_FRONT, fq.WHERE_SKIP
@@ -60,7 +60,7 @@ class Model:
             while j < len(blocks) and call[j] == call[i]:
                 j += 1
             front = []
-            for b, w in zip(blocks[i:j], where[i:j]):
+            for b, w in zip(blocks[i:j], where[i:j], strict=True):
                 if w == BACK:
                     self.q[b] = None
                 elif w == FRONT:

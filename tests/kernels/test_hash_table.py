@@ -12,11 +12,11 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gpukv._runtime  # noqa: F401  (before triton: interpreter on CPU)
 from gpukv.kernels import hash_table as ht
-
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 DEVICE = gpukv._runtime.default_device()
 I32, I64 = torch.int32, torch.int64
@@ -420,7 +420,7 @@ def test_gpu_many_inserts_one_launch(n_keys):
             expect.setdefault((int(key_lo[which[i]]), int(key_hi[which[i]]), 0), []).append(int(blocks[i]))
     assert t.read_counters()["errors"] == 0
     assert t.entries() == expect
-    first = [expect.get((int(a), int(b), 0), [-1])[0] for a, b in zip(key_lo, key_hi)]
+    first = [expect.get((int(a), int(b), 0), [-1])[0] for a, b in zip(key_lo, key_hi, strict=True)]
     assert found.cpu().tolist() == first
     t.check_invariants()
 

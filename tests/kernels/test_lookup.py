@@ -29,7 +29,8 @@ def test_verify_from_pool_checks_parent_tokens_and_extra():
     row = torch.zeros(5, dtype=torch.int32)
     pos = torch.tensor([0, 1, 1, 1, 1], dtype=torch.int32)
     out = lookup.verify(cand, row, pos, tokens=tokens, digests=digests, extras=extras, root=ROOT,
-                        blk_tokens=blk_tokens, blk_parent=blk_parent, blk_extra=blk_extra, from_pool=True, block_size=bs)
+                        blk_tokens=blk_tokens, blk_parent=blk_parent, blk_extra=blk_extra, from_pool=True,
+                        block_size=bs)
     # block 1 at position 0: root parent, tokens [1, 2]: a hit. Block 2 at 1: a hit.
     # Block 3 has token 5 where the request has 4: a miss. Block 1 at position 1: wrong parent and tokens.
     assert out.tolist() == [1, 2, -1, -1, -1]

@@ -24,7 +24,7 @@ def i64(x):
 def reference(bt, lens, starts, block_size, num_tokens):
     """Slot mapping and positions in plain Python (vLLM's formula)."""
     slots, pos = [], []
-    for b, (n, s) in enumerate(zip(lens, starts)):
+    for b, (n, s) in enumerate(zip(lens, starts, strict=True)):
         for j in range(n):
             p = s + j
             slots.append(int(bt[b][p // block_size]) * block_size + p % block_size)
