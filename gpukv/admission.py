@@ -13,6 +13,7 @@ kept between steps, so the step allocates nothing on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +57,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     bs, K = block_size, len(new)
     ntok = np.fromiter((len(r.token_ids) for r in new), np.int64, K)
     chunk = np.fromiter((n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-                         for r, n in zip(new, ntok.tolist())), np.int64, K)
+                         for r, n in zip(new, ntok.tolist(), strict=True)), np.int64, K)
     lookahead = np.fromiter((r.num_lookahead_tokens for r in new), np.int64, K)
     skip = np.fromiter((r.skip_prefix_cache for r in new), np.int64, K)
     max_hit = np.where(skip != 0, 0, (ntok - 1) // bs)
@@ -79,16 +80,16 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     for i, values in enumerate((rows_np, ntok, ntok // bs, -(-ntok // bs), max_hit, chunk, lookahead, skip, off)):
         cols[i, :K] = values
     cols[:, K:] = 0  # padding: no row's blocks (a bucket's arrays are reused)
-    host_tokens = [r.token_ids for r in new if not isinstance(r.token_ids, torch.Tensor)]
-    device_tokens = []
+    host_tokens: list[Any] = [r.token_ids for r in new if not isinstance(r.token_ids, torch.Tensor)]
+    device_tokens: list[tuple[int, torch.Tensor]] = []
     if len(host_tokens) == K:
         packed[base: base + int(ntok.sum())] = as_int32_tokens(np.concatenate(host_tokens))
     else:  # some prompts are on the device already: they are copied into place, unread
-        for r, o, n in zip(new, off.tolist(), ntok.tolist()):
+        for r, o, n in zip(new, off.tolist(), ntok.tolist(), strict=True):
             if isinstance(r.token_ids, torch.Tensor):
                 device_tokens.append((o, r.token_ids))
             else:
-                packed[base + o: base + o + n] = as_int32_tokens(r.token_ids)
+                packed[base + o: base + o + n] = as_int32_tokens(np.asarray(r.token_ids))
     return AdmissionPlan(rows_np, ntok, chunk, lookahead, bucket, packed, device_tokens)
 
 
@@ -122,7 +123,7 @@ class AdmissionBuffers:
     def create(cls, bucket: tuple, num_groups: int, device: torch.device) -> AdmissionBuffers:
         KP, P, TP, A, C = bucket
         G = num_groups
-        i32 = dict(dtype=torch.int32, device=device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         plan = torch.zeros(HEADER + len(PLAN_ARRAYS) * KP + TP, **i32)
         views = {name: plan[HEADER + i * KP: HEADER + (i + 1) * KP] for i, name in enumerate(PLAN_ARRAYS)}
         views["num_requests"] = plan[:1]

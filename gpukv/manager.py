@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,23 +35,19 @@ import torch
 from gpukv import _runtime, hashing
 from gpukv.admission import AdmissionBuffers, plan_admission, pow2_at_least
 from gpukv.api import manager_args_from_config
+from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
-from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
+from gpukv.failstop import FailStop, mutating, reading
 from gpukv.kernels import _common
 from gpukv.kernels import decode as decode_ops
-from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels import prefill as prefill_ops
 from gpukv.kernels.block_hash import hash_rows, hash_rows_host, key_lanes
-from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
 from gpukv.pool import DevicePool
-from gpukv.rows import DeviceRows
-from gpukv.staging import Staging, StepCounters, TorchOpCounter
 from gpukv.request import (
     MAX_NUM_BLOCKS,
-    as_int32_tokens,
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
@@ -58,6 +55,7 @@ from gpukv.request import (
     Step,
     StepResult,
     apply_allocate_args,
+    as_int32_tokens,
     check_computed_for,
     check_decode_lengths,
     check_memory,
@@ -72,6 +70,8 @@ from gpukv.request import (
     normalize_windows,
     resolve_key,
 )
+from gpukv.rows import DeviceRows
+from gpukv.staging import Staging, StepCounters, TorchOpCounter
 
 # Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
 # kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
@@ -102,7 +102,8 @@ def device_bytes(num_blocks: int, block_size: int, num_groups: int, max_model_le
     return {"num_blocks": pool, "max_model_len": rows}  # rows: max_num_reqs of them, sized by max_model_len
 
 
-def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key) -> tuple:
+def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device,
+                  hash_key) -> tuple[int, int, list, int, int, torch.device, bytes]:
     """The constructor's arguments checked, and the memory they take
     estimated, before anything is allocated (numpy integers are accepted as
     sizes)."""
@@ -111,12 +112,12 @@ def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_nu
     num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
     max_model_len = check_size(max_model_len, "max_model_len", 1, 2**31 - 1)
     max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
-    device = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
-              else _runtime.default_device())
+    dev = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
+           else _runtime.default_device())
     key = resolve_key(hash_key)
     check_memory(device_bytes(num_blocks, block_size, len(windows), max_model_len, max_num_reqs), device,
                  "the device manager", also="max_num_reqs")
-    return num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key
+    return num_blocks, block_size, windows, max_model_len, max_num_reqs, dev, key
 
 
 def entry_layout(starts, stops, *, reverse: bool = False):
@@ -261,7 +262,7 @@ class KVCacheManager(FailStop):
         return self._rows.generation
 
     @classmethod
-    def from_config(cls, config, **kwargs) -> "KVCacheManager":
+    def from_config(cls, config, **kwargs) -> KVCacheManager:
         """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
         one group per config group, ``kwargs`` as the constructor's."""
         num_blocks, block_size, windows = manager_args_from_config(config)
@@ -364,14 +365,15 @@ class KVCacheManager(FailStop):
         same = (self.pool.ref_cnt[blocks] == num_running_requests).to(torch.int32)
         leading = same.cumprod(dim=1).sum(dim=1)
         out = self._read(leading)
-        return [0 if w is not None else int(c) for w, c in zip(self.sliding_windows, out)]
+        return [0 if w is not None else int(c) for w, c in zip(self.sliding_windows, out, strict=True)]
 
     @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
         """The digests of the request's full known blocks; reads the device."""
         row = self._state(request_id)
         n = int(self._rows.num_tokens[row]) // self.block_size
-        return hashing.lanes_to_digests(np.array(self._read(self._rows.digests[row, :n]), dtype=np.int64).reshape(-1, 2))
+        lanes = np.array(self._read(self._rows.digests[row, :n]), dtype=np.int64)
+        return hashing.lanes_to_digests(lanes.reshape(-1, 2))
 
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -398,7 +400,7 @@ class KVCacheManager(FailStop):
     def check_invariants(self, *, verify_digests: bool = True) -> None:
         """The pool's invariants (see ``DevicePool.check_invariants``), and each
         block's count equals the number of block-table rows that hold it."""
-        self.pool.check_invariants(self._key, self._root, verify_digests=verify_digests)
+        self.pool.check_invariants(self._key, verify_digests=verify_digests)
         held = np.zeros(self.num_blocks, dtype=np.int64)
         bt = self._rows.block_table.cpu().numpy()
         for row in self._reqs.values():
@@ -558,6 +560,7 @@ class KVCacheManager(FailStop):
         A = max(-(-(k + lookahead) // bs), pow2_at_least(int(need_pg.max())))
         C = max(-(-k // bs), pow2_at_least(int(filled.max())))
         wg = self._window_groups
+        stops: np.ndarray | None = None
         if wg:
             starts = self._rows.null_until[rows]
             stops = self._window_stops(comp0, starts)
@@ -576,7 +579,7 @@ class KVCacheManager(FailStop):
         v["need"][:B] = need_pg
         v["cum"][:B] = cum
         v["cum"][B:] = decode_ops.BIG
-        if L:
+        if stops is not None and L:
             ell = np.arange(L)
             v["r_row"][:B] = rows[:, None, None]
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
@@ -632,12 +635,12 @@ class KVCacheManager(FailStop):
             pool.release(self._rows.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
                          scratch=bufs.release_scratch, workspace=bufs.release_workspace)
         decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
-                              v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens, tokens=self._rows.tokens, fq_counters=pool.free_queue.counters,
-                              count=bufs.count, status=bufs.status, num_groups=self.num_groups,
-                              block_size=self.block_size)
+                              v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
+                              tokens=self._rows.tokens, fq_counters=pool.free_queue.counters, count=bufs.count,
+                              status=bufs.status, num_groups=self.num_groups, block_size=self.block_size)
         grp, row, pos, want, rank = v["alloc"]
-        pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank, popped=bufs.popped,
-                      on_popped=self._popped_hook())
+        pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank,
+                      popped=bufs.popped, on_popped=self._popped_hook())
         self._hash_launch(v["rows"], v["h_start"], v["h_count"])
         self._record(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
@@ -757,6 +760,7 @@ class KVCacheManager(FailStop):
 
     def _on_popped(self, popped: torch.Tensor) -> None:
         """Removal events for the popped blocks that are still cached."""
+        assert self._events is not None  # (only hooked with events on)
         self._events.removes(popped, self.pool.table)
 
     def _popped_hook(self):
@@ -772,6 +776,7 @@ class KVCacheManager(FailStop):
 
     def _drained(self, values: list) -> None:
         """The events a read brought, as one batch (an overflow is reported)."""
+        assert self._events is not None  # (only read with events on)
         events, dropped = self._events.drained(values)
         if dropped:
             warnings.warn(f"gpukv: {dropped} KV-cache events were dropped (more than {self._events.capacity} "
@@ -807,8 +812,8 @@ class KVCacheManager(FailStop):
         """Chained digests of blocks ``[start, start + count)`` of each row, on
         the device, from the tokens and extra digests already there."""
         args = (self._key_dev, rows_t, starts_t, counts_t)
-        kw = dict(tokens=self._rows.tokens, digests=self._rows.digests, extras=self._rows.extras, root=self._root_lanes,
-                  block_size=self.block_size)
+        kw: dict[str, Any] = dict(tokens=self._rows.tokens, digests=self._rows.digests, extras=self._rows.extras,
+                                  root=self._root_lanes, block_size=self.block_size)
         if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
             _common.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
         else:
@@ -817,8 +822,9 @@ class KVCacheManager(FailStop):
     def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
         if not self.enable_caching:
             return
-        inserted = self.pool.record(grp, rw, ps, valid, block_table=self._rows.block_table, tokens=self._rows.tokens,
-                                    digests=self._rows.digests, extras=self._rows.extras, root=self._root_lanes, scratch=scratch,
+        rows = self._rows
+        inserted = self.pool.record(grp, rw, ps, valid, block_table=rows.block_table, tokens=rows.tokens,
+                                    digests=rows.digests, extras=rows.extras, root=self._root_lanes, scratch=scratch,
                                     seq=seq)
         if self._events is not None and inserted is not None:
             blk, ok, key = inserted
@@ -857,10 +863,12 @@ class KVCacheManager(FailStop):
                 n_ok, pos = int(host[0]), 1
             else:  # no read: every update fit, and the bound drops by what they took
                 self._free_lower_bound -= int(run["needs"].sum())
-            done = run["rows"][:n_ok]
-            self._rows.num_tokens[done], self._rows.num_computed[done], self._rows.num_held[done] = (run[x][:n_ok] for x in ("n_after", "c1", "a1"))
+            done, rows = run["rows"][:n_ok], self._rows
+            rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
+                run[x][:n_ok] for x in ("n_after", "c1", "a1"))
             result.running_failed_at = None if n_ok == len(running) else n_ok
         if new:
+            assert host is not None  # (a step with new requests always reads)
             self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
         return result
 
@@ -955,14 +963,14 @@ class KVCacheManager(FailStop):
             h = np.asarray(hits[:admitted], dtype=np.int64)
             n = np.fromiter((len(r.token_ids) for r in new[:admitted]), np.int64, admitted)
             chunk = np.fromiter((k if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-                                 for r, k in zip(new, n.tolist())), np.int64, admitted)
+                                 for r, k in zip(new[:admitted], n.tolist(), strict=True)), np.int64, admitted)
             lookahead = np.fromiter((r.num_lookahead_tokens for r in new[:admitted]), np.int64, admitted)
             computed = np.maximum(chunk, h * bs)
             self._rows.num_tokens[adm], self._rows.num_computed[adm] = n, computed
             self._rows.num_held[adm] = -(-(computed + lookahead) // bs)
             w = np.asarray(self._window_blocks, dtype=np.int64)
             self._rows.null_until[adm] = np.where(w < 0, 0, np.maximum(0, h[:, None] - w))
-            for req, row in zip(new, result.rows):
+            for req, row in zip(new[:admitted], result.rows, strict=True):
                 self._reqs[req.request_id] = row
                 self._row_ids[row] = req.request_id
         self._rows.give_back_unused(cand_rows[admitted:])
@@ -971,7 +979,7 @@ class KVCacheManager(FailStop):
         """Stats of the lookups the admission made: every request it looked
         at (a hit >= 0; it stops after the first refused one)."""
         bs = self.block_size
-        for req, h in zip(new, hits):
+        for req, h in zip(new, hits, strict=True):
             if h < 0:
                 break
             n = 0 if req.skip_prefix_cache else len(req.token_ids)
@@ -1010,10 +1018,10 @@ class KVCacheManager(FailStop):
         sizes = [len(a) for a in arrays]
         starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])])
         packed = np.zeros(int(starts[-1]), dtype=np.int32)
-        for a, o, n in zip(arrays, starts.tolist(), sizes):
+        for a, o, n in zip(arrays, starts.tolist(), sizes, strict=False):  # starts has one more
             packed[o: o + n] = a
         dev = self._up(packed)
-        return [dev[o: o + n] for o, n in zip(starts.tolist(), sizes)]
+        return [dev[o: o + n] for o, n in zip(starts.tolist(), sizes, strict=False)]
 
     def _write_extra_keys(self, new: Sequence[NewRequest], rows: list[int]) -> None:
         """The extra-key digests of new requests that have extra keys (their
@@ -1027,16 +1035,17 @@ class KVCacheManager(FailStop):
             self._rows.lora[self._up(rows, np.int64)] = self._up(np.array(lora, dtype=np.int64).reshape(-1, 2),
                                                                 np.int64)
         bs = self.block_size
-        for r, row in zip(new, rows):
+        for r, row in zip(new, rows, strict=True):
             if r.lora_id is None and not r.mm_items and r.cache_salt is None:
                 continue
             nb = -(-len(r.token_ids) // bs)
             ds = hashing.extra_key_digests(self._key, nb, bs, lora_id=r.lora_id, mm_items=r.mm_items,
                                            cache_salt=r.cache_salt)
-            self._rows.extras[row, :nb] = self._up(hashing.digests_to_lanes(ds).view(np.int64), np.int64)
+            extras = self._rows.extras
+            extras[row, :nb] = self._up(hashing.digests_to_lanes(ds).view(np.int64), np.int64)
             if r.lora_id is not None and nb < self._rows.max_blocks:
                 (later,) = hashing.extra_key_digests(self._key, 1, bs, lora_id=r.lora_id, first_block=max(nb, 1))
-                self._rows.extras[row, nb: self._rows.max_blocks] = self._up(hashing.digests_to_lanes([later]).view(np.int64), np.int64)
+                extras[row, nb:] = self._up(hashing.digests_to_lanes([later]).view(np.int64), np.int64)
 
     def _lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
         """The hit a step would give this request now (at most ``hit_cap``
@@ -1076,8 +1085,11 @@ class KVCacheManager(FailStop):
         if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
             self._find_and_admit(bufs, blocked)
             return bufs.status, bufs.hit[: len(new)], bufs.cache
-        self._replayed(bufs.prepared, "admit", lambda: (self._find_and_admit(bufs, blocked),
-                                                        self._take_admitted_blocks(bufs)))
+        def admit_and_take() -> None:
+            self._find_and_admit(bufs, blocked)
+            self._take_admitted_blocks(bufs)
+
+        self._replayed(bufs.prepared, "admit", admit_and_take)
         self._expect_events(bufs.alloc.shape[1] + bufs.record.shape[1])
         return bufs.status, bufs.hit[: len(new)]
 
@@ -1104,7 +1116,8 @@ class KVCacheManager(FailStop):
         the step's requests sharing a block, and the sequential admission."""
         v, pool = bufs.views, self.pool
         self._hash_launch(v["rows"], bufs.zeros, v["nfull"])
-        shared = dict(tokens=self._rows.tokens, digests=self._rows.digests, extras=self._rows.extras, root=self._root_lanes)
+        rows = self._rows
+        shared = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras, root=self._root_lanes)
         prefill_ops.lookup(v, bufs.cache, table=pool.table, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
                            blk_extra=pool.blk_extra, **shared)
         prefill_ops.chains(v, bufs.head, bufs.next, bufs.same, block_size=self.block_size, **shared)

@@ -25,6 +25,8 @@ debugging, never for the step itself.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gpukv import hashing
@@ -47,8 +49,8 @@ class DevicePool:
         self.block_size = block_size
         self.device = device
         self.uncached_first = bool(uncached_first)
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.ref_cnt = torch.zeros(num_blocks, **i32)
         self.free_queue = fq_ops.FreeQueue.create(num_blocks, device)
         self.table = table_ops.HashTable.create(num_blocks, device)
@@ -115,7 +117,7 @@ class DevicePool:
         ``BlockPool.table()``."""
         return {(_u64_bytes(lo, hi), g): blocks for (lo, hi, g), blocks in self.table.entries().items()}
 
-    def check_invariants(self, key: bytes, root: bytes, *, verify_digests: bool = True) -> None:
+    def check_invariants(self, key: bytes, *, verify_digests: bool = True) -> None:
         """Every block is exactly one of null / free / referenced; the free
         count is the queue's length; every cached block is in the table once,
         and (``verify_digests``) under the digest of what it was computed from

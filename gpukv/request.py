@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any, Callable, Container
+from typing import Any
 
 import numpy as np
 import torch
@@ -405,7 +405,7 @@ def _normalize_mm_items(value: Any, argument: str, label: str, num_tokens: int) 
                                     fix="give items that lie inside the request's tokens")
         out.append(MMItem(offset, length, item.hash))
     out.sort(key=lambda m: (m.offset, m.length, m.hash))
-    for a, b in zip(out, out[1:]):
+    for a, b in zip(out, out[1:], strict=False):  # neighbours
         if b.offset < a.offset + a.length:
             raise InvalidInputError(f"{label}items [{a.offset}, {a.offset + a.length}) and [{b.offset}, "
                                     f"{b.offset + b.length}) overlap", argument=argument,
@@ -472,12 +472,12 @@ def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRe
         chunk = check_chunk(r.num_tokens_to_compute, f"{argument}.num_tokens_to_compute", n, label)
     lookahead = r.num_lookahead_tokens
     if type(lookahead) is not int or lookahead != 0:  # 0, the default, needs no check
-        lookahead = check_lookahead(lookahead, f"{argument}.num_lookahead_tokens", label)
+        lookahead = check_lookahead(lookahead, f"{argument}.num_lookahead_tokens")
     preemptions = r.num_preemptions
     if type(preemptions) is not int or preemptions != 0:
         preemptions = check_int(preemptions, f"{argument}.num_preemptions", minimum=0,
                                 fix="pass how often the request was preempted before, 0 for a new one")
-    return (NewRequest(rid, tokens, lora, mm, salt, bool(skip), None, chunk, lookahead, preemptions),
+    return (NewRequest(rid, tokens, lora, mm, salt, bool(skip), None, chunk, lookahead, preemptions),  # type: ignore[arg-type]  # normalised: an int64 array (or a CUDA tensor), not a list
             r.block_hashes is not None)
 
 
@@ -496,9 +496,10 @@ def check_chunk(value: Any, argument: str, remaining: int, label: str) -> int:
     return k
 
 
-def check_lookahead(value: Any, argument: str, label: str) -> int:
+def check_lookahead(value: Any, argument: str) -> int:
     """A lookahead slot count: an int >= 0."""
-    return check_int(value, argument, minimum=0, fix="pass how many speculative tokens to reserve slots for, 0 for none")
+    return check_int(value, argument, minimum=0,
+                     fix="pass how many speculative tokens to reserve slots for, 0 for none")
 
 
 def check_computed_length(computed: int, lookahead: int, limits: ManagerLimits, argument: str, rid: str,
@@ -578,8 +579,10 @@ def _caller_stacklevel() -> int:
     import sys
 
     level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
-        frame = frame.f_back
+    frame_or_none: Any = frame
+    while frame_or_none is not None and \
+            os.path.dirname(os.path.abspath(frame_or_none.f_code.co_filename)) == _PACKAGE_DIR:
+        frame_or_none = frame_or_none.f_back
         level += 1
     return level
 
@@ -646,7 +649,7 @@ def normalize_step(
             raise DuplicateRequestError(f"request {rid!r} has two running updates in one step",
                                         argument=name("running", i), fix="merge its tokens into one RunningUpdate")
         seen.add(rid)
-        tokens = u.new_token_ids
+        tokens: Any = u.new_token_ids
         if type(tokens) is list and len(tokens) <= _SHORT_TOKENS:  # _short_int_tokens, inlined for decode steps
             for x in tokens:
                 if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
@@ -656,7 +659,7 @@ def normalize_step(
                 tokens = np.array(tokens, _INT64)
         else:
             tokens = normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
-        if max_model_len is not None:
+        if max_model_len is not None and num_tokens is not None:
             total = num_tokens(rid) + len(tokens)
             if total > max_model_len:
                 raise CapacityError(f"running request {rid!r} would hold {total} tokens, more than max_model_len "
@@ -718,7 +721,7 @@ def _check_running_chunk(u: RunningUpdate, rid: str, num_new: int, limits: Manag
     request holds: the chunk within its known tokens not computed yet, the
     computed tokens plus lookahead within ``max_model_len``."""
     label = f"(request {rid!r}) "
-    lookahead = check_lookahead(u.num_lookahead_tokens, lookahead_arg, label)
+    lookahead = check_lookahead(u.num_lookahead_tokens, lookahead_arg)
     if num_tokens is None or num_computed is None:  # no manager state: the form only
         chunk = None if u.num_tokens_to_compute is None else check_int(u.num_tokens_to_compute, chunk_arg, minimum=1)
         return chunk, lookahead
@@ -771,7 +774,7 @@ def normalize_windows(sliding_windows: Any) -> tuple[int | None, ...]:
     if not windows:
         raise InvalidInputError("needs one entry per KV-cache group (None = full attention)",
                                 argument="sliding_windows", fix="pass e.g. [None] for one full-attention group")
-    out = []
+    out: list[int | None] = []
     for i, w in enumerate(windows):
         if w is None:
             out.append(None)
@@ -844,7 +847,7 @@ def check_memory(needed: dict[str, int], device: torch.device | None, what: str,
     free = available_memory(device)
     if free is None or total <= free:
         return
-    biggest = max(needed, key=needed.get)
+    biggest = max(needed, key=lambda k: needed[k])
     parts = ", ".join(f"{k}: {v / 2**30:.2f} GiB" for k, v in needed.items())
     raise CapacityError(f"{what} needs about {total / 2**30:.2f} GiB on {device or 'the host'} ({parts}), but only "
                         f"{free / 2**30:.2f} GiB are available", argument=biggest,
@@ -921,6 +924,7 @@ def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | No
     fix = "pass one row of new token ids per request, as a [B] or [B, k] tensor or array (None: no new token)"
     if value is None:
         return np.zeros((num_rows, 0), dtype=np.int64)
+    tokens: Any  # a device tensor (read by the device only) or a checked host array
     if isinstance(value, torch.Tensor) and device is not None and value.device == device:
         if value.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
@@ -989,7 +993,7 @@ def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, n
                                     "tokens", argument="num_tokens", fix=fix)
         request = replace(request, num_tokens_to_compute=hit_tokens + k)
     if num_lookahead_tokens is not None:
-        la = check_lookahead(num_lookahead_tokens, "num_lookahead_tokens", "")
+        la = check_lookahead(num_lookahead_tokens, "num_lookahead_tokens")
         computed = max(n if request.num_tokens_to_compute is None else request.num_tokens_to_compute, hit_tokens)
         check_computed_length(computed, la, limits, "num_lookahead_tokens", request.request_id)
         request = replace(request, num_lookahead_tokens=la)
@@ -1003,7 +1007,7 @@ def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndar
     in ``[1, remaining]``) and ``num_lookahead_tokens`` (an int >= 0), checked
     in one vectorised pass: ``remaining`` are the rows' known tokens not
     computed yet after the append, ``computed`` their computed tokens."""
-    la = check_lookahead(lookahead, "num_lookahead_tokens", "")
+    la = check_lookahead(lookahead, "num_lookahead_tokens")
     chunks = None
     fix = "pass None to compute every known token, or one int per row from 1 to its tokens not computed yet"
     if value is not None:

@@ -15,7 +15,7 @@ leaves the allocator as if they had never taken one.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -106,7 +106,13 @@ class DeviceRows:
         self.max_blocks = -(-max_model_len // block_size)
         self.generation = 0
         self._capacity = 0
-        self.tokens = self.digests = self.extras = self.block_table = self.lora = None
+        i32: dict = dict(dtype=torch.int32, device=device)
+        i64: dict = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros((0, self.max_tokens), **i32)
+        self.digests = torch.zeros((0, self.max_blocks, 2), **i64)
+        self.extras = torch.zeros((0, self.max_blocks, 2), **i64)
+        self.block_table = torch.zeros((num_groups, 0, self.max_blocks), **i32)
+        self.lora = torch.zeros((0, 2), **i64)
         self.num_tokens = np.zeros(0, dtype=np.int64)
         self.num_computed = np.zeros(0, dtype=np.int64)
         self.num_held = np.zeros(0, dtype=np.int64)
@@ -159,10 +165,9 @@ class DeviceRows:
             return
         dev, G, T, M, old = self.device, self.num_groups, self.max_tokens, self.max_blocks, self._capacity
 
-        def grown(t, shape, dtype, rows_dim: int = 0):
+        def grown(t: torch.Tensor, shape: tuple, dtype: torch.dtype, rows_dim: int = 0) -> torch.Tensor:
             out = torch.zeros(shape, dtype=dtype, device=dev)
-            if t is not None:
-                out.narrow(rows_dim, 0, old).copy_(t)
+            out.narrow(rows_dim, 0, old).copy_(t)
             return out
 
         self.tokens = grown(self.tokens, (capacity, T), torch.int32)

@@ -16,8 +16,9 @@ from gpukv.request import NewRequest, RunningUpdate
 KEY = bytes(range(16))
 MANAGERS = [ReferenceManager, DeviceManager]
 # Members only the device manager has: the batched decode in parts, which
-# gpukv.graphs runs around a captured launch.
-DEVICE_ONLY = {"plan_decode", "stage_decode", "launch_decode", "finish_decode"}
+# gpukv.graphs runs around a captured launch, and the row tensors'
+# generation, which tells it when to capture anew.
+DEVICE_ONLY = {"plan_decode", "stage_decode", "launch_decode", "finish_decode", "rows_generation"}
 
 
 def public(cls) -> set[str]:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 
@@ -91,7 +92,7 @@ def _mark_interpreted_runs() -> None:
             if _in_kernel[0] == 0:
                 _kernel_seconds[0] += time.perf_counter() - start
 
-    marked._gpukv_marked = True
+    marked.__dict__["_gpukv_marked"] = True  # (a mark on the function: installed once)
     InterpretedFunction.run = marked
 
 
@@ -141,8 +142,8 @@ def _install_prepare_hook() -> None:
                     prepared.append(functools.partial(_run, self, *args, **kwargs))
             return _run(self, *args, **kwargs)
 
-        keeping._gpukv_prepare = True
-        keeping._gpukv_marked = getattr(run, "_gpukv_marked", False)
+        keeping.__dict__["_gpukv_prepare"] = True
+        keeping.__dict__["_gpukv_marked"] = getattr(run, "_gpukv_marked", False)
         cls.run = keeping
 
 
@@ -209,10 +210,10 @@ def count_launches(namespace: dict) -> None:
     if _runtime.INTERPRETED:
         _mark_interpreted_runs()
     for name, obj in namespace.items():
-        if name.endswith("_kernel") and hasattr(obj, "add_pre_run_hook"):
-            if not getattr(obj, "_gpukv_counted", False):
-                obj.add_pre_run_hook(_hook_for(f"{namespace['__name__'].rsplit('.', 1)[-1]}.{name}"))
-                obj._gpukv_counted = True
+        if (name.endswith("_kernel") and hasattr(obj, "add_pre_run_hook")
+                and not getattr(obj, "_gpukv_counted", False)):
+            obj.add_pre_run_hook(_hook_for(f"{namespace['__name__'].rsplit('.', 1)[-1]}.{name}"))
+            obj._gpukv_counted = True
 
 
 @contextlib.contextmanager

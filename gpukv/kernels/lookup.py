@@ -53,7 +53,8 @@ def _row_inputs(digests_ptr, extras_ptr, r, p, M, mask, root_lo, root_hi):
     par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=mask & has_parent, other=0), root_lo)
     par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=mask & has_parent, other=0), root_hi)
     ext = (r * M + p) * 2
-    return par_lo, par_hi, tl.load(extras_ptr + ext, mask=mask, other=0), tl.load(extras_ptr + ext + 1, mask=mask, other=0)
+    ext_lo = tl.load(extras_ptr + ext, mask=mask, other=0)
+    return par_lo, par_hi, ext_lo, tl.load(extras_ptr + ext + 1, mask=mask, other=0)
 
 
 # Arguments that change from step to step (counts, stamps, widths) are
