@@ -16,7 +16,8 @@ too (they call the ``read_*`` method).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -49,7 +50,7 @@ class BlockManager(Protocol):
     device: torch.device
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "BlockManager": ...
+    def from_config(cls, config: Any, **kwargs: Any) -> BlockManager: ...
 
     # sizes and state
     @property

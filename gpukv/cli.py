@@ -14,8 +14,9 @@ summary moves to stderr.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -23,15 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpukv import _runtime, hashing
-from gpukv import plot
+from gpukv import _runtime, hashing, plot
+from gpukv.errors import GpukvError
 from gpukv.replay import DEFAULT_MAX_NUM_BATCHED_TOKENS, PLAIN_INTERVAL_S, Replay, ReplayOptions
 from gpukv.traces import MAX_SIZE, TraceError, builtin_trace_path, load_trace
-
-try:  # typed manager errors (gpukv/errors.py)
-    from gpukv.errors import GpukvError
-except ImportError:  # pragma: no cover - older trees
-    GpukvError = ()
 
 BUILTIN_REQUESTS = 300
 PROG = "gpukv"
@@ -278,7 +274,8 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help=f"blocks in the pool, the null block included (default: {DEFAULT_SIZES['num_blocks']}; a step "
                    "trace's config wins)")
     p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=None,
-                   help=f"longest request in tokens (default: {DEFAULT_SIZES['max_model_len']}; a step trace's config wins)")
+                   help=f"longest request in tokens (default: {DEFAULT_SIZES['max_model_len']}; a step trace's "
+                   "config wins)")
     p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
                    help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=_budget_option, default=None, metavar="N",
@@ -299,7 +296,8 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help=f"replay only the first N requests (default: all; {BUILTIN_REQUESTS} for the built-in "
                    "workload)")
     p.add_argument("--max-steps", type=_int_option(1), default=None,
-                   help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not count)")
+                   help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not "
+                   "count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
     p.add_argument("--arrival", choices=["back-to-back", "timestamp"], default="back-to-back",
                    help="Mooncake arrivals: all waiting from step 0 in order, or by timestamp (steps in which "
@@ -338,8 +336,10 @@ def _print_summary(report: dict, file=None) -> None:
         steps += f" (and {s['skipped_idle_steps']:,} idle steps skipped)"
     rows = [
         ("backend", s["backend"]),
-        ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, {s['rejected']} rejected), {steps}"),
-        ("pool", f"{c['num_blocks']} blocks of {c['block_size']} tokens, max {c['max_num_seqs']} running, admission {c['admission']}"),
+        ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, "
+                  f"{s['rejected']} rejected), {steps}"),
+        ("pool", f"{c['num_blocks']} blocks of {c['block_size']} tokens, max {c['max_num_seqs']} running, "
+                 f"admission {c['admission']}"),
         ("scheduling", _scheduling(c)),
         ("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.4f}  ({s['hits']:,} of {s['queries']:,} tokens "
                                   f"looked up, {s['lookup_requests']:,} lookups; vLLM's vllm:prefix_cache_hits / "
@@ -356,7 +356,8 @@ def _print_summary(report: dict, file=None) -> None:
         ("blocks in use", f"max {s['max_blocks_in_use']:,}, mean {s['mean_blocks_in_use']:,.0f}"),
         ("evictions", f"{s['evictions']:,}"),
         ("preemptions", f"{s['preemptions']:,}"),
-        ("manager time/step", f"mean {s['manager_ms_per_step_mean']:.3f} ms, p50 {s['manager_ms_per_step_p50']:.3f} ms, p99 {s['manager_ms_per_step_p99']:.3f} ms"),
+        ("manager time/step", f"mean {s['manager_ms_per_step_mean']:.3f} ms, "
+                              f"p50 {s['manager_ms_per_step_p50']:.3f} ms, p99 {s['manager_ms_per_step_p99']:.3f} ms"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -422,10 +423,8 @@ def _write_atomically(out: Path, text: str, option: str) -> None:
         raise CliError(f"{option} {out}: could not write: {e.strerror or e}") from None
     finally:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _hash_key() -> bytes:

@@ -19,6 +19,7 @@ utilisation fraction and the numbers printed in messages.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -467,7 +468,7 @@ def _groups_difference(
     """What first differs between two workers' groups, or None if nothing."""
     if len(reference) != len(other):
         return f"{len(other)} groups instead of {len(reference)}"
-    for index, (ref, oth) in enumerate(zip(reference, other)):
+    for index, (ref, oth) in enumerate(zip(reference, other, strict=True)):
         if ref.layer_names != oth.layer_names:
             return f"group {index} has layers {oth.layer_names} instead of {ref.layer_names}"
         if ref.kv_cache_spec != oth.kv_cache_spec:
@@ -633,10 +634,8 @@ def _nvml_memory_info(index: int) -> tuple[int, int] | None:
         logger.debug("NVML query failed (%s); using torch.cuda.mem_get_info", err)
         return None
     finally:
-        try:
+        with contextlib.suppress(Exception):  # shutting down is best effort
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutting down is best effort
-            pass
 
 
 def device_memory_info(device: Any = None) -> tuple[int, int]:

@@ -23,7 +23,7 @@ changes state is a fault (``gpukv.failstop``).
 | ``UnknownRequestError`` | ``KeyError`` | a request id the manager does not hold (never admitted, or already freed) |
 | ``NoFreeBlocksError`` | ``RuntimeError`` | ``BlockPool.allocate`` (the reference's low-level pool) asked for more blocks than are free; manager calls report a lack of blocks in their result instead, so inside one it is a fault |
 | ``ManagerFailedError`` | ``RuntimeError`` | the manager stopped after a fault inside an earlier call and refuses every call (``gpukv.failstop``) |
-"""
+"""  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class AllBlocksCleared:
     """The prefix cache was reset: every cached block is forgotten."""
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ with it, as after a crashed engine).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from gpukv.errors import GpukvInputError, ManagerFailedError
 

@@ -68,9 +68,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            with torch.cuda.graph(graph, stream=side):
-                m.launch_decode(bucket, bufs)
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            m.launch_decode(bucket, bufs)
         torch.cuda.current_stream().wait_stream(side)
         self._graphs[bucket] = graph
         self.captures += 1

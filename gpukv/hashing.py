@@ -59,8 +59,9 @@ import hashlib
 import logging
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import blake3
 import numpy as np
@@ -224,14 +225,14 @@ def _checked_tokens(tokens: Any, name: str, base: int = 0) -> np.ndarray:
         # Fast path: array.array rejects floats, strings, negatives and values
         # >= 2**32 itself, at C speed. It accepts bools (bool is an int), so
         # those are looked for below among the positions holding 0 or 1.
-        arr = np.frombuffer(array.array(_U32_CODE, tokens), dtype=np.uint32)
+        fast: np.ndarray | None = np.frombuffer(array.array(_U32_CODE, tokens), dtype=np.uint32)
     except (TypeError, OverflowError, ValueError):
-        arr = None
-    if arr is not None:
-        for i in np.flatnonzero(arr <= 1).tolist():
+        fast = None
+    if fast is not None:
+        for i in np.flatnonzero(fast <= 1).tolist():
             if isinstance(tokens[i], (bool, np.bool_)):
                 raise _bad_token(tokens[i], f"{name}[{base + i}]")
-        return arr
+        return fast
     # Slow path, only to say which position is bad.
     for i, t in enumerate(tokens):
         if (
@@ -260,7 +261,7 @@ def _flat_tokens(token_lists: Sequence[Any], name: str) -> tuple[np.ndarray, lis
     listed: list[int] = []
     arrays: list[int] = []  # 1-D integer arrays, range-checked together below
     for r, t in enumerate(token_lists):
-        part = None
+        part: array.array | np.ndarray | None = None
         if type(t) is list:
             try:
                 part = array.array(_U32_CODE, t)
@@ -292,7 +293,7 @@ def _flat_tokens(token_lists: Sequence[Any], name: str) -> tuple[np.ndarray, lis
             starts = np.cumsum([0] + lengths)
             rows = np.searchsorted(starts, low, side="right") - 1
             listed_set = set(listed)
-            for pos, r in zip(low.tolist(), rows.tolist()):
+            for pos, r in zip(low.tolist(), rows.tolist(), strict=True):
                 if r in listed_set:
                     i = pos - int(starts[r])
                     if isinstance(token_lists[r][i], (bool, np.bool_)):
@@ -500,7 +501,7 @@ def _chain(hasher: Any, parent: bytes, tok: bytes, start: int, count: int,
                 parent = digest(DIGEST_SIZE)
                 append(parent)
         else:
-            for i, extra in zip(range(start, stop, step), extras):
+            for i, extra in zip(range(start, stop, step), extras, strict=True):
                 reset()
                 update(parent + extra + tok[i : i + step])
                 parent = digest(DIGEST_SIZE)
@@ -530,12 +531,12 @@ def _tails(tokens: np.ndarray, extras: np.ndarray | None) -> tuple[bytes, list[i
     """
     n, block_size = tokens.shape
     cuts = list(range(0, block_size, SEGMENT_TOKENS)) + [block_size]
-    seg_lens = [DIGEST_SIZE + 4 * (hi - lo) for lo, hi in zip(cuts, cuts[1:])]
+    seg_lens = [DIGEST_SIZE + 4 * (hi - lo) for lo, hi in zip(cuts, cuts[1:], strict=False)]
     buf = np.zeros((n, sum(seg_lens)), dtype=np.uint8)
     tok = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)  # [n, 4 * block_size]
     ext = None if extras is None else np.ascontiguousarray(extras, dtype="<u8").view(np.uint8)
     at = 0
-    for lo, hi, length in zip(cuts, cuts[1:], seg_lens):
+    for lo, hi, length in zip(cuts, cuts[1:], seg_lens, strict=False):
         if ext is not None:
             buf[:, at : at + DIGEST_SIZE] = ext
         buf[:, at + DIGEST_SIZE : at + length] = tok[:, 4 * lo : 4 * hi]
@@ -571,7 +572,7 @@ def _chain_tails(hasher: Any, parent: bytes, tails: bytes, start: int, count: in
 
 
 def block_digest(
-    key: bytes, parent: bytes, token_ids: Sequence[int], extra: bytes = NO_EXTRA
+    key: bytes, parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA
 ) -> bytes:
     """The digest of one block: ``H(parent || extra || tokens as LE uint32)``.
 
@@ -592,7 +593,7 @@ def block_digest(
 
 def hash_block_chain(
     key: bytes,
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | np.ndarray,
     block_size: int,
     *,
     extras: Sequence[bytes] | None = None,
@@ -818,7 +819,7 @@ def block_digests_lanes(
     buf[:, :DIGEST_SIZE] = np.ascontiguousarray(parents, dtype="<u8").view(np.uint8)
     buf[:, DIGEST_SIZE : 2 * DIGEST_SIZE] = np.ascontiguousarray(extras, dtype="<u8").view(np.uint8)
     buf[:, 2 * DIGEST_SIZE :] = np.ascontiguousarray(toks, dtype="<u4").view(np.uint8)
-    raw = memoryview(buf).cast("B")
+    raw = buf.data.cast("B")  # memoryview(buf); numpy's stubs give ndarray __buffer__ on py>=3.12 only
     reset, update, digest = hasher.reset, hasher.update, hasher.digest
     out = []
     append = out.append
@@ -831,7 +832,7 @@ def block_digests_lanes(
 
 def hash_requests(
     key: bytes,
-    token_lists: Sequence[Sequence[int]],
+    token_lists: Sequence[Sequence[int] | np.ndarray],
     block_size: int,
     extras: Sequence[Sequence[bytes]] | None = None,
 ) -> list[list[bytes]]:
@@ -870,7 +871,7 @@ def hash_requests(
     # (less the parents) in one numpy pass.
     starts = np.cumsum([0] + lengths[:-1]).tolist()
     blocks = np.concatenate(
-        [flat[s0 : s0 + nb * block_size] for s0, nb in zip(starts, nblocks)]
+        [flat[s0 : s0 + nb * block_size] for s0, nb in zip(starts, nblocks, strict=True)]
     ).reshape(total, block_size)
     ext_lanes = None
     if extras is not None:

@@ -52,7 +52,7 @@ class PrefixCacheStats:
         self.query_blocks += num_blocks
         self.hit_blocks += num_hit_blocks
 
-    def merge(self, other: "PrefixCacheStats") -> None:
+    def merge(self, other: PrefixCacheStats) -> None:
         """Add another interval's counts to these."""
         for name in ("requests", "queries", "hits", "query_blocks", "hit_blocks", "preempted_requests",
                      "preempted_queries", "preempted_hits"):

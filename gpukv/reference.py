@@ -27,8 +27,9 @@ Semantics (``docs/design.md`` says why each rule is what it is):
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -45,7 +46,6 @@ from gpukv.errors import (
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats
-from gpukv.rows import RowAllocator
 from gpukv.request import (
     MAX_NUM_BLOCKS,
     ComputedBlocks,
@@ -70,6 +70,7 @@ from gpukv.request import (
     resolve_key,
     token_array_for_host,
 )
+from gpukv.rows import RowAllocator
 
 NULL_BLOCK = 0
 
@@ -81,6 +82,34 @@ _HOST_BYTES_PER_BLOCK = 640
 # Below this many requests to hash at once, one chain per request beats a
 # vectorised round (whose cost is mostly per call, not per row).
 _MIN_VECTOR_ROWS = 24
+
+
+def group_hit(available: Sequence[bool], window_blocks: int) -> int:
+    """The longest hit one KV-cache group can serve, given which of the
+    request's first blocks it has (``available[i]``: a verified block at
+    position i). Full attention (``window_blocks < 0``): the first miss. A
+    sliding window that must see ``window_blocks`` blocks at the hit
+    boundary: the end of the rightmost run of that many available blocks, or
+    the leading run when none is that long (it reaches block 0, before which
+    the window needs nothing). The admission kernel's ``_group_hit`` is the
+    same rule (``tests/kernels/test_lookup.py`` holds both to one table)."""
+    limit = len(available)
+    if window_blocks < 0:
+        for i in range(limit):
+            if not available[i]:
+                return i
+        return limit
+    if window_blocks == 0:
+        return limit
+    run = 0
+    for i in range(limit - 1, -1, -1):
+        if not available[i]:
+            run = 0
+            continue
+        run += 1
+        if run >= window_blocks:
+            return i + window_blocks
+    return run
 
 
 @dataclass(frozen=True)
@@ -135,7 +164,8 @@ class BlockPool:
         # (digest, group) -> its blocks in insertion order (dict keeps order).
         self._table: dict[tuple[bytes, int], dict[int, None]] = {}
         self.num_evictions = 0
-        self.on_evict = None  # called with a block's CachedBlockInfo as it is evicted (KV-cache events)
+        # called with a block's CachedBlockInfo as it is evicted (KV-cache events)
+        self.on_evict: Callable[[CachedBlockInfo], None] | None = None
 
     # ---------------------------------------------------------------- reading
     @property
@@ -163,6 +193,7 @@ class BlockPool:
         """Whether a cached block was computed from exactly these inputs. A
         digest match whose parent, tokens or extra digest differ is a miss."""
         info = self._info[block_id]
+        assert info is not None, f"block {block_id} is not cached"
         return info.parent == parent and info.extra == extra and info.tokens == tokens
 
     # --------------------------------------------------------------- changing
@@ -171,7 +202,8 @@ class BlockPool:
         block_ids = list(block_ids)
         for b in block_ids:
             if b != NULL_BLOCK and self.ref_cnt[b] == 0 and self._info[b] is None:
-                raise ValueError(f"touch: block {b} is free and not cached; only cached or referenced blocks can be hit")
+                raise ValueError(f"touch: block {b} is free and not cached; only cached or referenced blocks can "
+                                 "be hit")
         for b in block_ids:
             if b == NULL_BLOCK:
                 continue
@@ -211,7 +243,8 @@ class BlockPool:
                 raise ValueError(f"free: block id {b} is outside 1..{self.num_blocks - 1}")
             drops[b] = drops.get(b, 0) + 1
             if drops[b] > self.ref_cnt[b]:
-                raise ValueError(f"free: block {b} has {self.ref_cnt[b]} references, cannot drop {drops[b]} (double free?)")
+                raise ValueError(f"free: block {b} has {self.ref_cnt[b]} references, cannot drop {drops[b]} "
+                                 "(double free?)")
         to_front = []
         for b in block_ids:
             if b == NULL_BLOCK:
@@ -244,6 +277,7 @@ class BlockPool:
 
     def _evict(self, block_id: int) -> None:
         info = self._info[block_id]
+        assert info is not None, f"block {block_id} is not cached"
         key = (info.digest, info.group)
         blocks = self._table[key]
         del blocks[block_id]
@@ -266,7 +300,8 @@ class BlockPool:
             assert blocks, f"empty table entry for {digest.hex()}"
             for b in blocks:
                 info = self._info[b]
-                assert info is not None and info.digest == digest and info.group == group, f"stale table entry -> block {b}"
+                assert info is not None and info.digest == digest and info.group == group, \
+                    f"stale table entry -> block {b}"
                 seen += 1
         assert seen == sum(info is not None for info in self._info), "a cached block is missing from the table"
 
@@ -308,7 +343,7 @@ class _Plan:
     num_hit_blocks: int
     # per group, per hit position: a block id, or (plan index, position) for a
     # block an earlier new request of this step will compute and cache.
-    hits: list[list[int | tuple[int, int]]]
+    hits: Sequence[Sequence[int | tuple[int, int]]]
     num_new_blocks: int
 
 
@@ -361,7 +396,11 @@ class KVCacheManager(FailStop):
         self._event_log: list | None = [] if enable_kv_cache_events else None
         self._event_queue = EventQueue()
         if enable_kv_cache_events:
-            self.pool.on_evict = lambda info: self._event_log.append(BlockRemoved([info.digest], info.group))
+            def log_eviction(info: CachedBlockInfo) -> None:
+                assert self._event_log is not None  # kept: take_events only swaps the list
+                self._event_log.append(BlockRemoved([info.digest], info.group))
+
+            self.pool.on_evict = log_eviction
         self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root = hashing.root_digest(self._key)
         self._requests: dict[str, _RequestState] = {}
@@ -377,14 +416,15 @@ class KVCacheManager(FailStop):
         self._memo_limit = 2 * num_blocks + 1024
 
     @classmethod
-    def from_config(cls, config, **kwargs) -> "KVCacheManager":
+    def from_config(cls, config, **kwargs) -> KVCacheManager:
         """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
         one group per config group, ``kwargs`` as the constructor's."""
         num_blocks, block_size, windows = manager_args_from_config(config)
         return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
 
     def __repr__(self) -> str:  # never show the key
-        return f"KVCacheManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, groups={self.sliding_windows})"
+        return (f"KVCacheManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, "
+                f"groups={self.sliding_windows})")
 
     # ------------------------------------------------------------ public API
     @property
@@ -518,7 +558,9 @@ class KVCacheManager(FailStop):
         plan = self._plan(self._new_state(request), [])
         self._remember_digests(plan.state)
         self._record(plan)
-        return ComputedBlocks([[b for b in g] for g in plan.hits], plan.num_hit_blocks * self.block_size)
+        # No earlier plan in this call: every hit is a block id, none a pending (plan, position).
+        return ComputedBlocks(cast("list[list[int]]", [[b for b in g] for g in plan.hits]),
+                              plan.num_hit_blocks * self.block_size)
 
     @mutating
     def allocate_slots(
@@ -558,7 +600,8 @@ class KVCacheManager(FailStop):
             self._check_computed(state, hits, num_hit)
             n_alloc = blocks_after_admission(num_hit, len(state.tokens), state.chunk, state.lookahead, self.block_size)
             plan = _Plan(state, num_hit, hits, (n_alloc - num_hit) * self.num_groups)
-            need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
+            need = plan.num_new_blocks + len({b for g in hits for b in g
+                                              if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
             if need > self.pool.num_free_blocks:
                 self._remember_digests(state)
                 return None
@@ -574,12 +617,12 @@ class KVCacheManager(FailStop):
                                     fix="pass computed=None with a running request's id")
         update = RunningUpdate(request, new_token_ids, num_tokens, num_lookahead_tokens or 0)
         (update,) = self._normalize((), [update], (), single=True).running
-        before = [len(b) for b in self._state(request).blocks]
+        num_before = [len(b) for b in self._state(request).blocks]
         self._release_skipped(self._state(request))
         if not self._run(update):
             return None
         self._cache_running([self._state(request)])
-        return [self._state(request).blocks[g][before[g]:] for g in range(self.num_groups)]
+        return [self._state(request).blocks[g][num_before[g]:] for g in range(self.num_groups)]
 
     @mutating
     def free(self, request_id: str) -> None:
@@ -682,7 +725,7 @@ class KVCacheManager(FailStop):
         chunks, la = normalize_decode_chunks(num_tokens_to_compute, lengths + tokens.shape[1] - computed, computed,
                                              num_lookahead_tokens, self._limits)
         updates = [RunningUpdate(st.request_id, t, None if chunks is None else int(c), la)
-                   for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths)]
+                   for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths, strict=True)]
         return self.step(running=updates)
 
     @mutating
@@ -778,7 +821,7 @@ class KVCacheManager(FailStop):
         caller hands in as ``block_hashes`` decides nothing (``docs/design.md``)."""
         st = _RequestState(
             request_id=r.request_id,
-            tokens=token_array_for_host(r.token_ids),
+            tokens=token_array_for_host(r.token_ids),  # type: ignore[arg-type]  # normalised: an array or tensor
             lora_id=r.lora_id,
             mm_items=r.mm_items,
             cache_salt=r.cache_salt,
@@ -821,13 +864,14 @@ class KVCacheManager(FailStop):
                                                             extras=st.extras[s:e], parent=parent))
         while work:
             parents = np.array(
-                [hashing.digests_to_lanes([st.block_hashes[-1] if st.block_hashes else self._root])[0] for st, _, _ in work],
+                [hashing.digests_to_lanes([st.block_hashes[-1] if st.block_hashes else self._root])[0]
+                 for st, _, _ in work],
                 dtype=np.uint64,
             )
             tokens = np.array([st.tokens[(s + rnd) * bs:(s + rnd + 1) * bs] for st, s, _ in work], dtype=np.int64)
             extras = hashing.digests_to_lanes([st.extras[s + rnd] for st, s, _ in work])
             digests = hashing.lanes_to_digests(hashing.block_digests_lanes(self._key, parents, tokens, extras))
-            for (st, _, _), d in zip(work, digests):
+            for (st, _, _), d in zip(work, digests, strict=True):
                 st.block_hashes.append(d)
             rnd += 1
             work = [w for w in work if w[1] + rnd < w[2]]
@@ -885,7 +929,7 @@ class KVCacheManager(FailStop):
                 hit = new_hit
         hits = []
         for g, window in enumerate(self.sliding_windows):
-            first_real = self._first_real_hit(window, hit, g, block_at)
+            first_real = self._first_real_hit(window, hit)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
         n_alloc = blocks_after_admission(hit, num_tokens, st.chunk, st.lookahead, bs)
         return _Plan(st, hit, hits, (n_alloc - hit) * self.num_groups)
@@ -918,25 +962,10 @@ class KVCacheManager(FailStop):
 
     def _group_hit(self, g: int, window: int | None, limit: int, block_at) -> int:
         """The longest hit, at most ``limit`` blocks, this group can serve."""
-        if window is None:
-            for i in range(limit):
-                if block_at(i, g) is None:
-                    return i
-            return limit
-        need = self._window_blocks(window)
-        if need == 0:
-            return limit
-        run = 0
-        for i in range(limit - 1, -1, -1):
-            if block_at(i, g) is None:
-                run = 0
-                continue
-            run += 1
-            if run >= need:
-                return i + need
-        return run
+        need = -1 if window is None else self._window_blocks(window)
+        return group_hit([block_at(i, g) is not None for i in range(limit)], need)
 
-    def _first_real_hit(self, window: int | None, hit: int, g: int, block_at) -> int:
+    def _first_real_hit(self, window: int | None, hit: int) -> int:
         if window is None or hit == 0:
             return 0
         return max(0, hit - self._window_blocks(window))
@@ -1004,8 +1033,8 @@ class KVCacheManager(FailStop):
         bs = self.block_size
         pool = self.pool
         free = pool._free  # len(free) is pool.num_free_blocks
-        for k, (update, st) in enumerate(zip(updates, states)):
-            new_tokens = update.new_token_ids
+        for k, (update, st) in enumerate(zip(updates, states, strict=True)):
+            new_tokens: Any = update.new_token_ids  # normalised (gpukv.request): an int64 array or a tensor
             if type(new_tokens) is not np.ndarray:
                 new_tokens = token_array_for_host(new_tokens)
             new_tokens = new_tokens.tolist()

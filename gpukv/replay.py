@@ -33,13 +33,17 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.traces import Trace, TraceRequest
+
+if TYPE_CHECKING:
+    from gpukv.prometheus import ServingMetrics
 
 # vLLM 0.8.5 (engine/arg_utils.py, _set_default_args_v1): the OpenAI server's
 # max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
@@ -64,7 +68,7 @@ class ReplayOptions:
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     long_prefill_token_threshold: int = 0  # per request per step; 0: no cap (vLLM's default)
     # A gpukv.prometheus.ServingMetrics updated after every step, or None.
-    metrics: object | None = None
+    metrics: ServingMetrics | None = None
 
 
 @dataclass
@@ -127,14 +131,17 @@ class _TokenBudget:
 
 def make_manager(opts: ReplayOptions):
     if opts.backend == "reference":
-        from gpukv.reference import KVCacheManager
-    elif opts.backend == "device":
-        from gpukv.manager import KVCacheManager
-    else:
-        raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
-    kwargs = dict(max_model_len=opts.max_model_len, max_num_reqs=2 * opts.max_num_seqs) if opts.backend == "device" else {}
-    return KVCacheManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first, hash_key=opts.hash_key,
-                          **kwargs)
+        from gpukv.reference import KVCacheManager as ReferenceManager
+
+        return ReferenceManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first,
+                                hash_key=opts.hash_key)
+    if opts.backend == "device":
+        from gpukv.manager import KVCacheManager as DeviceManager
+
+        return DeviceManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first,
+                             hash_key=opts.hash_key, max_model_len=opts.max_model_len,
+                             max_num_reqs=2 * opts.max_num_seqs)
+    raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
 
 
 class _PlainLines:
@@ -281,14 +288,14 @@ class Replay:
                     self._step(step, finish, decode, arrivals.get(step, []))
                 step += 1
                 executed += 1
-                progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
+                progress.update(sum(lv.status in ("finished", "rejected") for lv in self.live.values()), step)
                 if opts.max_steps is not None and executed >= opts.max_steps:
                     self.messages.append(f"stopped after --max-steps {opts.max_steps}")
                     break
         except BaseException:
             progress.close(step, ok=False)
             raise
-        progress.update(sum(l.status in ("finished", "rejected") for l in self.live.values()), step)
+        progress.update(sum(lv.status in ("finished", "rejected") for lv in self.live.values()), step)
         progress.close(step)
         return self._report(executed, time.perf_counter() - t0)
 
@@ -301,7 +308,8 @@ class Replay:
         for live in self.running:
             if live.prefilling:
                 continue
-            if self.opts.prompt_only or live.sampled >= live.spec.output_length:
+            # A Mooncake request always says how many tokens it generates.
+            if self.opts.prompt_only or live.sampled >= cast(int, live.spec.output_length):
                 finish.append(live.rid)
             else:
                 decode[live.rid] = live.spec.output_tokens(live.sampled - 1, live.sampled)
@@ -321,7 +329,7 @@ class Replay:
         budget = _TokenBudget(self.max_num_batched_tokens, self.long_prefill_token_threshold)
         updates = self._running_updates(step, decode, finished, budget)
         batch = self._admission_batch(budget) if self.opts.admission == "batch" else []
-        result = self._timed(self.manager.step, finished, updates, [self._new_request(l, k) for l, k in batch])
+        result = self._timed(self.manager.step, finished, updates, [self._new_request(lv, k) for lv, k in batch])
         preempted = self._apply_running(step, updates, result)
         # Admission, only when nothing was preempted (vLLM's rule).
         if not preempted:
@@ -455,17 +463,17 @@ class Replay:
         self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.num_free_blocks)
         stats = self.manager.make_prefix_cache_stats()
         if self.opts.metrics is not None:
-            self._observe(stats)
+            self._observe(self.opts.metrics, stats)
         if self.stats is None:
             self.stats = stats
         else:
             self.stats.merge(stats)
 
-    def _observe(self, stats) -> None:
+    def _observe(self, metrics: ServingMetrics, stats) -> None:
         """This step into the Prometheus metrics (``--metrics-port``)."""
         m = self.manager
         preemptions = self.totals["preemptions"]
-        self.opts.metrics.observe_step(
+        metrics.observe_step(
             stats, usage=self.blocks_in_use[-1] / (m.num_blocks - 1), blocks_in_use=self.blocks_in_use[-1],
             running=len(self.running), waiting=len(self.waiting),
             preemptions=preemptions - self._preemptions_observed, evictions_total=m.num_evictions,
@@ -490,14 +498,16 @@ class Replay:
         ``max_model_len`` or needs more blocks than the pool has. Judged on
         every token, not the first chunk: the prefill must hold them all."""
         n = len(live.tokens)
-        return n > self.opts.max_model_len or -(-n // self.opts.block_size) * self.manager.num_groups > self.manager.num_blocks - 1
+        return (n > self.opts.max_model_len
+                or -(-n // self.opts.block_size) * self.manager.num_groups > self.manager.num_blocks - 1)
 
     def _new_request(self, live: _Live, chunk: int) -> NewRequest:
         # The manager hashes the tokens itself (caller-supplied digests are
         # deprecated: they could poison the cache). A chunk of the whole
         # prompt is passed as None, the unchunked call.
         spec = live.spec
-        return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,
+        # NewRequest takes a 1-D integer array (its docstring); its annotation says only Sequence[int].
+        return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,  # type: ignore[arg-type]
                           cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache,
                           num_tokens_to_compute=None if chunk >= len(live.tokens) else chunk,
                           num_preemptions=live.preemptions)  # re-admissions count apart in the stats
@@ -559,9 +569,10 @@ class Replay:
 
     # ---------------------------------------------------------------- report
     def _first_admission_hit_rate(self) -> float:
-        admitted = [l for l in self.live.values() if l.num_cached_tokens is not None]
-        prompt = sum(l.spec.input_length for l in admitted)
-        return sum(l.num_cached_tokens for l in admitted) / prompt if prompt else 0.0
+        admitted = [(lv.spec.input_length, lv.num_cached_tokens) for lv in self.live.values()
+                    if lv.num_cached_tokens is not None]
+        prompt = sum(n for n, _ in admitted)
+        return sum(cached for _, cached in admitted) / prompt if prompt else 0.0
 
     def _report(self, num_steps: int, wall_s: float) -> dict:
         stats = self.stats
@@ -570,8 +581,8 @@ class Replay:
         summary = {
             "backend": self.opts.backend,
             "requests": len(self.live),
-            "finished": sum(l.status == "finished" for l in self.live.values()),
-            "rejected": sum(l.status == "rejected" for l in self.live.values()),
+            "finished": sum(lv.status == "finished" for lv in self.live.values()),
+            "rejected": sum(lv.status == "rejected" for lv in self.live.values()),
             "steps": num_steps,
             "skipped_idle_steps": self.skipped_steps,
             "prompt_tokens": tot["prompt_tokens"],
@@ -603,17 +614,17 @@ class Replay:
             "wall_s": wall_s,
         }
         requests = {}
-        for rid, l in self.live.items():
+        for rid, lv in self.live.items():
             requests[rid] = {
-                "admitted_step": l.admitted_step,
-                "num_prompt_tokens": l.spec.input_length,
-                "num_cached_tokens": l.num_cached_tokens,
-                "prefill_done_step": l.prefill_done_step,
-                "block_ids": l.block_ids,
-                "preemptions": l.preemptions,
-                "status": l.status,
-                "finished_step": l.finished_step,
-                **({"reason": l.reason} if l.reason else {}),
+                "admitted_step": lv.admitted_step,
+                "num_prompt_tokens": lv.spec.input_length,
+                "num_cached_tokens": lv.num_cached_tokens,
+                "prefill_done_step": lv.prefill_done_step,
+                "block_ids": lv.block_ids,
+                "preemptions": lv.preemptions,
+                "status": lv.status,
+                "finished_step": lv.finished_step,
+                **({"reason": lv.reason} if lv.reason else {}),
             }
         return {
             "config": {

@@ -38,18 +38,20 @@ class ModelShape:
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * block_size * getattr(torch, self.dtype).itemsize
+        itemsize = getattr(torch, self.dtype).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * block_size * itemsize
 
     def gib_of(self, num_blocks: int, block_size: int) -> float:
         """The GiB ``num_blocks`` blocks take."""
         return num_blocks * self.bytes_per_block(block_size) / 2**30
 
     def blocks_for(self, gib: float, block_size: int) -> int:
-        from gpukv import FullAttentionSpec, get_kv_cache_config
+        from gpukv import FullAttentionSpec, KVCacheSpec, get_kv_cache_config
 
         dtype = getattr(torch, self.dtype)
-        spec = {f"layer.{i}": FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
-                for i in range(self.num_layers)}
+        spec: dict[str, KVCacheSpec] = {
+            f"layer.{i}": FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
+            for i in range(self.num_layers)}
         cfg = get_kv_cache_config(spec, available_memory=int(gib * 2**30), max_model_len=block_size)
         return cfg.num_blocks
 

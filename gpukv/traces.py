@@ -26,6 +26,7 @@ object or array starts).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import json.decoder
 import json.scanner
@@ -130,6 +131,7 @@ class TraceRequest:
     def prompt_tokens(self) -> np.ndarray:
         if self.prompt is not None:
             return self.prompt
+        assert self.hash_ids is not None, "a TraceRequest has a prompt or hash_ids"
         return mooncake_tokens(self.hash_ids, self.input_length)
 
     def output_tokens(self, start: int, stop: int) -> np.ndarray:
@@ -273,7 +275,7 @@ def load_mooncake(path: Path, *, max_requests: int | None = None, arrival: str =
     if isinstance(step_ms, bool) or not isinstance(step_ms, (int, float)) or not (0 < step_ms < math.inf):
         raise ValueError(f"step_ms must be a positive finite number, got {step_ms!r}")
     _check_limit(max_requests)
-    requests = []
+    requests: list[TraceRequest] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if max_requests is not None and len(requests) >= max_requests:
@@ -308,12 +310,16 @@ class _LocatedDict(dict):
     """A JSON object that knows its line (``line``) and each member's (``lines[key]``)."""
 
     __slots__ = ("line", "lines")
+    line: int
+    lines: dict[Any, int]
 
 
 class _LocatedList(list):
     """A JSON array that knows its line (``line``) and each element's (``lines[i]``)."""
 
     __slots__ = ("line", "lines")
+    line: int
+    lines: list[int]
 
 
 def _loads_located(text: str):
@@ -330,28 +336,31 @@ def _loads_located(text: str):
             return scan_once(s, idx)
         return scan
 
-    def parse_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+    # The scanner calls these as it calls json.decoder's JSONObject and JSONArray.
+    def parse_object(s_and_end, strict, scan_once, _object_hook, _object_pairs_hook, memo=None):
         starts: list[int] = []
-        pairs, end = json.decoder.JSONObject(s_and_end, strict, recording(scan_once, starts), None,
+        # JSONObject, JSONArray and py_make_scanner: CPython's pure-Python scanner, not in typeshed.
+        pairs, end = json.decoder.JSONObject(s_and_end, strict, recording(scan_once, starts), None,  # type: ignore[attr-defined]
                                              lambda p: p, memo)
         out = _LocatedDict(pairs)
         out.line = line_of(s_and_end[1] - 1)
         # Values are scanned in member order (an empty object scans none).
-        out.lines = {k: line_of(at) for (k, _), at in zip(pairs, starts)} if isinstance(pairs, list) else {}
+        out.lines = ({k: line_of(at) for (k, _), at in zip(pairs, starts, strict=True)}
+                     if isinstance(pairs, list) else {})
         return out, end
 
     def parse_array(s_and_end, scan_once):
         starts: list[int] = []
-        values, end = json.decoder.JSONArray(s_and_end, recording(scan_once, starts))
+        values, end = json.decoder.JSONArray(s_and_end, recording(scan_once, starts))  # type: ignore[attr-defined]
         out = _LocatedList(values)
         out.line = line_of(s_and_end[1] - 1)
         out.lines = [line_of(at) for at in starts[: len(values)]]
         return out, end
 
-    decoder = json.JSONDecoder()
+    decoder: Any = json.JSONDecoder()  # its scanner hooks are not in typeshed
     decoder.parse_object = parse_object
     decoder.parse_array = parse_array
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
     return decoder.decode(text)
 
 
@@ -368,8 +377,8 @@ def _line_of_problem(text: str, e: Exception) -> int | None:
             if depth > 100:
                 return flat.count("\n", 0, m.start()) + 1
         return None
-    m = re.search(r"\d{4000,}", text)  # an integer literal Python will not convert
-    return text.count("\n", 0, m.start()) + 1 if m else None
+    big = re.search(r"\d{4000,}", text)  # an integer literal Python will not convert
+    return text.count("\n", 0, big.start()) + 1 if big else None
 
 
 def load_step_trace(path: Path, *, max_requests: int | None = None) -> Trace:
@@ -411,10 +420,8 @@ class _Where:
         line = getattr(node, "line", None)
         lines = getattr(node, "lines", None)
         if key is not None and lines is not None:
-            try:
+            with contextlib.suppress(KeyError, IndexError, TypeError):
                 line = lines[key]
-            except (KeyError, IndexError, TypeError):
-                pass
         return TraceError(self.path, line, f"{context}: {problem}" if context else problem)
 
 
@@ -491,7 +498,7 @@ def _mm_items(w: _Where, r: dict, num_tokens: int, context: str) -> tuple[MMItem
             raise w.error(item, at, "the hash must not be empty", key="hash")
         out.append((MMItem(off, n, h), i))
     out.sort(key=lambda p: p[0].offset)
-    for (a, _), (b, j) in zip(out, out[1:]):
+    for (a, _), (b, j) in zip(out, out[1:], strict=False):
         if b.offset < a.offset + a.length:
             raise w.error(items, f"{context} mm[{j}]", f"items at offsets {a.offset} and {b.offset} overlap", key=j)
     return tuple(m for m, _ in out)
@@ -514,7 +521,8 @@ def parse_step_trace(doc: Any, *, where: str = "step trace", max_requests: int |
             if v <= 0:
                 raise w.error(cfg, "config", f"{key} must be positive, got {_show(v)}", key=key)
             if v < minimum:
-                raise w.error(cfg, "config", f"{key} must be >= {minimum} (block 0 is the null block), got {v}", key=key)
+                raise w.error(cfg, "config", f"{key} must be >= {minimum} (block 0 is the null block), got {v}",
+                              key=key)
             if v > MAX_SIZE:
                 raise w.error(cfg, "config", f"{key} must be at most {MAX_SIZE}, got {_show(v)}", key=key)
             config[key] = v

@@ -45,7 +45,8 @@ import tempfile
 import textwrap
 import time
 from collections import Counter, defaultdict
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 TARGETS: tuple[tuple[str, int, int], ...] = (("cuda", 80, 32), ("cuda", 90, 32))
 
@@ -94,7 +95,7 @@ def discover() -> tuple[dict, dict, dict]:
     is an unused helper (kept as API, compiled nowhere). Every other jit
     function is a kernel.
     """
-    jits: dict[str, object] = {}
+    jits: dict[str, Any] = {}
     for mod in kernel_modules():
         for obj in vars(mod).values():
             if _is_jit(obj) and obj.fn.__module__ == mod.__name__:
@@ -143,7 +144,7 @@ class Signature:
 
     def describe(self) -> str:
         parts = []
-        for name, (ty, attr) in zip(self.params, self.spec):
+        for name, (ty, attr) in zip(self.params, self.spec, strict=True):
             if ty == "constexpr":
                 parts.append(f"{name}={attr}")
             else:
@@ -209,7 +210,7 @@ class Recorder:
         options = tuple(sorted((k, _plain(v)) for k, v in kwargs.items() if k in _OPTION_KEYS))
         return Signature(name, names, spec, options)
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         for name, obj in self.kernels.items():
             orig = obj.run
 
@@ -231,7 +232,7 @@ class Recorder:
     def signatures(self) -> list[Signature]:
         return sorted(self.launches, key=lambda s: (s.kernel, repr(s.spec), s.options))
 
-    def per_kernel(self, labels: Optional[Iterable[str]] = None) -> dict[str, int]:
+    def per_kernel(self, labels: Iterable[str] | None = None) -> dict[str, int]:
         """Distinct signatures per launched kernel (of the workloads with
         these labels; all by default)."""
         sigs = self.launches if labels is None else set().union(*(self.by_workload[x] for x in labels))
@@ -244,7 +245,7 @@ class Recorder:
 _KEY = bytes(range(16))
 
 
-def _prompt(seed: int, n: int, base: Optional[list] = None) -> list[int]:
+def _prompt(seed: int, n: int, base: list | None = None) -> list[int]:
     """``n`` tokens; a shared ``base`` prefix first when given."""
     head = list(base or [])[:n]
     return head + [(seed * 7919 + 13 * i) % 50000 for i in range(n - len(head))]
@@ -436,7 +437,7 @@ MANAGER_WORKLOADS = (
 WORKLOADS = MANAGER_WORKLOADS + (("direct launcher calls", direct_launches),)
 
 
-def record(kernels: Optional[dict] = None, *, honour_do_not_specialize: bool = True,
+def record(kernels: dict | None = None, *, honour_do_not_specialize: bool = True,
            workloads=WORKLOADS) -> Recorder:
     """Run the workloads under a ``Recorder`` of every discovered kernel."""
     if kernels is None:
@@ -458,10 +459,10 @@ class CompileResult:
     signature: str
     ok: bool
     error: str = ""
-    registers: Optional[int] = None
-    spill_stores: Optional[int] = None
-    spill_loads: Optional[int] = None
-    shared: Optional[int] = None
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    shared: int | None = None
     seconds: float = 0.0
 
 
@@ -469,7 +470,7 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _error_text(e: BaseException) -> str:
+def _error_text(e: BaseException | None) -> str:
     """The error and its causes (a ``CompilationError`` says where; its cause
     says what)."""
     parts, seen = [], set()
@@ -493,7 +494,7 @@ def _compile_one(job: dict, target) -> dict:
     from triton.compiler.compiler import make_backend
     backend = make_backend(backend_target)
     signature, constexprs, attrs = {}, {}, {}
-    for i, (name, (ty, attr)) in enumerate(zip(job["params"], job["spec"])):
+    for i, (name, (ty, attr)) in enumerate(zip(job["params"], job["spec"], strict=True)):
         signature[name] = ty
         if ty == "constexpr":
             constexprs[(i,)] = attr
@@ -517,7 +518,7 @@ def _compile_one(job: dict, target) -> dict:
     spills = [(int(a), int(b)) for a, b in _PTXAS_SPILLS.findall(text)]
     out.update(ok=True, registers=max(regs) if regs else None,
                spill_stores=max((s for s, _ in spills), default=None),
-               spill_loads=max((l for _, l in spills), default=None),
+               spill_loads=max((ld for _, ld in spills), default=None),
                shared=int(k.metadata.shared))
     return out
 
@@ -546,7 +547,7 @@ def _worker_env(cache_dir: str) -> dict:
     return env
 
 
-def compile_all(signatures: Iterable[Signature], targets=TARGETS, *, jobs: Optional[int] = None,
+def compile_all(signatures: Iterable[Signature], targets=TARGETS, *, jobs: int | None = None,
                 timeout: float = 600.0) -> list[CompileResult]:
     """Compile every signature for every target with Triton's real compiler,
     in ``jobs`` worker processes sharing one fresh, empty Triton cache."""
@@ -573,13 +574,13 @@ def compile_all(signatures: Iterable[Signature], targets=TARGETS, *, jobs: Optio
                                            text=True), op, chunk))
         results: list[CompileResult] = []
         deadline = time.monotonic() + timeout
-        for proc, op, chunk in procs:
+        for proc, op, _chunk in procs:
             try:
                 output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as e:
                 proc.kill()
                 output, _ = proc.communicate()
-                raise RuntimeError(f"compile worker timed out after {timeout:.0f} s:\n{output[-4000:]}")
+                raise RuntimeError(f"compile worker timed out after {timeout:.0f} s:\n{output[-4000:]}") from e
             if proc.returncode != 0 or not os.path.exists(op):
                 raise RuntimeError(f"compile worker failed (exit {proc.returncode}):\n{output[-4000:]}")
             with open(op) as f:

@@ -72,7 +72,7 @@ synchronise with the host; they only enqueue work):
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
@@ -101,7 +101,7 @@ __all__ = [
     "MAX_MESSAGE",
 ]
 
-KeyLike = Union[torch.Tensor, bytes, bytearray, Sequence[int]]
+KeyLike = torch.Tensor | bytes | bytearray | Sequence[int]
 
 #: Requests (or messages) per program: one lane (one thread) each, power of two.
 #: The chain is sequential per request, so a step's latency is one request's
@@ -232,7 +232,7 @@ def blake3_compress(h0, h1, h2, h3, h4, h5, h6, h7,
     # A loop, not unrolled: the real compiler's Coalesce pass takes time
     # quadratic in a kernel's size, and seven copies of the round made a
     # chain kernel take minutes to build. The permutation is a register rename.
-    for r in range(7):
+    for _round in range(7):
         v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = blake3_round(
             v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
             m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
@@ -579,7 +579,7 @@ def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
-def key_lanes(key: KeyLike, device: Union[torch.device, str]) -> torch.Tensor:
+def key_lanes(key: KeyLike, device: torch.device | str) -> torch.Tensor:
     """The key as an ``int64[2]`` tensor ``(k0, k1)`` on ``device``.
 
     ``key`` is 16 bytes, a pair of ints (each an unsigned 64-bit value or its
@@ -598,7 +598,7 @@ def key_lanes(key: KeyLike, device: Union[torch.device, str]) -> torch.Tensor:
     if isinstance(key, (bytes, bytearray)):
         if len(key) != 16:
             raise ValueError(f"key must be 16 bytes; got {len(key)}")
-        lanes = (int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little"))
+        lanes: tuple[int, ...] = (int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little"))
     else:
         lanes = tuple(key)
         if len(lanes) != 2 or not all(isinstance(k, int) for k in lanes):
@@ -627,7 +627,7 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple,
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
     if t.device != device:
@@ -688,11 +688,11 @@ def hash_block_chains(
     parents: torch.Tensor,
     tokens: torch.Tensor,
     num_blocks: torch.Tensor,
-    extras: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
+    extras: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     *,
-    block_size: Optional[int] = None,
-    max_blocks: Optional[int] = None,
+    block_size: int | None = None,
+    max_blocks: int | None = None,
     tile: int = DEFAULT_TILE,
 ) -> torch.Tensor:
     """Chained block digests of ``R`` requests; returns ``out`` int64[R, M, 2].
@@ -749,11 +749,11 @@ def hash_block_chains_host(
     parents: torch.Tensor,
     tokens: torch.Tensor,
     num_blocks: torch.Tensor,
-    extras: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
+    extras: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     *,
-    block_size: Optional[int] = None,
-    max_blocks: Optional[int] = None,
+    block_size: int | None = None,
+    max_blocks: int | None = None,
     tile: int = DEFAULT_TILE,
 ) -> torch.Tensor:
     """``hash_block_chains`` computed on the host with ``gpukv.hashing`` (the
@@ -827,7 +827,7 @@ def hash_rows(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, count
 
 def hash_rows_host(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, *,
                    tokens: torch.Tensor, digests: torch.Tensor, extras: torch.Tensor, root: tuple[int, int],
-                   block_size: int, tile: int = DEFAULT_TILE) -> None:
+                   block_size: int, tile: int = DEFAULT_TILE) -> None:  # noqa: ARG001 (hash_rows's signature)
     """``hash_rows`` computed on the host with ``gpukv.hashing`` (reads the
     tensors: a sync on a GPU); for runs under Triton's interpreter.
     tests/kernels/test_block_hash.py holds the two equal (and both equal to
@@ -835,7 +835,8 @@ def hash_rows_host(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, 
     from gpukv import hashing
 
     _rows_args(rows, starts, counts, tokens, digests, extras)
-    work = [(r, s, n) for r, s, n in zip(rows.tolist(), starts.tolist(), counts.tolist()) if n > 0 and r >= 0]
+    work = [(r, s, n) for r, s, n in zip(rows.tolist(), starts.tolist(), counts.tolist(), strict=True)
+            if n > 0 and r >= 0]
     if not work:
         return
     key16 = b"".join((k & _U64_MASK).to_bytes(8, "little") for k in key.tolist())
@@ -885,10 +886,10 @@ def _launch_bytes(key: torch.Tensor, messages: torch.Tensor, lengths: torch.Tens
 
 def blake3_bytes(
     messages: torch.Tensor,
-    lengths: Optional[torch.Tensor] = None,
+    lengths: torch.Tensor | None = None,
     *,
-    key: Union[bytes, torch.Tensor, None] = None,
-    derive_key_context: Optional[str] = None,
+    key: bytes | torch.Tensor | None = None,
+    derive_key_context: str | None = None,
     tile: int = DEFAULT_TILE,
 ) -> torch.Tensor:
     """BLAKE3 of ``n`` byte strings of at most 1024 bytes (one chunk) each.

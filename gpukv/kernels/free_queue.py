@@ -68,7 +68,6 @@ copy wins is unspecified, and ``ERR_PRESENT`` is set).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
@@ -427,8 +426,8 @@ class FreeQueue:
     tile: int = DEFAULT_TILE
 
     @classmethod
-    def create(cls, num_blocks: int, device: Union[torch.device, str, None] = None, *,
-               capacity: Optional[int] = None, tile: int = DEFAULT_TILE) -> "FreeQueue":
+    def create(cls, num_blocks: int, device: torch.device | str | None = None, *,
+               capacity: int | None = None, tile: int = DEFAULT_TILE) -> FreeQueue:
         """A queue holding ``1..N-1`` in order (front first). ``capacity``
         defaults to the smallest power of two >= 2N."""
         n = int(num_blocks)
@@ -539,7 +538,7 @@ def _check_tile(tile: int) -> None:
         raise ValueError(f"tile must be a power of two, got {tile}")
 
 
-def _vector(t, name: str, dtypes: tuple, device: torch.device, length: Optional[int] = None) -> torch.Tensor:
+def _vector(t, name: str, dtypes: tuple, device: torch.device, length: int | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -567,8 +566,8 @@ def _warps(tile: int) -> int:
     return max(1, min(8, tile // 128))
 
 
-def remove(fq: FreeQueue, blocks: torch.Tensor, valid: Optional[torch.Tensor] = None,
-           *, count: Optional[torch.Tensor] = None, tile: Optional[int] = None) -> None:
+def remove(fq: FreeQueue, blocks: torch.Tensor, valid: torch.Tensor | None = None,
+           *, count: torch.Tensor | None = None, tile: int | None = None) -> None:
     """Take ``blocks`` (int32[K]) out of the queue wherever they stand.
 
     Entry k counts only if ``valid[k]`` (bool/int8/uint8/int32[K], optional)
@@ -599,8 +598,8 @@ def remove(fq: FreeQueue, blocks: torch.Tensor, valid: Optional[torch.Tensor] = 
     )
 
 
-def pop(fq: FreeQueue, count: Union[torch.Tensor, int], out: Optional[torch.Tensor] = None,
-        *, max_count: Optional[int] = None, tile: Optional[int] = None) -> torch.Tensor:
+def pop(fq: FreeQueue, count: torch.Tensor | int, out: torch.Tensor | None = None,
+        *, max_count: int | None = None, tile: int | None = None) -> torch.Tensor:
     """Pop the first ``count`` free blocks, front first; returns ``out``.
 
     ``count`` is an int32/int64[1] device tensor (or a host int). ``out`` is
@@ -636,8 +635,8 @@ def pop(fq: FreeQueue, count: Union[torch.Tensor, int], out: Optional[torch.Tens
 
 
 def push(fq: FreeQueue, blocks: torch.Tensor, where: torch.Tensor,
-         call: Optional[torch.Tensor] = None, *, workspace: Optional[torch.Tensor] = None,
-         tile: Optional[int] = None) -> None:
+         call: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
+         tile: int | None = None) -> None:
     """Put freed blocks back, in the order sequential ``BlockPool.free`` calls
     would leave them.
 
@@ -681,7 +680,7 @@ def push(fq: FreeQueue, blocks: torch.Tensor, where: torch.Tensor,
     )
 
 
-def compact(fq: FreeQueue, *, tile: Optional[int] = None) -> None:
+def compact(fq: FreeQueue, *, tile: int | None = None) -> None:
     """Pack the window's live entries densely, keeping their order (one program)."""
     tile = fq.tile if tile is None else int(tile)
     _check_tile(tile)
@@ -691,8 +690,8 @@ def compact(fq: FreeQueue, *, tile: Optional[int] = None) -> None:
     )
 
 
-def maybe_compact(fq: FreeQueue, incoming: int = 0, *, tomb_limit: Optional[int] = None,
-                  tile: Optional[int] = None) -> None:
+def maybe_compact(fq: FreeQueue, incoming: int = 0, *, tomb_limit: int | None = None,
+                  tile: int | None = None) -> None:
     """Compact when ``window + incoming > C`` or ``tombstones > tomb_limit``
     (default N), decided on the device: the kernel does nothing otherwise and
     the host never reads the counters. Optional: ``push`` compacts by itself

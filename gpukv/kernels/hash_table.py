@@ -69,7 +69,7 @@ Host helpers for tests and invariants (these synchronise):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any
 
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
@@ -145,7 +145,7 @@ _PREP_TILE = 1024
 _GROUP_MUL = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
-Device = Union[torch.device, str]
+Device = torch.device | str
 
 
 # --------------------------------------------------------------------------
@@ -488,8 +488,8 @@ class HashTable:
     rebuild_flag: torch.Tensor
 
     @classmethod
-    def create(cls, num_blocks: int, device: Device = None, *,
-               capacity: Optional[int] = None) -> "HashTable":
+    def create(cls, num_blocks: int, device: Device | None = None, *,
+               capacity: int | None = None) -> HashTable:
         """An empty table for blocks ``0..num_blocks-1``.
 
         ``capacity`` defaults to the smallest power of two >= 2 * num_blocks.
@@ -507,8 +507,8 @@ class HashTable:
             raise ValueError(f"capacity must be a power of two in [1, 2**30], got {capacity!r}")
         device = _runtime.default_device() if device is None else torch.device(device)
         _check_device(device)
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         return cls(
             num_blocks=num_blocks,
             capacity=capacity,
@@ -606,7 +606,7 @@ def _check_device(device: torch.device) -> None:
             "TRITON_INTERPRET=1 before triton is imported (import gpukv first)")
 
 
-def _vec(t, name: str, dtypes: tuple, K: Optional[int], device: torch.device) -> torch.Tensor:
+def _vec(t, name: str, dtypes: tuple, K: int | None, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -636,9 +636,9 @@ def _valid(valid, K: int, dev: torch.device):
 
 
 def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
-           group: Union[torch.Tensor, int], block: torch.Tensor,
-           valid: Optional[torch.Tensor] = None, *, tile: int = _TILE, seq: Optional[torch.Tensor] = None,
-           _lane_perm: Optional[torch.Tensor] = None) -> None:
+           group: torch.Tensor | int, block: torch.Tensor,
+           valid: torch.Tensor | None = None, *, tile: int = _TILE, seq: torch.Tensor | None = None,
+           _lane_perm: torch.Tensor | None = None) -> None:
     """Cache ``block[i]`` under key ``(lo[i], hi[i], group[i])`` for each valid i.
 
     ``lo``/``hi`` int64[K] (strided views such as ``digests[:, 0]`` are fine),
@@ -678,8 +678,8 @@ def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
 
 
 def find_oldest(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
-                group: Union[torch.Tensor, int], valid: Optional[torch.Tensor] = None,
-                out: Optional[torch.Tensor] = None, *, tile: int = _TILE) -> torch.Tensor:
+                group: torch.Tensor | int, valid: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, *, tile: int = _TILE) -> torch.Tensor:
     """For each query, the oldest live block cached under its key; -1 if none
     or the query is invalid. Returns int32[K] (``out`` when given). One launch,
     parallel across queries; a query probes from its home slot to the first
@@ -706,8 +706,8 @@ def find_oldest(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
     return out
 
 
-def erase(table: HashTable, block: torch.Tensor, valid: Optional[torch.Tensor] = None,
-          *, erased: Optional[torch.Tensor] = None, tile: int = _TILE) -> None:
+def erase(table: HashTable, block: torch.Tensor, valid: torch.Tensor | None = None,
+          *, erased: torch.Tensor | None = None, tile: int = _TILE) -> None:
     """Remove the given blocks' entries (int32[K], distinct within one call);
     a block that is not cached is ignored, a negative id is padding (skipped),
     an id ``>= N`` sets ``ERR_BAD_BLOCK``. ``erased`` (int64[1], optional)
@@ -763,7 +763,7 @@ def rebuild(table: HashTable) -> None:
     _rebuild(table, -1)
 
 
-def maybe_rebuild(table: HashTable, min_tombstones: Optional[int] = None) -> None:
+def maybe_rebuild(table: HashTable, min_tombstones: int | None = None) -> None:
     """``rebuild`` when the device's tombstone count exceeds ``min_tombstones``
     (default ``capacity // 4``); decided on the device, so the host reads
     nothing (both launches exit at once when not needed)."""

@@ -127,7 +127,7 @@ def _check_values(block_table, query_start_loc, start_positions, num_tokens: int
     starts = start_positions.cpu().tolist()
     if qsl[0] != 0:
         raise ValueError(f"slot_mapping: query_start_loc[0] must be 0, got {qsl[0]}")
-    lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
     if any(n < 0 for n in lens):
         b = next(i for i, n in enumerate(lens) if n < 0)
         raise ValueError(f"slot_mapping: query_start_loc must be non-decreasing; "
@@ -137,7 +137,7 @@ def _check_values(block_table, query_start_loc, start_positions, num_tokens: int
                          f"num_tokens = {num_tokens}")
     bt = block_table.cpu()
     M = bt.shape[1]
-    for b, (s, n) in enumerate(zip(starts, lens)):
+    for b, (s, n) in enumerate(zip(starts, lens, strict=True)):
         if n == 0:
             continue
         if s < 0:

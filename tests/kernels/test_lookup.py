@@ -1,8 +1,10 @@
 """Lookup kernels: hit verification and sequential admission, by hand."""
 
+import pytest
 import torch
 
 import gpukv._runtime  # noqa: F401
+from gpukv import reference
 from gpukv.kernels import lookup
 
 ROOT = (11, 22)
@@ -77,9 +79,12 @@ def test_admission_first_miss_touches_and_prefix():
     # hit position 1 itself, so it does not compute it): hit 1, needs 2 new.
     # Request 2: 5 new > 0 left: refused.
     assert hit == [2, 1, 0]
-    admitted, used, requests, queries, hits, qtok, htok, new_blocks = status
-    assert (admitted, used, new_blocks) == (2, 6, 4)
-    assert (requests, queries, hits, qtok, htok) == (3, 4 + 3 + 5, 3, 8 + 6 + 9, 6)
+    def st(name: str) -> int:
+        return status[getattr(lookup, f"ST_{name}")]
+
+    assert (st("ADMITTED"), st("USED"), st("NEW_BLOCKS")) == (2, 6, 4)
+    assert (st("REQUESTS"), st("QUERIES"), st("HITS"), st("QUERY_TOKENS"), st("HIT_TOKENS")) == (
+        3, 4 + 3 + 5, 3, 8 + 6 + 9, 6)
 
 
 def test_pending_hit_on_a_block_an_earlier_request_computes():
@@ -87,13 +92,72 @@ def test_pending_hit_on_a_block_an_earlier_request_computes():
     pend = [[-1, -1], [0, 0]]
     hit, status = admit(cache, pend, max_hit=[2, 2], n_blocks=[3, 3], n_tok=[5, 6], skip=[0, 0],
                         ref_cnt=[0] * 4, num_free=10)
-    assert hit == [0, 2] and status[0] == 2 and status[7] == 3 + 1
+    assert hit == [0, 2] and status[lookup.ST_ADMITTED] == 2 and status[lookup.ST_NEW_BLOCKS] == 3 + 1
 
 
 def test_skip_and_blocked():
     cache = [[[1]]]
     hit, status = admit(cache, [[-1]], max_hit=[1], n_blocks=[2], n_tok=[3], skip=[1], ref_cnt=[0, 0], num_free=5)
-    assert hit == [0] and status[:5] == [1, 2, 1, 0, 0]
+    assert hit == [0]
+    assert [status[getattr(lookup, f"ST_{n}")] for n in ("ADMITTED", "USED", "REQUESTS", "QUERIES", "HITS")] == [
+        1, 2, 1, 0, 0]
     hit, status = admit(cache, [[-1]], max_hit=[1], n_blocks=[2], n_tok=[3], skip=[0], ref_cnt=[0, 0],
                         num_free=5, blocked=1)
     assert hit == [-1] and status == [0] * lookup.NUM_STATUS
+
+
+# The longest hit one group can serve, by hand: availability per position
+# ("1": a verified block there), the group's window in blocks (-1: full
+# attention) and the hit. Full attention: the first miss. A window of W
+# blocks: the end of the rightmost run of W available blocks, or the leading
+# run when no run is that long (it reaches block 0, before which the window
+# needs nothing).
+GROUP_HIT_CASES = [
+    ("full, all there", "111111", -1, 6),
+    ("full, first miss", "110110", -1, 2),
+    ("full, miss at 0", "011111", -1, 0),
+    ("window 2, all there", "111111", 2, 6),
+    ("window 2, rightmost run", "110011", 2, 6),
+    ("window 2, an earlier run", "110010", 2, 2),
+    ("window 2, a run after a miss", "011010", 2, 3),
+    ("window 2, only a short leading run", "100000", 2, 1),
+    ("window 2, nothing", "000000", 2, 0),
+    ("window 1, last block", "101", 1, 3),
+    ("window 3, run of 3 in the middle", "0111001", 3, 4),
+]
+
+
+def _cache_for(patterns: list[str]) -> list:
+    """One request's cached hits [1, P, G]: a distinct block where available."""
+    P = len(patterns[0])
+    return [[[p + 1 + 100 * g if patterns[g][p] == "1" else -1 for g in range(len(patterns))] for p in range(P)]]
+
+
+def _kernel_hit(patterns: list[str], windows: list[int]) -> int:
+    cache = torch.tensor(_cache_for(patterns), dtype=torch.int32)
+    P = cache.shape[1]
+    hit = torch.full((1,), -1, dtype=torch.int32)
+    status = torch.zeros(lookup.NUM_STATUS, dtype=torch.int64)
+    N = 100 * len(patterns) + P + 1
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    lookup.admit(cache, i32([[-1] * P]), i32([P]), i32([P + 1]), i32([2 * (P + 1)]), i32([0]),
+                 ref_cnt=torch.ones(N, dtype=torch.int32), touched=torch.full((N,), -1, dtype=torch.int64), stamp=0,
+                 num_free=torch.tensor([10 * N]), blocked=i32([0]), block_size=2, hit_out=hit, status=status,
+                 window_blocks=i32(windows))
+    assert status[lookup.ST_ADMITTED] == 1
+    return int(hit[0])
+
+
+@pytest.mark.parametrize(("pattern", "window", "want"), [c[1:] for c in GROUP_HIT_CASES],
+                         ids=[c[0] for c in GROUP_HIT_CASES])
+def test_group_hit_table_on_the_admission_kernel_and_the_reference(pattern, window, want):
+    assert _kernel_hit([pattern], [window]) == want
+    assert reference.group_hit([c == "1" for c in pattern], window) == want
+
+
+def test_hybrid_groups_take_the_hit_every_group_serves():
+    # full attention misses at 3, so the window group is asked for at most 3:
+    # its run [1, 3) serves that.
+    assert _kernel_hit(["1110111", "0111111"], [-1, 2]) == 3
+    # the window group's only run of 2 is [0, 2); full attention could serve 7
+    assert _kernel_hit(["1111111", "1101001"], [-1, 2]) == 2
