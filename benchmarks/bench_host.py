@@ -198,11 +198,11 @@ def _prefill_batches(steps: int, batch: int = 16, length: int = 256, shared: int
             for s in range(steps)]
 
 
-def _prefill_steps(steps: int) -> list[tuple[list, list]]:
-    """(finished, new) per step: 16 requests of 256 tokens sharing a 128-token
-    prefix, the previous step's 16 finished."""
+def _prefill_steps(steps: int, batch_size: int = 16) -> list[tuple[list, list]]:
+    """(finished, new) per step: ``batch_size`` requests of 256 tokens sharing
+    a 128-token prefix, the previous step's finished."""
     out, prev = [], []
-    for batch in _prefill_batches(steps):
+    for batch in _prefill_batches(steps, batch_size):
         out.append((prev, batch))
         prev = [r for r, _ in batch]
     return out
@@ -230,10 +230,11 @@ STEP_WORKLOADS = {  # name: (steps builder, pool blocks, untimed leading steps)
 }
 
 
-def steps_gpukv(kind: str, work: str, steps: int, warmup: int) -> tuple[list[float], dict]:
+def steps_gpukv(kind: str, work: str, steps: int, warmup: int, batch: int = 16) -> tuple[list[float], dict]:
     build, num_blocks, fill = STEP_WORKLOADS[work]
-    kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=32)
-    calls = [(finished, (), [NewRequest(r, t) for r, t in batch]) for finished, batch in build(warmup + steps + 1)]
+    kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=max(32, 2 * batch))
+    plan = build(warmup + steps + 1, batch) if work == "prefill" else build(warmup + steps + 1)
+    calls = [(finished, (), [NewRequest(r, t) for r, t in b]) for finished, b in plan]
     if kind == "reference":
         m = ReferenceManager(num_blocks, BS, **kw)
         times = [host_ms(lambda a=a: m.step(*a)) for a in calls[:-1]]
@@ -246,11 +247,12 @@ def steps_gpukv(kind: str, work: str, steps: int, warmup: int) -> tuple[list[flo
     return times, dict(_count(m, "step", *calls[-1]), gpu_ms=m.gpu_ms)
 
 
-def steps_vllm(vllm_kv, work: str, steps: int, warmup: int) -> list[float]:
+def steps_vllm(vllm_kv, work: str, steps: int, warmup: int, batch_size: int = 16) -> list[float]:
     build, num_blocks, fill = STEP_WORKLOADS[work]
     d = VllmDriver(vllm_kv, num_blocks=num_blocks, max_model_len=4096)
     times = []
-    for s, (finished, batch) in enumerate(build(warmup + steps)):
+    plan = build(warmup + steps, batch_size) if work == "prefill" else build(warmup + steps)
+    for s, (finished, batch) in enumerate(plan):
         t = host_ms(lambda batch=batch, finished=finished: d.admit(batch, finished=finished))
         if s >= fill + warmup:
             times.append(t)
@@ -283,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16, 64, 256, 1024], help="decode batch sizes")
+    p.add_argument("--prefill-batches", type=int, nargs="*", default=[1, 4, 16, 64],
+                   help="new requests per prefill step (16 is the issue's target; larger ones take minutes a step "
+                        "under the interpreter)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per workload")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles every variant)")
     p.add_argument("--json", help="write the results here")
@@ -292,16 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({platform.machine()}), Triton interpreter"
     rows = []
     work = [(f"decode B={B}", "decode", B) for B in args.batches]
-    work += [("prefill 16x256 (128 shared)", "prefill", 0), ("churn 8x1024 into a full pool", "churn", 0)]
+    work += [(f"prefill {B}x256 (128 shared)", "prefill", B) for B in args.prefill_batches]
+    work += [("churn 8x1024 into a full pool", "churn", 0)]
     for label, kind, B in work:
         if kind == "decode":
             dv, counts = decode_gpukv("device", B, args.steps, args.warmup)
             rf, _ = decode_gpukv("reference", B, args.steps, args.warmup)
             vl = decode_vllm(vllm_kv, B, args.steps, args.warmup) if vllm_kv else None
         else:
-            dv, counts = steps_gpukv("device", kind, args.steps, args.warmup)
-            rf, _ = steps_gpukv("reference", kind, args.steps, args.warmup)
-            vl = steps_vllm(vllm_kv, kind, args.steps, args.warmup) if vllm_kv else None
+            dv, counts = steps_gpukv("device", kind, args.steps, args.warmup, B or 16)
+            rf, _ = steps_gpukv("reference", kind, args.steps, args.warmup, B or 16)
+            vl = steps_vllm(vllm_kv, kind, args.steps, args.warmup, B or 16) if vllm_kv else None
         gpu = counts.pop("gpu_ms", [])
         row = {"work": label, "batch": B, "device_p50_ms": pct(dv, 50), "device_p99_ms": pct(dv, 99),
                "reference_p50_ms": pct(rf, 50), "counters": counts}

@@ -57,17 +57,16 @@ import math
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 try:
     import gpukv  # noqa: F401
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpukv import _runtime  # noqa: E402  (Triton's interpreter on machines without CUDA)
-
 import torch  # noqa: E402
 
+from gpukv import _runtime  # noqa: E402  (Triton's interpreter on machines without CUDA)
 from gpukv.config import get_kv_cache_config  # noqa: E402
 from gpukv.kernels.slot_mapping import slot_mapping  # noqa: E402
 from gpukv.request import NewRequest, RunningUpdate  # noqa: E402
@@ -142,7 +141,7 @@ class _Req:
     max_new: int
     arrival: int
     tokens: list[int] = dataclasses.field(default_factory=list)  # what the manager holds (all computed)
-    pending: Optional[int] = None  # sampled last step, not yet appended
+    pending: int | None = None  # sampled last step, not yet appended
     generated: int = 0
     preempted: bool = False  # waiting again after a preemption
 
@@ -251,7 +250,7 @@ def _append_pending(r: _Req, scheduled: list) -> None:
     r.pending = None
 
 
-def run(sizes: Sizes, *, backend: str = "device", device: Optional[str] = None, seed: int = 0,
+def run(sizes: Sizes, *, backend: str = "device", device: str | None = None, seed: int = 0,
         pad_to: int = 8, log=None) -> Summary:
     """Run the loop; raise ``DenseMismatch`` at the first output that differs."""
     t0 = time.perf_counter()
@@ -315,7 +314,7 @@ def run(sizes: Sizes, *, backend: str = "device", device: Optional[str] = None, 
             new = []  # as vLLM: no admissions in a step that preempted
         for u in updates:
             _append_pending(by_id[u.request_id], scheduled)
-        for r, hit in zip(cands[: res.num_admitted] if new else [], res.num_computed_tokens):
+        for r, hit in zip(cands[: res.num_admitted] if new else [], res.num_computed_tokens, strict=True):
             waiting.remove(r)
             if r.preempted:
                 r.tokens = r.tokens + ([r.pending] if r.pending is not None else [])
@@ -339,8 +338,8 @@ def run(sizes: Sizes, *, backend: str = "device", device: Optional[str] = None, 
             if r.generated >= r.max_new:
                 running.remove(r)
                 done_last_step.append(r)
-    summary.evictions = mgr.num_evictions
-    assert mgr.num_free_blocks == mgr.num_blocks - 1, "blocks still held after every request finished"
+    summary.evictions = mgr.read_num_evictions()
+    assert mgr.read_num_free_blocks() == mgr.num_blocks - 1, "blocks still held after every request finished"
     summary.seconds = time.perf_counter() - t0
     return summary
 
@@ -353,7 +352,7 @@ def _compute_step(layer: Layer, mgr, backend, scheduled, k_slots, v_slots, k_cac
     rids = [r.rid for r, _ in scheduled]
     starts = [start for _, start in scheduled]
     lens = [len(r.tokens) - start for r, start in scheduled]
-    for (r, start), n in zip(scheduled, lens):
+    for (r, start), n in zip(scheduled, lens, strict=True):
         assert n >= 1 and mgr.num_computed_tokens(r.rid) == len(r.tokens), (r.rid, start, n)
     qsl_host = [0]
     for n in lens:
@@ -368,7 +367,7 @@ def _compute_step(layer: Layer, mgr, backend, scheduled, k_slots, v_slots, k_cac
     # Inputs of the scheduled tokens (padding: token 0 at position 0, dropped below).
     tok = torch.zeros(padded, dtype=torch.int64, device=dev)
     ctx = torch.zeros(padded, dtype=torch.int64, device=dev)
-    for (r, start), a, b in zip(scheduled, qsl_host, qsl_host[1:]):
+    for (r, start), a, b in zip(scheduled, qsl_host, qsl_host[1:], strict=False):  # query start offsets: one more
         full = torch.tensor(r.tokens, dtype=torch.int64, device=dev)
         tok[a:b] = full[start:]
         ctx[a:b] = Layer.context_ids(full)[start:]
@@ -380,7 +379,7 @@ def _compute_step(layer: Layer, mgr, backend, scheduled, k_slots, v_slots, k_cac
     summary.padding_tokens += padded - total
 
     lasts = []
-    for b, ((r, start), a, e) in enumerate(zip(scheduled, qsl_host, qsl_host[1:])):
+    for b, ((r, start), a, e) in enumerate(zip(scheduled, qsl_host, qsl_host[1:], strict=False)):
         L = len(r.tokens)
         nb = -(-L // bs)
         blocks = bt[b, :nb].long()
@@ -399,7 +398,7 @@ def _compute_step(layer: Layer, mgr, backend, scheduled, k_slots, v_slots, k_cac
                                 f"dense computation by up to {err:.3g} (blocks {bt[b, :nb].tolist()})")
         lasts.append(out[-1])
     nxt = layer.sample(torch.stack(lasts)).tolist()
-    for (r, _), t in zip(scheduled, nxt):
+    for (r, _), t in zip(scheduled, nxt, strict=True):
         r.pending = int(t)
         r.generated += 1
         summary.generated_tokens += 1
@@ -422,7 +421,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the loop; 0 when every attention output matched the dense one."""
     args = _parser().parse_args(argv)
     if args.small and args.large:

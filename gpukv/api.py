@@ -1,7 +1,7 @@
 """The block-manager API both managers offer, as a ``typing.Protocol``.
 
-``gpukv.reference.KVCacheManager`` (the executable spec, on the host) and
-``gpukv.manager.KVCacheManager`` (state and kernels on the device) take the
+``gpukv.reference.ReferenceManager`` (the executable spec, on the host) and
+``gpukv.manager.DeviceManager`` (state and kernels on the device) take the
 same constructor arguments and answer the same calls with the same results
 (the differential tests hold them to it);
 ``tests/test_api.py`` checks that both satisfy this protocol, member by member
@@ -11,7 +11,8 @@ and signature by signature. ``docs/api.md`` maps each member to vLLM 0.8.5's
 Naming rule: a call that waits for the device is a ``read_*()`` method. The
 properties ``num_free_blocks``, ``num_evictions`` and ``usage`` are kept for
 callers of the older API and vLLM's spelling; on the device manager they wait
-too (they call the ``read_*`` method).
+too, so there they are deprecated (a ``DeprecationWarning`` names the
+``read_*()`` method to call).
 """
 
 from __future__ import annotations
@@ -59,12 +60,8 @@ class BlockManager(Protocol):
     def num_blocks(self) -> int: ...
     @property
     def limits(self) -> ManagerLimits: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_evictions(self) -> int: ...
-    @property
-    def usage(self) -> float: ...
+    # (the ``num_free_blocks``, ``num_evictions`` and ``usage`` properties are
+    # not part of it: deprecated on the device manager, where they wait)
     def read_num_free_blocks(self) -> int: ...
     def read_num_evictions(self) -> int: ...
     def read_usage(self) -> float: ...

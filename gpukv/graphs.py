@@ -1,6 +1,6 @@
 """CUDA-graph replay of the batched decode step.
 
-``KVCacheManager.decode`` launches, for a batch bucket (rows padded to a
+``DeviceManager.decode`` launches, for a batch bucket (rows padded to a
 power of two, tokens per row, window releases per row), a fixed sequence of
 kernels that read only the bucket's fixed device buffers and the pool: no
 host-dependent branch, no allocation, no per-step scalar argument

@@ -120,6 +120,11 @@ def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_nu
     return num_blocks, block_size, windows, max_model_len, max_num_reqs, dev, key
 
 
+def _warn_waiting_property(name: str) -> None:
+    warnings.warn(f"DeviceManager.{name} waits for the GPU (a device read hidden in an attribute); call "
+                  f"read_{name}() instead", DeprecationWarning, stacklevel=3)
+
+
 def entry_layout(starts, stops, *, reverse: bool = False):
     """The host plan of a step phase: one entry per (request r, group g,
     position p) with ``starts[r, g] <= p < stops[r, g]``, ordered by request,
@@ -151,7 +156,7 @@ _UPLOADED = frozenset({"rows", "ntok", "comp0", "comp1", "held", "need", "cum",
 
 @dataclass
 class DecodePlan:
-    """A batched decode step as the host plans it (``KVCacheManager.decode``):
+    """A batched decode step as the host plans it (``DeviceManager.decode``):
     the rows, what they need, and the packed int32 plan uploaded once into
     the bucket's fixed device buffer (layout: ``gpukv/kernels/decode.py``)."""
 
@@ -187,7 +192,7 @@ class DecodeBuffers:
     prepared: dict = field(default_factory=dict)  # "decode" -> (rows generation, replayable launches)
 
 
-class KVCacheManager(FailStop):
+class DeviceManager(FailStop):
     """Device-resident manager with the reference's API (``gpukv.reference``),
     plus the batched ``decode(rows, new_token_ids)`` entry for serving loops."""
 
@@ -262,14 +267,14 @@ class KVCacheManager(FailStop):
         return self._rows.generation
 
     @classmethod
-    def from_config(cls, config, **kwargs) -> KVCacheManager:
+    def from_config(cls, config, **kwargs) -> DeviceManager:
         """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
         one group per config group, ``kwargs`` as the constructor's."""
         num_blocks, block_size, windows = manager_args_from_config(config)
         return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
 
     def __repr__(self) -> str:  # never show the key
-        return (f"KVCacheManager(device={self.device}, num_blocks={self.num_blocks}, "
+        return (f"DeviceManager(device={self.device}, num_blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, groups={self.sliding_windows})")
 
     # ------------------------------------------------------------ properties
@@ -292,17 +297,19 @@ class KVCacheManager(FailStop):
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks now (reads the device: waits for the GPU)."""
+        """Deprecated here (it waits for the GPU): ``read_num_free_blocks()``."""
+        _warn_waiting_property("num_free_blocks")
         return self.read_num_free_blocks()
 
     @property
     def num_evictions(self) -> int:
-        """Cached blocks evicted so far (reads the device: waits for the GPU)."""
+        """Deprecated here (it waits for the GPU): ``read_num_evictions()``."""
+        _warn_waiting_property("num_evictions")
         return self.read_num_evictions()
 
     def read_num_free_blocks(self) -> int:
         """Free blocks now; reads the device (waits for the GPU)."""
-        return int(self._read(self.pool.num_free)[0])
+        return int(self._read(self.pool.free_count)[0])
 
     def read_num_evictions(self) -> int:
         """Cached blocks evicted so far; reads the device (waits for the GPU)."""
@@ -310,7 +317,8 @@ class KVCacheManager(FailStop):
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool in use (reads the device: waits for the GPU)."""
+        """Deprecated here (it waits for the GPU): ``read_usage()``."""
+        _warn_waiting_property("usage")
         return self.read_usage()
 
     def read_usage(self) -> float:
@@ -425,7 +433,7 @@ class KVCacheManager(FailStop):
                        num_lookahead_tokens: int | None = None) -> list[list[int]] | None:
         """vLLM's ``allocate_slots(request, num_tokens, new_computed_blocks,
         num_lookahead_tokens)``, with the reference's arguments and results
-        (``gpukv.reference.KVCacheManager.allocate_slots``); reads the device
+        (``gpukv.reference.ReferenceManager.allocate_slots``); reads the device
         (the step's status, then the new block ids)."""
         if isinstance(request, NewRequest):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
@@ -642,7 +650,7 @@ class KVCacheManager(FailStop):
         pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank,
                       popped=bufs.popped, on_popped=self._popped_hook())
         self._hash_launch(v["rows"], v["h_start"], v["h_count"])
-        self._record(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
+        self._cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def finish_decode(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
         """Bring the host's mirror up to date; reads the device only when the
@@ -819,7 +827,9 @@ class KVCacheManager(FailStop):
         else:
             _hash_rows(*args, **kw)
 
-    def _record(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
+    def _cache_blocks(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
+        """Cache the blocks at the valid (group, row, position) entries (the
+        pool's ``record``), with their stored-block events."""
         if not self.enable_caching:
             return
         rows = self._rows
@@ -926,7 +936,7 @@ class KVCacheManager(FailStop):
         if (f1 > f0).any():
             self._hash_launch(h_row, h_start, h_count)
         if len(rec):
-            self._record(r_grp, r_row, r_pos, r_upd < n_ok_32)
+            self._cache_blocks(r_grp, r_row, r_pos, r_upd < n_ok_32)
             self._expect_events(len(rec))
         return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
                 "n_ok": n_ok_dev}
@@ -941,7 +951,7 @@ class KVCacheManager(FailStop):
             return (True, torch.full((1,), len(cum), dtype=torch.int64, device=self.device),
                     torch.full((1,), int(cum[-1]), dtype=torch.int64, device=self.device))
         cum_dev = self._up(cum, np.int64)
-        n_ok = (cum_dev <= self.pool.num_free).sum().reshape(1)
+        n_ok = (cum_dev <= self.pool.free_count).sum().reshape(1)
         count = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), cum_dev])[n_ok]
         blocked.copy_((n_ok < len(cum)).to(torch.int32))
         return False, n_ok, count
@@ -1122,7 +1132,7 @@ class KVCacheManager(FailStop):
                            blk_extra=pool.blk_extra, **shared)
         prefill_ops.chains(v, bufs.head, bufs.next, bufs.same, block_size=self.block_size, **shared)
         lookup_ops.admit(bufs.cache, None, v["max_hit"], v["nblocks"], v["ntok"], v["skip"], ref_cnt=pool.ref_cnt,
-                         touched=pool.touched, stamp=pool.stamp, num_free=pool.num_free, blocked=blocked,
+                         touched=pool.touched, stamp=pool.stamp, num_free=pool.free_count, blocked=blocked,
                          block_size=self.block_size, hit_out=bufs.hit, status=bufs.status,
                          window_blocks=self._win_dev, chains=(bufs.head, bufs.next, bufs.same),
                          resolved=bufs.resolved, start=bufs.start, compute=v["comp"], lookahead=v["lookahead"],
@@ -1145,10 +1155,15 @@ class KVCacheManager(FailStop):
         prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, self._win_dev,
                                bufs.hit_blocks, bufs.pending, block_table=self._rows.block_table)
         pool.touch(bufs.hit_blocks, bufs.pending)
-        self._record(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
+        self._cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def _admission_buffers(self, bucket: tuple) -> AdmissionBuffers:
         bufs = self._admission_bufs.get(bucket)
         if bufs is None:
             bufs = self._admission_bufs[bucket] = AdmissionBuffers.create(bucket, self.num_groups, self.device)
         return bufs
+
+
+#: The name this class had before the two managers were told apart (kept for
+#: code that imports it; both modules used to call their manager so).
+KVCacheManager = DeviceManager

@@ -98,8 +98,9 @@ class DevicePool:
         return inserted
 
     @property
-    def num_free(self) -> torch.Tensor:
-        """The free count as a 1-element device tensor (no host read)."""
+    def free_count(self) -> torch.Tensor:
+        """The free count as a 1-element device tensor, a view kernels read
+        (nothing waits: ``read_num_free_blocks`` on the manager reads it)."""
         return self.free_queue.counter("num_free")
 
     def reset_prefix_cache(self) -> None:
@@ -124,7 +125,7 @@ class DevicePool:
         (pass False when callers supply their own digests)."""
         self.free_queue.check_invariants()
         self.table.check_invariants()
-        assert self.free_queue.error_flags() == 0, f"free-queue error flags {self.free_queue.error_flags()}"
+        assert self.free_queue.read_error_flags() == 0, f"free-queue error flags {self.free_queue.read_error_flags()}"
         assert self.table.read_counters()["errors"] == 0, "hash-table error flags set"
         free = self.free_queue_list()
         ref = self.ref_counts()

@@ -74,7 +74,8 @@ from gpukv.rows import RowAllocator
 
 NULL_BLOCK = 0
 
-__all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCacheManager", "NoFreeBlocksError"]
+__all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCacheManager", "NoFreeBlocksError",
+           "ReferenceManager"]
 
 # Host bytes per block of a full reference pool (counts, free-queue links,
 # cached-block records and table entries), for the check before allocating.
@@ -134,7 +135,7 @@ def _host_device(device) -> torch.device:
                                fix="pass device=None (the reference lives on the host)") from None
     if dev.type != "cpu":
         raise InvalidInputError(f"the reference manager lives on the host, got {dev}", argument="device",
-                                fix="pass device=None, or use gpukv.manager.KVCacheManager on a GPU")
+                                fix="pass device=None, or use gpukv.manager.DeviceManager on a GPU")
     return dev
 
 
@@ -347,7 +348,7 @@ class _Plan:
     num_new_blocks: int
 
 
-class KVCacheManager(FailStop):
+class ReferenceManager(FailStop):
     """Request-level calls over one shared ``BlockPool``.
 
     ``sliding_windows`` has one entry per KV-cache group: None for full
@@ -416,14 +417,14 @@ class KVCacheManager(FailStop):
         self._memo_limit = 2 * num_blocks + 1024
 
     @classmethod
-    def from_config(cls, config, **kwargs) -> KVCacheManager:
+    def from_config(cls, config, **kwargs) -> ReferenceManager:
         """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
         one group per config group, ``kwargs`` as the constructor's."""
         num_blocks, block_size, windows = manager_args_from_config(config)
         return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
 
     def __repr__(self) -> str:  # never show the key
-        return (f"KVCacheManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, "
+        return (f"ReferenceManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, "
                 f"groups={self.sliding_windows})")
 
     # ------------------------------------------------------------ public API
@@ -557,7 +558,7 @@ class KVCacheManager(FailStop):
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         plan = self._plan(self._new_state(request), [])
         self._remember_digests(plan.state)
-        self._record(plan)
+        self._count_lookup(plan)
         # No earlier plan in this call: every hit is a block id, none a pending (plan, position).
         return ComputedBlocks(cast("list[list[int]]", [[b for b in g] for g in plan.hits]),
                               plan.num_hit_blocks * self.block_size)
@@ -685,7 +686,7 @@ class KVCacheManager(FailStop):
         for state in states:
             plan = self._plan(state, plans)
             plans.append(plan)
-            self._record(plan)
+            self._count_lookup(plan)
             first_touch = {
                 b for g in plan.hits for b in g
                 if isinstance(b, int) and b != NULL_BLOCK and self.pool.ref_cnt[b] == 0 and b not in touched
@@ -970,7 +971,8 @@ class KVCacheManager(FailStop):
             return 0
         return max(0, hit - self._window_blocks(window))
 
-    def _record(self, plan: _Plan) -> None:
+    def _count_lookup(self, plan: _Plan) -> None:
+        """The stats of one request's lookup (as the device's ``_count_lookups``)."""
         st = plan.state
         if st.skip_prefix_cache:
             self.stats.record(num_tokens=0, num_hit_tokens=0, num_blocks=0, num_hit_blocks=0, preempted=st.preempted)
@@ -1118,3 +1120,8 @@ class KVCacheManager(FailStop):
         self._remember_digests(st)  # a preempted request comes back with the same prefix
         for g in range(self.num_groups):
             self.pool.free(list(reversed(st.blocks[g])))
+
+
+#: The name this class had before the two managers were told apart (kept for
+#: code that imports it; both modules used to call their manager so).
+KVCacheManager = ReferenceManager

@@ -131,12 +131,12 @@ class _TokenBudget:
 
 def make_manager(opts: ReplayOptions):
     if opts.backend == "reference":
-        from gpukv.reference import KVCacheManager as ReferenceManager
+        from gpukv.reference import ReferenceManager
 
         return ReferenceManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first,
                                 hash_key=opts.hash_key)
     if opts.backend == "device":
-        from gpukv.manager import KVCacheManager as DeviceManager
+        from gpukv.manager import DeviceManager
 
         return DeviceManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first,
                              hash_key=opts.hash_key, max_model_len=opts.max_model_len,
@@ -460,7 +460,7 @@ class Replay:
         self.step_ms.append(self._t_step * 1e3)
         tot = self.totals
         self.hit_rate.append(tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0)
-        self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.num_free_blocks)
+        self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.read_num_free_blocks())
         stats = self.manager.make_prefix_cache_stats()
         if self.opts.metrics is not None:
             self._observe(self.opts.metrics, stats)
@@ -476,7 +476,7 @@ class Replay:
         metrics.observe_step(
             stats, usage=self.blocks_in_use[-1] / (m.num_blocks - 1), blocks_in_use=self.blocks_in_use[-1],
             running=len(self.running), waiting=len(self.waiting),
-            preemptions=preemptions - self._preemptions_observed, evictions_total=m.num_evictions,
+            preemptions=preemptions - self._preemptions_observed, evictions_total=m.read_num_evictions(),
             step_seconds=self._t_step)
         self._preemptions_observed = preemptions
 
@@ -605,7 +605,7 @@ class Replay:
             "preempted_hits": stats.preempted_hits if stats else 0,
             "admissions": tot["admissions"],
             "preemptions": tot["preemptions"],
-            "evictions": self.manager.num_evictions,
+            "evictions": self.manager.read_num_evictions(),
             "max_blocks_in_use": max(self.blocks_in_use, default=0),
             "mean_blocks_in_use": float(np.mean(self.blocks_in_use)) if self.blocks_in_use else 0.0,
             "manager_ms_per_step_mean": float(ms.mean()),
@@ -640,7 +640,7 @@ class Replay:
             },
             "summary": summary,
             "requests": requests,
-            "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.num_free_blocks},
+            "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.read_num_free_blocks()},
             "messages": self.messages,
             "step_ms": [round(x, 4) for x in self.step_ms],
             "hit_rate_per_step": [round(x, 5) for x in self.hit_rate],

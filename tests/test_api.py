@@ -100,8 +100,12 @@ def test_usage_block_tables_and_common_prefix_blocks_agree():
     ref, dev = managers
     # a: blocks 1, 2, 3; b hits a's two full blocks and takes 4 of its own.
     assert ref.get_block_ids("b") == dev.get_block_ids("b") == [[1, 2, 4]]
+    assert ref.usage == ref.read_usage() == dev.read_usage() == pytest.approx(4 / 11)
+    with pytest.warns(DeprecationWarning, match="read_usage"):  # a property must not wait for the GPU
+        assert dev.usage == pytest.approx(4 / 11)
+    with pytest.warns(DeprecationWarning, match="read_num_free_blocks"):
+        assert dev.num_free_blocks == 7
     for m in managers:
-        assert m.usage == m.read_usage() == pytest.approx(4 / 11)
         assert m.read_num_free_blocks() == 7
         assert m.get_num_common_prefix_blocks("a", 2) == [2]
         assert m.get_num_common_prefix_blocks("a", 1) == [0]

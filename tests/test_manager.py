@@ -46,7 +46,7 @@ def test_random_workloads_match_the_reference_step_by_step(seed, num_blocks, blo
     ref, dev = pair(num_blocks * len(windows), block_size, uncached_first=uncached_first, windows=windows)
     drive([ref, dev], seed, 8, check, max_new=3)
     assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
-    assert dev.num_evictions == ref.num_evictions
+    assert dev.read_num_evictions() == ref.num_evictions
 
 
 def test_hand_worked_batch_with_pending_hits_and_eviction():
@@ -66,7 +66,7 @@ def test_hand_worked_batch_with_pending_hits_and_eviction():
         assert m.get_block_ids("a") == [[6, 2, 7, 8, 9, 5]]
         assert m.get_block_ids("b") == [[1, 4]]
         assert m.get_block_ids("c") == [[6, 2, 3]]
-        assert m.free_queue() == [] and m.num_evictions == 3
+        assert m.free_queue() == [] and m.read_num_evictions() == 3
     assert_same(ref, dev)
 
 
@@ -224,7 +224,7 @@ def test_get_computed_blocks_gives_null_where_a_window_does_not_reach():
 def test_free_count_bound_is_exact_after_a_read():
     _, dev = pair(32, 4)
     dev.step(new=[NewRequest("a", list(range(10)))])
-    assert dev._free_lower_bound == dev.num_free_blocks
+    assert dev._free_lower_bound == dev.read_num_free_blocks()
 
 
 def test_pending_hit_from_the_first_request_that_computes_the_block():

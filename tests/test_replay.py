@@ -62,7 +62,7 @@ def test_preempted_request_keeps_the_tokens_its_update_brought(admission):
     b = replay.live["b"]
     assert b.tokens.tolist() == [4, 5, 6, 8, 10]  # 10 came with the update of the step b was preempted in
     assert replay.manager.get_block_ids("b") == [[3, 4, 2]]  # hit 3 ([4, 5]); 4 = [6, 8], 2 = [10]
-    assert replay.manager.num_free_blocks == 1
+    assert replay.manager.read_num_free_blocks() == 1
 
 
 def test_preempted_request_with_several_new_tokens_keeps_them_all():

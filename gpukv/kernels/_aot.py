@@ -11,7 +11,7 @@ builds on a GPU. This module is the one home of the check, used by
    ``@triton.jit`` function; a kernel is one no other jit function refers to
    and that returns nothing (the helpers they call are compiled as part of
    them).
-2. ``record()`` runs short real workloads (``gpukv.manager.KVCacheManager``,
+2. ``record()`` runs short real workloads (``gpukv.manager.DeviceManager``,
    one full-attention group and full + sliding window) plus a few direct
    launcher calls for what a manager never launches, and intercepts every
    kernel launch (``Recorder``): it computes the argument specialisation the
@@ -273,7 +273,7 @@ def _attention_inputs(mgr, running: list, step: int) -> None:
 
 def manager_workload(*, windows=(None,), block_size: int = 16, num_blocks: int = 48, steps: int = 5,
                      uncached_first: bool = True, seed: int = 0) -> None:
-    """A short serving loop on a device ``KVCacheManager``: batches of new
+    """A short serving loop on a ``DeviceManager``: batches of new
     requests sharing prefixes (verified hits, pending hits within a step),
     decodes crossing block boundaries, finishes (cached blocks back to the
     free queue, hits on free blocks), a running update that does not fit
@@ -287,7 +287,7 @@ def manager_workload(*, windows=(None,), block_size: int = 16, num_blocks: int =
     # The manager hashes on the host under the interpreter; record the kernel.
     host_hashing, manager_module._hash_rows = manager_module._hash_rows, hash_rows
     try:
-        _manager_steps(manager_module.KVCacheManager, NewRequest, RunningUpdate, windows=windows,
+        _manager_steps(manager_module.DeviceManager, NewRequest, RunningUpdate, windows=windows,
                        block_size=block_size, num_blocks=num_blocks, steps=steps, uncached_first=uncached_first,
                        seed=seed)
     finally:
@@ -327,7 +327,7 @@ def _manager_steps(KVCacheManager, NewRequest, RunningUpdate, *, windows, block_
         _attention_inputs(mgr, running, step)
     # A running update that cannot fit: ask for more blocks than are free.
     if running:
-        free = mgr.num_free_blocks
+        free = mgr.read_num_free_blocks()
         too_many = min((free + 1) * bs, mgr.max_model_len - mgr.num_computed_tokens(running[0]))
         if too_many > free * bs:
             mgr.step(running=[RunningUpdate(running[0], [1] * too_many)])

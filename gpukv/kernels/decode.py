@@ -1,7 +1,7 @@
 """The batched decode step's device planning: which running requests fit, and
 the entries every later kernel of the step reads.
 
-A decode step (``KVCacheManager.decode``) gives each of B running requests
+A decode step (``DeviceManager.decode``) gives each of B running requests
 ``K`` new tokens (K may be 0: the rows only continue a chunked prefill) and
 computes some of their known tokens. The host knows each request's counts
 exactly and uploads int32 arrays of the bucket's fixed length ``BP`` (rows

@@ -469,10 +469,12 @@ class FreeQueue:
         vals = self.counters.tolist()
         return {name: vals[i] for name, i in _IDX.items()}
 
-    def num_free(self) -> int:
+    def read_num_free(self) -> int:
+        """The free count (reads the device: waits for the GPU)."""
         return int(self.counters[_IDX["num_free"]].item())
 
-    def error_flags(self) -> int:
+    def read_error_flags(self) -> int:
+        """The sticky error word (reads the device: waits for the GPU)."""
         return int(self.counters[_IDX["error"]].item())
 
     def clear_errors(self) -> None:

@@ -169,7 +169,7 @@ def slot_mapping(
     Args:
         block_table: int32/int64 ``[B, M]`` (row ``b``: the ``b``-th request of
             the batch), or ``[G, B, M]`` with ``group`` naming the KV-cache
-            group (``KVCacheManager.block_table_for(ids)``); any strides.
+            group (``DeviceManager.block_table_for(ids)``); any strides.
         query_start_loc: int32/int64 ``[B + 1]``, cumulative scheduled-token
             offsets (``[0, n_0, n_0 + n_1, ...]``).
         start_positions: int32/int64 ``[B]``, position of each request's first

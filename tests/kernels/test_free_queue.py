@@ -84,7 +84,7 @@ def test_initial_order_and_layout():
     assert q.capacity == 32 and q.ring.dtype == torch.int32 and q.pos.dtype == torch.int64
     assert q.counters.shape == (fq.NUM_COUNTERS,)
     assert q.to_list() == list(range(1, 10))
-    assert q.num_free() == 9
+    assert q.read_num_free() == 9
     c = q.counter_values()
     assert c["head"] == fq.BASE and c["tail"] == fq.BASE + 9 and c["num_tomb"] == 0
     view = q.counter("num_free")  # a device view, live
@@ -102,7 +102,7 @@ def test_pop_three_then_rest():
     assert q.pos[1:4].tolist() == [-1, -1, -1]
     q.check_invariants()
     assert do_pop(q, 6, m=8) == list(range(4, 10))
-    assert q.to_list() == [] and q.num_free() == 0
+    assert q.to_list() == [] and q.read_num_free() == 0
     q.check_invariants()
 
 
@@ -149,7 +149,7 @@ def test_remove_valid_mask_and_device_count():
 def test_remove_bad_id_sets_flag():
     q = make(6)
     fq.remove(q, i32([6, 3]))
-    assert q.error_flags() == fq.ERR_BAD_BLOCK
+    assert q.read_error_flags() == fq.ERR_BAD_BLOCK
     assert q.to_list() == [1, 2, 4, 5]
     q.check_invariants(allow_errors=True)
 
@@ -200,12 +200,12 @@ def test_push_present_block_sets_flag_and_keeps_it_in_place():
     q = make(8)
     do_pop(q, 2)  # [3..7]
     fq.push(q, i32([1, 4, 2]), i32([FRONT, BACK, BACK]))
-    assert q.error_flags() == fq.ERR_PRESENT
+    assert q.read_error_flags() == fq.ERR_PRESENT
     assert q.to_list() == [1, 3, 4, 5, 6, 7, 2]
     q.check_invariants(allow_errors=True)
     q.clear_errors()
     fq.push(q, i32([0, 8, -3]), i32([BACK, FRONT, BACK]))
-    assert q.error_flags() == fq.ERR_BAD_BLOCK
+    assert q.read_error_flags() == fq.ERR_BAD_BLOCK
     assert q.to_list() == [1, 3, 4, 5, 6, 7, 2]
     q.check_invariants(allow_errors=True)
 
@@ -220,7 +220,7 @@ def test_pop_more_than_free_sets_flag_and_pops_what_there_is():
     q.clear_errors()
     q2 = make(6)
     assert do_pop(q2, 4, m=2) == [1, 2]  # out too short: also a short pop
-    assert q2.error_flags() == fq.ERR_SHORT and q2.to_list() == [3, 4, 5]
+    assert q2.read_error_flags() == fq.ERR_SHORT and q2.to_list() == [3, 4, 5]
 
 
 def test_input_validation():
@@ -426,4 +426,4 @@ def test_gpu_contention_matches_model_and_is_deterministic():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_pushes_compact_big_queues():
     q = _big_compaction(100_000, rounds=5, dev=torch.device("cuda"))  # checks the order against the model
-    assert q.counter_values()["compactions"] >= 1 and q.error_flags() == 0
+    assert q.counter_values()["compactions"] >= 1 and q.read_error_flags() == 0
