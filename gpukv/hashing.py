@@ -84,6 +84,7 @@ __all__ = [
     "hash_block_chain",
     "block_digests_lanes",
     "hash_requests",
+    "extend_chains",
     "digests_to_lanes",
     "lanes_to_digests",
 ]
@@ -855,34 +856,46 @@ def hash_requests(
         )
     flat, lengths = _flat_tokens(token_lists, "token_lists")
     nblocks = [n // block_size for n in lengths]
-    ext: list[list[bytes] | None] = [None] * num_req
+    ext: list[list[bytes]] | None = None
     if extras is not None:
+        ext = []
         for r in range(num_req):
             if len(extras[r]) < nblocks[r]:
                 raise ValueError(
                     f"extras[{r}] has {len(extras[r])} entries but request {r} has "
                     f"{nblocks[r]} full blocks; give one extra-key digest per full block"
                 )
-            ext[r] = _digest_list(extras[r], nblocks[r], f"extras[{r}]")
+            ext.append(_digest_list(extras[r], nblocks[r], f"extras[{r}]"))
+    starts = np.cumsum([0] + lengths)[:-1].tolist()
+    blocks = [flat[s0: s0 + nb * block_size] for s0, nb in zip(starts, nblocks, strict=True)]
+    return extend_chains(key, [root_digest(key)] * num_req, blocks, block_size, ext)
+
+
+def extend_chains(key: bytes, parents: Sequence[bytes], blocks: Sequence[np.ndarray], block_size: int,
+                  extras: Sequence[Sequence[bytes]] | None = None) -> list[list[bytes]]:
+    """The one chain-hashing driver (``hash_requests`` and the reference
+    manager's digests both run it): chain r continues from ``parents[r]``
+    (the root digest for a new chain) over the full blocks of ``blocks[r]``
+    (token ids, a whole number of blocks), with ``extras[r][b]`` the
+    extra-key digest of its block b (None: NO_EXTRA everywhere). Arguments
+    are taken as checked. The messages of every block of every chain, less
+    their parents, are laid out by numpy in one go; then each chain is one
+    loop over them (one concatenation and one BLAKE3 call per block and
+    segment), so the cost per block is the same for one chain as for many."""
+    nblocks = [len(b) // block_size for b in blocks]
     total = sum(nblocks)
     if total == 0:
-        return [[] for _ in range(num_req)]
-    # Every full block of every request, as rows, then all their messages
-    # (less the parents) in one numpy pass.
-    starts = np.cumsum([0] + lengths[:-1]).tolist()
-    blocks = np.concatenate(
-        [flat[s0 : s0 + nb * block_size] for s0, nb in zip(starts, nblocks, strict=True)]
-    ).reshape(total, block_size)
+        return [[] for _ in blocks]
+    rows = np.concatenate([np.asarray(b[: nb * block_size]) for b, nb in zip(blocks, nblocks, strict=True)])
     ext_lanes = None
     if extras is not None:
-        ext_lanes = _joined_lanes([d for e in ext if e for d in e])
-    tails, seg_lens = _tails(blocks, ext_lanes)
+        ext_lanes = _joined_lanes([d for e, nb in zip(extras, nblocks, strict=True) for d in e[:nb]])
+    tails, seg_lens = _tails(rows.reshape(total, block_size), ext_lanes)
     width = sum(seg_lens)
     hasher = _hasher(key).copy()
-    root = root_digest(key)
     result: list[list[bytes]] = []
     at = 0
-    for nb in nblocks:
-        result.append(_chain_tails(hasher, root, tails, at, nb, seg_lens))
+    for parent, nb in zip(parents, nblocks, strict=True):
+        result.append(_chain_tails(hasher, parent, tails, at, nb, seg_lens))
         at += nb * width
     return result

@@ -80,9 +80,6 @@ __all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCa
 # Host bytes per block of a full reference pool (counts, free-queue links,
 # cached-block records and table entries), for the check before allocating.
 _HOST_BYTES_PER_BLOCK = 640
-# Below this many requests to hash at once, one chain per request beats a
-# vectorised round (whose cost is mostly per call, not per row).
-_MIN_VECTOR_ROWS = 24
 
 
 def group_hit(available: Sequence[bool], window_blocks: int) -> int:
@@ -845,11 +842,8 @@ class ReferenceManager(FailStop):
         )
 
     def _extend_hashes(self, states: list[_RequestState]) -> None:
-        """Hash every full block not hashed yet, vectorised across requests
-        (round r hashes the r-th missing block of every request at once) while
-        many requests are left; below ``_MIN_VECTOR_ROWS`` each remaining chain
-        is hashed on its own (a round costs about as much for one row as for
-        many)."""
+        """Hash every full block not hashed yet, all requests at once
+        (``gpukv.hashing.extend_chains``, the one chain-hashing driver)."""
         bs = self.block_size
         work = []
         for st in states:
@@ -857,31 +851,14 @@ class ReferenceManager(FailStop):
             if stop > start:
                 st.extras.extend(self._extras(st, start, stop - start))
                 work.append((st, start, stop))
-        rnd = 0
-        while work and len(work) < _MIN_VECTOR_ROWS:
-            st, s, e = work.pop()
-            parent = st.block_hashes[-1] if st.block_hashes else self._root
-            st.block_hashes.extend(hashing.hash_block_chain(self._key, st.tokens[s * bs:e * bs], bs,
-                                                            extras=st.extras[s:e], parent=parent))
-        while work:
-            parents = np.array(
-                [hashing.digests_to_lanes([st.block_hashes[-1] if st.block_hashes else self._root])[0]
-                 for st, _, _ in work],
-                dtype=np.uint64,
-            )
-            tokens = np.array([st.tokens[(s + rnd) * bs:(s + rnd + 1) * bs] for st, s, _ in work], dtype=np.int64)
-            extras = hashing.digests_to_lanes([st.extras[s + rnd] for st, s, _ in work])
-            digests = hashing.lanes_to_digests(hashing.block_digests_lanes(self._key, parents, tokens, extras))
-            for (st, _, _), d in zip(work, digests, strict=True):
-                st.block_hashes.append(d)
-            rnd += 1
-            work = [w for w in work if w[1] + rnd < w[2]]
-            if len(work) < _MIN_VECTOR_ROWS:
-                for st, s, e in work:
-                    st.block_hashes.extend(hashing.hash_block_chain(
-                        self._key, st.tokens[(s + rnd) * bs:e * bs], bs, extras=st.extras[s + rnd:e],
-                        parent=st.block_hashes[-1]))
-                break
+        if not work:
+            return
+        chains = hashing.extend_chains(
+            self._key, [st.block_hashes[-1] if st.block_hashes else self._root for st, _, _ in work],
+            [np.asarray(st.tokens[s * bs:e * bs], dtype=np.int64) for st, s, e in work], bs,
+            [st.extras[s:e] for st, s, e in work])
+        for (st, _, _), digests in zip(work, chains, strict=True):
+            st.block_hashes.extend(digests)
 
     def _token_bytes(self, st: _RequestState, i: int) -> bytes:
         bs = self.block_size
