@@ -457,11 +457,14 @@ def test_a_running_update_and_a_new_request_with_iterator_tokens_keep_counts_rig
 
 def test_refusals_do_not_leak_device_rows():
     dev = DeviceManager(8, 2, hash_key=KEY, max_model_len=16, max_num_reqs=4)
-    rows = dev._rows.state()
+    generation = dev.rows_generation
     for k in range(40):
         with pytest.raises(InvalidInputError):
             dev.step(new=[NewRequest(f"n{k}", [1, 2], lora_id=2**64)])
-    assert dev._rows.state() == rows
+    # rows are handed out from 0 and grow past max_num_reqs only when needed:
+    # a leaked row would shift these or reallocate the row tensors
+    res = dev.step(new=[NewRequest(f"a{i}", [1, 2]) for i in range(4)])
+    assert res.rows == [0, 1, 2, 3] and dev.rows_generation == generation
 
 
 # ------------------------------------------------------------ constructors

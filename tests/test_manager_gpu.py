@@ -13,8 +13,7 @@ import torch
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
-from test_manager import assert_same, check
-from workload import drive
+from workload import assert_same, check, drive
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,8 +1,10 @@
-"""Random step sequences for property and differential tests.
+"""The tests' shared helpers (one module: test files import from here, never
+from each other).
 
 ``drive`` applies the same random scheduling steps to one or more managers and
 calls ``check(step_index, managers, results)`` after every step, so a test can
-compare the device manager with the reference step by step.
+compare the device manager with the reference step by step; ``check`` and
+``assert_same`` are that comparison.
 """
 
 from __future__ import annotations
@@ -92,3 +94,25 @@ def drive(managers, seed: int, num_steps: int, check, *, extras: bool = True, ma
         # A request that can never fit is dropped so the workload keeps moving.
         if waiting and not running:
             waiting.pop(0)
+
+
+def assert_same(ref, dev) -> None:
+    """The device manager's state equals the reference's: free queue,
+    reference counts, cache table, requests and their block ids; both pass
+    their invariants."""
+    assert dev.free_queue() == ref.free_queue()
+    assert dev.pool.ref_counts() == ref.pool.ref_cnt
+    assert dev.pool.table_entries() == ref.pool.table()
+    assert sorted(dev.request_ids()) == sorted(ref.request_ids())
+    for rid in ref.request_ids():
+        assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
+    dev.check_invariants()
+    ref.check_invariants()
+
+
+def check(step, managers, results) -> None:
+    """``drive``'s per-step check for a (reference, device) pair: the same
+    results, the same state."""
+    ref, dev = managers
+    assert results[1] == results[0], f"step {step}"
+    assert_same(ref, dev)
