@@ -35,7 +35,7 @@ import torch
 from gpukv import _runtime, hashing
 from gpukv.admission import AdmissionBuffers, plan_admission, pow2_at_least
 from gpukv.api import manager_args_from_config
-from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
+from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
@@ -69,6 +69,7 @@ from gpukv.request import (
     normalize_token_ids,
     normalize_windows,
     resolve_key,
+    unknown_request,
 )
 from gpukv.rows import DeviceRows
 from gpukv.staging import Staging, StepCounters, TorchOpCounter
@@ -718,9 +719,7 @@ class DeviceManager(FailStop):
         try:
             return self._reqs[request_id]
         except (KeyError, TypeError):
-            raise UnknownRequestError(f"unknown request id {request_id!r}: it was never admitted or was already "
-                                      "freed", argument="request_id",
-                                      fix="pass the id of a request this manager holds") from None
+            raise unknown_request(request_id) from None
 
     def _num_blocks(self, row: int) -> int:
         return int(self._rows.num_held[row])

@@ -41,7 +41,6 @@ from gpukv.errors import (
     InvalidTypeError,
     NoFreeBlocksError,
     StaleComputedBlocksError,
-    UnknownRequestError,
 )
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
@@ -69,6 +68,7 @@ from gpukv.request import (
     normalize_windows,
     resolve_key,
     token_array_for_host,
+    unknown_request,
 )
 from gpukv.rows import RowAllocator
 
@@ -760,9 +760,7 @@ class ReferenceManager(FailStop):
         try:
             return self._requests[request_id]
         except (KeyError, TypeError):
-            raise UnknownRequestError(f"unknown request id {request_id!r}: it was never admitted or was already "
-                                      "freed", argument="request_id",
-                                      fix="pass the id of a request this manager holds") from None
+            raise unknown_request(request_id) from None
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""

@@ -547,7 +547,8 @@ def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool, c
 
 # -------------------------------------------------------------- whole calls
 
-def _unknown(rid: str, argument: str) -> UnknownRequestError:
+def unknown_request(rid: Any, argument: str = "request_id") -> UnknownRequestError:
+    """The one error for a request id a manager does not hold."""
     return UnknownRequestError(f"unknown request id {rid!r}: it was never admitted or was already freed",
                                argument=argument, fix="pass the id of a request this manager holds")
 
@@ -558,7 +559,7 @@ def check_request_id(rid: Any, argument: str, known: Container[str]) -> str:
         raise InvalidTypeError(f"request ids are str, got {_type_name(rid)} {_short(rid)}", argument=argument,
                                fix="pass the request's str id")
     if rid not in known:
-        raise _unknown(rid, argument)
+        raise unknown_request(rid, argument)
     return rid
 
 
