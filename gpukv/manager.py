@@ -73,6 +73,7 @@ from gpukv.request import (
 )
 from gpukv.rows import DeviceRows
 from gpukv.staging import Staging, StepCounters, TorchOpCounter
+from gpukv.windows import policies
 
 # Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
 # kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
@@ -217,8 +218,9 @@ class DeviceManager(FailStop):
         self.block_size = block_size
         self.sliding_windows = windows
         self.num_groups = len(windows)
+        self._policies = policies(windows, block_size)  # one per group (``gpukv.windows``)
         # Blocks a window group must still see at a hit boundary; -1 = full attention.
-        self._window_blocks = [-1 if w is None else -(-(w - 1) // block_size) for w in windows]
+        self._window_blocks = [p.boundary_blocks for p in self._policies]
         self._window_groups = [g for g, w in enumerate(windows) if w is not None]
         self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
         self.max_model_len = max_model_len
@@ -811,8 +813,7 @@ class DeviceManager(FailStop):
         groups release what ``num_tokens`` computed tokens no longer see."""
         stops = starts.copy()
         for g in self._window_groups:
-            skip = np.maximum(0, num_tokens - self.sliding_windows[g] + 1) // self.block_size
-            stops[:, g] = np.maximum(skip, starts[:, g])
+            stops[:, g] = np.maximum(self._policies[g].skipped(num_tokens), starts[:, g])
         return stops
 
     def _hash_launch(self, rows_t, starts_t, counts_t) -> None:

@@ -71,6 +71,7 @@ from gpukv.request import (
     unknown_request,
 )
 from gpukv.rows import RowAllocator
+from gpukv.windows import policies
 
 NULL_BLOCK = 0
 
@@ -80,34 +81,6 @@ __all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCa
 # Host bytes per block of a full reference pool (counts, free-queue links,
 # cached-block records and table entries), for the check before allocating.
 _HOST_BYTES_PER_BLOCK = 640
-
-
-def group_hit(available: Sequence[bool], window_blocks: int) -> int:
-    """The longest hit one KV-cache group can serve, given which of the
-    request's first blocks it has (``available[i]``: a verified block at
-    position i). Full attention (``window_blocks < 0``): the first miss. A
-    sliding window that must see ``window_blocks`` blocks at the hit
-    boundary: the end of the rightmost run of that many available blocks, or
-    the leading run when none is that long (it reaches block 0, before which
-    the window needs nothing). The admission kernel's ``_group_hit`` is the
-    same rule (``tests/kernels/test_lookup.py`` holds both to one table)."""
-    limit = len(available)
-    if window_blocks < 0:
-        for i in range(limit):
-            if not available[i]:
-                return i
-        return limit
-    if window_blocks == 0:
-        return limit
-    run = 0
-    for i in range(limit - 1, -1, -1):
-        if not available[i]:
-            run = 0
-            continue
-        run += 1
-        if run >= window_blocks:
-            return i + window_blocks
-    return run
 
 
 @dataclass(frozen=True)
@@ -136,10 +109,6 @@ def _host_device(device) -> torch.device:
     return dev
 
 
-def _check_count(value: int, name: str, minimum: int, maximum: int | None = None) -> int:
-    return check_size(value, name, minimum, maximum)
-
-
 class BlockPool:
     """Reference counts, the free queue and the block-hash table.
 
@@ -150,7 +119,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, uncached_first: bool = True, enable_caching: bool = True) -> None:
-        self.num_blocks = _check_count(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
+        self.num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
         check_memory({"num_blocks": self.num_blocks * _HOST_BYTES_PER_BLOCK}, None, "the reference pool")
         self.uncached_first = bool(uncached_first)
         self.enable_caching = bool(enable_caching)
@@ -214,7 +183,7 @@ class BlockPool:
 
         A popped block that is still cached loses its hash here (lazy eviction).
         """
-        num_blocks = _check_count(num_blocks, "num_blocks", 0)
+        num_blocks = check_size(num_blocks, "num_blocks", 0)
         if num_blocks > len(self._free):
             raise NoFreeBlocksError(
                 f"cannot allocate {num_blocks} blocks: only {len(self._free)} are free"
@@ -378,15 +347,16 @@ class ReferenceManager(FailStop):
         manager's state is host memory). ``enable_kv_cache_events``: keep
         ``gpukv.events`` batches for ``take_events``."""
         self.device = _host_device(device)
-        self.block_size = _check_count(block_size, "block_size", 1)
-        max_num_reqs = _check_count(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
+        self.block_size = check_size(block_size, "block_size", 1)
+        max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
         windows = list(normalize_windows(sliding_windows))
-        num_blocks = _check_count(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
+        num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
         if max_model_len is not None:
-            max_model_len = _check_count(max_model_len, "max_model_len", 1)
+            max_model_len = check_size(max_model_len, "max_model_len", 1)
         self.max_model_len = max_model_len
         self.sliding_windows = windows
         self.num_groups = len(windows)
+        self._policies = policies(windows, self.block_size)  # one per group (``gpukv.windows``)
         self.enable_caching = bool(enable_caching)
         self._key = resolve_key(hash_key)
         self.pool = BlockPool(num_blocks, uncached_first=uncached_first, enable_caching=enable_caching)
@@ -898,14 +868,14 @@ class ReferenceManager(FailStop):
             hit = max_hit
             while True:
                 new_hit = hit
-                for g, window in enumerate(self.sliding_windows):
-                    new_hit = self._group_hit(g, window, new_hit, block_at)
+                for g, policy in enumerate(self._policies):
+                    new_hit = policy.hit([block_at(i, g) is not None for i in range(new_hit)])
                 if new_hit == hit:
                     break
                 hit = new_hit
         hits = []
-        for g, window in enumerate(self.sliding_windows):
-            first_real = self._first_real_hit(window, hit)
+        for g, policy in enumerate(self._policies):
+            first_real = policy.first_real(hit)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
         n_alloc = blocks_after_admission(hit, num_tokens, st.chunk, st.lookahead, bs)
         return _Plan(st, hit, hits, (n_alloc - hit) * self.num_groups)
@@ -932,19 +902,6 @@ class ReferenceManager(FailStop):
                 return (j, i)
         return None
 
-    def _window_blocks(self, window: int) -> int:
-        """Leading blocks a sliding window must still see at a hit boundary."""
-        return -(-(window - 1) // self.block_size)
-
-    def _group_hit(self, g: int, window: int | None, limit: int, block_at) -> int:
-        """The longest hit, at most ``limit`` blocks, this group can serve."""
-        need = -1 if window is None else self._window_blocks(window)
-        return group_hit([block_at(i, g) is not None for i in range(limit)], need)
-
-    def _first_real_hit(self, window: int | None, hit: int) -> int:
-        if window is None or hit == 0:
-            return 0
-        return max(0, hit - self._window_blocks(window))
 
     def _count_lookup(self, plan: _Plan) -> None:
         """The stats of one request's lookup (as the device's ``_count_lookups``)."""
@@ -1054,13 +1011,7 @@ class ReferenceManager(FailStop):
     def _skipped_blocks(self, st: _RequestState) -> list[int]:
         """Per group, how many leading blocks no token computed from now on can
         see (vLLM: tokens before ``num_computed - window + 1``)."""
-        out = []
-        for window in self.sliding_windows:
-            if window is None:
-                out.append(0)
-            else:
-                out.append(max(0, st.num_computed_tokens - window + 1) // self.block_size)
-        return out
+        return [int(policy.skipped(st.num_computed_tokens)) for policy in self._policies]
 
     def _cache_full_blocks(self, st: _RequestState) -> None:
         if not self.enable_caching:

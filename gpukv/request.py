@@ -57,6 +57,7 @@ from gpukv.errors import (
     UnknownRequestError,
 )
 from gpukv.hashing import MMItem
+from gpukv.windows import policies
 
 MAX_TOKEN_ID = 2**32 - 1
 MAX_LORA_ID = 2**64 - 1
@@ -540,8 +541,8 @@ def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool, c
     computed = np.maximum(num_tokens if chunk is None else chunk, hits * bs)
     n_alloc = -(-(computed + lookahead) // bs)
     total = np.zeros_like(hits)
-    for w in limits.sliding_windows:
-        total += n_alloc if w is None else np.minimum(-(-(w - 1) // bs), hits) + n_alloc - hits
+    for policy in policies(limits.sliding_windows, bs):
+        total += policy.blocks_held(hits, n_alloc)
     return int(total.min())
 
 

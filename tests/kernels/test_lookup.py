@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gpukv._runtime  # noqa: F401
-from gpukv import reference
+from gpukv import windows
 from gpukv.kernels import lookup
 
 ROOT = (11, 22)
@@ -133,7 +133,7 @@ def _cache_for(patterns: list[str]) -> list:
     return [[[p + 1 + 100 * g if patterns[g][p] == "1" else -1 for g in range(len(patterns))] for p in range(P)]]
 
 
-def _kernel_hit(patterns: list[str], windows: list[int]) -> int:
+def _kernel_hit(patterns: list[str], boundary_blocks: list[int]) -> int:
     cache = torch.tensor(_cache_for(patterns), dtype=torch.int32)
     P = cache.shape[1]
     hit = torch.full((1,), -1, dtype=torch.int32)
@@ -143,7 +143,7 @@ def _kernel_hit(patterns: list[str], windows: list[int]) -> int:
     lookup.admit(cache, i32([[-1] * P]), i32([P]), i32([P + 1]), i32([2 * (P + 1)]), i32([0]),
                  ref_cnt=torch.ones(N, dtype=torch.int32), touched=torch.full((N,), -1, dtype=torch.int64), stamp=0,
                  num_free=torch.tensor([10 * N]), blocked=i32([0]), block_size=2, hit_out=hit, status=status,
-                 window_blocks=i32(windows))
+                 window_blocks=i32(boundary_blocks))
     assert status[lookup.ST_ADMITTED] == 1
     return int(hit[0])
 
@@ -152,7 +152,7 @@ def _kernel_hit(patterns: list[str], windows: list[int]) -> int:
                          ids=[c[0] for c in GROUP_HIT_CASES])
 def test_group_hit_table_on_the_admission_kernel_and_the_reference(pattern, window, want):
     assert _kernel_hit([pattern], [window]) == want
-    assert reference.group_hit([c == "1" for c in pattern], window) == want
+    assert windows.group_hit([c == "1" for c in pattern], window) == want
 
 
 def test_hybrid_groups_take_the_hit_every_group_serves():
