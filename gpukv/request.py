@@ -613,19 +613,38 @@ def normalize_step(
     those arguments (``request_id``, ``request``, ``new_token_ids``).
     ``defer_admissible``: leave ``check_admissible`` to the caller
     (``allocate_slots`` first applies its own chunk and lookahead)."""
-    def name(kind: str, i: int, attr: str = "") -> str:
-        if not single:
-            return f"{kind}[{i}]" + (f".{attr}" if attr else "")
-        if kind == "finished":
-            return "request_id"
-        if kind == "running":
-            return {"new_token_ids": "new_token_ids", "num_tokens_to_compute": "num_tokens",
-                    "num_lookahead_tokens": "num_lookahead_tokens"}.get(attr, "request")
-        return "request" + (f".{attr}" if attr else "")
-
+    name = _SingleCallNames() if single else _batch_name
     fin = as_list(finished, "finished", "request ids (str)")
     run = as_list(running, "running", "RunningUpdate")
     nw = as_list(new, "new", "NewRequest")
+    done = _checked_finished(fin, known, name)
+    updates = _checked_updates(run, done, known, limits, num_tokens, num_computed, name)
+    requests = _checked_new_requests(nw, known, limits, defer_admissible, name)
+    return Step(tuple(fin), tuple(updates), tuple(requests))
+
+
+def _batch_name(kind: str, i: int, attr: str = "") -> str:
+    """The argument a message names in a batched call: ``running[3].new_token_ids``."""
+    return f"{kind}[{i}]" + (f".{attr}" if attr else "")
+
+
+class _SingleCallNames:
+    """The argument a message names in a one-request call (``free``,
+    ``allocate_slots``, ``get_computed_blocks``): its own parameters."""
+
+    _RUNNING = {"new_token_ids": "new_token_ids", "num_tokens_to_compute": "num_tokens",
+                "num_lookahead_tokens": "num_lookahead_tokens"}
+
+    def __call__(self, kind: str, i: int, attr: str = "") -> str:  # noqa: ARG002  (as _batch_name)
+        if kind == "finished":
+            return "request_id"
+        if kind == "running":
+            return self._RUNNING.get(attr, "request")
+        return "request" + (f".{attr}" if attr else "")
+
+
+def _checked_finished(fin: list, known: Container[str], name: Callable[..., str]) -> set[str]:
+    """Finished ids: each held, none twice (a double free)."""
     done: set[str] = set()
     for i, rid in enumerate(fin):
         check_request_id(rid, name("finished", i), known)
@@ -633,6 +652,15 @@ def normalize_step(
             raise DuplicateRequestError(f"request {rid!r} is finished twice in one step (double free)",
                                         argument=name("finished", i), fix="list each finished request once")
         done.add(rid)
+    return done
+
+
+def _checked_updates(run: list, done: set[str], known: Container[str], limits: ManagerLimits,
+                     num_tokens: Callable[[str], int] | None, num_computed: Callable[[str], int] | None,
+                     name: Callable[..., str]) -> list[RunningUpdate]:
+    """Running updates: each a held request's, not finished, once per step,
+    its tokens checked and within ``max_model_len``, its chunk and lookahead
+    checked."""
     updates = []
     seen: set[str] = set()
     max_model_len = limits.max_model_len if num_tokens is not None else None
@@ -651,16 +679,7 @@ def normalize_step(
             raise DuplicateRequestError(f"request {rid!r} has two running updates in one step",
                                         argument=name("running", i), fix="merge its tokens into one RunningUpdate")
         seen.add(rid)
-        tokens: Any = u.new_token_ids
-        if type(tokens) is list and len(tokens) <= _SHORT_TOKENS:  # _short_int_tokens, inlined for decode steps
-            for x in tokens:
-                if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
-                    tokens = normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
-                    break
-            else:
-                tokens = np.array(tokens, _INT64)
-        else:
-            tokens = normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
+        tokens = _update_tokens(u.new_token_ids, rid, name, i)
         if max_model_len is not None and num_tokens is not None:
             total = num_tokens(rid) + len(tokens)
             if total > max_model_len:
@@ -673,8 +692,27 @@ def normalize_step(
                                                     name("running", i, "num_tokens_to_compute"),
                                                     name("running", i, "num_lookahead_tokens"))
         updates.append(RunningUpdate(rid, tokens, chunk, lookahead))
+    return updates
+
+
+def _update_tokens(tokens: Any, rid: str, name: Callable[..., str], i: int) -> Any:
+    """Update ``i``'s new tokens, normalised (a short list of plain ints in
+    range, a decode step's usual case, takes a loop, not the general path)."""
+    if type(tokens) is list and len(tokens) <= _SHORT_TOKENS:  # _short_int_tokens, inlined for decode steps
+        for x in tokens:
+            if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
+                break
+        else:
+            return np.array(tokens, _INT64)
+    return normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
+
+
+def _checked_new_requests(nw: list, known: Container[str], limits: ManagerLimits, defer_admissible: bool,
+                          name: Callable[..., str]) -> list[NewRequest]:
+    """New requests: each normalised, its id new, within ``max_model_len``,
+    admissible (unless deferred); warns once for deprecated digests."""
     requests = []
-    seen = set()
+    seen: set[str] = set()
     warn = False
     for i, r in enumerate(nw):
         req, given = normalize_new_request(r, name("new", i), limits.block_size)
@@ -695,7 +733,7 @@ def normalize_step(
         requests.append(req)
     if warn:
         _warn_block_hashes()
-    return Step(tuple(fin), tuple(updates), tuple(requests))
+    return requests
 
 
 def check_admissible(req: NewRequest, limits: ManagerLimits, lookahead_arg: str, tokens_arg: str) -> None:
