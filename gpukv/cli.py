@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -23,11 +24,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from gpukv import _runtime, hashing, plot
 from gpukv.errors import GpukvError
 from gpukv.replay import DEFAULT_MAX_NUM_BATCHED_TOKENS, PLAIN_INTERVAL_S, Replay, ReplayOptions
-from gpukv.traces import MAX_SIZE, TraceError, builtin_trace_path, load_trace
+from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace
 
 BUILTIN_REQUESTS = 300
 PROG = "gpukv"
@@ -259,6 +261,16 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
         "Results go to stdout; notes and progress to stderr.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl or a step-trace .json (default: built-in workload)")
+    _add_backend_options(p)
+    _add_pool_options(p)
+    _add_scheduling_options(p)
+    _add_workload_options(p)
+    _add_output_options(p)
+    return p
+
+
+def _add_backend_options(p: argparse.ArgumentParser) -> None:
+    """The trace's format and the manager that replays it."""
     p.add_argument("--format", choices=["auto", "mooncake", "step"], default="auto",
                    help="the trace's format; auto: by its content")
     p.add_argument("--backend", choices=["auto", "device", "reference"], default="auto",
@@ -268,6 +280,10 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also replay on the reference and report whether the results agree "
                    "(default: on when the backend is device)")
+
+
+def _add_pool_options(p: argparse.ArgumentParser) -> None:
+    """The pool's sizes; a step trace's config may set them instead."""
     p.add_argument("--block-size", type=_int_option(1, MAX_SIZE), default=None,
                    help=f"tokens per block (default: {DEFAULT_SIZES['block_size']}; a step trace's config wins)")
     p.add_argument("--num-blocks", type=_int_option(2, MAX_SIZE, " (block 0 is the null block)"), default=None,
@@ -278,6 +294,10 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    "config wins)")
     p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
                    help="most requests running at once")
+
+
+def _add_scheduling_options(p: argparse.ArgumentParser) -> None:
+    """How steps are filled and blocks freed."""
     p.add_argument("--max-num-batched-tokens", type=_budget_option, default=None, metavar="N",
                    help="token budget per step, as vLLM's max_num_batched_tokens: running requests first (a decode "
                    "costs 1, a prefill continues with a chunk), then new requests' first chunks while it lasts; "
@@ -292,6 +312,10 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    help="free uncached blocks to the front of the free queue, or (--no-uncached-first) all to the back")
     p.add_argument("--admission", choices=["batch", "one"], default="batch",
                    help="batch: admit a step's candidates in one batched step; one: one step call each (vLLM's order)")
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """How much of the trace runs, and when its requests arrive."""
     p.add_argument("--max-requests", type=_int_option(1), default=None,
                    help=f"replay only the first N requests (default: all; {BUILTIN_REQUESTS} for the built-in "
                    "workload)")
@@ -304,6 +328,10 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
                    "nothing runs or waits are skipped)")
     p.add_argument("--step-ms", type=_ms_option, default=100.0,
                    help="with --arrival timestamp: milliseconds per step")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Where the report, the plot, the metrics and the progress go."""
     p.add_argument("--json", metavar="OUT",
                    help="write the full report (summary, per-request records, final state, version, arguments, "
                    "trace and config); '-' writes it to stdout and moves the human summary to stderr")
@@ -316,7 +344,6 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a live bar on a terminal, a plain line every "
                    f"{PLAIN_INTERVAL_S:g} s elsewhere)")
-    return p
 
 
 def _rate(hits: int, queries: int) -> str:
@@ -467,6 +494,36 @@ def replay_main(args) -> int:
         path = builtin_trace_path()
         max_requests = max_requests or BUILTIN_REQUESTS
     # Everything the user handed in is checked before the replay starts.
+    outputs, json_to_stdout = _replay_outputs(args)
+    if args.arrival == "timestamp" and args.format == "step":
+        raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
+    key = _hash_key()  # one key for both runs, so their digests (and tables) agree
+    trace = _load_replay_trace(args, path, max_requests)
+    sizes = _replay_sizes(args, trace)
+    budget = _resolve_budget(args, trace.kind)
+    backend = _choose_backend(args.backend)
+    metrics = _serve_metrics(args.metrics_port) if args.metrics_port is not None else None
+    job = _ReplayJob(args, trace, sizes, budget, key, backend, metrics)
+
+    report = job.run(backend)
+    compare = args.compare if args.compare is not None else backend == "device"
+    ref = None
+    if compare and backend != "reference":
+        ref = job.run("reference")
+        report["reference"] = _agreement(report, ref)
+    # What this report is of, so that it can be reproduced.
+    report = {
+        "gpukv_version": version(),
+        "arguments": dict(vars(args)),
+        "trace": args.trace if args.trace is not None else "built-in",
+        **report,
+    }
+    _deliver_report(args, report, ref, outputs, json_to_stdout)
+    return 0
+
+
+def _replay_outputs(args) -> tuple[dict[str, Path], bool]:
+    """The checked output files by option, and whether the JSON report goes to stdout."""
     outputs = {}
     json_to_stdout = args.json == "-"
     for option, value in (("--json", args.json), ("--plot", args.plot)):
@@ -476,9 +533,11 @@ def replay_main(args) -> int:
         raise CliError(f"--json and --plot name the same file {args.json!r}")
     if "--plot" in outputs:
         _check_plot(args.plot)
-    if args.arrival == "timestamp" and args.format == "step":
-        raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
-    key = _hash_key()  # one key for both runs, so their digests (and tables) agree
+    return outputs, json_to_stdout
+
+
+def _load_replay_trace(args, path, max_requests: int | None) -> Trace:
+    """The trace to replay, any problem with it a CliError."""
     try:
         trace = load_trace(path, args.format, max_requests=max_requests, arrival=args.arrival, step_ms=args.step_ms)
     except TraceError as e:
@@ -489,7 +548,12 @@ def replay_main(args) -> int:
         raise CliError(f"{path}: {e}") from None
     if trace.kind == "step" and args.arrival == "timestamp":
         raise CliError(f"{path}: --arrival timestamp applies to Mooncake traces, and this is a step trace")
+    return trace
 
+
+def _replay_sizes(args, trace: Trace) -> dict:
+    """block_size, num_blocks and max_model_len: a step trace's config, else
+    the option, else the default; an option the config overrides gets a note."""
     sizes = {}
     for name, default in DEFAULT_SIZES.items():
         given = getattr(args, name)
@@ -500,10 +564,11 @@ def replay_main(args) -> int:
                       f"--{name.replace('_', '-')} {given} is not used")
         else:
             sizes[name] = given if given is not None else default
+    return sizes
 
-    budget = _resolve_budget(args, trace.kind)
 
-    backend = args.backend
+def _choose_backend(backend: str) -> str:
+    """The backend that runs: ``auto`` resolved, and the device one only where Triton is."""
     if backend == "auto":
         backend = "device" if _runtime.CUDA_AVAILABLE else "reference"
         if backend == "reference":
@@ -512,22 +577,42 @@ def replay_main(args) -> int:
     if backend == "device" and not _triton_installed():
         raise CliError("the device backend needs Triton, which is not installed here (it has wheels for Linux "
                        "only: pip install triton); --backend reference runs without it")
-    progress = not args.no_progress
-    metrics = _serve_metrics(args.metrics_port) if args.metrics_port is not None else None
+    return backend
 
-    def run(name: str) -> dict:
-        opts = ReplayOptions(
+
+@dataclasses.dataclass
+class _ReplayJob:
+    """What replay_main resolved from the arguments, enough to replay the trace
+    on either backend (the main one, and the reference to compare with)."""
+
+    args: argparse.Namespace
+    trace: Trace
+    sizes: dict
+    budget: int | None
+    key: bytes
+    backend: str  # the main run's; the metrics follow that run only
+    metrics: Any
+
+    def options(self, name: str) -> ReplayOptions:
+        """A fresh ReplayOptions for a run on ``name`` (Replay adjusts the one it gets)."""
+        args = self.args
+        return ReplayOptions(
             max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
-            prompt_only=args.prompt_only, backend=name, progress=progress, max_steps=args.max_steps, hash_key=key,
-            max_num_batched_tokens=budget, long_prefill_token_threshold=args.long_prefill_token_threshold,
-            metrics=metrics if name == backend else None, **sizes,
+            prompt_only=args.prompt_only, backend=name, progress=not args.no_progress, max_steps=args.max_steps,
+            hash_key=self.key, max_num_batched_tokens=self.budget,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            metrics=self.metrics if name == self.backend else None, **self.sizes,
         )
-        what = f"{path}: " if args.trace is not None else ""
+
+    def run(self, name: str) -> dict:
+        """The report of a replay on ``name``; what the manager refuses becomes a CliError."""
+        opts = self.options(name)
+        what = f"{self.args.trace}: " if self.args.trace is not None else ""
         try:
-            replay = Replay(trace, opts)
+            replay = Replay(self.trace, opts)
         except MemoryError:
-            raise CliError(f"not enough memory for a {name} manager of {sizes['num_blocks']:,} blocks of "
-                           f"{sizes['block_size']} tokens; lower --num-blocks") from None
+            raise CliError(f"not enough memory for a {name} manager of {self.sizes['num_blocks']:,} blocks of "
+                           f"{self.sizes['block_size']} tokens; lower --num-blocks") from None
         except (ValueError, TypeError) as e:  # sizes the manager refuses (gpukv.errors included)
             raise CliError(f"the {name} manager refused the configuration: {e}") from None
         try:
@@ -539,24 +624,19 @@ def replay_main(args) -> int:
                 raise CliError(f"{what}the {name} manager refused a request of the trace: {e}") from None
             raise
 
-    report = run(backend)
-    compare = args.compare if args.compare is not None else backend == "device"
-    ref = None
-    if compare and backend != "reference":
-        ref = run("reference")
-        agree = {
-            "requests": ref["requests"] == report["requests"],
-            "final free queue": ref["final"]["free_queue"] == report["final"]["free_queue"],
-            "summary counts": all(ref["summary"][k] == report["summary"][k] for k in _COUNTS),
-        }
-        report["reference"] = {"summary": ref["summary"], "agree": agree}
-    # What this report is of, so that it can be reproduced.
-    report = {
-        "gpukv_version": version(),
-        "arguments": dict(vars(args)),
-        "trace": args.trace if args.trace is not None else "built-in",
-        **report,
+
+def _agreement(report: dict, ref: dict) -> dict:
+    """The reference run's summary and whether it agrees with the main run's report."""
+    agree = {
+        "requests": ref["requests"] == report["requests"],
+        "final free queue": ref["final"]["free_queue"] == report["final"]["free_queue"],
+        "summary counts": all(ref["summary"][k] == report["summary"][k] for k in _COUNTS),
     }
+    return {"summary": ref["summary"], "agree": agree}
+
+
+def _deliver_report(args, report: dict, ref: dict | None, outputs: dict[str, Path], json_to_stdout: bool) -> None:
+    """Write the report's files, then print it (and the reference run's, if any)."""
     # Files first: a reader of stdout that goes away must not cost the report.
     if "--json" in outputs:
         _write_atomically(outputs["--json"], json.dumps(report, default=str), "--json")
@@ -579,7 +659,6 @@ def replay_main(args) -> int:
     if "--plot" in outputs:
         _note(f"plot written to {args.plot}")
     sys.stdout.flush()  # a closed pipe shows here, inside main's handler
-    return 0
 
 
 _COUNTS = ("prompt_tokens", "cached_tokens", "queries", "hits", "query_blocks", "hit_blocks", "lookup_requests",

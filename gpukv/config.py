@@ -384,6 +384,25 @@ def get_kv_cache_config(
         (Treating sliding windows as full attention cannot help there: it
         keeps each layer's page size.)
     """
+    _check_config_arguments(kv_cache_spec, available_memory, max_model_len, num_gpu_blocks_override,
+                            max_num_batched_tokens, sliding_window_as_full_attention)
+    specs = _specs_in_use(kv_cache_spec, sliding_window_as_full_attention)
+    # Check the specs actually used: after the fallback a former sliding-window
+    # layer needs a full-length request's worth of blocks.
+    check_enough_kv_cache_memory(specs, available_memory, max_model_len=max_model_len,
+                                 max_num_batched_tokens=max_num_batched_tokens)
+    return _lay_out(specs, available_memory, max_model_len, num_gpu_blocks_override, max_num_batched_tokens)
+
+
+def _check_config_arguments(
+    kv_cache_spec: Any,
+    available_memory: Any,
+    max_model_len: Any,
+    num_gpu_blocks_override: Any,
+    max_num_batched_tokens: Any,
+    sliding_window_as_full_attention: Any,
+) -> None:
+    """get_kv_cache_config's arguments, checked before any of them is used."""
     _check_specs(kv_cache_spec)
     _require_int("available_memory", available_memory)
     if available_memory < 0:
@@ -400,6 +419,12 @@ def get_kv_cache_config(
             f"got {sliding_window_as_full_attention!r}"
         )
 
+
+def _specs_in_use(
+    kv_cache_spec: Mapping[str, KVCacheSpec], sliding_window_as_full_attention: bool
+) -> dict[str, KVCacheSpec]:
+    """The specs the config is built from (sliding windows as full attention
+    if asked), refused unless their layers can share one pool."""
     specs: dict[str, KVCacheSpec] = dict(kv_cache_spec)
     if sliding_window_as_full_attention:
         windowed = [n for n, s in specs.items() if isinstance(s, SlidingWindowSpec)]
@@ -410,7 +435,12 @@ def get_kv_cache_config(
                 len(windowed),
             )
             specs = {name: _as_full_attention(spec) for name, spec in specs.items()}
+    _check_one_pool(specs)
+    return specs
 
+
+def _check_one_pool(specs: Mapping[str, KVCacheSpec]) -> None:
+    """Every layer draws from one pool, so page and block sizes must agree."""
     if len({s.page_size_bytes for s in specs.values()}) > 1:
         raise ValueError(
             "the layers' KV cache page sizes disagree ("
@@ -426,13 +456,16 @@ def get_kv_cache_config(
             + "); all groups of one pool must use one block_size"
         )
 
-    # Check the specs actually used: after the fallback a former sliding-window
-    # layer needs a full-length request's worth of blocks.
-    check_enough_kv_cache_memory(
-        specs, available_memory, max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
 
+def _lay_out(
+    specs: Mapping[str, KVCacheSpec],
+    available_memory: int,
+    max_model_len: int,
+    num_gpu_blocks_override: int | None,
+    max_num_batched_tokens: int | None,
+) -> KVCacheConfig:
+    """The layers' groups, the pool's size (checked, overridden if asked,
+    logged) and the tensors the groups share."""
     groups, group_size = _group_layers(specs)
     page = groups[0].kv_cache_spec.page_size_bytes
     fitting_blocks = available_memory // page // group_size

@@ -279,27 +279,42 @@ def _flat_tokens(token_lists: Sequence[Any], name: str) -> tuple[np.ndarray, lis
     if not parts:
         return np.zeros(0, dtype=np.uint32), lengths
     if arrays:
-        # One range check for all of them (int64 wraps values >= 2**63 to
-        # negatives, which fail too); if one fails, find it and name it.
-        joined = np.concatenate([parts[r] for r in arrays], dtype=np.int64, casting="unsafe")
-        if joined.size and (joined.min() < 0 or joined.max() >= TOKEN_LIMIT):
-            for r in arrays:
-                _checked_tokens(parts[r], f"{name}[{r}]")
-        for r in arrays:
-            parts[r] = parts[r].astype(np.uint32)  # exact: checked above
+        _arrays_to_uint32(parts, arrays, name)
     flat = np.frombuffer(b"".join(parts), dtype=np.uint32)
     if listed:
-        low = np.flatnonzero(flat <= 1)
-        if low.size:
-            starts = np.cumsum([0] + lengths)
-            rows = np.searchsorted(starts, low, side="right") - 1
-            listed_set = set(listed)
-            for pos, r in zip(low.tolist(), rows.tolist(), strict=True):
-                if r in listed_set:
-                    i = pos - int(starts[r])
-                    if isinstance(token_lists[r][i], (bool, np.bool_)):
-                        raise _bad_token(token_lists[r][i], f"{name}[{r}][{i}]")
+        _refuse_listed_bools(token_lists, flat, lengths, listed, name)
     return flat, lengths
+
+
+def _arrays_to_uint32(parts: list[Any], arrays: list[int], name: str) -> None:
+    """Range-check the integer arrays ``parts[r]`` (``r`` in ``arrays``) and
+    replace each with its uint32 copy."""
+    # One range check for all of them (int64 wraps values >= 2**63 to
+    # negatives, which fail too); if one fails, find it and name it.
+    joined = np.concatenate([parts[r] for r in arrays], dtype=np.int64, casting="unsafe")
+    if joined.size and (joined.min() < 0 or joined.max() >= TOKEN_LIMIT):
+        for r in arrays:
+            _checked_tokens(parts[r], f"{name}[{r}]")
+    for r in arrays:
+        parts[r] = parts[r].astype(np.uint32)  # exact: checked above
+
+
+def _refuse_listed_bools(
+    token_lists: Sequence[Any], flat: np.ndarray, lengths: list[int], listed: list[int], name: str
+) -> None:
+    """Refuse the first bool among the lists ``array.array`` converted (rows
+    ``listed``), which it took as 0 or 1: only positions holding those can be one."""
+    low = np.flatnonzero(flat <= 1)
+    if low.size:
+        starts = np.cumsum([0] + lengths)
+        rows = np.searchsorted(starts, low, side="right") - 1
+        listed_set = set(listed)
+        for pos, r in zip(low.tolist(), rows.tolist(), strict=True):
+            if r in listed_set:
+                i = pos - int(starts[r])
+                if isinstance(token_lists[r][i], (bool, np.bool_)):
+                    raise _bad_token(token_lists[r][i], f"{name}[{r}][{i}]")
+
 
 def _out_of_range(arr: np.ndarray) -> int | None:
     """Flat index of the first element of integer ``arr`` outside [0, 2**32), or None."""

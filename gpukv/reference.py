@@ -557,25 +557,7 @@ class ReferenceManager(FailStop):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
                 raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
-            (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
-            computed = normalize_computed(computed, self._limits)
-            check_computed_for(request, computed, self._limits)
-            hit_tokens = computed.num_tokens if computed is not None else 0
-            request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
-            state = self._new_state(request)
-            hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
-            num_hit = hit_tokens // self.block_size
-            self._check_computed(state, hits, num_hit)
-            n_alloc = blocks_after_admission(num_hit, len(state.tokens), state.chunk, state.lookahead, self.block_size)
-            plan = _Plan(state, num_hit, hits, (n_alloc - num_hit) * self.num_groups)
-            need = plan.num_new_blocks + len({b for g in hits for b in g
-                                              if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
-            if need > self.pool.num_free_blocks:
-                self._remember_digests(state)
-                return None
-            before = [list(g) for g in hits]
-            self._admit([plan])
-            return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
+            return self._allocate_new(request, computed, num_tokens, num_lookahead_tokens)
         if not isinstance(request, str):
             raise InvalidTypeError(f"must be a NewRequest or a running request's id (str), got "
                                    f"{type(request).__name__}", argument="request",
@@ -640,19 +622,54 @@ class ReferenceManager(FailStop):
             self._cache_running(grown[:failed_at])
             return StepResult(running_failed_at=failed_at)
         self._cache_running(grown)
-        plans: list[_Plan] = []
         # Each request is hashed when its lookup comes (in ``_plan``), so the
         # requests after the first refused one are not hashed at all.
         states = [self._new_state(r) for r in new]
-        # Phases 3 and 4 interleave: a request's lookup depends only on the
-        # requests before it, so looking up stops at the first refused one.
+        plans = self._plan_admissions(states)
+        admitted = len(plans)
+        self._admit(plans)
+        for st in states[admitted:]:
+            self._remember_digests(st)
+        return StepResult(
+            num_admitted=admitted,
+            num_computed_tokens=[p.num_hit_blocks * self.block_size for p in plans],
+            rows=[p.state.row for p in plans],
+        )
+
+    def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
+                      num_lookahead_tokens: int | None) -> list[list[int]] | None:
+        """``allocate_slots`` for a new request: admitted with the hit its
+        ``computed`` blocks give (checked against its own digests), if its
+        new blocks and first touches fit."""
+        (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
+        computed = normalize_computed(computed, self._limits)
+        check_computed_for(request, computed, self._limits)
+        hit_tokens = computed.num_tokens if computed is not None else 0
+        request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
+        state = self._new_state(request)
+        hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
+        num_hit = hit_tokens // self.block_size
+        self._check_computed(state, hits, num_hit)
+        n_alloc = blocks_after_admission(num_hit, len(state.tokens), state.chunk, state.lookahead, self.block_size)
+        plan = _Plan(state, num_hit, hits, (n_alloc - num_hit) * self.num_groups)
+        need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
+        if need > self.pool.num_free_blocks:
+            self._remember_digests(state)
+            return None
+        before = [list(g) for g in hits]
+        self._admit([plan])
+        return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
+
+    def _plan_admissions(self, states: list[_RequestState]) -> list[_Plan]:
+        """Phases 3 and 4, interleaved: a request's lookup depends only on the
+        requests before it, so looking up stops at the first refused one.
+        Returns the admitted requests' plans (a prefix of ``states``)."""
         num_free = self.pool.num_free_blocks
+        plans: list[_Plan] = []
         used = 0
         touched: set[int] = set()
-        admitted = 0
         for state in states:
             plan = self._plan(state, plans)
-            plans.append(plan)
             self._count_lookup(plan)
             first_touch = {
                 b for g in plan.hits for b in g
@@ -661,17 +678,10 @@ class ReferenceManager(FailStop):
             need = plan.num_new_blocks + len(first_touch)
             if used + need > num_free:
                 break
+            plans.append(plan)
             used += need
             touched |= first_touch
-            admitted += 1
-        self._admit(plans[:admitted])
-        for st in states[admitted:]:
-            self._remember_digests(st)
-        return StepResult(
-            num_admitted=admitted,
-            num_computed_tokens=[p.num_hit_blocks * self.block_size for p in plans[:admitted]],
-            rows=[p.state.row for p in plans[:admitted]],
-        )
+        return plans
 
     @mutating
     def decode(self, rows: Sequence[int], new_token_ids, *, num_tokens_to_compute=None,

@@ -575,10 +575,25 @@ class Replay:
         return sum(cached for _, cached in admitted) / prompt if prompt else 0.0
 
     def _report(self, num_steps: int, wall_s: float) -> dict:
-        stats = self.stats
+        """What run() returns: the config, the summary, each request's record, the final state, the series."""
+        summary = self._summary(num_steps, wall_s)
+        requests = {rid: self._request_record(lv) for rid, lv in self.live.items()}
+        return {
+            "config": self._config_record(),
+            "summary": summary,
+            "requests": requests,
+            "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.read_num_free_blocks()},
+            "messages": self.messages,
+            "step_ms": [round(x, 4) for x in self.step_ms],
+            "hit_rate_per_step": [round(x, 5) for x in self.hit_rate],
+            "blocks_in_use": self.blocks_in_use,
+        }
+
+    def _summary(self, num_steps: int, wall_s: float) -> dict:
+        """The report's totals: requests, tokens, hit rates, evictions, manager time."""
         tot = self.totals
         ms = np.array(self.step_ms) if self.step_ms else np.zeros(1)
-        summary = {
+        return {
             "backend": self.opts.backend,
             "requests": len(self.live),
             "finished": sum(lv.status == "finished" for lv in self.live.values()),
@@ -591,18 +606,7 @@ class Replay:
             # Each request once: a re-admission after a preemption mostly hits
             # its own blocks, which the figure above counts again.
             "first_admission_token_hit_rate": self._first_admission_hit_rate(),
-            # The manager's stats, as vLLM counts them: every lookup attempt of a
-            # request not preempted before, in tokens; re-admissions apart.
-            "prefix_cache_hit_rate": stats.hit_rate if stats else 0.0,
-            "queries": stats.queries if stats else 0,
-            "hits": stats.hits if stats else 0,
-            "lookup_requests": stats.requests if stats else 0,
-            "query_blocks": stats.query_blocks if stats else 0,
-            "hit_blocks": stats.hit_blocks if stats else 0,
-            "block_hit_rate": stats.block_hit_rate if stats else 0.0,
-            "preempted_lookup_requests": stats.preempted_requests if stats else 0,
-            "preempted_queries": stats.preempted_queries if stats else 0,
-            "preempted_hits": stats.preempted_hits if stats else 0,
+            **self._lookup_stats(),
             "admissions": tot["admissions"],
             "preemptions": tot["preemptions"],
             "evictions": self.manager.read_num_evictions(),
@@ -613,36 +617,49 @@ class Replay:
             "manager_ms_per_step_p99": float(np.percentile(ms, 99)),
             "wall_s": wall_s,
         }
-        requests = {}
-        for rid, lv in self.live.items():
-            requests[rid] = {
-                "admitted_step": lv.admitted_step,
-                "num_prompt_tokens": lv.spec.input_length,
-                "num_cached_tokens": lv.num_cached_tokens,
-                "prefill_done_step": lv.prefill_done_step,
-                "block_ids": lv.block_ids,
-                "preemptions": lv.preemptions,
-                "status": lv.status,
-                "finished_step": lv.finished_step,
-                **({"reason": lv.reason} if lv.reason else {}),
-            }
+
+    def _lookup_stats(self) -> dict:
+        """The manager's stats, as vLLM counts them: every lookup attempt of a
+        request not preempted before, in tokens; re-admissions apart."""
+        stats = self.stats
         return {
-            "config": {
-                "block_size": self.opts.block_size, "num_blocks": self.opts.num_blocks,
-                "max_model_len": self.opts.max_model_len, "max_num_seqs": self.opts.max_num_seqs,
-                "admission": self.opts.admission, "uncached_first": self.opts.uncached_first,
-                # As applied: a step trace runs unbudgeted (None, 0).
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-                "long_prefill_token_threshold": self.long_prefill_token_threshold,
-                "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
-                "backend": self.opts.backend,
-                "sliding_windows": list(getattr(self.manager, "sliding_windows", [None])),
-            },
-            "summary": summary,
-            "requests": requests,
-            "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.read_num_free_blocks()},
-            "messages": self.messages,
-            "step_ms": [round(x, 4) for x in self.step_ms],
-            "hit_rate_per_step": [round(x, 5) for x in self.hit_rate],
-            "blocks_in_use": self.blocks_in_use,
+            "prefix_cache_hit_rate": stats.hit_rate if stats else 0.0,
+            "queries": stats.queries if stats else 0,
+            "hits": stats.hits if stats else 0,
+            "lookup_requests": stats.requests if stats else 0,
+            "query_blocks": stats.query_blocks if stats else 0,
+            "hit_blocks": stats.hit_blocks if stats else 0,
+            "block_hit_rate": stats.block_hit_rate if stats else 0.0,
+            "preempted_lookup_requests": stats.preempted_requests if stats else 0,
+            "preempted_queries": stats.preempted_queries if stats else 0,
+            "preempted_hits": stats.preempted_hits if stats else 0,
+        }
+
+    @staticmethod
+    def _request_record(lv: _Live) -> dict:
+        """One request's line of the report."""
+        return {
+            "admitted_step": lv.admitted_step,
+            "num_prompt_tokens": lv.spec.input_length,
+            "num_cached_tokens": lv.num_cached_tokens,
+            "prefill_done_step": lv.prefill_done_step,
+            "block_ids": lv.block_ids,
+            "preemptions": lv.preemptions,
+            "status": lv.status,
+            "finished_step": lv.finished_step,
+            **({"reason": lv.reason} if lv.reason else {}),
+        }
+
+    def _config_record(self) -> dict:
+        """The configuration the replay ran with."""
+        return {
+            "block_size": self.opts.block_size, "num_blocks": self.opts.num_blocks,
+            "max_model_len": self.opts.max_model_len, "max_num_seqs": self.opts.max_num_seqs,
+            "admission": self.opts.admission, "uncached_first": self.opts.uncached_first,
+            # As applied: a step trace runs unbudgeted (None, 0).
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
+            "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
+            "backend": self.opts.backend,
+            "sliding_windows": list(getattr(self.manager, "sliding_windows", [None])),
         }

@@ -512,6 +512,22 @@ def parse_step_trace(doc: Any, *, where: str = "step trace", max_requests: int |
     if not isinstance(doc, dict):
         raise w.error(doc, "", f"expected a JSON object with 'config' and 'steps', got {_kind(doc)}")
     _check_keys(w, doc, ("config", "steps"), "")
+    config = _step_config(w, doc)
+    steps = []
+    known: set[str] = set()
+    step_list = _get(w, doc, "steps", (list,), "an array", "")
+    for s, raw in enumerate(step_list):
+        at = f"step {s}"
+        if not isinstance(raw, dict):
+            raise w.error(step_list, at, f"expected an object, got {_kind(raw)}", key=s)
+        _check_keys(w, raw, _STEP_KEYS, at)
+        steps.append(Step(finish=_step_finish(w, raw, at), decode=_step_decode(w, raw, at),
+                          new=_step_new(w, raw, s, known, max_requests)))
+    return Trace("step", config=config, steps=steps)
+
+
+def _step_config(w: _Where, doc: dict) -> dict:
+    """The sizes the trace's ``config`` sets, each checked against its minimum and MAX_SIZE."""
     cfg = _get(w, doc, "config", (dict,), "an object", "", default={})
     _check_keys(w, cfg, tuple(_CONFIG_KEYS), "config")
     config = {}
@@ -526,57 +542,67 @@ def parse_step_trace(doc: Any, *, where: str = "step trace", max_requests: int |
             if v > MAX_SIZE:
                 raise w.error(cfg, "config", f"{key} must be at most {MAX_SIZE}, got {_show(v)}", key=key)
             config[key] = v
-    steps = []
-    n_new = 0
-    known: set[str] = set()
-    step_list = _get(w, doc, "steps", (list,), "an array", "")
-    for s, raw in enumerate(step_list):
-        at = f"step {s}"
-        if not isinstance(raw, dict):
-            raise w.error(step_list, at, f"expected an object, got {_kind(raw)}", key=s)
-        _check_keys(w, raw, _STEP_KEYS, at)
-        step = Step()
-        finish = _get(w, raw, "finish", (list,), "an array of request ids", at, default=[])
-        for i, x in enumerate(finish):
-            step.finish.append(_request_id(w, finish, i, x, f"{at} finish"))
-        decodes = _get(w, raw, "decode", (list,), "an array of objects", at, default=[])
-        for i, d in enumerate(decodes):
-            if not isinstance(d, dict):
-                raise w.error(decodes, f"{at} decode", f"expected an object with 'id' and 'token_ids', got {_kind(d)}",
-                              key=i)
-            _check_keys(w, d, ("id", "token_ids"), f"{at} decode")
-            rid = _request_id(w, d, "id", _get(w, d, "id", (str, int), "a string or an integer", f"{at} decode"),
-                              f"{at} decode")
-            dat = f"{at} decode {rid!r}"
-            if rid in step.decode:
-                raise w.error(d, dat, "decoded twice in one step", key="id")
-            step.decode[rid] = _tokens(w, d, dat)
-        news = _get(w, raw, "new", (list,), "an array of objects", at, default=[])
-        for i, r in enumerate(news):
-            if not isinstance(r, dict):
-                raise w.error(news, f"{at} new", f"expected an object with 'id' and 'token_ids', got {_kind(r)}", key=i)
-            rid = _request_id(w, r, "id", _get(w, r, "id", (str, int), "a string or an integer", f"{at} new"),
-                              f"{at} new")
-            if max_requests is not None and n_new >= max_requests:
-                continue
-            rat = f"{at} new request {rid!r}"
-            _check_keys(w, r, _NEW_KEYS, rat)
-            if rid in known:
-                raise w.error(r, rat, "request id used twice", key="id")
-            known.add(rid)
-            tokens = _tokens(w, r, rat)
-            mm = _mm_items(w, r, tokens.size, rat)
-            lora = _get(w, r, "lora_id", (int,), "an integer", rat, default=None)
-            if lora is not None and not 0 <= lora < 2**64:
-                raise w.error(r, rat, f"lora_id must be in [0, 2**64), got {_show(lora)}", key="lora_id")
-            salt = _get(w, r, "cache_salt", (str,), "a string", rat, default=None)
-            if salt is not None:
-                _utf8(w, r, "cache_salt", salt, rat)
-            skip = _get(w, r, "skip_prefix_cache", (bool,), "true or false", rat, default=False)
-            step.new.append(TraceRequest(
-                rid, s, int(tokens.size), prompt=tokens, index=n_new, lora_id=lora, mm_items=mm,
-                cache_salt=salt, skip_prefix_cache=skip,
-            ))
-            n_new += 1
-        steps.append(step)
-    return Trace("step", config=config, steps=steps)
+    return config
+
+
+def _step_finish(w: _Where, raw: dict, at: str) -> list[str]:
+    """The ids a step finishes."""
+    finish = _get(w, raw, "finish", (list,), "an array of request ids", at, default=[])
+    return [_request_id(w, finish, i, x, f"{at} finish") for i, x in enumerate(finish)]
+
+
+def _step_decode(w: _Where, raw: dict, at: str) -> dict[str, np.ndarray]:
+    """The tokens each request a step decodes brings, by id (one entry per id)."""
+    decode: dict[str, np.ndarray] = {}
+    decodes = _get(w, raw, "decode", (list,), "an array of objects", at, default=[])
+    for i, d in enumerate(decodes):
+        if not isinstance(d, dict):
+            raise w.error(decodes, f"{at} decode", f"expected an object with 'id' and 'token_ids', got {_kind(d)}",
+                          key=i)
+        _check_keys(w, d, ("id", "token_ids"), f"{at} decode")
+        rid = _request_id(w, d, "id", _get(w, d, "id", (str, int), "a string or an integer", f"{at} decode"),
+                          f"{at} decode")
+        dat = f"{at} decode {rid!r}"
+        if rid in decode:
+            raise w.error(d, dat, "decoded twice in one step", key="id")
+        decode[rid] = _tokens(w, d, dat)
+    return decode
+
+
+def _step_new(w: _Where, raw: dict, s: int, known: set[str], max_requests: int | None) -> list[TraceRequest]:
+    """Step ``s``'s new requests. ``known`` holds the ids of those taken so far
+    (one each, added to here); past ``max_requests`` of them only ids are checked."""
+    at = f"step {s}"
+    new = []
+    news = _get(w, raw, "new", (list,), "an array of objects", at, default=[])
+    for i, r in enumerate(news):
+        if not isinstance(r, dict):
+            raise w.error(news, f"{at} new", f"expected an object with 'id' and 'token_ids', got {_kind(r)}", key=i)
+        rid = _request_id(w, r, "id", _get(w, r, "id", (str, int), "a string or an integer", f"{at} new"),
+                          f"{at} new")
+        if max_requests is not None and len(known) >= max_requests:
+            continue
+        rat = f"{at} new request {rid!r}"
+        _check_keys(w, r, _NEW_KEYS, rat)
+        if rid in known:
+            raise w.error(r, rat, "request id used twice", key="id")
+        new.append(_new_request(w, r, rid, s, len(known), rat))
+        known.add(rid)
+    return new
+
+
+def _new_request(w: _Where, r: dict, rid: str, s: int, index: int, rat: str) -> TraceRequest:
+    """Request ``rid``, arriving at step ``s``, the trace's ``index``-th: its tokens and optional fields."""
+    tokens = _tokens(w, r, rat)
+    mm = _mm_items(w, r, tokens.size, rat)
+    lora = _get(w, r, "lora_id", (int,), "an integer", rat, default=None)
+    if lora is not None and not 0 <= lora < 2**64:
+        raise w.error(r, rat, f"lora_id must be in [0, 2**64), got {_show(lora)}", key="lora_id")
+    salt = _get(w, r, "cache_salt", (str,), "a string", rat, default=None)
+    if salt is not None:
+        _utf8(w, r, "cache_salt", salt, rat)
+    skip = _get(w, r, "skip_prefix_cache", (bool,), "true or false", rat, default=False)
+    return TraceRequest(
+        rid, s, int(tokens.size), prompt=tokens, index=index, lora_id=lora, mm_items=mm,
+        cache_salt=salt, skip_prefix_cache=skip,
+    )
