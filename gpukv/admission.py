@@ -19,17 +19,13 @@ import numpy as np
 import torch
 
 from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels._common import pow2_at_least
 from gpukv.kernels.prefill import PLAN_ARRAYS
 from gpukv.request import NewRequest, as_int32_tokens
 
 #: int32 slots before the plan's columns: ``num_requests``, then padding (the
 #: columns stay 32-byte aligned, as Triton specialises pointers on it).
 HEADER = 8
-
-
-def pow2_at_least(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gpukv import _runtime, hashing
-from gpukv.admission import AdmissionBuffers, plan_admission, pow2_at_least
+from gpukv.admission import AdmissionBuffers, plan_admission
 from gpukv.api import manager_args_from_config
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError
 from gpukv.event_log import DeviceEventLog
@@ -43,6 +43,7 @@ from gpukv.kernels import _common
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels import prefill as prefill_ops
+from gpukv.kernels._common import pow2_at_least
 from gpukv.kernels.block_hash import hash_rows, hash_rows_host, key_lanes
 from gpukv.metrics import PrefixCacheStats
 from gpukv.pool import DevicePool

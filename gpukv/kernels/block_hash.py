@@ -80,6 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpukv.kernels._common import HASH_TILE, INT32, INT64, check_device, check_tensor, check_tile, num_warps
+
 __all__ = [
     "rotr32",
     "g",
@@ -105,8 +107,9 @@ KeyLike = torch.Tensor | bytes | bytearray | Sequence[int]
 
 #: Requests (or messages) per program: one lane (one thread) each, power of two.
 #: The chain is sequential per request, so a step's latency is one request's
-#: longest chain; smaller tiles only spread requests over more SMs.
-DEFAULT_TILE = 64
+#: longest chain; smaller tiles only spread requests over more SMs
+#: (``_common.HASH_TILE``).
+DEFAULT_TILE = HASH_TILE
 
 #: Longest message hashed in one piece: one BLAKE3 chunk.
 MAX_MESSAGE = 1024
@@ -356,10 +359,22 @@ def segment_digest(K0, K1, K2, K3, K4, K5, K6, K7, p0, p1, p2, p3, e0, e1, e2, e
 
 @triton.jit(do_not_specialize=["R", "max_blocks", "block_cap", "s_tr", "s_er", "s_or"])
 def _hash_block_chains_kernel(
-    key_ptr, parents_ptr, tokens_ptr, num_blocks_ptr, extras_ptr, out_ptr,
-    R, max_blocks, block_cap,
-    s_pr, s_pc, s_tr, s_er, s_eb, s_ec, s_or, s_ob, s_oc,
-    BLOCK_SIZE: tl.constexpr, HAS_EXTRAS: tl.constexpr, TILE: tl.constexpr,
+    key_ptr,                   # int64[2]: the gpukv key lanes (k0, k1)
+    parents_ptr,               # int64[R, 2] each request's parent digest (lo, hi), strides (s_pr, s_pc)
+    tokens_ptr,                # int32[R, T] each request's tokens, row stride s_tr (contiguous rows)
+    num_blocks_ptr,            # int32[R] leading full blocks to hash per request (clamped to [0, block_cap])
+    extras_ptr,                # int64[R, M, 2] extra-key digests, strides (s_er, s_eb, s_ec) (HAS_EXTRAS)
+    out_ptr,                   # int64[R, M, 2] out: the digests, then (0, 0), strides (s_or, s_ob, s_oc)
+    R,                         # requests
+    max_blocks,                # M: block positions per request in out (and extras)
+    block_cap,                 # min(M, T // BLOCK_SIZE): the most blocks a request can hash
+    s_pr, s_pc,                # parents' strides
+    s_tr,                      # tokens' row stride
+    s_er, s_eb, s_ec,          # extras' strides
+    s_or, s_ob, s_oc,          # out's strides
+    BLOCK_SIZE: tl.constexpr,  # tokens per block
+    HAS_EXTRAS: tl.constexpr,  # whether extras_ptr is read (else zero extra digests)
+    TILE: tl.constexpr,        # requests per program, one lane each (a power of two)
 ):
     pid = tl.program_id(0)
     rows = pid * TILE + tl.arange(0, TILE)
@@ -434,9 +449,12 @@ def _hash_rows_kernel(
     tokens_ptr,     # int32[R, T] request rows' tokens
     digests_ptr,    # int64[R, M, 2] request rows' digests (read: parents; written: the result)
     extras_ptr,     # int64[R, M, 2] request rows' extra-key digests
-    E, T, M,
+    E,              # entries
+    T,              # tokens per request row
+    M,              # block positions per request row (of digests and extras)
     root_lo: tl.int64, root_hi: tl.int64,  # the root digest lanes (block 0's parent)
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per block
+    TILE: tl.constexpr,        # entries per program, one lane each (a power of two)
 ):
     """The chained digests of blocks ``[start, start + count)`` of each
     entry's row, read from and written to the request rows in place (one
@@ -496,9 +514,17 @@ def _msg_word(row_ptr, w, length, lo):
 
 @triton.jit(do_not_specialize=["n", "lmax", "n_chunk_blocks"])
 def _blake3_bytes_kernel(
-    key_ptr, msg_ptr, len_ptr, out_ptr,
-    n, lmax, n_chunk_blocks, s_mr, s_or,
-    MODE: tl.constexpr, TILE: tl.constexpr,
+    key_ptr,              # int64[4] the 32-byte key as LE lanes (the IV for the unkeyed modes)
+    msg_ptr,              # int32[n, *] the messages as little-endian words, s_mr words per row
+    len_ptr,              # int32[n] each message's length in bytes (clamped to [0, lmax])
+    out_ptr,              # int64[n, 4] out: the first 32 output bytes as LE lanes, row stride s_or
+    n,                    # messages
+    lmax,                 # the longest message's bytes (<= 1024)
+    n_chunk_blocks,       # 64-byte blocks walked: max(1, ceil(lmax / 64))
+    s_mr,                 # msg's row stride (words)
+    s_or,                 # out's row stride
+    MODE: tl.constexpr,   # 0 (hash), KEYED_HASH, DERIVE_KEY_CONTEXT or DERIVE_KEY_MATERIAL
+    TILE: tl.constexpr,   # messages per program, one lane each (a power of two)
 ):
     """BLAKE3 of ``n`` byte strings of at most 1024 bytes, one lane each.
 
@@ -587,14 +613,8 @@ def key_lanes(key: KeyLike, device: torch.device | str) -> torch.Tensor:
     ``device`` (returned as is, made contiguous). Errors never show the key.
     """
     device = torch.device(device)
-    if isinstance(key, torch.Tensor):
-        if key.dtype != torch.int64 or tuple(key.shape) != (2,):
-            raise ValueError(
-                f"key tensor must be int64 of shape [2] (k0, k1); got {key.dtype} "
-                f"{tuple(key.shape)}")
-        if key.device != device:
-            raise ValueError(f"key tensor is on {key.device}, the data on {device}")
-        return key.contiguous()
+    if isinstance(key, torch.Tensor):  # (the checks' messages name dtypes, shapes and devices, never values)
+        return check_tensor(key, "key tensor", dtypes=INT64, shape=(2,), device=device).contiguous()
     if isinstance(key, (bytes, bytearray)):
         if len(key) != 16:
             raise ValueError(f"key must be 16 bytes; got {len(key)}")
@@ -609,31 +629,6 @@ def key_lanes(key: KeyLike, device: torch.device | str) -> torch.Tensor:
     return torch.tensor([_signed64(k) for k in lanes], dtype=torch.int64, device=device)
 
 
-def _num_warps(tile: int) -> int:
-    # one lane per thread: more warps than lanes would only duplicate work
-    return max(1, min(4, tile // 32))
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type != "cuda" and not _runtime.INTERPRETED:
-        raise ValueError(
-            f"Triton kernels need CUDA tensors, got {device}; to run on CPU set "
-            "TRITON_INTERPRET=1 before triton is imported (import gpukv first)")
-
-
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple,
-           device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs on one device)")
-
-
 def _chain_args(parents, tokens, num_blocks, extras, out, block_size, max_blocks, tile,
                 kernel=True):
     """Check ``hash_block_chains``'s arguments; return ``(R, T, block_size,
@@ -643,11 +638,11 @@ def _chain_args(parents, tokens, num_blocks, extras, out, block_size, max_blocks
         raise TypeError("parents must be a torch.Tensor")
     device = parents.device
     if kernel:
-        _check_device(device)
-    _check(parents, "parents", torch.int64, (None, 2), device)
+        check_device(device)
+    check_tensor(parents, "parents", dtypes=INT64, shape=(None, 2), device=device)
     R = parents.shape[0]
-    _check(tokens, "tokens", torch.int32, (R, None), device)
-    _check(num_blocks, "num_blocks", torch.int32, (R,), device)
+    check_tensor(tokens, "tokens", dtypes=INT32, shape=(R, None), device=device)
+    check_tensor(num_blocks, "num_blocks", dtypes=INT32, shape=(R,), device=device)
     T = tokens.shape[1]
 
     if max_blocks is None:
@@ -673,13 +668,12 @@ def _chain_args(parents, tokens, num_blocks, extras, out, block_size, max_blocks
     if max_blocks < 0:
         raise ValueError("max_blocks must be >= 0")
     if extras is not None:
-        _check(extras, "extras", torch.int64, (R, max_blocks, 2), device)
+        check_tensor(extras, "extras", dtypes=INT64, shape=(R, max_blocks, 2), device=device)
     if out is None:
         out = torch.empty((R, max_blocks, 2), dtype=torch.int64, device=device)
     else:
-        _check(out, "out", torch.int64, (R, max_blocks, 2), device)
-    if tile < 1 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two, got {tile}")
+        check_tensor(out, "out", dtypes=INT64, shape=(R, max_blocks, 2), device=device)
+    check_tile(tile)
     return R, T, block_size, max_blocks, out
 
 
@@ -739,7 +733,7 @@ def hash_block_chains(
         ext.stride(0), ext.stride(1), ext.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_SIZE=block_size, HAS_EXTRAS=extras is not None, TILE=tile,
-        num_warps=_num_warps(tile),
+        num_warps=num_warps(tile),
     )
     return out
 
@@ -796,10 +790,10 @@ def _rows_args(rows, starts, counts, tokens, digests, extras):
     dev = tokens.device
     E = rows.shape[0]
     for t, name in ((rows, "rows"), (starts, "starts"), (counts, "counts")):
-        _check(t, name, torch.int32, (E,), dev)
+        check_tensor(t, name, dtypes=INT32, shape=(E,), device=dev)
     R, T = tokens.shape
-    _check(digests, "digests", torch.int64, (R, None, 2), dev)
-    _check(extras, "extras", torch.int64, tuple(digests.shape), dev)
+    check_tensor(digests, "digests", dtypes=INT64, shape=(R, None, 2), device=dev)
+    check_tensor(extras, "extras", dtypes=INT64, shape=tuple(digests.shape), device=dev)
     if not (tokens.is_contiguous() and digests.is_contiguous() and extras.is_contiguous()):
         raise ValueError("tokens, digests and extras must be contiguous")
     return E, T, digests.shape[1]
@@ -817,12 +811,12 @@ def hash_rows(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, count
     ``(starts + counts) * block_size <= T`` and ``starts + counts <= M``.
     One launch, no host sync; the grid depends only on E."""
     E, T, M = _rows_args(rows, starts, counts, tokens, digests, extras)
-    _check_device(tokens.device)
+    check_device(tokens.device)
     if E == 0:
         return
     _hash_rows_kernel[(triton.cdiv(E, tile),)](
         key, rows, starts, counts, tokens, digests, extras, E, T, M, int(root[0]), int(root[1]),
-        BLOCK_SIZE=int(block_size), TILE=tile, num_warps=_num_warps(tile))
+        BLOCK_SIZE=int(block_size), TILE=tile, num_warps=num_warps(tile))
 
 
 def hash_rows_host(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, *,
@@ -879,7 +873,7 @@ def _launch_bytes(key: torch.Tensor, messages: torch.Tensor, lengths: torch.Tens
     _blake3_bytes_kernel[grid](
         key, words, lengths.contiguous(), out,
         n, lmax, max(1, -(-lmax // 64)), words.stride(0), out.stride(0),
-        MODE=mode, TILE=tile, num_warps=_num_warps(tile),
+        MODE=mode, TILE=tile, num_warps=num_warps(tile),
     )
     return out
 
@@ -906,17 +900,16 @@ def blake3_bytes(
     if not isinstance(messages, torch.Tensor):
         raise TypeError("messages must be a torch.Tensor")
     device = messages.device
-    _check_device(device)
-    _check(messages, "messages", torch.uint8, (None, None), device)
+    check_device(device)
+    check_tensor(messages, "messages", dtypes=(torch.uint8,), shape=(None, None), device=device)
     n, lmax = messages.shape
     if lmax > MAX_MESSAGE:
         raise ValueError(f"messages must be at most {MAX_MESSAGE} bytes (one chunk), got {lmax}")
     if lengths is None:
         lengths = torch.full((n,), lmax, dtype=torch.int32, device=device)
     else:
-        _check(lengths, "lengths", torch.int32, (n,), device)
-    if tile < 1 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two, got {tile}")
+        check_tensor(lengths, "lengths", dtypes=INT32, shape=(n,), device=device)
+    check_tile(tile)
     if key is not None and derive_key_context is not None:
         raise ValueError("give key or derive_key_context, not both")
     if derive_key_context is not None:
@@ -931,9 +924,7 @@ def blake3_bytes(
     if key is None:
         return _launch_bytes(_words_to_lanes(_IV_WORDS, device), messages, lengths, 0, tile)
     if isinstance(key, torch.Tensor):
-        if key.dtype != torch.int64 or tuple(key.shape) != (4,) or key.device != device:
-            raise ValueError(f"key tensor must be int64 of shape [4] on {device}")
-        lanes = key.contiguous()
+        lanes = check_tensor(key, "key tensor", dtypes=INT64, shape=(4,), device=device).contiguous()
     else:
         if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
             raise ValueError("key must be 32 bytes (or its int64[4] lanes)")

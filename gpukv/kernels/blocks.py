@@ -26,8 +26,17 @@ import triton.language as tl
 
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
+from gpukv.kernels._common import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
 
-_TILE = 256
+#: Entries per program of every kernel here (``_common.ENTRY_TILE``: why 256).
+_TILE = ENTRY_TILE
+
+# The free queue's ``where`` codes, as the release kernel writes them.
+_WHERE_SKIP: tl.constexpr = tl.constexpr(fq_ops.WHERE_SKIP)
+_WHERE_BACK: tl.constexpr = tl.constexpr(fq_ops.WHERE_BACK)
+_WHERE_FRONT: tl.constexpr = tl.constexpr(fq_ops.WHERE_FRONT)
+#: ``last_seen`` of a block no entry of the current batch has reached.
+_UNSEEN: tl.constexpr = tl.constexpr(-1)
 
 
 # Arguments that change from step to step (counts, widths) are
@@ -37,8 +46,19 @@ _TILE = 256
 # here takes a per-step value as a scalar argument: a CUDA graph would replay
 # the value it captured.
 @triton.jit(do_not_specialize=["E", "R"])
-def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, valid_ptr, ref_ptr, last_ptr, blk_ptr, E, R, M,
-                        HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+def _release_dec_kernel(
+    bt_ptr,                   # int32[G, R, M] block tables (written: 0 at each released entry)
+    g_ptr, row_ptr, pos_ptr,  # int32/int64[E] each entry's group, request row, block position
+    valid_ptr,                # bool/int8/uint8/int32[E] entry e counts where != 0 (HAS_VALID; else unread)
+    ref_ptr,                  # int32[N] blocks' reference counts (one dropped per entry)
+    last_ptr,                 # int64[N] per block, the latest entry that dropped a reference (atomic_max)
+    blk_ptr,                  # int32[E] out: each entry's block (0 for none)
+    E,                        # entries
+    R,                        # request rows of the block tables
+    M,                        # block positions per row
+    HAS_VALID: tl.constexpr,  # whether valid_ptr is read
+    TILE: tl.constexpr,       # entries per program (a power of two)
+):
     """Per entry: drop the reference of ``bt[g, row, pos]``, note the entry
     as the block's latest (``last[b] = max(entry)``), zero the table slot."""
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
@@ -59,8 +79,16 @@ def _release_dec_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, valid_ptr, ref_ptr, las
 
 
 @triton.jit(do_not_specialize=["E"])
-def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E,
-                          UNCACHED_FIRST: tl.constexpr, TILE: tl.constexpr):
+def _release_where_kernel(
+    blk_ptr,                       # int32[E] each entry's block (``_release_dec_kernel``'s)
+    ref_ptr,                       # int32[N] blocks' reference counts, after the drops
+    last_ptr,                      # int64[N] the latest entry per block (reset to -1 by that entry)
+    slot_ptr,                      # int32[N] the hash table's block_slot: >= 0 where a block is cached
+    where_ptr,                     # int32[E] out: the free queue's where code per entry
+    E,                             # entries
+    UNCACHED_FIRST: tl.constexpr,  # uncached blocks go to the front (else every block to the back)
+    TILE: tl.constexpr,            # entries per program (a power of two)
+):
     """Per entry: where its block goes (0 stays, 1 back, 2 front). Only the
     block's latest entry can send it back, and that entry alone resets
     ``last[b]`` to -1 afterwards: an entry that reads after the reset sees -1,
@@ -72,15 +100,25 @@ def _release_where_kernel(blk_ptr, ref_ptr, last_ptr, slot_ptr, where_ptr, E,
     real = lane & (b > 0)
     bs = tl.where(real, b, 0)
     rc = tl.load(ref_ptr + bs, mask=real, other=1)
-    latest = real & (tl.load(last_ptr + bs, mask=real, other=-1) == offs.to(tl.int64))
+    latest = real & (tl.load(last_ptr + bs, mask=real, other=_UNSEEN) == offs.to(tl.int64))
     goes = latest & (rc == 0)
     cached = tl.load(slot_ptr + bs, mask=real, other=-1) >= 0
     if UNCACHED_FIRST:
-        where = tl.where(cached, 1, 2)
+        where = tl.where(cached, _WHERE_BACK, _WHERE_FRONT)
     else:
-        where = tl.full([TILE], 1, tl.int32)
-    tl.store(where_ptr + offs, tl.where(goes, where, 0).to(tl.int32), mask=lane)
-    tl.store(last_ptr + bs, tl.full([TILE], -1, tl.int64), mask=latest)
+        where = tl.full([TILE], _WHERE_BACK, tl.int32)
+    tl.store(where_ptr + offs, tl.where(goes, where, _WHERE_SKIP).to(tl.int32), mask=lane)
+    tl.store(last_ptr + bs, tl.full([TILE], _UNSEEN, tl.int64), mask=latest)
+
+
+def _check_entries(block_table, group, row, pos) -> None:
+    """The block tables (int32[G, R, M]) and an entry list's group, row and
+    position arrays (int32/int64), by dtype: a few attribute reads, no sync
+    (these launchers run every step that is not replayed)."""
+    check_tensor(block_table, "block_table", dtypes=INT32, ndim=3)
+    check_tensor(group, "group", dtypes=INDEX_DTYPES)
+    check_tensor(row, "row", dtypes=INDEX_DTYPES)
+    check_tensor(pos, "pos", dtypes=INDEX_DTYPES)
 
 
 def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, fq, table, uncached_first: bool,
@@ -92,6 +130,14 @@ def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, fq, table
     ``valid`` (int32[E], optional) masks padding entries off; ``scratch``
     (optional int32[2, >= E]) takes the per-entry blocks and destinations,
     ``workspace`` (optional int64[E]) the push's."""
+    _check_entries(block_table, group, row, pos)
+    check_tensor(call, "call", dtypes=INDEX_DTYPES)
+    if valid is not None:
+        check_tensor(valid, "valid", dtypes=MASK_DTYPES)
+    check_tensor(ref_cnt, "ref_cnt", dtypes=INT32)
+    check_tensor(last_seen, "last_seen", dtypes=INT64)
+    if scratch is not None:
+        check_tensor(scratch, "scratch", dtypes=INT32, ndim=2)
     E = group.numel()
     if E == 0:
         return
@@ -108,7 +154,14 @@ def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, fq, table
 
 
 @triton.jit(do_not_specialize=["K"])
-def _touch_kernel(blk_ptr, valid_ptr, ref_ptr, was_free_ptr, K, TILE: tl.constexpr):
+def _touch_kernel(
+    blk_ptr,              # int32[K] blocks hit (<= 0: skipped)
+    valid_ptr,            # bool/int8/uint8/int32[K] entry k counts where != 0
+    ref_ptr,              # int32[N] blocks' reference counts (one added per entry)
+    was_free_ptr,         # int32[K] out: 1 where the entry took its block's count from 0
+    K,                    # entries
+    TILE: tl.constexpr,   # entries per program (a power of two)
+):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < K
     b = tl.load(blk_ptr + offs, mask=lane, other=0)
@@ -119,6 +172,9 @@ def _touch_kernel(blk_ptr, valid_ptr, ref_ptr, was_free_ptr, K, TILE: tl.constex
 
 def touch(blocks, valid, *, ref_cnt, fq) -> None:
     """Add a reference to each valid block; free ones leave the free queue."""
+    check_tensor(blocks, "blocks", dtypes=INT32)
+    check_tensor(valid, "valid", dtypes=MASK_DTYPES)
+    check_tensor(ref_cnt, "ref_cnt", dtypes=INT32)
     K = blocks.numel()
     if K == 0:
         return
@@ -128,8 +184,18 @@ def touch(blocks, valid, *, ref_cnt, fq) -> None:
 
 
 @triton.jit(do_not_specialize=["E", "R"])
-def _place_kernel(popped_ptr, want_ptr, rank_ptr, g_ptr, row_ptr, pos_ptr, bt_ptr, ref_ptr, E, R, M,
-                  TILE: tl.constexpr):
+def _place_kernel(
+    popped_ptr,               # int32[>= wanted] the popped blocks, in pop order
+    want_ptr,                 # bool/int8/uint8/int32[E] entry e takes a block where != 0
+    rank_ptr,                 # int32/int64[E] wanted entries before e: its block is popped[rank]
+    g_ptr, row_ptr, pos_ptr,  # int32/int64[E] each entry's group, request row, block position
+    bt_ptr,                   # int32[G, R, M] block tables (written: the wanted entries)
+    ref_ptr,                  # int32[N] blocks' reference counts (1 for each block placed)
+    E,                        # entries
+    R,                        # request rows of the block tables
+    M,                        # block positions per row
+    TILE: tl.constexpr,       # entries per program (a power of two)
+):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < E
     want = lane & (tl.load(want_ptr + offs, mask=lane, other=0) != 0)
@@ -152,6 +218,11 @@ def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, e
     let a caller that planned them on the device skip the prefix sum.
     ``on_popped(popped)`` (optional) sees the popped blocks before their
     hashes go (KV-cache events)."""
+    _check_entries(block_table, group, row, pos)
+    check_tensor(want, "want", dtypes=MASK_DTYPES)
+    check_tensor(ref_cnt, "ref_cnt", dtypes=INT32)
+    if rank is not None:
+        check_tensor(rank, "rank", dtypes=INDEX_DTYPES)
     E = want.numel()
     if E == 0:
         return
@@ -169,10 +240,24 @@ def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, e
 
 
 @triton.jit(do_not_specialize=["root_lo", "root_hi", "K", "R"])
-def _record_kernel(bt_ptr, g_ptr, row_ptr, pos_ptr, valid_ptr, R, MB, tokens_ptr, T, digests_ptr, extras_ptr, M,
-                   root_lo: tl.int64, root_hi: tl.int64, blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr,
-                   blk_out_ptr, ok_out_ptr, key_out_ptr, K,
-                   BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr):
+def _record_kernel(
+    bt_ptr,                                # int32[G, R, MB] block tables
+    g_ptr, row_ptr, pos_ptr,               # int32/int64[K] each entry's group, request row, block position
+    valid_ptr,                             # bool/int8/uint8/int32[K] entry k is recorded where != 0
+    R, MB,                                 # request rows, block positions per row of the block tables
+    tokens_ptr, T,                         # int32[R, T] request rows' tokens
+    digests_ptr, extras_ptr, M,            # int64[R, M, 2] request rows' digests and extra digests
+    root_lo: tl.int64, root_hi: tl.int64,  # the root digest lanes (block 0's parent)
+    blk_tokens_ptr,                        # int32[N, BS] out: each recorded block's tokens
+    blk_parent_ptr, blk_extra_ptr,         # int64[N, 2] out: ... its parent and extra digests
+    blk_out_ptr,                           # int32[K] out: the entry's block (0 for none)
+    ok_out_ptr,                            # int32[K] out: 1 where the entry was recorded
+    key_out_ptr,                           # int64[K, 2] out: the entry's digest lanes
+    K,                                     # entries
+    BS: tl.constexpr,                      # block size (tokens)
+    BS_P2: tl.constexpr,                   # BS rounded up to a power of two (the token tile's width)
+    TILE: tl.constexpr,                    # entries per program (a power of two)
+):
     """Per valid entry whose table slot ``bt[g, row, pos]`` (``bt`` int32[G, R,
     MB]) holds a block b: copy the block's inputs (parent digest, tokens,
     extra digest) into b's record, and write the insert's inputs: ``blk_out``
@@ -213,6 +298,17 @@ def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root
     (optional int64[K]) its sequence numbers. Returns the insert's inputs
     (block int32[K], ok int32[K], digest lanes int64[K, 2]), or None for no
     entry."""
+    _check_entries(block_table, group, row, pos)
+    check_tensor(group, "group", dtypes=INT32)  # the hash table's group lanes are int32
+    check_tensor(valid, "valid", dtypes=MASK_DTYPES)
+    check_tensor(tokens, "tokens", dtypes=INT32, ndim=2)
+    check_tensor(digests, "digests", dtypes=INT64, ndim=3)
+    check_tensor(extras, "extras", dtypes=INT64, ndim=3)
+    check_tensor(blk_tokens, "blk_tokens", dtypes=INT32, ndim=2)
+    check_tensor(blk_parent, "blk_parent", dtypes=INT64)
+    check_tensor(blk_extra, "blk_extra", dtypes=INT64)
+    if scratch is not None:
+        check_tensor(scratch, "scratch", dtypes=INT64, ndim=2)
     K = group.numel()
     if K == 0:
         return None

@@ -37,14 +37,15 @@ from __future__ import annotations
 
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
-import torch
 import triton
 import triton.language as tl
 
+from gpukv.kernels import _common
 from gpukv.kernels import free_queue as fq_ops
+from gpukv.kernels._common import DEFAULT_WARPS, INT32, SCAN_TILE, check_tensor, num_warps
 
-#: Padding rows' cumulative need: more than any pool holds.
-BIG = 1 << 30
+#: Padding rows' cumulative need: more than any pool holds (``_common.BIG``).
+BIG = _common.BIG
 
 #: ``status`` layout (int64): requests that fit (a prefix of the batch), free
 #: blocks after the step's allocation, the free queue's sticky error word.
@@ -53,7 +54,8 @@ ST_FREE_AFTER = 1
 ST_QUEUE_ERRORS = 2
 NUM_STATUS = 4
 
-_TILE = 1024
+#: Lanes per step of the one program (``_common.SCAN_TILE``).
+_TILE = SCAN_TILE
 
 # What the kernel reads as constants must be constexpr globals: the real
 # compiler rejects any other global (the interpreter accepts them).
@@ -168,17 +170,14 @@ def decode_fit(rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count
     A, C = alloc.shape[1] // max(BP * G, 1), record.shape[1] // max(BP * G, 1)
     for t, name in ((rows, "rows"), (ntok, "ntok"), (comp0, "comp0"), (comp1, "comp1"), (held, "held"),
                     (need, "need"), (cum, "cum"), (hash_start, "hash_start"), (hash_count, "hash_count")):
-        if t.shape != (BP,) or t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32[{BP}], got {t.dtype}{list(t.shape)}")
-    if alloc.shape != (5, BP * G * A) or record.shape != (4, BP * G * C) or new_tokens.shape[0] != BP \
-            or new_tokens.dtype != torch.int32:
-        raise ValueError(f"decode plan: alloc must be int32[5, {BP}*{G}*A], record int32[4, {BP}*{G}*C], "
-                         f"new_tokens int32[{BP}, K]")
+        check_tensor(t, name, dtypes=INT32, shape=(BP,))
+    # alloc and record: a whole number of entries per (row, group) (A and C are read from them)
+    check_tensor(alloc, "alloc", dtypes=INT32, shape=(5, BP * G * A))
+    check_tensor(record, "record", dtypes=INT32, shape=(4, BP * G * C))
+    check_tensor(new_tokens, "new_tokens", dtypes=INT32, shape=(BP, None))
     _decode_fit_kernel[(1,)](rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record,
                              new_tokens, tokens, tokens.shape[1], fq_counters, count, status, BP, K, G, A, C,
-                             BS=block_size, TILE=_TILE, num_warps=4)
+                             BS=block_size, TILE=_TILE, num_warps=num_warps(_TILE, max_warps=DEFAULT_WARPS))
 
-
-from gpukv.kernels import _common  # noqa: E402
 
 _common.count_launches(globals())

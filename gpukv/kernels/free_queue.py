@@ -75,6 +75,24 @@ import torch
 import triton
 import triton.language as tl
 
+from gpukv.kernels._common import (
+    INDEX_DTYPES,
+    INT32,
+    INT64,
+    MASK_DTYPES,
+    SCAN_TILE,
+    check_device,
+    check_num_blocks,
+    check_tensor,
+    check_tile,
+    max_combine,
+    min_combine,
+    num_warps,
+    pow2_at_least,
+    true_like,
+    zero_like,
+)
+
 __all__ = [
     "FreeQueue",
     "remove",
@@ -128,13 +146,23 @@ ERR_BAD_BLOCK: tl.constexpr = tl.constexpr(4)
 WHERE_SKIP = 0
 WHERE_BACK = 1
 WHERE_FRONT = 2
+_WHERE_BACK: tl.constexpr = tl.constexpr(WHERE_BACK)
+_WHERE_FRONT: tl.constexpr = tl.constexpr(WHERE_FRONT)
+
+#: ``ring`` entry of an empty slot or a tombstone, and ``pos`` of a block that
+#: is not in the queue.
+_NONE: tl.constexpr = tl.constexpr(-1)
+#: A compare value ``pos`` never holds (its entries are -1 or >= BASE): an
+#: idle lane's ``atomic_cas`` with it changes nothing.
+_NO_MATCH: tl.constexpr = tl.constexpr(-2)
 
 #: Where absolute positions start (and where compaction re-bases them).
 BASE = 1 << 40
 
 #: Lanes per tile (power of two): ring positions per step of a scan, entries
-#: per step of a push, blocks per program of a remove.
-DEFAULT_TILE = 1024
+#: per step of a push, blocks per program of a remove (``_common.SCAN_TILE``:
+#: the queue's scans and pushes are one program).
+DEFAULT_TILE = SCAN_TILE
 
 _SHORT = int(ERR_SHORT)
 _PRESENT = int(ERR_PRESENT)
@@ -148,16 +176,6 @@ _IDX = COUNTER_SLOTS  # older name, kept for callers that use it
 
 
 # ---------------------------------------------------------------- device helpers
-
-
-@triton.jit
-def _min_combine(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -181,7 +199,7 @@ def _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base,
     for t in range(0, n_tiles):
         offs = head + t * TILE + lanes
         inwin = offs < end
-        e = tl.load(ring_ptr + (offs & CMASK), mask=inwin, other=-1)
+        e = tl.load(ring_ptr + (offs & CMASK), mask=inwin, other=_NONE)
         live = e >= 0
         li = live.to(tl.int64)
         dst = w + tl.cumsum(li, 0) - li
@@ -193,7 +211,7 @@ def _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base,
     n_clear = ((end - w + TILE - 1) // TILE).to(tl.int32)
     for t in range(0, n_clear):
         offs = w + t * TILE + lanes
-        tl.store(ring_ptr + (offs & CMASK), tl.full([TILE], -1, tl.int32), mask=offs < end)
+        tl.store(ring_ptr + (offs & CMASK), tl.full([TILE], _NONE, tl.int32), mask=offs < end)
     tl.debug_barrier()
     new_head = tl.where(need, head + shift, head)
     new_tail = tl.where(need, w + shift, tail)
@@ -208,9 +226,20 @@ def _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base,
 # class (== 1, divisible by 16) they fall in, a compile stall inside a step
 # on a GPU (``tests/kernels/test_compile.py`` bounds the variants).
 @triton.jit(do_not_specialize=["K"])
-def _remove_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, valid_ptr, count_ptr,
-                   K, N, CMASK,
-                   HAS_VALID: tl.constexpr, HAS_COUNT: tl.constexpr, TILE: tl.constexpr):
+def _remove_kernel(
+    ring_ptr,                 # int32[C] the ring (written: -1 where a block is taken out)
+    pos_ptr,                  # int64[N] each block's absolute position, -1 when not queued (claimed here)
+    ctr_ptr,                  # int64[NUM_COUNTERS] the counters (NUM_FREE, NUM_TOMB, ERROR updated)
+    blk_ptr,                  # int32[K] blocks to take out (<= 0: skipped; >= N: ERR_BAD_BLOCK)
+    valid_ptr,                # uint8/int8/int32[K] entry k counts only where != 0 (HAS_VALID; else unread)
+    count_ptr,                # int32/int64[1] entries k >= count are skipped (HAS_COUNT; else unread)
+    K,                        # entries
+    N,                        # blocks in the pool (ids 0..N-1)
+    CMASK,                    # C - 1: absolute position p lives in slot p & CMASK
+    HAS_VALID: tl.constexpr,  # whether valid_ptr is read
+    HAS_COUNT: tl.constexpr,  # whether count_ptr is read
+    TILE: tl.constexpr,       # entries per program (a power of two)
+):
     pid = tl.program_id(0)
     idx = pid * TILE + tl.arange(0, TILE)
     m = idx < K
@@ -223,21 +252,29 @@ def _remove_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, valid_ptr, count_ptr,
     bad = m & (b >= N)
     # Claim: exactly one lane (of all programs) sees a block's old position.
     old = tl.atomic_xchg(pos_ptr + tl.where(ok, b, 0),
-                         tl.full([TILE], -1, tl.int64), mask=ok)
+                         tl.full([TILE], _NONE, tl.int64), mask=ok)
     got = ok & (old >= 0)
-    tl.store(ring_ptr + (old & CMASK), tl.full([TILE], -1, tl.int32), mask=got)
+    tl.store(ring_ptr + (old & CMASK), tl.full([TILE], _NONE, tl.int32), mask=got)
     n = tl.sum(got.to(tl.int64), 0)
     tl.atomic_add(ctr_ptr + NUM_FREE, -n, mask=n > 0)
     tl.atomic_add(ctr_ptr + NUM_TOMB, n, mask=n > 0)
     n_bad = tl.sum(bad.to(tl.int64), 0)
-    tl.atomic_or(ctr_ptr + ERROR, n_bad * 0 + ERR_BAD_BLOCK, mask=n_bad > 0)
+    tl.atomic_or(ctr_ptr + ERROR, zero_like(n_bad) + ERR_BAD_BLOCK, mask=n_bad > 0)
 
 
 # ``count_ptr`` is read once, as a scalar: its alignment (a fresh tensor or a
 # slice of a status vector, depending on the caller) gains nothing.
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["count_ptr"])
-def _pop_kernel(ring_ptr, pos_ptr, ctr_ptr, count_ptr, out_ptr, M, CMASK,
-                TILE: tl.constexpr):
+def _pop_kernel(
+    ring_ptr,             # int32[C] the ring (written: -1 over every entry consumed)
+    pos_ptr,              # int64[N] blocks' positions (written: -1 for each block popped)
+    ctr_ptr,              # int64[NUM_COUNTERS] the counters (HEAD, NUM_FREE, NUM_TOMB, ERROR, LAST_POP updated)
+    count_ptr,            # int32/int64[1] how many blocks to pop
+    out_ptr,              # int32[M] out: the popped blocks, front first, then -1
+    M,                    # out's length
+    CMASK,                # C - 1: absolute position p lives in slot p & CMASK
+    TILE: tl.constexpr,   # ring positions per scan step (a power of two)
+):
     lanes = tl.arange(0, TILE)
     head = tl.load(ctr_ptr + HEAD)
     tail = tl.load(ctr_ptr + TAIL)
@@ -248,30 +285,30 @@ def _pop_kernel(ring_ptr, pos_ptr, ctr_ptr, count_ptr, out_ptr, M, CMASK,
     want = tl.minimum(tl.maximum(req, 0), tl.minimum(nfree, M))
     err = tl.where(req > want, err | ERR_SHORT, err)
 
-    found = want * 0
+    found = zero_like(want)
     cur = head
     while (found < want) & (cur < tail):
         offs = cur + lanes
         inwin = offs < tail
         slot = offs & CMASK
-        e = tl.load(ring_ptr + slot, mask=inwin, other=-1)
+        e = tl.load(ring_ptr + slot, mask=inwin, other=_NONE)
         live = e >= 0
         li = live.to(tl.int64)
         rank = found + tl.cumsum(li, 0) - li
         take = live & (rank < want)
         tl.store(out_ptr + rank, e, mask=take)
-        tl.store(pos_ptr + e, tl.full([TILE], -1, tl.int64), mask=take)
+        tl.store(pos_ptr + e, tl.full([TILE], _NONE, tl.int64), mask=take)
         found += tl.sum(take.to(tl.int64), 0)
         last = tl.max(tl.where(take, offs, -1), 0)
         # Consume up to the last entry taken once done, else the whole tile.
         stop = tl.where(found >= want, last + 1, tl.minimum(cur + TILE, tail))
-        tl.store(ring_ptr + slot, tl.full([TILE], -1, tl.int32), mask=inwin & (offs < stop))
+        tl.store(ring_ptr + slot, tl.full([TILE], _NONE, tl.int32), mask=inwin & (offs < stop))
         cur = stop
     err = tl.where(found < want, err | ERR_SHORT, err)  # counters disagreed with the ring
 
     for i in range(0, M, TILE):
         o = i + lanes
-        tl.store(out_ptr + o, tl.full([TILE], -1, tl.int32), mask=(o >= found) & (o < M))
+        tl.store(out_ptr + o, tl.full([TILE], _NONE, tl.int32), mask=(o >= found) & (o < M))
     tl.store(ctr_ptr + HEAD, cur)
     tl.store(ctr_ptr + NUM_FREE, nfree - found)
     tl.store(ctr_ptr + NUM_TOMB, ntomb - ((cur - head) - found))
@@ -280,9 +317,22 @@ def _pop_kernel(ring_ptr, pos_ptr, ctr_ptr, count_ptr, out_ptr, M, CMASK,
 
 
 @triton.jit(do_not_specialize=["E"])
-def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_ptr,
-                 E, N, C, CMASK, base,
-                 HAS_CALL: tl.constexpr, TILE: tl.constexpr):
+def _push_kernel(
+    ring_ptr,                # int32[C] the ring (written: the pushed blocks at their new positions)
+    pos_ptr,                 # int64[N] blocks' positions (claimed from -1 for each pushed block)
+    ctr_ptr,                 # int64[NUM_COUNTERS] the counters (all but LAST_POP updated)
+    blk_ptr,                 # int32[E] blocks to push, in the order a reference frees them
+    where_ptr,               # int8/uint8/int32[E] WHERE_BACK, WHERE_FRONT, anything else: skipped
+    call_ptr,                # int32/int64[E] call ids, a call a maximal run of equal ids (HAS_CALL; else unread)
+    ws_ptr,                  # int64[>= E] scratch: each entry's rank between the two passes
+    E,                       # entries
+    N,                       # blocks in the pool (ids 0..N-1)
+    C,                       # ring capacity (a power of two)
+    CMASK,                   # C - 1: absolute position p lives in slot p & CMASK
+    base,                    # BASE: where compaction re-bases head
+    HAS_CALL: tl.constexpr,  # whether call_ptr is read (else the entries are one call)
+    TILE: tl.constexpr,      # entries (and ring positions, compacting) per step (a power of two)
+):
     lanes = tl.arange(0, TILE)
     zero = tl.full([], 0, tl.int64)
     n_tiles = tl.cdiv(E, TILE)
@@ -300,10 +350,10 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
         m = idx < E
         blk = tl.load(blk_ptr + idx, mask=m, other=0)
         wh = tl.load(where_ptr + idx, mask=m, other=0)
-        goes = m & ((wh == 1) | (wh == 2))
+        goes = m & ((wh == _WHERE_BACK) | (wh == _WHERE_FRONT))
         okid = (blk > 0) & (blk < N)
-        front = goes & okid & (wh == 2)
-        back = goes & okid & (wh == 1)
+        front = goes & okid & (wh == _WHERE_FRONT)
+        back = goes & okid & (wh == _WHERE_BACK)
         n_bad += tl.sum((goes & ~okid).to(tl.int64), 0)
         if HAS_CALL:
             c = tl.load(call_ptr + idx, mask=m, other=0)
@@ -315,7 +365,7 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
         bi = back.to(tl.int64)
         p_ex = p_run + tl.cumsum(fi, 0) - fi
         st = tl.where(start, p_ex, -1)
-        s_at = tl.maximum(tl.associative_scan(st, 0, _max_combine), s_run)
+        s_at = tl.maximum(tl.associative_scan(st, 0, max_combine), s_run)
         b_ex = b_run + tl.cumsum(bi, 0) - bi
         tl.store(ws_ptr + idx, tl.where(front, p_ex - s_at, b_ex), mask=m)
         p_run += tl.sum(fi, 0)
@@ -339,7 +389,7 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
     new_head = head - F
     # A scalar bool as a lane mask (built from ints: the interpreter mistypes
     # a 0-d bool broadcast in ``&``).
-    fits_lanes = (lanes * 0 + fits.to(tl.int32)) != 0
+    fits_lanes = (zero_like(lanes) + fits.to(tl.int32)) != 0
 
     # Pass 2, back to front: P at the end of each entry's call (the smallest
     # inclusive P at a call end at or after the entry); then a front-goer
@@ -353,8 +403,8 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
         blk = tl.load(blk_ptr + idx, mask=m, other=0)
         wh = tl.load(where_ptr + idx, mask=m, other=0)
         okid = (blk > 0) & (blk < N)
-        front = m & okid & (wh == 2)
-        back = m & okid & (wh == 1)
+        front = m & okid & (wh == _WHERE_FRONT)
+        back = m & okid & (wh == _WHERE_BACK)
         if HAS_CALL:
             c = tl.load(call_ptr + idx, mask=m, other=0)
             cn = tl.load(call_ptr + idx + 1, mask=m & (idx + 1 < E), other=0)
@@ -364,14 +414,14 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
         fi = front.to(tl.int64)
         after = q_run + tl.cumsum(fi, 0, reverse=True) - fi  # front-goers after idx
         en = tl.where(last, F - after, F)  # inclusive P where a call ends
-        p_end = tl.minimum(tl.associative_scan(en, 0, _min_combine, reverse=True), e_run)
+        p_end = tl.minimum(tl.associative_scan(en, 0, min_combine, reverse=True), e_run)
         r = tl.load(ws_ptr + idx, mask=m, other=0)
         dst = tl.where(front, new_head + (F - p_end) + r, tail + r)
         act = (front | back) & fits_lanes
-        # Claim pos[b] from -1; idle lanes compare -2 against pos[0], which never matches.
-        old = tl.atomic_cas(pos_ptr + tl.where(act, blk, 0), tl.where(act, -1, -2).to(tl.int64), dst)
-        ok = act & (old == -1)
-        tl.store(ring_ptr + (dst & CMASK), tl.where(ok, blk, -1), mask=act)
+        # Claim pos[b] from -1; idle lanes compare _NO_MATCH against pos[0] (-1), which never matches.
+        old = tl.atomic_cas(pos_ptr + tl.where(act, blk, 0), tl.where(act, _NONE, _NO_MATCH).to(tl.int64), dst)
+        ok = act & (old == _NONE)
+        tl.store(ring_ptr + (dst & CMASK), tl.where(ok, blk, _NONE), mask=act)
         n_dup += tl.sum((act & ~ok).to(tl.int64), 0)
         q_run += tl.sum(fi, 0)
         e_run = tl.minimum(e_run, tl.min(en, 0))
@@ -388,14 +438,24 @@ def _push_kernel(ring_ptr, pos_ptr, ctr_ptr, blk_ptr, where_ptr, call_ptr, ws_pt
 
 
 @triton.jit(do_not_specialize=["incoming"])
-def _compact_kernel(ring_ptr, pos_ptr, ctr_ptr, incoming, tomb_limit, C, CMASK, base,
-                    FORCE: tl.constexpr, TILE: tl.constexpr):
+def _compact_kernel(
+    ring_ptr,             # int32[C] the ring (entries packed towards head)
+    pos_ptr,              # int64[N] blocks' positions (rewritten for every entry moved)
+    ctr_ptr,              # int64[NUM_COUNTERS] the counters (HEAD, TAIL, NUM_TOMB, COMPACTIONS updated)
+    incoming,             # entries about to be pushed: compact when the window + incoming > C
+    tomb_limit,           # ... or when there are more tombstones than this
+    C,                    # ring capacity (a power of two)
+    CMASK,                # C - 1: absolute position p lives in slot p & CMASK
+    base,                 # BASE: where compaction re-bases head
+    FORCE: tl.constexpr,  # compact whatever the counters say
+    TILE: tl.constexpr,   # ring positions per step (a power of two)
+):
     head = tl.load(ctr_ptr + HEAD)
     tail = tl.load(ctr_ptr + TAIL)
     ntomb = tl.load(ctr_ptr + NUM_TOMB)
     need = ((tail - head) + incoming > C) | (ntomb > tomb_limit)
     if FORCE:
-        need = need | (head == head)  # a scalar true
+        need = need | true_like(head)  # a scalar true
     head, tail = _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base, TILE)
     tl.store(ctr_ptr + HEAD, head)
     tl.store(ctr_ptr + TAIL, tail)
@@ -404,10 +464,6 @@ def _compact_kernel(ring_ptr, pos_ptr, ctr_ptr, incoming, tomb_limit, C, CMASK, 
 
 
 # ---------------------------------------------------------------- the queue
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -429,20 +485,17 @@ class FreeQueue:
     def create(cls, num_blocks: int, device: torch.device | str | None = None, *,
                capacity: int | None = None, tile: int = DEFAULT_TILE) -> FreeQueue:
         """A queue holding ``1..N-1`` in order (front first). ``capacity``
-        defaults to the smallest power of two >= 2N."""
-        n = int(num_blocks)
-        if n < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {n}")
-        if n >= 1 << 31:
-            raise ValueError("num_blocks must fit in int32 block ids")
-        cap = _pow2_at_least(2 * n) if capacity is None else int(capacity)
+        defaults to the smallest power of two >= 2N. ``num_blocks`` has the
+        one limit of every pool structure (``_common.check_num_blocks``)."""
+        n = check_num_blocks(num_blocks)
+        cap = pow2_at_least(2 * n) if capacity is None else int(capacity)
         if cap < 2 * n or cap & (cap - 1):
             raise ValueError(f"capacity must be a power of two >= 2 * num_blocks = {2 * n}, got {cap}")
         if cap > BASE:
             raise ValueError(f"capacity must be <= 2**40, got {cap}")
-        _check_tile(tile)
+        check_tile(tile)
         device = torch.device(device) if device is not None else _runtime.default_device()
-        _check_device(device)
+        check_device(device)
         ring = torch.full((cap,), -1, dtype=torch.int32, device=device)
         ring[: n - 1] = torch.arange(1, n, dtype=torch.int32, device=device)
         pos = torch.full((n,), -1, dtype=torch.int64, device=device)
@@ -527,30 +580,9 @@ class FreeQueue:
 
 # ---------------------------------------------------------------- launchers
 
-
-def _check_device(device: torch.device) -> None:
-    if device.type != "cuda" and not _runtime.INTERPRETED:
-        raise ValueError(
-            f"Triton kernels need CUDA tensors, got {device}; to run on CPU set "
-            "TRITON_INTERPRET=1 before triton is imported (import gpukv first)")
-
-
-def _check_tile(tile: int) -> None:
-    if tile < 1 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two, got {tile}")
-
-
-def _vector(t, name: str, dtypes: tuple, device: torch.device, length: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.dim() != 1 or (length is not None and t.shape[0] != length):
-        want = "[*]" if length is None else f"[{length}]"
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the queue on {device}")
-    return t.contiguous()
+#: ``where`` dtypes of ``push`` (``remove``'s ``valid``: ``MASK_DTYPES``, a
+#: bool mask read as its uint8 view).
+_WHERE_DTYPES = (torch.int8, torch.uint8, torch.int32)
 
 
 def _count_tensor(count, name: str, device: torch.device) -> torch.Tensor:
@@ -558,14 +590,10 @@ def _count_tensor(count, name: str, device: torch.device) -> torch.Tensor:
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
             raise ValueError(f"{name} must hold one value, got shape {list(count.shape)}")
-        return _vector(count.reshape(1), name, (torch.int32, torch.int64), device)
+        return check_tensor(count.reshape(1), name, dtypes=INDEX_DTYPES, device=device).contiguous()
     if isinstance(count, bool) or not isinstance(count, int):
         raise TypeError(f"{name} must be an int or an int32/int64[1] device tensor")
     return torch.tensor([count], dtype=torch.int64, device=device)
-
-
-def _warps(tile: int) -> int:
-    return max(1, min(8, tile // 128))
 
 
 def remove(fq: FreeQueue, blocks: torch.Tensor, valid: torch.Tensor | None = None,
@@ -579,24 +607,23 @@ def remove(fq: FreeQueue, blocks: torch.Tensor, valid: torch.Tensor | None = Non
     ``ERR_BAD_BLOCK`` and is ignored. Each removed entry becomes a tombstone.
     """
     dev = fq.device
-    blocks = _vector(blocks, "blocks", (torch.int32,), dev)
+    blocks = check_tensor(blocks, "blocks", dtypes=INT32, shape=(None,), device=dev).contiguous()
     K = blocks.shape[0]
     if valid is not None:
-        valid = _vector(valid, "valid", (torch.bool, torch.int8, torch.uint8, torch.int32), dev, K)
+        valid = check_tensor(valid, "valid", dtypes=MASK_DTYPES, shape=(K,), device=dev).contiguous()
         if valid.dtype == torch.bool:
             valid = valid.view(torch.uint8)
     if count is not None:
         count = _count_tensor(count, "count", dev)
     if K == 0:
         return
-    tile = fq.tile if tile is None else int(tile)
-    _check_tile(tile)
+    tile = check_tile(fq.tile if tile is None else int(tile))
     _remove_kernel[(triton.cdiv(K, tile),)](
         fq.ring, fq.pos, fq.counters, blocks,
         valid if valid is not None else blocks, count if count is not None else fq.counters,
         K, fq.num_blocks, fq.capacity - 1,
         HAS_VALID=valid is not None, HAS_COUNT=count is not None, TILE=tile,
-        num_warps=_warps(tile),
+        num_warps=num_warps(tile),
     )
 
 
@@ -624,14 +651,11 @@ def pop(fq: FreeQueue, count: torch.Tensor | int, out: torch.Tensor | None = Non
             raise ValueError("pop needs out or max_count (a host-known upper bound)")
         out = torch.empty(int(max_count), dtype=torch.int32, device=dev)
     else:
-        if not isinstance(out, torch.Tensor) or not out.is_contiguous():
-            raise ValueError("out must be a contiguous int32[M] tensor")
-        _vector(out, "out", (torch.int32,), dev)
-    tile = fq.tile if tile is None else int(tile)
-    _check_tile(tile)
+        check_tensor(out, "out", dtypes=INT32, shape=(None,), device=dev, contiguous=True)
+    tile = check_tile(fq.tile if tile is None else int(tile))
     _pop_kernel[(1,)](
         fq.ring, fq.pos, fq.counters, count, out, out.shape[0], fq.capacity - 1,
-        TILE=tile, num_warps=_warps(tile),
+        TILE=tile, num_warps=num_warps(tile),
     )
     return out
 
@@ -660,35 +684,32 @@ def push(fq: FreeQueue, blocks: torch.Tensor, where: torch.Tensor,
     compaction when the window would overflow (``window / TILE``, rare).
     """
     dev = fq.device
-    blocks = _vector(blocks, "blocks", (torch.int32,), dev)
+    blocks = check_tensor(blocks, "blocks", dtypes=INT32, shape=(None,), device=dev).contiguous()
     E = blocks.shape[0]
-    where = _vector(where, "where", (torch.int8, torch.uint8, torch.int32), dev, E)
+    where = check_tensor(where, "where", dtypes=_WHERE_DTYPES, shape=(E,), device=dev).contiguous()
     if call is not None:
-        call = _vector(call, "call", (torch.int32, torch.int64), dev, E)
+        call = check_tensor(call, "call", dtypes=INDEX_DTYPES, shape=(E,), device=dev).contiguous()
     if workspace is None:
         workspace = torch.empty(max(E, 1), dtype=torch.int64, device=dev)
     else:
-        workspace = _vector(workspace, "workspace", (torch.int64,), dev)
-        if workspace.shape[0] < E:
-            raise ValueError(f"workspace holds {workspace.shape[0]} entries, need {E}")
+        workspace = check_tensor(workspace, "workspace", dtypes=INT64, shape=(None,), device=dev,
+                                 min_numel=E).contiguous()
     if E == 0:
         return
-    tile = fq.tile if tile is None else int(tile)
-    _check_tile(tile)
+    tile = check_tile(fq.tile if tile is None else int(tile))
     _push_kernel[(1,)](
         fq.ring, fq.pos, fq.counters, blocks, where, call if call is not None else blocks,
         workspace, E, fq.num_blocks, fq.capacity, fq.capacity - 1, BASE,
-        HAS_CALL=call is not None, TILE=tile, num_warps=_warps(tile),
+        HAS_CALL=call is not None, TILE=tile, num_warps=num_warps(tile),
     )
 
 
 def compact(fq: FreeQueue, *, tile: int | None = None) -> None:
     """Pack the window's live entries densely, keeping their order (one program)."""
-    tile = fq.tile if tile is None else int(tile)
-    _check_tile(tile)
+    tile = check_tile(fq.tile if tile is None else int(tile))
     _compact_kernel[(1,)](
         fq.ring, fq.pos, fq.counters, 0, 0, fq.capacity, fq.capacity - 1, BASE,
-        FORCE=True, TILE=tile, num_warps=_warps(tile),
+        FORCE=True, TILE=tile, num_warps=num_warps(tile),
     )
 
 
@@ -698,12 +719,11 @@ def maybe_compact(fq: FreeQueue, incoming: int = 0, *, tomb_limit: int | None = 
     (default N), decided on the device: the kernel does nothing otherwise and
     the host never reads the counters. Optional: ``push`` compacts by itself
     when it must; this keeps tombstones (and so pop's scan) short."""
-    tile = fq.tile if tile is None else int(tile)
-    _check_tile(tile)
+    tile = check_tile(fq.tile if tile is None else int(tile))
     limit = fq.num_blocks if tomb_limit is None else int(tomb_limit)
     _compact_kernel[(1,)](
         fq.ring, fq.pos, fq.counters, int(incoming), limit, fq.capacity, fq.capacity - 1, BASE,
-        FORCE=False, TILE=tile, num_warps=_warps(tile),
+        FORCE=False, TILE=tile, num_warps=num_warps(tile),
     )
 
 

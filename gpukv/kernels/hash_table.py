@@ -77,9 +77,24 @@ import torch
 import triton
 import triton.language as tl
 
+from gpukv.kernels._common import (
+    INT32,
+    INT64,
+    PROBE_TILE,
+    SCAN_TILE,
+    check_device,
+    check_num_blocks,
+    check_tensor,
+    check_tile,
+    false_like,
+    full_like,
+    pow2_at_least,
+)
 from gpukv.kernels.block_hash import to_u64
 
 __all__ = [
+    "NUM_COUNTERS",
+    "COUNTER_SLOTS",
     "EMPTY",
     "TOMBSTONE",
     "NO_SLOT",
@@ -114,10 +129,15 @@ _CLAIMING = -3
 _NEVER = -4
 
 # ----------------------------------------------------------- counter layout
+#: Slots of ``counters`` (int64[NUM_COUNTERS]): live entries, tombstones, the
+#: next insertion sequence number, the sticky error bits.
 LIVE = 0
 TOMBSTONES = 1
 NEXT_SEQ = 2
 ERRORS = 3
+NUM_COUNTERS = 4
+#: Counter slot by name (host side, ``read_counters``).
+COUNTER_SLOTS = {"live": LIVE, "tombstones": TOMBSTONES, "next_seq": NEXT_SEQ, "errors": ERRORS}
 
 ERR_FULL = 1
 ERR_DOUBLE_INSERT = 2
@@ -136,13 +156,16 @@ _D_ERRORS = tl.constexpr(ERRORS)
 _D_ERR_FULL = tl.constexpr(ERR_FULL)
 _D_ERR_DOUBLE_INSERT = tl.constexpr(ERR_DOUBLE_INSERT)
 _D_ERR_BAD_BLOCK = tl.constexpr(ERR_BAD_BLOCK)
-_D_SEQ_NONE = tl.constexpr((1 << 63) - 1)
+_D_SEQ_NONE = tl.constexpr((1 << 63) - 1)  # no sequence number: larger than any
 
-_TILE = 128
-_PREP_TILE = 1024
+#: Entries per program of the per-entry kernels (probing lanes), and lanes per
+#: step of the insert's one-program prefix sum (``_common``: why these sizes).
+_TILE = PROBE_TILE
+_PREP_TILE = SCAN_TILE
 
 # Home-slot mix (host and device must agree): odd multiplier for the group.
 _GROUP_MUL = 0x9E3779B97F4A7C15
+_D_GROUP_MUL = tl.constexpr(_GROUP_MUL)
 _M64 = (1 << 64) - 1
 
 Device = torch.device | str
@@ -163,7 +186,7 @@ def rotl64(x, B: tl.constexpr):
 def _home(lo, hi, group, cap):
     """Home slot (int32) of keys (int64 lo, int64 hi, int32 group)."""
     h = to_u64(lo) ^ rotl64(to_u64(hi), 29)
-    h = h ^ (to_u64(group.to(tl.int64)) * 0x9E3779B97F4A7C15)
+    h = h ^ (to_u64(group.to(tl.int64)) * _D_GROUP_MUL)
     h = h ^ (h >> 32)
     return (h & (cap - 1)).to(tl.int32)
 
@@ -179,7 +202,7 @@ def _claim_slots(slot_block_ptr, slot, blk, want, cap):
     moves on. Gives up after ``cap`` probes.
     Returns ``(slot, won, from_tombstone, failed)``.
     """
-    won = want & (~want)
+    won = false_like(want)
     from_tomb = won
     n = 0
     todo = tl.sum(want.to(tl.int32), 0)
@@ -223,8 +246,14 @@ def _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_slot_
 # on a GPU (``tests/kernels/test_compile.py`` bounds the variants). ``cap``
 # and ``N`` too: the manager sizes a scratch table per step.
 @triton.jit(do_not_specialize=["K"])
-def _insert_seq_kernel(valid_ptr, seq_ptr, counters_ptr, K,
-                       HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+def _insert_seq_kernel(
+    valid_ptr,                # bool/int32[K] entry i is inserted where != 0 (HAS_VALID; else unread)
+    seq_ptr,                  # int64[>= K] out: each entry's sequence number
+    counters_ptr,             # int64[NUM_COUNTERS] the table's counters (NEXT_SEQ advanced)
+    K,                        # entries
+    HAS_VALID: tl.constexpr,  # whether valid_ptr is read (else every entry is valid)
+    TILE: tl.constexpr,       # entries per step of the prefix sum (a power of two)
+):
     """One program: seq[i] = NEXT_SEQ + #valid entries before i; NEXT_SEQ += #valid.
     A prefix sum over the batch (``K / TILE`` iterations), sequential because
     the batch order must become the insertion order."""
@@ -244,12 +273,27 @@ def _insert_seq_kernel(valid_ptr, seq_ptr, counters_ptr, K,
 
 
 @triton.jit(do_not_specialize=["K", "cap", "N"])
-def _insert_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
-                   block_slot_ptr, block_seq_ptr, counters_ptr,
-                   lo_ptr, hi_ptr, s_lo, s_hi, group_ptr, block_ptr, valid_ptr,
-                   seq_ptr, perm_ptr, K, cap, N,
-                   HAS_VALID: tl.constexpr, HAS_PERM: tl.constexpr,
-                   TILE: tl.constexpr):
+def _insert_kernel(
+    slot_lo_ptr, slot_hi_ptr,  # int64[cap] the slots' key lanes (written where a slot is claimed)
+    slot_group_ptr,            # int32[cap] the slots' groups (likewise)
+    slot_block_ptr,            # int32[cap] the slots' blocks, EMPTY or TOMBSTONE (claimed by atomic_cas)
+    block_slot_ptr,            # int32[N] each block's slot or NO_SLOT (claimed: NO_SLOT -> CLAIMING -> slot)
+    block_seq_ptr,             # int64[N] each block's sequence number (written for the inserted)
+    counters_ptr,              # int64[NUM_COUNTERS] the counters (LIVE, TOMBSTONES, ERRORS updated)
+    lo_ptr, hi_ptr,            # int64[K] the entries' key lanes, strided:
+    s_lo, s_hi,                # ... entry i's at lo_ptr + i * s_lo, hi_ptr + i * s_hi
+    group_ptr,                 # int32[K] the entries' groups
+    block_ptr,                 # int32[K] the blocks to cache (outside 0..N-1: ERR_BAD_BLOCK)
+    valid_ptr,                 # bool/int32[K] entry i is inserted where != 0 (HAS_VALID; else unread)
+    seq_ptr,                   # int64[K] each entry's sequence number (``_insert_seq_kernel``'s)
+    perm_ptr,                  # int32[K] lane j handles entry perm[j] (HAS_PERM, tests only; else unread)
+    K,                         # entries
+    cap,                       # slots (a power of two)
+    N,                         # blocks in the pool (ids 0..N-1)
+    HAS_VALID: tl.constexpr,   # whether valid_ptr is read
+    HAS_PERM: tl.constexpr,    # whether perm_ptr is read
+    TILE: tl.constexpr,        # entries per program (a power of two)
+):
     pid = tl.program_id(0)
     lane = pid * TILE + tl.arange(0, TILE)
     m = lane < K
@@ -301,8 +345,8 @@ def probe_oldest(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block
     EMPTY slot (at most ``cap`` probes). Shared by ``_find_kernel`` and the
     admission's lookup (``gpukv.kernels.prefill``)."""
     slot = _home(lo, hi, g, cap)
-    best_blk = tl.where(active, -1, -1)
-    best_seq = tl.where(active, _D_SEQ_NONE, _D_SEQ_NONE).to(tl.int64)
+    best_blk = full_like(active, -1)  # int32 lanes: no block
+    best_seq = full_like(active, _D_SEQ_NONE).to(tl.int64)
     n = 0
     todo = tl.sum(active.to(tl.int32), 0)
     while todo > 0:
@@ -324,10 +368,21 @@ def probe_oldest(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block
 
 
 @triton.jit(do_not_specialize=["K", "cap"])
-def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
-                 block_seq_ptr, lo_ptr, hi_ptr, s_lo, s_hi, group_ptr,
-                 valid_ptr, out_ptr, K, cap,
-                 HAS_VALID: tl.constexpr, TILE: tl.constexpr):
+def _find_kernel(
+    slot_lo_ptr, slot_hi_ptr,  # int64[cap] the slots' key lanes
+    slot_group_ptr,            # int32[cap] the slots' groups
+    slot_block_ptr,            # int32[cap] the slots' blocks, EMPTY or TOMBSTONE
+    block_seq_ptr,             # int64[N] each block's sequence number (the oldest wins)
+    lo_ptr, hi_ptr,            # int64[K] the queries' key lanes, strided:
+    s_lo, s_hi,                # ... query i's at lo_ptr + i * s_lo, hi_ptr + i * s_hi
+    group_ptr,                 # int32[K] the queries' groups
+    valid_ptr,                 # bool/int32[K] query i is asked where != 0 (HAS_VALID; else unread)
+    out_ptr,                   # int32[K] out: the oldest live block under the key, or -1
+    K,                         # queries
+    cap,                       # slots (a power of two)
+    HAS_VALID: tl.constexpr,   # whether valid_ptr is read
+    TILE: tl.constexpr,        # queries per program (a power of two)
+):
     pid = tl.program_id(0)
     offs = pid * TILE + tl.arange(0, TILE)
     m = offs < K
@@ -345,9 +400,20 @@ def _find_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
 
 
 @triton.jit(do_not_specialize=["K", "cap", "N"])
-def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
-                  valid_ptr, erased_ptr, K, cap, N,
-                  HAS_VALID: tl.constexpr, COUNT_ERASED: tl.constexpr, TILE: tl.constexpr):
+def _erase_kernel(
+    slot_block_ptr,              # int32[cap] the slots' blocks (written: EMPTY or TOMBSTONE where erased)
+    block_slot_ptr,              # int32[N] each block's slot or NO_SLOT (written: NO_SLOT where erased)
+    counters_ptr,                # int64[NUM_COUNTERS] the counters (LIVE, TOMBSTONES, ERRORS updated)
+    block_ptr,                   # int32[K] blocks to erase (< 0: padding; >= N: ERR_BAD_BLOCK)
+    valid_ptr,                   # bool/int32[K] entry i counts where != 0 (HAS_VALID; else unread)
+    erased_ptr,                  # int64[1] increased by the entries erased (COUNT_ERASED; else unread)
+    K,                           # entries
+    cap,                         # slots (a power of two)
+    N,                           # blocks in the pool (ids 0..N-1)
+    HAS_VALID: tl.constexpr,     # whether valid_ptr is read
+    COUNT_ERASED: tl.constexpr,  # whether erased_ptr is written
+    TILE: tl.constexpr,          # entries per program (a power of two)
+):
     pid = tl.program_id(0)
     offs = pid * TILE + tl.arange(0, TILE)
     m = offs < K
@@ -381,8 +447,14 @@ def _erase_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, block_ptr,
 
 
 @triton.jit
-def _clear_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, cap, N,
-                  TILE: tl.constexpr):
+def _clear_kernel(
+    slot_block_ptr,       # int32[cap] out: EMPTY everywhere
+    block_slot_ptr,       # int32[N] out: NO_SLOT everywhere
+    counters_ptr,         # int64[NUM_COUNTERS] the counters (LIVE and TOMBSTONES zeroed)
+    cap,                  # slots
+    N,                    # blocks in the pool
+    TILE: tl.constexpr,   # slots (and blocks) per program (a power of two)
+):
     pid = tl.program_id(0)
     offs = pid * TILE + tl.arange(0, TILE)
     tl.store(slot_block_ptr + offs, tl.full([TILE], _D_EMPTY, tl.int32), mask=offs < cap)
@@ -393,10 +465,20 @@ def _clear_kernel(slot_block_ptr, block_slot_ptr, counters_ptr, cap, N,
 
 
 @triton.jit
-def _rebuild_gather_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
-                           block_slot_ptr, scratch_lo_ptr, scratch_hi_ptr,
-                           scratch_group_ptr, counters_ptr, flag_ptr, threshold,
-                           cap, N, TILE: tl.constexpr):
+def _rebuild_gather_kernel(
+    slot_lo_ptr, slot_hi_ptr,         # int64[cap] the slots' key lanes (read through block_slot)
+    slot_group_ptr,                   # int32[cap] the slots' groups (likewise)
+    slot_block_ptr,                   # int32[cap] the slots' blocks (out, when rebuilding: EMPTY everywhere)
+    block_slot_ptr,                   # int32[N] each block's slot or NO_SLOT
+    scratch_lo_ptr, scratch_hi_ptr,   # int64[N] out: each cached block's key lanes
+    scratch_group_ptr,                # int32[N] out: ... and group
+    counters_ptr,                     # int64[NUM_COUNTERS] the counters (TOMBSTONES read)
+    flag_ptr,                         # int32[1] out: 1 when rebuilding (for phase 2)
+    threshold,                        # rebuild when TOMBSTONES > threshold (-1: always)
+    cap,                              # slots
+    N,                                # blocks in the pool
+    TILE: tl.constexpr,               # slots or blocks per program and step (a power of two)
+):
     """Phase 1: decide (TOMBSTONES > threshold), copy each cached block's key
     to per-block scratch, and wipe ``slot_block`` to EMPTY. Nothing here reads
     what this launch writes (keys are read through ``block_slot``)."""
@@ -417,10 +499,19 @@ def _rebuild_gather_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_
 
 
 @triton.jit
-def _rebuild_place_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr,
-                          block_slot_ptr, scratch_lo_ptr, scratch_hi_ptr,
-                          scratch_group_ptr, counters_ptr, flag_ptr, cap, N,
-                          TILE: tl.constexpr):
+def _rebuild_place_kernel(
+    slot_lo_ptr, slot_hi_ptr,         # int64[cap] the slots' key lanes (written for the placed)
+    slot_group_ptr,                   # int32[cap] the slots' groups (likewise)
+    slot_block_ptr,                   # int32[cap] the slots' blocks (claimed by atomic_cas)
+    block_slot_ptr,                   # int32[N] each block's slot or NO_SLOT (its new slot)
+    scratch_lo_ptr, scratch_hi_ptr,   # int64[N] each cached block's key lanes (phase 1's)
+    scratch_group_ptr,                # int32[N] ... and group
+    counters_ptr,                     # int64[NUM_COUNTERS] the counters (TOMBSTONES zeroed; LIVE, ERRORS on failure)
+    flag_ptr,                         # int32[1] phase 1's decision
+    cap,                              # slots (a power of two)
+    N,                                # blocks in the pool
+    TILE: tl.constexpr,               # blocks per program and step (a power of two)
+):
     """Phase 2 (when phase 1 decided to): re-insert every cached block into the
     wiped slot array. Sequence numbers are untouched, so the order is kept."""
     pid = tl.program_id(0)
@@ -448,10 +539,6 @@ def _rebuild_place_kernel(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_p
 # --------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _signed64(x: int) -> int:
@@ -494,19 +581,18 @@ class HashTable:
 
         ``capacity`` defaults to the smallest power of two >= 2 * num_blocks.
         A smaller power of two is accepted (tests of the full-table flag);
-        inserts may then fail with ``ERR_FULL``.
+        inserts may then fail with ``ERR_FULL``. ``num_blocks`` has the one
+        limit of every pool structure (``_common.check_num_blocks``, which
+        says why the capacity is at most 2**30).
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if num_blocks >= 2 ** 30:
-            raise ValueError(f"num_blocks {num_blocks} too large for int32 slot indices")
+        num_blocks = check_num_blocks(num_blocks)
         if capacity is None:
-            capacity = _next_pow2(2 * num_blocks)
+            capacity = pow2_at_least(2 * num_blocks)
         if (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
                 or capacity & (capacity - 1) or capacity > 2 ** 30):
             raise ValueError(f"capacity must be a power of two in [1, 2**30], got {capacity!r}")
         device = _runtime.default_device() if device is None else torch.device(device)
-        _check_device(device)
+        check_device(device)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         return cls(
@@ -518,7 +604,7 @@ class HashTable:
             slot_block=torch.full((capacity,), EMPTY, **i32),
             block_slot=torch.full((num_blocks,), NO_SLOT, **i32),
             block_seq=torch.zeros(num_blocks, **i64),
-            counters=torch.zeros(4, **i64),
+            counters=torch.zeros(NUM_COUNTERS, **i64),
             scratch_lo=torch.zeros(num_blocks, **i64),
             scratch_hi=torch.zeros(num_blocks, **i64),
             scratch_group=torch.zeros(num_blocks, **i32),
@@ -532,8 +618,8 @@ class HashTable:
     # ------------------------------------------------ host helpers (they sync)
     def read_counters(self) -> dict:
         """One device-to-host read: live, tombstones, next_seq, errors."""
-        live, tomb, seq, err = (int(x) for x in self.counters.cpu().tolist())
-        return {"live": live, "tombstones": tomb, "next_seq": seq, "errors": err}
+        values = self.counters.cpu().tolist()
+        return {name: int(values[i]) for name, i in COUNTER_SLOTS.items()}
 
     def entries(self) -> dict:
         """``{(lo, hi, group): [block, ...]}``, each list oldest first."""
@@ -599,40 +685,24 @@ class HashTable:
 # --------------------------------------------------------------------------
 
 
-def _check_device(device: torch.device) -> None:
-    if device.type != "cuda" and not _runtime.INTERPRETED:
-        raise ValueError(
-            f"Triton kernels need CUDA tensors, got {device}; to run on CPU set "
-            "TRITON_INTERPRET=1 before triton is imported (import gpukv first)")
-
-
-def _vec(t, name: str, dtypes: tuple, K: int | None, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != 1 or (K is not None and t.shape[0] != K):
-        raise ValueError(f"{name} must have shape [{'*' if K is None else K}], got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the table on {device}")
-    return t
-
-
 def _keys(table: HashTable, lo, hi, group):
+    """The keys' tensors, checked: ``lo``/``hi`` int64[K] (any stride: the
+    kernels take it), ``group`` int32[K] (an int for all), contiguous."""
     dev = table.device
-    lo = _vec(lo, "lo", (torch.int64,), None, dev)
+    lo = check_tensor(lo, "lo", dtypes=INT64, shape=(None,), device=dev)
     K = lo.shape[0]
-    hi = _vec(hi, "hi", (torch.int64,), K, dev)
+    hi = check_tensor(hi, "hi", dtypes=INT64, shape=(K,), device=dev)
     if isinstance(group, int) and not isinstance(group, bool):
         group = torch.full((K,), group, dtype=torch.int32, device=dev)
-    group = _vec(group, "group", (torch.int32,), K, dev).contiguous()
+    group = check_tensor(group, "group", dtypes=INT32, shape=(K,), device=dev).contiguous()
     return K, lo, hi, group
 
 
 def _valid(valid, K: int, dev: torch.device):
+    """An optional bool/int32[K] mask, checked and contiguous (None stays None)."""
     if valid is None:
         return None
-    return _vec(valid, "valid", (torch.bool, torch.int32), K, dev).contiguous()
+    return check_tensor(valid, "valid", dtypes=(torch.bool, torch.int32), shape=(K,), device=dev).contiguous()
 
 
 def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
@@ -654,12 +724,11 @@ def insert(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
     """
     K, lo, hi, group = _keys(table, lo, hi, group)
     dev = table.device
-    block = _vec(block, "block", (torch.int32,), K, dev).contiguous()
+    block = check_tensor(block, "block", dtypes=INT32, shape=(K,), device=dev).contiguous()
     valid = _valid(valid, K, dev)
     if _lane_perm is not None:
-        _lane_perm = _vec(_lane_perm, "_lane_perm", (torch.int32,), K, dev).contiguous()
-    if tile < 1 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two, got {tile}")
+        _lane_perm = check_tensor(_lane_perm, "_lane_perm", dtypes=INT32, shape=(K,), device=dev).contiguous()
+    check_tile(tile)
     if K == 0:
         return
     if seq is None:  # scratch: each entry's sequence number
@@ -690,11 +759,8 @@ def find_oldest(table: HashTable, lo: torch.Tensor, hi: torch.Tensor,
     if out is None:
         out = torch.empty(K, dtype=torch.int32, device=dev)
     else:
-        _vec(out, "out", (torch.int32,), K, dev)
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-    if tile < 1 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two, got {tile}")
+        check_tensor(out, "out", dtypes=INT32, shape=(K,), device=dev, contiguous=True)
+    check_tile(tile)
     if K == 0:
         return out
     _find_kernel[(triton.cdiv(K, tile),)](
@@ -713,11 +779,11 @@ def erase(table: HashTable, block: torch.Tensor, valid: torch.Tensor | None = No
     an id ``>= N`` sets ``ERR_BAD_BLOCK``. ``erased`` (int64[1], optional)
     is increased by the number of entries removed. One launch."""
     dev = table.device
-    block = _vec(block, "block", (torch.int32,), None, dev).contiguous()
+    block = check_tensor(block, "block", dtypes=INT32, shape=(None,), device=dev).contiguous()
     K = block.shape[0]
     valid = _valid(valid, K, dev)
     if erased is not None:
-        erased = _vec(erased, "erased", (torch.int64,), 1, dev)
+        erased = check_tensor(erased, "erased", dtypes=INT64, shape=(1,), device=dev)
     if K == 0:
         return
     _erase_kernel[(triton.cdiv(K, tile),)](

@@ -27,21 +27,44 @@ import torch
 import triton
 import triton.language as tl
 
+from gpukv.kernels._common import (
+    ADMIT_TILE,
+    BIG,
+    INDEX_DTYPES,
+    INT32,
+    INT64,
+    PROBE_TILE,
+    check_tensor,
+    false_like,
+    full_like,
+    max_combine,
+    zero_like,
+)
+
 # Layout of the admission outputs (``status``, int64).
 ST_ADMITTED = 0  # requests admitted (a prefix of the candidates)
 ST_USED = 1  # blocks the admitted requests take from the free queue (new + first touches)
 ST_REQUESTS = 2  # stats: lookup attempts counted this step
 ST_QUERIES = 3  # stats: blocks asked
 ST_HITS = 4  # stats: blocks hit
-ST_QUERY_TOKENS = 5
-ST_HIT_TOKENS = 6
+ST_QUERY_TOKENS = 5  # stats: prompt tokens asked
+ST_HIT_TOKENS = 6  # stats: tokens hit
 ST_NEW_BLOCKS = 7  # blocks the admitted requests pop (their new blocks)
 NUM_STATUS = 8
 
+# Constexpr copies for the kernels: the real compiler reads only constexpr
+# globals in a kernel (the interpreter reads any).
+_ST_ADMITTED: tl.constexpr = tl.constexpr(ST_ADMITTED)
+_ST_USED: tl.constexpr = tl.constexpr(ST_USED)
+_ST_REQUESTS: tl.constexpr = tl.constexpr(ST_REQUESTS)
+_ST_QUERIES: tl.constexpr = tl.constexpr(ST_QUERIES)
+_ST_HITS: tl.constexpr = tl.constexpr(ST_HITS)
+_ST_QUERY_TOKENS: tl.constexpr = tl.constexpr(ST_QUERY_TOKENS)
+_ST_HIT_TOKENS: tl.constexpr = tl.constexpr(ST_HIT_TOKENS)
+_ST_NEW_BLOCKS: tl.constexpr = tl.constexpr(ST_NEW_BLOCKS)
 # "No request" / "no position": larger than any request index or block
-# position. A constexpr, as the real compiler reads only constexpr globals in
-# a kernel (the interpreter reads any).
-_BIG: tl.constexpr = tl.constexpr(1 << 30)
+# position (``_common.BIG``).
+_BIG: tl.constexpr = tl.constexpr(BIG)
 
 
 @triton.jit
@@ -65,10 +88,19 @@ def _row_inputs(digests_ptr, extras_ptr, r, p, M, mask, root_lo, root_hi):
 # not switch them from i32 to i64 either.
 @triton.jit(do_not_specialize=["K", "root_lo", "root_hi"])
 def _verify_kernel(
-    cand_ptr, row_ptr, pos_ptr, out_ptr, K,
-    tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo: tl.int64, root_hi: tl.int64,
-    blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr,
-    FROM_POOL: tl.constexpr, BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr,
+    cand_ptr,                              # int32[K] candidate blocks (FROM_POOL) or request rows; < 0: none
+    row_ptr, pos_ptr,                      # int32/int64[K] the asking request row and block position
+    out_ptr,                               # int32[K] out: the candidate where it verifies, else -1
+    K,                                     # candidates
+    tokens_ptr, T,                         # int32[R, T] request rows' tokens
+    digests_ptr, extras_ptr, M,            # int64[R, M, 2] request rows' digests and extra digests
+    root_lo: tl.int64, root_hi: tl.int64,  # the root digest lanes (block 0's parent)
+    blk_tokens_ptr,                        # int32[N, BS] pool blocks' kept tokens (FROM_POOL)
+    blk_parent_ptr, blk_extra_ptr,         # int64[N, 2] ... and their parent and extra digests
+    FROM_POOL: tl.constexpr,               # candidates are pool blocks (else request rows)
+    BS: tl.constexpr,                      # block size (tokens)
+    BS_P2: tl.constexpr,                   # BS rounded up to a power of two (the token tile's width)
+    TILE: tl.constexpr,                    # candidates per program (a power of two)
 ):
     """out[k] = cand[k] if that block (FROM_POOL) or that request row's block
     (not FROM_POOL) at position pos[k] was computed from exactly the inputs of
@@ -112,7 +144,7 @@ def inputs_equal(c64, r, p, ok, tokens_ptr, T, digests_ptr, extras_ptr, M, root_
 
 
 def verify(cand, row, pos, *, tokens, digests, extras, root, block_size: int, blk_tokens=None, blk_parent=None,
-           blk_extra=None, from_pool: bool, tile: int = 128) -> torch.Tensor:
+           blk_extra=None, from_pool: bool, tile: int = PROBE_TILE) -> torch.Tensor:
     """Keep the candidates that verify (see ``_verify_kernel``); -1 elsewhere.
 
     ``cand``/``row``/``pos``: int32[K]. ``tokens``: int32[R, T] request rows;
@@ -121,6 +153,16 @@ def verify(cand, row, pos, *, tokens, digests, extras, root, block_size: int, bl
     in ``blk_tokens`` int32[N, bs], ``blk_parent``/``blk_extra`` int64[N, 2];
     else they are request rows of the same tensors.
     """
+    check_tensor(cand, "cand", dtypes=INT32)
+    check_tensor(row, "row", dtypes=INDEX_DTYPES)
+    check_tensor(pos, "pos", dtypes=INDEX_DTYPES)
+    check_tensor(tokens, "tokens", dtypes=INT32, ndim=2)
+    check_tensor(digests, "digests", dtypes=INT64, ndim=3)
+    check_tensor(extras, "extras", dtypes=INT64, ndim=3)
+    if from_pool and blk_tokens is not None:
+        check_tensor(blk_tokens, "blk_tokens", dtypes=INT32, ndim=2)
+        check_tensor(blk_parent, "blk_parent", dtypes=INT64)
+        check_tensor(blk_extra, "blk_extra", dtypes=INT64)
     K = cand.numel()
     out = torch.empty_like(cand)
     if K == 0:
@@ -142,11 +184,6 @@ def verify(cand, row, pos, *, tokens, digests, extras, root, block_size: int, bl
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS):
     """Per position ``p``: whether an earlier request of the step computes a
     block with request ``i``'s digest there (it did not hit it itself, and its
@@ -156,8 +193,8 @@ def _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS):
     request order; ``next``/``ok`` per entry: the next one, whether its
     inputs equal the chain's first."""
     ent = tl.load(pend_ptr + i * P + p, mask=inr, other=-1)
-    found = ent < -1  # all False, of the lanes' shape
-    who = tl.where(found, 0, -1)
+    found = false_like(ent)
+    who = full_like(found, -1)  # int32 lanes: no request
     searching = ent >= 0
     while tl.max(searching.to(tl.int32)) > 0:
         es = tl.where(searching, ent, 0)
@@ -203,7 +240,7 @@ def _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, l
         avail = _available(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS, G)
         miss = inr & (avail == 0)
         first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, p, _BIG)))
-        last_miss = tl.maximum(tl.associative_scan(tl.where(miss, p, -1), 0, _max_combine), carry)
+        last_miss = tl.maximum(tl.associative_scan(tl.where(miss, p, -1), 0, max_combine), carry)
         window_ok = inr & (p - last_miss >= W)
         last_end = tl.maximum(last_end, tl.max(tl.where(window_ok, p + 1, 0)))
         carry = tl.maximum(carry, tl.max(tl.where(miss, p, -1)))
@@ -228,10 +265,31 @@ def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
 
 @triton.jit(do_not_specialize=["P"])
 def _admit_kernel(
-    cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr,
-    max_hit_ptr, num_blocks_ptr, num_tokens_ptr, comp_ptr, lookahead_ptr, skip_ptr, win_ptr, nreq_ptr, P,
-    ref_ptr, touched_ptr, stamp_ptr, free_ptr, blocked_ptr, hit_ptr, status_ptr, BS,
-    G: tl.constexpr, TILE: tl.constexpr,
+    cache_ptr,          # int32[K, P, G] verified cached hit block per (request, position, group), or -1
+    pend_ptr,           # int32[K, P] the chain head entry (j * P + p) of each position, or -1 (``_pending``)
+    next_ptr,           # int32[K * P] per entry, the next entry of its chain, or -1
+    ok_ptr,             # int32[K * P] per entry, 1 where its inputs equal its chain head's
+    resolved_ptr,       # int32[K, P] out (admitted requests): the earlier request a pending hit takes, or -1
+    start_ptr,          # int32[K] out (admitted requests): its first new block in the step's pop order
+    max_hit_ptr,        # int32[K] the longest hit each request may get (blocks)
+    num_blocks_ptr,     # int32[K] each request's prompt blocks (stats)
+    num_tokens_ptr,     # int32[K] each request's prompt tokens (stats)
+    comp_ptr,           # int32[K] each request's chunk: tokens computed this step (the hit counts towards it)
+    lookahead_ptr,      # int32[K] each request's lookahead slots
+    skip_ptr,           # int32[K] != 0: the request skips the prefix cache (no hit, not counted as asked)
+    win_ptr,            # int32[G] each group's sliding window in blocks, -1 for full attention
+    nreq_ptr,           # int32[1] the requests K (read on the device: the launch is replayable)
+    P,                  # positions per request of cache/pend/resolved
+    ref_ptr,            # int32[N] blocks' reference counts (a free cached hit is a first touch)
+    touched_ptr,        # int64[N] per block, the stamp of the last admission that touched it (written)
+    stamp_ptr,          # int64[1] this admission's stamp (read, then bumped)
+    free_ptr,           # int32/int64[1] the free blocks
+    blocked_ptr,        # int32/int64[1] != 0: a running update failed, admit nothing
+    hit_ptr,            # int32[K] out: each considered request's hit (blocks), -1 past the first refused
+    status_ptr,         # int64[NUM_STATUS] out: the step's counts, ``ST_*``
+    BS,                 # block size (tokens)
+    G: tl.constexpr,    # KV-cache groups
+    TILE: tl.constexpr,  # positions per step (a power of two)
 ):
     """Sequential admission (one program). ``cache[K, P, G]``: verified cache
     hit block or -1; ``pend[K, P]`` with ``next``/``ok`` [K * P]: the chains of
@@ -317,27 +375,27 @@ def _admit_kernel(
                     tl.store(resolved_ptr + i * P + p, who, mask=p < P)
                     for g in tl.static_range(G):
                         c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
-                        tl.store(touched_ptr + tl.where(real, c, 0), stamp + tl.zeros_like(c).to(tl.int64), mask=real)
+                        tl.store(touched_ptr + tl.where(real, c, 0), stamp + zero_like(c).to(tl.int64), mask=real)
             else:
-                go = go * 0
+                go = zero_like(go)
             # Later requests read this request's hit (and touch marks).
             tl.debug_barrier()
         else:  # not considered (an earlier one was refused): no hit
             tl.store(hit_ptr + i, -1)
     tl.store(stamp_ptr, stamp + 1)
-    tl.store(status_ptr + 0, admitted)
-    tl.store(status_ptr + 1, used)
-    tl.store(status_ptr + 2, requests)
-    tl.store(status_ptr + 3, queries)
-    tl.store(status_ptr + 4, hits)
-    tl.store(status_ptr + 5, qtok)
-    tl.store(status_ptr + 6, htok)
-    tl.store(status_ptr + 7, new_total)
+    tl.store(status_ptr + _ST_ADMITTED, admitted)
+    tl.store(status_ptr + _ST_USED, used)
+    tl.store(status_ptr + _ST_REQUESTS, requests)
+    tl.store(status_ptr + _ST_QUERIES, queries)
+    tl.store(status_ptr + _ST_HITS, hits)
+    tl.store(status_ptr + _ST_QUERY_TOKENS, qtok)
+    tl.store(status_ptr + _ST_HIT_TOKENS, htok)
+    tl.store(status_ptr + _ST_NEW_BLOCKS, new_total)
 
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp,
           num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
-          start=None, compute=None, lookahead=None, num_requests=None, tile: int = 64) -> None:
+          start=None, compute=None, lookahead=None, num_requests=None, tile: int = ADMIT_TILE) -> None:
     """Run the sequential admission (see ``_admit_kernel``) over the first
     ``num_requests`` (an int or an int32[1] device tensor; default: all K)
     requests; writes each considered
@@ -354,6 +412,7 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     pending hits' requests and each admitted request's first new block in the
     step's pop order. ``stamp``: an int64[1] device counter (or an int, for
     a one-off call) of admissions, bumped by this one."""
+    check_tensor(cache_hits, "cache_hits", dtypes=INT32, ndim=3)
     K, P, G = cache_hits.shape
     dev = cache_hits.device
     if compute is None:
@@ -364,6 +423,7 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
         window_blocks = torch.full((G,), -1, dtype=torch.int32, device=dev)
     if chains is None:
         # ``pending`` names requests directly: a chain of one entry per position.
+        check_tensor(pending, "pending", dtypes=INT32, ndim=2)
         pos = torch.arange(P, dtype=torch.int32, device=dev)
         chains = (torch.where(pending >= 0, pending * P + pos, torch.full_like(pending, -1)).to(torch.int32),
                   torch.full((K * P,), -1, dtype=torch.int32, device=dev),
@@ -378,6 +438,15 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     if not isinstance(num_requests, torch.Tensor):
         num_requests = torch.full((1,), K if num_requests is None else int(num_requests), dtype=torch.int32,
                                   device=dev)
+    for t, name in ((head, "chains[0]"), (nxt, "chains[1]"), (ok, "chains[2]"), (resolved, "resolved"),
+                    (start, "start"), (max_hit, "max_hit"), (num_blocks, "num_blocks"), (num_tokens, "num_tokens"),
+                    (compute, "compute"), (lookahead, "lookahead"), (skip, "skip"), (window_blocks, "window_blocks"),
+                    (num_requests, "num_requests"), (ref_cnt, "ref_cnt"), (hit_out, "hit_out")):
+        check_tensor(t, name, dtypes=INT32)
+    for t, name in ((touched, "touched"), (stamp, "stamp"), (status, "status")):
+        check_tensor(t, name, dtypes=INT64)
+    check_tensor(num_free, "num_free", dtypes=INDEX_DTYPES)
+    check_tensor(blocked, "blocked", dtypes=INDEX_DTYPES)
     _admit_kernel[(1,)](
         cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, skip,
         window_blocks, num_requests, P,

@@ -62,18 +62,30 @@ import triton
 import triton.language as tl
 
 from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels._common import (
+    BIG,
+    DEFAULT_WARPS,
+    INT32,
+    PROBE_TILE,
+    ROW_TILE,
+    check_tensor,
+    num_warps,
+    zero_like,
+)
 from gpukv.kernels.hash_table import probe_oldest
 from gpukv.kernels.lookup import inputs_equal
 
 #: The per-request arrays of an admission plan, in upload order (then ``tokens``).
 PLAN_ARRAYS = ("rows", "ntok", "nfull", "nblocks", "max_hit", "comp", "lookahead", "skip", "tok_off")
 
-_TILE = 128
-_ROW_TILE = 1024
+#: Positions per program of the lookup and the chains (probing, verifying
+#: lanes), and lanes of the element-wise kernels (``_common``: why these sizes).
+_TILE = PROBE_TILE
+_ROW_TILE = ROW_TILE
 
 # Constants a kernel reads must be constexpr globals (the real compiler
 # rejects any other global; the interpreter accepts them).
-_BIG: tl.constexpr = tl.constexpr(1 << 30)
+_BIG: tl.constexpr = tl.constexpr(BIG)  # no request
 _ST_ADMITTED: tl.constexpr = tl.constexpr(lookup_ops.ST_ADMITTED)
 
 
@@ -89,7 +101,7 @@ def _write_rows_kernel(
     tokens_ptr, T,   # int32[R, T] request rows' tokens (written)
     extras_ptr, M2,  # int64[R, M, 2] rows' extra-key digests (zeroed: M2 = 2 * M per row)
     nreq_ptr,        # int32[1] requests K (the first K entries)
-    TILE: tl.constexpr,
+    TILE: tl.constexpr,  # tokens (and extras lanes) per step (a power of two)
 ):
     """One program per request: its prompt into its row, its extras zeroed."""
     i = tl.program_id(0)
@@ -114,14 +126,17 @@ def _lookup_kernel(
     tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo: tl.int64, root_hi: tl.int64,  # request rows
     slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_seq_ptr, cap,      # the pool's hash table
     blk_tokens_ptr, blk_parent_ptr, blk_extra_ptr,                                     # cached blocks' inputs
-    G: tl.constexpr, BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr,
+    G: tl.constexpr,      # KV-cache groups
+    BS: tl.constexpr,     # block size (tokens)
+    BS_P2: tl.constexpr,  # BS rounded up to a power of two (the token tile's width)
+    TILE: tl.constexpr,   # positions per program (a power of two)
 ):
     """Grid (KP, P / TILE): request i's positions p of this tile, every group."""
     i = tl.program_id(0)
     p = tl.program_id(1) * TILE + tl.arange(0, TILE)
     in_p = p < P
     K = tl.load(nreq_ptr)
-    real = (p * 0 + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
+    real = (zero_like(p) + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
     r = tl.load(rows_ptr + i).to(tl.int64)  # i < KP: in the plan (past K: stale, masked)
     active = real & (p < tl.load(max_hit_ptr + i))
     p64 = p.to(tl.int64)
@@ -144,8 +159,10 @@ def _chains_kernel(
     pend_ptr,                                # int32[KP, P] out: chain head entry for a lookup position, or -1
     next_ptr,                                # int32[KP * P] out: next entry with the same digest, or -1
     ok_ptr,                                  # int32[KP * P] out: the entry's inputs equal its head's
-    tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo: tl.int64, root_hi: tl.int64,
-    BS: tl.constexpr, BS_P2: tl.constexpr, TILE: tl.constexpr,
+    tokens_ptr, T, digests_ptr, extras_ptr, M, root_lo: tl.int64, root_hi: tl.int64,  # request rows
+    BS: tl.constexpr,     # block size (tokens)
+    BS_P2: tl.constexpr,  # BS rounded up to a power of two (the token tile's width)
+    TILE: tl.constexpr,   # positions per program (a power of two)
 ):
     """Grid (KP, P / TILE): request i's positions p of this tile. An entry
     (j, p) exists for each full block p of request j; the loop over j < K
@@ -155,7 +172,7 @@ def _chains_kernel(
     p = tl.program_id(1) * TILE + tl.arange(0, TILE)
     in_p = p < P
     K = tl.load(nreq_ptr)
-    real = (p * 0 + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
+    real = (zero_like(p) + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
     r = tl.load(rows_ptr + i).to(tl.int64)  # i < KP: in the plan (past K: stale, masked)
     mine = real & (p < tl.load(nfull_ptr + i))
     p64 = p.to(tl.int64)
@@ -199,8 +216,10 @@ def _admission_entries_kernel(
     touch_ptr,               # int32[KP * P * G] out: a first-touch candidate (a real cached hit)
     alloc_ptr,               # int32[5, KP * G * A] out: group, row, pos, want, rank
     record_ptr,              # int32[4, KP * G * C] out: group, row, pos, valid
-    KP, P, A, C,
-    G: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+    KP, P, A, C,             # bucket requests, positions, alloc and record entries per request and group
+    G: tl.constexpr,         # KV-cache groups
+    BS: tl.constexpr,        # block size (tokens)
+    TILE: tl.constexpr,      # entries of each layout per program (a power of two)
 ):
     """Each program one tile of each of the three entry layouts."""
     admitted = tl.load(status_ptr + _ST_ADMITTED)
@@ -250,8 +269,9 @@ def _place_hits_kernel(
     bt_ptr, R, MB,                  # int32[G, R, MB] block tables (written: the hits)
     blocks_ptr,                     # int32[KP * P * G] out: each hit entry's block
     pending_ptr,                    # int32[KP * P * G] out: 1 where that block is a pending hit's
-    KP, P,
-    G: tl.constexpr, TILE: tl.constexpr,
+    KP, P,                          # bucket requests, positions per request
+    G: tl.constexpr,                # KV-cache groups
+    TILE: tl.constexpr,             # entries per program (a power of two)
 ):
     """Per (i, p, g) entry of an admitted request's hit: the block into its
     table. Reads earlier requests' tables only where they allocated (a
@@ -280,24 +300,19 @@ def _place_hits_kernel(
 
 
 # ----------------------------------------------------------------- launchers
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int) -> None:
-    if t.dtype != dtype or t.numel() < numel or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {dtype} tensor of at least {numel} elements, "
-                         f"got {t.dtype}{list(t.shape)}")
-
-
 def write_rows(plan: dict, *, tokens: torch.Tensor, extras: torch.Tensor) -> None:
     """Launch ``_write_rows_kernel`` (``plan``: the named int32 views)."""
     KP = plan["rows"].numel()
     _write_rows_kernel[(KP,)](plan["rows"], plan["ntok"], plan["tok_off"], plan["tokens"], tokens, tokens.shape[1],
-                              extras, extras.shape[1] * 2, plan["num_requests"], TILE=_ROW_TILE, num_warps=4)
+                              extras, extras.shape[1] * 2, plan["num_requests"], TILE=_ROW_TILE,
+                              num_warps=num_warps(_ROW_TILE, max_warps=DEFAULT_WARPS))
 
 
 def lookup(plan: dict, cache: torch.Tensor, *, table, tokens, digests, extras, root,
            blk_tokens, blk_parent, blk_extra) -> None:
     """Launch ``_lookup_kernel``: ``cache`` int32[KP, P, G] is written whole."""
     KP, P, G = cache.shape
-    _check(plan["rows"], "rows", torch.int32, KP)
+    check_tensor(plan["rows"], "rows", dtypes=INT32, min_numel=KP, contiguous=True)
     bs = blk_tokens.shape[1]
     _lookup_kernel[(KP, triton.cdiv(P, _TILE))](
         plan["rows"], plan["max_hit"], plan["num_requests"], P, cache,
@@ -311,8 +326,8 @@ def chains(plan: dict, head: torch.Tensor, nxt: torch.Tensor, ok: torch.Tensor, 
     """Launch ``_chains_kernel``: ``head`` int32[KP, P], ``nxt``/``ok``
     int32[KP * P], written whole (``_admit_kernel``'s ``chains``)."""
     KP, P = head.shape
-    _check(nxt, "next", torch.int32, KP * P)
-    _check(ok, "ok", torch.int32, KP * P)
+    check_tensor(nxt, "next", dtypes=INT32, min_numel=KP * P, contiguous=True)
+    check_tensor(ok, "ok", dtypes=INT32, min_numel=KP * P, contiguous=True)
     _chains_kernel[(KP, triton.cdiv(P, _TILE))](
         plan["rows"], plan["nfull"], plan["max_hit"], plan["num_requests"], P, head, nxt, ok,
         tokens, tokens.shape[1], digests, extras, digests.shape[1], root[0], root[1],
@@ -325,7 +340,7 @@ def admission_entries(plan: dict, status, hit, start, cache, window_blocks, touc
     ``record`` int32[4, KP * G * C]; A and C read from their shapes)."""
     KP, P, G = cache.shape
     A, C = alloc.shape[1] // (KP * G), record.shape[1] // (KP * G)
-    _check(touch, "touch", torch.int32, KP * P * G)
+    check_tensor(touch, "touch", dtypes=INT32, min_numel=KP * P * G, contiguous=True)
     largest = max(KP * P * G, alloc.shape[1], record.shape[1])
     _admission_entries_kernel[(triton.cdiv(largest, _ROW_TILE),)](
         status, hit, start, plan["rows"], plan["comp"], plan["lookahead"], cache, window_blocks, touch, alloc,
@@ -336,8 +351,8 @@ def place_hits(plan: dict, status, hit, cache, resolved, window_blocks, blocks, 
     """Launch ``_place_hits_kernel`` (``blocks``/``pending`` int32[KP * P * G])."""
     KP, P, G = cache.shape
     _, R, MB = block_table.shape
-    _check(blocks, "blocks", torch.int32, KP * P * G)
-    _check(pending, "pending", torch.int32, KP * P * G)
+    check_tensor(blocks, "blocks", dtypes=INT32, min_numel=KP * P * G, contiguous=True)
+    check_tensor(pending, "pending", dtypes=INT32, min_numel=KP * P * G, contiguous=True)
     _place_hits_kernel[(triton.cdiv(KP * P * G, _ROW_TILE),)](
         status, hit, plan["rows"], cache, resolved, window_blocks, block_table, R, MB, blocks, pending, KP, P,
         G=G, TILE=_ROW_TILE)

@@ -51,19 +51,29 @@ left to be read from the device or ``check=True``.
 
 from __future__ import annotations
 
+import functools
+
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
 import torch
 import triton
 import triton.language as tl
 
+from gpukv.kernels._common import INDEX_DTYPES, SLOT_TILE, check_device, check_tensor
+
 __all__ = ["PAD", "slot_mapping"]
 
 #: The slot of a padding token (and of a token the block table does not cover).
 PAD = -1
+_PAD: tl.constexpr = tl.constexpr(PAD)  # the kernel's copy (kernels read constexpr globals only)
 
-_TILE = 128
-_INDEX_DTYPES = (torch.int32, torch.int64)
+#: Tokens per loop trip of a request's program (``_common.SLOT_TILE``: why 128).
+_TILE = SLOT_TILE
+#: Every message starts with the function's name.
+_WHERE = "slot_mapping: "
+#: The index arrays' check, with the errors ``slot_mapping`` documents (a
+#: wrong dtype is a TypeError here).
+_check_index = functools.partial(check_tensor, dtypes=INDEX_DTYPES, dtype_error=TypeError, prefix=_WHERE)
 
 
 # Batch size and token count change every step: not specialised, so one
@@ -98,7 +108,7 @@ def _slot_mapping_kernel(
             blk = pos // BLOCK_SIZE
             covered = live & (pos >= 0) & (blk < max_blocks)
             bid = tl.load(bt_ptr + row + blk * stride_blk, mask=covered, other=0).to(tl.int64)
-            slot = tl.where(covered, bid * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+            slot = tl.where(covered, bid * BLOCK_SIZE + pos % BLOCK_SIZE, _PAD)
             tl.store(slot_ptr + i, slot, mask=live)
             if WRITE_POS:
                 tl.store(pos_ptr + i, pos, mask=live)
@@ -107,18 +117,9 @@ def _slot_mapping_kernel(
         for t0 in range(t_end, num_tokens, TILE):
             i = t0 + offs
             live = i < num_tokens
-            tl.store(slot_ptr + i, tl.full([TILE], -1, tl.int64), mask=live)
+            tl.store(slot_ptr + i, tl.full([TILE], _PAD, tl.int64), mask=live)
             if WRITE_POS:
                 tl.store(pos_ptr + i, tl.zeros([TILE], tl.int64), mask=live)
-
-
-def _require_index_tensor(name: str, t, ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"slot_mapping: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"slot_mapping: {name} must be int32 or int64, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"slot_mapping: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
 def _check_values(block_table, query_start_loc, start_positions, num_tokens: int, block_size: int) -> None:
@@ -197,8 +198,7 @@ def slot_mapping(
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"slot_mapping: block_size must be a positive int, got {block_size!r}")
-    if not isinstance(block_table, torch.Tensor):
-        raise TypeError(f"slot_mapping: block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    _check_index(block_table, "block_table")
     if block_table.dim() == 3:
         if isinstance(group, bool) or not isinstance(group, int):
             raise ValueError(f"slot_mapping: a [G, B, M] block_table needs group= (an int in "
@@ -209,9 +209,9 @@ def slot_mapping(
     elif group is not None:
         raise ValueError(f"slot_mapping: group= goes with a [G, B, M] block_table; got a "
                          f"{block_table.dim()}-D one of shape {tuple(block_table.shape)}")
-    _require_index_tensor("block_table", block_table, 2)
-    _require_index_tensor("query_start_loc", query_start_loc, 1)
-    _require_index_tensor("start_positions", start_positions, 1)
+    _check_index(block_table, "block_table", ndim=2)
+    _check_index(query_start_loc, "query_start_loc", ndim=1)
+    _check_index(start_positions, "start_positions", ndim=1)
     B, M = block_table.shape
     if query_start_loc.shape[0] != B + 1:
         raise ValueError(f"slot_mapping: query_start_loc must have B + 1 = {B + 1} entries (block_table has "
@@ -220,14 +220,8 @@ def slot_mapping(
         raise ValueError(f"slot_mapping: start_positions must have B = {B} entries, got {start_positions.shape[0]}")
     device = block_table.device
     for name, t in (("query_start_loc", query_start_loc), ("start_positions", start_positions)):
-        if t.device != device:
-            raise ValueError(f"slot_mapping: {name} is on {t.device} but block_table is on {device}; "
-                             "put every input on one device")
-    if device.type == "cpu" and not _runtime.INTERPRETED:
-        raise ValueError("slot_mapping: the inputs are CPU tensors, but Triton is compiling for the GPU "
-                         "(TRITON_INTERPRET is off); move them to the GPU")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"slot_mapping: inputs on {device} are not supported (CUDA, or CPU under the interpreter)")
+        _check_index(t, name, device=device)
+    check_device(device, _WHERE)
     if num_tokens is None:
         num_tokens = int(query_start_loc[B].item())
     elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
