@@ -311,15 +311,31 @@ _INT64 = np.dtype(np.int64)  # a dtype object: np.array resolves it faster than 
 
 
 def _short_int_tokens(value: Any) -> np.ndarray | None:
-    """A short list or tuple of plain ints, each in ``[0, 2**32)``, as a fresh
-    int64 array; None for anything else (the caller then takes the general
-    path, which gives the same array or raises the same error)."""
-    if (type(value) is list or type(value) is tuple) and len(value) <= _SHORT_TOKENS:
+    """A list or tuple of plain ints, each in ``[0, 2**32)``, as a fresh int64
+    array; None for anything else (the caller then takes the general path,
+    which gives the same array or raises the same error). Short ones are
+    checked in a loop; longer ones by one pass over the element types and
+    one min/max over the array (no label or argument name is built)."""
+    kind = type(value)
+    if kind is not list and kind is not tuple:
+        return None
+    if len(value) <= _SHORT_TOKENS:
         for x in value:
             if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
                 return None
         return np.array(value, _INT64)
-    return None
+    if set(map(type, value)) != _JUST_INT:
+        return None
+    try:
+        arr = np.array(value, _INT64)
+    except OverflowError:
+        return None
+    if arr.min() < 0 or arr.max() > MAX_TOKEN_ID:
+        return None
+    return arr
+
+
+_JUST_INT = {int}
 
 
 def normalize_token_ids(value: Any, argument: str, request_id: str | None = None) -> np.ndarray | torch.Tensor:
@@ -385,8 +401,6 @@ def token_array_for_host(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
 # ------------------------------------------------------------- new requests
 
 def _normalize_mm_items(value: Any, argument: str, label: str, num_tokens: int) -> tuple[MMItem, ...]:
-    if value == () and type(value) is tuple:  # the default: no item (the common case, checked first)
-        return ()
     items = as_list(value, argument, "MMItem")
     out = []
     for i, item in enumerate(items):
@@ -444,7 +458,9 @@ def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRe
         raise InvalidInputError("request ids are non-empty strings, got ''", argument=f"{argument}.request_id",
                                 fix="pass a non-empty str request id")
     label = f"(request {rid!r}) "
-    tokens = normalize_token_ids(r.token_ids, f"{argument}.token_ids", rid)
+    tokens: Any = _short_int_tokens(r.token_ids)  # the common case, without building the argument's name
+    if tokens is None:
+        tokens = normalize_token_ids(r.token_ids, f"{argument}.token_ids", rid)
     n = len(tokens)
     if n == 0:
         raise InvalidInputError(f"{label}new request has no tokens", argument=f"{argument}.token_ids",
@@ -465,7 +481,9 @@ def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRe
     if not isinstance(skip, _BOOLS):
         raise InvalidTypeError(f"{label}skip_prefix_cache must be a bool, got {_type_name(skip)} {_short(skip)}",
                                argument=f"{argument}.skip_prefix_cache", fix="pass True or False")
-    mm = _normalize_mm_items(r.mm_items, f"{argument}.mm_items", label, n)
+    mm: tuple[MMItem, ...] = ()
+    if type(r.mm_items) is not tuple or r.mm_items:  # () is the default: nothing to check
+        mm = _normalize_mm_items(r.mm_items, f"{argument}.mm_items", label, n)
     if r.block_hashes is not None:
         _check_block_hashes(r.block_hashes, f"{argument}.block_hashes", label, n // block_size)
     chunk = None
