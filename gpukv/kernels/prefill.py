@@ -119,6 +119,26 @@ def _write_rows_kernel(
             tl.store(extras_ptr + r * M2 + e, tl.zeros([TILE], tl.int64), mask=e < M2)
 
 
+@triton.jit
+def _request_tile(rows_ptr, nreq_ptr, limit_ptr, digests_ptr, M, P, TILE: tl.constexpr):
+    """A (request, position tile) program's lanes: request i (program 0),
+    positions p (program 1's tile), p < P, the request count K, i's row, p
+    as int64, the lanes that are real and below ``limit[i]`` (the longest
+    hit, or the full blocks), and their digest lanes. i < KP, so its plan
+    entries are in bounds (past K: stale, masked)."""
+    i = tl.program_id(0)
+    p = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    K = tl.load(nreq_ptr)
+    real = (zero_like(p) + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
+    r = tl.load(rows_ptr + i).to(tl.int64)
+    active = real & (p < tl.load(limit_ptr + i))
+    p64 = p.to(tl.int64)
+    d = (r * M + p64) * 2
+    lo = tl.load(digests_ptr + d, mask=active, other=0)
+    hi = tl.load(digests_ptr + d + 1, mask=active, other=0)
+    return i, p, p < P, K, r, p64, active, lo, hi
+
+
 @triton.jit(do_not_specialize=["P", "T", "M", "cap", "root_lo", "root_hi"])
 def _lookup_kernel(
     rows_ptr, max_hit_ptr, nreq_ptr, P,  # int32[KP] rows, longest hits; int32[1] requests; positions per request
@@ -132,17 +152,7 @@ def _lookup_kernel(
     TILE: tl.constexpr,   # positions per program (a power of two)
 ):
     """Grid (KP, P / TILE): request i's positions p of this tile, every group."""
-    i = tl.program_id(0)
-    p = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    in_p = p < P
-    K = tl.load(nreq_ptr)
-    real = (zero_like(p) + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
-    r = tl.load(rows_ptr + i).to(tl.int64)  # i < KP: in the plan (past K: stale, masked)
-    active = real & (p < tl.load(max_hit_ptr + i))
-    p64 = p.to(tl.int64)
-    d = (r * M + p64) * 2
-    lo = tl.load(digests_ptr + d, mask=active, other=0)
-    hi = tl.load(digests_ptr + d + 1, mask=active, other=0)
+    i, p, in_p, _, r, p64, active, lo, hi = _request_tile(rows_ptr, nreq_ptr, max_hit_ptr, digests_ptr, M, P, TILE)
     for g in tl.static_range(G):
         grp = tl.zeros([TILE], tl.int32) + g
         found = probe_oldest(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_seq_ptr, lo, hi, grp,
@@ -168,16 +178,7 @@ def _chains_kernel(
     (j, p) exists for each full block p of request j; the loop over j < K
     finds the first entry with i's digest at p (i's own at the latest) and
     the first after i."""
-    i = tl.program_id(0)
-    p = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    in_p = p < P
-    K = tl.load(nreq_ptr)
-    real = (zero_like(p) + i) < K  # as lanes: the interpreter refuses a scalar-and-block mask
-    r = tl.load(rows_ptr + i).to(tl.int64)  # i < KP: in the plan (past K: stale, masked)
-    mine = real & (p < tl.load(nfull_ptr + i))
-    p64 = p.to(tl.int64)
-    lo = tl.load(digests_ptr + (r * M + p64) * 2, mask=mine, other=0)
-    hi = tl.load(digests_ptr + (r * M + p64) * 2 + 1, mask=mine, other=0)
+    i, p, in_p, K, r, p64, mine, lo, hi = _request_tile(rows_ptr, nreq_ptr, nfull_ptr, digests_ptr, M, P, TILE)
     head = tl.full([TILE], _BIG, tl.int32)
     after = tl.full([TILE], _BIG, tl.int32)
     head_row = r + tl.zeros([TILE], tl.int64)
