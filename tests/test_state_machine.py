@@ -749,10 +749,10 @@ class ServingLoop(RuleBasedStateMachine):
         dev.check_invariants(verify_digests=CHECK_DIGESTS)
         assert dev.make_prefix_cache_stats() == ref_stats
         assert dev.free_queue() == ref.free_queue()
-        assert dev.num_free_blocks == ref.num_free_blocks
+        assert dev.read_num_free_blocks() == ref.num_free_blocks
         assert dev.pool.ref_counts() == ref.pool.ref_cnt
         assert dev.pool.table_entries() == ref.pool.table()
-        assert dev.num_evictions == ref.num_evictions
+        assert dev.read_num_evictions() == ref.num_evictions
         assert sorted(dev.request_ids()) == sorted(ref.request_ids())
         for rid in ref.request_ids():
             assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
