@@ -208,6 +208,22 @@ def _window_real(win_ptr, g, p, hit):
     return (p < hit) & (p >= tl.where(W < 0, 0, tl.maximum(hit - W, 0)))
 
 
+@triton.jit
+def _hit_entries(e, KP, P, G: tl.constexpr, admitted, hit_ptr, win_ptr, cache_ptr):
+    """Entries ``e`` of the cache's (i, p, g) layout: in range, request,
+    group, position, its hit, inside an admitted request's hit, where the
+    group holds a real block there, and the cached block (-1: none; read
+    only where real)."""
+    m = e < KP * P * G
+    i = e // (P * G)
+    g = e % G
+    p = (e // G) % P
+    hit = tl.load(hit_ptr + i, mask=m, other=0)
+    in_hit = m & (i < admitted) & (p < hit)
+    real = in_hit & _window_real(win_ptr, g, p, hit)
+    return m, i, g, p, hit, in_hit, real, tl.load(cache_ptr + e, mask=real, other=-1)
+
+
 @triton.jit(do_not_specialize=["KP", "P", "A", "C"])
 def _admission_entries_kernel(
     status_ptr,              # int64[NUM_STATUS] the admission's (ST_ADMITTED: admitted requests)
@@ -226,13 +242,7 @@ def _admission_entries_kernel(
     admitted = tl.load(status_ptr + _ST_ADMITTED)
     e = tl.program_id(0) * TILE + tl.arange(0, TILE)
     # first touches: the cache's own layout (i, p, g)
-    m = e < KP * P * G
-    i = e // (P * G)
-    g = e % G
-    p = (e // G) % P
-    hit = tl.load(hit_ptr + i, mask=m, other=0)
-    real = m & (i < admitted) & _window_real(win_ptr, g, p, hit)
-    c = tl.load(cache_ptr + e, mask=real, other=-1)
+    m, _, _, _, _, _, real, c = _hit_entries(e, KP, P, G, admitted, hit_ptr, win_ptr, cache_ptr)
     tl.store(touch_ptr + e, (real & (c >= 0)).to(tl.int32), mask=m)
     # allocation: positions hit + a of each group, a < the new blocks per group
     EA = KP * G * A
@@ -280,14 +290,7 @@ def _place_hits_kernel(
     writes."""
     admitted = tl.load(status_ptr + _ST_ADMITTED)
     e = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    m = e < KP * P * G
-    i = e // (P * G)
-    g = e % G
-    p = (e // G) % P
-    hit = tl.load(hit_ptr + i, mask=m, other=0)
-    in_hit = m & (i < admitted) & (p < hit)
-    real = in_hit & _window_real(win_ptr, g, p, hit)
-    c = tl.load(cache_ptr + e, mask=real, other=-1)
+    m, i, g, p, hit, in_hit, real, c = _hit_entries(e, KP, P, G, admitted, hit_ptr, win_ptr, cache_ptr)
     pend = real & (c < 0)
     who = tl.load(resolved_ptr + i * P + p, mask=pend, other=0)
     g64, p64 = g.to(tl.int64), p.to(tl.int64)
