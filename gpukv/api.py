@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from gpukv.events import KVEventBatch
-from gpukv.metrics import PrefixCacheStats
+from gpukv.metrics import PrefixCacheStats, StepCounters
 from gpukv.request import ComputedBlocks, ManagerLimits, NewRequest, RunningUpdate, StepResult
 
 
@@ -49,6 +49,7 @@ class BlockManager(Protocol):
     sliding_windows: list[int | None]
     max_model_len: int | None
     device: torch.device
+    counters: StepCounters  # what the last step cost (always zero on the reference)
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> BlockManager: ...

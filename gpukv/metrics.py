@@ -1,4 +1,5 @@
-"""Prefix-cache statistics and the hit-rate window over recent requests.
+"""Prefix-cache statistics, the hit-rate window over recent requests, and
+what a manager's last step cost (``StepCounters``, a manager's ``counters``).
 
 Counting follows current vLLM v1 (the units of its Prometheus counters
 ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits``): every lookup
@@ -78,6 +79,35 @@ class PrefixCacheStats:
     def block_hit_rate(self) -> float:
         """Blocks hit over blocks asked."""
         return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
+
+
+@dataclass
+class StepCounters:
+    """What the last step cost (a manager's ``counters``), counted where it
+    happens: Triton kernel launches (``gpukv.kernels._common`` counts every
+    launch), host-to-device uploads (``gpukv.staging.Staging``),
+    device-to-host reads (the device manager's ``read_*`` paths), and torch
+    kernels (only while ``count_torch_ops`` is True: a dispatch hook that
+    costs host time itself, so benchmarks switch it on in a separate counting
+    pass). ``steps`` counts the device manager's steps since construction.
+    The reference manager has one too, always zero: it launches, uploads and
+    reads nothing."""
+
+    launches: int = 0
+    h2d: int = 0
+    d2h: int = 0
+    torch_ops: int = 0
+    steps: int = 0
+    count_torch_ops: bool = False
+
+    @property
+    def syncs(self) -> int:
+        """Device-to-host reads (the older name)."""
+        return self.d2h
+
+    def as_dict(self) -> dict[str, int]:
+        """The four counts by name (``launches``, ``h2d``, ``d2h``, ``torch_ops``)."""
+        return {"launches": self.launches, "h2d": self.h2d, "d2h": self.d2h, "torch_ops": self.torch_ops}
 
 
 class PrefixCachingMetrics:

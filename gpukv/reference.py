@@ -44,7 +44,7 @@ from gpukv.errors import (
 )
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
-from gpukv.metrics import PrefixCacheStats
+from gpukv.metrics import PrefixCacheStats, StepCounters
 from gpukv.request import (
     MAX_NUM_BLOCKS,
     ComputedBlocks,
@@ -375,6 +375,9 @@ class ReferenceManager(FailStop):
         self._rows = RowAllocator(max_num_reqs)  # handed out as the device manager does
         self._row_ids: dict[int, str] = {}
         self.stats = PrefixCacheStats()
+        # The device manager's per-step accounting, for the same API: always zero
+        # here (no launches, uploads or device reads).
+        self.counters = StepCounters()
         # Digests this manager computed for requests that may come back (refused
         # this step, looked up by get_computed_blocks, freed to be resumed):
         # reused only for the same id, extra keys and leading tokens, so they

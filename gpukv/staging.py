@@ -1,5 +1,5 @@
-"""Host-to-device uploads without hidden synchronisation, and the counters
-that say what a step really cost.
+"""Host-to-device uploads without hidden synchronisation, and the counting
+of what a step really cost (``gpukv.metrics.StepCounters``).
 
 A copy from pageable host memory to the GPU makes the host wait until the copy
 is done (the CUDA driver stages it through a pinned bounce buffer), so a step
@@ -18,38 +18,12 @@ a CPU say what a GPU step would upload.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukv.kernels import _common
-
-
-@dataclass
-class StepCounters:
-    """What the last step cost, counted where it happens: Triton kernel
-    launches (``gpukv.kernels._common`` counts every launch), host-to-device
-    uploads (``Staging``), device-to-host reads (the manager's ``read_*``
-    paths), and torch kernels (only while ``count_torch_ops`` is True: a
-    dispatch hook that costs host time itself, so benchmarks switch it on in a
-    separate counting pass). ``steps`` counts steps since construction."""
-
-    launches: int = 0
-    h2d: int = 0
-    d2h: int = 0
-    torch_ops: int = 0
-    steps: int = 0
-    count_torch_ops: bool = False
-
-    @property
-    def syncs(self) -> int:
-        """Device-to-host reads (the older name)."""
-        return self.d2h
-
-    def as_dict(self) -> dict[str, int]:
-        return {"launches": self.launches, "h2d": self.h2d, "d2h": self.d2h, "torch_ops": self.torch_ops}
+from gpukv.metrics import StepCounters
 
 
 class Staging:

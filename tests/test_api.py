@@ -4,6 +4,8 @@ and signatures, and the calls added for it answered alike."""
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +147,78 @@ def test_the_reference_lives_on_the_host():
     assert ReferenceManager(4, 2, device="cpu").device == torch.device("cpu")
     with pytest.raises(InvalidInputError, match="device: the reference manager lives on the host"):
         ReferenceManager(4, 2, device="meta")
+
+
+# ------------------------------------------------------------ what the docs name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _api_md_names() -> tuple[set[str], set[str]]:
+    """Manager members docs/api.md names: the gpukv column of its tables
+    (both managers), and its "Device only:" paragraph."""
+    shared: set[str] = set()
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    in_table = False
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if not cells:
+            in_table = False
+            continue
+        if cells[0] == "gpukv":
+            in_table = True
+            continue
+        if not in_table:
+            continue
+        for span in re.findall(r"`([^`]+)`", cells[0]):
+            name = re.match(r"[A-Za-z_][\w.]*", span)
+            if name is None or span[name.end():].startswith("="):  # a keyword argument
+                continue
+            parts = name[0].split(".")
+            if parts[0] == "KVCacheManager":
+                parts = parts[1:]
+            if parts and not parts[0][0].isupper():  # NewRequest(...), StepResult.rows: not the manager's
+                shared.add(parts[0])
+    device_only = text[text.index("Device only:"):]
+    device = set(re.findall(r"`(\w+)`", device_only.split("\n\n")[0]))
+    return shared, device
+
+
+def _readme_names() -> set[str]:
+    """Members README.md calls on a manager (``m.x``, ``manager.x``)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return set(re.findall(r"(?<![\w./])(?:m|manager)\.([A-Za-z_]\w*)", text))
+
+
+def test_the_docs_name_members_both_managers_have():
+    shared, device_only = _api_md_names()
+    readme = _readme_names()
+    # (the extraction finds what it should)
+    assert {"step", "decode", "from_config", "read_usage", "usage", "check_invariants", "hash_key"} <= shared
+    assert {"counters", "failed", "row_of", "take_events"} <= readme
+    assert device_only == DEVICE_ONLY - {"rows_generation"}
+    managers = [cls(8, 2, hash_key=KEY, max_model_len=16) for cls in MANAGERS]
+    missing = [f"{type(m).__name__}.{name}" for m in managers for name in sorted(shared | readme)
+               if not _has(m, name)]
+    assert not missing, missing
+    assert all(_has(managers[1], name) for name in device_only)
+
+
+def _has(obj, name: str) -> bool:
+    """``hasattr`` without running a property (the device's read the GPU and warn)."""
+    try:
+        inspect.getattr_static(obj, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def test_counters_are_the_same_type_on_both_managers():
+    from gpukv.metrics import StepCounters
+
+    ref, dev = _pair()
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
+        assert type(m.counters) is StepCounters
+    assert dev.counters.launches > 0 and dev.counters.steps == 1
+    assert ref.counters == StepCounters()  # the host reference launches, uploads and reads nothing

@@ -1,0 +1,259 @@
+"""Every snippet in README.md and docs/*.md works as pasted.
+
+* ```` ```python ```` blocks run: the blocks of one file in order, in a fresh
+  namespace, as if pasted into one Python session (so a block may use what
+  an earlier block of its file defined); all files in one subprocess, in an
+  empty directory. A failure names the file and the line of the block, and the
+  traceback points at the markdown line. A block that cannot run on a
+  CPU-only machine in a few seconds (it needs a GPU, vLLM, the network or a
+  long run) says so on the line before its fence, with the reason:
+  ``<!-- snippet: skip (needs a GPU) -->``.
+* ```` ```json ```` blocks are valid JSON, and a trace example loads as a
+  trace (``gpukv.traces.load_trace``).
+* Shell blocks (``bash``, ``sh``) are not run (installs, long replays), but
+  every ``gpukv`` command in them, and in inline code that starts with
+  ``gpukv``, names a subcommand and options the command line has, and every
+  script or test file they name exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SKIP = re.compile(r"<!--\s*snippet:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+FENCE = re.compile(r"^```\s*(?P<lang>[\w+-]*)\s*$")
+SHELLS = {"bash", "sh", "shell", "console"}
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    skip: str | None  # the reason, when marked to skip
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a markdown file, with their skip markers."""
+    found: list[Block] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and lines[i].rstrip() != "```":
+            body.append(lines[i])
+            i += 1
+        if i == len(lines):
+            raise AssertionError(f"{path.relative_to(ROOT)}:{start + 1}: a code fence is never closed")
+        j = next((j for j in range(start - 1, -1, -1) if lines[j].strip()), -1)
+        prev = lines[j] if j >= 0 else ""
+        skip = SKIP.search(prev)
+        if "snippet:" in prev and not skip:
+            raise AssertionError(f"{path.relative_to(ROOT)}:{j + 1}: malformed marker {prev.strip()!r}; "
+                                 "write <!-- snippet: skip (the reason) -->")
+        found.append(Block(path, start + 1, m["lang"].lower(), "\n".join(body) + "\n",
+                           skip["reason"].strip() if skip else None))
+        i += 1
+    return found
+
+
+ALL = [b for p in DOCS for b in blocks(p)]
+PYTHON_FILES = sorted({b.path for b in ALL if b.lang == "python"})
+
+# Runs the blocks given on stdin (JSON: file -> blocks), each file's in order
+# in a fresh namespace of its own, every block compiled under its file's name
+# with its lines where they are in the file; prints {file: None or the
+# failure} as JSON. One interpreter for all files: torch and Triton load once.
+DRIVER = r"""
+import io, json, sys, traceback
+results = {}
+for file, todo in json.load(sys.stdin).items():
+    namespace = {"__name__": "__main__"}
+    results[file] = None
+    for b in todo:
+        try:
+            exec(compile("\n" * b["line"] + b["code"], b["file"], "exec"), namespace)
+        except BaseException:
+            out = io.StringIO()
+            traceback.print_exc(file=out)
+            results[file] = f"{out.getvalue()}{b['where']}: this python block fails as pasted (traceback above)"
+            break
+sys.stdout.flush()
+print("\n" + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def python_results(tmp_path_factory) -> dict[str, str | None]:
+    """Each file's python blocks run: None, or how the first failing one failed."""
+    todo = {str(p): [{"file": str(b.path), "line": b.line, "code": b.code, "where": b.where}
+                     for b in ALL if b.path == p and b.lang == "python" and b.skip is None]
+            for p in PYTHON_FILES}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(todo), capture_output=True, text=True,
+                          cwd=tmp_path_factory.mktemp("snippets"), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]  # a snippet that kills the interpreter
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_snippets_are_found():
+    assert ROOT / "README.md" in PYTHON_FILES
+    assert sum(b.lang == "python" for b in ALL) >= 6
+    assert all(b.skip for b in ALL if b.skip is not None)  # a skip gives its reason
+
+
+@pytest.mark.parametrize("path", PYTHON_FILES, ids=[str(p.relative_to(ROOT)) for p in PYTHON_FILES])
+def test_python_blocks_run_as_pasted(path, python_results):
+    if not any(b.path == path and b.lang == "python" and b.skip is None for b in ALL):
+        pytest.skip("every python block of this file is marked to skip")
+    failure = python_results[str(path)]
+    assert failure is None, failure
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.lang == "json"], ids=lambda b: b.where)
+def test_json_blocks_are_valid_and_traces_load(block, tmp_path):
+    from gpukv.traces import load_trace
+
+    text = block.code.strip()
+    if "\n" not in text:  # one JSON Lines record: a Mooncake trace line
+        json.loads(text)
+        trace = tmp_path / "trace.jsonl"
+    else:
+        data = json.loads(text)
+        assert "steps" in data, f"{block.where}: a JSON block that is not a trace; teach this test what it is"
+        trace = tmp_path / "trace.json"
+    trace.write_text(text + "\n")
+    loaded = load_trace(trace)
+    assert loaded.requests or loaded.steps, block.where
+
+
+# ------------------------------------------------------------------ shell
+
+def _help(*argv: str) -> str:
+    from gpukv.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return out.getvalue()
+
+
+def _options(*argv: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _help(*argv)))
+
+
+def _commands(text: str) -> list[list[str]]:
+    """Each simple command of a shell text (continuations joined, comments
+    dropped), split into words."""
+    lexer = shlex.shlex(text.replace("\\\n", " "), posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    commands: list[list[str]] = [[]]
+    for word in lexer:
+        if word in {";", "&&", "||", "|", "&"} or word == "\n":
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [c for c in commands if c]
+
+
+def _shell_texts() -> list[tuple[str, str]]:
+    """(where, text) for every shell block, line by line, and every inline
+    code span that starts with ``gpukv``."""
+    texts = []
+    for b in ALL:
+        if b.lang in SHELLS:
+            # one logical line at a time: `for ... do` bodies stay with their commands
+            for k, line in enumerate(b.code.replace("\\\n", " \0").split("\n")):
+                texts.append((f"{b.where} (+{k + 1})", line.replace("\0", "")))
+    for path in DOCS:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for span in re.findall(r"`(gpukv [^`]*)`", line):
+                if re.match(r"gpukv [\w-]+(\s|$)", span):  # not "gpukv replay: FILE:LINE: problem"
+                    texts.append((f"{path.relative_to(ROOT)}:{n}", span))
+    return texts
+
+
+def _gpukv_invocations(words: list[str]) -> list[str] | None:
+    """The arguments of a gpukv command (``gpukv``, ``.venv/bin/gpukv``,
+    ``python -m gpukv``), or None when the command is something else."""
+    for i, w in enumerate(words):
+        if w == "gpukv" and i >= 2 and words[i - 1] == "-m":
+            return words[i + 1:]
+        if w == "gpukv" or w.endswith("/bin/gpukv"):
+            return words[i + 1:]
+    return None
+
+
+def test_gpukv_commands_in_the_docs_use_options_that_exist():
+    known = {"": _options(), "replay": _options("replay"), "sweep": _options("sweep")}
+    checked, wrong = 0, []
+    for where, text in _shell_texts():
+        for words in _commands(text):
+            args = _gpukv_invocations(words)
+            if args is None:
+                continue
+            sub = args[0] if args and not args[0].startswith("-") else ""
+            if sub not in known:
+                wrong.append(f"{where}: no subcommand {sub!r}: {text.strip()}")
+                continue
+            for a in args:
+                if a.startswith("--") and a.split("=")[0] not in known[sub]:
+                    wrong.append(f"{where}: gpukv {sub} has no option {a.split('=')[0]}: {text.strip()}")
+            checked += 1
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 15  # the parsing found the commands
+
+
+def test_files_named_in_shell_blocks_exist():
+    missing = []
+    for where, text in _shell_texts():
+        for words in _commands(text):
+            for w in words:
+                repo_file = re.fullmatch(r"[\w./-]+\.(py|sh)", w) and not w.startswith(("../", "/"))
+                if repo_file and not (ROOT / w).is_file():
+                    missing.append(f"{where}: {w}")
+    assert not missing, "\n".join(missing)
+
+
+def test_gpukv_version_prints_the_one_version():
+    import gpukv
+    from gpukv.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert out.getvalue().split() == ["gpukv", gpukv.__version__]
+
+
+def test_the_version_is_written_in_one_place():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gpukv.__version__"}
+    assert project["project"]["license"] == "Apache-2.0"  # an SPDX expression (PEP 639)
