@@ -1,0 +1,20 @@
+"""gpukv under vLLM 0.8.5's v1 engine (the ``vllm`` extra: ``pip install 'gpukv[vllm]'``).
+
+* ``KVCacheManager``: vLLM 0.8.5's ``KVCacheManager`` interface on a gpukv
+  manager (the device manager on CUDA, the reference elsewhere).
+* ``Scheduler``: vLLM's v1 ``Scheduler`` running on it, selectable as
+  ``vllm serve MODEL --scheduler-cls gpukv.vllm.Scheduler``;
+  ``ReferenceScheduler`` and ``DeviceScheduler`` pin the backend.
+"""
+
+from __future__ import annotations
+
+try:
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("gpukv.vllm needs vLLM 0.8.5: pip install 'gpukv[vllm]'") from exc
+
+from gpukv.vllm.manager import Block, KVCacheManager
+from gpukv.vllm.scheduler import DeviceScheduler, ReferenceScheduler, Scheduler
+
+__all__ = ["Block", "DeviceScheduler", "KVCacheManager", "ReferenceScheduler", "Scheduler"]

@@ -1,0 +1,362 @@
+"""vLLM 0.8.5's ``KVCacheManager`` interface on a gpukv manager.
+
+vLLM's v1 scheduler drives its block manager one request at a time, with
+vLLM ``Request`` objects whose ``num_computed_tokens`` the scheduler itself
+advances. gpukv's managers count computed tokens themselves and take the
+sampled tokens as they are appended. This module translates one into the
+other, call by call, so that the scheduler's decisions (hits, block ids,
+refusals, and so preemptions) are vLLM's own:
+
+* ``get_computed_blocks(request)`` looks the request up in gpukv (gpukv hashes
+  the tokens itself: nothing the caller hands in decides a hit) and returns
+  the hit as objects with ``.block_id``, and its length in tokens.
+* ``allocate_slots(request, num_tokens, new_computed_blocks,
+  num_lookahead_tokens)`` admits a request gpukv does not hold, with the hit
+  of its last lookup, or grows a running one. The tokens vLLM computes this
+  step beyond what gpukv has computed become gpukv's ``num_tokens``; the
+  speculative tokens vLLM schedules are not cached by vLLM, so they become
+  gpukv lookahead slots (never cached) with vLLM's own lookahead.
+* ``free`` and the rest map one to one (``docs/api.md`` has the table).
+
+The lookup rule (``lookup=``): vLLM 0.8.5 keeps a preempted request's block
+hashes and, on resumption, looks up only those: blocks whose tokens were
+appended but never computed are not hashed, so they never hit. gpukv hashes
+every full block it is handed, which can hit one block more after a
+multi-token append. ``lookup="vllm"`` (the default here) caps the hit at the
+blocks vLLM would have hashed; ``lookup="all"`` keeps gpukv's longer (valid)
+hit, gpukv's own managers' rule.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpukv.errors import InvalidInputError, InvalidTypeError
+from gpukv.hashing import MMItem
+from gpukv.request import ComputedBlocks, NewRequest
+
+BACKENDS = ("auto", "reference", "device")
+LOOKUPS = ("vllm", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A block as vLLM's scheduler reads it: only its id."""
+
+    block_id: int
+
+
+def make_backend(backend: str, *, num_blocks: int, block_size: int, sliding_window: int | None,
+                 max_model_len: int, enable_caching: bool, max_num_reqs: int) -> Any:
+    """The gpukv manager under the adapter: the device manager on CUDA (or when
+    asked for), else the reference. vLLM's free order (``uncached_first=False``)."""
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"unknown backend {backend!r}", argument="backend",
+                                fix=f"pass one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "device" if torch.cuda.is_available() else "reference"
+    kwargs = dict(sliding_windows=[sliding_window], enable_caching=enable_caching, uncached_first=False,
+                  max_model_len=max_model_len, max_num_reqs=max_num_reqs)
+    if backend == "device":
+        from gpukv.manager import DeviceManager
+
+        return DeviceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
+    from gpukv.reference import ReferenceManager
+
+    return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
+
+
+def _group_spec(kv_cache_config: Any) -> Any:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups or len(groups) != 1:
+        raise InvalidInputError("vLLM 0.8.5's KVCacheManager takes exactly one KV-cache group",
+                                argument="kv_cache_config",
+                                fix="pass a KVCacheConfig with one group (gpukv's own managers take several)")
+    return groups[0].kv_cache_spec
+
+
+class KVCacheManager:
+    """vLLM 0.8.5's ``vllm.v1.core.kv_cache_manager.KVCacheManager``, on gpukv.
+
+    Constructor arguments are vLLM's; ``backend`` ("auto", "reference",
+    "device") picks the gpukv manager underneath (``.manager``), ``lookup``
+    ("vllm", "all") the resumed-request lookup rule (module docstring), and
+    ``max_num_reqs`` the request rows it starts with (they grow).
+    """
+
+    def __init__(self, kv_cache_config: Any, max_model_len: int, enable_caching: bool = True,
+                 caching_hash_algo: str = "builtin", use_eagle: bool = False, log_stats: bool = False, *,
+                 backend: str = "auto", lookup: str = "vllm", max_num_reqs: int = 64) -> None:
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        if lookup not in LOOKUPS:
+            raise InvalidInputError(f"unknown lookup rule {lookup!r}", argument="lookup",
+                                    fix="pass 'vllm' (vLLM's resumed lookup) or 'all' (every full block)")
+        spec = _group_spec(kv_cache_config)
+        self.block_size: int = spec.block_size
+        self.num_gpu_blocks: int = kv_cache_config.num_blocks
+        self.max_model_len = max_model_len
+        self.enable_caching = bool(enable_caching)
+        self.caching_hash_algo = caching_hash_algo  # gpukv always hashes with keyed BLAKE3
+        self.use_eagle = bool(use_eagle)
+        self.log_stats = bool(log_stats)
+        self.lookup = lookup
+        self._stats_cls = PrefixCacheStats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.manager = make_backend(backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
+                                    sliding_window=getattr(spec, "sliding_window", None),
+                                    max_model_len=max_model_len, enable_caching=self.enable_caching,
+                                    max_num_reqs=max_num_reqs)
+        # Per request the manager holds: how many of its tokens gpukv has been handed.
+        self._num_known: dict[str, int] = {}
+        # vLLM's len(req_to_block_hashes[id]): the blocks vLLM has hashed for a
+        # request (its lookup rule), kept across preemption until free_block_hashes.
+        self._num_hashed: dict[str, int] = {}
+        # The hit of each request's last lookup, handed back by allocate_slots.
+        self._looked_up: dict[str, ComputedBlocks] = {}
+        # Requests freed once finished: a second free is a caller's mistake.
+        self._finished: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    # ------------------------------------------------------------- vLLM's API
+    @property
+    def usage(self) -> float:
+        """vLLM's ``1 - free / num_gpu_blocks`` (its null block counts as used;
+        reads the device)."""
+        return 1.0 - self.manager.read_num_free_blocks() / self.num_gpu_blocks
+
+    def make_prefix_cache_stats(self) -> Any:
+        """vLLM's ``PrefixCacheStats`` since the last call (in blocks, as vLLM
+        0.8.5 counts), or None without ``log_stats``."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
+        return stats
+
+    def get_computed_blocks(self, request: Any) -> tuple[list[Block], int]:
+        """The request's cache hit: blocks (``.block_id``) and its length in tokens."""
+        rid = _request_id(request)
+        tokens = _checked_tokens(request, self.max_model_len)
+        if not self.enable_caching:
+            return [], 0
+        num_hashed = self._num_hashed.get(rid) or len(tokens) // self.block_size
+        self._num_hashed[rid] = num_hashed
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.requests += 1
+        if request.sampling_params.prompt_logprobs is not None:
+            self._looked_up.pop(rid, None)
+            return [], 0
+        # vLLM looks up its hashed blocks, less the last when they cover every token.
+        num_queries = num_hashed - (num_hashed * self.block_size == len(tokens))
+        max_hit = num_queries if self.lookup == "vllm" else (len(tokens) - 1) // self.block_size
+        computed = self._lookup(request, tokens, max_hit)
+        if self.use_eagle and computed.num_tokens:  # vLLM recomputes the last hit block for EAGLE
+            computed = self._lookup(request, tokens, computed.num_tokens // self.block_size - 1)
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.queries += num_queries
+            self.prefix_cache_stats.hits += computed.num_tokens // self.block_size
+        self._looked_up[rid] = computed
+        return [Block(b) for b in computed.block_ids[0]], computed.num_tokens
+
+    def allocate_slots(self, request: Any, num_tokens: int, new_computed_blocks: list[Any] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[Block] | None:
+        """Blocks for ``num_tokens`` more tokens (beyond the hit for a request
+        not yet admitted) and ``num_lookahead_tokens`` slots; the new blocks,
+        or None (nothing changed) when they do not fit."""
+        rid = _request_id(request)
+        tokens = _checked_tokens(request, self.max_model_len)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InvalidInputError(f"num_tokens must be an int >= 1, got {num_tokens!r}", argument="num_tokens",
+                                    fix="pass the tokens scheduled this step (vLLM never allocates for 0)")
+        if isinstance(num_lookahead_tokens, bool) or not isinstance(num_lookahead_tokens, int) \
+                or num_lookahead_tokens < 0:
+            raise InvalidInputError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}",
+                                    argument="num_lookahead_tokens", fix="pass 0 without speculative decoding")
+        if request.is_finished():
+            raise InvalidInputError(f"request {rid!r} is finished", argument="request",
+                                    fix="allocate only for waiting or running requests")
+        if rid in self._num_known:
+            if new_computed_blocks:
+                raise InvalidInputError(f"request {rid!r} is running; computed blocks are for admission only",
+                                        argument="new_computed_blocks", fix="pass None for a running request")
+            return self._grow(request, tokens, num_tokens, num_lookahead_tokens)
+        return self._admit(request, tokens, num_tokens, new_computed_blocks, num_lookahead_tokens)
+
+    def free(self, request: Any) -> None:
+        """Give back the request's blocks (tail first), as vLLM's ``free``: a
+        request holding none (waiting, preempted, aborted before it ran) frees
+        nothing; a finished request freed a second time is refused."""
+        rid = _request_id(request)
+        finished = request.is_finished()
+        if finished and request in self._finished:
+            raise InvalidInputError(f"request {rid!r} was already freed", argument="request",
+                                    fix="free a finished request once")
+        self._looked_up.pop(rid, None)
+        if rid in self._num_known:
+            self.manager.free(rid)
+            del self._num_known[rid]
+        if finished:
+            self._finished.add(request)
+
+    def free_block_hashes(self, request: Any) -> None:
+        """Forget the request's lookup state (vLLM: once it finished)."""
+        rid = _request_id(request)
+        self._num_hashed.pop(rid, None)
+        self._looked_up.pop(rid, None)
+
+    def get_num_common_prefix_blocks(self, request: Any, num_running_requests: int) -> int:
+        """Leading blocks of ``request`` held by all ``num_running_requests``
+        running requests (reads the device)."""
+        rid = _request_id(request)
+        if rid not in self._num_known:
+            raise InvalidInputError(f"request {rid!r} holds no blocks", argument="request",
+                                    fix="pass a running request")
+        return self.manager.get_num_common_prefix_blocks(rid, num_running_requests)[0]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, when no request holds one (else False)."""
+        ok = self.manager.reset_prefix_cache()
+        if ok and self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return ok
+
+    # ------------------------------------------------------------ inspection
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks, position by position (reads the device)."""
+        return self.manager.get_block_ids(request_id)[0]
+
+    def num_free_blocks(self) -> int:
+        """Free blocks, evictable cached ones included, as vLLM's
+        ``block_pool.get_num_free_blocks()`` (reads the device)."""
+        return self.manager.read_num_free_blocks()
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests holding blocks."""
+        return list(self._num_known)
+
+    def check_invariants(self) -> None:
+        """The manager's invariants, and the adapter's ledger agreeing with it."""
+        self.manager.check_invariants()
+        held = set(self.manager.request_ids())
+        if held != set(self._num_known):
+            raise AssertionError(f"the adapter's requests {sorted(self._num_known)} are not the manager's "
+                                 f"{sorted(held)}")
+
+    # -------------------------------------------------------------- internals
+    def _new_request(self, request: Any, tokens: list[int]) -> NewRequest:
+        positions = request.mm_positions or []
+        hashes = request.mm_hashes or []
+        skip = request.sampling_params.prompt_logprobs is not None
+        if positions and len(hashes) != len(positions):
+            skip = True  # items without content hashes cannot be told apart: no hit
+        items = tuple(MMItem(p.offset, p.length, h) for p, h in zip(positions, hashes, strict=False)) \
+            if not skip else ()
+        lora = request.lora_request
+        return NewRequest(request.request_id, tokens, lora_id=lora.lora_int_id if lora else None,
+                          mm_items=items, skip_prefix_cache=skip)
+
+    def _lookup(self, request: Any, tokens: list[int], max_hit: int) -> ComputedBlocks:
+        """gpukv's lookup of the request, its hit at most ``max_hit`` blocks
+        (looked up on the tokens it can cover, so a window's null blocks fall
+        where a lookup of that length puts them)."""
+        if max_hit <= 0:
+            return ComputedBlocks([[]], 0)
+        if max_hit < (len(tokens) - 1) // self.block_size:
+            tokens = tokens[: max_hit * self.block_size + 1]
+        return self.manager.get_computed_blocks(self._new_request(request, tokens))
+
+    def _admit(self, request: Any, tokens: list[int], num_tokens: int, blocks: list[Any] | None,
+               num_lookahead_tokens: int) -> list[Block] | None:
+        rid = request.request_id
+        computed = self._computed_for(rid, blocks)
+        hit = computed.num_tokens if computed is not None else 0
+        _check_scheduled(request, tokens, hit, num_tokens)
+        # vLLM caches full blocks up to hit + num_tokens less its speculative
+        # tokens; gpukv computes (and caches) exactly those, the rest are slots.
+        target = max(hit + num_tokens - len(request.spec_token_ids), hit + 1)
+        target = min(target, len(tokens))
+        slots = self._slots(hit + num_tokens + num_lookahead_tokens, target)
+        new = self.manager.allocate_slots(self._new_request(request, tokens), computed=computed,
+                                          num_tokens=target - hit, num_lookahead_tokens=slots)
+        self._looked_up.pop(rid, None)
+        if new is None:
+            return None
+        self._num_known[rid] = len(tokens)
+        self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
+        return [Block(b) for b in new[0]]
+
+    def _grow(self, request: Any, tokens: list[int], num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
+        rid = request.request_id
+        known = self._num_known[rid]
+        appended = tokens[known:]
+        computed = self.manager.num_computed_tokens(rid)
+        vllm_computed = request.num_computed_tokens
+        _check_scheduled(request, tokens, vllm_computed, num_tokens)
+        # What vLLM caches after this call (its computed tokens less the
+        # speculative ones), at least one token more than gpukv has computed.
+        target = max(vllm_computed + num_tokens - len(request.spec_token_ids), computed + 1)
+        target = min(target, len(tokens))
+        slots = self._slots(vllm_computed + num_tokens + num_lookahead_tokens, target)
+        new = self.manager.allocate_slots(rid, appended, num_tokens=target - computed, num_lookahead_tokens=slots)
+        if new is None:
+            return None
+        self._num_known[rid] = len(tokens)
+        self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
+        return [Block(b) for b in new[0]]
+
+    def _slots(self, vllm_total: int, target: int) -> int:
+        """Lookahead slots beyond ``target`` so blocks cover ``vllm_total``
+        tokens; vLLM caps a request's blocks at ``max_model_len``, so do we."""
+        return max(0, min(vllm_total, self.max_model_len) - target)
+
+    def _computed_for(self, rid: str, blocks: list[Any] | None) -> ComputedBlocks | None:
+        """The hit of the request's last lookup, if ``blocks`` are its blocks."""
+        if not blocks:
+            return None
+        looked_up = self._looked_up.get(rid)
+        try:
+            ids = [b.block_id for b in blocks]
+        except AttributeError as exc:
+            raise InvalidTypeError("new_computed_blocks must be the blocks get_computed_blocks returned",
+                                   argument="new_computed_blocks",
+                                   fix="pass get_computed_blocks(request)[0]") from exc
+        if looked_up is None or ids != looked_up.block_ids[0]:
+            raise InvalidInputError(f"new_computed_blocks {ids} are not the hit of request {rid!r}'s last lookup",
+                                    argument="new_computed_blocks",
+                                    fix="call get_computed_blocks(request) and pass its blocks unchanged")
+        return looked_up
+
+
+def _request_id(request: Any) -> str:
+    rid = getattr(request, "request_id", None)
+    if not isinstance(rid, str):
+        raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
+                               fix="pass a vllm.v1.request.Request")
+    return rid
+
+
+def _check_scheduled(request: Any, tokens: list[int], num_computed: int, num_tokens: int) -> None:
+    """Tokens scheduled past the request's known and speculative tokens have
+    nothing to compute: a caller's mistake, refused before anything changes."""
+    limit = len(tokens) + len(request.spec_token_ids)
+    if num_computed + num_tokens > limit:
+        raise InvalidInputError(f"request {request.request_id!r}: {num_computed} computed tokens plus num_tokens="
+                                f"{num_tokens} is more than its {limit} tokens (speculative ones included)",
+                                argument="num_tokens",
+                                fix="schedule at most the tokens the request has that are not computed yet")
+
+
+def _checked_tokens(request: Any, max_model_len: int) -> list[int]:
+    """The request's known tokens (prompt and outputs, no speculative ones)."""
+    tokens = list(request.all_token_ids)
+    if not tokens:
+        raise InvalidInputError(f"request {request.request_id!r} has no tokens", argument="request",
+                                fix="give the request a prompt of at least one token")
+    if len(tokens) > max_model_len:
+        raise InvalidInputError(f"request {request.request_id!r} has {len(tokens)} tokens, more than "
+                                f"max_model_len={max_model_len}", argument="request",
+                                fix="finish or truncate requests at max_model_len")
+    return tokens
