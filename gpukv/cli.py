@@ -28,14 +28,28 @@ from typing import Any
 
 from gpukv import _runtime, hashing, plot
 from gpukv.errors import GpukvError
-from gpukv.replay import DEFAULT_MAX_NUM_BATCHED_TOKENS, PLAIN_INTERVAL_S, Replay, ReplayOptions
+from gpukv.replay import (
+    DEFAULT_ARRIVAL,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NUM_BLOCKS,
+    DEFAULT_STEP_MS,
+    PLAIN_INTERVAL_S,
+    Replay,
+    ReplayOptions,
+)
 from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace
 
 BUILTIN_REQUESTS = 300
 PROG = "gpukv"
 
 # Defaults of the sizes a step trace's config may set instead.
-DEFAULT_SIZES = {"block_size": 16, "num_blocks": 65_536, "max_model_len": 131_072}
+DEFAULT_SIZES = {"block_size": DEFAULT_BLOCK_SIZE, "num_blocks": DEFAULT_NUM_BLOCKS, "max_model_len": 131_072}
+
+# How much goes to stderr besides results and errors: -1 --quiet (nothing),
+# 0 notes, warnings and progress, 1 --verbose (every note). Set by main().
+_verbosity = 0
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -152,8 +166,9 @@ def _sweep_parser(sub) -> argparse.ArgumentParser:
         help="replay one trace at several cache sizes and report the hit rate against capacity",
         description="Replay a Mooncake trace (default: the built-in workload) at several KV-cache sizes, in "
         "parallel processes on the reference manager, and report each size's prefix cache hit rate beside the "
-        "ceiling (a pool that never evicts). Sizes in blocks, tokens, or GiB for a model (--layers, --kv-heads, "
-        "--head-size, --dtype); with none, up to seven sizes halving down from the ceiling.",
+        "ceiling (a cache that never evicts, from one pass over the trace). Sizes in blocks, tokens, or GiB for a "
+        "model (--layers, --kv-heads, --head-size, --dtype); with none, four sizes halving down from the ceiling. "
+        "A size that cannot hold --max-model-len or rejects requests is flagged: its hit rate is not comparable.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl (default: built-in workload)")
     sizes = p.add_mutually_exclusive_group()
@@ -174,14 +189,18 @@ def _sweep_parser(sub) -> argparse.ArgumentParser:
                    "workload)")
     p.add_argument("--max-num-batched-tokens", type=_budget_option, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    metavar="N", help="the token budget per step (0 or 'unlimited': none)")
-    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
+    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=DEFAULT_MAX_NUM_SEQS,
                    help="most requests running at once")
+    p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=DEFAULT_SIZES["max_model_len"],
+                   help="longest request in tokens; a size that cannot hold one is flagged")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
+    _add_arrival_options(p)
     p.add_argument("--jobs", type=_int_option(1), default=os.cpu_count() or 1,
                    help="replays run at once, one process each")
     p.add_argument("--json", metavar="OUT", help="write the points as JSON")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw hit rate against capacity (.png, .svg or .pdf; needs the 'plot' extra)")
+    _add_verbosity_options(p, "a bar per size")
     return p
 
 
@@ -197,12 +216,8 @@ def sweep_main(args) -> int:
                if v is not None}
     if "--plot" in outputs:
         _check_plot(args.plot)
-    try:
-        trace = load_trace(path, "mooncake", max_requests=max_requests)
-    except TraceError as e:
-        raise CliError(str(e)) from None
-    except OSError as e:
-        raise CliError(_os_problem(e)) from None
+    args.arrival = args.arrival or DEFAULT_ARRIVAL
+    trace = _load_trace_or_fail(path, "mooncake", max_requests, args.arrival, args.step_ms)
     bs = args.block_size
     unit, capacities = "tokens", None
     model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
@@ -219,11 +234,28 @@ def sweep_main(args) -> int:
     else:
         blocks = sweep.default_sizes(trace, bs)
     opts = ReplayOptions(block_size=bs, max_num_seqs=args.max_num_seqs, prompt_only=args.prompt_only,
-                         max_num_batched_tokens=args.max_num_batched_tokens or None, hash_key=_hash_key())
-    _note(f"{len(blocks) + 1} replays of {trace.num_requests} requests, {min(args.jobs, len(blocks) + 1)} at a time")
-    result = sweep.run_sweep(path, blocks, opts, fmt="mooncake", max_requests=max_requests, jobs=args.jobs,
-                             capacity_unit=unit, capacities=capacities, trace_label=label,
-                             capacity_of=model.gib_of if args.gib is not None else None)
+                         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens or None,
+                         hash_key=_hash_key())
+    shown = [_capacity_text(c, unit) for c in capacities] if capacities else [f"{n * bs:,} tokens" for n in blocks]
+    jobs = min(args.jobs, len(blocks))
+    _note(f"{len(blocks)} replays of {trace.num_requests} requests ({_arrival_text(args)}), {jobs} at a time; "
+          "the ceiling from one pass over the trace")
+    for n, text in zip(blocks, shown, strict=True):
+        if not sweep.holds_max_model_len(n, bs, args.max_model_len):
+            _warn(f"{text} ({n:,} blocks) cannot hold one request of --max-model-len {args.max_model_len:,} tokens "
+                  "(vLLM would refuse to start): longer requests are rejected, and its hit rate is not comparable")
+
+    def finished(i: int, point: dict) -> None:
+        if _verbosity > 0:
+            _note(f"{shown[i]}: prefix cache hit rate {point['prefix_cache_hit_rate']:.4f}, "
+                  f"{point['preemptions']:,} preemptions, {point['wall_s']:.1f} s")
+
+    result = sweep.run_sweep(trace, blocks, opts, jobs=jobs, capacity_unit=unit, capacities=capacities,
+                             trace_label=label, capacity_of=model.gib_of if args.gib is not None else None,
+                             progress=_verbosity >= 0, labels=shown, on_point=finished)
+    for line in result["warnings"]:
+        if "rejected" in line:
+            _warn(line)
     result = {"gpukv_version": version(), "arguments": dict(vars(args)), **result}
     if "--json" in outputs:
         _write_atomically(outputs["--json"], json.dumps(result, default=str), "--json")
@@ -235,20 +267,40 @@ def sweep_main(args) -> int:
     return 0
 
 
+def _capacity_text(capacity: float, unit: str) -> str:
+    return f"{capacity:,.4g} {unit}" if unit == "GiB" else f"{capacity:,} {unit}"
+
+
+def _arrival_text(args) -> str:
+    if args.arrival == "timestamp":
+        return f"arrivals by timestamp, {args.step_ms:g} ms a step"
+    return "arrivals back to back"
+
+
 def _print_sweep(result: dict) -> None:
     unit = result["capacity_unit"]
     print(f"{'capacity (' + unit + ')':>18}  {'blocks':>9}  {'hit rate':>8}  {'first adm.':>10}  {'evictions':>10}  "
-          f"{'preempted':>9}  {'rejected':>8}")
+          f"{'preempted':>9}  {'recomputed':>10}  {'rejected':>8}")
     rows = [*result["points"], {**result["ceiling"], "label": "ceiling"}]
+    flagged = False
     for p in rows:
         cap = f"{p['capacity']:,.4g}" if unit == "GiB" else f"{p['capacity']:,}"
         if "label" in p:
             cap += " (ceiling)"
+        mark = ""
+        if (p["rejected"] and "label" not in p) or not p.get("holds_max_model_len", True):
+            mark, flagged = "  !", True
+        work = p.get("computed_tokens")
+        recomputed = f"{p['recomputed_tokens'] / work:.0%}" if work else "-"
         print(f"{cap:>18}  {p['num_blocks']:>9,}  {p['prefix_cache_hit_rate']:>8.4f}  "
               f"{p['first_admission_hit_rate']:>10.4f}  {p['evictions']:>10,}  {p['preemptions']:>9,}  "
-              f"{p['rejected']:>8,}")
+              f"{recomputed:>10}  {p['rejected']:>8,}{mark}")
     print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, re-admissions after a "
-          "preemption apart); first adm.: each request's first admission; ceiling: a pool that never evicts")
+          "preemption apart); first adm.: each request's first admission; recomputed: share of the tokens computed "
+          "that a preempted request had computed before; ceiling: a cache that never evicts (one pass over the trace)")
+    if flagged:
+        print(f"!: cannot hold max_model_len {result['max_model_len']:,} or rejected requests: served fewer requests, "
+              "not comparable with the other sizes")
 
 
 def _replay_parser(sub) -> argparse.ArgumentParser:
@@ -292,8 +344,9 @@ def _add_pool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=None,
                    help=f"longest request in tokens (default: {DEFAULT_SIZES['max_model_len']}; a step trace's "
                    "config wins)")
-    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=256,
-                   help="most requests running at once")
+    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}: the default pool holds about "
+                   "72 of the built-in workload's requests at their full length; vLLM's 1024 suits short chats)")
 
 
 def _add_scheduling_options(p: argparse.ArgumentParser) -> None:
@@ -323,11 +376,28 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not "
                    "count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
-    p.add_argument("--arrival", choices=["back-to-back", "timestamp"], default="back-to-back",
-                   help="Mooncake arrivals: all waiting from step 0 in order, or by timestamp (steps in which "
-                   "nothing runs or waits are skipped)")
-    p.add_argument("--step-ms", type=_ms_option, default=100.0,
-                   help="with --arrival timestamp: milliseconds per step")
+    _add_arrival_options(p)
+
+
+def _add_arrival_options(p: argparse.ArgumentParser) -> None:
+    """When a Mooncake trace's requests arrive."""
+    p.add_argument("--arrival", choices=["timestamp", "back-to-back"], default=None,
+                   help=f"Mooncake arrivals: by the trace's timestamps, as a deployment sees them (steps in which "
+                   "nothing runs or waits are skipped), or back-to-back: all waiting from step 0, in order, which "
+                   f"oversubscribes any pool smaller than the trace (default: {DEFAULT_ARRIVAL}; a step trace has "
+                   "its own steps)")
+    p.add_argument("--step-ms", type=_ms_option, default=DEFAULT_STEP_MS,
+                   help="with --arrival timestamp: the milliseconds a step stands for (an engine step with a few "
+                   "dozen running requests)")
+
+
+def _add_verbosity_options(p: argparse.ArgumentParser, progress: str) -> None:
+    """How much goes to stderr besides the results and errors."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help=f"results and errors only: no notes, warnings or progress ({progress}) on stderr")
+    group.add_argument("-v", "--verbose", action="store_true",
+                       help="every note (the report's notes are otherwise cut at ten)")
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:
@@ -344,6 +414,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a live bar on a terminal, a plain line every "
                    f"{PLAIN_INTERVAL_S:g} s elsewhere)")
+    _add_verbosity_options(p, "--no-progress")
 
 
 def _rate(hits: int, queries: int) -> str:
@@ -351,49 +422,123 @@ def _rate(hits: int, queries: int) -> str:
 
 
 def _note(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr)
+    if _verbosity >= 0:
+        print(f"note: {message}", file=sys.stderr)
+
+
+def _warn(message: str) -> None:
+    if _verbosity >= 0:
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def _print_summary(report: dict, file=None) -> None:
     file = file if file is not None else sys.stdout
     s = report["summary"]
     c = report["config"]
-    steps = f"{s['steps']} steps"
+    steps = f"{s['steps']:,} steps"
     if s.get("skipped_idle_steps"):
         steps += f" (and {s['skipped_idle_steps']:,} idle steps skipped)"
+    arrival = report.get("arguments", {}).get("arrival")
+    if c["trace_kind"] == "mooncake" and arrival is not None:
+        steps += ", " + _arrival_text(argparse.Namespace(**report["arguments"]))
     rows = [
-        ("backend", s["backend"]),
+        ("backend", _backend_text(c)),
         ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, "
                   f"{s['rejected']} rejected), {steps}"),
-        ("pool", f"{c['num_blocks']} blocks of {c['block_size']} tokens, max {c['max_num_seqs']} running, "
-                 f"admission {c['admission']}"),
+        ("pool", f"{c['num_blocks']:,} blocks of {c['block_size']} tokens ({s['pool_tokens']:,} tokens), "
+                 f"max {c['max_num_seqs']} running, admission {c['admission']}"),
         ("scheduling", _scheduling(c)),
-        ("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.4f}  ({s['hits']:,} of {s['queries']:,} tokens "
-                                  f"looked up, {s['lookup_requests']:,} lookups; vLLM's vllm:prefix_cache_hits / "
-                                  "queries: every lookup attempt, re-admissions after preemption apart)"),
+        ("prefix cache hit rate", _headline(s)),
+        ("  first admission", f"{s['first_admission_hit_rate']:.4f}  (each request once, at its first admission)"),
         ("  after preemption", f"{_rate(s['preempted_hits'], s['preempted_queries'])}  ({s['preempted_hits']:,} of "
                                f"{s['preempted_queries']:,} tokens, {s['preempted_lookup_requests']:,} lookups of "
-                               "preempted requests)"),
-        ("  first admission", f"{s['first_admission_token_hit_rate']:.4f}  (each request once, at its first "
-                              "admission)"),
-        ("  every admission", f"{s['token_hit_rate']:.4f}  ({s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt "
-                              "tokens, re-admissions included)"),
+                               "preempted requests, counted apart as vLLM does)"),
+        ("  every admission", f"{s['every_admission_hit_rate']:.4f}  ({s['cached_tokens']:,} of "
+                              f"{s['prompt_tokens']:,} prompt tokens, re-admissions included)"),
         ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks asked, "
-                           "lookups as in the first line)"),
+                           "lookups as in the prefix cache hit rate)"),
+        ("pool pressure", _pressure(s, arrival if c["trace_kind"] == "mooncake" else None)),
+        ("recomputation", _recomputation(s)),
         ("blocks in use", f"max {s['max_blocks_in_use']:,}, mean {s['mean_blocks_in_use']:,.0f}"),
-        ("evictions", f"{s['evictions']:,}"),
+        ("evictions", _evictions(s)),
         ("preemptions", f"{s['preemptions']:,}"),
-        ("manager time/step", f"mean {s['manager_ms_per_step_mean']:.3f} ms, "
-                              f"p50 {s['manager_ms_per_step_p50']:.3f} ms, p99 {s['manager_ms_per_step_p99']:.3f} ms"),
+        ("manager time/step", _manager_time(s, c)),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}", file=file)
-    for m in report["messages"][:10]:
+    messages = report["messages"]
+    shown = messages if _verbosity > 0 else messages[:10]
+    for m in shown:
         _note(m)
-    if len(report["messages"]) > 10:
-        _note(f"... and {len(report['messages']) - 10} more (see --json)")
+    if len(messages) > len(shown):
+        _note(f"... and {len(messages) - len(shown)} more (--verbose shows them, --json keeps them)")
+
+
+def _headline(s: dict) -> str:
+    """vLLM's prefix cache hit rate, beside what the trace allows."""
+    rate = f"{s['prefix_cache_hit_rate']:.4f}"
+    ceiling = s.get("prefix_cache_hit_rate_ceiling")
+    if ceiling is not None:
+        rate += f" of a possible {ceiling:.4f}"
+    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up, {s['lookup_requests']:,} "
+            "lookups, re-admissions after preemption apart")
+    if ceiling is not None:
+        text += "; possible: the same trace in a cache that never evicts"
+    return text + ")"
+
+
+def _pressure(s: dict, arrival: str | None) -> str:
+    """Whether the running requests ever needed more than the pool holds."""
+    ratio = s["peak_demand_over_pool"]
+    need = (f"the running requests needed up to {ratio:.2f}x the pool at their full length "
+            f"({s['peak_demand_tokens']:,} of {s['pool_tokens']:,} tokens)")
+    if not s["preemptions"]:
+        if ratio > 1:  # shared blocks, or requests finishing before the others grew
+            return f"OVERSUBSCRIBED, though nothing was preempted: {need}"
+        return f"never oversubscribed: {need}"
+    fix = "fewer --max-num-seqs or more --num-blocks avoid it"
+    if arrival == "back-to-back":
+        fix += "; --arrival timestamp lets requests come as they came"
+    return f"OVERSUBSCRIBED: {need}, so {s['preemptions']:,} preemptions ({fix})"
+
+
+def _evictions(s: dict) -> str:
+    text = f"{s['evictions']:,}"
+    ceiling = s.get("prefix_cache_hit_rate_ceiling")
+    if s["evictions"] and ceiling is not None and s["prefix_cache_hit_rate"] < ceiling:
+        text += ("  (cached blocks reclaimed for new ones: the hits a larger pool would keep, up to the possible "
+                 "rate; gpukv sweep measures it)")
+    return text
+
+
+def _recomputation(s: dict) -> str:
+    """How much of the work preemptions cost."""
+    if not s["preemptions"]:
+        return f"none: no request was preempted ({s['computed_tokens']:,} tokens computed)"
+    share = s["recomputed_tokens"] / s["computed_tokens"] if s["computed_tokens"] else 0.0
+    return (f"{s['recomputed_tokens']:,} of the {s['computed_tokens']:,} tokens computed ({share:.0%}) were "
+            f"computed again after {s['preemptions']:,} preemptions (one request preempted "
+            f"{s['most_preemptions_of_a_request']:,} times)")
+
+
+def _backend_text(c: dict) -> str:
+    if c["backend"] == "reference":
+        return "reference (the sequential spec, in Python)"
+    if c.get("interpreted"):
+        return "device (Triton kernels under the interpreter: no CUDA here)"
+    return "device (Triton kernels on the GPU)"
+
+
+def _manager_time(s: dict, c: dict) -> str:
+    text = (f"mean {s['manager_ms_per_step_mean']:.3f} ms, p50 {s['manager_ms_per_step_p50']:.3f} ms, "
+            f"p99 {s['manager_ms_per_step_p99']:.3f} ms")
+    if c.get("interpreted"):
+        return text + " (INTERPRETED: Triton's interpreter on the CPU, not the kernels' speed on a GPU)"
+    if c["backend"] == "reference":
+        return text + " (the reference in Python: not the device manager's speed)"
+    return text
 
 
 def _scheduling(config: dict) -> str:
@@ -499,6 +644,8 @@ def replay_main(args) -> int:
         raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
     key = _hash_key()  # one key for both runs, so their digests (and tables) agree
     trace = _load_replay_trace(args, path, max_requests)
+    # What applied, for the report's arguments: a step trace has no arrivals to choose.
+    args.arrival = (args.arrival or DEFAULT_ARRIVAL) if trace.kind == "mooncake" else None
     sizes = _replay_sizes(args, trace)
     budget = _resolve_budget(args, trace.kind)
     backend = _choose_backend(args.backend)
@@ -538,17 +685,71 @@ def _replay_outputs(args) -> tuple[dict[str, Path], bool]:
 
 def _load_replay_trace(args, path, max_requests: int | None) -> Trace:
     """The trace to replay, any problem with it a CliError."""
+    trace = _load_trace_or_fail(path, args.format, max_requests, args.arrival or DEFAULT_ARRIVAL, args.step_ms)
+    if trace.kind == "step" and args.arrival == "timestamp":
+        raise CliError(f"{path}: --arrival timestamp applies to Mooncake traces, and this is a step trace")
+    return trace
+
+
+def _load_trace_or_fail(path, fmt: str, max_requests: int | None, arrival: str, step_ms: float) -> Trace:
+    """``load_trace``, any problem a CliError; one that comes from reading the
+    file in the wrong format says which formats there are and which this looks like."""
     try:
-        trace = load_trace(path, args.format, max_requests=max_requests, arrival=args.arrival, step_ms=args.step_ms)
+        return load_trace(path, fmt, max_requests=max_requests, arrival=arrival, step_ms=step_ms)
     except TraceError as e:
-        raise CliError(str(e)) from None
+        raise CliError(f"{e}{_format_hint(path, fmt)}") from None
     except OSError as e:
         raise CliError(f"cannot read the trace: {_os_problem(e)}") from None
     except (ValueError, TypeError) as e:
         raise CliError(f"{path}: {e}") from None
-    if trace.kind == "step" and args.arrival == "timestamp":
-        raise CliError(f"{path}: --arrival timestamp applies to Mooncake traces, and this is a step trace")
-    return trace
+
+
+FORMATS_HELP = ("gpukv reads two formats (docs/traces.md): mooncake, JSON Lines, one request a line (what a .jsonl "
+                "file is taken for), and step, one JSON document with 'config' and 'steps' (any other extension)")
+
+
+def _format_hint(path, fmt: str) -> str:
+    """After a trace error: '; it looks like ...' when the file is recognisably
+    another format (or a convertible one), else nothing."""
+    looks = _sniff_format(path)
+    if looks is None:
+        return ""
+    resolved = fmt if fmt != "auto" else ("mooncake" if Path(path).suffix == ".jsonl" else "step")
+    if looks == resolved:
+        return ""  # the right format, with a problem of its own: the message says which
+    if looks in ("mooncake", "step"):
+        return (f"; this file looks like a {looks} trace, read as {resolved}"
+                f"{' (by its extension)' if fmt == 'auto' else ''}: pass --format {looks}. {FORMATS_HELP}")
+    if looks == "mooncake array":
+        return (f"; this file is a JSON array of Mooncake records: make it JSON Lines, one record a line "
+                f"(jq -c '.[]' {path} > trace.jsonl), and replay that. {FORMATS_HELP}")
+    return f"; {FORMATS_HELP}"
+
+
+def _sniff_format(path) -> str | None:
+    """What the start of ``path`` looks like: 'mooncake' (an object with
+    Mooncake's fields on the first line), 'step' (a JSON document with
+    'steps'), 'mooncake array', 'other' (text that is neither), or None
+    (unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    first = next((line.strip() for line in head.splitlines() if line.strip()), "")
+    with contextlib.suppress(ValueError, RecursionError):
+        rec = json.loads(first)
+        if isinstance(rec, dict) and {"input_length", "hash_ids"} <= set(rec):
+            return "mooncake"
+    with contextlib.suppress(ValueError, RecursionError):
+        doc = json.loads(head)
+        if isinstance(doc, dict) and "steps" in doc:
+            return "step"
+        if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "hash_ids" in doc[0]:
+            return "mooncake array"
+    if '"steps"' in head[:4096] and first.startswith("{"):
+        return "step"  # a step trace too long to sniff whole, or one with a problem of its own
+    return "other"
 
 
 def _replay_sizes(args, trace: Trace) -> dict:
@@ -598,7 +799,8 @@ class _ReplayJob:
         args = self.args
         return ReplayOptions(
             max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
-            prompt_only=args.prompt_only, backend=name, progress=not args.no_progress, max_steps=args.max_steps,
+            prompt_only=args.prompt_only, backend=name, progress=not (args.no_progress or args.quiet),
+            max_steps=args.max_steps,
             hash_key=self.key, max_num_batched_tokens=self.budget,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             metrics=self.metrics if name == self.backend else None, **self.sizes,
@@ -728,9 +930,14 @@ def main(argv: list[str] | None = None) -> int:
     _replay_parser(sub)
     _sweep_parser(sub)
     prefix = PROG
+    global _verbosity
+    _verbosity = 0
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
         prefix = f"{PROG} {args.command}"
+        if extra:  # argparse would blame the top-level command
+            raise CliError(f"unrecognized arguments: {' '.join(extra)} (see '{prefix} --help')", prog=prefix)
+        _verbosity = -1 if args.quiet else 1 if args.verbose else 0
         if args.command == "replay":
             return replay_main(args)
         if args.command == "sweep":

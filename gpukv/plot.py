@@ -36,23 +36,39 @@ def check_path(path: str | Path) -> str:
 
 def replay_figure(report: dict, path: str | Path) -> None:
     """A replay report (``Replay.run()``'s dict) as three panels over the
-    steps: the token hit rate so far (every admission), blocks in use, and
-    the manager's time per step on a log scale."""
+    steps: vLLM's prefix cache hit rate so far beside its ceiling (a cache
+    that never evicts), blocks in use against the pool, and the manager's
+    time per step on a log scale (marked when Triton's interpreter ran it)."""
     plt = require()
     fmt = check_path(path)
     s = report["summary"]
-    hit = report.get("hit_rate_per_step", [])
+    c = report.get("config", {})
+    hit = report.get("prefix_cache_hit_rate_per_step", [])
     blocks = report.get("blocks_in_use", [])
     ms = report.get("step_ms", [])
+    ceiling = s.get("prefix_cache_hit_rate_ceiling")
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True, constrained_layout=True)
-    fig.suptitle(f"gpukv replay ({s['backend']}): prefix cache hit rate {s['prefix_cache_hit_rate']:.4f}")
-    axes[0].plot(hit, color="tab:blue")
-    axes[0].set_ylabel("token hit rate so far")
-    axes[1].plot(blocks, color="tab:green")
+    title = f"gpukv replay ({s['backend']}): prefix cache hit rate {s['prefix_cache_hit_rate']:.4f}"
+    if ceiling is not None:
+        title += f" of a possible {ceiling:.4f}"
+    if s.get("preemptions"):
+        title += f"\n{s['preemptions']:,} preemptions: pool oversubscribed {s.get('peak_demand_over_pool', 0):.1f}x"
+    fig.suptitle(title)
+    axes[0].plot(hit, color="tab:blue", label="prefix cache hit rate so far (vLLM's)")
+    if ceiling is not None:
+        axes[0].axhline(ceiling, color="black", linestyle=":",
+                        label=f"ceiling, a cache that never evicts: {ceiling:.4f}")
+    axes[0].set_ylabel("prefix cache hit rate")
+    axes[0].set_ylim(bottom=0)
+    axes[0].legend(loc="lower right", fontsize="small")
+    axes[1].plot(blocks, color="tab:green", label="blocks in use")
+    if c.get("num_blocks"):
+        axes[1].axhline(c["num_blocks"] - 1, color="black", linestyle=":", label=f"the pool: {c['num_blocks'] - 1:,}")
+        axes[1].legend(loc="lower right", fontsize="small")
     axes[1].set_ylabel("blocks in use")
     axes[2].plot([max(x, 1e-4) for x in ms], color="tab:orange", linewidth=0.8)
     axes[2].set_yscale("log")
-    axes[2].set_ylabel("manager time per step (ms)")
+    axes[2].set_ylabel("manager time per step (ms)" + (",\nINTERPRETED (no CUDA)" if c.get("interpreted") else ""))
     axes[2].set_xlabel("step")
     for ax in axes:
         ax.grid(True, alpha=0.3)
@@ -62,7 +78,9 @@ def replay_figure(report: dict, path: str | Path) -> None:
 
 def sweep_figure(result: dict, path: str | Path) -> None:
     """A capacity sweep (``gpukv.sweep.run_sweep``'s dict): hit rate against
-    cache capacity, with the ceiling of a pool that never evicts."""
+    cache capacity, with the ceiling of a cache that never evicts; sizes that
+    cannot hold ``max_model_len`` or rejected requests are marked. The
+    capacity axis is logarithmic, its ticks the sizes swept, in the sweep's unit."""
     plt = require()
     fmt = check_path(path)
     points = result["points"]
@@ -72,19 +90,37 @@ def sweep_figure(result: dict, path: str | Path) -> None:
     ax.plot(xs, [p["prefix_cache_hit_rate"] for p in points], "o-", label="prefix cache hit rate (vLLM's)")
     ax.plot(xs, [p["first_admission_hit_rate"] for p in points], "s--", alpha=0.7,
             label="first admission of each request")
-    rejecting = [p for p in points if p["rejected"]]
-    if rejecting:  # such a pool served fewer requests: not comparable with the others
-        ax.plot([p["capacity"] for p in rejecting], [p["prefix_cache_hit_rate"] for p in rejecting], "x",
-                color="red", markersize=10, label="pool too small for some requests (rejected)")
+    flagged = [p for p in points if p["rejected"] or not p.get("holds_max_model_len", True)]
+    if flagged:  # such a pool served fewer requests: not comparable with the others
+        ax.plot([p["capacity"] for p in flagged], [p["prefix_cache_hit_rate"] for p in flagged], "x",
+                color="red", markersize=12, markeredgewidth=2,
+                label=f"not comparable: cannot hold max_model_len {result.get('max_model_len', 0):,} "
+                "or rejected requests")
+        for p in flagged:
+            ax.annotate(f"{p['rejected']:,} rejected" if p["rejected"] else "< max_model_len",
+                        (p["capacity"], p["prefix_cache_hit_rate"]), textcoords="offset points", xytext=(0, 10),
+                        ha="center", color="red", fontsize="small")
     ceiling = result["ceiling"]
     ax.axhline(ceiling["prefix_cache_hit_rate"], color="black", linestyle=":",
-               label=f"ceiling (no eviction): {ceiling['prefix_cache_hit_rate']:.3f}")
-    ax.set_xscale("log", base=2)
+               label=f"ceiling, a cache that never evicts: {ceiling['prefix_cache_hit_rate']:.3f}")
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [_capacity_label(x, unit) for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel(f"KV-cache capacity ({unit})")
     ax.set_ylabel("hit rate (tokens)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"{result['trace']}: {result['num_requests']} requests, {result['block_size']}-token blocks")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
     fig.savefig(path, format=fmt)
     plt.close(fig)
+
+
+def _capacity_label(x: float, unit: str) -> str:
+    """A tick in the user's unit: 8, 16, 32 GiB as written; tokens with k and M."""
+    if unit != "tokens":
+        return f"{x:g}"
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:g}"

@@ -24,6 +24,12 @@ and Mooncake traces alike. With Mooncake arrivals by timestamp, stretches in
 which nothing runs or waits are skipped, not stepped through: step numbers
 keep the arrival clock, the report's ``steps`` counts the steps run and
 ``skipped_idle_steps`` the rest. The managers hash the tokens themselves.
+
+Beside the hit rate it reaches, a report gives the ceiling
+(``no_eviction_hit_rate``: the same trace against a cache that never evicts,
+one pass over the prompts), how much of the pool the running requests would
+need at their full length (``peak_demand_tokens``), and how many of the
+tokens computed were recomputed after a preemption.
 """
 
 from __future__ import annotations
@@ -39,23 +45,42 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from gpukv import _runtime
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.traces import Trace, TraceRequest
 
 if TYPE_CHECKING:
+    from gpukv.metrics import PrefixCacheStats
     from gpukv.prometheus import ServingMetrics
 
 # vLLM 0.8.5 (engine/arg_utils.py, _set_default_args_v1): the OpenAI server's
 # max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# The pool every replay gets unless told otherwise: 65,536 blocks of 16 tokens
+# (1,048,560 usable tokens: 128 GiB of KV cache for a model with 32 layers of
+# 8 KV heads of 128 in bf16, an 8B model on an H200).
+DEFAULT_NUM_BLOCKS = 65_536
+DEFAULT_BLOCK_SIZE = 16
+# Requests running at once: sized for that pool. The built-in workload's
+# requests average 14,610 tokens at their full length, so the pool holds about
+# 72 of them; 64 running fit with room to spare. (vLLM's own default, 1024 on
+# an H200, suits short chats: with 14k-token requests and a long queue it
+# would oversubscribe this pool 14 times over, and the replay would measure
+# recomputation after preemptions rather than caching.)
+DEFAULT_MAX_NUM_SEQS = 64
+# Mooncake arrivals: by the trace's timestamps, each step standing for this
+# many milliseconds (an engine step with a few dozen running requests; at 100
+# ms a step the built-in workload's arrivals outrun its decodes).
+DEFAULT_ARRIVAL = "timestamp"
+DEFAULT_STEP_MS = 40.0
 
 
 @dataclass
 class ReplayOptions:
-    block_size: int = 16
-    num_blocks: int = 65_536
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int = DEFAULT_NUM_BLOCKS
     max_model_len: int = 131_072
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     admission: str = "batch"  # or "one": one step call per admitted request (vLLM's order)
     uncached_first: bool = True
     prompt_only: bool = False
@@ -69,6 +94,12 @@ class ReplayOptions:
     long_prefill_token_threshold: int = 0  # per request per step; 0: no cap (vLLM's default)
     # A gpukv.prometheus.ServingMetrics updated after every step, or None.
     metrics: ServingMetrics | None = None
+    # Compute the ceiling (no_eviction_hit_rate) for the report; a sweep
+    # computes it once for all its points instead.
+    ceiling: bool = True
+    # Called as on_progress(requests done, step) after every step (a sweep's
+    # workers report through it), or None.
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -85,6 +116,7 @@ class _Live:
     prefill_done_step: int | None = None  # the step its first prefill computed its last chunk
     block_ids: list[list[int]] | None = None
     preemptions: int = 0
+    high_water: int = 0  # the most tokens it ever had computed (a re-admission recomputes up to here)
     finished_step: int | None = None
     reason: str | None = None
 
@@ -144,6 +176,46 @@ def make_manager(opts: ReplayOptions):
     raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
 
 
+def no_eviction_hit_rate(trace: Trace, block_size: int, max_model_len: int | None = None) -> float | None:
+    """The prefix cache hit rate ``trace`` reaches in a cache that never
+    evicts: each request looked up once, in arrival order, against the full
+    prompt blocks of every request before it, and counted as vLLM counts
+    (hit tokens over prompt tokens; a hit of at most ``(n - 1) // block_size``
+    blocks, as the managers allow). One pass over the prompts, no replay.
+
+    It is exactly what the replay reaches in a pool that holds everything (no
+    eviction, no preemption, no retried lookup) when no chunk cap lets a
+    request start while an earlier one sharing its blocks is partway through
+    (``docs/chunked_prefill.md``); with a cap it is an upper bound. Mooncake
+    traces only (None for a step trace, whose requests may also hit blocks
+    of decoded tokens or carry extra keys); requests longer than
+    ``max_model_len`` are left out, as the replay rejects them."""
+    if trace.kind != "mooncake":
+        return None
+    ids: dict[tuple[int, bytes], int] = {}  # (parent block's id, tokens) -> block id: exact, no digests
+    hits = queries = 0
+    block = np.dtype((np.void, 4 * block_size))
+    for r in trace.requests:
+        if max_model_len is not None and r.input_length > max_model_len:
+            continue
+        tokens = r.prompt_tokens()
+        n = len(tokens)
+        full = n // block_size
+        rows = np.ascontiguousarray(tokens[: full * block_size], dtype="<u4").view(block).tolist()
+        parent, i = -1, 0
+        while i < len(rows) and (parent, rows[i]) in ids:  # the blocks cached already
+            parent = ids[(parent, rows[i])]
+            i += 1
+        new = rows[i:]  # new blocks, and so are their chains: ids in sequence, each the next one's parent
+        if new:
+            start = len(ids)
+            parents = [parent, *range(start, start + len(new) - 1)]
+            ids.update(zip(zip(parents, new, strict=True), range(start, start + len(new)), strict=True))
+        queries += n
+        hits += min(i, (n - 1) // block_size) * block_size
+    return hits / queries if queries else 0.0
+
+
 class _PlainLines:
     """A file for tqdm where stderr is no terminal (CI logs, files): each
     refresh becomes one plain line, no carriage returns or padding."""
@@ -177,9 +249,10 @@ class _Progress:
     """Requests done, on stderr, with tqdm: a live bar on a terminal, a plain
     line every ``PLAIN_INTERVAL_S`` seconds elsewhere (so CI logs show it)."""
 
-    def __init__(self, enabled: bool, total: int, desc: str = "replay") -> None:
+    def __init__(self, enabled: bool, total: int, desc: str = "replay", position: int | None = None) -> None:
         self.bar = None
         self.done = 0
+        self.step = 0
         if not enabled:
             return
         from tqdm import tqdm
@@ -188,6 +261,7 @@ class _Progress:
         sized = tty and _columns(sys.stderr) > 0  # a pty with no size set reports 0 columns
         self.bar = tqdm(
             total=total, desc=desc, unit="req", disable=False, leave=True,
+            position=position if tty else 0,  # off a terminal, bars are plain lines: no cursor moves
             file=sys.stderr if tty else _PlainLines(sys.stderr),
             mininterval=0.5 if tty else PLAIN_INTERVAL_S, maxinterval=PLAIN_INTERVAL_S * 2,
             delay=0 if tty else PLAIN_DELAY_S, ascii=not tty,
@@ -195,6 +269,7 @@ class _Progress:
         )
 
     def update(self, done: int, step: int) -> None:
+        self.step = step
         if self.bar is None:
             return
         if done > self.done:
@@ -244,11 +319,14 @@ class Replay:
         self.running: list[_Live] = []
         self.live: dict[str, _Live] = {}
         self.step_ms: list[float] = []
-        self.hit_rate: list[float] = []  # token hit rate so far, after each step
+        self.hit_rate: list[float] = []  # vLLM's prefix cache hit rate so far, after each step
         self.blocks_in_use: list[int] = []
         self.messages: list[str] = []
-        self.totals = dict(prompt_tokens=0, cached_tokens=0, admissions=0, preemptions=0)
-        self.stats = None
+        self.totals = dict(prompt_tokens=0, cached_tokens=0, admissions=0, preemptions=0, computed_tokens=0,
+                           recomputed_tokens=0)
+        self.peak_demand = 0  # the most tokens the running requests need at their full length, over the steps
+        self.done = 0  # requests finished or rejected
+        self.stats: PrefixCacheStats | None = None
         self.skipped_steps = 0
         self._preemptions_observed = 0  # idle steps between far-apart arrivals, not run
 
@@ -288,14 +366,16 @@ class Replay:
                     self._step(step, finish, decode, arrivals.get(step, []))
                 step += 1
                 executed += 1
-                progress.update(sum(lv.status in ("finished", "rejected") for lv in self.live.values()), step)
+                progress.update(self.done, step)
+                if opts.on_progress is not None:
+                    opts.on_progress(self.done, step)
                 if opts.max_steps is not None and executed >= opts.max_steps:
                     self.messages.append(f"stopped after --max-steps {opts.max_steps}")
                     break
         except BaseException:
             progress.close(step, ok=False)
             raise
-        progress.update(sum(lv.status in ("finished", "rejected") for lv in self.live.values()), step)
+        progress.update(self.done, step)
         progress.close(step)
         return self._report(executed, time.perf_counter() - t0)
 
@@ -330,6 +410,8 @@ class Replay:
         updates = self._running_updates(step, decode, finished, budget)
         batch = self._admission_batch(budget) if self.opts.admission == "batch" else []
         result = self._timed(self.manager.step, finished, updates, [self._new_request(lv, k) for lv, k in batch])
+        if not result.ok:
+            self._note_demand()  # the running requests a preemption is about to thin out
         preempted = self._apply_running(step, updates, result)
         # Admission, only when nothing was preempted (vLLM's rule).
         if not preempted:
@@ -453,14 +535,15 @@ class Replay:
             if len(u.new_token_ids):  # a chunk brings none (an empty tuple would make the tokens float)
                 live.tokens = np.concatenate([live.tokens, u.new_token_ids])
             chunk = u.num_tokens_to_compute
-            self._computed(live, len(live.tokens) if chunk is None else live.num_computed + chunk, step)
+            upto = len(live.tokens) if chunk is None else live.num_computed + chunk
+            self._count_work(live, live.num_computed, upto)
+            self._computed(live, upto, step)
         return preempted
 
     def _record_step(self) -> None:
         self.step_ms.append(self._t_step * 1e3)
-        tot = self.totals
-        self.hit_rate.append(tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0)
         self.blocks_in_use.append(self.manager.num_blocks - 1 - self.manager.read_num_free_blocks())
+        self._note_demand()
         stats = self.manager.make_prefix_cache_stats()
         if self.opts.metrics is not None:
             self._observe(self.opts.metrics, stats)
@@ -468,6 +551,28 @@ class Replay:
             self.stats = stats
         else:
             self.stats.merge(stats)
+        self.hit_rate.append(self.stats.hit_rate)
+
+    def _note_demand(self) -> None:
+        """What the running requests need at their full length, in whole blocks (as the pool holds them)."""
+        bs = self.opts.block_size
+        self.peak_demand = max(self.peak_demand, bs * sum(-(-self._full_length(lv) // bs) for lv in self.running))
+
+    def _full_length(self, live: _Live) -> int:
+        """The tokens ``live`` holds once it finishes (a step trace's request:
+        the tokens it has, all the replay knows)."""
+        out = live.spec.output_length
+        if out is None:
+            return len(live.tokens)
+        return live.spec.input_length + (0 if self.opts.prompt_only else out)
+
+    def _count_work(self, live: _Live, start: int, stop: int) -> None:
+        """``live``'s tokens ``start..stop-1`` are computed now; those it had
+        computed before a preemption are counted as recomputed."""
+        if stop > start:
+            self.totals["computed_tokens"] += stop - start
+            self.totals["recomputed_tokens"] += max(0, min(stop, live.high_water) - start)
+        live.high_water = max(live.high_water, stop)
 
     def _observe(self, metrics: ServingMetrics, stats) -> None:
         """This step into the Prometheus metrics (``--metrics-port``)."""
@@ -522,6 +627,7 @@ class Replay:
         self.totals["prompt_tokens"] += len(live.tokens)
         self.totals["cached_tokens"] += num_cached
         # The hit counts towards the chunk: one longer than the chunk is computed all the same.
+        self._count_work(live, num_cached, max(chunk, num_cached))
         self._computed(live, max(chunk, num_cached), step)
 
     def _computed(self, live: _Live, num_computed: int, step: int) -> None:
@@ -559,6 +665,7 @@ class Replay:
         self.waiting.appendleft(live)
 
     def _finish(self, live: _Live, step: int, status: str, reason: str | None = None) -> None:
+        self.done += 1
         live.status = status
         live.finished_step = step
         live.reason = reason
@@ -585,14 +692,16 @@ class Replay:
             "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.read_num_free_blocks()},
             "messages": self.messages,
             "step_ms": [round(x, 4) for x in self.step_ms],
-            "hit_rate_per_step": [round(x, 5) for x in self.hit_rate],
+            "prefix_cache_hit_rate_per_step": [round(x, 5) for x in self.hit_rate],
             "blocks_in_use": self.blocks_in_use,
         }
 
     def _summary(self, num_steps: int, wall_s: float) -> dict:
-        """The report's totals: requests, tokens, hit rates, evictions, manager time."""
+        """The report's totals: requests, tokens, hit rates and their ceiling,
+        the pool's pressure, evictions, manager time."""
         tot = self.totals
         ms = np.array(self.step_ms) if self.step_ms else np.zeros(1)
+        pool_tokens = (self.manager.num_blocks - 1) * self.opts.block_size
         return {
             "backend": self.opts.backend,
             "requests": len(self.live),
@@ -600,15 +709,30 @@ class Replay:
             "rejected": sum(lv.status == "rejected" for lv in self.live.values()),
             "steps": num_steps,
             "skipped_idle_steps": self.skipped_steps,
+            # vLLM's prefix cache hit rate (the one the text summary, the plot
+            # and the docs call so), its ceiling, and the counts behind it.
+            **self._lookup_stats(),
+            "prefix_cache_hit_rate_ceiling": (no_eviction_hit_rate(self.trace, self.opts.block_size,
+                                                                   self.opts.max_model_len)
+                                              if self.opts.ceiling else None),
+            # Other rates, by other names: each request's first admission
+            # alone, and every admission (a re-admission after a preemption,
+            # which mostly hits its own blocks, counted again).
+            "first_admission_hit_rate": self._first_admission_hit_rate(),
+            "every_admission_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
             "prompt_tokens": tot["prompt_tokens"],
             "cached_tokens": tot["cached_tokens"],
-            "token_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
-            # Each request once: a re-admission after a preemption mostly hits
-            # its own blocks, which the figure above counts again.
-            "first_admission_token_hit_rate": self._first_admission_hit_rate(),
-            **self._lookup_stats(),
             "admissions": tot["admissions"],
+            # The pool's pressure: what the running requests need at their
+            # full length (at most, over the steps) against what the pool
+            # holds, and the work preemptions cost.
+            "pool_tokens": pool_tokens,
+            "peak_demand_tokens": self.peak_demand,
+            "peak_demand_over_pool": self.peak_demand / pool_tokens if pool_tokens else 0.0,
             "preemptions": tot["preemptions"],
+            "most_preemptions_of_a_request": max((lv.preemptions for lv in self.live.values()), default=0),
+            "computed_tokens": tot["computed_tokens"],
+            "recomputed_tokens": tot["recomputed_tokens"],
             "evictions": self.manager.read_num_evictions(),
             "max_blocks_in_use": max(self.blocks_in_use, default=0),
             "mean_blocks_in_use": float(np.mean(self.blocks_in_use)) if self.blocks_in_use else 0.0,
@@ -661,5 +785,8 @@ class Replay:
             "long_prefill_token_threshold": self.long_prefill_token_threshold,
             "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
             "backend": self.opts.backend,
+            # The device manager's kernels ran under Triton's interpreter (no
+            # CUDA): its times per step are the interpreter's, not the GPU's.
+            "interpreted": self.opts.backend == "device" and _runtime.INTERPRETED,
             "sliding_windows": list(getattr(self.manager, "sliding_windows", [None])),
         }

@@ -248,7 +248,7 @@ def test_step_trace_config_overriding_an_option_says_so(tmp_path, capsys):
     (["--max-num-batched-tokens", "lots"], ["--max-num-batched-tokens", "expected a number of tokens", "'lots'"]),
     (["--max-num-batched-tokens", str(2**31)], ["--max-num-batched-tokens", "at most 2147483647"]),
     (["--long-prefill-token-threshold", "-5"], ["--long-prefill-token-threshold", "must be >= 0"]),
-    (["--bogus"], ["gpukv: unrecognized arguments: --bogus"]),
+    (["--bogus"], ["gpukv replay: unrecognized arguments: --bogus", "(see 'gpukv replay --help')"]),
     (["/no/such/trace.jsonl"], ["/no/such/trace.jsonl", "no such file"]),
 ])
 def test_bad_option_is_one_error_line(argv, words, capsys):
@@ -402,8 +402,9 @@ def test_far_apart_timestamps_are_skipped_and_change_nothing(tmp_path):
     assert time.perf_counter() - t < 10
     b = Replay(near, ReplayOptions(**opts)).run()
     sa, sb = a["summary"], b["summary"]
-    for k in ("steps", "prompt_tokens", "cached_tokens", "token_hit_rate", "queries", "hits", "block_hit_rate",
-              "admissions", "evictions", "preemptions", "finished", "max_blocks_in_use", "mean_blocks_in_use"):
+    for k in ("steps", "prompt_tokens", "cached_tokens", "every_admission_hit_rate", "queries", "hits",
+              "block_hit_rate", "admissions", "evictions", "preemptions", "finished", "max_blocks_in_use",
+              "mean_blocks_in_use"):
         assert sa[k] == sb[k], k
     assert (sa["cached_tokens"], sa["prompt_tokens"]) == (960 + 512, 1000 + 1100 + 700 + 512)
     # r0 runs steps 0-3; r1 and r2 the 6 steps from the gap on; r3 2 steps.
@@ -490,8 +491,8 @@ def test_help_shows_the_defaults(capsys):
         main(["replay", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("(default: auto)", "(default: 256)", "(default: batch)", "(default: back-to-back)",
-                  "(default: 100.0)", "(default: 16;", "(default: 65536;", "(default: 131072;",
+    for shown in ("(default: auto)", "(default: 64: the default pool holds about 72", "(default: batch)",
+                  "(default: timestamp;", "(default: 40.0)", "(default: 16;", "(default: 65536;", "(default: 131072;",
                   "(default: 8192, vLLM 0.8.5's default for its OpenAI server on GPUs with at least 70 GiB",
                   "0 or 'unlimited': no budget", "(default: 0, no cap, as in vLLM)"):
         assert shown in text, shown
@@ -675,3 +676,119 @@ def test_the_reference_and_the_replay_run_where_triton_is_missing():
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["config"]["backend"] == "reference"
+
+
+# ------------------------------------------------ what the summary says, and how much
+
+def test_the_default_replay_arrives_by_timestamp_and_shows_its_ceiling(capsys):
+    status, out, err = run_cli(["--max-requests", "3", "--prompt-only", "--json", "-"], capsys)
+    assert status == 0, err
+    report = json.loads(out)
+    assert (report["arguments"]["arrival"], report["arguments"]["step_ms"]) == ("timestamp", 40.0)
+    assert report["config"]["max_num_seqs"] == 64
+    s = report["summary"]
+    assert s["prefix_cache_hit_rate_ceiling"] == s["prefix_cache_hit_rate"] == 1024 / 21316  # nothing evicted
+    assert "token_hit_rate" not in s  # one rate is the prefix cache hit rate; the others have other names
+    assert len(report["prefix_cache_hit_rate_per_step"]) == s["steps"]
+    assert re.search(r"prefix cache hit rate +0\.0480 of a possible 0\.0480  \(vLLM's: 1,024 of 21,316 tokens", err)
+    assert "arrivals by timestamp, 40 ms a step" in err
+    assert re.search(r"pool pressure +never oversubscribed: the running requests needed up to", err)
+    assert re.search(r"recomputation +none: no request was preempted", err)
+
+
+def test_a_step_trace_has_no_arrival_and_no_ceiling(tmp_path, capsys):
+    status, out, err = run_cli([write(tmp_path, "steps.json", doc_text()), "--json", "-"], capsys)
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["arguments"]["arrival"] is None and report["summary"]["prefix_cache_hit_rate_ceiling"] is None
+    assert re.search(r"prefix cache hit rate +[0-9.]+  \(vLLM's", err) and "of a possible" not in err
+
+
+def test_an_oversubscribed_pool_says_so_and_what_preemptions_cost(capsys):
+    trace = load_trace(cli.builtin_trace_path(), max_requests=16)
+    for r in trace.requests:
+        r.output_length = min(r.output_length, 16)
+    report = Replay(trace, ReplayOptions(num_blocks=2500, hash_key=bytes(16))).run()
+    report["arguments"] = {"arrival": "back-to-back", "step_ms": 40.0}
+    cli._print_summary(report)
+    out = capsys.readouterr().out
+    s = report["summary"]
+    assert re.search(rf"pool pressure +OVERSUBSCRIBED: the running requests needed up to "
+                     rf"{s['peak_demand_over_pool']:.2f}x the pool .*, so {s['preemptions']:,} preemptions .*"
+                     r"--arrival timestamp lets requests come as they came", out)
+    share = s["recomputed_tokens"] / s["computed_tokens"]
+    assert re.search(rf"recomputation +{s['recomputed_tokens']:,} of the {s['computed_tokens']:,} tokens computed "
+                     rf"\({share:.0%}\) were computed again after {s['preemptions']:,} preemptions", out)
+
+
+def test_interpreted_kernel_times_are_labelled_as_such(tmp_path, capsys):
+    from gpukv import _runtime
+
+    if _runtime.CUDA_AVAILABLE or not cli._triton_installed():
+        pytest.skip("needs Triton's interpreter: a machine without CUDA, with Triton")
+    status, out, err = run_cli([write(tmp_path, "steps.json", doc_text()), "--backend", "device", "--no-compare",
+                                "--json", "-"], capsys)
+    assert status == 0, err
+    assert json.loads(out)["config"]["interpreted"] is True
+    assert re.search(r"manager time/step +mean .* \(INTERPRETED: Triton's interpreter on the CPU", err)
+    assert re.search(r"backend +device \(Triton kernels under the interpreter", err)
+
+
+def test_quiet_leaves_results_and_errors(tmp_path, capsys):
+    status = main(["replay", "--max-requests", "2", "--prompt-only", "--backend", "auto", "-q"])
+    out, err = capsys.readouterr()
+    assert status == 0 and err == "" and "prefix cache hit rate" in out
+    status = main(["sweep", "--max-requests", "3", "--prompt-only", "--num-blocks", "200", "--block-size", "64",
+                   "--jobs", "1", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0 and err == "" and "(ceiling)" in out
+    status, out, err = run_cli(["-q", str(tmp_path / "missing.jsonl")], capsys)
+    assert_one_line_error(status, err, "no such file")
+    with pytest.raises(SystemExit):
+        main(["replay", "-q", "-v"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_verbose_shows_every_note(tmp_path, capsys):
+    path = write(tmp_path, "long.jsonl", "".join(line(input_length=1000, hash_ids=[1, 2]) + "\n" for _ in range(12)))
+    status, out, err = run_cli([path, "--max-model-len", "500"], capsys)
+    assert status == 0 and err.count("rejected: prompt of 1000 tokens") == 10
+    assert "note: ... and 2 more (--verbose shows them, --json keeps them)" in err
+    status, out, err = run_cli([path, "--max-model-len", "500", "--verbose"], capsys)
+    assert status == 0 and err.count("rejected: prompt of 1000 tokens") == 12 and "more" not in err
+
+
+@pytest.mark.parametrize("command", ["replay", "sweep"])
+def test_an_unknown_option_names_the_command_it_was_given_to(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--quietly"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"gpukv {command}: unrecognized arguments: --quietly "
+                                       f"(see 'gpukv {command} --help')\n")
+
+
+MOONCAKE_LINES = line() + "\n" + line(hash_ids=[1, 3]) + "\n"
+WRONG_FORMAT = {
+    # name: (file name, text, options, words the one line must hold)
+    "mooncake read as step": ("t.jsonl", MOONCAKE_LINES, ["--format", "step"],
+                              ["not JSON", "looks like a mooncake trace, read as step: pass --format mooncake"]),
+    "mooncake named .json": ("t.json", MOONCAKE_LINES, [],
+                             ["looks like a mooncake trace, read as step (by its extension): pass --format mooncake"]),
+    "step named .jsonl": ("t.jsonl", doc_text(), [],
+                          ["looks like a step trace, read as mooncake (by its extension): pass --format step"]),
+    "a JSON array of records": ("t.json", json.dumps([REC, REC]), [],
+                                ["a JSON array of Mooncake records", "jq -c '.[]'", "> trace.jsonl"]),
+    "neither": ("t.csv", "a,b\n1,2\n", [], ["not JSON", "gpukv reads two formats (docs/traces.md): mooncake"]),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_FORMAT, ids=list(WRONG_FORMAT))
+def test_a_trace_in_the_wrong_format_says_which_formats_there_are(case, tmp_path, capsys):
+    name, text, options, words = WRONG_FORMAT[case]
+    status, out, err = run_cli([write(tmp_path, name, text), *options], capsys)
+    assert_one_line_error(status, err, *words)
+
+
+def test_a_problem_in_the_right_format_gets_no_format_hint(tmp_path, capsys):
+    status, out, err = run_cli([write(tmp_path, "t.jsonl", line() + "\n" + line(input_length=-1) + "\n")], capsys)
+    assert "input_length" in assert_one_line_error(status, err) and "formats" not in err

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import SHARED
 from gpukv.cli import main
-from gpukv.replay import Replay, ReplayOptions
+from gpukv.replay import Replay, ReplayOptions, no_eviction_hit_rate
 from gpukv.traces import builtin_trace_path, load_trace, parse_step_trace
 
 # block_size 2, 4 usable blocks. Worked by hand below.
@@ -156,7 +156,8 @@ def test_cli_writes_the_report(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "prefix cache hit rate" in printed and "manager time/step" in printed
     report = json.loads(out.read_text())
-    for key in ("prompt_tokens", "cached_tokens", "token_hit_rate", "queries", "hits", "preemptions", "evictions"):
+    for key in ("prompt_tokens", "cached_tokens", "every_admission_hit_rate", "queries", "hits", "preemptions",
+                "evictions", "prefix_cache_hit_rate", "prefix_cache_hit_rate_ceiling"):
         assert key in report["summary"]
     for rec in report["requests"].values():
         assert {"admitted_step", "num_prompt_tokens", "num_cached_tokens", "block_ids", "preemptions"} <= set(rec)
@@ -184,12 +185,12 @@ def test_whole_mooncake_trace_hit_rate_with_512_token_blocks():
     # budget (8192) changes no hit: with no chunk cap a request is admitted only
     # once every earlier one is scheduled whole (docs/chunked_prefill.md).
     trace = load_trace(MOONCAKE)
-    opts = ReplayOptions(block_size=512, num_blocks=250_000, prompt_only=True, hash_key=bytes(16))
+    opts = ReplayOptions(block_size=512, num_blocks=250_000, prompt_only=True, hash_key=bytes(16), max_num_seqs=256)
     report = Replay(trace, opts).run()
     s = report["summary"]
     assert s["requests"] == s["finished"] == 12031
     assert s["evictions"] == 0
-    assert abs(s["token_hit_rate"] - 0.373) <= 0.002
+    assert abs(s["every_admission_hit_rate"] - 0.373) <= 0.002
     assert s["cached_tokens"] == 54_063_104
 
 
@@ -260,7 +261,7 @@ def test_chunked_schedule_worked_by_hand(tmp_path, admission):
         "r0": (0, 0, 0, 2), "r1": (0, 512, 1, 2), "r2": (1, 512, 2, 3)}
     s = report["summary"]
     assert (s["prompt_tokens"], s["cached_tokens"], s["steps"], s["preemptions"]) == (2800, 1024, 4, 0)
-    assert s["token_hit_rate"] == s["first_admission_token_hit_rate"] == 1024 / 2800
+    assert s["every_admission_hit_rate"] == s["first_admission_hit_rate"] == 1024 / 2800
     # r0 holds 4 blocks; r1's hit shares two of them, its chunk needs none
     # more; then r1 has 5 (3 of its own) and r2 its hit; then r2 alone (3).
     assert report["blocks_in_use"] == [4, 7, 3, 0]
@@ -309,7 +310,7 @@ def test_preempted_prefill_resumes_from_zero_with_its_own_hit(tmp_path):
     s = report["summary"]
     assert (s["preemptions"], s["admissions"]) == (1, 3)
     assert (s["prompt_tokens"], s["cached_tokens"]) == (1000 + 1200 + 1200, 256)  # the re-admission's own hit
-    assert s["first_admission_token_hit_rate"] == 0.0
+    assert s["first_admission_hit_rate"] == 0.0
 
 
 def test_a_step_trace_runs_unbudgeted():
@@ -359,9 +360,9 @@ def test_budgeted_builtin_workload_keeps_its_books(budget, threshold, admission)
 # of that time): with no budget and no cap it must produce exactly this.
 # ``digest`` is the first 16 hex digits of the SHA-256 of the JSON (sorted
 # keys) of the per-request block ids, the final free queue and blocks in use.
-SUMMARY_KEYS = ("requests", "finished", "rejected", "steps", "prompt_tokens", "cached_tokens", "token_hit_rate",
-                "queries", "hits", "lookup_requests", "admissions", "preemptions", "evictions", "max_blocks_in_use",
-                "mean_blocks_in_use")
+SUMMARY_KEYS = ("requests", "finished", "rejected", "steps", "prompt_tokens", "cached_tokens",
+                "every_admission_hit_rate", "queries", "hits", "lookup_requests", "admissions", "preemptions",
+                "evictions", "max_blocks_in_use", "mean_blocks_in_use")
 BEFORE_CHUNKING = {
     "builtin40": dict(
         summary=(40, 40, 0, 930, 506280, 19968, 0.039440625740696844, 31665, 1248, 40, 40, 0, 0, 30417,
@@ -405,8 +406,9 @@ def _before_chunking_case(name: str):
                                             ("preemption_trace", "one")])
 def test_no_budget_is_exactly_the_unchunked_replay(name, admission):
     trace, kw = _before_chunking_case(name)
+    # The config of the capture, explicit: 256 running at most was the default then.
     report = Replay(trace, ReplayOptions(hash_key=bytes(16), admission=admission, max_num_batched_tokens=None,
-                                         long_prefill_token_threshold=0, **kw)).run()
+                                         long_prefill_token_threshold=0, max_num_seqs=256, **kw)).run()
     want = BEFORE_CHUNKING[name]
     s, recs = report["summary"], list(report["requests"].values())
     # The stats' units changed since (queries and hits are tokens now, and
@@ -430,3 +432,72 @@ def test_no_budget_is_exactly_the_unchunked_replay(name, admission):
     assert got == want["digests"]
     # Unchunked, a prefill completes in its admission step.
     assert all(r["prefill_done_step"] == r["admitted_step"] for r in recs)
+
+
+# ------------------------------------------- the ceiling, the pool's pressure, recomputation
+
+
+def test_the_ceiling_by_hand(tmp_path):
+    # 16-token blocks. r0 caches its 62 full blocks (992 tokens). r1 shares
+    # r0's whole prompt: it hits those 62 (its own limit, (1100 - 1) // 16 = 68,
+    # is further). r2 shares block 1 only: 512 tokens, 32 blocks. r3 (70,000
+    # tokens) is longer than max_model_len and is left out, as the replay rejects it.
+    recs = [(1000, 2, [1, 2]), (1100, 2, [1, 2, 3]), (700, 2, [1, 4]), (70_000, 2, list(range(5, 142)))]
+    trace = mooncake_trace(tmp_path, recs)
+    assert no_eviction_hit_rate(trace, 16, max_model_len=65_536) == (992 + 512) / (1000 + 1100 + 700)
+    # A request whose prompt is all cached hits at most (n - 1) // 16 blocks: r1 = r0 here.
+    trace = mooncake_trace(tmp_path, [(1024, 2, [1, 2]), (1024, 2, [1, 2])])
+    assert no_eviction_hit_rate(trace, 16) == 1008 / 2048
+    assert no_eviction_hit_rate(parse_step_trace(PREEMPTION_TRACE), 2) is None  # Mooncake traces only
+
+
+@pytest.mark.parametrize("arrival,block_size,prompt_only", [("back-to-back", 16, True), ("timestamp", 48, False)])
+def test_the_ceiling_is_the_replay_in_a_pool_that_never_evicts(arrival, block_size, prompt_only):
+    # The first 160 requests: past the 100th, later turns of conversations
+    # hit more than the system prompt's first 512 tokens.
+    trace = load_trace(builtin_trace_path(), max_requests=160, arrival=arrival, step_ms=40)
+    for r in trace.requests:
+        r.output_length = min(r.output_length, 4)
+    roomy = sum(-(-(r.input_length + r.output_length) // block_size) for r in trace.requests) + 1
+    opts = ReplayOptions(block_size=block_size, num_blocks=roomy, hash_key=bytes(16), prompt_only=prompt_only)
+    s = Replay(trace, opts).run()["summary"]
+    assert s["evictions"] == s["preemptions"] == 0 and s["lookup_requests"] == 160
+    assert s["hits"] > 512 * 159  # more than every request's hit on the shared first block
+    assert s["prefix_cache_hit_rate_ceiling"] == s["prefix_cache_hit_rate"] == s["first_admission_hit_rate"]
+
+
+def test_recomputation_after_a_preemption_by_hand():
+    # PREEMPTION_TRACE: a and b compute 3 tokens each, then 1 each, then a 1
+    # more while b is preempted with 4 computed; b comes back with 5 tokens,
+    # hits [4, 5] and computes 3: positions 2 and 3 again, 4 for the first time.
+    s = run_step_trace(PREEMPTION_TRACE)["summary"]
+    assert (s["computed_tokens"], s["recomputed_tokens"], s["most_preemptions_of_a_request"]) == (12, 2, 1)
+    # Running requests hold up to 8 tokens in 2-token blocks, the whole pool
+    # of 4 blocks, when a asks for a fifth: the step that preempts b.
+    assert (s["peak_demand_tokens"], s["pool_tokens"], s["peak_demand_over_pool"]) == (8, 8, 1.0)
+
+
+def test_a_pool_that_preempts_was_oversubscribed_and_a_roomy_one_recomputes_nothing():
+    trace = load_trace(builtin_trace_path(), max_requests=16)
+    for r in trace.requests:
+        r.output_length = min(r.output_length, 16)
+    tight = Replay(trace, ReplayOptions(num_blocks=2500, hash_key=bytes(16))).run()["summary"]
+    assert tight["preemptions"] > 0 and tight["peak_demand_over_pool"] > 1
+    assert 0 < tight["recomputed_tokens"] < tight["computed_tokens"]
+    roomy = Replay(trace, ReplayOptions(hash_key=bytes(16))).run()["summary"]
+    assert roomy["preemptions"] == roomy["recomputed_tokens"] == 0 and roomy["peak_demand_over_pool"] < 1
+    # Every prompt and output token computed once, less the cache hits.
+    work = sum(r.input_length + r.output_length - 1 for r in trace.requests) - roomy["cached_tokens"]
+    assert roomy["computed_tokens"] == work
+
+
+def test_the_default_config_is_a_deployment_not_a_stampede():
+    from gpukv import replay
+
+    opts = ReplayOptions()
+    assert (opts.num_blocks, opts.block_size, opts.max_num_seqs) == (65_536, 16, 64)
+    assert (replay.DEFAULT_ARRIVAL, replay.DEFAULT_STEP_MS) == ("timestamp", 40.0)
+    # 64 running requests of the built-in workload's mean full length fit the pool.
+    trace = load_trace(builtin_trace_path())
+    mean = sum(r.input_length + r.output_length for r in trace.requests) / trace.num_requests
+    assert 64 * mean < (opts.num_blocks - 1) * opts.block_size
