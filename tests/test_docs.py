@@ -7,7 +7,10 @@
   traceback points at the markdown line. A block that cannot run on a
   CPU-only machine in a few seconds (it needs a GPU, vLLM, the network or a
   long run) says so on the line before its fence, with the reason:
-  ``<!-- snippet: skip (needs a GPU) -->``.
+  ``<!-- snippet: skip (needs a GPU) -->``. A block that needs vLLM 0.8.5
+  (``gpukv.vllm``) says ``<!-- snippet: needs vllm -->``: it runs wherever
+  vLLM is installed (CI installs it) and is skipped, with that reason,
+  elsewhere.
 * ```` ```json ```` blocks are valid JSON, and a trace example loads as a
   trace (``gpukv.traces.load_trace``).
 * Shell blocks (``bash``, ``sh``) are not run (installs, long replays), but
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -34,6 +38,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!--\s*snippet:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+NEEDS_VLLM = re.compile(r"<!--\s*snippet:\s*needs\s+vllm\s*-->")
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 FENCE = re.compile(r"^```\s*(?P<lang>[\w+-]*)\s*$")
 SHELLS = {"bash", "sh", "shell", "console"}
 
@@ -71,11 +77,14 @@ def blocks(path: Path) -> list[Block]:
         j = next((j for j in range(start - 1, -1, -1) if lines[j].strip()), -1)
         prev = lines[j] if j >= 0 else ""
         skip = SKIP.search(prev)
-        if "snippet:" in prev and not skip:
+        needs_vllm = NEEDS_VLLM.search(prev)
+        if "snippet:" in prev and not skip and not needs_vllm:
             raise AssertionError(f"{path.relative_to(ROOT)}:{j + 1}: malformed marker {prev.strip()!r}; "
-                                 "write <!-- snippet: skip (the reason) -->")
-        found.append(Block(path, start + 1, m["lang"].lower(), "\n".join(body) + "\n",
-                           skip["reason"].strip() if skip else None))
+                                 "write <!-- snippet: skip (the reason) --> or <!-- snippet: needs vllm -->")
+        reason = skip["reason"].strip() if skip else None
+        if needs_vllm and not HAVE_VLLM:
+            reason = "needs vLLM 0.8.5 (pip install 'gpukv[vllm]'), not installed here"
+        found.append(Block(path, start + 1, m["lang"].lower(), "\n".join(body) + "\n", reason))
         i += 1
     return found
 
