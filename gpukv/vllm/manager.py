@@ -139,10 +139,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Any) -> tuple[list[Block], int]:
         """The request's cache hit: blocks (``.block_id``) and its length in tokens."""
         rid = _request_id(request)
-        tokens = _checked_tokens(request, self.max_model_len)
+        num_tokens = _checked_length(request, self.max_model_len)
         if not self.enable_caching:
             return [], 0
-        num_hashed = self._num_hashed.get(rid) or len(tokens) // self.block_size
+        num_hashed = self._num_hashed.get(rid) or num_tokens // self.block_size
         self._num_hashed[rid] = num_hashed
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.requests += 1
@@ -150,11 +150,11 @@ class KVCacheManager:
             self._looked_up.pop(rid, None)
             return [], 0
         # vLLM looks up its hashed blocks, less the last when they cover every token.
-        num_queries = num_hashed - (num_hashed * self.block_size == len(tokens))
-        max_hit = num_queries if self.lookup == "vllm" else (len(tokens) - 1) // self.block_size
-        computed = self._lookup(request, tokens, max_hit)
+        num_queries = num_hashed - (num_hashed * self.block_size == num_tokens)
+        max_hit = num_queries if self.lookup == "vllm" else (num_tokens - 1) // self.block_size
+        computed = self._lookup(request, max_hit)
         if self.use_eagle and computed.num_tokens:  # vLLM recomputes the last hit block for EAGLE
-            computed = self._lookup(request, tokens, computed.num_tokens // self.block_size - 1)
+            computed = self._lookup(request, computed.num_tokens // self.block_size - 1)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.queries += num_queries
             self.prefix_cache_stats.hits += computed.num_tokens // self.block_size
@@ -167,7 +167,7 @@ class KVCacheManager:
         not yet admitted) and ``num_lookahead_tokens`` slots; the new blocks,
         or None (nothing changed) when they do not fit."""
         rid = _request_id(request)
-        tokens = _checked_tokens(request, self.max_model_len)
+        num_known = _checked_length(request, self.max_model_len)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InvalidInputError(f"num_tokens must be an int >= 1, got {num_tokens!r}", argument="num_tokens",
                                     fix="pass the tokens scheduled this step (vLLM never allocates for 0)")
@@ -182,8 +182,8 @@ class KVCacheManager:
             if new_computed_blocks:
                 raise InvalidInputError(f"request {rid!r} is running; computed blocks are for admission only",
                                         argument="new_computed_blocks", fix="pass None for a running request")
-            return self._grow(request, tokens, num_tokens, num_lookahead_tokens)
-        return self._admit(request, tokens, num_tokens, new_computed_blocks, num_lookahead_tokens)
+            return self._grow(request, num_known, num_tokens, num_lookahead_tokens)
+        return self._admit(request, num_known, num_tokens, new_computed_blocks, num_lookahead_tokens)
 
     def free(self, request: Any) -> None:
         """Give back the request's blocks (tail first), as vLLM's ``free``: a
@@ -246,7 +246,7 @@ class KVCacheManager:
                                  f"{sorted(held)}")
 
     # -------------------------------------------------------------- internals
-    def _new_request(self, request: Any, tokens: list[int]) -> NewRequest:
+    def _new_request(self, request: Any, tokens: Any) -> NewRequest:
         positions = request.mm_positions or []
         hashes = request.mm_hashes or []
         skip = request.sampling_params.prompt_logprobs is not None
@@ -258,52 +258,50 @@ class KVCacheManager:
         return NewRequest(request.request_id, tokens, lora_id=lora.lora_int_id if lora else None,
                           mm_items=items, skip_prefix_cache=skip)
 
-    def _lookup(self, request: Any, tokens: list[int], max_hit: int) -> ComputedBlocks:
+    def _lookup(self, request: Any, max_hit: int) -> ComputedBlocks:
         """gpukv's lookup of the request, its hit at most ``max_hit`` blocks
         (looked up on the tokens it can cover, so a window's null blocks fall
         where a lookup of that length puts them)."""
         if max_hit <= 0:
             return ComputedBlocks([[]], 0)
-        if max_hit < (len(tokens) - 1) // self.block_size:
-            tokens = tokens[: max_hit * self.block_size + 1]
-        return self.manager.get_computed_blocks(self._new_request(request, tokens))
+        end = min(request.num_tokens, max_hit * self.block_size + 1)
+        return self.manager.get_computed_blocks(self._new_request(request, request.all_token_ids[:end]))
 
-    def _admit(self, request: Any, tokens: list[int], num_tokens: int, blocks: list[Any] | None,
+    def _admit(self, request: Any, num_known: int, num_tokens: int, blocks: list[Any] | None,
                num_lookahead_tokens: int) -> list[Block] | None:
         rid = request.request_id
         computed = self._computed_for(rid, blocks)
         hit = computed.num_tokens if computed is not None else 0
-        _check_scheduled(request, tokens, hit, num_tokens)
+        _check_scheduled(request, num_known, hit, num_tokens)
         # vLLM caches full blocks up to hit + num_tokens less its speculative
         # tokens; gpukv computes (and caches) exactly those, the rest are slots.
         target = max(hit + num_tokens - len(request.spec_token_ids), hit + 1)
-        target = min(target, len(tokens))
+        target = min(target, num_known)
         slots = self._slots(hit + num_tokens + num_lookahead_tokens, target)
-        new = self.manager.allocate_slots(self._new_request(request, tokens), computed=computed,
+        new = self.manager.allocate_slots(self._new_request(request, request.all_token_ids[:]), computed=computed,
                                           num_tokens=target - hit, num_lookahead_tokens=slots)
         self._looked_up.pop(rid, None)
         if new is None:
             return None
-        self._num_known[rid] = len(tokens)
+        self._num_known[rid] = num_known
         self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
         return [Block(b) for b in new[0]]
 
-    def _grow(self, request: Any, tokens: list[int], num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
+    def _grow(self, request: Any, num_known: int, num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
         rid = request.request_id
-        known = self._num_known[rid]
-        appended = tokens[known:]
+        appended = request.all_token_ids[self._num_known[rid]:]  # only what vLLM appended since
         computed = self.manager.num_computed_tokens(rid)
         vllm_computed = request.num_computed_tokens
-        _check_scheduled(request, tokens, vllm_computed, num_tokens)
+        _check_scheduled(request, num_known, vllm_computed, num_tokens)
         # What vLLM caches after this call (its computed tokens less the
         # speculative ones), at least one token more than gpukv has computed.
         target = max(vllm_computed + num_tokens - len(request.spec_token_ids), computed + 1)
-        target = min(target, len(tokens))
+        target = min(target, num_known)
         slots = self._slots(vllm_computed + num_tokens + num_lookahead_tokens, target)
         new = self.manager.allocate_slots(rid, appended, num_tokens=target - computed, num_lookahead_tokens=slots)
         if new is None:
             return None
-        self._num_known[rid] = len(tokens)
+        self._num_known[rid] = num_known
         self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
         return [Block(b) for b in new[0]]
 
@@ -338,10 +336,10 @@ def _request_id(request: Any) -> str:
     return rid
 
 
-def _check_scheduled(request: Any, tokens: list[int], num_computed: int, num_tokens: int) -> None:
+def _check_scheduled(request: Any, num_known: int, num_computed: int, num_tokens: int) -> None:
     """Tokens scheduled past the request's known and speculative tokens have
     nothing to compute: a caller's mistake, refused before anything changes."""
-    limit = len(tokens) + len(request.spec_token_ids)
+    limit = num_known + len(request.spec_token_ids)
     if num_computed + num_tokens > limit:
         raise InvalidInputError(f"request {request.request_id!r}: {num_computed} computed tokens plus num_tokens="
                                 f"{num_tokens} is more than its {limit} tokens (speculative ones included)",
@@ -349,14 +347,16 @@ def _check_scheduled(request: Any, tokens: list[int], num_computed: int, num_tok
                                 fix="schedule at most the tokens the request has that are not computed yet")
 
 
-def _checked_tokens(request: Any, max_model_len: int) -> list[int]:
-    """The request's known tokens (prompt and outputs, no speculative ones)."""
-    tokens = list(request.all_token_ids)
-    if not tokens:
+def _checked_length(request: Any, max_model_len: int) -> int:
+    """The request's known tokens (prompt and outputs, no speculative ones):
+    how many; read without copying them (a running request's call costs what
+    it appends, not its length)."""
+    num_tokens = request.num_tokens
+    if not num_tokens:
         raise InvalidInputError(f"request {request.request_id!r} has no tokens", argument="request",
                                 fix="give the request a prompt of at least one token")
-    if len(tokens) > max_model_len:
-        raise InvalidInputError(f"request {request.request_id!r} has {len(tokens)} tokens, more than "
+    if num_tokens > max_model_len:
+        raise InvalidInputError(f"request {request.request_id!r} has {num_tokens} tokens, more than "
                                 f"max_model_len={max_model_len}", argument="request",
                                 fix="finish or truncate requests at max_model_len")
-    return tokens
+    return num_tokens
