@@ -58,7 +58,7 @@ try:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
     from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
@@ -192,6 +192,7 @@ def make_scheduler(
     mm_tokens_per_item: int | None = None,
     kv_connector_path: str | os.PathLike | None = None,
     include_finished_set: bool = False,
+    sliding_window: int | None = None,
 ) -> Any:
     """A scheduler of class ``cls`` (vLLM's ``Scheduler`` or a subclass with its
     constructor), built as vLLM's engine builds one.
@@ -211,6 +212,8 @@ def make_scheduler(
     * ``kv_connector_path``: give the scheduler vLLM's ``SharedStorageConnector``
       (``kv_both``) storing under this folder; None: no KV connector.
     * ``include_finished_set``: the scheduler's own option.
+    * ``sliding_window``: the one KV-cache group is sliding-window attention
+      over that many tokens (None: full attention).
     """
     if max_model_len is None:
         max_model_len = max_num_batched_tokens
@@ -238,10 +241,14 @@ def make_scheduler(
     # Set after construction: VllmConfig.__post_init__ would verify a real ModelConfig against the others.
     vllm_config.model_config = FakeModelConfig(max_model_len=max_model_len,
                                                is_multimodal_model=mm_tokens_per_item is not None)
+    if sliding_window is None:
+        attention_spec = FullAttentionSpec(block_size, 1, 1, torch.float32, False)
+    else:
+        attention_spec = SlidingWindowSpec(block_size, 1, 1, torch.float32, False, sliding_window=sliding_window)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         tensors={},
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size, 1, 1, torch.float32, False))],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], attention_spec)],
     )
     cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory
     extra: dict[str, Any] = {}
