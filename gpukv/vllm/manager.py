@@ -142,6 +142,7 @@ class KVCacheManager:
         num_tokens = _checked_length(request, self.max_model_len)
         if not self.enable_caching:
             return [], 0
+        self._mm_items(request)  # refused before anything is counted, as vLLM hashes first
         num_hashed = self._num_hashed.get(rid) or num_tokens // self.block_size
         self._num_hashed[rid] = num_hashed
         if self.prefix_cache_stats is not None:
@@ -247,16 +248,23 @@ class KVCacheManager:
 
     # -------------------------------------------------------------- internals
     def _new_request(self, request: Any, tokens: Any) -> NewRequest:
-        positions = request.mm_positions or []
-        hashes = request.mm_hashes or []
-        skip = request.sampling_params.prompt_logprobs is not None
-        if positions and len(hashes) != len(positions):
-            skip = True  # items without content hashes cannot be told apart: no hit
-        items = tuple(MMItem(p.offset, p.length, h) for p, h in zip(positions, hashes, strict=False)) \
-            if not skip else ()
-        lora = request.lora_request
-        return NewRequest(request.request_id, tokens, lora_id=lora.lora_int_id if lora else None,
-                          mm_items=items, skip_prefix_cache=skip)
+        """gpukv's view of a vLLM request: its tokens, LoRA and multimodal
+        items (its extra keys, in every digest it caches under), and no lookup
+        when it asks for prompt logprobs (vLLM computes every prompt token then)."""
+        return NewRequest(request.request_id, tokens, lora_id=_lora_id(request),
+                          mm_items=self._mm_items(request) if self.enable_caching else (),
+                          skip_prefix_cache=request.sampling_params.prompt_logprobs is not None)
+
+    def _mm_items(self, request: Any) -> tuple[MMItem, ...]:
+        positions, hashes = request.mm_positions or [], request.mm_hashes or []
+        if len(positions) != len(hashes):
+            # vLLM 0.8.5 refuses these too (a ValueError while hashing): without
+            # content hashes two images could not be told apart.
+            raise InvalidInputError(f"request {request.request_id!r} has {len(positions)} multimodal items but "
+                                    f"{len(hashes)} hashes", argument="request",
+                                    fix="give every multimodal item its content hash (mm_hashes), or turn off "
+                                        "prefix caching")
+        return tuple(MMItem(p.offset, p.length, h) for p, h in zip(positions, hashes, strict=True))
 
     def _lookup(self, request: Any, max_hit: int) -> ComputedBlocks:
         """gpukv's lookup of the request, its hit at most ``max_hit`` blocks
@@ -334,6 +342,11 @@ def _request_id(request: Any) -> str:
         raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
                                fix="pass a vllm.v1.request.Request")
     return rid
+
+
+def _lora_id(request: Any) -> int | None:
+    lora = request.lora_request
+    return lora.lora_int_id if lora else None
 
 
 def _check_scheduled(request: Any, num_known: int, num_computed: int, num_tokens: int) -> None:

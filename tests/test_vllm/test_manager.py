@@ -96,6 +96,27 @@ def test_resumed_request_looks_up_what_vllm_hashed(backend: str) -> None:
     assert resumed_hit(gpukv_manager(9, 1, backend=backend, lookup="all")) == 4
 
 
+def image_request(rid: str, tokens: list[int], hashes: list[str] | None, **params: Any) -> Request:
+    from vllm.multimodal.inputs import MultiModalKwargs, PlaceholderRange
+
+    return Request(request_id=rid, prompt_token_ids=tokens, multi_modal_inputs=[MultiModalKwargs({})],
+                   multi_modal_hashes=hashes, multi_modal_placeholders=[PlaceholderRange(offset=0, length=4)],
+                   sampling_params=SamplingParams(max_tokens=100, **params), eos_token_id=None, arrival_time=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_image_blocks_are_cached_under_their_image(backend: str) -> None:
+    """A request's image is part of every digest its blocks are cached under,
+    even when it asks for prompt logprobs (no lookup of its own): a text
+    request with the same placeholder tokens, or another image, does not hit
+    them, and the same image does."""
+    for m in (vllm_manager(20, 4), gpukv_manager(20, 4, backend=backend)):
+        assert admit(m, image_request("A", list(range(10)), ["img-1"], prompt_logprobs=1)) == [1, 2, 3]
+        assert m.get_computed_blocks(request("text", list(range(10))))[1] == 0
+        assert m.get_computed_blocks(image_request("other", list(range(10)), ["img-2"]))[1] == 0
+        assert m.get_computed_blocks(image_request("same", list(range(10)), ["img-1"]))[1] == 8
+
+
 def test_stats_in_blocks_as_vllm_counts() -> None:
     """vLLM 0.8.5's prefix-cache stats count requests, and queries and hits in blocks."""
     want, got = vllm_manager(9, 1), gpukv_manager(9, 1)
@@ -164,6 +185,9 @@ def _bad_calls() -> list[tuple[str, Any, type]]:
 
         return m.allocate_slots(a, 1, [Block(1)])
 
+    def image_without_hash(m: Any, _: Request) -> Any:
+        return m.get_computed_blocks(image_request("I", list(range(10)), None))
+
     def common_prefix_of_waiting(m: Any, _: Request) -> Any:
         return m.get_num_common_prefix_blocks(request("W", [1, 2]), 1)
 
@@ -179,6 +203,7 @@ def _bad_calls() -> list[tuple[str, Any, type]]:
         ("not a request", not_a_request, InvalidTypeError),
         ("computed blocks for a running request", computed_blocks_for_running, InvalidInputError),
         ("common prefix of a waiting request", common_prefix_of_waiting, InvalidInputError),
+        ("an image without its hash", image_without_hash, InvalidInputError),
     ]
 
 
