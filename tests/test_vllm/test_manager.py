@@ -117,6 +117,20 @@ def test_image_blocks_are_cached_under_their_image(backend: str) -> None:
         assert m.get_computed_blocks(image_request("same", list(range(10)), ["img-1"]))[1] == 8
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_blocks_are_cached_under_their_adapter(backend: str) -> None:
+    from vllm.lora.request import LoRARequest
+
+    def with_lora(rid: str, lora_id: int | None) -> Request:
+        r = request(rid, list(range(10)))
+        r.lora_request = None if lora_id is None else LoRARequest(f"adapter-{lora_id}", lora_id, "/nowhere")
+        return r
+
+    for m in (vllm_manager(20, 4), gpukv_manager(20, 4, backend=backend)):
+        assert admit(m, with_lora("A", 1)) == [1, 2, 3]
+        assert [m.get_computed_blocks(with_lora(f"q{i}", lid))[1] for i, lid in enumerate((None, 2, 1))] == [0, 0, 8]
+
+
 def test_stats_in_blocks_as_vllm_counts() -> None:
     """vLLM 0.8.5's prefix-cache stats count requests, and queries and hits in blocks."""
     want, got = vllm_manager(9, 1), gpukv_manager(9, 1)
