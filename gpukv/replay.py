@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 # max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # The pool every replay gets unless told otherwise: 65,536 blocks of 16 tokens
-# (1,048,560 usable tokens: 128 GiB of KV cache for a model with 32 layers of
-# 8 KV heads of 128 in bf16, an 8B model on an H200).
+# (1,048,560 usable tokens: for a model of Llama-3.1-8B's shape, 32 layers of 8
+# KV heads of 128, 64 GiB of KV cache in fp8 or 128 GiB in bf16; one H200's scale).
 DEFAULT_NUM_BLOCKS = 65_536
 DEFAULT_BLOCK_SIZE = 16
 # Requests running at once: sized for that pool. The built-in workload's
