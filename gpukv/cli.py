@@ -232,7 +232,7 @@ def sweep_main(args) -> int:
             raise CliError(f"--gib: {e}") from None
         unit, capacities = "GiB", list(args.gib)
     else:
-        blocks = sweep.default_sizes(trace, bs)
+        blocks = sweep.default_sizes(trace, bs, max_model_len=args.max_model_len)
     opts = ReplayOptions(block_size=bs, max_num_seqs=args.max_num_seqs, prompt_only=args.prompt_only,
                          max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens or None,
                          hash_key=_hash_key())

@@ -284,12 +284,15 @@ def point_warnings(points: list[dict], block_size: int, max_model_len: int, unit
     return out
 
 
-def default_sizes(trace, block_size: int, count: int = 4) -> list[int]:
+def default_sizes(trace, block_size: int, count: int = 4, max_model_len: int | None = None) -> list[int]:
     """Up to ``count`` pool sizes below the ceiling, halving from it, none
     smaller than the largest request needs (a pool that must reject a
-    request is not comparable with one that serves it): what to try when
-    nothing is asked for."""
+    request is not comparable with one that serves it) or, given
+    ``max_model_len``, than one such request needs: what to try when nothing
+    is asked for."""
     top = ceiling_blocks(trace, block_size)
     least = max(-(-(r.input_length + (r.output_length or 0)) // block_size) for r in trace.requests) + 1
+    if max_model_len is not None:
+        least = max(least, -(-max_model_len // block_size) + 1)
     sizes = [top >> k for k in range(1, count + 1)]
     return sorted(n for n in sizes if n >= least) or [least]

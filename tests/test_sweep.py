@@ -141,6 +141,10 @@ def test_default_sizes_halve_from_the_ceiling_and_serve_every_request():
     assert sizes == sorted(sizes) and sizes[-1] == top >> 1
     biggest = max(-(-(r.input_length + r.output_length) // 16) for r in trace.requests)
     assert sizes[0] > biggest
+    # None too small for one request of max_model_len either: a pool vLLM would not start with.
+    assert sweep.default_sizes(trace, 16, max_model_len=131_072) == sizes == [top >> 1]  # 9,306 blocks hold it
+    assert sweep.default_sizes(trace, 16, max_model_len=200_000) == [12_501]  # 12,500 blocks and the null block
+    assert sweep.holds_max_model_len(12_501, 16, 200_000) and not sweep.holds_max_model_len(12_500, 16, 200_000)
 
 
 def test_a_gib_of_kv_cache_in_blocks():
