@@ -10,13 +10,20 @@ Both managers (``gpukv.reference`` and ``gpukv.manager``) check every argument
 before changing anything, through the one normalisation in
 ``gpukv.request``: a ``GpukvInputError`` (every class below but the last two)
 from a manager call means the call was refused and changed nothing, and the
-manager can be used on as before. Anything else raised inside a call that
-changes state is a fault (``gpukv.failstop``).
+manager can be used on as before. A call that does not fit the method's
+signature (an unknown keyword, a missing or extra argument) is refused the
+same way, as an ``InvalidTypeError`` whose ``__cause__`` is Python's
+``TypeError``. What is refused is decided by where it is raised: each call
+marks its point of first change, and anything raised after it is a fault,
+whatever its class (``gpukv.failstop``), so an input error class from a
+manager whose ``failed`` is then True was a fault, not a refusal (the one
+such input error gpukv raises: token ids handed over on the device out of
+range, which only the step's read can find; ``docs/design.md``).
 
 | class | builtin | meaning |
 | --- | --- | --- |
-| ``InvalidTypeError`` | ``TypeError`` | an argument of the wrong kind: a str where a list of ids goes, a float token id, a tensor of the wrong dtype or on the wrong device, ``None`` where a container goes |
-| ``InvalidInputError`` | ``ValueError`` | the right kind but a value the manager cannot take: a negative token id, a 2-D token array, a LoRA id >= 2**64, a salt that is not valid UTF-8, multimodal items that overlap or leave the prompt, a block size < 1 |
+| ``InvalidTypeError`` | ``TypeError`` | an argument of the wrong kind: a str where a list of ids goes, a float token id, a tensor of the wrong dtype or on the wrong device, ``None`` where a container goes, a request id that is not a plain str (a subclass included), a call that does not fit the signature (``step(bogus=1)``, ``free()``) |
+| ``InvalidInputError`` | ``ValueError`` | the right kind but a value the manager cannot take: a negative token id, a 2-D token array, ragged rows of token ids, a LoRA id >= 2**64, a salt that is not valid UTF-8, multimodal items that overlap or leave the prompt, a block size < 1, a caller's iterator that raised while read (its exception is the ``__cause__``) |
 | ``DuplicateRequestError`` | ``ValueError`` | a request id used twice: finished twice in a step (double free), a new id already in use, finished and running in one step |
 | ``CapacityError`` | ``ValueError`` | too large for this manager: a request longer than ``max_model_len`` or one that cannot fit the whole pool even with the best possible cache hit; constructor sizes that cannot be allocated (raised before anything is allocated) |
 | ``StaleComputedBlocksError`` | ``ValueError`` | ``allocate_slots`` got computed blocks that no longer match the cache (evicted since ``get_computed_blocks``) |

@@ -1,36 +1,60 @@
-"""Fail-stop for the managers: after a fault inside a call, refuse every later call.
+"""Fail-stop for the managers: a refused call changes nothing; after a fault, every later call is refused.
 
-A manager checks every argument before it changes anything, so an input error
-(a :class:`gpukv.errors.GpukvInputError`) leaves it as it was and it goes on.
-Anything else raised inside a call that changes state (a kernel that fails to
-launch, a CUDA error, an out-of-memory, a bug, a ``KeyboardInterrupt``) may
-leave a step half applied: some blocks popped, some tables written. Running on
-from such a state would hand out wrong blocks, so the manager records the
-fault and every later call raises :class:`gpukv.errors.ManagerFailedError`
-naming it. The only way on is a new manager (the KV cache it managed is lost
-with it, as after a crashed engine).
+Every call that may change state marks its **point of first change**
+(``FailStop._begin_changes()``): before it, the call only reads and checks its
+arguments; from it on, it changes the manager. What a call raises is then
+one of two things:
+
+* a **refusal**: a :class:`gpukv.errors.GpukvInputError` (or a warning turned
+  into an error by ``-W error``) raised *before* the mark. The manager is as
+  it was and goes on. A call mistake Python itself reports (a wrong
+  signature: an unknown keyword, a missing or extra argument) is made a
+  refusal too, as an :class:`gpukv.errors.InvalidTypeError` naming the
+  argument (``__cause__`` is Python's ``TypeError``);
+* a **fault**: anything raised *after* the mark, whatever its class (an input
+  error class or a warning included: the step may be half applied by then),
+  and anything but a refusal before it (a bug in the checks, a kernel that
+  fails to launch, a CUDA error, an out-of-memory, a ``KeyboardInterrupt``).
+  Running on from a half-applied step would hand out wrong blocks, so the
+  manager records the fault and every later call raises
+  :class:`gpukv.errors.ManagerFailedError` naming it. The only way on is a
+  new manager (the KV cache it managed is lost with it, as after a crashed
+  engine).
+
+A call that nests another (the reference's ``decode`` runs its ``step``)
+has changed state once the inner call has.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gpukv.errors import GpukvInputError, ManagerFailedError
+from gpukv.errors import GpukvInputError, InvalidTypeError, ManagerFailedError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 class FailStop:
-    """Mixin: the fault slot and the check every public call makes first."""
+    """Mixin: the fault slot, the point-of-first-change mark, and the check
+    every public call makes first."""
 
     _fault: BaseException | None = None
+    #: Whether the running call passed its point of first change (``_begin_changes``).
+    _changing: bool = False
 
     @property
     def failed(self) -> bool:
         """Whether a call failed part-way and the manager refuses all calls since."""
         return self._fault is not None
+
+    def _begin_changes(self) -> None:
+        """Mark the running call's point of first change: its arguments are
+        checked, and anything raised from here on is a fault."""
+        self._changing = True
 
     def _after_call(self) -> None:
         """Run after every call that may change state, once it succeeded (a
@@ -46,35 +70,80 @@ class FailStop:
             ) from fault
 
 
+def _is_call_mistake(exc: BaseException) -> bool:
+    """Whether ``exc`` is Python's ``TypeError`` for a call that does not fit
+    the method's signature: raised while binding the arguments, before the
+    method's own frame exists (its traceback ends in the wrapper's frame)."""
+    tb = exc.__traceback__
+    return type(exc) is TypeError and tb is not None and tb.tb_next is None
+
+
+_QUOTED_NAME = re.compile(r"'(\w+)'")
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _call_mistake(method: Callable[..., Any], exc: TypeError) -> InvalidTypeError:
+    """Python's wrong-signature ``TypeError`` as an ``InvalidTypeError``
+    naming the argument (the method's name when no one argument is at
+    fault, e.g. too many positional arguments); the same text for both
+    managers (the class name is left out)."""
+    name = method.__name__
+    text = str(exc).replace(f"{method.__qualname__}()", f"{name}()", 1)
+    quoted = _QUOTED_NAME.search(text)
+    params = list(inspect.signature(method).parameters.values())[1:]  # without self
+    positional = ", ".join(p.name for p in params if p.kind in _POSITIONAL)
+    more = ", *, ..." if any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params) else ""
+    return InvalidTypeError(text, argument=quoted.group(1) if quoted else name,
+                            fix=f"call {name}({positional}{more}) (see its docstring)")
+
+
 def mutating(method: F) -> F:
-    """A call that may change state: refused after a fault, and a fault inside
-    it (anything but an input error, raised before any change) stops the manager."""
+    """A call that may change state: refused after a fault; what it raises
+    before its point of first change is a refusal if it is an input error
+    (a wrong signature made one), anything else a fault that stops the
+    manager (the module docstring)."""
 
     @functools.wraps(method)
     def call(self: FailStop, *args: Any, **kwargs: Any) -> Any:
         self._raise_if_failed()
+        outer = self._changing
+        self._changing = False
         try:
             out = method(self, *args, **kwargs)
+            self._changing = True  # closing the call's event batch is a change
             self._after_call()
             return out
-        except (GpukvInputError, Warning):
-            # Refused before anything changed (a warning turned into an error
-            # by ``-W error`` is raised while the arguments are checked, too).
-            raise
         except BaseException as exc:
+            if self._fault is not None:  # a nested call stopped the manager already
+                raise
+            if not self._changing:
+                if isinstance(exc, (GpukvInputError, Warning)):
+                    raise  # refused before anything changed
+                if _is_call_mistake(exc):
+                    raise _call_mistake(method, exc) from exc  # type: ignore[arg-type]
             self._fault = exc
             raise
+        finally:
+            self._changing = outer or self._changing
 
+    call.mutates = True  # type: ignore[attr-defined]  # (tests find the mutating calls by it)
     return call  # type: ignore[return-value]
 
 
 def reading(method: F) -> F:
     """A call that only reads: refused after a fault (the state it would read
-    may be half updated), harmless otherwise."""
+    may be half updated), harmless otherwise; a wrong signature is an
+    ``InvalidTypeError``, as for ``mutating`` calls."""
 
     @functools.wraps(method)
     def call(self: FailStop, *args: Any, **kwargs: Any) -> Any:
         self._raise_if_failed()
-        return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except TypeError as exc:
+            if _is_call_mistake(exc):
+                raise _call_mistake(method, exc) from exc
+            raise
 
+    call.mutates = False  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

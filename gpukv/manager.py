@@ -55,10 +55,11 @@ from gpukv.request import (
     Step,
     StepResult,
     apply_allocate_args,
-    as_int32_tokens,
     check_computed_for,
+    check_count,
     check_decode_lengths,
     check_memory,
+    check_request_ids,
     check_size,
     normalize_computed,
     normalize_decode_chunks,
@@ -68,6 +69,7 @@ from gpukv.request import (
     normalize_step,
     normalize_token_ids,
     normalize_windows,
+    request_id_type_error,
     resolve_key,
     unknown_request,
 )
@@ -392,7 +394,8 @@ class DeviceManager(FailStop):
         """int32[G, len(request_ids), M] block tables of these requests (a
         device gather; positions past a request's blocks are not its blocks:
         read only the first ``len(get_block_ids(id)[g])``)."""
-        rows = self._staging.upload(np.array([self._state(r) for r in request_ids], dtype=np.int64))
+        ids = check_request_ids(request_ids, "request_ids", self._reqs)
+        rows = self._staging.upload(np.array([self._reqs[r] for r in ids], dtype=np.int64))
         return self._rows.block_table[:, rows]
 
     @reading
@@ -407,9 +410,11 @@ class DeviceManager(FailStop):
         attention): blocks whose count equals that number, up to the first
         that does not; a sliding-window group gives 0. Reads the device."""
         row = self._state(request_id)
+        count = check_count(num_running_requests, "num_running_requests")
         n = self._num_blocks(row)
         blocks = self._rows.block_table[:, row, :n].long()
-        same = (self.pool.ref_cnt[blocks] == num_running_requests).to(torch.int32)
+        # (a count past int32 equals no block's: the reference's answer, without an overflow)
+        same = (self.pool.ref_cnt[blocks] == min(count, 2**31 - 1)).to(torch.int32)
         leading = same.cumprod(dim=1).sum(dim=1)
         out = self._read(leading)
         return [0 if w is not None else int(c) for w, c in zip(self.sliding_windows, out, strict=True)]
@@ -425,6 +430,7 @@ class DeviceManager(FailStop):
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-cache stats since the last call (then zeroed); host only."""
+        self._begin_changes()
         stats, self._stats = self._stats, PrefixCacheStats()
         stats.reset = self._reset_flag
         self._reset_flag = False
@@ -434,6 +440,7 @@ class DeviceManager(FailStop):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, when no request holds a block (else
         False, nothing changed); reads the device."""
+        self._begin_changes()
         if self.read_num_free_blocks() != self.num_blocks - 1:
             return False
         if self._events is not None:
@@ -463,7 +470,7 @@ class DeviceManager(FailStop):
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes no block."""
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
-        with self._counting():
+        with self._counting():  # (the point of first change is in the lookup: counting it in the stats)
             return self._lookup_only(request, count_stats=True)
 
     @mutating
@@ -495,6 +502,8 @@ class DeviceManager(FailStop):
                             list(computed.block_ids[g]) != now.block_ids[g] for g in range(self.num_groups)):
                         raise StaleComputedBlocksError("the computed blocks are stale (evicted since the lookup)",
                                                        argument="computed", fix="call get_computed_blocks again")
+                # (the dry lookup above wrote only a free row and scratch buffers)
+                self._begin_changes()
                 res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
             if res.num_admitted == 0:
                 return None
@@ -508,9 +517,11 @@ class DeviceManager(FailStop):
         if computed is not None:
             raise InvalidInputError("computed blocks are for new requests only", argument="computed",
                                     fix="pass computed=None with a running request's id")
-        update = RunningUpdate(request, new_token_ids, num_tokens, num_lookahead_tokens or 0)
+        lookahead = 0 if num_lookahead_tokens is None else num_lookahead_tokens  # (checked next, not truth-tested)
+        update = RunningUpdate(request, new_token_ids, num_tokens, lookahead)
         (update,) = self._normalize((), [update], (), single=True).running
         before = self._num_blocks(self._state(request))
+        self._begin_changes()
         with self._counting():
             res = self._step((), [update], ())
         if not res.ok:
@@ -521,6 +532,7 @@ class DeviceManager(FailStop):
     def free(self, request_id: str) -> None:
         """Give back a request's blocks (tail first, group by group) and forget it."""
         (request_id,) = self._normalize([request_id], (), (), single=True).finished
+        self._begin_changes()
         with self._counting():
             self._step([request_id], (), ())
 
@@ -531,6 +543,7 @@ class DeviceManager(FailStop):
         the same argument checks (``gpukv.request.normalize_step``): a refused
         call raises a ``gpukv.errors`` class and changes nothing."""
         step = self._normalize(finished, running, new)
+        self._begin_changes()
         with self._counting():
             return self._step(list(step.finished), list(step.running), list(step.new))
 
@@ -547,7 +560,12 @@ class DeviceManager(FailStop):
         running request's. ``new_token_ids``: ``[B]``, ``[B, k]``, or None
         (``k = 0``: the rows only continue a chunked prefill); a tensor on
         the manager's CUDA device (a model runner's sampled tokens) is read
-        only by the device; anything else is checked on the host.
+        only by the device, which checks each id is in ``[0, 2**32)``: an id
+        out of range is never cached (``kernels/decode.py``: ``POISON``) and
+        stops the manager at the step's read, or the next step's when this
+        one reads nothing (a fault: the step has changed state by then).
+        Anything else (lists, numpy, CPU tensors) is checked on the host, as
+        ``step()``'s tokens are, before anything changes.
         ``num_tokens_to_compute``: None (each row computes every known token)
         or one chunk per row; ``num_lookahead_tokens``: slots reserved beyond
         the computed tokens (speculative decoding), never cached.
@@ -567,12 +585,13 @@ class DeviceManager(FailStop):
         num_tokens = self._rows.num_tokens[rows_np]
         check_decode_lengths(num_tokens, k, self._limits)
         chunks, lookahead = None, 0
-        if num_tokens_to_compute is not None or num_lookahead_tokens != 0:
+        if num_tokens_to_compute is not None or type(num_lookahead_tokens) is not int or num_lookahead_tokens != 0:
             computed = self._rows.num_computed[rows_np]
             chunks, lookahead = normalize_decode_chunks(num_tokens_to_compute, num_tokens + k - computed, computed,
                                                         num_lookahead_tokens, self._limits)
         if not len(rows_np):
             return StepResult()
+        self._begin_changes()
         with self._counting():
             plan = self.plan_decode(rows_np, k, num_tokens, chunks=chunks, lookahead=lookahead)
             bufs = self.stage_decode(plan, tokens)
@@ -664,9 +683,9 @@ class DeviceManager(FailStop):
         self._staging.upload(plan.packed, out=bufs.plan)
         B = len(plan.rows)
         if isinstance(tokens, torch.Tensor):
-            bufs.new_tokens[:B].copy_(tokens)  # int64 ids wrap to their uint32 bits in int32
+            bufs.new_tokens[:B].copy_(tokens)  # as int64 (int32 sign-extended): decode_fit checks the range
         else:
-            self._staging.upload(as_int32_tokens(tokens), out=bufs.new_tokens)
+            self._staging.upload(tokens, out=bufs.new_tokens)  # int64, checked on the host
         return bufs
 
     def launch_decode(self, bucket: tuple, bufs: DecodeBuffers) -> None:
@@ -683,7 +702,8 @@ class DeviceManager(FailStop):
                          scratch=bufs.release_scratch, workspace=bufs.release_workspace)
         decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
                               v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
-                              tokens=self._rows.tokens, fq_counters=pool.free_queue.counters, count=bufs.count,
+                              tokens=self._rows.tokens, extras=self._rows.extras,
+                              fq_counters=pool.free_queue.counters, count=bufs.count,
                               status=bufs.status, num_groups=self.num_groups, block_size=self.block_size)
         grp, row, pos, want, rank = v["alloc"]
         pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank,
@@ -704,7 +724,7 @@ class DeviceManager(FailStop):
             status = self._read(torch.cat([bufs.status, *parts]) if parts else bufs.status)
             if parts:
                 self._drained(status[decode_ops.NUM_STATUS:])
-            self._check_errors(status[decode_ops.ST_QUEUE_ERRORS])
+            self._check_errors(status[decode_ops.ST_QUEUE_ERRORS], "new_token_ids")
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
         done = plan.rows[:n_fit]
@@ -740,7 +760,7 @@ class DeviceManager(FailStop):
             off += size
         views["alloc"], views["record"] = views["alloc"].view(5, EA), views["record"].view(4, E)
         bufs = DecodeBuffers(
-            plan=plan, views=views, new_tokens=torch.zeros((BP, k), dtype=torch.int32, device=dev),
+            plan=plan, views=views, new_tokens=torch.zeros((BP, k), dtype=torch.int64, device=dev),
             count=torch.zeros(1, dtype=torch.int64, device=dev),
             status=torch.zeros(decode_ops.NUM_STATUS, dtype=torch.int64, device=dev),
             popped=torch.zeros(EA, dtype=torch.int32, device=dev),
@@ -753,10 +773,13 @@ class DeviceManager(FailStop):
 
     # -------------------------------------------------------------- internals
     def _state(self, request_id: str) -> int:
-        """The row of a running request (or UnknownRequestError)."""
+        """The row of a running request (InvalidTypeError for an id that is
+        not a plain str, UnknownRequestError for one not held)."""
+        if type(request_id) is not str:
+            raise request_id_type_error(request_id, "request_id")
         try:
             return self._reqs[request_id]
-        except (KeyError, TypeError):
+        except KeyError:
             raise unknown_request(request_id) from None
 
     def _num_blocks(self, row: int) -> int:
@@ -779,7 +802,31 @@ class DeviceManager(FailStop):
         self.counters.d2h += 1
         return t.cpu().tolist()
 
-    def _check_errors(self, queue_errors: int) -> None:
+    def _device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token
+        tensors (``step()``'s and lookups' tokens on the device, which the
+        host never reads) is outside ``[0, 2**32)``, else 0. A step ORs it
+        into the free queue's sticky error word, which its read raises
+        (``_check_errors``); a lookup reads it with the hit. A few torch
+        operations per tensor, only on this path (the batched decode checks
+        in its kernel)."""
+        bad = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for t in tensors:
+            out = (t < 0).any() if t.dtype == torch.int32 else (torch.bitwise_right_shift(t, 32) != 0).any()
+            bad.bitwise_or_(out.to(torch.int64) * decode_ops.ERR_BAD_TOKEN)
+        return bad
+
+    def _check_errors(self, queue_errors: int, tokens_argument: str = "token_ids") -> None:
+        """Raise when the free queue's sticky error word (as a read brought
+        it) is set: ``ERR_BAD_TOKEN`` (token ids on the device out of range;
+        an input error, but found after the step changed state, so a fault)
+        or a kernel's broken contract."""
+        if queue_errors & decode_ops.ERR_BAD_TOKEN:
+            raise InvalidInputError(
+                "token ids handed over on the device were outside [0, 2**32) (negative, or past uint32), in this "
+                "step or an earlier one that read nothing; a step's read finds them only after the step changed "
+                "state, so the manager stops (no call returned a hit on them)", argument=tokens_argument,
+                fix="hand over only ids in [0, 2**32) (check the sampler's output, e.g. no -1 placeholders)")
         if queue_errors:
             raise RuntimeError(f"free-queue error flags {queue_errors:#x} set on the device: a kernel broke the "
                                "queue's contract (a bug; the manager stops)")
@@ -816,6 +863,7 @@ class DeviceManager(FailStop):
         oldest first; empty unless built with ``enable_kv_cache_events``. A
         batch is made at each read of the step status; events of steps that
         read nothing (a decode the host proved fits) are read here, one read."""
+        self._begin_changes()
         if self._events is not None and self._events.bound:
             with self._counting():
                 self._drained(self._read(torch.cat(self._drain_parts())))
@@ -880,7 +928,7 @@ class DeviceManager(FailStop):
             status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64)]
         # The one device-to-host read of the step (none when nothing is unknown).
         host = None
-        if new or (run is not None and not run["fits_known"]):
+        if new or (run is not None and run["read"]):
             host = self._read_step_status(status_parts)
         result = StepResult()
         pos = 0
@@ -923,6 +971,9 @@ class DeviceManager(FailStop):
         if self._window_groups:
             self._release_behind_windows(rows)
         adds = [u.new_token_ids for u in running]
+        on_device = [a for a in adds if isinstance(a, torch.Tensor)]
+        if on_device:  # checked on the device; the step reads (below) to raise if one was out of range
+            self.pool.free_queue.counter("error").bitwise_or_(self._device_tokens_bad(on_device))
         n = self._rows.num_tokens[rows]
         n_after = n + np.array([len(a) for a in adds], dtype=np.int64)
         c0 = self._rows.num_computed[rows]
@@ -956,7 +1007,7 @@ class DeviceManager(FailStop):
             self._cache_blocks(r_grp, r_row, r_pos, r_upd < n_ok_32)
             self._expect_events(len(rec))
         return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
-                "n_ok": n_ok_dev}
+                "n_ok": n_ok_dev, "read": not fits_known or bool(on_device)}
 
     def _updates_that_fit(self, cum: np.ndarray, blocked) -> tuple:
         """How many updates, in order, get their blocks (``cum``: blocks needed
@@ -1082,8 +1133,14 @@ class DeviceManager(FailStop):
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
             caps = [0] if not self.enable_caching else None if hit_cap is None else [hit_cap]
             _, hit, cache = self._admit_new([request], [row], blocked, caps, dry=True)
-            n = int(self._read(hit)[0])
+            if isinstance(request.token_ids, torch.Tensor):  # checked on the device: the verdict rides with the hit
+                bad = self._device_tokens_bad([request.token_ids])
+                n, errors = self._read(torch.cat([hit.to(torch.int64), bad]))
+                self._check_errors(errors, "request.token_ids")  # before any change: a refusal
+            else:
+                n = int(self._read(hit)[0])
             if count_stats:
+                self._begin_changes()  # get_computed_blocks' point of first change
                 self._count_lookups([request], [n])
             blocks = self._read(cache[0, :n].T) if n else [[] for _ in range(self.num_groups)]
         finally:
@@ -1104,6 +1161,9 @@ class DeviceManager(FailStop):
         plan = plan_admission(new, rows, self.block_size, hit_caps, self._admission_plans)
         bufs = self._admission_buffers(plan.bucket)
         self._staging.upload(plan.packed, out=bufs.plan)
+        if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``_lookup_only``)
+            errors = self.pool.free_queue.counter("error")
+            errors.bitwise_or_(self._device_tokens_bad([t for _, t in plan.device_tokens]))
         for off, t in plan.device_tokens:
             bufs.views["tokens"][off: off + t.numel()].copy_(t)  # int64 ids wrap to their uint32 bits
         self._replayed(bufs.prepared, "rows", lambda: prefill_ops.write_rows(bufs.views, tokens=self._rows.tokens,

@@ -56,8 +56,10 @@ from gpukv.request import (
     apply_allocate_args,
     blocks_after_admission,
     check_computed_for,
+    check_count,
     check_decode_lengths,
     check_memory,
+    check_request_ids,
     check_size,
     normalize_computed,
     normalize_decode_chunks,
@@ -66,6 +68,7 @@ from gpukv.request import (
     normalize_step,
     normalize_token_ids,
     normalize_windows,
+    request_id_type_error,
     resolve_key,
     token_array_for_host,
     unknown_request,
@@ -454,7 +457,7 @@ class ReferenceManager(FailStop):
         the device manager gives them (M = blocks per request at
         ``max_model_len``, or the most any of them holds without a limit;
         positions past a request's blocks hold 0)."""
-        states = [self._state(r) for r in request_ids]
+        states = [self._requests[r] for r in check_request_ids(request_ids, "request_ids", self._requests)]
         if self.max_model_len is not None:
             width = -(-self.max_model_len // self.block_size)
         else:
@@ -473,12 +476,13 @@ class ReferenceManager(FailStop):
         that does not. A sliding-window group gives 0 (cascade attention
         needs full attention)."""
         st = self._state(request_id)
+        count = check_count(num_running_requests, "num_running_requests")
         out = []
         for g, window in enumerate(self.sliding_windows):
             n = 0
             if window is None:
                 for b in st.blocks[g]:
-                    if self.pool.ref_cnt[b] != num_running_requests:
+                    if self.pool.ref_cnt[b] != count:
                         break
                     n += 1
             out.append(n)
@@ -508,6 +512,7 @@ class ReferenceManager(FailStop):
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Hand out the stats gathered since the last call and start afresh."""
+        self._begin_changes()
         stats, self.stats = self.stats, PrefixCacheStats()
         return stats
 
@@ -515,6 +520,7 @@ class ReferenceManager(FailStop):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, when no request holds a block (else
         False, nothing changed)."""
+        self._begin_changes()
         ok = self.pool.reset_prefix_cache()
         if ok and self._event_log is not None:
             self._event_log.append(AllBlocksCleared())
@@ -526,6 +532,7 @@ class ReferenceManager(FailStop):
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes nothing else."""
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
+        self._begin_changes()  # the lookup remembers digests and counts in the stats
         plan = self._plan(self._new_state(request), [])
         self._remember_digests(plan.state)
         self._count_lookup(plan)
@@ -568,9 +575,11 @@ class ReferenceManager(FailStop):
         if computed is not None:
             raise InvalidInputError("computed blocks are for new requests only", argument="computed",
                                     fix="pass computed=None with a running request's id")
-        update = RunningUpdate(request, new_token_ids, num_tokens, num_lookahead_tokens or 0)
+        lookahead = 0 if num_lookahead_tokens is None else num_lookahead_tokens  # (checked next, not truth-tested)
+        update = RunningUpdate(request, new_token_ids, num_tokens, lookahead)
         (update,) = self._normalize((), [update], (), single=True).running
         num_before = [len(b) for b in self._state(request).blocks]
+        self._begin_changes()
         self._release_skipped(self._state(request))
         if not self._run(update):
             return None
@@ -581,6 +590,7 @@ class ReferenceManager(FailStop):
     def free(self, request_id: str) -> None:
         """Give back a request's blocks (tail first, group by group) and forget it."""
         (request_id,) = self._normalize([request_id], (), (), single=True).finished
+        self._begin_changes()
         self._free_request(request_id)
 
     @mutating
@@ -612,6 +622,7 @@ class ReferenceManager(FailStop):
         and changes nothing.
         """
         step = self._normalize(finished, running, new)
+        self._begin_changes()
         finished, running, new = step.finished, step.running, step.new
         for rid in finished:
             self._free_request(rid)
@@ -653,6 +664,7 @@ class ReferenceManager(FailStop):
         hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
         num_hit = hit_tokens // self.block_size
         self._check_computed(state, hits, num_hit)
+        self._begin_changes()  # (before it, only the digest memo was read: ``_new_state``)
         n_alloc = blocks_after_admission(num_hit, len(state.tokens), state.chunk, state.lookahead, self.block_size)
         plan = _Plan(state, num_hit, hits, (n_alloc - num_hit) * self.num_groups)
         need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
@@ -707,13 +719,14 @@ class ReferenceManager(FailStop):
                                              num_lookahead_tokens, self._limits)
         updates = [RunningUpdate(st.request_id, t, None if chunks is None else int(c), la)
                    for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths, strict=True)]
-        return self.step(running=updates)
+        return self.step(running=updates)  # (its point of first change is this call's)
 
     @mutating
     def take_events(self) -> list[KVEventBatch]:
         """The KV-cache event batches made since the last call (``gpukv.events``;
         one per call that changed the cache), oldest first; empty unless built
         with ``enable_kv_cache_events``."""
+        self._begin_changes()
         return self._event_queue.take()
 
     def _after_call(self) -> None:
@@ -740,9 +753,11 @@ class ReferenceManager(FailStop):
 
     # ------------------------------------------------------------- checking
     def _state(self, request_id: str) -> _RequestState:
+        if type(request_id) is not str:
+            raise request_id_type_error(request_id, "request_id")
         try:
             return self._requests[request_id]
-        except (KeyError, TypeError):
+        except KeyError:
             raise unknown_request(request_id) from None
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
@@ -750,7 +765,7 @@ class ReferenceManager(FailStop):
         return normalize_step(finished, running, new, known=self._requests, limits=self._limits,
                               num_tokens=lambda rid: len(self._requests[rid].tokens),
                               num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single,
-                              defer_admissible=defer_admissible)
+                              defer_admissible=defer_admissible, keep_device_tokens=False)
 
     def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
         if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):

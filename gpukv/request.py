@@ -15,7 +15,11 @@ Normalisation, done once per call:
   ``iter(...)``), which is materialised once, before anything is checked, so
   nothing is consumed twice or dropped. A str or bytes (``finished="ab"`` is
   not the ids "a" and "b"), None, a set or dict (their order is not the
-  caller's), an array or tensor, or any other object is refused.
+  caller's), an array or tensor, or any other object is refused. An exception
+  a caller's iterator raises while it is read is an ``InvalidInputError``
+  (``__cause__``: what it raised); ragged rows of token ids are refused.
+* Request ids are plain ``str``: a subclass (whose own hashing and equality
+  would decide which request it names) is refused.
 * Token ids become a fresh 1-D int64 numpy array (a copy: a caller that
   changes its list or array afterwards changes nothing in the manager), checked
   for kind, rank and range in one vectorised pass: a list goes through
@@ -24,8 +28,11 @@ Normalisation, done once per call:
   be 1-D, integer (not bool), each id in ``[0, 2**32)``. A tensor on a CUDA
   device (tokens a sampler just produced) must be 1-D int32 or int64 and is
   kept as it is, unread: reading it would stop the host until the GPU catches
-  up; its ids are taken modulo 2**32 (by both managers). Tensors on any other
-  device (``meta``, ...) are refused.
+  up; the device manager checks its ids on the device (an id outside
+  ``[0, 2**32)`` is never cached and stops the manager at the step's read:
+  ``docs/design.md``, "Errors and fail-stop"), the reference reads it and
+  checks it here (``keep_device_tokens=False``). Tensors on any other device
+  (``meta``, ...) are refused.
 * Everything a ``NewRequest`` carries is checked (request id, LoRA id in
   ``[0, 2**64)``, salt and multimodal hashes encodable as UTF-8, multimodal
   items inside the prompt and not overlapping, ``skip_prefix_cache`` a bool)
@@ -260,9 +267,26 @@ def as_list(value: Any, argument: str, items: str) -> list:
     if isinstance(value, (np.ndarray, torch.Tensor)):
         raise InvalidTypeError(f"got a {_type_name(value)}, expected a list of {items}", argument=argument, fix=fix)
     if isinstance(value, (Sequence, Iterator)):
-        return list(value)
+        return read_all(value, argument, items)
     raise InvalidTypeError(f"got {_type_name(value)} {_short(value)}, expected a list of {items}",
                            argument=argument, fix=fix)
+
+
+def read_all(value: Any, argument: str, items: str) -> list:
+    """``list(value)`` for a caller's sequence or iterator; an exception its
+    own code raises while being read (a generator that fails midway) is an
+    ``InvalidInputError`` naming ``argument``, with that exception as
+    ``__cause__`` (a ``KeyboardInterrupt`` is not caught)."""
+    try:
+        return list(value)
+    except Exception as e:
+        raise InvalidInputError(f"reading it raised {type(e).__name__}: {_short_text(e)}", argument=argument,
+                                fix=f"pass a list of {items}, or an iterator that does not raise") from e
+
+
+def _short_text(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else "(no message)"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ------------------------------------------------------------------- tokens
@@ -338,8 +362,10 @@ def _short_int_tokens(value: Any) -> np.ndarray | None:
 _JUST_INT = {int}
 
 
-def normalize_token_ids(value: Any, argument: str, request_id: str | None = None) -> np.ndarray | torch.Tensor:
-    """Token ids as a fresh 1-D int64 array (a CUDA tensor is kept, unread),
+def normalize_token_ids(value: Any, argument: str, request_id: str | None = None, *,
+                        keep_device: bool = True) -> np.ndarray | torch.Tensor:
+    """Token ids as a fresh 1-D int64 array (a CUDA tensor is kept, unread,
+    unless ``keep_device`` is False: the host manager reads and checks it),
     or an ``InvalidTypeError``/``InvalidInputError`` naming ``argument``."""
     fast = _short_int_tokens(value)
     if fast is not None:
@@ -355,7 +381,9 @@ def normalize_token_ids(value: Any, argument: str, request_id: str | None = None
                                     f"{tuple(value.shape)}", argument=argument,
                                     fix="pass one request's tokens as a 1-D tensor (one request per row)")
         if value.device.type == "cuda":
-            return value
+            if keep_device:
+                return value  # checked on the device (``DeviceManager``: a fault at the step's read)
+            value = value.cpu()  # the reference reads it (it runs on the host anyway)
         if value.device.type != "cpu":
             raise InvalidTypeError(f"{label}a token tensor on device {value.device} cannot be read",
                                    argument=argument, fix="pass it on the CPU or a CUDA device")
@@ -374,7 +402,7 @@ def normalize_token_ids(value: Any, argument: str, request_id: str | None = None
         raise InvalidTypeError(f"{label}token ids must be a sequence of ints, got {_type_name(value)}",
                                argument=argument, fix="pass a list, tuple, 1-D array or tensor of int token ids")
     if isinstance(value, (Sequence, Iterator)):
-        return _tokens_from_list(list(value), argument, label)
+        return _tokens_from_list(read_all(value, argument, "int token ids"), argument, label)
     raise InvalidTypeError(f"{label}token ids must be a sequence of ints, got {_type_name(value)}",
                            argument=argument, fix="pass a list, tuple, 1-D array or tensor of int token ids")
 
@@ -444,23 +472,23 @@ def _check_block_hashes(value: Any, argument: str, label: str, num_full: int) ->
                                 f"{len(digests)} of lengths {sorted(lengths)}", argument=argument, fix=fix)
 
 
-def normalize_new_request(r: Any, argument: str, block_size: int) -> tuple[NewRequest, bool]:
+def normalize_new_request(r: Any, argument: str, block_size: int, *,
+                          keep_device: bool = True) -> tuple[NewRequest, bool]:
     """A ``NewRequest`` checked on its own (no manager state) and normalised
     (see the module docstring); also whether it carried ``block_hashes``."""
     if not isinstance(r, NewRequest):
         raise InvalidTypeError(f"must be a NewRequest, got {_type_name(r)}", argument=argument,
                                fix="wrap each request in gpukv.NewRequest(request_id, token_ids, ...)")
     rid = r.request_id
-    if not isinstance(rid, str):
-        raise InvalidTypeError(f"request ids are non-empty strings, got {_type_name(rid)} {_short(rid)}",
-                               argument=f"{argument}.request_id", fix="pass a str request id")
+    if type(rid) is not str:
+        raise request_id_type_error(rid, f"{argument}.request_id")
     if not rid:
         raise InvalidInputError("request ids are non-empty strings, got ''", argument=f"{argument}.request_id",
                                 fix="pass a non-empty str request id")
     label = f"(request {rid!r}) "
     tokens: Any = _short_int_tokens(r.token_ids)  # the common case, without building the argument's name
     if tokens is None:
-        tokens = normalize_token_ids(r.token_ids, f"{argument}.token_ids", rid)
+        tokens = normalize_token_ids(r.token_ids, f"{argument}.token_ids", rid, keep_device=keep_device)
     n = len(tokens)
     if n == 0:
         raise InvalidInputError(f"{label}new request has no tokens", argument=f"{argument}.token_ids",
@@ -572,14 +600,39 @@ def unknown_request(rid: Any, argument: str = "request_id") -> UnknownRequestErr
                                argument=argument, fix="pass the id of a request this manager holds")
 
 
+def request_id_type_error(rid: Any, argument: str) -> InvalidTypeError:
+    """The one error for a request id that is not a plain ``str``: another
+    type, or a ``str`` subclass (its own hashing and equality, which may
+    fail or disagree with the str's, would decide which request it names)."""
+    if isinstance(rid, str):
+        return InvalidTypeError(f"request ids are plain str, got an instance of the str subclass {_type_name(rid)}",
+                                argument=argument, fix="pass a plain str id (e.g. str.__str__(request_id))")
+    return InvalidTypeError(f"request ids are str, got {_type_name(rid)} {_short(rid)}", argument=argument,
+                            fix="pass the request's str id")
+
+
 def check_request_id(rid: Any, argument: str, known: Container[str]) -> str:
-    """A request id the manager holds, or raise naming ``argument``."""
-    if not isinstance(rid, str):
-        raise InvalidTypeError(f"request ids are str, got {_type_name(rid)} {_short(rid)}", argument=argument,
-                               fix="pass the request's str id")
+    """A request id (a plain ``str``) the manager holds, or raise naming ``argument``."""
+    if type(rid) is not str:
+        raise request_id_type_error(rid, argument)
     if rid not in known:
         raise unknown_request(rid, argument)
     return rid
+
+
+def check_request_ids(value: Any, argument: str, known: Container[str]) -> list[str]:
+    """A list of request ids the manager holds (a sequence or iterator, not
+    a str), each checked as ``check_request_id`` does."""
+    ids = as_list(value, argument, "request ids (str)")
+    for i, rid in enumerate(ids):
+        check_request_id(rid, f"{argument}[{i}]", known)
+    return ids
+
+
+def check_count(value: Any, argument: str) -> int:
+    """A count (an int >= 0): ``get_num_common_prefix_blocks``' number of
+    running requests."""
+    return check_int(value, argument, minimum=0, fix="pass how many requests are running (an int >= 0)")
 
 
 def _warn_block_hashes() -> None:
@@ -618,6 +671,7 @@ def normalize_step(
     num_computed: Callable[[str], int] | None = None,
     single: bool = False,
     defer_admissible: bool = False,
+    keep_device_tokens: bool = True,
 ) -> Step:
     """Check and normalise one call's arguments against a manager that holds
     the requests ``known`` (``num_tokens(rid)``: how many tokens one holds, for
@@ -630,14 +684,17 @@ def normalize_step(
     as a one-element ``finished``/``running``/``new``; messages then name
     those arguments (``request_id``, ``request``, ``new_token_ids``).
     ``defer_admissible``: leave ``check_admissible`` to the caller
-    (``allocate_slots`` first applies its own chunk and lookahead)."""
+    (``allocate_slots`` first applies its own chunk and lookahead).
+    ``keep_device_tokens``: keep token tensors on a CUDA device unread (the
+    device manager checks them on the device); False reads and checks them
+    here (the reference)."""
     name = _SingleCallNames() if single else _batch_name
     fin = as_list(finished, "finished", "request ids (str)")
     run = as_list(running, "running", "RunningUpdate")
     nw = as_list(new, "new", "NewRequest")
     done = _checked_finished(fin, known, name)
-    updates = _checked_updates(run, done, known, limits, num_tokens, num_computed, name)
-    requests = _checked_new_requests(nw, known, limits, defer_admissible, name)
+    updates = _checked_updates(run, done, known, limits, num_tokens, num_computed, name, keep_device_tokens)
+    requests = _checked_new_requests(nw, known, limits, defer_admissible, name, keep_device_tokens)
     return Step(tuple(fin), tuple(updates), tuple(requests))
 
 
@@ -675,7 +732,7 @@ def _checked_finished(fin: list, known: Container[str], name: Callable[..., str]
 
 def _checked_updates(run: list, done: set[str], known: Container[str], limits: ManagerLimits,
                      num_tokens: Callable[[str], int] | None, num_computed: Callable[[str], int] | None,
-                     name: Callable[..., str]) -> list[RunningUpdate]:
+                     name: Callable[..., str], keep_device: bool = True) -> list[RunningUpdate]:
     """Running updates: each a held request's, not finished, once per step,
     its tokens checked and within ``max_model_len``, its chunk and lookahead
     checked."""
@@ -697,7 +754,7 @@ def _checked_updates(run: list, done: set[str], known: Container[str], limits: M
             raise DuplicateRequestError(f"request {rid!r} has two running updates in one step",
                                         argument=name("running", i), fix="merge its tokens into one RunningUpdate")
         seen.add(rid)
-        tokens = _update_tokens(u.new_token_ids, rid, name, i)
+        tokens = _update_tokens(u.new_token_ids, rid, name, i, keep_device)
         if max_model_len is not None and num_tokens is not None:
             total = num_tokens(rid) + len(tokens)
             if total > max_model_len:
@@ -705,7 +762,7 @@ def _checked_updates(run: list, done: set[str], known: Container[str], limits: M
                                     f"{max_model_len}", argument=name("running", i, "new_token_ids"),
                                     fix="finish the request instead")
         chunk, lookahead = u.num_tokens_to_compute, u.num_lookahead_tokens
-        if chunk is not None or lookahead != 0:
+        if chunk is not None or type(lookahead) is not int or lookahead != 0:  # (an array is no int: checked)
             chunk, lookahead = _check_running_chunk(u, rid, len(tokens), limits, num_tokens, num_computed,
                                                     name("running", i, "num_tokens_to_compute"),
                                                     name("running", i, "num_lookahead_tokens"))
@@ -713,7 +770,7 @@ def _checked_updates(run: list, done: set[str], known: Container[str], limits: M
     return updates
 
 
-def _update_tokens(tokens: Any, rid: str, name: Callable[..., str], i: int) -> Any:
+def _update_tokens(tokens: Any, rid: str, name: Callable[..., str], i: int, keep_device: bool = True) -> Any:
     """Update ``i``'s new tokens, normalised (a short list of plain ints in
     range, a decode step's usual case, takes a loop, not the general path)."""
     if type(tokens) is list and len(tokens) <= _SHORT_TOKENS:  # _short_int_tokens, inlined for decode steps
@@ -722,18 +779,18 @@ def _update_tokens(tokens: Any, rid: str, name: Callable[..., str], i: int) -> A
                 break
         else:
             return np.array(tokens, _INT64)
-    return normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid)
+    return normalize_token_ids(tokens, name("running", i, "new_token_ids"), rid, keep_device=keep_device)
 
 
 def _checked_new_requests(nw: list, known: Container[str], limits: ManagerLimits, defer_admissible: bool,
-                          name: Callable[..., str]) -> list[NewRequest]:
+                          name: Callable[..., str], keep_device: bool = True) -> list[NewRequest]:
     """New requests: each normalised, its id new, within ``max_model_len``,
     admissible (unless deferred); warns once for deprecated digests."""
     requests = []
     seen: set[str] = set()
     warn = False
     for i, r in enumerate(nw):
-        req, given = normalize_new_request(r, name("new", i), limits.block_size)
+        req, given = normalize_new_request(r, name("new", i), limits.block_size, keep_device=keep_device)
         warn |= given
         rid = req.request_id
         if rid in known or rid in seen:
@@ -956,7 +1013,12 @@ def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
         items = as_list(value, "rows", "rows")
         if any(type(x) is not int and not isinstance(x, np.integer) for x in items):
             raise InvalidTypeError("rows must be ints", argument="rows", fix=fix)
-        rows = np.array(items, dtype=np.int64).reshape(-1)
+        try:
+            rows = np.array(items, dtype=np.int64).reshape(-1)
+        except OverflowError:  # an int beyond int64 (only on this error path: find it)
+            i = next(i for i, x in enumerate(items) if not -2**63 <= int(x) < 2**63)
+            raise InvalidInputError(f"rows[{i}] = {int(items[i])} is not the row of a running request",
+                                    argument="rows", fix=fix) from None
     if rows.size:
         # One pass for the common case; the slow path only finds what to report.
         if int(rows.min()) >= 0 and int(rows.max()) < len(in_use) and in_use[rows].all():
@@ -976,33 +1038,63 @@ def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
 
 def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | None) -> np.ndarray | torch.Tensor:
     """A decode's new tokens as ``[num_rows, k]`` (k >= 0 tokens per row;
-    None is ``k = 0``: the rows only continue a chunked prefill): a tensor on
-    the manager's device is kept unread (ids taken modulo 2**32); anything
-    else becomes a checked int64 array."""
+    None is ``k = 0``: the rows only continue a chunked prefill).
+
+    Tokens on the host (a list, a numpy array, a CPU tensor) are checked here
+    as ``step()``'s are (ints, each in ``[0, 2**32)``) and become a fresh int64
+    array. A tensor on the manager's CUDA device (``device``; a model
+    runner's sampled tokens) is kept unread: reading it would stop the host
+    until the GPU catches up; the decode kernel checks its range on the
+    device (``DeviceManager.decode``). Under Triton's interpreter the
+    manager's device is the CPU: a CPU tensor is checked here and also kept
+    as a tensor (it needs no upload). A tensor on another CUDA device is read
+    and checked here; on any other device it is refused."""
     fix = "pass one row of new token ids per request, as a [B] or [B, k] tensor or array (None: no new token)"
     if value is None:
         return np.zeros((num_rows, 0), dtype=np.int64)
-    tokens: Any  # a device tensor (read by the device only) or a checked host array
-    if isinstance(value, torch.Tensor) and device is not None and value.device == device:
+    if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
                                    argument="new_token_ids", fix=fix)
-        tokens = value if value.dim() == 2 else value.reshape(-1, 1) if value.dim() == 1 else None
-    else:
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in (torch.int32, torch.int64):
-                raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
-                                       argument="new_token_ids", fix=fix)
-            value = value.detach().cpu().numpy()
-        arr = value if isinstance(value, np.ndarray) else np.asarray(as_list(value, "new_token_ids", "token ids"))
-        if arr.dtype.kind not in "iu":
-            raise InvalidTypeError(f"new_token_ids must be ints, got {arr.dtype}", argument="new_token_ids", fix=fix)
-        tokens = arr if arr.ndim == 2 else arr.reshape(-1, 1) if arr.ndim == 1 else None
-        if tokens is not None:
-            tokens = _checked_int_array(tokens.reshape(-1), "new_token_ids", "").reshape(tokens.shape)
-    if tokens is None or tokens.shape[0] != num_rows:
-        shape = tuple(value.shape) if hasattr(value, "shape") else "?"
-        raise InvalidInputError(f"new_token_ids has shape {shape}, want [{num_rows}] or [{num_rows}, k]",
+        kind = value.device.type
+        if device is not None and value.device == device:
+            if kind == "cpu":  # the interpreter's device is the host: check it here, keep the tensor
+                checked = _decode_token_rows(value.detach().numpy(), num_rows, fix, copy=False)
+                return value.detach().reshape(checked.shape)
+            tokens = value if value.dim() == 2 else value.reshape(-1, 1) if value.dim() == 1 else None
+            if tokens is None or tokens.shape[0] != num_rows:
+                raise InvalidInputError(f"new_token_ids has shape {tuple(value.shape)}, want [{num_rows}] or "
+                                        f"[{num_rows}, k]", argument="new_token_ids", fix=fix)
+            return tokens  # range-checked by the decode kernel, on the device
+        if kind not in ("cpu", "cuda"):
+            raise InvalidTypeError(f"new_token_ids on device {value.device} cannot be read",
+                                   argument="new_token_ids", fix="pass them on the CPU or the manager's device")
+        return _decode_token_rows(value.detach().cpu().numpy(), num_rows, fix)
+    if isinstance(value, np.ndarray):
+        return _decode_token_rows(value, num_rows, fix)
+    items = as_list(value, "new_token_ids", "token ids")
+    try:
+        arr = np.asarray(items)
+    except (ValueError, TypeError, OverflowError):  # numpy refuses ragged rows ([[8, 9], [10]])
+        raise InvalidInputError("is ragged: its rows hold different numbers of token ids",
+                                argument="new_token_ids", fix=fix) from None
+    if arr.dtype.kind == "O" and arr.ndim in (1, 2):  # ints beyond int64, or not ints: find and name one
+        flat = _tokens_from_list(arr.ravel().tolist(), "new_token_ids", "")
+        arr = flat.reshape(arr.shape)
+    return _decode_token_rows(arr, num_rows, fix)
+
+
+def _decode_token_rows(arr: np.ndarray, num_rows: int, fix: str, copy: bool = True) -> np.ndarray:
+    """A host array of a decode's new tokens, checked (integer, ``[B]`` or
+    ``[B, k]``, ids in ``[0, 2**32)``) and as ``[num_rows, k]`` int64 (a
+    fresh copy unless ``copy`` is False)."""
+    if arr.dtype.kind not in "iu":
+        raise InvalidTypeError(f"new_token_ids must be ints, got {arr.dtype}", argument="new_token_ids", fix=fix)
+    tokens: np.ndarray | None = arr if arr.ndim == 2 else arr.reshape(-1, 1) if arr.ndim == 1 else None
+    if tokens is not None:
+        tokens = _checked_int_array(tokens.reshape(-1), "new_token_ids", "", copy=copy).reshape(tokens.shape)
+    if tokens is None or len(tokens) != num_rows:
+        raise InvalidInputError(f"new_token_ids has shape {tuple(arr.shape)}, want [{num_rows}] or [{num_rows}, k]",
                                 argument="new_token_ids", fix=fix)
     return tokens
 
@@ -1074,7 +1166,15 @@ def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndar
                 raise InvalidTypeError(f"num_tokens_to_compute must be on the host, got a tensor on {value.device}",
                                        argument="num_tokens_to_compute", fix=fix)
             value = value.numpy()
-        arr = value if isinstance(value, np.ndarray) else np.asarray(as_list(value, "num_tokens_to_compute", "ints"))
+        if isinstance(value, np.ndarray):
+            arr = value
+        else:
+            items = as_list(value, "num_tokens_to_compute", "ints")
+            try:
+                arr = np.asarray(items)
+            except (ValueError, TypeError, OverflowError):  # ragged ([[1], [2, 3]])
+                raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got a ragged list",
+                                       argument="num_tokens_to_compute", fix=fix) from None
         if arr.dtype.kind not in "iu" or arr.shape != remaining.shape:
             raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got {arr.dtype} of shape "
                                    f"{arr.shape}", argument="num_tokens_to_compute", fix=fix)

@@ -151,6 +151,32 @@ def gen(*items):
     return (x for x in items)
 
 
+class CallerBug(Exception):
+    """What a caller's own iterator raises midway (never raised by gpukv)."""
+
+
+def raising(*items):
+    """A caller's generator that yields ``items`` and then fails."""
+    yield from items
+    raise CallerBug("the caller's generator failed midway")
+
+
+class UnhashableId(str):
+    """A request-id str subclass that cannot be hashed."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class OddId(str):
+    """A request-id str subclass that hashes and compares like nothing else."""
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        return True
+
+
 def raw_mm(offset, length, hash_):
     """An MMItem built without its own checks (a caller can always do this):
     the managers must check what they are handed, not trust the type."""
@@ -377,11 +403,119 @@ CASES = [
     ("allocate-int-request", lambda m: m.allocate_slots(5), InvalidTypeError, "request"),
     ("allocate-running-with-computed", lambda m: m.allocate_slots("a", [1], computed=ComputedBlocks([[], []], 0)),
      InvalidInputError, "computed"),
+    # --- issue 18: the decode entry checks host tokens as step() does (a host
+    # tensor's 2**32 + 5 once hashed as 5 on the device: a false hit)
+    ("decode-host-tensor-2**32+5", lambda m: m.decode([m.row_of("a")], torch.tensor([2**32 + 5])),
+     InvalidInputError, "new_token_ids"),
+    ("decode-host-tensor-negative", lambda m: m.decode([m.row_of("a")], torch.tensor([-1])),
+     InvalidInputError, "new_token_ids"),
+    ("decode-host-tensor-2**40", lambda m: m.decode([m.row_of("a")], torch.tensor([2**40])),
+     InvalidInputError, "new_token_ids"),
+    ("decode-host-int32-tensor-negative", lambda m: m.decode([m.row_of("a")], torch.tensor([-5], dtype=torch.int32)),
+     InvalidInputError, "new_token_ids"),
+    ("decode-host-2d-tensor-one-bad", lambda m: m.decode([m.row_of("a"), m.row_of("b")], torch.tensor([[7], [2**32]])),
+     InvalidInputError, "new_token_ids"),
+    ("decode-numpy-2**40", lambda m: m.decode([m.row_of("a")], np.array([2**40])), InvalidInputError,
+     "new_token_ids"),
+    ("decode-list-2**32", lambda m: m.decode([m.row_of("a")], [2**32]), InvalidInputError, "new_token_ids"),
+    ("decode-list-2**70", lambda m: m.decode([m.row_of("a")], [2**70]), InvalidInputError, "new_token_ids"),
+    ("decode-list-str-token", lambda m: m.decode([m.row_of("a")], ["x"]), InvalidTypeError, "new_token_ids"),
+    ("decode-float-tensor", lambda m: m.decode([m.row_of("a")], torch.tensor([1.0])), InvalidTypeError,
+     "new_token_ids"),
+    ("decode-meta-tensor", lambda m: m.decode([m.row_of("a")], torch.tensor([1], device="meta")),
+     InvalidTypeError, "new_token_ids"),
+    # --- issue 18: a mistake in a call is a refusal, not a fault
+    ("step-unknown-keyword", lambda m: m.step(bogus=1), InvalidTypeError, "bogus"),
+    ("step-fourth-positional", lambda m: m.step((), (), (), ()), InvalidTypeError, "step"),
+    ("step-finished-twice-by-keyword", lambda m: m.step((), finished=()), InvalidTypeError, "finished"),
+    ("free-no-argument", lambda m: m.free(), InvalidTypeError, "request_id"),
+    ("decode-without-tokens", lambda m: m.decode([m.row_of("a")]), InvalidTypeError, "new_token_ids"),
+    ("decode-chunks-by-position", lambda m: m.decode([m.row_of("a")], [7], [1]), InvalidTypeError, "decode"),
+    ("take-events-argument", lambda m: m.take_events(1), InvalidTypeError, "take_events"),
+    ("allocate-unknown-keyword", lambda m: m.allocate_slots("a", tokens=[7]), InvalidTypeError, "tokens"),
+    ("get-computed-blocks-no-argument", lambda m: m.get_computed_blocks(), InvalidTypeError, "request"),
+    ("reset-prefix-cache-argument", lambda m: m.reset_prefix_cache(True), InvalidTypeError, "reset_prefix_cache"),
+    ("stats-keyword", lambda m: m.make_prefix_cache_stats(reset=True), InvalidTypeError, "reset"),
+    ("get-block-ids-no-argument", lambda m: m.get_block_ids(), InvalidTypeError, "request_id"),
+    ("row-of-two-arguments", lambda m: m.row_of("a", "b"), InvalidTypeError, "row_of"),
+    # ragged containers
+    ("decode-ragged-tokens", lambda m: m.decode([m.row_of("a"), m.row_of("b")], [[8, 9], [10]]),
+     InvalidInputError, "new_token_ids"),
+    ("decode-ragged-mixed-tokens", lambda m: m.decode([m.row_of("a"), m.row_of("b")], [[8], 9]),
+     InvalidInputError, "new_token_ids"),
+    ("decode-ragged-chunks",
+     lambda m: m.decode([m.row_of("a"), m.row_of("b")], [[8], [9]], num_tokens_to_compute=[[1], [2, 3]]),
+     InvalidTypeError, "num_tokens_to_compute"),
+    ("decode-rows-past-int64", lambda m: m.decode([2**70], [7]), InvalidInputError, "rows"),
+    # counts handed as arrays (once truth-tested before being checked: numpy's ValueError, a fault)
+    ("allocate-lookahead-array", lambda m: m.allocate_slots("a", [7], num_lookahead_tokens=np.array([1, 2])),
+     InvalidTypeError, "num_lookahead_tokens"),
+    ("decode-lookahead-array", lambda m: m.decode([m.row_of("a")], [7], num_lookahead_tokens=np.array([1, 2])),
+     InvalidTypeError, "num_lookahead_tokens"),
+    ("running-lookahead-array", lambda m: m.step(running=[RunningUpdate("a", [7], None, np.array([1, 2]))]),
+     InvalidTypeError, "running[0].num_lookahead_tokens"),
+    ("tokens-nested-ragged", tok([[1, 2], [3]]), InvalidTypeError, "new[0].token_ids"),
+    # unhashable or odd request ids
+    ("new-unhashable-id", new(request_id=UnhashableId("u")), InvalidTypeError, "new[0].request_id"),
+    ("new-odd-id", new(request_id=OddId("u")), InvalidTypeError, "new[0].request_id"),
+    ("finished-unhashable-id", lambda m: m.step(finished=[UnhashableId("a")]), InvalidTypeError, "finished[0]"),
+    ("finished-odd-id", lambda m: m.step(finished=[OddId("zz")]), InvalidTypeError, "finished[0]"),
+    ("running-unhashable-id", lambda m: m.step(running=[RunningUpdate(UnhashableId("a"), [7])]), InvalidTypeError,
+     "running[0].request_id"),
+    ("free-unhashable-id", lambda m: m.free(UnhashableId("a")), InvalidTypeError, "request_id"),
+    ("allocate-unhashable-id", lambda m: m.allocate_slots(UnhashableId("a"), [7]), InvalidTypeError, "request"),
+    ("get-block-ids-unhashable-id", lambda m: m.get_block_ids(UnhashableId("a")), InvalidTypeError, "request_id"),
+    ("row-of-odd-id", lambda m: m.row_of(OddId("zz")), InvalidTypeError, "request_id"),
+    ("row-of-int-id", lambda m: m.row_of(0), InvalidTypeError, "request_id"),
+    ("num-computed-unhashable-id", lambda m: m.num_computed_tokens(UnhashableId("a")), InvalidTypeError,
+     "request_id"),
+    ("block-hashes-list-id", lambda m: m.block_hashes(["a"]), InvalidTypeError, "request_id"),
+    # a caller's iterator that raises midway
+    ("finished-generator-raises", lambda m: m.step(finished=raising("a")), InvalidInputError, "finished"),
+    ("running-generator-raises", lambda m: m.step(running=raising(RunningUpdate("a", [7]))), InvalidInputError,
+     "running"),
+    ("new-generator-raises", lambda m: m.step(new=raising(NewRequest("n", [1, 2]))), InvalidInputError, "new"),
+    ("tokens-generator-raises", lambda m: m.step(new=[NewRequest("n", raising(1, 2, 3))]), InvalidInputError,
+     "new[0].token_ids"),
+    ("running-tokens-generator-raises", lambda m: m.step(running=[RunningUpdate("a", raising(7))]),
+     InvalidInputError, "running[0].new_token_ids"),
+    ("finish-then-tokens-generator-raises",
+     lambda m: m.step(finished=["a"], new=[NewRequest("n", raising(1, 2, 3))]), InvalidInputError,
+     "new[0].token_ids"),
+    ("mm-generator-raises", lambda m: m.step(new=[NewRequest("n", [1, 2, 3], mm_items=raising())]),
+     InvalidInputError, "new[0].mm_items"),
+    ("decode-rows-generator-raises", lambda m: m.decode(raising(m.row_of("a")), [7]), InvalidInputError, "rows"),
+    ("decode-tokens-generator-raises", lambda m: m.decode([m.row_of("a")], raising(7)), InvalidInputError,
+     "new_token_ids"),
+    ("decode-chunks-generator-raises",
+     lambda m: m.decode([m.row_of("a")], [7], num_tokens_to_compute=raising(1)), InvalidInputError,
+     "num_tokens_to_compute"),
+    ("allocate-tokens-generator-raises", lambda m: m.allocate_slots("a", raising(7)), InvalidInputError,
+     "new_token_ids"),
+    ("get-computed-blocks-tokens-generator-raises",
+     lambda m: m.get_computed_blocks(NewRequest("n", raising(1, 2, 3))), InvalidInputError, "request.token_ids"),
+    ("block-table-for-generator-raises", lambda m: m.block_table_for(raising("a")), InvalidInputError,
+     "request_ids"),
+    # where the two managers disagreed
+    ("common-prefix-str-count", lambda m: m.get_num_common_prefix_blocks("a", "2"), InvalidTypeError,
+     "num_running_requests"),
+    ("common-prefix-float-count", lambda m: m.get_num_common_prefix_blocks("a", 2.0), InvalidTypeError,
+     "num_running_requests"),
+    ("common-prefix-bool-count", lambda m: m.get_num_common_prefix_blocks("a", True), InvalidTypeError,
+     "num_running_requests"),
+    ("common-prefix-negative-count", lambda m: m.get_num_common_prefix_blocks("a", -1), InvalidInputError,
+     "num_running_requests"),
+    ("common-prefix-unknown", lambda m: m.get_num_common_prefix_blocks("zz", 1), UnknownRequestError, "request_id"),
+    ("block-table-for-str", lambda m: m.block_table_for("ab"), InvalidTypeError, "request_ids"),
+    ("block-table-for-bare-id", lambda m: m.block_table_for("a"), InvalidTypeError, "request_ids"),
+    ("block-table-for-int-id", lambda m: m.block_table_for([1]), InvalidTypeError, "request_ids[0]"),
+    ("block-table-for-unknown", lambda m: m.block_table_for(["a", "zz"]), UnknownRequestError, "request_ids[1]"),
+    ("block-table-for-set", lambda m: m.block_table_for({"a"}), InvalidTypeError, "request_ids"),
 ]
 
 
 def test_the_catalogue_is_large_enough():
-    assert len(CASES) >= 60
+    assert len(CASES) >= 200
     assert len({c[0] for c in CASES}) == len(CASES)
 
 
@@ -411,6 +545,34 @@ def test_bad_input_is_refused_by_both_with_nothing_changed(scenario, _name, call
     scenario.good_step()
     for m in scenario.managers():
         m.check_invariants()
+
+
+def test_a_refusal_keeps_what_went_wrong_as_its_cause(scenario):
+    for m in scenario.managers():
+        with pytest.raises(InvalidInputError) as info:
+            m.step(new=[NewRequest("n", raising(1, 2))])
+        assert isinstance(info.value.__cause__, CallerBug)
+        with pytest.raises(InvalidTypeError) as call:
+            m.step(bogus=1)
+        assert type(call.value.__cause__) is TypeError and "'bogus'" in str(call.value.__cause__)
+        assert isinstance(call.value, TypeError)  # except TypeError still catches it
+        assert not m.failed
+    scenario.good_step()
+
+
+def test_counts_and_id_lists_are_answered_alike(scenario):
+    # Once: "2" was answered by the reference and crashed the device manager
+    # (AttributeError); 10**30 overflowed on the device.
+    for count in (0, 1, 2, np.int64(2), 10**30):
+        answers = [m.get_num_common_prefix_blocks("a", count) for m in scenario.managers()]
+        assert answers[0] == answers[1], count
+    assert [m.get_num_common_prefix_blocks("a", 2) for m in scenario.managers()][0][0] == 2  # a and b share 2
+    for make in (lambda: ["a", "b"], lambda: ("b",), lambda: iter(["a"]), lambda: []):
+        tables = [m.block_table_for(make()).cpu() for m in scenario.managers()]
+        assert tables[0].shape == tables[1].shape
+        for i, rid in enumerate(list(make())):  # (past a request's blocks a table holds no block of it)
+            for g, blocks in enumerate(scenario.ref.get_block_ids(rid)):
+                assert tables[0][g, i, : len(blocks)].tolist() == tables[1][g, i, : len(blocks)].tolist() == blocks
 
 
 # ------------------------------------------- what both accept, and alike

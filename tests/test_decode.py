@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError
+from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError, ManagerFailedError
 from gpukv.kernels import _common
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
@@ -164,3 +164,129 @@ def test_counters_of_a_decode_that_the_host_cannot_prove_fits():
     assert dev.counters.d2h == 0
     assert dev.decode(res.rows, [[7, 8], [9, 10]]).running_failed_at == 1  # needs 2 of 1
     assert dev.counters.d2h == 1  # one status read
+
+
+# --------------------------------------------- token ids already on the device
+# Issue 18: a host int64 tensor's 2**32 + 5 was once stored and hashed as 5,
+# and a later request with token 5 hit that block (the host tensors are in
+# tests/test_catalogue.py). A tensor on the manager's CUDA device is never
+# read by the host: ``decode_fit`` checks its ids on the device. Under the
+# interpreter the device is the CPU and a CPU tensor is checked on the host
+# (it is there), so these tests hand the decode a CPU tensor unchecked, as it
+# hands on a CUDA one, and the kernel's check is what runs.
+
+
+@pytest.fixture
+def tokens_on_the_device(monkeypatch):
+    import gpukv.manager
+
+    def kept_unread(value, num_rows, device):
+        assert isinstance(value, torch.Tensor) and value.device == device
+        return value if value.dim() == 2 else value.reshape(num_rows, -1)
+
+    monkeypatch.setattr(gpukv.manager, "normalize_decode_tokens", kept_unread)
+
+
+def _hit_tokens(m, tokens):
+    return m.get_computed_blocks(NewRequest("probe", tokens)).num_tokens
+
+
+@pytest.mark.usefixtures("tokens_on_the_device")
+@pytest.mark.parametrize("bad, dtype", [(2**32 + 5, torch.int64), (2**40, torch.int64), (-1, torch.int64),
+                                        (-(2**32) + 5, torch.int64), (-1, torch.int32), (-(2**31), torch.int32)])
+def test_a_device_token_out_of_range_is_never_cached_and_stops_the_manager(bad, dtype):
+    wrapped = bad & 0xFFFFFFFF  # what the row stores: its low 32 bits
+    # Block size 2, "a" holds [1, 2, 3]. Either the bad id fills block 1 and
+    # two more tokens fill block 2 (which chains from it), or a clean token
+    # fills block 1 and the bad one starts block 2, which a later decode fills.
+    for decodes, probe, hit in (([[bad], [7, 8]], [1, 2, 3, wrapped, 7, 8, 9], 2),
+                                ([[4, bad], [6]], [1, 2, 3, 4, wrapped, 6, 9], 4)):
+        for ids_in_range in (False, True):
+            dev = pair(16, 2, max_model_len=32)[1]
+            dev.step(new=[NewRequest("a", [1, 2, 3])])
+            for toks in decodes:
+                toks = [wrapped if t == bad and ids_in_range else t for t in toks]
+                assert dev.decode([0], torch.tensor([toks], dtype=torch.int64 if ids_in_range else dtype)).ok
+            assert dev.counters.d2h == 0 and not dev.failed  # each fit the host's bound: nothing was read
+            if ids_in_range:  # every full block cached: the lookup hits all of them
+                assert _hit_tokens(dev, probe) == len(probe) - 1
+                assert dev.step(new=[NewRequest("b", [5])]).ok
+                dev.check_invariants()
+                continue
+            # No hit on the block the wrapped id landed in, nor on any later block of the row.
+            assert _hit_tokens(dev, probe) == hit
+            # The next read (a step with a new request reads) finds it: a fault.
+            with pytest.raises(InvalidInputError, match=r"outside \[0, 2\*\*32\)") as info:
+                dev.step(new=[NewRequest("b", [5])])
+            assert info.value.argument == "token_ids" and dev.failed
+            with pytest.raises(ManagerFailedError):
+                dev.decode([0], [5])
+
+
+@pytest.mark.usefixtures("tokens_on_the_device")
+def test_a_device_token_out_of_range_fails_the_decode_that_reads():
+    # Pool of 3 usable blocks: a and b hold one each; both need one more, one
+    # is free: the host cannot prove the batch fits, so the decode reads. b's
+    # id is out of range (b does not even fit): the read raises, a fault.
+    dev = pair(4, 2, max_model_len=16)[1]
+    rows = dev.step(new=[NewRequest("a", [1, 2]), NewRequest("b", [3, 4])]).rows
+    with pytest.raises(InvalidInputError) as info:
+        dev.decode(rows, torch.tensor([[7], [2**32 + 1]]))
+    assert info.value.argument == "new_token_ids" and dev.failed
+
+
+@pytest.mark.usefixtures("tokens_on_the_device")
+def test_device_tokens_in_range_pass_alike():
+    # The ids the kernel must take: 0, 2**31 (negative as int32 storage) and 2**32 - 1.
+    ref, dev = pair(16, 2, max_model_len=32)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+    toks = torch.tensor([[0, 2**31, 2**32 - 1]])
+    assert ref.decode([0], toks.numpy()) == dev.decode([0], toks)
+    assert state(ref) == state(dev) and not dev.failed
+    assert _hit_tokens(dev, [1, 2, 3, 0, 2**31, 2**32 - 1, 9]) == _hit_tokens(ref, [1, 2, 3, 0, 2**31, 2**32 - 1, 9])
+    dev.check_invariants()
+
+
+def _step_tokens_on_the_device(monkeypatch, bad):
+    """step()'s token ids as a CUDA tensor would reach the device manager:
+    its normalisation keeps them as the tensor, unread."""
+    from gpukv.manager import DeviceManager
+    from gpukv.request import Step
+
+    real = DeviceManager._normalize
+
+    def on_device(self, finished, running, new, **kw):
+        step = real(self, finished, running, new, **kw)
+        return Step(step.finished,
+                    tuple(RunningUpdate(u.request_id, torch.tensor(bad), u.num_tokens_to_compute,
+                                        u.num_lookahead_tokens) for u in step.running),
+                    tuple(type(r)(r.request_id, torch.tensor([1, *bad])) for r in step.new))
+
+    monkeypatch.setattr(DeviceManager, "_normalize", on_device)
+
+
+@pytest.mark.parametrize("where", ["running", "new"])
+def test_a_step_with_device_tokens_out_of_range_reads_and_stops(monkeypatch, where):
+    dev = pair(16, 2, max_model_len=32)[1]
+    dev.step(new=[NewRequest("a", [1, 2, 3])])
+    _step_tokens_on_the_device(monkeypatch, [4, -7])
+    with pytest.raises(InvalidInputError) as info:
+        if where == "running":  # fits the host's bound: without device tokens this step reads nothing
+            dev.step(running=[RunningUpdate("a", [0, 0])])
+        else:
+            dev.step(new=[NewRequest("b", [0, 0, 0])])
+    assert info.value.argument == "token_ids" and dev.failed
+
+
+def test_a_lookup_with_device_tokens_out_of_range_is_a_refusal(monkeypatch):
+    dev = pair(16, 2, max_model_len=32)[1]
+    dev.step(new=[NewRequest("a", [1, 2, 3])])
+    _step_tokens_on_the_device(monkeypatch, [2, 2**33])
+    with pytest.raises(InvalidInputError) as info:
+        dev.get_computed_blocks(NewRequest("q", [0, 0, 0]))
+    assert info.value.argument == "request.token_ids" and not dev.failed
+    monkeypatch.undo()
+    assert dev.get_computed_blocks(NewRequest("q", [1, 2, 3])).num_tokens == 2
+    assert dev.step(new=[NewRequest("b", [1, 2, 3])]).ok
+    dev.check_invariants()

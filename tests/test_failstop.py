@@ -15,7 +15,7 @@ import pytest
 
 from gpukv import NewRequest, RunningUpdate
 from gpukv import manager as manager_module
-from gpukv.errors import InvalidInputError, ManagerFailedError, UnknownRequestError
+from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import _aot, block_hash
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
@@ -158,3 +158,145 @@ def test_a_fault_in_the_reference_pool_stops_the_reference(monkeypatch):
         m.step(running=[RunningUpdate("a", [1, 2, 3, 4])])
     monkeypatch.undo()
     _assert_stopped(m, _InjectedFault)
+
+
+# ------------------------------ refusal or fault: the point of first change
+
+def _reference() -> ReferenceManager:
+    return ReferenceManager(12, 4, hash_key=bytes(16), max_model_len=64)
+
+
+def _both():
+    return (_reference(), _device())
+
+
+def _admitted(m):
+    m.step(new=[NewRequest("a", PREFIX + [1]), NewRequest("b", PREFIX + [2])])
+    return m
+
+
+def _raiser(exc: BaseException):
+    def raise_it(*_args, **_kwargs):
+        raise exc
+
+    return raise_it
+
+
+@pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
+@pytest.mark.parametrize("exc", [InvalidInputError("injected", argument="x", fix="y"),
+                                 UnknownRequestError("injected", argument="x", fix="y"),
+                                 RuntimeWarning("injected"), DeprecationWarning("injected")],
+                         ids=lambda e: type(e).__name__)
+def test_an_input_error_or_warning_after_the_first_change_is_a_fault(make, exc, monkeypatch):
+    """Once a call has started changing state, what it raises stops the
+    manager whatever its class: an input error class or a warning may come
+    from a half-applied step (before issue 18 both passed as refusals)."""
+    m = _admitted(make())
+    monkeypatch.setattr(type(m), "_free_request" if isinstance(m, ReferenceManager) else "_release_requests",
+                        _raiser(exc))
+    with pytest.raises(type(exc)):
+        m.step(finished=["a"])
+    monkeypatch.undo()
+    _assert_stopped(m, type(exc))
+
+
+@pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
+def test_an_input_error_before_the_first_change_is_a_refusal_and_anything_else_a_fault(make, monkeypatch):
+    m = _admitted(make())
+    monkeypatch.setattr(type(m), "_normalize", _raiser(InvalidInputError("injected", argument="x", fix="y")))
+    with pytest.raises(InvalidInputError):
+        m.step(finished=["a"])
+    assert not m.failed
+    # A TypeError raised inside a call (not by a call that does not fit the
+    # signature) is no call mistake: a fault, even before the first change.
+    monkeypatch.setattr(type(m), "_normalize", _raiser(TypeError("a bug in the checks")))
+    with pytest.raises(TypeError) as info:
+        m.step(finished=["a"])
+    assert type(info.value) is TypeError
+    monkeypatch.undo()
+    _assert_stopped(m, TypeError)
+
+
+@pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
+def test_call_mistakes_and_a_callers_raising_iterator_are_refusals(make):
+    """Issue 18: each of these once raised an untyped error that stopped the
+    manager (a typo stopped a serving process)."""
+
+    class Boom(Exception):
+        pass
+
+    def failing_tokens():
+        yield 1
+        raise Boom("midway")
+
+    m = _admitted(make())
+    before = (m.free_queue(), m.get_block_ids("a"), m.get_block_ids("b"))
+    mistakes = [
+        (lambda: m.step(bogus=1), InvalidTypeError, TypeError),
+        (lambda: m.step((), (), (), ()), InvalidTypeError, TypeError),
+        (lambda: m.free(), InvalidTypeError, TypeError),
+        (lambda: m.decode([m.row_of("a")]), InvalidTypeError, TypeError),
+        (lambda: m.take_events(1), InvalidTypeError, TypeError),
+        (lambda: m.decode([m.row_of("a"), m.row_of("b")], [[8, 9], [10]]), InvalidInputError, None),
+        (lambda: m.decode([m.row_of("a"), m.row_of("b")], [[8], [9]], num_tokens_to_compute=[[1], [2, 3]]),
+         InvalidTypeError, None),
+        (lambda: m.free(type("Unhashable", (str,), {"__hash__": None})("a")), InvalidTypeError, None),
+        (lambda: m.step(new=[NewRequest("c", failing_tokens())]), InvalidInputError, Boom),
+        (lambda: m.decode([m.row_of("a")], failing_tokens()), InvalidInputError, Boom),
+    ]
+    for call, cls, cause in mistakes:
+        with pytest.raises(cls) as info:
+            call()
+        assert cause is None or type(info.value.__cause__) is cause, info.value
+        assert not m.failed, info.value
+    assert (m.free_queue(), m.get_block_ids("a"), m.get_block_ids("b")) == before
+    assert m.decode([m.row_of("a")], [3]).ok
+    m.check_invariants()
+
+
+def _good_calls(m):
+    """One call of each mutating method that succeeds."""
+    return [
+        ("step", lambda: m.step(new=[NewRequest("c", PREFIX + [3])])),
+        ("decode", lambda: m.decode([m.row_of("c")], [4])),
+        ("get_computed_blocks", lambda: m.get_computed_blocks(NewRequest("d", PREFIX + [5]))),
+        ("allocate_slots", lambda: m.allocate_slots(NewRequest("d", PREFIX + [5]))),
+        ("allocate_slots", lambda: m.allocate_slots("d", [6])),
+        ("free", lambda: m.free("d")),
+        ("make_prefix_cache_stats", lambda: m.make_prefix_cache_stats()),
+        ("take_events", lambda: m.take_events()),
+        ("reset_prefix_cache", lambda: m.reset_prefix_cache()),
+    ]
+
+
+@pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
+def test_every_mutating_call_marks_its_point_of_first_change(make, monkeypatch):
+    m = _admitted(make())
+    marks = []
+    real = type(m)._begin_changes
+
+    def spy(self):
+        marks.append(True)
+        real(self)
+
+    monkeypatch.setattr(type(m), "_begin_changes", spy)
+    called = set()
+    for name, call in _good_calls(m):
+        marks.clear()
+        call()
+        assert marks, f"{name} changed state without marking where"
+        called.add(name)
+    mutating = {name for name, f in vars(type(m)).items() if getattr(f, "mutates", False)}
+    assert called == mutating  # every mutating method was called above
+
+
+@pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
+def test_a_fault_in_a_nested_call_stops_the_outer_one_too(make, monkeypatch):
+    """The reference's decode runs its step: a fault inside the step is one of the decode."""
+    m = _admitted(make())
+    target = "_run_all" if isinstance(m, ReferenceManager) else "launch_decode"
+    monkeypatch.setattr(type(m), target, _raiser(InvalidInputError("injected", argument="x", fix="y")))
+    with pytest.raises(InvalidInputError):
+        m.decode([m.row_of("a")], [3])
+    monkeypatch.undo()
+    _assert_stopped(m, InvalidInputError)

@@ -29,6 +29,17 @@ graph can replay it):
 * the new tokens into the rows of the requests that fit, after their known
   tokens.
 
+The new tokens arrive as int64 (the host's, checked already, or a model
+runner's tensor copied in on the device, never read by the host), so the
+kernel checks their range itself: an id outside ``[0, 2**32)`` (a negative
+one, or one past uint32) in a real row sets ``ERR_BAD_TOKEN`` in the free
+queue's sticky error word (which the step's read, and every later step's,
+carries: the manager raises there), and where such a row fits, the extra-key
+digest of the block each bad id lands in becomes ``POISON``: that block's
+digest, and every later one of the row (each chains from its parent), is
+one no lookup computes, so the wrapped id (stored as its low 32 bits) can
+never give a hit, even before any read.
+
 One program (the fit is a scan over requests; a bucket is a few thousand rows
 at most, a few tiles). Deterministic: no atomics.
 """
@@ -42,17 +53,27 @@ import triton.language as tl
 
 from gpukv.kernels import _common
 from gpukv.kernels import free_queue as fq_ops
-from gpukv.kernels._common import DEFAULT_WARPS, INT32, SCAN_TILE, check_tensor, num_warps
+from gpukv.kernels._common import DEFAULT_WARPS, INT32, INT64, SCAN_TILE, check_tensor, num_warps
 
 #: Padding rows' cumulative need: more than any pool holds (``_common.BIG``).
 BIG = _common.BIG
 
 #: ``status`` layout (int64): requests that fit (a prefix of the batch), free
-#: blocks after the step's allocation, the free queue's sticky error word.
+#: blocks after the step's allocation, the free queue's sticky error word
+#: (``ERR_BAD_TOKEN`` included), new token ids out of range.
 ST_FIT = 0
 ST_FREE_AFTER = 1
 ST_QUEUE_ERRORS = 2
+ST_BAD_TOKENS = 3
 NUM_STATUS = 4
+
+#: Error bit OR-ed into the free queue's sticky error word (``free_queue.ERR_*``
+#: use the low bits) when a step was handed a token id outside ``[0, 2**32)``
+#: on the device.
+ERR_BAD_TOKEN = 1 << 8
+#: The extra-key digest (both int64 lanes) of a block that holds such an id:
+#: no request's extra keys hash to it (a keyed BLAKE3 output, or zeros).
+POISON = -1
 
 #: Lanes per step of the one program (``_common.SCAN_TILE``).
 _TILE = SCAN_TILE
@@ -65,6 +86,10 @@ _QUEUE_ERROR: tl.constexpr = tl.constexpr(int(fq_ops.ERROR))
 _ST_FIT: tl.constexpr = tl.constexpr(ST_FIT)
 _ST_FREE_AFTER: tl.constexpr = tl.constexpr(ST_FREE_AFTER)
 _ST_QUEUE_ERRORS: tl.constexpr = tl.constexpr(ST_QUEUE_ERRORS)
+_ST_BAD_TOKENS: tl.constexpr = tl.constexpr(ST_BAD_TOKENS)
+_ERR_BAD_TOKEN: tl.constexpr = tl.constexpr(ERR_BAD_TOKEN)
+_POISON: tl.constexpr = tl.constexpr(POISON)
+_MAX_TOKEN: tl.constexpr = tl.constexpr(2**32 - 1)
 
 
 @triton.jit
@@ -81,7 +106,7 @@ def _entries(e, BP, G, W, rows_ptr, n_fit):
 
 # Bucket sizes are runtime arguments, not constexprs: a new bucket (another
 # batch size or tokens per row) must not compile a new variant inside a step.
-@triton.jit(do_not_specialize=["T", "BP", "K", "G", "A", "C"])
+@triton.jit(do_not_specialize=["T", "M", "BP", "K", "G", "A", "C"])
 def _decode_fit_kernel(
     rows_ptr,          # int32[BP] request rows (-1: padding)
     ntok_ptr,          # int32[BP] their known tokens before the step
@@ -94,9 +119,10 @@ def _decode_fit_kernel(
     hash_count_ptr,    # int32[BP] out: known blocks that become full (0 past the fit)
     alloc_ptr,         # int32[5, BP * G * A] out: group, row, pos, want, rank
     record_ptr,        # int32[4, BP * G * C] out: group, row, pos, valid
-    new_tok_ptr,       # int32[BP, K] the step's new tokens, row i's at i * K
-    tokens_ptr, T,     # int32[R, T] request rows' tokens (written: the new ones)
-    fq_counters_ptr,   # int64[8] free-queue counters (read: NUM_FREE, ERROR)
+    new_tok_ptr,       # int64[BP, K] the step's new tokens, row i's at i * K (range-checked here)
+    tokens_ptr, T,     # int32[R, T] request rows' tokens (written: the new ones, as their low 32 bits)
+    extras_ptr, M,     # int64[R, M, 2] request rows' extra-key digests (written: POISON where a bad id lands)
+    fq_counters_ptr,   # int64[8] free-queue counters (read: NUM_FREE, ERROR; ERROR |= ERR_BAD_TOKEN)
     count_ptr,         # int64[1] out: blocks to pop
     status_ptr,        # int64[NUM_STATUS] out
     BP, K, G, A, C,    # bucket rows, tokens per row, groups, alloc and record entries per row and group
@@ -141,29 +167,42 @@ def _decode_fit_kernel(
         fit = m & (offs.to(tl.int64) < n_fit) & (tl.load(rows_ptr + offs, mask=m, other=-1) >= 0)
         tl.store(hash_start_ptr + offs, n // BS, mask=m)
         tl.store(hash_count_ptr + offs, tl.where(fit, (n + K) // BS - n // BS, 0), mask=m)
+    n_bad = tl.zeros([], tl.int64)
     for start in range(0, BP * K, TILE):
         offs = start + tl.arange(0, TILE)
         i = offs // K
-        ok = (offs < BP * K) & (i.to(tl.int64) < n_fit)
-        r = tl.load(rows_ptr + i, mask=ok, other=0).to(tl.int64)
+        real = offs < BP * K
+        r = tl.load(rows_ptr + i, mask=real, other=-1).to(tl.int64)
+        real = real & (r >= 0)
+        ok = real & (i.to(tl.int64) < n_fit)
         n = tl.load(ntok_ptr + i, mask=ok, other=0).to(tl.int64)
-        ok = ok & (r >= 0)
-        tok = tl.load(new_tok_ptr + offs, mask=ok, other=0)
-        tl.store(tokens_ptr + r * T + n + (offs % K), tok, mask=ok)
+        tok = tl.load(new_tok_ptr + offs, mask=real, other=0)
+        bad = real & ((tok < 0) | (tok > _MAX_TOKEN))
+        n_bad += tl.sum(bad.to(tl.int64), 0)
+        at = n + (offs % K)
+        tl.store(tokens_ptr + r * T + at, tok.to(tl.int32), mask=ok)
+        ext = extras_ptr + (r * M + at // BS) * 2  # the extra digest of the block the id lands in
+        tl.store(ext, tl.full([TILE], _POISON, tl.int64), mask=ok & bad)
+        tl.store(ext + 1, tl.full([TILE], _POISON, tl.int64), mask=ok & bad)
+    err = tl.load(fq_counters_ptr + _QUEUE_ERROR)
+    err = tl.where(n_bad > 0, err | _ERR_BAD_TOKEN, err)
+    tl.store(fq_counters_ptr + _QUEUE_ERROR, err)
     tl.store(count_ptr, count)
     tl.store(status_ptr + _ST_FIT, n_fit)
     tl.store(status_ptr + _ST_FREE_AFTER, free - count)
-    tl.store(status_ptr + _ST_QUEUE_ERRORS, tl.load(fq_counters_ptr + _QUEUE_ERROR))
+    tl.store(status_ptr + _ST_QUEUE_ERRORS, err)
+    tl.store(status_ptr + _ST_BAD_TOKENS, n_bad)
 
 
 def decode_fit(rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record, new_tokens, *,
-               tokens, fq_counters, count, status, num_groups: int, block_size: int) -> None:
+               tokens, extras, fq_counters, count, status, num_groups: int, block_size: int) -> None:
     """Decide how many requests of a decode plan fit (a prefix), write the
     step's entries (``alloc`` int32[5, BP*G*A], ``record`` int32[4, BP*G*C],
     ``hash_start``/``hash_count`` int32[BP]) masked past them, write their
-    new tokens (int32[BP, K]) into their rows, and set ``count`` (the blocks
-    to pop) and ``status`` (``ST_*``). ``A`` and ``C`` are read from the
-    entry arrays' shapes. One launch, no host sync."""
+    new tokens (int64[BP, K], range-checked: ``ERR_BAD_TOKEN``, ``POISON``
+    in ``extras`` int64[R, M, 2]) into their rows, and set ``count`` (the
+    blocks to pop) and ``status`` (``ST_*``). ``A`` and ``C`` are read from
+    the entry arrays' shapes. One launch, no host sync."""
     BP = rows.shape[0]
     K = new_tokens.shape[1]
     G = num_groups
@@ -174,9 +213,11 @@ def decode_fit(rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count
     # alloc and record: a whole number of entries per (row, group) (A and C are read from them)
     check_tensor(alloc, "alloc", dtypes=INT32, shape=(5, BP * G * A))
     check_tensor(record, "record", dtypes=INT32, shape=(4, BP * G * C))
-    check_tensor(new_tokens, "new_tokens", dtypes=INT32, shape=(BP, None))
+    check_tensor(new_tokens, "new_tokens", dtypes=INT64, shape=(BP, None))
+    check_tensor(extras, "extras", dtypes=INT64, shape=(tokens.shape[0], None, 2), contiguous=True)
     _decode_fit_kernel[(1,)](rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record,
-                             new_tokens, tokens, tokens.shape[1], fq_counters, count, status, BP, K, G, A, C,
+                             new_tokens, tokens, tokens.shape[1], extras, extras.shape[1], fq_counters, count,
+                             status, BP, K, G, A, C,
                              BS=block_size, TILE=_TILE, num_warps=num_warps(_TILE, max_warps=DEFAULT_WARPS))
 
 
