@@ -25,7 +25,8 @@ class Scheduler(VllmScheduler):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         # vLLM's constructor built its own manager; this one replaces it,
         # with the arguments vLLM gave its own.
-        self.kv_cache_manager = KVCacheManager(
+        # Not a subclass of vLLM's manager (it shares no state with it), but its interface.
+        self.kv_cache_manager = KVCacheManager(  # type: ignore[assignment]
             kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
             enable_caching=bool(self.cache_config.enable_prefix_caching),
