@@ -410,7 +410,12 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
                    "(.png, .svg or .pdf by the extension; needs the 'plot' extra)")
     p.add_argument("--metrics-port", type=_int_option(0, 65535), default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the replay runs (vLLM's "
-                   "names where one exists; 0 picks a free port; needs the 'metrics' extra)")
+                   "names and labels, current vLLM's; 0 picks a free port; needs the 'metrics' extra)")
+    p.add_argument("--served-model-name", default="gpukv", metavar="NAME",
+                   help="the metrics' model_name label (vLLM's flag of that name sets it there)")
+    p.add_argument("--metrics-vllm085", action="store_true",
+                   help="also vLLM 0.8.5's names where they differ: vllm:gpu_prefix_cache_queries / _hits "
+                   "(in blocks, as 0.8.5 counted) and vllm:gpu_cache_usage_perc")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a live bar on a terminal, a plain line every "
                    f"{PLAIN_INTERVAL_S:g} s elsewhere)")
@@ -649,7 +654,10 @@ def replay_main(args) -> int:
     sizes = _replay_sizes(args, trace)
     budget = _resolve_budget(args, trace.kind)
     backend = _choose_backend(args.backend)
-    metrics = _serve_metrics(args.metrics_port) if args.metrics_port is not None else None
+    if args.metrics_port is None and (args.metrics_vllm085 or args.served_model_name != "gpukv"):
+        raise CliError("--served-model-name and --metrics-vllm085 apply to the metrics: add --metrics-port")
+    metrics = (_serve_metrics(args.metrics_port, model_name=args.served_model_name, vllm085=args.metrics_vllm085)
+               if args.metrics_port is not None else None)
     job = _ReplayJob(args, trace, sizes, budget, key, backend, metrics)
 
     report = job.run(backend)
@@ -888,12 +896,12 @@ def _silence_stdout() -> None:
         pass
 
 
-def _serve_metrics(port: int):
+def _serve_metrics(port: int, *, model_name: str = "gpukv", vllm085: bool = False):
     """Prometheus metrics served from a daemon thread while the replay runs."""
     from gpukv import prometheus
 
     try:
-        metrics = prometheus.ServingMetrics()
+        metrics = prometheus.ServingMetrics(model_name=model_name, vllm085=vllm085)
     except ImportError as e:
         raise CliError(str(e)) from None
     try:

@@ -10,6 +10,14 @@ covers); a re-admission after a preemption (``NewRequest.num_preemptions >
 their own names, ``query_blocks`` (``ceil(tokens / block_size)`` asked) and
 ``hit_blocks``. A request that opts out of the cache (``skip_prefix_cache``)
 counts as a request with nothing queried.
+
+vLLM 0.8.5 (the version whose semantics gpukv follows) counted in blocks
+instead, under other Prometheus names (``vllm:gpu_prefix_cache_queries`` /
+``..._hits``, ``gpukv.prometheus``): a request's full blocks less the last
+when the prompt ends on a block boundary (``(tokens - 1) // block_size``, the
+blocks a hit can cover), re-admissions after a preemption included
+(``vllm/v1/core/kv_cache_manager.py``, ``get_computed_blocks``). The stats
+keep those too, ``vllm085_query_blocks`` and ``vllm085_hit_blocks``.
 """
 
 from __future__ import annotations
@@ -35,13 +43,21 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0  # tokens
     preempted_hits: int = 0  # tokens
+    # vLLM 0.8.5's units: blocks a hit can cover, every lookup (re-admissions too)
+    vllm085_query_blocks: int = 0
+    vllm085_hit_blocks: int = 0
     reset: bool = False
 
     def record(self, *, num_tokens: int, num_hit_tokens: int, num_blocks: int, num_hit_blocks: int,
                preempted: bool = False) -> None:
         """Count one lookup attempt (``preempted``: a re-admission after a
         preemption, counted apart as vLLM does). Keyword-only: the units
-        changed once, and positions would swap them silently."""
+        changed once, and positions would swap them silently. ``num_blocks``
+        is ``ceil(num_tokens / block_size)``, so vLLM 0.8.5's count,
+        ``(num_tokens - 1) // block_size``, is one less."""
+        if num_tokens > 0:
+            self.vllm085_query_blocks += num_blocks - 1
+        self.vllm085_hit_blocks += num_hit_blocks
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
@@ -56,7 +72,7 @@ class PrefixCacheStats:
     def merge(self, other: PrefixCacheStats) -> None:
         """Add another interval's counts to these."""
         for name in ("requests", "queries", "hits", "query_blocks", "hit_blocks", "preempted_requests",
-                     "preempted_queries", "preempted_hits"):
+                     "preempted_queries", "preempted_hits", "vllm085_query_blocks", "vllm085_hit_blocks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reset = self.reset or other.reset
 

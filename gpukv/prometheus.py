@@ -1,16 +1,28 @@
 """Prometheus metrics of a serving loop (the optional ``metrics`` extra).
 
-Names follow vLLM's where one exists, so a dashboard built for vLLM reads
-gpukv's too: ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``
-(counters, tokens, as the managers' ``PrefixCacheStats.queries`` / ``hits``
-count them), ``vllm:kv_cache_usage_perc`` (gauge, 0..1),
+Names and labels are current vLLM's (0.33.0, ``vllm/v1/metrics/loggers.py``),
+so a dashboard built for vLLM reads gpukv's too: every series carries vLLM's
+labels ``model_name`` (vLLM's served model name; ``gpukv replay
+--served-model-name``) and ``engine`` (the engine index, ``"0"``), and the
+names are ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``
+(counters, in tokens, as the managers' ``PrefixCacheStats.queries`` /
+``hits`` count them), ``vllm:kv_cache_usage_perc`` (gauge, 0..1),
 ``vllm:num_preemptions``, ``vllm:num_requests_running`` /
-``vllm:num_requests_waiting``. What vLLM has no name for is gpukv's own:
-``gpukv:prefix_cache_preempted_queries`` / ``..._hits`` (re-admissions after
-a preemption, counted apart as the stats do), ``gpukv:evictions``,
-``gpukv:blocks_in_use`` and ``gpukv:manager_step_seconds`` (a histogram of
-the manager's time per step). Counters carry the ``_total`` suffix in the
-exposition, as ``prometheus_client`` (and vLLM) write them.
+``vllm:num_requests_waiting``. What vLLM has no name for is gpukv's own,
+with the same labels: ``gpukv:prefix_cache_preempted_queries`` /
+``..._hits`` (re-admissions after a preemption, counted apart as the stats
+do), ``gpukv:evictions``, ``gpukv:blocks_in_use`` and
+``gpukv:manager_step_seconds`` (a histogram of the manager's time per step).
+Counters carry the ``_total`` suffix in the exposition, as
+``prometheus_client`` (and vLLM) write them.
+
+vLLM 0.8.5, whose semantics gpukv follows, named three of these otherwise
+and counted the prefix cache in blocks: ``vllm085=True`` (``gpukv replay
+--metrics-vllm085``) adds its ``vllm:gpu_prefix_cache_queries`` /
+``vllm:gpu_prefix_cache_hits`` (counters, in blocks, re-admissions
+included: ``PrefixCacheStats.vllm085_query_blocks`` / ``..._hit_blocks``) and
+``vllm:gpu_cache_usage_perc``. Its other names here are the same as current
+vLLM's (``vllm:num_preemptions_total`` is what both expose).
 
 ``prometheus-client`` is imported only when metrics are asked for; without
 it, ``require()`` raises an ``ImportError`` whose message names the extra.
@@ -37,33 +49,52 @@ def require() -> Any:
     return prometheus_client
 
 
+#: What vLLM labels every metric with.
+LABELS = ("model_name", "engine")
+
+
 class ServingMetrics:
     """The metrics of one serving loop in their own registry (``registry``),
     updated once per step by ``observe_step``; ``serve(port)`` exposes them
-    over HTTP at ``/metrics``."""
+    over HTTP at ``/metrics``. ``model_name`` and ``engine`` are the values
+    of vLLM's labels; ``vllm085`` adds vLLM 0.8.5's names where they differ
+    (module docstring)."""
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(self, registry: Any = None, *, model_name: str = "gpukv", engine: int | str = 0,
+                 vllm085: bool = False) -> None:
         pc = require()
         self._pc = pc
         self.registry = registry if registry is not None else pc.CollectorRegistry()
+        self.labels = {"model_name": str(model_name), "engine": str(engine)}
         r = self.registry
-        self.queries = pc.Counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens (every lookup "
-                                  "attempt of a request not preempted before)", registry=r)
-        self.hits = pc.Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", registry=r)
-        self.preempted_queries = pc.Counter("gpukv:prefix_cache_preempted_queries", "Prefix-cache queries of "
-                                            "re-admissions after a preemption, in tokens", registry=r)
-        self.preempted_hits = pc.Counter("gpukv:prefix_cache_preempted_hits", "Prefix-cache hits of re-admissions "
-                                         "after a preemption, in tokens", registry=r)
-        self.usage = pc.Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use",
-                              registry=r)
-        self.preemptions = pc.Counter("vllm:num_preemptions", "Requests preempted", registry=r)
-        self.running = pc.Gauge("vllm:num_requests_running", "Requests running", registry=r)
-        self.waiting = pc.Gauge("vllm:num_requests_waiting", "Requests waiting", registry=r)
-        self.evictions = pc.Counter("gpukv:evictions", "Cached blocks evicted to make room", registry=r)
-        self.blocks_in_use = pc.Gauge("gpukv:blocks_in_use", "Blocks held by requests (the null block excluded)",
-                                      registry=r)
-        self.step_seconds = pc.Histogram("gpukv:manager_step_seconds", "The block manager's time per step",
-                                         buckets=STEP_SECONDS_BUCKETS, registry=r)
+
+        def make(kind: Any, name: str, doc: str, **kw: Any) -> Any:
+            return kind(name, doc, labelnames=LABELS, registry=r, **kw).labels(**self.labels)
+
+        counter, gauge = pc.Counter, pc.Gauge
+        self.queries = make(counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                            "queried tokens (every lookup attempt of a request not preempted before)")
+        self.hits = make(counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens")
+        self.preempted_queries = make(counter, "gpukv:prefix_cache_preempted_queries", "Prefix-cache queries of "
+                                      "re-admissions after a preemption, in tokens")
+        self.preempted_hits = make(counter, "gpukv:prefix_cache_preempted_hits", "Prefix-cache hits of "
+                                   "re-admissions after a preemption, in tokens")
+        self.usage = make(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = make(counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.running = make(gauge, "vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = make(gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.evictions = make(counter, "gpukv:evictions", "Cached blocks evicted to make room")
+        self.blocks_in_use = make(gauge, "gpukv:blocks_in_use", "Blocks held by requests (the null block excluded)")
+        self.step_seconds = make(pc.Histogram, "gpukv:manager_step_seconds", "The block manager's time per step",
+                                 buckets=STEP_SECONDS_BUCKETS)
+        self.vllm085 = vllm085
+        if vllm085:
+            self.block_queries = make(counter, "vllm:gpu_prefix_cache_queries", "GPU prefix cache queries, in "
+                                      "terms of number of queried blocks (vLLM 0.8.5's name and unit)")
+            self.block_hits = make(counter, "vllm:gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of "
+                                   "number of cached blocks (vLLM 0.8.5's name and unit)")
+            self.gpu_usage = make(gauge, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent "
+                                  "usage (vLLM 0.8.5's name)")
         self._evictions_seen = 0
 
     def observe_step(self, stats: PrefixCacheStats, *, usage: float, blocks_in_use: int, running: int,
@@ -84,6 +115,10 @@ class ServingMetrics:
         self.evictions.inc(max(0, evictions_total - self._evictions_seen))
         self._evictions_seen = max(self._evictions_seen, evictions_total)
         self.step_seconds.observe(step_seconds)
+        if self.vllm085:
+            self.block_queries.inc(stats.vllm085_query_blocks)
+            self.block_hits.inc(stats.vllm085_hit_blocks)
+            self.gpu_usage.set(usage)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose the registry at ``http://addr:port/metrics`` from a daemon
@@ -93,5 +128,6 @@ class ServingMetrics:
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """A sample's current value (``vllm:prefix_cache_hits_total``, a
-        histogram bucket with ``labels={"le": "0.001"}``, ...)."""
-        return self.registry.get_sample_value(name, labels)
+        histogram bucket with ``labels={"le": "0.001"}``, ...); this loop's
+        ``model_name`` and ``engine`` labels are added to ``labels``."""
+        return self.registry.get_sample_value(name, {**self.labels, **(labels or {})})

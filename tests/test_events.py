@@ -138,3 +138,71 @@ def test_without_events_nothing_is_kept(kind):
     m = cls(8, 2, hash_key=KEY, max_model_len=64)
     m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
     assert m.take_events() == []
+
+
+# ------------------------------------------------- RouterIndex: workers and match
+def _random_request(rng: random.Random, rid: str) -> NewRequest:
+    base = [rng.choice([[1, 2, 3, 4], [1, 2, 5, 6], [7, 7, 7, 7]])[i % 4] for i in range(rng.randint(2, 11))]
+    return NewRequest(rid, base, lora_id=rng.choice([None, None, 5]), cache_salt=rng.choice([None, None, "s"]))
+
+
+def test_match_finds_what_the_manager_would_hit_on_each_worker():
+    """Two workers with different histories: for any request, ``match`` on
+    the index kept from their events is, capped as a lookup caps it, the hit
+    each manager's own lookup finds (LoRA and salt included). The reference
+    only: the device's events are the reference's (above)."""
+    rng = random.Random(5)
+    workers = {"w0": make("reference", num_blocks=14), "w1": make("reference", num_blocks=14)}
+    index = RouterIndex.for_manager(workers["w0"])
+    seen = set()
+    for step in range(12):
+        for name, m in workers.items():
+            m.step(finished=[r for r in m.request_ids() if rng.random() < 0.6],
+                   new=[_random_request(rng, f"{name}-{step}")] if rng.random() < 0.8 else [])
+            for batch in m.take_events():
+                index.apply(batch, worker=name)
+        probe = _random_request(rng, "probe")
+        matched = index.match(probe.token_ids, lora_id=probe.lora_id, cache_salt=probe.cache_salt,
+                              workers=list(workers))
+        for name, m in workers.items():
+            cap = (len(probe.token_ids) - 1) // m.block_size
+            hit = m.get_computed_blocks(probe).num_tokens // m.block_size
+            assert min(matched[name], cap) == hit, (step, name)
+            seen.add((matched[name] > 0, matched["w0"] == matched["w1"]))
+            assert index.blocks_of(name) == table_of(m)
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}  # hits, misses, workers apart
+    assert index.blocks == {} and set(index.workers) == {"w0", "w1"}  # worker 0 never reported
+
+
+@BOTH
+def test_match_by_hand(kind):
+    m = make(kind, num_blocks=10)
+    index = RouterIndex(KEY, 2)
+    m.step(new=[NewRequest("a", [1, 2, 3, 4, 5]), NewRequest("b", [1, 2, 3, 4, 5], lora_id=9)])
+    for batch in m.take_events():
+        index.apply(batch, worker="gpu0")
+    assert index.match([1, 2, 3, 4, 5, 6]) == {"gpu0": 2}
+    assert index.match([1, 2, 3, 4, 5, 6], lora_id=9) == {"gpu0": 2}
+    assert index.match([1, 2, 9, 9], workers=["gpu0", "gpu1"]) == {"gpu0": 1, "gpu1": 0}
+    assert index.match([1, 2], lora_id=8) == {"gpu0": 0}   # another adapter's blocks are not these
+    assert index.match([1, 2], cache_salt="x") == {"gpu0": 0}
+    assert index.match([1]) == {"gpu0": 0}                # no full block
+    assert RouterIndex(bytes(16), 2).match([1, 2]) == {}  # no worker yet
+    with pytest.raises(ValueError, match="hash_key and block_size"):
+        RouterIndex().match([1, 2])
+    with pytest.raises(ValueError, match="block_size"):
+        RouterIndex(KEY, 0)
+
+
+def test_the_index_checks_order_and_hash_form_per_worker():
+    index = RouterIndex(KEY, 2)
+    stored = BlockStored([b"\x01" * 16], None, [1, 2], 2, None)
+    index.apply(KVEventBatch(0, [stored]), worker="a")
+    index.apply(KVEventBatch(0, [stored]), worker="b")  # each worker has its own sequence
+    with pytest.raises(ValueError, match="worker 'a': batch 2 out of order"):
+        index.apply(KVEventBatch(2, []), worker="a")
+    with pytest.raises(ValueError, match="int_block_hashes=False"):
+        index.apply(KVEventBatch(1, [BlockRemoved([7])]), worker="a")
+    assert index.next_seq_of("a") == 1 and index.blocks_of("a") == {(b"\x01" * 16, 0): 1}  # nothing applied
+    index.remove_worker("a")
+    assert index.workers == ["b"] and index.next_seq_of("a") == 0

@@ -57,3 +57,29 @@ def test_stats_record_and_merge():
 def test_bad_window(bad):
     with pytest.raises(ValueError, match="max_recent_requests"):
         PrefixCachingMetrics(bad)
+
+
+def test_vllm085_block_counts():
+    """vLLM 0.8.5's units: (tokens - 1) // block_size asked, re-admissions
+    included (what ``record`` gets: num_blocks = ceil(tokens / block_size))."""
+    s = PrefixCacheStats()
+    s.record(num_tokens=32, num_hit_tokens=16, num_blocks=2, num_hit_blocks=1)  # aligned: the last block not asked
+    s.record(num_tokens=40, num_hit_tokens=32, num_blocks=3, num_hit_blocks=2)
+    s.record(num_tokens=40, num_hit_tokens=16, num_blocks=3, num_hit_blocks=1, preempted=True)
+    s.record(num_tokens=0, num_hit_tokens=0, num_blocks=0, num_hit_blocks=0)  # skip_prefix_cache
+    assert (s.vllm085_query_blocks, s.vllm085_hit_blocks) == (1 + 2 + 2, 1 + 2 + 1)
+    assert (s.query_blocks, s.hit_blocks) == (5, 3)
+    s.merge(s)
+    assert (s.vllm085_query_blocks, s.vllm085_hit_blocks) == (10, 8)
+
+
+def test_vllm085_block_counts_of_a_manager():
+    from gpukv.reference import KVCacheManager
+    from gpukv.request import NewRequest
+
+    m = KVCacheManager(64, 16, hash_key=bytes(16))
+    m.step(new=[NewRequest("a", list(range(32)))])
+    m.step(new=[NewRequest("b", list(range(40))), NewRequest("c", list(range(33)), num_preemptions=1)])
+    s = m.make_prefix_cache_stats()
+    # a: 31 // 16 = 1 asked, no hit; b: 39 // 16 = 2 asked, 2 hit; c (a re-admission): 2 asked, 2 hit
+    assert (s.vllm085_query_blocks, s.vllm085_hit_blocks) == (5, 4)

@@ -1,5 +1,6 @@
 """Prometheus metrics (``gpukv.prometheus``, the ``metrics`` extra): values
-as the replay counts them, the names vLLM uses, the HTTP endpoint of
+as the replay counts them, the names and labels vLLM uses (current vLLM's,
+and vLLM 0.8.5's block-unit counters on request), the HTTP endpoint of
 ``gpukv replay --metrics-port``, and the message when the extra is missing."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def test_a_step_updates_every_metric():
 
 
 def test_the_replay_feeds_the_metrics_what_its_report_says():
-    metrics = prometheus.ServingMetrics()
+    metrics = prometheus.ServingMetrics(vllm085=True)
     trace = load_trace(builtin_trace_path(), max_requests=20)
     report = Replay(trace, ReplayOptions(num_blocks=1200, metrics=metrics)).run()
     s = report["summary"]
@@ -51,18 +52,46 @@ def test_the_replay_feeds_the_metrics_what_its_report_says():
     assert metrics.value("gpukv:evictions_total") == s["evictions"]
     assert metrics.value("gpukv:manager_step_seconds_count") == s["steps"]
     assert metrics.value("gpukv:blocks_in_use") == report["blocks_in_use"][-1]
+    assert metrics.value("vllm:gpu_prefix_cache_hits_total") >= s["hit_blocks"] > 0  # re-admissions' too
 
 
 def test_replay_serves_the_metrics_over_http(capsys):
-    status = main(["replay", "--backend", "reference", "--max-requests", "3", "--no-progress", "--metrics-port", "0"])
+    status = main(["replay", "--backend", "reference", "--max-requests", "3", "--no-progress", "--metrics-port", "0",
+                   "--served-model-name", "my-model", "--metrics-vllm085"])
     assert status == 0
     err = capsys.readouterr().err
     url = re.search(r"Prometheus metrics at (http://127\.0\.0\.1:\d+/metrics)", err).group(1)
     with urllib.request.urlopen(url, timeout=10) as response:  # the server thread outlives the replay
         text = response.read().decode()
+    labels = 'engine="0",model_name="my-model"'
     for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:kv_cache_usage_perc",
-                 "gpukv:evictions_total", "gpukv:manager_step_seconds_bucket"):
-        assert re.search(rf"^{re.escape(name)}(\{{[^}}]*\}})? ", text, re.M), name
+                 "vllm:num_preemptions_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "gpukv:evictions_total", "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total",
+                 "vllm:gpu_cache_usage_perc"):
+        assert re.search(rf"^{re.escape(name)}\{{{labels}\}} ", text, re.M), name
+    assert re.search(r'^gpukv:manager_step_seconds_bucket\{engine="0",le="0.001",model_name="my-model"\} ', text, re.M)
+
+
+def test_vllm_label_sets_and_the_0_8_5_names():
+    """Current vLLM's names carry its labels, model_name and engine; the
+    0.8.5 counters count blocks as 0.8.5 did, re-admissions included."""
+    m = prometheus.ServingMetrics(model_name="llama", engine=2, vllm085=True)
+    stats = PrefixCacheStats(requests=1, queries=40, hits=32, query_blocks=3, hit_blocks=2, preempted_requests=1,
+                             preempted_queries=33, preempted_hits=32, vllm085_query_blocks=4, vllm085_hit_blocks=4)
+    m.observe_step(stats, usage=0.25, blocks_in_use=10, running=1, waiting=0, preemptions=0, evictions_total=0,
+                   step_seconds=1e-4)
+    assert m.registry.get_sample_value("vllm:prefix_cache_queries_total",
+                                       {"model_name": "llama", "engine": "2"}) == 40
+    assert m.registry.get_sample_value("vllm:prefix_cache_queries_total") is None  # never without the labels
+    assert (m.value("vllm:gpu_prefix_cache_queries_total"), m.value("vllm:gpu_prefix_cache_hits_total")) == (4, 4)
+    assert m.value("vllm:gpu_cache_usage_perc") == m.value("vllm:kv_cache_usage_perc") == 0.25
+    assert prometheus.ServingMetrics().value("vllm:gpu_cache_usage_perc") is None  # only when asked for
+
+
+def test_the_0_8_5_options_need_the_metrics_port(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--backend", "reference", "--max-requests", "2", "--no-progress", "--metrics-vllm085"])
+    assert info.value.code == 2 and "add --metrics-port" in capsys.readouterr().err
 
 
 def test_without_the_extra_the_option_is_one_error_line(capsys, monkeypatch):

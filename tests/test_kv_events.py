@@ -1,0 +1,325 @@
+"""KV events on the wire (``gpukv.kv_events``, the ``events`` extra): a
+plain ZMQ client, decoding with vLLM's schema as a router does, rebuilds
+each manager's cache index exactly (live messages, and the replay socket for
+what it missed); a router keeps ``RouterIndex`` from the wire and ``match``
+answers as the managers' lookups do; vLLM's configuration rules.
+
+Everything runs on loopback: ipc:// sockets in a temporary directory (and
+one tcp://127.0.0.1 socket on a port the OS picks); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from gpukv import events as gk
+from gpukv import kv_events
+from gpukv.events import KVEventBatch, RouterIndex, int_block_hash
+from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.request import NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
+TOPIC = "kv-events"
+
+
+# vLLM 0.33.0's KV-event schema (vllm/distributed/kv_events.py), written here
+# from its field list, independently of gpukv.kv_events: what a router decodes with.
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(VllmEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(VllmEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(VllmEvent):
+    pass
+
+
+class VllmKVEventBatch(VllmEventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(VllmKVEventBatch)
+
+
+@pytest.fixture
+def sockdir():
+    path = tempfile.mkdtemp(prefix="gpukv-ev-", dir="/tmp")  # short: ipc paths are limited to ~100 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Subscriber:
+    """A router's plain ZMQ client: SUB for the stream, DEALER for replays;
+    keeps every batch in order, filling gaps from the replay socket."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+        self.sub.connect(endpoint)
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.dealer.connect(replay_endpoint)
+        self.payloads: list[bytes] = []  # by sequence number
+        self.live = self.replayed = 0
+
+    def _take(self, seq: int, payload: bytes) -> bool:
+        if seq != len(self.payloads):
+            return False  # a duplicate (replayed, then live), or past a gap
+        self.payloads.append(payload)
+        return True
+
+    def replay(self) -> None:
+        self.dealer.send_multipart([b"", len(self.payloads).to_bytes(8, "big")])
+        while True:
+            assert self.dealer.poll(5000), "no answer from the replay socket"
+            empty, topic, seq, payload = self.dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                assert (empty, topic, payload) == (b"", b"", b"")
+                return
+            assert (empty, topic) == (b"", TOPIC.encode())
+            self.replayed += self._take(int.from_bytes(seq, "big"), payload)
+
+    def poll(self, timeout_ms: int) -> None:
+        while self.sub.poll(timeout_ms):
+            topic, seq_bytes, payload = self.sub.recv_multipart()
+            assert topic == TOPIC.encode() and len(seq_bytes) == 8
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq > len(self.payloads):
+                self.replay()  # missed some: the replay brings them (and this one)
+            self.live += self._take(seq, payload)
+            timeout_ms = 0
+
+    def wait_for(self, count: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.payloads) < count:
+            assert time.monotonic() < deadline, f"{len(self.payloads)} of {count} batches after {timeout_s} s"
+            self.poll(100)
+            if len(self.payloads) < count:
+                self.replay()
+
+
+def table_of(m) -> dict:
+    return {key: len(blocks) for key, blocks in m.pool.table().items()}
+
+
+def rebuilt_index(payloads: list[bytes]) -> dict:
+    """What a router keeps, from the payloads alone, with vLLM's schema."""
+    index: dict = {}
+    for payload in payloads:
+        batch = DECODER.decode(payload)
+        assert batch.data_parallel_rank == 0
+        for e in batch.events:
+            if isinstance(e, AllBlocksCleared):
+                index.clear()
+            elif isinstance(e, BlockStored):
+                assert e.medium == "GPU" and len(e.token_ids) == e.block_size * len(e.block_hashes)
+                assert e.kv_cache_spec_kind == ("full_attention" if e.group_idx == 0 else "sliding_window")
+                for d in e.block_hashes:
+                    index[(d, e.group_idx)] = index.get((d, e.group_idx), 0) + 1
+            else:
+                for d in e.block_hashes:
+                    index[(d, e.group_idx)] -= 1
+                    if not index[(d, e.group_idx)]:
+                        del index[(d, e.group_idx)]
+    return index
+
+
+def _step(m, rng: random.Random, step: int) -> None:
+    ids = m.request_ids()
+    finished = [r for r in ids if rng.random() < 0.3]
+    running = [RunningUpdate(r, [rng.randint(0, 2)]) for r in ids if r not in finished and rng.random() < 0.5]
+    new = [NewRequest(f"r{step}.{i}", [rng.randint(0, 2) for _ in range(rng.randint(1, 9))],
+                      lora_id=rng.choice([None, 3])) for i in range(rng.randint(0, 2))]
+    m.step(finished, running, new)
+    if step % 17 == 16:
+        m.step(finished=m.request_ids())
+        assert m.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("int_block_hashes", [True, False])
+def test_a_plain_zmq_client_rebuilds_the_index_exactly(sockdir, int_block_hashes):
+    m = ReferenceManager(16, 2, sliding_windows=[None, 4], hash_key=KEY, max_model_len=64,
+                         enable_kv_cache_events=True)
+    rng = random.Random(3)
+    config = kv_events.KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{sockdir}/pub",
+                                      replay_endpoint=f"ipc://{sockdir}/replay", topic=TOPIC)
+    ctx = zmq.Context()
+    publisher = kv_events.make_publisher(config, sliding_windows=m.sliding_windows, int_block_hashes=int_block_hashes)
+    try:
+        published = 0
+        for step in range(10):  # before anyone listens: only the replay has these
+            _step(m, rng, step)
+            published += publisher.publish_from(m)
+        assert publisher.flush()  # sent, to no one
+        client = Subscriber(ctx, config.endpoint, config.replay_endpoint)
+        step, deadline, last = 10, time.monotonic() + 10, None
+        while last is None or step < last:  # 30 steps past the first live batch (within 10 s)
+            _step(m, rng, step)
+            published += publisher.publish_from(m)
+            client.poll(50 if client.live == 0 else 0)  # until the subscription is through, give it time
+            if last is None and (client.live or time.monotonic() > deadline):
+                last = step + 30
+            step += 1
+        client.wait_for(published)
+        assert client.replayed > 0 and client.live > 0 and len(client.payloads) == published >= 20
+        key = int_block_hash if int_block_hashes else (lambda d: d)
+        assert rebuilt_index(client.payloads) == {(key(d), g): n for (d, g), n in table_of(m).items()}
+        kinds = {type(e) for p in client.payloads for e in DECODER.decode(p).events}
+        assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}
+        stamps = [DECODER.decode(p).ts for p in client.payloads]
+        assert stamps == sorted(stamps) and abs(stamps[-1] - time.time()) < 60
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_router_keeps_a_router_index_from_the_wire_and_matches(sockdir):
+    """Two workers (data-parallel ranks 0 and 1 of one config: the second's
+    endpoint gets ``_dp1``); the router applies ``from_wire`` batches to a
+    ``RouterIndex`` and ``match`` finds what each manager's lookup hits."""
+    workers = [ReferenceManager(12, 2, hash_key=KEY, max_model_len=64, enable_kv_cache_events=True)
+               for _ in range(2)]
+    config = kv_events.KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{sockdir}/ev",
+                                      replay_endpoint=f"ipc://{sockdir}/rp", topic=TOPIC)
+    pubs = [kv_events.make_publisher(config, data_parallel_rank=r) for r in range(2)]
+    ctx = zmq.Context()
+    try:
+        assert [p.endpoint for p in pubs] == [f"ipc://{sockdir}/ev", f"ipc://{sockdir}/ev_dp1"]
+        clients = [Subscriber(ctx, p.endpoint, p.replay_endpoint) for p in pubs]
+        prompts = {0: [[1, 2, 3, 4, 5, 6, 7], [8, 8, 8]], 1: [[1, 2, 3, 9, 9], [8, 8, 8, 8, 8]]}
+        counts = [0, 0]
+        for r, m in enumerate(workers):
+            m.step(new=[NewRequest(f"{r}.{i}", p) for i, p in enumerate(prompts[r])])
+            counts[r] += pubs[r].publish_from(m)
+        index = RouterIndex.for_manager(workers[0], int_block_hashes=True)
+        for r, client in enumerate(clients):
+            client.wait_for(counts[r])
+            for seq, payload in enumerate(client.payloads):
+                index.apply(kv_events.from_wire(kv_events.decode(payload), seq), worker=f"dp{r}")
+        assert index.match([1, 2, 3, 4, 5, 6, 0]) == {"dp0": 3, "dp1": 1}
+        assert index.match([8, 8, 8, 8, 8, 8]) == {"dp0": 1, "dp1": 2}
+        for tokens in ([1, 2, 3, 4, 5, 6, 0], [8, 8, 8, 8, 8, 8], [5, 5]):
+            for r, m in enumerate(workers):
+                hit = m.get_computed_blocks(NewRequest("probe", tokens)).num_tokens // m.block_size
+                assert min(index.match(tokens)[f"dp{r}"], (len(tokens) - 1) // 2) == hit
+    finally:
+        for p in pubs:
+            p.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_connecting_publisher_reaches_a_bound_subscriber():
+    """Without a wildcard the PUB socket connects (vLLM's rule): here to a
+    subscriber bound on 127.0.0.1, on a port the OS picked."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    publisher = kv_events.ZmqEventPublisher(f"tcp://127.0.0.1:{port}")
+    try:
+        assert publisher.endpoint == f"tcp://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):  # a connecting PUB joins late: publish until one arrives
+            assert time.monotonic() < deadline
+            publisher.publish(KVEventBatch(0, [gk.AllBlocksCleared()]))
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"" and DECODER.decode(payload).events == [AllBlocksCleared()]
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_wire_forms(monkeypatch):
+    d0, d1 = bytes(range(16)), bytes(range(16, 32))
+    batch = KVEventBatch(0, [gk.BlockStored([d0, d1], None, [1, 2, 3, 4], 2, 7, 1), gk.BlockRemoved([d0], 1)],
+                         ts=12.5)
+    wire = kv_events.to_wire(batch, sliding_windows=[None, 64])
+    assert int_block_hash(d0) == int.from_bytes(d0[8:], "big")  # vLLM's int form: the last 8 bytes
+    assert msgspec.msgpack.decode(kv_events.encode(wire)) == [12.5, [
+        {"type": "BlockStored", "block_hashes": [int_block_hash(d0), int_block_hash(d1)], "parent_block_hash": None,
+         "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": 7, "medium": "GPU", "lora_name": None,
+         "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64},
+        {"type": "BlockRemoved", "block_hashes": [int_block_hash(d0)], "medium": "GPU", "group_idx": 1}], 0]
+    monkeypatch.setenv(kv_events.INT_HASHES_ENV, "0")  # vLLM's switch to bytes
+    back = kv_events.from_wire(kv_events.decode(kv_events.encode(kv_events.to_wire(batch))), 5)
+    assert back == KVEventBatch(5, batch.events, ts=12.5)
+
+
+def test_config_follows_vllm():
+    c = kv_events.KVEventsConfig()
+    assert (c.publisher, c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size, c.topic) == (
+        "null", "tcp://*:5557", None, 10_000, 100_000, 100_000, "")
+    c = kv_events.KVEventsConfig.from_json('{"enable_kv_cache_events": true, "topic": "kv"}')
+    assert (c.publisher, c.topic) == ("zmq", "kv")
+    assert isinstance(kv_events.make_publisher(None), kv_events.NullEventPublisher)
+    assert isinstance(kv_events.make_publisher(kv_events.KVEventsConfig(True, "null")), kv_events.NullEventPublisher)
+    with pytest.raises(ValueError, match="unknown KV-events config field"):
+        kv_events.KVEventsConfig.from_json('{"enable_kv_cache_events": true, "port": 1}')
+    with pytest.raises(ValueError, match="publisher must be"):
+        kv_events.KVEventsConfig(True, "nats")
+    offset = kv_events._offset_endpoint
+    assert offset("tcp://*:5557", 2) == "tcp://*:5559" and offset("tcp://*:0", 2) == "tcp://*:0"
+    assert offset("inproc://ev", 1) == "inproc://ev_dp1" and offset("tcp://*:5557", 0) == "tcp://*:5557"
+    assert kv_events._binds("tcp://*:5557") and kv_events._binds("ipc:///tmp/x")
+    assert not kv_events._binds("tcp://127.0.0.1:5557")
+
+
+def test_a_batch_after_dropped_events_is_published_with_a_warning(sockdir):
+    publisher = kv_events.ZmqEventPublisher(f"ipc://{sockdir}/pub")
+    try:
+        with pytest.warns(RuntimeWarning, match="3 dropped events"):
+            publisher.publish(KVEventBatch(0, [], dropped=3))
+    finally:
+        publisher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        publisher.publish([])
+
+
+def test_without_the_extra_the_error_names_it(monkeypatch):
+    import importlib.util
+    import sys
+
+    monkeypatch.setitem(sys.modules, "zmq", None)  # imports fail as if not installed
+    with pytest.raises(ImportError, match=r"gpukv\[events\]"):
+        kv_events.ZmqEventPublisher("ipc:///nonexistent/x")
+    monkeypatch.setitem(sys.modules, "msgspec", None)
+    spec = importlib.util.spec_from_file_location("kv_events_without_msgspec", kv_events.__file__)
+    with pytest.raises(ImportError, match=r"needs the 'events' extra: pip install 'gpukv\[events\]'"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
