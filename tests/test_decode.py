@@ -290,3 +290,37 @@ def test_a_lookup_with_device_tokens_out_of_range_is_a_refusal(monkeypatch):
     assert dev.get_computed_blocks(NewRequest("q", [1, 2, 3])).num_tokens == 2
     assert dev.step(new=[NewRequest("b", [1, 2, 3])]).ok
     dev.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tokens_out_of_range_on_both_managers():
+    """The same on a GPU, with real CUDA tensors: the reference reads and
+    refuses them (nothing changed); the device manager never reads them,
+    gives no hit on them and stops at the next read."""
+    ref = ReferenceManager(16, 2, hash_key=KEY, max_model_len=32)
+    dev = DeviceManager(16, 2, hash_key=KEY, max_model_len=32, device="cuda")
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+    bad = torch.tensor([[2**32 + 5]], device="cuda")
+    with pytest.raises(InvalidInputError):
+        ref.decode([0], bad)
+    with pytest.raises(InvalidInputError):
+        ref.step(running=[RunningUpdate("a", bad[0])])
+    assert not ref.failed and ref.decode([0], [5]).ok
+    assert dev.decode([0], bad).ok and dev.counters.d2h == 0 and not dev.failed
+    assert _hit_tokens(dev, [1, 2, 3, 5, 9]) == 2 and _hit_tokens(ref, [1, 2, 3, 5, 9]) == 4
+    with pytest.raises(InvalidInputError):
+        dev.step(new=[NewRequest("b", [7])])
+    assert dev.failed
+    # In range, the device's tokens give the reference's result and state.
+    ref = pair(16, 2, max_model_len=32)[0]
+    dev = DeviceManager(16, 2, hash_key=KEY, max_model_len=32, device="cuda")
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", [1, 2, 3])])
+    good = torch.tensor([[0, 2**31, 2**32 - 1]], device="cuda")
+    assert ref.decode([0], good) == dev.decode([0], good)
+    assert state(ref) == state(dev)
+    dev_step = dev.step(running=[RunningUpdate("a", torch.tensor([7, 8], device="cuda", dtype=torch.int32))])
+    assert dev_step == ref.step(running=[RunningUpdate("a", torch.tensor([7, 8], device="cuda", dtype=torch.int32))])
+    assert state(ref) == state(dev) and not dev.failed
