@@ -364,7 +364,8 @@ def _add_scheduling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uncached-first", action=argparse.BooleanOptionalAction, default=True,
                    help="free uncached blocks to the front of the free queue, or (--no-uncached-first) all to the back")
     p.add_argument("--admission", choices=["batch", "one"], default="batch",
-                   help="batch: admit a step's candidates in one batched step; one: one step call each (vLLM's order)")
+                   help="batch: admit a step's candidates in one batched step (each chunk charged whole, hit "
+                        "included); one: vLLM's waiting loop (look up, then schedule new tokens beyond the hit)")
 
 
 def _add_workload_options(p: argparse.ArgumentParser) -> None:

@@ -81,7 +81,10 @@ class ReplayOptions:
     num_blocks: int = DEFAULT_NUM_BLOCKS
     max_model_len: int = 131_072
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    admission: str = "batch"  # or "one": one step call per admitted request (vLLM's order)
+    # "batch": the step's new requests in one step() call (gpukv's batched
+    # admission; the budget pays for each chunk, hit included); "one": vLLM's
+    # waiting loop exactly (each request looked up, then new tokens beyond its hit).
+    admission: str = "batch"
     uncached_first: bool = True
     prompt_only: bool = False
     backend: str = "reference"
@@ -486,25 +489,31 @@ class Replay:
         return batch
 
     def _admit_one_by_one(self, step: int, budget: _TokenBudget) -> None:
-        """``admission="one"``: one step call per request from the front of
-        the queue (vLLM's order), while seats, the budget and the pool allow."""
+        """``admission="one"``: vLLM's waiting-queue loop (``Scheduler.schedule``),
+        one request at a time from the front of the queue while seats and the
+        budget last: look its hit up (``get_computed_blocks``), schedule
+        ``min(tokens - hit, cap, budget left)`` new tokens, charged alone (a
+        cached prefix is free), and allocate blocks for the hit plus those
+        (``allocate_slots``); stop at the first that does not fit."""
         while (self.waiting and len(self.running) < self.opts.max_num_seqs and not budget.spent
                and not self._never_fits(self.waiting[0])):
             live = self.waiting[0]
-            chunk = self._first_chunk(live, budget)  # not admitted: the step's admission ends anyway
-            res = self._timed(self.manager.step, (), (), [self._new_request(live, chunk)])
-            if res.num_admitted == 0:
+            request = self._new_request(live, len(live.tokens))
+            computed = self._timed(self.manager.get_computed_blocks, request)
+            new = budget.chunk(len(live.tokens) - computed.num_tokens)
+            if self._timed(self.manager.allocate_slots, request, computed=computed, num_tokens=new) is None:
                 break
-            self._admitted(self.waiting.popleft(), step, res.num_computed_tokens[0], chunk)
+            budget.charge(new)
+            self._admitted(self.waiting.popleft(), step, computed.num_tokens, computed.num_tokens + new)
 
     @staticmethod
     def _first_chunk(live: _Live, budget: _TokenBudget) -> int:
-        """The tokens a new request's prefill starts with, charged to the
-        budget. The charge is the whole chunk, its cache hit included: the
-        hit is known only after the step (a batch can hit blocks an earlier
-        request of the same step computes) and counts towards the chunk.
-        vLLM looks the hit up first and charges only the uncached tokens, so
-        a cached prefix costs it no budget; here it does."""
+        """``admission="batch"``: the tokens a new request's prefill starts
+        with, charged to the budget. The charge is the whole chunk, its cache
+        hit included: the batch's hits are known only after its one step (a
+        request can hit blocks an earlier one of the same step computes) and
+        count towards the chunk. vLLM, like ``admission="one"``, looks each
+        hit up first and charges only the uncached tokens."""
         chunk = budget.chunk(len(live.tokens))
         budget.charge(chunk)
         return chunk

@@ -242,8 +242,7 @@ def fields(report, *names):
     return {rid: tuple(r[n] for n in names) for rid, r in report["requests"].items()}
 
 
-@pytest.mark.parametrize("admission", ["batch", "one"])
-def test_chunked_schedule_worked_by_hand(tmp_path, admission):
+def test_chunked_schedule_worked_by_hand(tmp_path, admission="batch"):
     replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, admission=admission)
     assert replay.log == [
         # r0 fits whole (1000, passed as None); r1 gets the 24 left. Its hit
@@ -266,6 +265,28 @@ def test_chunked_schedule_worked_by_hand(tmp_path, admission):
     # more; then r1 has 5 (3 of its own) and r2 its hit; then r2 alone (3).
     assert report["blocks_in_use"] == [4, 7, 3, 0]
     assert report["config"]["max_num_batched_tokens"] == 1024
+
+
+def test_vllm_waiting_loop_worked_by_hand(tmp_path):
+    """``admission="one"`` is vLLM's waiting loop: each request is looked up
+    first, then only the tokens beyond its hit are scheduled and charged
+    (``allocate_slots``: no step() call admits anyone)."""
+    replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, admission="one")
+    assert replay.log == [
+        # r0: 1000 new; r1: hit 512 (the blocks r0's allocation cached), 24 new.
+        [],
+        # r0 decodes (1), r1 computes its other 664 and samples; r2: hit 512,
+        # its 88 new fit in the 359 left, so it is done in its admission step.
+        [("r0", 1, None), ("r1", 0, 664)],
+        [],  # all three finish
+    ]
+    assert fields(report, "admitted_step", "num_cached_tokens", "prefill_done_step", "finished_step") == {
+        "r0": (0, 0, 0, 2), "r1": (0, 512, 1, 2), "r2": (1, 512, 1, 2)}
+    s = report["summary"]
+    assert (s["prompt_tokens"], s["cached_tokens"], s["steps"], s["preemptions"]) == (2800, 1024, 3, 0)
+    # r0 holds 4 blocks, r1 its 2-block hit and 1 more (536 tokens); then r1
+    # has 5 (3 of its own) and r2 3 (1 of its own); then none.
+    assert report["blocks_in_use"] == [5, 8, 0]
 
 
 def test_long_prefill_threshold_caps_each_chunk(tmp_path):
