@@ -7,7 +7,9 @@ running requests in admission order (a decoding request its new token, a
 request still prefilling its next prompt chunk), preempting the most recently
 admitted request while they do not fit, and, when nothing was preempted,
 admits waiting requests from the front, each computing the first chunk of its
-prompt. A step schedules at most ``max_num_batched_tokens`` tokens (vLLM's
+prompt (``admission="one"``: vLLM's waiting loop exactly, each request looked
+up and then given tokens beyond its hit; ``"batch"``: one batched ``step()``
+for the lot, each chunk charged whole, its hit included). A step schedules at most ``max_num_batched_tokens`` tokens (vLLM's
 token budget; None: no budget) and a chunk is at most
 ``long_prefill_token_threshold`` tokens (0: no cap); once the budget is spent,
 later running requests wait a step and nothing more is admitted. With no
