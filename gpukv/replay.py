@@ -9,10 +9,11 @@ admitted request while they do not fit, and, when nothing was preempted,
 admits waiting requests from the front, each computing the first chunk of its
 prompt (``admission="one"``: vLLM's waiting loop exactly, each request looked
 up and then given tokens beyond its hit; ``"batch"``: one batched ``step()``
-for the lot, each chunk charged whole, its hit included). A step schedules at most ``max_num_batched_tokens`` tokens (vLLM's
-token budget; None: no budget) and a chunk is at most
-``long_prefill_token_threshold`` tokens (0: no cap); once the budget is spent,
-later running requests wait a step and nothing more is admitted. With no
+for the lot, each chunk charged whole, its hit included). A step schedules at
+most ``max_num_batched_tokens`` tokens (vLLM's token budget; None: no budget)
+and a chunk is at most ``long_prefill_token_threshold`` tokens (0: no cap);
+once the budget is spent, later running requests wait a step and nothing more
+is admitted. With no
 budget and no cap a prefill computes the whole prompt in its admission step.
 A request samples its first output token in the step that computes its last
 prompt chunk, as vLLM does, and decodes from the next step on. The budget
