@@ -32,8 +32,9 @@ for its own scheduler tests unless a test says otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,11 +66,6 @@ try:
 except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable vLLM here)
     pytest.skip(f"vLLM {VLLM_VERSION_PREFIX} is not importable ({type(exc).__name__}: {exc}); {INSTALL_HINT}",
                 allow_module_level=True)
-
-# The v1 engine's scheduler and KV connectors read this when they run; set only
-# after the imports, since `import vllm` with it set loads the whole v1 engine
-# (xgrammar, tokenizers...), which the scheduler does not need.
-os.environ.setdefault("VLLM_USE_V1", "1")
 
 if not vllm.__version__.startswith(VLLM_VERSION_PREFIX):
     pytest.skip(f"these tests follow vLLM {VLLM_VERSION_PREFIX}'s scheduler, found vLLM {vllm.__version__}; "
@@ -176,7 +172,31 @@ class FakeMultiModalRegistry:
         return {"image": self.tokens_per_item}
 
 
-def make_scheduler(
+@contextlib.contextmanager
+def _v1_engine() -> Iterator[None]:
+    """``VLLM_USE_V1=1`` while a scheduler and its configs are built (vLLM's
+    configs and KV-connector factory read it then), and as it was afterwards:
+    left set, it would reach every later ``import vllm`` in a subprocess (the
+    docs' snippets), which then loads the whole v1 engine (xgrammar,
+    tokenizers...) that the scheduler does not need."""
+    before = os.environ.get("VLLM_USE_V1")
+    os.environ["VLLM_USE_V1"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_USE_V1"]
+        else:
+            os.environ["VLLM_USE_V1"] = before
+
+
+def make_scheduler(cls: type = VllmScheduler, **options: Any) -> Any:
+    """:func:`_make_scheduler` (its options) as vLLM's v1 engine builds it."""
+    with _v1_engine():
+        return _make_scheduler(cls, **options)
+
+
+def _make_scheduler(
     cls: type = VllmScheduler,
     *,
     max_num_seqs: int = 16,
