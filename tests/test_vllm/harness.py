@@ -72,8 +72,9 @@ if not vllm.__version__.startswith(VLLM_VERSION_PREFIX):
                 f"{INSTALL_HINT}", allow_module_level=True)
 
 __all__ = [
-    "EOS_TOKEN_ID", "SAMPLED_TOKEN_ID", "BlockTables", "EngineCoreOutputs", "KVView", "ModelRunnerOutput",
-    "PlaceholderRange", "Request", "RequestStatus", "SchedulerOutput", "VllmScheduler", "backend_of",
+    "EOS_TOKEN_ID", "SAMPLED_TOKEN_ID", "BlockTables", "EngineCoreOutputs", "FullAttentionSpec", "KVCacheConfig",
+    "KVCacheGroupSpec", "KVView", "ModelRunnerOutput", "PlaceholderRange", "Request", "RequestStatus",
+    "SamplingParams", "SchedulerOutput", "VllmKVCacheManager", "VllmScheduler", "backend_of",
     "make_requests", "make_scheduler", "model_output", "run_until_idle", "scheduler_params",
     "small_on_interpreter", "step",
 ]

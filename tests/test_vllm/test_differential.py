@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from vllm.sampling_params import SamplingParams
 
-from tests.test_vllm.harness import (
+from tests.test_vllm.harness import (  # first: it skips the module without vLLM
     Request,
+    SamplingParams,
     VllmScheduler,
     backend_of,
     make_scheduler,

@@ -10,11 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm.sampling_params import SamplingParams
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
-from tests.test_vllm.harness import Request, RequestStatus, VllmKVCacheManager  # noqa: F401  (skips without vLLM)
+from tests.test_vllm.harness import (  # noqa: F401  (it skips the module without vLLM)
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    VllmKVCacheManager,
+)
 
 BACKENDS = ["reference", "device"]
 

@@ -16,11 +16,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm.sampling_params import SamplingParams
 
 from gpukv.replay import Replay, ReplayOptions
 from gpukv.traces import Trace, builtin_trace_path, load_trace
-from tests.test_vllm.harness import BlockTables, Request, VllmScheduler, make_scheduler, model_output
+from tests.test_vllm.harness import (  # it skips the module without vLLM
+    BlockTables,
+    Request,
+    SamplingParams,
+    VllmScheduler,
+    make_scheduler,
+    model_output,
+)
 
 
 def vllm_records(trace: Trace, opts: ReplayOptions) -> dict[str, dict[str, Any]]:
