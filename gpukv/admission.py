@@ -23,8 +23,9 @@ from gpukv.kernels._common import pow2_at_least
 from gpukv.kernels.prefill import PLAN_ARRAYS
 from gpukv.request import NewRequest, as_int32_tokens
 
-#: int32 slots before the plan's columns: ``num_requests``, then padding (the
-#: columns stay 32-byte aligned, as Triton specialises pointers on it).
+#: int32 slots before the plan's columns: ``num_requests``, ``token_budget``
+#: (< 0: none), then padding (the columns stay 32-byte aligned, as Triton
+#: specialises pointers on it).
 HEADER = 8
 
 
@@ -37,7 +38,7 @@ class AdmissionPlan:
 
     rows: np.ndarray  # int64[K]
     num_tokens: np.ndarray  # int64[K] prompt tokens
-    chunk: np.ndarray  # int64[K] tokens computed (the hit counts towards them)
+    chunk: np.ndarray  # int64[K] the most tokens computed beyond the hit
     lookahead: np.ndarray  # int64[K]
     bucket: tuple
     packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts [TP]
@@ -45,10 +46,11 @@ class AdmissionPlan:
 
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
-                   host_plans: dict | None = None) -> AdmissionPlan:
+                   host_plans: dict | None = None, token_budget: int | None = None) -> AdmissionPlan:
     """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
-    the most blocks it may hit; None: no cap). ``host_plans`` caches one
-    packed array per bucket (the step then allocates nothing on the host
+    the most blocks it may hit; None: no cap; ``token_budget``: the step's
+    budget for new requests, None: none). ``host_plans`` caches one packed
+    array per bucket (the step then allocates nothing on the host
     either)."""
     bs, K = block_size, len(new)
     ntok = np.fromiter((len(r.token_ids) for r in new), np.int64, K)
@@ -60,8 +62,12 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     if hit_caps is not None:
         max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
     off = np.cumsum(ntok) - ntok
+    # A request computes at most ``most_new`` tokens past its hit, so it takes
+    # at most ceil((most_new + lookahead) / bs) new blocks per group and
+    # caches at most most_new // bs blocks past its hit.
+    most_new = chunk if token_budget is None else np.minimum(chunk, max(token_budget, 1))
     bucket = (pow2_at_least(max(K, 8)), pow2_at_least(int(max_hit.max())), pow2_at_least(int(ntok.sum())),
-              pow2_at_least(int((-(-(chunk + lookahead) // bs)).max())), pow2_at_least(int((chunk // bs).max())))
+              pow2_at_least(int((-(-(most_new + lookahead) // bs)).max())), pow2_at_least(int((most_new // bs).max())))
     KP = bucket[0]
     cached = host_plans.get(bucket) if host_plans is not None else None
     if cached is None:
@@ -70,6 +76,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
             host_plans[bucket] = cached
     packed = cached
     packed[0] = K
+    packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
     base = HEADER + len(PLAN_ARRAYS) * KP
     cols = packed[HEADER: base].reshape(len(PLAN_ARRAYS), KP)
     rows_np = np.asarray(rows, dtype=np.int64)
@@ -123,6 +130,7 @@ class AdmissionBuffers:
         plan = torch.zeros(HEADER + len(PLAN_ARRAYS) * KP + TP, **i32)
         views = {name: plan[HEADER + i * KP: HEADER + (i + 1) * KP] for i, name in enumerate(PLAN_ARRAYS)}
         views["num_requests"] = plan[:1]
+        views["token_budget"] = plan[1:2]
         views["tokens"] = plan[HEADER + len(PLAN_ARRAYS) * KP:]
         EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
         return cls(plan=plan, views=views, zeros=torch.zeros(KP, **i32), cache=torch.zeros((KP, P, G), **i32),

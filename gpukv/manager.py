@@ -61,6 +61,7 @@ from gpukv.request import (
     check_memory,
     check_request_ids,
     check_size,
+    check_token_budget,
     normalize_computed,
     normalize_decode_chunks,
     normalize_decode_tokens,
@@ -538,14 +539,18 @@ class DeviceManager(FailStop):
 
     @mutating
     def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
-             new: Sequence[NewRequest] = ()) -> StepResult:
+             new: Sequence[NewRequest] = (), *, token_budget: int | None = None) -> StepResult:
         """The batched step; same phases and results as the reference's, and
         the same argument checks (``gpukv.request.normalize_step``): a refused
-        call raises a ``gpukv.errors`` class and changes nothing."""
+        call raises a ``gpukv.errors`` class and changes nothing.
+        ``token_budget`` (vLLM's waiting loop, applied on the device in the
+        admission): the tokens the new requests may compute beyond their hits,
+        None for no budget."""
         step = self._normalize(finished, running, new)
+        token_budget = check_token_budget(token_budget)
         self._begin_changes()
         with self._counting():
-            return self._step(list(step.finished), list(step.running), list(step.new))
+            return self._step(list(step.finished), list(step.running), list(step.new), token_budget=token_budget)
 
     @mutating
     def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, num_tokens_to_compute=None,
@@ -907,7 +912,8 @@ class DeviceManager(FailStop):
                                 blk_tokens=self.pool.blk_tokens, row_lora=self._rows.lora)
 
     # The step ----------------------------------------------------------------
-    def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None) -> StepResult:
+    def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,
+              token_budget: int | None = None) -> StepResult:
         """A step on normalised arguments (``_normalize``): nothing here refuses input."""
         if finished:  # phase 1
             self._release_requests(finished)
@@ -921,11 +927,12 @@ class DeviceManager(FailStop):
         if new:  # phases 3-5
             cand_rows = [self._rows.take() for _ in new]
             try:
-                status, hits = self._admit_new(new, cand_rows, blocked, hit_caps)
+                status, hits, computed = self._admit_new(new, cand_rows, blocked, hit_caps,
+                                                         token_budget=token_budget)
             except BaseException:
                 self._rows.give_back_unused(cand_rows)  # no row leaks, whatever went wrong
                 raise
-            status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64)]
+            status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64), computed.to(torch.int64)]
         # The one device-to-host read of the step (none when nothing is unknown).
         host = None
         if new or (run is not None and run["read"]):
@@ -1027,23 +1034,22 @@ class DeviceManager(FailStop):
     def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult,
                           count_stats: bool) -> None:
         """The admitted requests keep their rows; the others give theirs back."""
-        stat = host[: lookup_ops.NUM_STATUS]
-        hits = host[lookup_ops.NUM_STATUS: lookup_ops.NUM_STATUS + len(new)]
+        K, S = len(new), lookup_ops.NUM_STATUS
+        stat, hits, comp = host[:S], host[S: S + K], host[S + K: S + 2 * K]
         if count_stats:
             self._count_lookups(new, hits)
         admitted = int(stat[lookup_ops.ST_ADMITTED])
         bs = self.block_size
         result.num_admitted = admitted
         result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
+        result.num_new_tokens = [int(c) - int(h) * bs for c, h in zip(comp[:admitted], hits[:admitted], strict=True)]
         result.rows = cand_rows[:admitted]
         if admitted:
             adm = np.asarray(cand_rows[:admitted], dtype=np.int64)
             h = np.asarray(hits[:admitted], dtype=np.int64)
             n = np.fromiter((len(r.token_ids) for r in new[:admitted]), np.int64, admitted)
-            chunk = np.fromiter((k if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-                                 for r, k in zip(new[:admitted], n.tolist(), strict=True)), np.int64, admitted)
             lookahead = np.fromiter((r.num_lookahead_tokens for r in new[:admitted]), np.int64, admitted)
-            computed = np.maximum(chunk, h * bs)
+            computed = np.asarray(comp[:admitted], dtype=np.int64)  # the admission's (``_admit_kernel``)
             self._rows.num_tokens[adm], self._rows.num_computed[adm] = n, computed
             self._rows.num_held[adm] = -(-(computed + lookahead) // bs)
             w = np.asarray(self._window_blocks, dtype=np.int64)
@@ -1132,7 +1138,7 @@ class DeviceManager(FailStop):
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=self.device)
             caps = [0] if not self.enable_caching else None if hit_cap is None else [hit_cap]
-            _, hit, cache = self._admit_new([request], [row], blocked, caps, dry=True)
+            _, hit, _, cache = self._admit_new([request], [row], blocked, caps, dry=True)
             if isinstance(request.token_ids, torch.Tensor):  # checked on the device: the verdict rides with the hit
                 bad = self._device_tokens_bad([request.token_ids])
                 n, errors = self._read(torch.cat([hit.to(torch.int64), bad]))
@@ -1150,15 +1156,16 @@ class DeviceManager(FailStop):
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
         return ComputedBlocks(blocks, n * self.block_size)
 
-    def _admit_new(self, new, rows, blocked, hit_caps=None, dry: bool = False):
+    def _admit_new(self, new, rows, blocked, hit_caps=None, dry: bool = False, token_budget: int | None = None):
         """Phases 3-5 of a step: the new requests into ``rows``, their
         digests, lookups and admission, then (unless ``dry``) their blocks.
         Planned on the host from the requests' lengths and uploaded once;
         every entry after that is derived on the device
         (``gpukv.kernels.prefill``), by launches prepared once per bucket and
-        replayed. Returns the admission's status and the hits (int32[K]; and
-        with ``dry`` the cached hits, int32[KP, P, G])."""
-        plan = plan_admission(new, rows, self.block_size, hit_caps, self._admission_plans)
+        replayed. Returns the admission's status, the hits (int32[K]) and the
+        tokens each request has computed after the step (int32[K]; and with
+        ``dry`` the cached hits, int32[KP, P, G])."""
+        plan = plan_admission(new, rows, self.block_size, hit_caps, self._admission_plans, token_budget)
         bufs = self._admission_buffers(plan.bucket)
         self._staging.upload(plan.packed, out=bufs.plan)
         if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``_lookup_only``)
@@ -1171,14 +1178,14 @@ class DeviceManager(FailStop):
         self._write_extra_keys(new, rows)  # (host work, only for requests with extra keys)
         if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
             self._find_and_admit(bufs, blocked)
-            return bufs.status, bufs.hit[: len(new)], bufs.cache
+            return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)], bufs.cache
         def admit_and_take() -> None:
             self._find_and_admit(bufs, blocked)
             self._take_admitted_blocks(bufs)
 
         self._replayed(bufs.prepared, "admit", admit_and_take)
         self._expect_events(bufs.alloc.shape[1] + bufs.record.shape[1])
-        return bufs.status, bufs.hit[: len(new)]
+        return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
 
     def _replayed(self, prepared: dict, part: str, launch) -> None:
         """Run ``launch`` (a fixed sequence of launches on fixed buffers) the
@@ -1213,7 +1220,7 @@ class DeviceManager(FailStop):
                          block_size=self.block_size, hit_out=bufs.hit, status=bufs.status,
                          window_blocks=self._win_dev, chains=(bufs.head, bufs.next, bufs.same),
                          resolved=bufs.resolved, start=bufs.start, compute=v["comp"], lookahead=v["lookahead"],
-                         num_requests=v["num_requests"])
+                         num_requests=v["num_requests"], token_budget=v["token_budget"])
 
     def _take_admitted_blocks(self, bufs: AdmissionBuffers) -> None:
         """The admitted requests' blocks: first touches of their cached hits,

@@ -61,6 +61,8 @@ from gpukv.request import (
     check_memory,
     check_request_ids,
     check_size,
+    check_token_budget,
+    new_tokens_at_admission,
     normalize_computed,
     normalize_decode_chunks,
     normalize_decode_tokens,
@@ -295,7 +297,7 @@ class _RequestState:
     # per group: blocks at positions below this are cached (or null)
     num_cached_blocks: list[int] = field(default_factory=list)
     row: int = -1  # gpukv.rows: set at admission
-    # the admission's chunk (None: every token) and lookahead slots
+    # the admission's chunk (tokens beyond the hit; None: every token) and lookahead slots
     chunk: int | None = None
     lookahead: int = 0
     preempted: bool = False  # a re-admission after a preemption (stats count it apart)
@@ -315,6 +317,7 @@ class _Plan:
     # block an earlier new request of this step will compute and cache.
     hits: Sequence[Sequence[int | tuple[int, int]]]
     num_new_blocks: int
+    num_computed_tokens: int  # the hit plus the tokens it computes this step
 
 
 class ReferenceManager(FailStop):
@@ -599,6 +602,8 @@ class ReferenceManager(FailStop):
         finished: Sequence[str] = (),
         running: Sequence[RunningUpdate] = (),
         new: Sequence[NewRequest] = (),
+        *,
+        token_budget: int | None = None,
     ) -> StepResult:
         """One scheduling step, phase by phase (see ``docs/design.md``):
 
@@ -612,7 +617,11 @@ class ReferenceManager(FailStop):
            blocks earlier new requests of this step will cache;
         4. admit the longest prefix of new requests whose needs fit (a request
            needs its new blocks plus the free cached blocks it is the first in
-           the step to hit);
+           the step to hit), each computing its hit plus ``min(tokens - hit,
+           num_tokens_to_compute, budget left)`` tokens (vLLM's waiting loop:
+           ``token_budget`` tokens for this step's new requests, None for no
+           budget; admission stops where the budget is spent, before that
+           request is looked up);
         5. touch the hits of every admitted request, then allocate for each in
            order, then cache the blocks that will be full.
 
@@ -622,6 +631,7 @@ class ReferenceManager(FailStop):
         and changes nothing.
         """
         step = self._normalize(finished, running, new)
+        token_budget = check_token_budget(token_budget)
         self._begin_changes()
         finished, running, new = step.finished, step.running, step.new
         for rid in finished:
@@ -639,15 +649,17 @@ class ReferenceManager(FailStop):
         # Each request is hashed when its lookup comes (in ``_plan``), so the
         # requests after the first refused one are not hashed at all.
         states = [self._new_state(r) for r in new]
-        plans = self._plan_admissions(states)
+        plans = self._plan_admissions(states, token_budget)
         admitted = len(plans)
         self._admit(plans)
         for st in states[admitted:]:
             self._remember_digests(st)
+        hit_tokens = [p.num_hit_blocks * self.block_size for p in plans]
         return StepResult(
             num_admitted=admitted,
-            num_computed_tokens=[p.num_hit_blocks * self.block_size for p in plans],
+            num_computed_tokens=hit_tokens,
             rows=[p.state.row for p in plans],
+            num_new_tokens=[p.num_computed_tokens - h for p, h in zip(plans, hit_tokens, strict=True)],
         )
 
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
@@ -665,8 +677,7 @@ class ReferenceManager(FailStop):
         num_hit = hit_tokens // self.block_size
         self._check_computed(state, hits, num_hit)
         self._begin_changes()  # (before it, only the digest memo was read: ``_new_state``)
-        n_alloc = blocks_after_admission(num_hit, len(state.tokens), state.chunk, state.lookahead, self.block_size)
-        plan = _Plan(state, num_hit, hits, (n_alloc - num_hit) * self.num_groups)
+        plan = self._plan_for_hit(state, num_hit, hits)
         need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
         if need > self.pool.num_free_blocks:
             self._remember_digests(state)
@@ -675,16 +686,21 @@ class ReferenceManager(FailStop):
         self._admit([plan])
         return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
 
-    def _plan_admissions(self, states: list[_RequestState]) -> list[_Plan]:
+    def _plan_admissions(self, states: list[_RequestState], token_budget: int | None = None) -> list[_Plan]:
         """Phases 3 and 4, interleaved: a request's lookup depends only on the
-        requests before it, so looking up stops at the first refused one.
-        Returns the admitted requests' plans (a prefix of ``states``)."""
+        requests before it, so looking up stops at the first refused one, or
+        before the first one the budget has nothing left for (vLLM's
+        ``while token_budget > 0``). Returns the admitted requests' plans (a
+        prefix of ``states``)."""
         num_free = self.pool.num_free_blocks
         plans: list[_Plan] = []
         used = 0
+        budget_left = token_budget
         touched: set[int] = set()
         for state in states:
-            plan = self._plan(state, plans)
+            if budget_left is not None and budget_left <= 0:
+                break
+            plan = self._plan(state, plans, budget_left)
             self._count_lookup(plan)
             first_touch = {
                 b for g in plan.hits for b in g
@@ -696,6 +712,8 @@ class ReferenceManager(FailStop):
             plans.append(plan)
             used += need
             touched |= first_touch
+            if budget_left is not None:
+                budget_left -= plan.num_computed_tokens - plan.num_hit_blocks * self.block_size
         return plans
 
     @mutating
@@ -867,9 +885,11 @@ class ReferenceManager(FailStop):
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _plan(self, st: _RequestState, plans: list[_Plan]) -> _Plan:
+    def _plan(self, st: _RequestState, plans: list[_Plan], budget_left: int | None = None) -> _Plan:
         """Find the request's hit, against the cache and against the blocks the
-        earlier ``plans`` of this step will compute and cache."""
+        earlier ``plans`` of this step will compute and cache; it computes
+        ``new_tokens_at_admission`` tokens past it (``budget_left``: what the
+        step's token budget has left, None for no budget)."""
         self._extend_hashes([st])
         bs = self.block_size
         num_tokens = len(st.tokens)
@@ -905,8 +925,14 @@ class ReferenceManager(FailStop):
         for g, policy in enumerate(self._policies):
             first_real = policy.first_real(hit)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
-        n_alloc = blocks_after_admission(hit, num_tokens, st.chunk, st.lookahead, bs)
-        return _Plan(st, hit, hits, (n_alloc - hit) * self.num_groups)
+        return self._plan_for_hit(st, hit, hits, budget_left)
+
+    def _plan_for_hit(self, st: _RequestState, hit: int, hits, budget_left: int | None = None) -> _Plan:
+        """The plan of admitting ``st`` with a hit of ``hit`` blocks (``hits``: per group, the blocks)."""
+        bs = self.block_size
+        new = new_tokens_at_admission(hit, len(st.tokens), st.chunk, bs, budget_left)
+        n_alloc = blocks_after_admission(hit, len(st.tokens), st.chunk, st.lookahead, bs, budget_left)
+        return _Plan(st, hit, hits, (n_alloc - hit) * self.num_groups, hit * bs + new)
 
     def _pending_hit(self, st: _RequestState, i: int, plans: list[_Plan]):
         """(plan index, i) for the first earlier request of the step that
@@ -914,13 +940,14 @@ class ReferenceManager(FailStop):
         hit it: a window group may hit a position with the null block, so an
         earlier request sharing the block need not hold it; and whose chunk
         reaches past the block, so it caches it), if that block verifies
-        against ours; else None."""
+        against ours; else None. As in vLLM, where each admission caches its
+        full computed blocks before the next request is looked up."""
         digest = st.block_hashes[i]
         bs = self.block_size
         for j, plan in enumerate(plans):
             other = plan.state
             if (i < len(other.block_hashes) and other.block_hashes[i] == digest and plan.num_hit_blocks <= i
-                    and (other.chunk is None or i < other.chunk // bs)):
+                    and i < plan.num_computed_tokens // bs):
                 if (
                     self._token_bytes(other, i) != self._token_bytes(st, i)
                     or other.extras[i] != st.extras[i]
@@ -958,12 +985,9 @@ class ReferenceManager(FailStop):
                     resolved.append(b)
                 st.blocks[g] = resolved
                 st.num_cached_blocks[g] = plan.num_hit_blocks
-            n_alloc = blocks_after_admission(plan.num_hit_blocks, len(st.tokens), st.chunk, st.lookahead,
-                                             self.block_size)
             for g in range(self.num_groups):
-                st.blocks[g].extend(self.pool.allocate(n_alloc - plan.num_hit_blocks))
-            st.num_computed_tokens = max(len(st.tokens) if st.chunk is None else st.chunk,
-                                         plan.num_hit_blocks * self.block_size)
+                st.blocks[g].extend(self.pool.allocate(plan.num_new_blocks // self.num_groups))
+            st.num_computed_tokens = plan.num_computed_tokens
             st.row = self._rows.take()
             self._row_ids[st.row] = st.request_id
             self._requests[st.request_id] = st

@@ -7,9 +7,11 @@ running requests in admission order (a decoding request its new token, a
 request still prefilling its next prompt chunk), preempting the most recently
 admitted request while they do not fit, and, when nothing was preempted,
 admits waiting requests from the front, each computing the first chunk of its
-prompt (``admission="one"``: vLLM's waiting loop exactly, each request looked
-up and then given tokens beyond its hit; ``"batch"``: one batched ``step()``
-for the lot, each chunk charged whole, its hit included). A step schedules at
+prompt with vLLM's rule: each request is looked up and given ``min(tokens -
+hit, cap, budget left)`` tokens beyond its hit, charged only those
+(``admission="one"``: one ``get_computed_blocks`` + ``allocate_slots`` per
+request, as vLLM calls its manager; ``"batch"``: one batched ``step()`` that
+applies the same loop on the device). A step schedules at
 most ``max_num_batched_tokens`` tokens (vLLM's token budget; None: no budget)
 and a chunk is at most ``long_prefill_token_threshold`` tokens (0: no cap);
 once the budget is spent, later running requests wait a step and nothing more
@@ -84,9 +86,10 @@ class ReplayOptions:
     num_blocks: int = DEFAULT_NUM_BLOCKS
     max_model_len: int = 131_072
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    # "batch": the step's new requests in one step() call (gpukv's batched
-    # admission; the budget pays for each chunk, hit included); "one": vLLM's
-    # waiting loop exactly (each request looked up, then new tokens beyond its hit).
+    # Both apply vLLM's waiting loop (each request looked up, then new tokens
+    # beyond its hit, charged alone): "batch" in one step() call for the
+    # step's new requests (gpukv's batched admission), "one" by one call pair
+    # per request (get_computed_blocks, allocate_slots), as vLLM's scheduler.
     admission: str = "batch"
     uncached_first: bool = True
     prompt_only: bool = False
@@ -415,15 +418,16 @@ class Replay:
         budget = _TokenBudget(self.max_num_batched_tokens, self.long_prefill_token_threshold)
         updates = self._running_updates(step, decode, finished, budget)
         batch = self._admission_batch(budget) if self.opts.admission == "batch" else []
-        result = self._timed(self.manager.step, finished, updates, [self._new_request(lv, k) for lv, k in batch])
+        result = self._timed(self.manager.step, finished, updates, [self._new_request(lv, budget.cap) for lv in batch],
+                             token_budget=budget.left)
         if not result.ok:
             self._note_demand()  # the running requests a preemption is about to thin out
         preempted = self._apply_running(step, updates, result)
         # Admission, only when nothing was preempted (vLLM's rule).
         if not preempted:
             if self.opts.admission == "batch":
-                for i in range(result.num_admitted):
-                    self._admitted(self.waiting.popleft(), step, result.num_computed_tokens[i], batch[i][1])
+                for hit, new in zip(result.num_computed_tokens, result.num_new_tokens, strict=True):
+                    self._admitted(self.waiting.popleft(), step, hit, hit + new)
             else:
                 self._admit_one_by_one(step, budget)
             if not self.running and self.waiting:
@@ -480,15 +484,20 @@ class Replay:
             budget.charge(len(tokens))
         return updates
 
-    def _admission_batch(self, budget: _TokenBudget) -> list[tuple[_Live, int]]:
-        """The front of the waiting queue, each with the chunk its prefill
-        starts with, while seats and the budget last, stopping at a request
-        that can never fit (it waits until nothing runs, then is rejected)."""
+    def _admission_batch(self, budget: _TokenBudget) -> list[_Live]:
+        """``admission="batch"``: the front of the waiting queue while seats
+        last, stopping at a request that can never fit (it waits until nothing
+        runs, then is rejected). The step applies vLLM's waiting loop to them
+        on the device: each is looked up and gets ``min(tokens - hit, cap,
+        budget left)`` tokens past its hit, charged alone, until the budget is
+        spent or one does not fit (``step(..., token_budget=)``)."""
+        if budget.spent:
+            return []
         batch = []
         for live in itertools.islice(self.waiting, max(0, self.opts.max_num_seqs - len(self.running))):
-            if budget.spent or self._never_fits(live):
+            if self._never_fits(live):
                 break
-            batch.append((live, self._first_chunk(live, budget)))
+            batch.append(live)
         return batch
 
     def _admit_one_by_one(self, step: int, budget: _TokenBudget) -> None:
@@ -508,18 +517,6 @@ class Replay:
                 break
             budget.charge(new)
             self._admitted(self.waiting.popleft(), step, computed.num_tokens, computed.num_tokens + new)
-
-    @staticmethod
-    def _first_chunk(live: _Live, budget: _TokenBudget) -> int:
-        """``admission="batch"``: the tokens a new request's prefill starts
-        with, charged to the budget. The charge is the whole chunk, its cache
-        hit included: the batch's hits are known only after its one step (a
-        request can hit blocks an earlier one of the same step computes) and
-        count towards the chunk. vLLM, like ``admission="one"``, looks each
-        hit up first and charges only the uncached tokens."""
-        chunk = budget.chunk(len(live.tokens))
-        budget.charge(chunk)
-        return chunk
 
     def _apply_running(self, step: int, updates: list[RunningUpdate], result) -> bool:
         """Preempt the most recently admitted request while the running
@@ -620,16 +617,16 @@ class Replay:
 
     def _new_request(self, live: _Live, chunk: int) -> NewRequest:
         # The manager hashes the tokens itself (caller-supplied digests are
-        # deprecated: they could poison the cache). A chunk of the whole
-        # prompt is passed as None, the unchunked call.
+        # deprecated: they could poison the cache). ``chunk``: the most tokens
+        # past the hit (0 or the whole prompt: None, the unchunked call).
         spec = live.spec
         # NewRequest takes a 1-D integer array (its docstring); its annotation says only Sequence[int].
         return NewRequest(spec.request_id, live.tokens, lora_id=spec.lora_id, mm_items=spec.mm_items,  # type: ignore[arg-type]
                           cache_salt=spec.cache_salt, skip_prefix_cache=spec.skip_prefix_cache,
-                          num_tokens_to_compute=None if chunk >= len(live.tokens) else chunk,
+                          num_tokens_to_compute=None if chunk <= 0 or chunk >= len(live.tokens) else chunk,
                           num_preemptions=live.preemptions)  # re-admissions count apart in the stats
 
-    def _admitted(self, live: _Live, step: int, num_cached: int, chunk: int) -> None:
+    def _admitted(self, live: _Live, step: int, num_cached: int, num_computed: int) -> None:
         live.status = "running"
         self.running.append(live)
         if live.admitted_step is None:
@@ -638,9 +635,8 @@ class Replay:
         self.totals["admissions"] += 1
         self.totals["prompt_tokens"] += len(live.tokens)
         self.totals["cached_tokens"] += num_cached
-        # The hit counts towards the chunk: one longer than the chunk is computed all the same.
-        self._count_work(live, num_cached, max(chunk, num_cached))
-        self._computed(live, max(chunk, num_cached), step)
+        self._count_work(live, num_cached, num_computed)
+        self._computed(live, num_computed, step)
 
     def _computed(self, live: _Live, num_computed: int, step: int) -> None:
         """The manager has computed ``live``'s first ``num_computed`` tokens.

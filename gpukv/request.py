@@ -90,11 +90,13 @@ class NewRequest:
     ``cache_salt`` None or a str (requests with different salts share no
     block); ``skip_prefix_cache`` a bool.
 
-    ``num_tokens_to_compute`` (chunked prefill): compute only the first that
-    many tokens this step (None: all of them); the cache hit counts towards
-    them (a hit longer than the chunk is computed all the same), and the rest
-    are computed by later ``RunningUpdate``s. ``num_lookahead_tokens``: extra
-    slots beyond the computed tokens (see ``RunningUpdate``).
+    ``num_tokens_to_compute`` (chunked prefill): compute at most that many
+    tokens *beyond the cache hit* this step (None: every one after the hit),
+    as vLLM counts ``num_new_tokens``: the request computes ``hit + min(k,
+    tokens - hit)`` (and less when the step's ``token_budget`` runs out,
+    ``step``); later ``RunningUpdate``s compute the rest.
+    ``num_lookahead_tokens``: extra slots beyond the computed tokens (see
+    ``RunningUpdate``).
     ``num_preemptions``: how often the request was preempted before (as
     vLLM's ``Request.num_preemptions``); a re-admission (> 0) counts in the
     stats' ``preempted_*`` fields.
@@ -156,15 +158,19 @@ class StepResult:
     that could not get its blocks (it and the later ones got nothing and no new
     request was looked at), or None. ``num_admitted``: the first
     ``num_admitted`` new requests were admitted. ``num_computed_tokens[i]``:
-    the prefix-cache hit, in tokens, of admitted request ``i``; ``rows[i]``
-    its row, the index ``decode`` addresses it by (``gpukv.rows``). After a
-    ``decode``, ``running_failed_at`` indexes its ``rows``.
+    the prefix-cache hit, in tokens, of admitted request ``i``;
+    ``num_new_tokens[i]`` the tokens it computes in this step beyond the hit
+    (vLLM's ``num_new_tokens``, what the step's budget is charged);
+    ``rows[i]`` its row, the index ``decode`` addresses it by
+    (``gpukv.rows``). After a ``decode``, ``running_failed_at`` indexes its
+    ``rows``.
     """
 
     running_failed_at: int | None = None
     num_admitted: int = 0
     num_computed_tokens: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -543,6 +549,16 @@ def check_chunk(value: Any, argument: str, remaining: int, label: str) -> int:
     return k
 
 
+def check_token_budget(value: Any) -> int | None:
+    """A step's ``token_budget``: None (no budget) or an int >= 0, the tokens
+    its new requests may compute beyond their hits (vLLM's ``token_budget``
+    as its waiting loop starts, after the running requests took theirs)."""
+    if value is None:
+        return None
+    return check_int(value, "token_budget", minimum=0,
+                     fix="pass the tokens left for new requests this step (0: admit none), or None for no budget")
+
+
 def check_lookahead(value: Any, argument: str) -> int:
     """A lookahead slot count: an int >= 0."""
     return check_int(value, argument, minimum=0,
@@ -563,12 +579,26 @@ def check_computed_length(computed: int, lookahead: int, limits: ManagerLimits, 
                             fix="reserve fewer lookahead tokens, or raise max_model_len")
 
 
-def blocks_after_admission(hit: int, num_tokens: int, chunk: int | None, lookahead: int, block_size: int) -> int:
+def new_tokens_at_admission(hit: int, num_tokens: int, chunk: int | None, block_size: int,
+                            budget_left: int | None = None) -> int:
+    """The tokens a new request computes in its admission step beyond its
+    hit of ``hit`` blocks: vLLM's ``num_new_tokens = min(num_tokens - hit,
+    chunk, budget_left)`` (None: no cap). The one statement of the rule; the
+    device's ``_admit_kernel`` applies the same per request."""
+    new = num_tokens - hit * block_size
+    if chunk is not None:
+        new = min(new, chunk)
+    if budget_left is not None:
+        new = min(new, budget_left)
+    return new
+
+
+def blocks_after_admission(hit: int, num_tokens: int, chunk: int | None, lookahead: int, block_size: int,
+                           budget_left: int | None = None) -> int:
     """Blocks (per group, hit included) a new request of ``num_tokens``
-    tokens holds once admitted with a hit of ``hit`` blocks, computing the
-    first ``chunk`` tokens (None: all; the hit counts towards them) plus
-    ``lookahead`` slots."""
-    computed = max(num_tokens if chunk is None else chunk, hit * block_size)
+    tokens holds once admitted with a hit of ``hit`` blocks, computing its
+    hit plus ``new_tokens_at_admission`` tokens, plus ``lookahead`` slots."""
+    computed = hit * block_size + new_tokens_at_admission(hit, num_tokens, chunk, block_size, budget_left)
     return -(-(computed + lookahead) // block_size)
 
 
@@ -582,9 +612,9 @@ def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool, c
     max_hit = (num_tokens - 1) // bs if can_hit else 0
     if chunk is None and lookahead == 0:  # the longest hit is the cheapest
         hits = np.array([max_hit], dtype=np.int64)
-    else:  # a longer hit can hold more blocks (it counts as computed): try every length
+    else:  # a longer hit can hold more blocks (the chunk counts beyond it): try every length
         hits = np.arange(max_hit + 1, dtype=np.int64)
-    computed = np.maximum(num_tokens if chunk is None else chunk, hits * bs)
+    computed = np.minimum(num_tokens, hits * bs + (num_tokens if chunk is None else chunk))
     n_alloc = -(-(computed + lookahead) // bs)
     total = np.zeros_like(hits)
     for policy in policies(limits.sliding_windows, bs):
@@ -820,8 +850,9 @@ def check_admissible(req: NewRequest, limits: ManagerLimits, lookahead_arg: str,
         return  # it fits even with no hit (what every group holds then is at most that), so with any hit
     can_hit = limits.caching and not req.skip_prefix_cache
     if req.num_lookahead_tokens:
-        longest = max(n if req.num_tokens_to_compute is None else req.num_tokens_to_compute,
-                      (n - 1) // limits.block_size * limits.block_size if can_hit else 0)
+        best_hit = (n - 1) // limits.block_size if can_hit else 0
+        longest = best_hit * limits.block_size + new_tokens_at_admission(best_hit, n, req.num_tokens_to_compute,
+                                                                          limits.block_size)
         check_computed_length(longest, req.num_lookahead_tokens, limits, lookahead_arg, rid, with_best_hit=True)
     need = min_blocks_to_admit(n, limits, can_hit, req.num_tokens_to_compute, req.num_lookahead_tokens)
     if need > limits.num_blocks - 1:
@@ -1141,10 +1172,11 @@ def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, n
         if hit_tokens + k > n:
             raise InvalidInputError(f"{hit_tokens} hit tokens plus num_tokens={k} is more than the request's {n} "
                                     "tokens", argument="num_tokens", fix=fix)
-        request = replace(request, num_tokens_to_compute=hit_tokens + k)
+        request = replace(request, num_tokens_to_compute=k)
     if num_lookahead_tokens is not None:
         la = check_lookahead(num_lookahead_tokens, "num_lookahead_tokens")
-        computed = max(n if request.num_tokens_to_compute is None else request.num_tokens_to_compute, hit_tokens)
+        hit = hit_tokens // limits.block_size
+        computed = hit_tokens + new_tokens_at_admission(hit, n, request.num_tokens_to_compute, limits.block_size)
         check_computed_length(computed, la, limits, "num_lookahead_tokens", request.request_id)
         request = replace(request, num_lookahead_tokens=la)
     check_admissible(request, limits, "num_lookahead_tokens", "request.token_ids")

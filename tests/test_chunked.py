@@ -70,18 +70,66 @@ def test_a_later_request_of_the_step_hits_only_the_chunk_an_earlier_one_computes
 
 
 @BOTH
-def test_a_hit_longer_than_the_chunk_counts_as_computed(kind):
+def test_the_chunk_counts_beyond_the_hit(kind):
     m = make(kind)
     m.step(new=[NewRequest("a", PROMPT)])
     res = m.step(new=[NewRequest("c", PROMPT, num_tokens_to_compute=2)])
-    # The longest hit is 2 blocks (the last token is computed): 8 tokens,
-    # more than the chunk, so c holds just the hit blocks.
-    assert res.num_computed_tokens == [8]
-    assert m.get_block_ids("c") == [[1, 2]]
-    assert m.num_computed_tokens("c") == 8
-    assert m.step(running=[RunningUpdate("c", (), 4)]).ok
+    # The longest hit is 2 blocks (the last token is computed): 8 tokens.
+    # As vLLM counts num_new_tokens, the chunk of 2 comes on top: 10 tokens
+    # computed, a new block for tokens 8-9 (the front of the free queue).
+    assert (res.num_computed_tokens, res.num_new_tokens) == ([8], [2])
+    assert m.get_block_ids("c") == [[1, 2, 4]]
+    assert m.num_computed_tokens("c") == 10
+    assert m.step(running=[RunningUpdate("c", (), 2)]).ok
     assert m.get_block_ids("c") == [[1, 2, 4]]
     assert m.num_computed_tokens("c") == 12
+    # A chunk longer than what the hit leaves computes what is left.
+    res = m.step(new=[NewRequest("d", PROMPT, num_tokens_to_compute=12)])
+    assert (res.num_computed_tokens, res.num_new_tokens) == ([8], [4])
+    assert m.num_computed_tokens("d") == 12
+    m.check_invariants()
+
+
+@BOTH
+def test_the_token_budget_stops_admission_where_vllms_waiting_loop_stops(kind):
+    m = make(kind)
+    new = [NewRequest(r, list(range(100 * i, 100 * i + 10))) for i, r in enumerate("abc", 1)]
+    res = m.step(new=new, token_budget=15)
+    # a takes its 10 tokens, b the 5 left; the budget is then spent, so c is
+    # not even looked up (vLLM's ``while token_budget > 0``): 2 requests in
+    # the stats, c refused with no row.
+    assert (res.num_admitted, res.num_computed_tokens, res.num_new_tokens) == (2, [0, 0], [10, 5])
+    assert m.get_block_ids("a") == [[1, 2, 3]] and m.get_block_ids("b") == [[4, 5]]
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (10, 5)
+    assert m.make_prefix_cache_stats().requests == 2
+    # A budget of 0 admits nothing and looks nothing up.
+    res = m.step(new=[new[2]], token_budget=0)
+    assert res.num_admitted == 0 and m.make_prefix_cache_stats().requests == 0
+    m.check_invariants()
+
+
+@BOTH
+def test_the_budget_charges_only_the_tokens_past_the_hit(kind):
+    m = make(kind)
+    res = m.step(new=[NewRequest("a", PROMPT), NewRequest("b", PROMPT)], token_budget=13)
+    # a computes its 12 tokens (1 left in the budget) and caches its full
+    # blocks as it is admitted, as vLLM does, so b hits two of them (its last
+    # token is always computed) at no charge and computes 1 more token.
+    assert (res.num_computed_tokens, res.num_new_tokens) == ([0, 8], [12, 1])
+    assert m.get_block_ids("a") == [[1, 2, 3]] and m.get_block_ids("b") == [[1, 2, 4]]
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (12, 9)
+    m.check_invariants()
+
+
+@BOTH
+def test_a_chunk_and_a_budget_together(kind):
+    m = make(kind)
+    res = m.step(new=[NewRequest("a", PROMPT, num_tokens_to_compute=5), NewRequest("b", PROMPT)], token_budget=13)
+    # a computes 5 (its chunk): block 1 is full and cached. b hits it and
+    # gets the 8 tokens left in the budget, which are all it has left.
+    assert (res.num_computed_tokens, res.num_new_tokens) == ([0, 4], [5, 8])
+    assert m.get_block_ids("a") == [[1, 2]] and m.get_block_ids("b") == [[1, 3, 4]]
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (5, 12)
     m.check_invariants()
 
 
@@ -100,11 +148,14 @@ def test_a_sliding_window_releases_by_computed_tokens_while_a_prompt_is_half_com
     # 13 computed + 3 slots = 8 blocks per group; the window now drops 3.
     assert m.step(running=[RunningUpdate("a", [50], None, 3)]).ok
     assert m.get_block_ids("a") == [[1, 2, 3, 7, 8, 11, 12, 13], [0, 0, 0, 9, 10, 14, 15, 4]]
-    # The same 13 tokens, chunk 3: the hit (6 blocks, the window's last two
-    # real) is longer than the chunk, so nothing new is allocated.
+    assert m.free_queue() == [6, 5]
+    # The same 13 tokens, chunk 3: the hit is 6 blocks (the window's last two
+    # real), and the chunk counts beyond it: the one token left is computed,
+    # in a new block per group (the last two free ones).
     res = m.step(new=[NewRequest("b", PROMPT + [50], num_tokens_to_compute=3)])
-    assert res.num_computed_tokens == [12]
-    assert m.get_block_ids("b") == [[1, 2, 3, 7, 8, 11], [0, 0, 0, 0, 10, 14]]
+    assert (res.num_computed_tokens, res.num_new_tokens) == ([12], [1])
+    assert m.get_block_ids("b") == [[1, 2, 3, 7, 8, 11, 6], [0, 0, 0, 0, 10, 14, 5]]
+    assert m.num_computed_tokens("b") == 13
     m.check_invariants()
 
 
@@ -161,8 +212,8 @@ def test_allocate_slots_takes_vllm_num_tokens_and_lookahead(kind):
 # ------------------------------------------------------- device vs reference
 
 def _random_session(seed: int, windows, steps: int = 20) -> None:
-    """Random chunked admissions, chunk continuations, decodes with lookahead
-    and finishes under a small pool, the device manager compared with the
+    """Random chunked admissions under token budgets, chunk continuations,
+    decodes with lookahead and finishes under a small pool, the device manager compared with the
     reference after every call: results, block ids, computed counts, the free
     queue and the invariants."""
     rng = random.Random(seed)
@@ -198,7 +249,8 @@ def _random_session(seed: int, windows, steps: int = 20) -> None:
                 results = [m.decode(rows, None, num_tokens_to_compute=chunks) for m in (ref, dev)]
                 assert results[0] == results[1]
                 continue
-        results = [m.step(finished, running, new) for m in (ref, dev)]
+        budget = rng.choice([None, None, rng.randint(0, 40)])  # for the new requests (vLLM's waiting loop)
+        results = [m.step(finished, running, new, token_budget=budget) for m in (ref, dev)]
         assert results[0] == results[1]
         for rid in ref.request_ids():
             assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid

@@ -207,21 +207,30 @@ def mooncake_trace(tmp_path, recs, **kw):
 
 
 class ChunkLog(Replay):
-    """A replay that records, per step, what it hands the manager: running
-    updates as ``(id, new tokens, chunk)``, new requests as ``(id, chunk)``
-    (None: every token)."""
+    """A replay that records, per step, what it asks of the manager: running
+    updates as ``(id, new tokens, chunk)`` and admissions as ``(id, hit,
+    new tokens)``, whether one batched ``step()`` or ``allocate_slots``
+    admitted them."""
 
     def __init__(self, trace, opts):
         super().__init__(trace, opts)
         self.log: list[list[tuple]] = []
-        step = self.manager.step
+        step, allocate_slots = self.manager.step, self.manager.allocate_slots
 
-        def logged(finished=(), running=(), new=()):
+        def logged_step(finished=(), running=(), new=(), **kw):
             self.log[-1] += [(u.request_id, len(u.new_token_ids), u.num_tokens_to_compute) for u in running]
-            self.log[-1] += [(r.request_id, r.num_tokens_to_compute) for r in new]
-            return step(finished, running, new)
+            result = step(finished, running, new, **kw)
+            self.log[-1] += [(r.request_id, hit, k) for r, hit, k in
+                             zip(new, result.num_computed_tokens, result.num_new_tokens, strict=False)]
+            return result
 
-        self.manager.step = logged
+        def logged_allocate_slots(request, *args, computed=None, num_tokens=None, **kw):
+            blocks = allocate_slots(request, *args, computed=computed, num_tokens=num_tokens, **kw)
+            if blocks is not None:
+                self.log[-1].append((request.request_id, computed.num_tokens, num_tokens))
+            return blocks
+
+        self.manager.step, self.manager.allocate_slots = logged_step, logged_allocate_slots
 
     def _step(self, *args):
         self.log.append([])
@@ -242,88 +251,86 @@ def fields(report, *names):
     return {rid: tuple(r[n] for n in names) for rid, r in report["requests"].items()}
 
 
-def test_chunked_schedule_worked_by_hand(tmp_path, admission="batch"):
+@pytest.mark.parametrize("admission", ["batch", "one"])
+def test_vllm_waiting_loop_worked_by_hand(tmp_path, admission):
+    """Both admission modes are vLLM's waiting loop: each request is looked
+    up first, then only the tokens beyond its hit are scheduled and charged;
+    "batch" in one ``step()``, "one" by ``get_computed_blocks`` and
+    ``allocate_slots`` per request."""
     replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, admission=admission)
     assert replay.log == [
-        # r0 fits whole (1000, passed as None); r1 gets the 24 left. Its hit
-        # is the 2 blocks of hash id 1 that r0's chunk computes in this step:
-        # 512 tokens, longer than its chunk, so it has 512 computed. r2: no budget.
-        [("r0", None), ("r1", 24)],
-        # Running first: r0 decodes (1 token), r1 computes its other 688 and
-        # samples; r2 starts with the 1024 - 1 - 688 = 335 left (hit 512).
-        [("r0", 1, None), ("r1", 0, 688), ("r2", 335)],
-        # r0 and r1 finish (r0 sampled its 2 tokens, r1 its 1); r2 computes its last 88.
-        [("r2", 0, 88)],
-        [],  # r2 finishes
-    ]
-    assert fields(report, "admitted_step", "num_cached_tokens", "prefill_done_step", "finished_step") == {
-        "r0": (0, 0, 0, 2), "r1": (0, 512, 1, 2), "r2": (1, 512, 2, 3)}
-    s = report["summary"]
-    assert (s["prompt_tokens"], s["cached_tokens"], s["steps"], s["preemptions"]) == (2800, 1024, 4, 0)
-    assert s["every_admission_hit_rate"] == s["first_admission_hit_rate"] == 1024 / 2800
-    # r0 holds 4 blocks; r1's hit shares two of them, its chunk needs none
-    # more; then r1 has 5 (3 of its own) and r2 its hit; then r2 alone (3).
-    assert report["blocks_in_use"] == [4, 7, 3, 0]
-    assert report["config"]["max_num_batched_tokens"] == 1024
-
-
-def test_vllm_waiting_loop_worked_by_hand(tmp_path):
-    """``admission="one"`` is vLLM's waiting loop: each request is looked up
-    first, then only the tokens beyond its hit are scheduled and charged
-    (``allocate_slots``: no step() call admits anyone)."""
-    replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, admission="one")
-    assert replay.log == [
-        # r0: 1000 new; r1: hit 512 (the blocks r0's allocation cached), 24 new.
-        [],
+        # r0: 1000 new; r1: hit 512 (the blocks r0 caches as it is admitted),
+        # 24 new, which spends the budget: r2 waits.
+        [("r0", 0, 1000), ("r1", 512, 24)],
         # r0 decodes (1), r1 computes its other 664 and samples; r2: hit 512,
         # its 88 new fit in the 359 left, so it is done in its admission step.
-        [("r0", 1, None), ("r1", 0, 664)],
+        [("r0", 1, None), ("r1", 0, 664), ("r2", 512, 88)],
         [],  # all three finish
     ]
     assert fields(report, "admitted_step", "num_cached_tokens", "prefill_done_step", "finished_step") == {
         "r0": (0, 0, 0, 2), "r1": (0, 512, 1, 2), "r2": (1, 512, 1, 2)}
     s = report["summary"]
     assert (s["prompt_tokens"], s["cached_tokens"], s["steps"], s["preemptions"]) == (2800, 1024, 3, 0)
+    assert s["every_admission_hit_rate"] == s["first_admission_hit_rate"] == 1024 / 2800
     # r0 holds 4 blocks, r1 its 2-block hit and 1 more (536 tokens); then r1
     # has 5 (3 of its own) and r2 3 (1 of its own); then none.
     assert report["blocks_in_use"] == [5, 8, 0]
+    assert report["config"]["max_num_batched_tokens"] == 1024
+
+
+@pytest.mark.parametrize("admission", ["batch", "one"])
+def test_a_hit_past_the_first_chunk_is_not_preempted(tmp_path, admission):
+    """Issue 17's smallest case: under a 512-token budget, B's hit covers its
+    first chunk. Charged the whole chunk, hit included, it was admitted holding
+    only its hit blocks and preempted 49 times; under vLLM's rule it computes
+    512 tokens past its 1024-token hit and nothing is preempted (vLLM 0.8.5:
+    0 preemptions)."""
+    recs = [(1024, 100, [1, 2]), (1536, 1, [1, 2, 3])]
+    replay, report = chunk_replay(tmp_path, recs, block_size=16, num_blocks=97, max_num_batched_tokens=512,
+                                  admission=admission)
+    assert report["summary"]["preemptions"] == 0
+    admissions = [entry for step in replay.log for entry in step if entry[0] == "r1" and entry[1] > 0]
+    assert admissions == [("r1", 1024, 512)]
 
 
 def test_long_prefill_threshold_caps_each_chunk(tmp_path):
     replay, report = chunk_replay(tmp_path, THREE, max_num_batched_tokens=1024, long_prefill_token_threshold=300)
     assert replay.log == [
-        # 300 each: all three are admitted (1024 - 900 = 124 left). r0's
-        # chunk caches only its first block, so r1 and r2 hit 256 tokens.
-        [("r0", 300), ("r1", 300), ("r2", 300)],
-        [("r0", 0, 300), ("r1", 0, 300), ("r2", 0, 300)],  # r2 is done (600)
+        # At most 300 past the hit each. r0's 300 cache its first block, so
+        # r1 hits it and computes 300 more (to 556), which caches the second
+        # block of hash id 1; r2 hits both and has only 88 left (424 left).
+        [("r0", 0, 300), ("r1", 256, 300), ("r2", 512, 88)],
         [("r0", 0, 300), ("r1", 0, 300)],  # r2 finishes
-        [("r0", 0, 100), ("r1", 0, 300)],  # both done
+        [("r0", 0, 300), ("r1", 0, 300)],
+        [("r0", 0, 100), ("r1", 0, 44)],  # both done
         [("r0", 1, None)],  # r1 finishes, r0 decodes its second token
         [],  # r0 finishes
     ]
     assert fields(report, "num_cached_tokens", "prefill_done_step", "finished_step") == {
-        "r0": (0, 3, 5), "r1": (256, 3, 4), "r2": (256, 1, 2)}
+        "r0": (0, 3, 5), "r1": (256, 3, 4), "r2": (512, 0, 1)}
     assert report["config"]["long_prefill_token_threshold"] == 300
 
 
 def test_threshold_without_a_budget(tmp_path):
     replay, report = chunk_replay(tmp_path, THREE[:1], max_num_batched_tokens=None, long_prefill_token_threshold=400)
-    assert replay.log == [[("r0", 400)], [("r0", 0, 400)], [("r0", 0, 200)], [("r0", 1, None)], []]
+    assert replay.log == [[("r0", 0, 400)], [("r0", 0, 400)], [("r0", 0, 200)], [("r0", 1, None)], []]
 
 
-def test_preempted_prefill_resumes_from_zero_with_its_own_hit(tmp_path):
+@pytest.mark.parametrize("admission", ["batch", "one"])
+def test_preempted_prefill_resumes_from_zero_with_its_own_hit(tmp_path, admission):
     # 6 usable blocks of 256. r0 (4 blocks) and r1 (5 blocks) cannot run together.
     recs = [(1000, 3, [1, 2]), (1200, 1, [3, 4, 5])]
-    replay, report = chunk_replay(tmp_path, recs, num_blocks=7, max_num_batched_tokens=1280)
+    replay, report = chunk_replay(tmp_path, recs, num_blocks=7, max_num_batched_tokens=1280, admission=admission)
     assert replay.log == [
         # r0 whole (4 blocks), r1's first 280 tokens (2 blocks, the first full and cached): the pool is full.
-        [("r0", None), ("r1", 280)],
+        [("r0", 0, 1000), ("r1", 0, 280)],
         # r1's next 920 need 3 more blocks: none free, so r1 (admitted last)
         # is preempted; nothing is admitted in a step that preempts.
         [("r0", 1, None), ("r1", 0, 920)],
-        [("r0", 1, None), ("r1", None)],  # r1 whole does not fit yet (needs 4 more, 2 free)
-        # r0 finishes; r1 is admitted whole again, and hits the block its first chunk cached.
-        [("r1", None)],
+        [("r0", 1, None)],  # r1 does not fit yet (past its hit it needs 4 more blocks, 2 are free)
+        # r0 finishes; r1 is admitted again, hits the block its first chunk
+        # cached and computes the 944 tokens after it.
+        [("r1", 256, 944)],
         [],  # r1 finishes
     ]
     assert fields(report, "admitted_step", "num_cached_tokens", "prefill_done_step", "finished_step", "preemptions") \

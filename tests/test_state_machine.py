@@ -5,8 +5,9 @@ reference manager (the model) and, with the device backend, the device
 manager (the system under test) in lockstep. Rules: admit batches of new
 requests (shared prefixes, LoRA ids, salts, multimodal items,
 ``skip_prefix_cache``), decode, finish, preempt and resume, a whole
-scheduling step at once, reset the prefix cache, evict under pressure (tiny
-pools), look a request up, and an adversarial caller handing in forged,
+scheduling step at once (under a token budget or none: vLLM's waiting
+loop), reset the prefix cache, evict under pressure (tiny pools), look a
+request up, and an adversarial caller handing in forged,
 copied, random or honest ``block_hashes``. Refused steps are handled as a
 serving loop does: a running update that does not fit preempts the most
 recently admitted request (its tokens, including the ones its update brought,
@@ -356,17 +357,19 @@ class ServingLoop(RuleBasedStateMachine):
     def managers(self):
         return [self.ref] if self.dev is None else [self.ref, self.dev]
 
-    def call_step(self, finished, updates, new):
+    def call_step(self, finished, updates, new, token_budget=None):
         """One manager step on every backend, then the model, the ground truth
         and every check."""
         finished, updates, new = list(finished), list(updates), list(new)
         line = fmt_step(finished, updates, new) if current_build_context().is_final else ""
+        if token_budget is not None:
+            line = line[:-1] + f", token_budget={token_budget})"
         old_computed = {u.request_id: self.reqs[u.request_id].computed for u in updates}
-        res = self.ref.step(finished, updates, new)
+        res = self.ref.step(finished, updates, new, token_budget=token_budget)
         trace(f"m.{line}  # -> {res}")
         COUNTS["manager_steps"] += 1
         if self.dev is not None:
-            res_dev = self.dev.step(finished, updates, new)
+            res_dev = self.dev.step(finished, updates, new, token_budget=token_budget)
             assert res_dev == res, f"device {res_dev} != reference {res}"
         bs = self.bs
         # The result makes sense.
@@ -396,11 +399,26 @@ class ServingLoop(RuleBasedStateMachine):
             for p in req.advance(computed, u.num_lookahead_tokens, bs):
                 for g in range(self.G):
                     self.compute(blocks[g][p], g, req, p)
-        # Stats count the new requests looked up: up to the first refused one.
-        # Re-admissions after a preemption count apart (``preempted_*``).
+        # vLLM's waiting loop: each admitted request computes min(tokens - hit,
+        # chunk, budget left) past its hit and is charged only those.
+        assert len(res.num_new_tokens) == res.num_admitted, res
+        budget_left = token_budget
+        for r, hit_tokens, got in zip(new, res.num_computed_tokens, res.num_new_tokens, strict=False):
+            want = len(r.token_ids) - hit_tokens
+            if r.num_tokens_to_compute is not None:
+                want = min(want, r.num_tokens_to_compute)
+            if budget_left is not None:
+                assert budget_left > 0, (r.request_id, "admitted with the budget spent")
+                want = min(want, budget_left)
+                budget_left -= got
+            assert got == want >= 1, (r.request_id, got, want)
+        # Stats count the new requests looked up: up to the first refused one,
+        # not one the spent budget stopped before. Re-admissions after a
+        # preemption count apart (``preempted_*``).
         expected_stats = {"requests": 0, "preempted_requests": 0}
         if new and k is None:
-            looked = new[: min(len(new), res.num_admitted + 1)]
+            stopped_by_budget = budget_left is not None and budget_left <= 0
+            looked = new[: min(len(new), res.num_admitted + (0 if stopped_by_budget else 1))]
             expected_stats = {"requests": sum(r.num_preemptions == 0 for r in looked),
                               "preempted_requests": sum(r.num_preemptions > 0 for r in looked)}
             if res.num_admitted == len(new):
@@ -434,8 +452,7 @@ class ServingLoop(RuleBasedStateMachine):
                     b = blocks[g][p]
                     if b != 0:
                         self.check_hit(b, g, req, p)
-            chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-            for p in req.advance(max(chunk, hit_tokens), r.num_lookahead_tokens, bs):
+            for p in req.advance(hit_tokens + res.num_new_tokens[i], r.num_lookahead_tokens, bs):
                 if p >= h:
                     for g in range(self.G):
                         self.compute(blocks[g][p], g, req, p)
@@ -463,12 +480,12 @@ class ServingLoop(RuleBasedStateMachine):
         self.order.remove(rid)
 
     # ------------------------------------------------------------ the serving loop
-    def serve(self, finished=(), updates=(), fresh=(), *, admit_waiting=True):
+    def serve(self, finished=(), updates=(), fresh=(), *, admit_waiting=True, token_budget=None):
         """A scheduling step as a serving loop makes it, refusals included."""
         new = (self.waiting if admit_waiting else []) + list(fresh)
         if admit_waiting:
             self.waiting = []
-        res = self.call_step(finished, updates, new)
+        res = self.call_step(finished, updates, new, token_budget)
         if res.ok:
             self.waiting = new[res.num_admitted:] + self.waiting
             return
@@ -521,8 +538,11 @@ class ServingLoop(RuleBasedStateMachine):
                     if data.draw(st.sampled_from([False, False, True]), label=f"finish {rid}")]
         updates = self.draw_updates(data, [rid for rid in self.order if rid not in finished])
         k = data.draw(st.integers(0, 2), label="new requests") if len(self.waiting) < 5 else 0
-        self.serve(finished, updates, [self.draw_new(data) for _ in range(k)])
+        fresh = [self.draw_new(data) for _ in range(k)]
+        budget = data.draw(st.one_of(st.none(), st.integers(0, 24)), label="token_budget")
+        self.serve(finished, updates, fresh, token_budget=budget)
         COUNTS["rule_schedule"] += 1
+        COUNTS["budgeted_steps"] += budget is not None
 
     @precondition(lambda self: self.order)
     @rule(data=st.data())

@@ -274,8 +274,10 @@ def _admit_kernel(
     max_hit_ptr,        # int32[K] the longest hit each request may get (blocks)
     num_blocks_ptr,     # int32[K] each request's prompt blocks (stats)
     num_tokens_ptr,     # int32[K] each request's prompt tokens (stats)
-    comp_ptr,           # int32[K] each request's chunk: tokens computed this step (the hit counts towards it)
+    comp_ptr,           # int32[K] in: each request's chunk, the most tokens it computes beyond its hit;
+                        # out (considered requests): the tokens it has computed after this step (hit included)
     lookahead_ptr,      # int32[K] each request's lookahead slots
+    budget_ptr,         # int32[1] the step's token budget for new requests (vLLM's token_budget), < 0: none
     skip_ptr,           # int32[K] != 0: the request skips the prefix cache (no hit, not counted as asked)
     win_ptr,            # int32[G] each group's sliding window in blocks, -1 for full attention
     nreq_ptr,           # int32[1] the requests K (read on the device: the launch is replayable)
@@ -299,10 +301,15 @@ def _admit_kernel(
     before each take (where its own start in the step's pop order); ``win[G]``: blocks a
     sliding-window group must see at a hit boundary, -1 for full attention.
     ``num_blocks``/``num_tokens``: each request's prompt (for the stats);
-    ``comp``/``lookahead``: its chunk (the hit counts towards it) and
-    lookahead slots, so it allocates up to ``ceil((max(comp, hit * BS) +
-    lookahead) / BS)`` blocks, and only its chunk's full blocks are ones later
-    requests of the step can hit before they are cached.
+    ``comp``/``lookahead``: its chunk and lookahead slots. vLLM's waiting
+    loop, request by request: stop before a request when the budget is
+    spent (it is not looked up); else it computes ``new = min(num_tokens -
+    hit * BS, comp, budget left)`` tokens past its hit (``comp[i]`` is
+    overwritten with ``hit * BS + new``), allocates up to ``ceil((hit * BS +
+    new + lookahead) / BS)`` blocks, and is charged ``new`` when admitted;
+    only the full blocks of ``hit * BS + new`` are ones later requests of
+    the step can hit before they are cached (vLLM caches them at allocation,
+    before it looks the next request up).
     ``blocked[0] != 0`` (a running update failed) admits nothing and counts
     nothing. ``nreq[0]``: the requests (K); ``stamp[0]``: this launch's mark
     in ``touched`` (bumped at the end, so every admission has its own). Both
@@ -315,6 +322,8 @@ def _admit_kernel(
     num_free = tl.load(free_ptr).to(tl.int64)
     blocked = tl.load(blocked_ptr)
     K = tl.load(nreq_ptr)
+    budget = tl.load(budget_ptr).to(tl.int64)
+    budget_left = budget
     stamp = tl.load(stamp_ptr)
     used = tl.zeros((), tl.int64)
     new_total = tl.zeros((), tl.int64)
@@ -327,6 +336,8 @@ def _admit_kernel(
     go = (blocked == 0).to(tl.int32)
     lanes = tl.arange(0, TILE)
     for i in range(0, K):
+        if (budget >= 0) & (budget_left <= 0):
+            go = zero_like(go)  # the budget is spent: vLLM's loop ends before this request
         if go != 0:
             max_hit = tl.load(max_hit_ptr + i)
             skip = tl.load(skip_ptr + i)
@@ -356,7 +367,11 @@ def _admit_kernel(
                     tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
                     touches += tl.sum((real & (rc == 0) & (tt != stamp)).to(tl.int64))
             hit64 = hit.to(tl.int64)
-            n_alloc = (tl.maximum(comp, hit64 * BS) + lookahead + BS - 1) // BS
+            new = tl.minimum(n_tok - hit64 * BS, comp)
+            new = tl.where(budget >= 0, tl.minimum(new, budget_left), new)
+            comp = hit64 * BS + new
+            tl.store(comp_ptr + i, comp.to(tl.int32))  # later requests' ``_pending`` read it
+            n_alloc = (comp + lookahead + BS - 1) // BS
             need = (n_alloc - hit64) * G + touches
             requests += 1
             queries += tl.where(skip != 0, 0, n_blocks)
@@ -368,6 +383,7 @@ def _admit_kernel(
                 tl.store(start_ptr + i, new_total.to(tl.int32))
                 used += need
                 new_total += (n_alloc - hit64) * G
+                budget_left -= new
                 admitted += 1
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
@@ -395,7 +411,8 @@ def _admit_kernel(
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp,
           num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
-          start=None, compute=None, lookahead=None, num_requests=None, tile: int = ADMIT_TILE) -> None:
+          start=None, compute=None, lookahead=None, num_requests=None, token_budget=None,
+          tile: int = ADMIT_TILE) -> None:
     """Run the sequential admission (see ``_admit_kernel``) over the first
     ``num_requests`` (an int or an int32[1] device tensor; default: all K)
     requests; writes each considered
@@ -407,8 +424,10 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     requests sharing a block (``gpukv.kernels.prefill``; ``pending`` is then
     unused); without it, ``pending[K, P]`` names the earlier request
     directly. ``compute``/``lookahead`` int32[K]: each request's chunk (the
-    hit counts towards it) and lookahead slots; by default the whole prompt
-    and none. ``resolved`` int32[K, P] and ``start`` int32[K] receive the
+    most tokens it computes beyond its hit; overwritten with the tokens it
+    has computed) and lookahead slots; by default the whole prompt and none.
+    ``token_budget``: the step's budget for new requests (an int or an
+    int32[1] device tensor; None or < 0: none). ``resolved`` int32[K, P] and ``start`` int32[K] receive the
     pending hits' requests and each admitted request's first new block in the
     step's pop order. ``stamp``: an int64[1] device counter (or an int, for
     a one-off call) of admissions, bumped by this one."""
@@ -416,7 +435,10 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     K, P, G = cache_hits.shape
     dev = cache_hits.device
     if compute is None:
-        compute = num_tokens
+        compute = num_tokens.clone()  # (written: the tokens computed)
+    if not isinstance(token_budget, torch.Tensor):
+        token_budget = torch.full((1,), -1 if token_budget is None else int(token_budget), dtype=torch.int32,
+                                  device=dev)
     if lookahead is None:
         lookahead = torch.zeros_like(num_tokens)
     if window_blocks is None:
@@ -440,7 +462,8 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
                                   device=dev)
     for t, name in ((head, "chains[0]"), (nxt, "chains[1]"), (ok, "chains[2]"), (resolved, "resolved"),
                     (start, "start"), (max_hit, "max_hit"), (num_blocks, "num_blocks"), (num_tokens, "num_tokens"),
-                    (compute, "compute"), (lookahead, "lookahead"), (skip, "skip"), (window_blocks, "window_blocks"),
+                    (compute, "compute"), (lookahead, "lookahead"), (token_budget, "token_budget"), (skip, "skip"),
+                    (window_blocks, "window_blocks"),
                     (num_requests, "num_requests"), (ref_cnt, "ref_cnt"), (hit_out, "hit_out")):
         check_tensor(t, name, dtypes=INT32)
     for t, name in ((touched, "touched"), (stamp, "stamp"), (status, "status")):
@@ -448,7 +471,8 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     check_tensor(num_free, "num_free", dtypes=INDEX_DTYPES)
     check_tensor(blocked, "blocked", dtypes=INDEX_DTYPES)
     _admit_kernel[(1,)](
-        cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, skip,
+        cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, token_budget,
+        skip,
         window_blocks, num_requests, P,
         ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
         G=G, TILE=tile,
