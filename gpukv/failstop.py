@@ -23,6 +23,11 @@ one of two things:
 
 A call that nests another (the reference's ``decode`` runs its ``step``)
 has changed state once the inner call has.
+
+Every call also runs between ``_enter_stream()`` and ``_leave_stream()``:
+nothing for the reference; the device manager orders a call made on another
+CUDA stream than its own after the caller's work and runs it on its own
+stream (``gpukv.manager.DeviceManager``, "Streams").
 """
 
 from __future__ import annotations
@@ -59,6 +64,15 @@ class FailStop:
     def _after_call(self) -> None:
         """Run after every call that may change state, once it succeeded (a
         manager closes its batch of KV-cache events here)."""
+
+    def _enter_stream(self) -> Any:
+        """Run before every call's body: what ``_leave_stream`` needs to undo,
+        or None when there is nothing to undo (the common case, kept cheap)."""
+        return None
+
+    def _leave_stream(self, entered: Any, out: Any) -> None:
+        """Run after a call's body (raised or not) when ``_enter_stream``
+        returned ``entered``; ``out``: what the call returned (None if it raised)."""
 
     def _raise_if_failed(self) -> None:
         fault = self._fault
@@ -108,12 +122,15 @@ def mutating(method: F) -> F:
         self._raise_if_failed()
         outer = self._changing
         self._changing = False
+        entered = out = None
         try:
+            entered = self._enter_stream()
             out = method(self, *args, **kwargs)
             self._changing = True  # closing the call's event batch is a change
             self._after_call()
             return out
         except BaseException as exc:
+            out = None
             if self._fault is not None:  # a nested call stopped the manager already
                 raise
             if not self._changing:
@@ -125,6 +142,8 @@ def mutating(method: F) -> F:
             raise
         finally:
             self._changing = outer or self._changing
+            if entered is not None:
+                self._leave_stream(entered, out)
 
     call.mutates = True  # type: ignore[attr-defined]  # (tests find the mutating calls by it)
     return call  # type: ignore[return-value]
@@ -138,12 +157,19 @@ def reading(method: F) -> F:
     @functools.wraps(method)
     def call(self: FailStop, *args: Any, **kwargs: Any) -> Any:
         self._raise_if_failed()
+        entered = self._enter_stream()
+        out = None
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
+            return out
         except TypeError as exc:
+            out = None
             if _is_call_mistake(exc):
                 raise _call_mistake(method, exc) from exc
             raise
+        finally:
+            if entered is not None:
+                self._leave_stream(entered, out)
 
     call.mutates = False  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

@@ -18,6 +18,23 @@ rounded up) and ``extras`` (same layout), and the block tables
 Hybrid models: any mix of full-attention and sliding-window groups sharing
 the pool, as the reference does them (a window group holds the null block
 where its window no longer reaches).
+
+Streams: a manager is bound to the CUDA stream current when it was built
+(``torch.cuda.current_stream(device)``); every launch, upload, staging event
+and read of its calls runs on that stream. A call made while another stream
+is current is ordered, in one place (``DeviceManager._enter_stream``, run by
+the ``gpukv.failstop`` wrappers of every public call, and by ``_read``): the
+manager's stream first waits for the caller's (so tokens a model runner
+sampled there are written before the manager reads them), the call runs on
+the manager's stream, and the caller's stream then waits for the manager's
+(so an attention kernel launched there after ``block_table_for`` or
+``decode`` reads the tables they wrote); a device tensor the call returns is
+marked used on the caller's stream (``record_stream``). Two calls made from
+two streams are thus both ordered on the manager's stream, in call order. A
+call on the manager's own stream costs one ``current_stream`` query more.
+Without CUDA there are no streams and nothing is done. The decode's parts
+(``plan_decode`` ... ``finish_decode``) are run by ``decode`` (and
+``gpukv.graphs``) inside its ordering, not on their own.
 """
 
 from __future__ import annotations
@@ -120,7 +137,7 @@ def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_nu
     dev = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
            else _runtime.default_device())
     key = resolve_key(hash_key)
-    check_memory(device_bytes(num_blocks, block_size, len(windows), max_model_len, max_num_reqs), device,
+    check_memory(device_bytes(num_blocks, block_size, len(windows), max_model_len, max_num_reqs), dev,
                  "the device manager", also="max_num_reqs")
     return num_blocks, block_size, windows, max_model_len, max_num_reqs, dev, key
 
@@ -235,7 +252,12 @@ class DecodeBuffers:
 
 class DeviceManager(FailStop):
     """Device-resident manager with the reference's API (``gpukv.reference``),
-    plus the batched ``decode(rows, new_token_ids)`` entry for serving loops."""
+    plus the batched ``decode(rows, new_token_ids)`` entry for serving loops.
+
+    Bound to the CUDA stream current at construction: a call made while
+    another stream is current waits for that stream's work, runs on the
+    manager's stream, and makes the caller's stream wait for its work (the
+    module docstring, "Streams")."""
 
     def __init__(
         self,
@@ -254,6 +276,8 @@ class DeviceManager(FailStop):
         num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key = _checked_args(
             num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key)
         self.device = device
+        # The stream every call runs on (module docstring, "Streams"); None without CUDA.
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.block_size = block_size
         self.sliding_windows = windows
         self.num_groups = len(windows)
@@ -394,7 +418,10 @@ class DeviceManager(FailStop):
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
         """int32[G, len(request_ids), M] block tables of these requests (a
         device gather; positions past a request's blocks are not its blocks:
-        read only the first ``len(get_block_ids(id)[g])``)."""
+        read only the first ``len(get_block_ids(id)[g])``). Called between
+        steps, its upload is a staging step of its own (``gpukv.staging``), and
+        on another stream the caller's stream waits for the gather (the
+        module docstring, "Streams")."""
         ids = check_request_ids(request_ids, "request_ids", self._reqs)
         rows = self._staging.upload(np.array([self._reqs[r] for r in ids], dtype=np.int64))
         return self._rows.block_table[:, rows]
@@ -455,6 +482,14 @@ class DeviceManager(FailStop):
     def check_invariants(self, *, verify_digests: bool = True) -> None:
         """The pool's invariants (see ``DevicePool.check_invariants``), and each
         block's count equals the number of block-table rows that hold it."""
+        entered = self._enter_stream()
+        try:
+            self._check_invariants(verify_digests)
+        finally:
+            if entered is not None:
+                self._leave_stream(entered, None)
+
+    def _check_invariants(self, verify_digests: bool) -> None:
         self.pool.check_invariants(self._key, verify_digests=verify_digests)
         held = np.zeros(self.num_blocks, dtype=np.int64)
         bt = self._rows.block_table.cpu().numpy()
@@ -803,9 +838,44 @@ class DeviceManager(FailStop):
         return _StepAccounting(self)
 
     def _read(self, t: torch.Tensor) -> list:
-        """A device-to-host read (counted): the host waits for the GPU."""
+        """A device-to-host read (counted): the host waits for the GPU (on the
+        manager's stream: ``read_num_free_blocks`` and the like are not
+        wrapped calls)."""
         self.counters.d2h += 1
-        return t.cpu().tolist()
+        entered = self._enter_stream()
+        try:
+            return t.cpu().tolist()
+        finally:
+            if entered is not None:
+                self._leave_stream(entered, None)
+
+    def _enter_stream(self) -> tuple | None:
+        """Order a call made on another stream than the manager's (module
+        docstring, "Streams"): the manager's stream waits for the caller's,
+        and the call runs on the manager's. None (nothing to undo) without
+        CUDA, or when the caller is on the manager's stream (a nested call
+        always is)."""
+        own = self._stream
+        if own is None:
+            return None
+        caller = torch.cuda.current_stream(self.device)
+        if caller == own:
+            return None
+        own.wait_stream(caller)
+        switch = torch.cuda.stream(own)
+        switch.__enter__()
+        return caller, switch
+
+    def _leave_stream(self, entered: tuple, out: Any) -> None:
+        """Back on the caller's stream, which waits for the manager's; a
+        device tensor the call returns is marked used there (the allocator
+        then does not hand its memory to the manager's stream while the
+        caller's kernels may still read it)."""
+        caller, switch = entered
+        switch.__exit__(None, None, None)
+        caller.wait_stream(self._stream)
+        if isinstance(out, torch.Tensor) and out.device.type == "cuda":
+            out.record_stream(caller)
 
     def _device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token

@@ -11,6 +11,15 @@ is reused, the host waits on the event recorded after the step that last
 used it (two steps ago, normally long finished), so a pending copy never
 reads bytes the host has overwritten.
 
+The rule that makes this hold: every upload belongs to a step with its event.
+Steps are ``begin_step()`` ... ``end_step()`` (the manager's ``_counting``);
+an upload made outside one (``DeviceManager.block_table_for`` between steps)
+is a step of its own: it switches buffers, waiting on that buffer's event
+first, and records an event after its copy. (Before, such an upload went into
+the current buffer after the event of its step was recorded, so two steps
+later the host could overwrite bytes a lagging GPU had not copied yet, and the
+attention kernels read other requests' block tables: issue 18.)
+
 Without CUDA (Triton's interpreter on CPU tensors) an upload is a plain
 tensor view of the array; it is counted all the same, so counts measured on
 a CPU say what a GPU step would upload.
@@ -39,6 +48,7 @@ class Staging:
         self._off = 0
         self._want = 0  # bytes a step needed that a buffer did not hold
         self._keep: list[torch.Tensor] = []  # one-off pinned tensors of this step
+        self._open = False  # inside a step (``begin_step`` .. ``end_step``)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
@@ -53,8 +63,12 @@ class Staging:
             self._bufs[self._cur] = self._alloc(self._want)
         self._off = 0
         self._keep = []
+        self._open = True
 
     def end_step(self) -> None:
+        """Record the event that frees this step's buffer (after every copy
+        the step issued from it, on the current stream: the manager's)."""
+        self._open = False
         if self._pinned:
             event = torch.cuda.Event()
             event.record()
@@ -62,7 +76,14 @@ class Staging:
 
     def upload(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """``array`` on the device (into ``out`` when given: a fixed buffer
-        of the same dtype and at least as many elements)."""
+        of the same dtype and at least as many elements). Outside a step, the
+        upload is a step of its own (the module docstring)."""
+        if not self._open:
+            self.begin_step()
+            try:
+                return self.upload(array, out)
+            finally:
+                self.end_step()
         self.counters.h2d += 1
         array = np.ascontiguousarray(array)
         if not self._pinned:
@@ -88,7 +109,7 @@ class Staging:
         buf = self._bufs[self._cur]
         if start + nbytes > len(buf):  # this step outgrew the buffer: a one-off one now, a bigger one later
             self._want = max(self._want, 2 * (start + nbytes))
-            region = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            region = self._alloc(nbytes)
             self._keep.append(region)
         else:
             region = buf[start: start + nbytes]

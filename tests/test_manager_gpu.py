@@ -69,3 +69,33 @@ def test_decode_only_step_does_not_synchronise():
             torch.cuda.set_sync_debug_mode("default")
     assert res.ok and dev.counters.syncs == 0
     assert not [w for w in caught if "synchroniz" in str(w.message).lower()], [str(w.message) for w in caught]
+
+
+def test_a_call_from_another_stream_is_ordered_both_ways():
+    """A manager built on the default stream, called from a side stream
+    (``gpukv.manager``, "Streams"): the step waits for the tokens the side
+    stream writes after a long busy wait (else it would read the zeros
+    there), and the side stream's next kernel sees the block table the
+    manager gathered on its own stream."""
+    ref, dev = pair(256, 4)
+    prompt = list(range(10))
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", prompt)])
+    default = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(default)
+    with torch.cuda.stream(side):
+        tokens = torch.zeros(8, dtype=torch.int64, device="cuda")
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of the side stream
+        tokens.fill_(7)
+        res = dev.step(running=[RunningUpdate("a", tokens)])
+        assert torch.cuda.current_stream() == side  # back on the caller's stream
+        table = dev.block_table_for(["a"])
+        torch.cuda._sleep(50_000_000)
+        seen = table.clone()  # a kernel of the caller's, after the gather
+    assert res == ref.step(running=[RunningUpdate("a", [7] * 8)])
+    side.synchronize()
+    want = ref.get_block_ids("a")[0]
+    assert seen[0, 0, : len(want)].tolist() == want
+    assert dev.block_hashes("a") == ref.block_hashes("a")  # the digests of the 7s, not of zeros
+    assert_same(ref, dev)

@@ -216,10 +216,13 @@ def _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS):
 def _available(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, limit, g, BS,
                G: tl.constexpr):
     """Whether request ``i`` can hit position ``p`` (< ``limit``) in group
-    ``g``: a verified cached block, or a block an earlier request computes."""
+    ``g``: a verified cached block, or (only looked for where there is none,
+    as the reference's ``block_at``) a block an earlier request computes. The
+    pending chains are walked only at cache misses: where every request of the
+    step hits a cached shared prefix, no chain is walked at all."""
     inr = p < limit
-    pending, _ = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr, BS)
     c = tl.load(cache_ptr + (i * P + p) * G + g, mask=inr, other=-1)
+    pending, _ = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, inr & (c < 0), BS)
     return inr & ((c >= 0) | pending)
 
 
@@ -314,11 +317,20 @@ def _admit_kernel(
     nothing. ``nreq[0]``: the requests (K); ``stamp[0]``: this launch's mark
     in ``touched`` (bumped at the end, so every admission has its own). Both
     are read on the device, so the launch's arguments never change from step
-    to step (it can be replayed). Sequential over the step's K new requests (a request's admission
+    to step (it can be replayed).
+
+    Cost: sequential over the step's K new requests (a request's admission
     depends on the blocks the earlier ones took), parallel over each one's
-    positions: ``K * P * G / TILE`` iterations, plus the pending chains it
-    walks (at most the step's requests sharing a block), so it grows with the
-    step, never with the pool."""
+    positions: ``K * P * G / TILE`` iterations per fixpoint pass (one pass
+    for full attention, a few with windows), linear in the step's requests
+    and positions, plus the pending chains, walked only at the positions
+    where a group has no verified cached block (the reference looks for a
+    pending hit only where the cache misses). A walk at (i, p) stops at the
+    first earlier request that computes p's block and passes only earlier
+    ones sharing it that do not (they hit p, or their chunk stops short of
+    it): at most i. So a step whose requests all hit a cached shared prefix
+    walks no chain (walking at every position made that O(K^2 * P) per
+    pass), and the cost grows with the step, never with the pool."""
     num_free = tl.load(free_ptr).to(tl.int64)
     blocked = tl.load(blocked_ptr)
     K = tl.load(nreq_ptr)
@@ -387,7 +399,13 @@ def _admit_kernel(
                 admitted += 1
                 for p0 in range(0, P, TILE):
                     p = p0 + lanes
-                    _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, p < hit, BS)
+                    # A pending hit's request, where a group has no cached block
+                    # (``_place_hits_kernel`` reads it only there); -1 elsewhere.
+                    miss = false_like(p)
+                    for g in tl.static_range(G):
+                        cg = tl.load(cache_ptr + (i * P + p) * G + g, mask=p < hit, other=-1)
+                        miss = miss | (cg < 0)
+                    _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, (p < hit) & miss, BS)
                     tl.store(resolved_ptr + i * P + p, who, mask=p < P)
                     for g in tl.static_range(G):
                         c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import gpukv._runtime  # noqa: F401
+import gpukv._runtime
 from gpukv import windows
 from gpukv.kernels import lookup
 
@@ -161,3 +161,100 @@ def test_hybrid_groups_take_the_hit_every_group_serves():
     assert _kernel_hit(["1110111", "0111111"], [-1, 2]) == 3
     # the window group's only run of 2 is [0, 2); full attention could serve 7
     assert _kernel_hit(["1111111", "1101001"], [-1, 2]) == 2
+
+
+# ----------------------------------------------------- the pending walk's cost
+def _admit_chains(cache, max_hit, n_tok, skip=None, bs=2, num_free=10_000):
+    """``lookup.admit`` with the chains of a step whose K requests share every
+    block (one prompt): the chain at each position runs through all K, request
+    by request, every entry verifying. Returns hits, resolved, status."""
+    cache_t = torch.tensor(cache, dtype=torch.int32)
+    K, P, G = cache_t.shape
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    pos = torch.arange(P, dtype=torch.int32)
+    head = pos.repeat(K, 1).contiguous()  # request 0's entry 0 * P + p heads every chain
+    nxt = torch.arange(K * P, dtype=torch.int32) + P
+    nxt[(K - 1) * P:] = -1
+    ok = torch.ones(K * P, dtype=torch.int32)
+    hit = torch.full((K,), -1, dtype=torch.int32)
+    resolved = torch.full((K, P), -7, dtype=torch.int32)
+    status = torch.zeros(lookup.NUM_STATUS, dtype=torch.int64)
+    N = int(cache_t.max()) + 1
+    lookup.admit(cache_t, None, i32(max_hit), i32([-(-n // bs) for n in n_tok]), i32(n_tok),
+                 i32(skip or [0] * K), ref_cnt=torch.zeros(N, dtype=torch.int32),
+                 touched=torch.full((N,), -1, dtype=torch.int64), stamp=1, num_free=torch.tensor([num_free]),
+                 blocked=i32([0]), block_size=bs, hit_out=hit, status=status, chains=(head, nxt, ok),
+                 resolved=resolved)
+    return hit.tolist(), resolved.tolist(), status.tolist()
+
+
+def _lanes(x):
+    """A value inside an interpreted kernel as numpy (its lanes, or a scalar)."""
+    import numpy as np
+
+    return np.asarray(x.handle.data if hasattr(x, "handle") else x)
+
+
+@pytest.fixture
+def pending_walks(monkeypatch):
+    """Under the interpreter, every (request, position) the admission asks
+    ``_pending`` to walk a chain for: a list of (i, positions)."""
+    if not gpukv._runtime.INTERPRETED:
+        pytest.skip("counts the walk inside an interpreted kernel")
+    calls = []
+    real = lookup._pending
+
+    def counting(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, mask, BS):
+        calls.append((int(_lanes(i)), _lanes(p)[_lanes(mask).astype(bool)].tolist()))
+        return real(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, mask, BS)
+
+    monkeypatch.setattr(lookup, "_pending", counting)  # (the interpreter runs kernels in the module's globals)
+    return calls
+
+
+def test_admission_walks_no_chain_where_the_cache_hits(pending_walks):
+    # K requests of one prompt: positions < S cached (free blocks 1..S), the
+    # rest missing. Request 0 hits S and computes the rest; every later request
+    # hits S from the cache and the rest pending from request 0. Every chain is
+    # K long, so walking it at the cached positions (as the reference never
+    # does) made the admission O(K^2 * S).
+    K, P, S, bs = 8, 6, 4, 2
+    cache = [[[p + 1 if p < S else -1] for p in range(P)] for _ in range(K)]
+    n = P * bs + 1
+    hit, resolved, status = _admit_chains(cache, max_hit=[P] * K, n_tok=[n] * K, bs=bs)
+    assert hit == [S] + [P] * (K - 1)
+    assert resolved[0] == [-1] * P  # (its own hit: all cached)
+    assert all(row == [-1] * S + [0] * (P - S) for row in resolved[1:])  # pending hits take request 0's blocks
+    new_blocks = (-(-n // bs) - S) + (K - 1) * (-(-n // bs) - P)
+    assert status[lookup.ST_ADMITTED] == K and status[lookup.ST_NEW_BLOCKS] == new_blocks
+    assert status[lookup.ST_USED] == new_blocks + S  # request 0 touches the S free cached blocks first
+    walked = [(i, p) for i, ps in pending_walks for p in ps]
+    assert walked, "the counter saw no walk (the interpreter no longer calls the module's _pending?)"
+    assert all(p >= S for _, p in walked), sorted({(i, p) for i, p in walked if p < S})
+
+
+def test_a_cached_block_is_taken_over_a_pending_one(pending_walks):
+    # Request 0 skips the prefix cache, so it computes every block; request 1
+    # hits them all in the cache: the reference takes the cached block
+    # (``block_at`` looks for a pending hit only where the cache misses), so
+    # nothing is pending and no chain is walked for request 1.
+    P, bs = 4, 2
+    cache = [[[p + 1] for p in range(P)]] * 2
+    hit, resolved, _ = _admit_chains(cache, max_hit=[P, P], n_tok=[P * bs + 1] * 2, skip=[1, 0], bs=bs)
+    assert hit == [0, P]
+    assert resolved[1] == [-1] * P
+    assert not [p for i, ps in pending_walks if i == 1 for p in ps]
+
+
+def test_a_pending_hit_in_one_group_resolves_where_another_group_hits_the_cache():
+    # Two groups: the first has every block cached, the second only the first
+    # two. Request 0 hits 2 and computes positions 2, 3; request 1 hits the
+    # first group's cached blocks and, in the second group, request 0's at
+    # 2 and 3: ``resolved`` names request 0 there (``place_hits`` reads it
+    # for the group that misses).
+    P, bs = 4, 2
+    cache = [[[10 + p, 20 + p if p < 2 else -1] for p in range(P)]] * 2
+    hit, resolved, status = _admit_chains(cache, max_hit=[P, P], n_tok=[P * bs + 1] * 2, bs=bs)
+    assert hit == [2, P]
+    assert resolved[1] == [-1, -1, 0, 0]
+    assert status[lookup.ST_ADMITTED] == 2

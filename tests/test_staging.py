@@ -1,0 +1,145 @@
+"""The pinned staging buffers' event discipline (``gpukv.staging``; issue 18),
+checked on the CPU against a model of a GPU that lags behind the host.
+
+A non-blocking copy from pinned memory reads its source when the GPU gets to
+it, not when the host issues it; the host may write those bytes again only
+once an event recorded after the copy has completed. ``LaggingGpu`` keeps
+every copy issued from a staging buffer (its byte range) and the events
+(which copies they follow, whether the host waited on them), and flags each
+host write into bytes whose copy no waited-on event covers. Staging runs its
+pinned path (buffers in plain memory: the CPU has no pinned allocator).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import gpukv._runtime  # noqa: F401
+from gpukv.manager import DeviceManager
+from gpukv.metrics import StepCounters
+from gpukv.request import NewRequest
+from gpukv.staging import Staging
+
+KEY = bytes(range(16))
+
+
+class LaggingGpu:
+    """Copies issued in order; a copy is done once the host waited on an event
+    recorded after it (the GPU never gets ahead of what the host waited for)."""
+
+    def __init__(self) -> None:
+        self.issued = 0  # copies issued so far (copy n is the n-th, from 1)
+        self.done = 0  # copies 1..done are known complete
+        self.copies: list[tuple[int, int, int, int]] = []  # (buffer, start, end, n)
+        self.hazards: list[str] = []
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, *_args, **_kwargs) -> None:
+                self.after = None
+
+            def record(self, _stream=None) -> None:
+                self.after = gpu.issued
+
+            def synchronize(self) -> None:
+                assert self.after is not None, "waited on an event never recorded"
+                gpu.done = max(gpu.done, self.after)
+
+        return Event
+
+    def write_and_copy(self, staging: Staging, host: torch.Tensor) -> None:
+        """The host wrote ``host`` (a view of a staging buffer) and issues a copy from it."""
+        ptr, nbytes = host.data_ptr(), host.numel() * host.element_size()
+        for b, buf in enumerate(staging._bufs):
+            base = buf.data_ptr()
+            if base <= ptr < base + len(buf):
+                start, end = ptr - base, ptr - base + nbytes
+                for cb, cs, ce, n in self.copies:
+                    if cb == b and cs < end and start < ce and n > self.done:
+                        self.hazards.append(f"host wrote bytes [{start}, {end}) of buffer {b} while copy {n} "
+                                            f"of [{cs}, {ce}) may still be pending (no waited-on event after it)")
+                self.issued += 1
+                self.copies.append((b, start, end, self.issued))
+                return
+        self.issued += 1  # a one-off region: fresh memory
+
+
+class PinnedOnCpu(Staging):
+    """``Staging``'s pinned path on the CPU: plain buffers, every write and
+    copy reported to ``gpu``."""
+
+    def __init__(self, device, counters, gpu: LaggingGpu, nbytes: int = 1 << 16) -> None:
+        self._pinned = True
+        self.gpu = gpu
+        super().__init__(device, counters, nbytes)
+        self._pinned = True
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _host_view(self, array: np.ndarray) -> torch.Tensor:
+        host = super()._host_view(array)
+        if array.size:
+            self.gpu.write_and_copy(self, host)
+        return host
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    model = LaggingGpu()
+    monkeypatch.setattr(torch.cuda, "Event", model.event())
+    return model
+
+
+def test_an_upload_between_steps_is_a_step_of_its_own(gpu):
+    s = PinnedOnCpu(torch.device("cpu"), StepCounters(), gpu, nbytes=1024)
+    small, big = np.arange(4, dtype=np.int64), np.arange(100, dtype=np.int64)
+    s.begin_step()
+    s.upload(small)  # a small step...
+    s.end_step()
+    out = s.upload(small + 7)  # ... then an upload outside any step (block_table_for's)
+    assert out.tolist() == (small + 7).tolist()
+    for _ in range(3):  # later, larger steps write over every byte of both buffers
+        s.begin_step()
+        s.upload(big)
+        s.end_step()
+    assert gpu.issued == 5 and not gpu.hazards, gpu.hazards
+
+
+def test_uploads_in_steps_wait_for_the_step_two_back(gpu):
+    s = PinnedOnCpu(torch.device("cpu"), StepCounters(), gpu, nbytes=1024)
+    for n in (3, 50, 7, 90, 20, 120):
+        s.begin_step()
+        s.upload(np.arange(n, dtype=np.int32))
+        s.upload(np.arange(n, dtype=np.int64))
+        s.end_step()
+    assert not gpu.hazards, gpu.hazards
+    # the model flags a write into a pending copy's bytes (the check is not vacuous)
+    s.begin_step()
+    s.upload(np.arange(8, dtype=np.int64))
+    s._cur ^= 1  # (as if the next step skipped its wait: this buffer's last copies are pending)
+    s._off = 0
+    s.upload(np.arange(8, dtype=np.int64))
+    s.end_step()
+    assert gpu.hazards
+
+
+def test_block_table_for_between_steps_never_overwrites_a_pending_copy(gpu):
+    """Steps and ``block_table_for`` calls interleaved, small steps before
+    larger ones so that a step's uploads reach the bytes of the block table
+    rows uploaded two steps before (where the old code wrote with no event)."""
+    m = DeviceManager(64, 4, hash_key=KEY, max_model_len=256, max_num_reqs=16, device="cpu")
+    m._staging = PinnedOnCpu(m.device, m.counters, gpu)
+    m.step(new=[NewRequest("a", list(range(9)))])
+    ids = ["a"]
+    for k in range(4):
+        assert m.block_table_for(ids)[0, :, 0].tolist() == [m.get_block_ids(r)[0][0] for r in ids]
+        m.step(running=[])  # a step that uploads little or nothing
+        assert m.block_table_for(ids).shape[1] == len(ids)
+        new = [NewRequest(f"r{k}.{j}", [100 * k + j] * (5 + 3 * j)) for j in range(2 + k)]
+        m.step(new=new)  # a larger one
+        ids += [r.request_id for r in new]
+    assert gpu.issued > 10
+    assert not gpu.hazards, gpu.hazards
