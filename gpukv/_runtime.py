@@ -3,8 +3,12 @@
 Triton compiles kernels for CUDA devices. On a machine without CUDA the same
 kernels run on CPU tensors under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before ``triton`` is first imported. Importing this
-module does that, so ``import gpukv`` works the same on a laptop, in CI and on a
-GPU box. A caller that has set ``TRITON_INTERPRET`` itself keeps its choice.
+module does that, so gpukv works the same on a laptop, in CI and on a GPU box:
+every gpukv module that imports triton imports this one first, and so does
+each public name of ``gpukv`` whose module imports torch (``import gpukv``
+alone imports neither, issue 19). Code that imports triton itself before any
+of gpukv's kernels imports this module first. A caller that has set
+``TRITON_INTERPRET`` itself keeps its choice.
 """
 
 from __future__ import annotations

@@ -24,11 +24,13 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpukv import _runtime, hashing, plot
-from gpukv.errors import GpukvError
-from gpukv.replay import (
+# Nothing here imports torch: parsing the options, --version and --help stay
+# quick, and --metrics-port serves before torch loads (issue 19). The replay
+# (gpukv.replay, gpukv._runtime: torch) is imported where it runs.
+from gpukv import hashing, plot
+from gpukv.defaults import (
     DEFAULT_ARRIVAL,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -36,10 +38,12 @@ from gpukv.replay import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_STEP_MS,
     PLAIN_INTERVAL_S,
-    Replay,
-    ReplayOptions,
 )
+from gpukv.errors import GpukvError
 from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace
+
+if TYPE_CHECKING:
+    from gpukv.replay import ReplayOptions
 
 BUILTIN_REQUESTS = 300
 PROG = "gpukv"
@@ -206,6 +210,7 @@ def _sweep_parser(sub) -> argparse.ArgumentParser:
 
 def sweep_main(args) -> int:
     from gpukv import sweep
+    from gpukv.replay import ReplayOptions
 
     path, label = args.trace, args.trace
     max_requests = args.max_requests
@@ -649,16 +654,18 @@ def replay_main(args) -> int:
     if args.arrival == "timestamp" and args.format == "step":
         raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
     key = _hash_key()  # one key for both runs, so their digests (and tables) agree
+    if args.metrics_port is None and (args.metrics_vllm085 or args.served_model_name != "gpukv"):
+        raise CliError("--served-model-name and --metrics-vllm085 apply to the metrics: add --metrics-port")
+    # The endpoint answers from the first second, a scraper's first try
+    # included: it starts before the trace loads and torch is imported (issue 19).
+    metrics = (_serve_metrics(args.metrics_port, model_name=args.served_model_name, vllm085=args.metrics_vllm085)
+               if args.metrics_port is not None else None)
     trace = _load_replay_trace(args, path, max_requests)
     # What applied, for the report's arguments: a step trace has no arrivals to choose.
     args.arrival = (args.arrival or DEFAULT_ARRIVAL) if trace.kind == "mooncake" else None
     sizes = _replay_sizes(args, trace)
     budget = _resolve_budget(args, trace.kind)
     backend = _choose_backend(args.backend)
-    if args.metrics_port is None and (args.metrics_vllm085 or args.served_model_name != "gpukv"):
-        raise CliError("--served-model-name and --metrics-vllm085 apply to the metrics: add --metrics-port")
-    metrics = (_serve_metrics(args.metrics_port, model_name=args.served_model_name, vllm085=args.metrics_vllm085)
-               if args.metrics_port is not None else None)
     job = _ReplayJob(args, trace, sizes, budget, key, backend, metrics)
 
     report = job.run(backend)
@@ -779,6 +786,8 @@ def _replay_sizes(args, trace: Trace) -> dict:
 
 def _choose_backend(backend: str) -> str:
     """The backend that runs: ``auto`` resolved, and the device one only where Triton is."""
+    from gpukv import _runtime  # torch (and Triton's interpreter switch, before triton loads)
+
     if backend == "auto":
         backend = "device" if _runtime.CUDA_AVAILABLE else "reference"
         if backend == "reference":
@@ -805,6 +814,8 @@ class _ReplayJob:
 
     def options(self, name: str) -> ReplayOptions:
         """A fresh ReplayOptions for a run on ``name`` (Replay adjusts the one it gets)."""
+        from gpukv.replay import ReplayOptions
+
         args = self.args
         return ReplayOptions(
             max_num_seqs=args.max_num_seqs, admission=args.admission, uncached_first=args.uncached_first,
@@ -817,6 +828,8 @@ class _ReplayJob:
 
     def run(self, name: str) -> dict:
         """The report of a replay on ``name``; what the manager refuses becomes a CliError."""
+        from gpukv.replay import Replay
+
         opts = self.options(name)
         what = f"{self.args.trace}: " if self.args.trace is not None else ""
         try:

@@ -51,33 +51,22 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from gpukv import _runtime
+from gpukv.defaults import (  # the CLI reads them without importing torch (issue 19)
+    DEFAULT_ARRIVAL,  # noqa: F401  (gpukv.replay.DEFAULT_ARRIVAL as before)
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NUM_BLOCKS,
+    DEFAULT_STEP_MS,  # noqa: F401  (as before)
+    PLAIN_DELAY_S,
+    PLAIN_INTERVAL_S,
+)
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.traces import Trace, TraceRequest
 
 if TYPE_CHECKING:
     from gpukv.metrics import PrefixCacheStats
     from gpukv.prometheus import ServingMetrics
-
-# vLLM 0.8.5 (engine/arg_utils.py, _set_default_args_v1): the OpenAI server's
-# max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-# The pool every replay gets unless told otherwise: 65,536 blocks of 16 tokens
-# (1,048,560 usable tokens: for a model of Llama-3.1-8B's shape, 32 layers of 8
-# KV heads of 128, 64 GiB of KV cache in fp8 or 128 GiB in bf16; one H200's scale).
-DEFAULT_NUM_BLOCKS = 65_536
-DEFAULT_BLOCK_SIZE = 16
-# Requests running at once: sized for that pool. The built-in workload's
-# requests average 14,610 tokens at their full length, so the pool holds about
-# 72 of them; 64 running fit with room to spare. (vLLM's own default, 1024 on
-# an H200, suits short chats: with 14k-token requests and a long queue it
-# would oversubscribe this pool 14 times over, and the replay would measure
-# recomputation after preemptions rather than caching.)
-DEFAULT_MAX_NUM_SEQS = 64
-# Mooncake arrivals: by the trace's timestamps, each step standing for this
-# many milliseconds (an engine step with a few dozen running requests; at 100
-# ms a step the built-in workload's arrivals outrun its decodes).
-DEFAULT_ARRIVAL = "timestamp"
-DEFAULT_STEP_MS = 40.0
 
 
 @dataclass
@@ -239,12 +228,6 @@ class _PlainLines:
 
     def flush(self) -> None:
         self.stream.flush()
-
-
-# Where stderr is no terminal, a line at most every this many seconds, and
-# none at all for a replay shorter than PLAIN_DELAY_S.
-PLAIN_INTERVAL_S = 15.0
-PLAIN_DELAY_S = 5.0
 
 
 def _columns(stream) -> int:

@@ -678,6 +678,126 @@ def test_the_reference_and_the_replay_run_where_triton_is_missing():
     assert report["config"]["backend"] == "reference"
 
 
+
+# ------------------------------------------------ what importing costs (issue 19)
+
+_IMPORTS = """
+import sys
+import gpukv
+print(gpukv.__version__, "torch" in sys.modules, "triton" in sys.modules)
+from gpukv import GpukvError, MMItem, PrefixCacheStats
+assert gpukv.windows.policies
+print("torch" in sys.modules)
+from gpukv import NewRequest, get_kv_cache_config
+print(NewRequest.__module__, get_kv_cache_config.__module__, "gpukv._runtime" in sys.modules)
+print(sorted(n for n in gpukv.__all__ if not hasattr(gpukv, n)), set(gpukv.__all__) <= set(dir(gpukv)))
+print(gpukv.config.get_kv_cache_config is get_kv_cache_config)
+"""
+
+
+def test_importing_the_package_loads_neither_torch_nor_triton():
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import gpukv
+
+    assert proc.stdout.splitlines() == [
+        f"{gpukv.__version__} False False",  # import gpukv, and its version, cost neither
+        "False",  # names (and gpukv.windows) from modules without torch
+        "gpukv.request gpukv.config True",  # the rest: gpukv._runtime first, before anything loads triton
+        "[] True",  # every public name resolves and dir() lists it
+        "True",  # as do the submodules `import gpukv` used to load
+    ]
+
+
+def test_the_lazy_names_are_all_and_the_type_checkers_see_them():
+    import ast
+
+    import gpukv
+
+    tree = ast.parse((ROOT / "gpukv" / "__init__.py").read_text())
+    seen = {}  # name -> module, from the `if TYPE_CHECKING:` block
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module is not None
+                seen.update({a.name: imp.module for a in imp.names})
+    assert sorted(seen) == sorted(gpukv.__all__) == sorted(gpukv._MODULE_OF)
+    assert seen == {name: f"gpukv.{module}" for name, module in gpukv._MODULE_OF.items()}
+    assert len(set(gpukv.__all__)) == len(gpukv.__all__)
+
+
+def _imports_at_import_time(body: list) -> list[tuple[int, list[str]]]:
+    """(line, modules) of each import a module runs when imported: its top
+    level and the blocks there (try, if), not functions or TYPE_CHECKING."""
+    import ast
+
+    found = []
+    for node in body:
+        if isinstance(node, ast.Import):
+            found.append((node.lineno, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]))
+        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            found += _imports_at_import_time(node.body) + _imports_at_import_time(node.orelse)
+        elif isinstance(node, ast.Try):
+            found += _imports_at_import_time(node.body + node.orelse + node.finalbody)
+            for handler in node.handlers:
+                found += _imports_at_import_time(handler.body)
+    return sorted(found)
+
+
+def test_every_module_that_imports_triton_imports_the_runtime_first():
+    """What keeps Triton's interpreter on without CUDA now that `import gpukv`
+    does not import gpukv._runtime: each module that imports triton (or vLLM,
+    which imports it) imports gpukv._runtime before, itself or in its package's
+    __init__ (which Python runs first)."""
+    import ast
+
+    def first(path, wanted) -> int | None:
+        for lineno, names in _imports_at_import_time(ast.parse(path.read_text()).body):
+            if any(wanted(n) for n in names):
+                return lineno
+        return None
+
+    def is_runtime(name: str) -> bool:
+        return name == "gpukv._runtime"
+
+    def loads_triton(name: str) -> bool:
+        return name.split(".")[0] in ("triton", "vllm")
+
+    checked = 0
+    package = ROOT / "gpukv"
+    for path in sorted(package.rglob("*.py")):
+        triton_at = first(path, loads_triton)
+        if triton_at is None:
+            continue
+        checked += 1
+        runtime_at = first(path, is_runtime)
+        # The packages below gpukv/ that hold it (gpukv/vllm/ for gpukv/vllm/scheduler.py), its own aside.
+        inits = [d / "__init__.py" for d in path.parents if package in d.parents and d / "__init__.py" != path]
+        before = (runtime_at is not None and runtime_at < triton_at) or any(
+            first(init, is_runtime) is not None for init in inits)
+        assert before, f"{path.relative_to(ROOT)}:{triton_at}: triton (or vLLM) before gpukv._runtime"
+    assert checked >= 10  # the kernels and gpukv.vllm
+
+
+_VERSION_AND_HELP = """
+import contextlib, io, sys
+from gpukv.cli import main
+for argv in (["--version"], ["replay", "--help"], ["sweep", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        main(argv)
+print("torch" in sys.modules, "triton" in sys.modules)
+"""
+
+
+def test_version_and_help_import_no_torch():
+    proc = subprocess.run([sys.executable, "-c", _VERSION_AND_HELP], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=300)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "False False\n", "")
+
+
 # ------------------------------------------------ what the summary says, and how much
 
 def test_the_default_replay_arrives_by_timestamp_and_shows_its_ceiling(capsys):

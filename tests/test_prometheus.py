@@ -5,12 +5,17 @@ and vLLM 0.8.5's block-unit counters on request), the HTTP endpoint of
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
 
+from conftest import ROOT
 from gpukv import prometheus
 from gpukv.cli import main
 from gpukv.metrics import PrefixCacheStats
@@ -70,6 +75,64 @@ def test_replay_serves_the_metrics_over_http(capsys):
                  "vllm:gpu_cache_usage_perc"):
         assert re.search(rf"^{re.escape(name)}\{{{labels}\}} ", text, re.M), name
     assert re.search(r'^gpukv:manager_step_seconds_bucket\{engine="0",le="0.001",model_name="my-model"\} ', text, re.M)
+
+
+
+# `import torch` held until the test says go: the replay cannot get past it, so
+# an endpoint that answers meanwhile was up before torch loaded (issue 19).
+_HOLD_TORCH = """
+import importlib.abc, os, sys, time
+HELD, GO = sys.argv[1], sys.argv[2]
+class HoldTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            open(HELD, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(GO) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return None  # the usual finders import it
+sys.meta_path.insert(0, HoldTorch())
+from gpukv.cli import main
+sys.exit(main(["replay", "--backend", "reference", "--max-requests", "2", "--prompt-only", "--no-progress",
+               "--metrics-port", sys.argv[3]]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_metrics_answer_before_torch_is_imported(tmp_path):
+    held, go, port = tmp_path / "held", tmp_path / "go", _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("GPUKV_HASH_KEY", None)
+    start = time.monotonic()
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _HOLD_TORCH, str(held), str(go), str(port)], cwd=ROOT,
+                                env=env, stdout=out, stderr=err)
+    try:
+        text, answered = None, None
+        while text is None and proc.poll() is None and time.monotonic() - start < 25:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                    text, answered = response.read().decode(), time.monotonic() - start
+            except OSError:  # refused: not up yet
+                time.sleep(0.05)
+        assert text is not None, (f"no metrics within {time.monotonic() - start:.1f} s while torch's import is "
+                                  f"held (exit {proc.poll()}): {(tmp_path / 'err').read_text()}")
+        assert re.search(r'^vllm:num_requests_running\{engine="0",model_name="gpukv"\} 0\.0$', text, re.M), text
+        go.touch()
+        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    finally:
+        go.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert held.exists()  # torch's import did go through the hold: the endpoint answered before it
+    assert "prefix cache hit rate" in (tmp_path / "out").read_text()
+    print(f"metrics answered {answered:.2f} s after the CLI started")
 
 
 def test_vllm_label_sets_and_the_0_8_5_names():

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from gpukv import _runtime  # noqa: F401  (Triton's interpreter without CUDA, set before vLLM imports triton)
+
 try:
     import vllm.v1.core.sched.scheduler  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment

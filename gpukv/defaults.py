@@ -1,0 +1,34 @@
+"""The replay's defaults, in a module that imports nothing.
+
+``gpukv replay`` shows them in its ``--help`` and starts its metrics server
+before it imports torch (issue 19); ``gpukv.replay``, which imports torch,
+re-exports them, and is where they apply.
+"""
+
+from __future__ import annotations
+
+# vLLM 0.8.5 (engine/arg_utils.py, _set_default_args_v1): the OpenAI server's
+# max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# The pool every replay gets unless told otherwise: 65,536 blocks of 16 tokens
+# (1,048,560 usable tokens: for a model of Llama-3.1-8B's shape, 32 layers of 8
+# KV heads of 128, 64 GiB of KV cache in fp8 or 128 GiB in bf16; one H200's scale).
+DEFAULT_NUM_BLOCKS = 65_536
+DEFAULT_BLOCK_SIZE = 16
+# Requests running at once: sized for that pool. The built-in workload's
+# requests average 14,610 tokens at their full length, so the pool holds about
+# 72 of them; 64 running fit with room to spare. (vLLM's own default, 1024 on
+# an H200, suits short chats: with 14k-token requests and a long queue it
+# would oversubscribe this pool 14 times over, and the replay would measure
+# recomputation after preemptions rather than caching.)
+DEFAULT_MAX_NUM_SEQS = 64
+# Mooncake arrivals: by the trace's timestamps, each step standing for this
+# many milliseconds (an engine step with a few dozen running requests; at 100
+# ms a step the built-in workload's arrivals outrun its decodes).
+DEFAULT_ARRIVAL = "timestamp"
+DEFAULT_STEP_MS = 40.0
+
+# The progress bar: where stderr is no terminal, a line at most every this
+# many seconds, and none at all for a replay shorter than PLAIN_DELAY_S.
+PLAIN_INTERVAL_S = 15.0
+PLAIN_DELAY_S = 5.0
