@@ -4,7 +4,9 @@ from each other).
 ``drive`` applies the same random scheduling steps to one or more managers and
 calls ``check(step_index, managers, results)`` after every step, so a test can
 compare the device manager with the reference step by step; ``check`` and
-``assert_same`` are that comparison.
+``assert_same`` are that comparison. ``chunked_session`` is another such
+session, of chunked prefills, token budgets, lookahead and the batched
+``decode`` entry.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from __future__ import annotations
 import random
 
 from gpukv.hashing import MMItem
+from gpukv.manager import KVCacheManager as DeviceManager
+from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
+
+KEY = bytes(range(16))
 
 
 def _prompt(rng: random.Random, docs: list[list[int]]) -> list[int]:
@@ -116,3 +122,53 @@ def check(step, managers, results) -> None:
     ref, dev = managers
     assert results[1] == results[0], f"step {step}"
     assert_same(ref, dev)
+
+
+def chunked_session(seed: int, windows, steps: int = 20) -> None:
+    """Random chunked admissions under token budgets, chunk continuations,
+    decodes with lookahead and finishes under a small pool (24 blocks of 4
+    tokens), the device manager compared with the reference after every call:
+    results, block ids, computed counts, the free queue and the invariants."""
+    rng = random.Random(seed)
+    ref, dev = (cls(24, 4, sliding_windows=list(windows), hash_key=KEY, max_model_len=64)
+                for cls in (ReferenceManager, DeviceManager))
+    next_id = 0
+    for _ in range(steps):
+        ids = ref.request_ids()
+        finished = [r for r in ids if rng.random() < 0.15]
+        running = []
+        for rid in ids:
+            if rid in finished or rng.random() < 0.2:
+                continue
+            known = len(ref._requests[rid].tokens)
+            left = known - ref.num_computed_tokens(rid)
+            lookahead = rng.choice([0, 0, 3])
+            if left:
+                running.append(RunningUpdate(rid, (), rng.randint(1, left), lookahead))
+            elif known < 50:
+                running.append(RunningUpdate(rid, [rng.randint(0, 2)], None, lookahead))
+        new = []
+        for _ in range(rng.randint(0, 3)):
+            n = rng.randint(1, 30)
+            chunk = rng.choice([None, rng.randint(1, n)])
+            new.append(NewRequest(f"r{next_id}", [rng.randint(0, 2) for _ in range(n)],
+                                  num_tokens_to_compute=chunk, num_lookahead_tokens=rng.choice([0, 0, 5])))
+            next_id += 1
+        if rng.random() < 0.3 and running and not finished and not new:
+            # the batched entry: continue the chunked rows only
+            mid = [u for u in running if not len(u.new_token_ids)]
+            if mid:
+                rows = [ref.row_of(u.request_id) for u in mid]
+                chunks = [u.num_tokens_to_compute for u in mid]
+                results = [m.decode(rows, None, num_tokens_to_compute=chunks) for m in (ref, dev)]
+                assert results[0] == results[1]
+                continue
+        budget = rng.choice([None, None, rng.randint(0, 40)])  # for the new requests (vLLM's waiting loop)
+        results = [m.step(finished, running, new, token_budget=budget) for m in (ref, dev)]
+        assert results[0] == results[1]
+        for rid in ref.request_ids():
+            assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
+            assert dev.num_computed_tokens(rid) == ref.num_computed_tokens(rid), rid
+        assert dev.free_queue() == ref.free_queue()
+        ref.check_invariants()
+        dev.check_invariants()
