@@ -14,6 +14,42 @@ recently admitted request (its tokens, including the ones its update brought,
 come back later as a new request) and the remaining updates are retried; new
 requests past ``num_admitted`` keep waiting, in order.
 
+The newer entries have rules of their own:
+
+* ``decode_batched``: ``decode(rows, new_token_ids, num_tokens_to_compute=,
+  num_lookahead_tokens=)`` for 1-4 running requests' rows (``row_of``, in any
+  order; as a list, a numpy array or a CPU tensor), each appending the same
+  0-2 tokens (``[B, k]`` lists, ``[B]`` for one token, numpy, int64 or int32
+  CPU tensors: the device's tensor path under the interpreter; None or
+  ``[B, 0]`` to only continue chunked prefills), sometimes one chunk per
+  row and a lookahead. Its result must be the reference's and the model
+  moves as for ``step(running=[RunningUpdate(...)])`` in row order; a
+  ``running_failed_at`` (which indexes ``rows``) preempts the most recent
+  request and the rest is retried through ``decode``, as ``serve`` does.
+* ``allocate_new``: vLLM's pair for a waiting request (or a fresh one):
+  ``c = get_computed_blocks(r)`` (the same on both; its hit blocks checked
+  against the ground truth, the stats counted), then ``allocate_slots(r,
+  computed=c or None, num_tokens=k or None, num_lookahead_tokens=...)``,
+  ``k`` counting tokens past the hit (vLLM's count; None: the request's own
+  chunk, else all). The same new block ids on both, which must be the
+  request's blocks past its hit; the hit is checked as a step's is, the
+  computed positions recorded. Refused (None): nothing changed (free queue,
+  counts, table, evictions, every request's blocks) and the request waits.
+* ``allocate_running``: ``allocate_slots(request_id, new_token_ids,
+  num_tokens=, num_lookahead_tokens=)`` for a running request, the model's
+  one-update step; refused, the window groups released what they would
+  have (as a step's refused update), the most recent request is preempted
+  and it is retried.
+* KV-cache events: three examples in four build both managers with
+  ``enable_kv_cache_events=True``. After every call ``take_events()`` on
+  both says the same, block by block (the device cuts batches at its
+  reads); a ``gpukv.events.RouterIndex`` kept from each manager's events
+  (no gap, nothing dropped, no removal of a block never stored) holds the
+  reference's table, block counts per ``(digest, group)``; each stored block
+  still cached carries its ground truth's tokens and LoRA id (and, with
+  honest digests, the digest before it); a successful ``reset`` yields
+  exactly ``AllBlocksCleared``, a refused one nothing.
+
 After every manager call:
 
 * both managers returned the same ``StepResult`` and agree on block tables,
@@ -62,6 +98,7 @@ from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from gpukv import hashing
+from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, RouterIndex
 from gpukv.hashing import MMItem
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -204,6 +241,26 @@ def fmt_step(finished, running, new) -> str:
     return f"step({', '.join(parts)})"
 
 
+def event_atoms(batches: list[KVEventBatch]) -> list[tuple]:
+    """KV-cache events one block at a time (the managers may cut batches and
+    runs differently): ``("stored", digest, parent, tokens, lora, group)``,
+    ``("removed", digest, group)``, ``("cleared",)``."""
+    out: list[tuple] = []
+    for batch in batches:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                parent, bs = e.parent_block_hash, e.block_size
+                for i, d in enumerate(e.block_hashes):
+                    out.append(("stored", d, parent, tuple(e.token_ids[i * bs:(i + 1) * bs]), e.lora_id, e.group))
+                    parent = d
+            elif isinstance(e, BlockRemoved):
+                out += [("removed", d, e.group) for d in e.block_hashes]
+            else:
+                assert isinstance(e, AllBlocksCleared), e
+                out.append(("cleared",))
+    return out
+
+
 def trace(line: str) -> None:
     """A line of the replayable trace, printed with a failing example."""
     if current_build_context().is_final:
@@ -228,6 +285,8 @@ class ServingLoop(RuleBasedStateMachine):
         bs = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
         per_group = data.draw(st.integers(3, 16), label="blocks per group")
         uncached_first = data.draw(st.booleans(), label="uncached_first")
+        # KV-cache events on most examples: checked after every call (check_events).
+        self.events = data.draw(st.sampled_from([True, True, True, False]), label="enable_kv_cache_events")
         self.G = len(windows)
         self.bs = bs
         self.windows = windows
@@ -235,15 +294,20 @@ class ServingLoop(RuleBasedStateMachine):
         self.W = [None if w is None else -(-(w - 1) // bs) for w in windows]
         self.N = per_group * self.G + 1
         self.cap = min(MAX_TOKENS, ((self.N - 1) // self.G) * bs)  # never "can never be admitted"
-        self.ref = ReferenceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY)
+        self.ref = ReferenceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY,
+                                    enable_kv_cache_events=self.events)
         trace(f"m = KVCacheManager({self.N}, {bs}, sliding_windows={windows}, uncached_first={uncached_first}, "
-              f"hash_key=bytes(range(16)))")
+              f"hash_key=bytes(range(16)){', enable_kv_cache_events=True' if self.events else ''})")
         if self.BACKEND == "device":
             from gpukv.manager import KVCacheManager as DeviceManager
 
             rows = data.draw(st.sampled_from([2, 64]), label="max_num_reqs")
             self.dev = DeviceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first,
-                                     hash_key=KEY, max_model_len=MAX_TOKENS, max_num_reqs=rows)
+                                     hash_key=KEY, max_model_len=MAX_TOKENS, max_num_reqs=rows,
+                                     enable_kv_cache_events=self.events)
+        # What a KV-aware router keeps from each manager's events.
+        self.indexes = [RouterIndex() for _ in self.managers()] if self.events else []
+        self.last_events: list[tuple] = []  # the atoms of the last call's events
         self.reqs: dict[str, Req] = {}
         self.order: list[str] = []  # running, oldest admission first
         self.waiting: list[NewRequest] = []
@@ -373,6 +437,67 @@ class ServingLoop(RuleBasedStateMachine):
         if self.dev is not None:
             res_dev = self.dev.step(finished, updates, new, token_budget=token_budget)
             assert res_dev == res, f"device {res_dev} != reference {res}"
+        self.account(finished, updates, new, res, token_budget, old_computed)
+        return res
+
+    def call_decode(self, updates, form: str):
+        """``decode(rows, new_token_ids, ...)`` on every backend for running
+        updates that share their token count and lookahead (the chunks, one
+        per row or none): the same result as ``step(running=updates)``, so
+        the model, the ground truth and the checks are the step's.
+        ``form``: how the arguments are handed in (lists, numpy arrays, CPU
+        tensors: the device's tensor path under the interpreter; ``[B]`` for
+        one token each; None or ``[B, 0]`` to only continue chunks)."""
+        updates = list(updates)
+        B = len(updates)
+        k, la = len(updates[0].new_token_ids), updates[0].num_lookahead_tokens
+        assert all(len(u.new_token_ids) == k and u.num_lookahead_tokens == la for u in updates), updates
+        chunks = [u.num_tokens_to_compute for u in updates]
+        assert all(c is None for c in chunks) or all(c is not None for c in chunks), chunks
+        mat = [to_ints(u.new_token_ids) for u in updates]
+        row_ids = [self.ref.row_of(u.request_id) for u in updates]
+        if form in ("torch", "torch32"):
+            dtype = torch.int32 if form == "torch32" and all(t < 2**31 for r in mat for t in r) else torch.int64
+            rows, tokens = torch.tensor(row_ids, dtype=torch.int64), torch.tensor(mat, dtype=dtype).reshape(B, k)
+            chunk_arg = None if chunks[0] is None else torch.tensor(chunks, dtype=torch.int64)
+        elif form == "numpy":
+            rows, tokens = np.array(row_ids, dtype=np.int64), np.array(mat, dtype=np.int64).reshape(B, k)
+            chunk_arg = None if chunks[0] is None else np.array(chunks, dtype=np.int64)
+        else:
+            rows, chunk_arg = list(row_ids), None if chunks[0] is None else list(chunks)
+            # (a list of B empty lists is not a [B, 0] form: numpy makes it float)
+            tokens = None if k == 0 else [t[0] for t in mat] if k == 1 and form == "flat" else mat
+        kw = {}
+        if chunk_arg is not None:
+            kw["num_tokens_to_compute"] = chunk_arg
+        if la:
+            kw["num_lookahead_tokens"] = la
+        line = ""
+        if current_build_context().is_final:
+            args = [fmt_tokens(rows) if not isinstance(rows, list) else repr(rows),
+                    fmt_tokens(tokens) if tokens is not None and not isinstance(tokens, list) else repr(tokens)]
+            args += [f"{a}={fmt_tokens(v) if not isinstance(v, int | list) else v!r}" for a, v in kw.items()]
+            line = f"decode({', '.join(args)})"
+        old_computed = {u.request_id: self.reqs[u.request_id].computed for u in updates}
+        res = self.ref.decode(rows, tokens, **kw)
+        trace(f"m.{line}  # -> {res}")
+        COUNTS["decode_calls"] += 1
+        COUNTS[f"decode_{form}"] += 1
+        COUNTS["decode_chunked"] += chunk_arg is not None
+        COUNTS["decode_lookahead"] += la > 0
+        COUNTS["decode_rows"] += B
+        if self.dev is not None:
+            res_dev = self.dev.decode(rows, tokens, **kw)
+            assert res_dev == res, f"device {res_dev} != reference {res}"
+        assert res.num_admitted == 0 and res.rows == [], res
+        if res.running_failed_at is not None:
+            COUNTS["decode_refused"] += 1
+        self.account((), updates, (), res, None, old_computed)
+        return res
+
+    def account(self, finished, updates, new, res, token_budget, old_computed) -> None:
+        """A step's result (or a decode's, the step of its running updates)
+        against the model; then the model, the ground truth and every check."""
         bs = self.bs
         # The result makes sense.
         k = res.running_failed_at
@@ -386,21 +511,7 @@ class ServingLoop(RuleBasedStateMachine):
         # Model: finished requests go; applied updates grow; admitted requests join.
         for rid in finished:
             self.forget(rid)
-        for u in updates:  # phase 2a: every update's window groups release what their window left behind
-            st_ = self.reqs[u.request_id]
-            for g, w in enumerate(self.windows):
-                if w is not None:
-                    st_.null_upto[g] = max(st_.null_upto[g], max(0, old_computed[u.request_id] - w + 1) // bs)
-        applied = updates if k is None else updates[:k]
-        for u in applied:
-            req = self.reqs[u.request_id]
-            req.extend(to_ints(u.new_token_ids))
-            chunk = u.num_tokens_to_compute
-            computed = len(req.tokens) if chunk is None else req.computed + chunk
-            blocks = self.ref.get_block_ids(req.rid)
-            for p in req.advance(computed, u.num_lookahead_tokens, bs):
-                for g in range(self.G):
-                    self.compute(blocks[g][p], g, req, p)
+        self.apply_updates(updates if k is None else updates[:k], updates, old_computed)
         # vLLM's waiting loop: each admitted request computes min(tokens - hit,
         # chunk, budget left) past its hit and is charged only those.
         assert len(res.num_new_tokens) == res.num_admitted, res
@@ -432,34 +543,66 @@ class ServingLoop(RuleBasedStateMachine):
                     hits=sum(h for _, h in live),
                 )
         for i, r in enumerate(new[: res.num_admitted]):
-            hit_tokens = res.num_computed_tokens[i]
-            n = len(r.token_ids)
-            assert hit_tokens % bs == 0 and 0 <= hit_tokens <= (n - 1) // bs * bs, (r.request_id, hit_tokens)
-            if r.skip_prefix_cache:
-                assert hit_tokens == 0, r.request_id
-            h = hit_tokens // bs
-            COUNTS["hit_blocks"] += h
-            COUNTS["admitted"] += 1
-            if r.block_hashes is not None:
-                COUNTS["admitted_with_caller_digests"] += 1
-            req = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items),
-                      bool(r.skip_prefix_cache),
-                      null_upto=[0 if W is None else max(0, h - W) for W in self.W])
-            self.reqs[req.rid] = req
-            self.order.append(req.rid)
-            blocks = self.ref.get_block_ids(req.rid)
-            req.advance(hit_tokens, 0, bs)  # the hit is computed
-            for g in range(self.G):
-                for p in range(h):
-                    b = blocks[g][p]
-                    if b != 0:
-                        self.check_hit(b, g, req, p)
-            for p in req.advance(hit_tokens + res.num_new_tokens[i], r.num_lookahead_tokens, bs):
-                if p >= h:
-                    for g in range(self.G):
-                        self.compute(blocks[g][p], g, req, p)
+            self.admitted(r, res.num_computed_tokens[i], res.num_new_tokens[i], r.num_lookahead_tokens)
         self.check_all(expect=expected_stats)
-        return res
+
+    def apply_updates(self, applied, updates, old_computed) -> None:
+        """The model of phase 2: every update's window groups release what
+        their window left behind (before any fit check), then the
+        ``applied`` ones (those that fit) append and compute."""
+        bs = self.bs
+        for u in updates:
+            st_ = self.reqs[u.request_id]
+            for g, w in enumerate(self.windows):
+                if w is not None:
+                    st_.null_upto[g] = max(st_.null_upto[g], max(0, old_computed[u.request_id] - w + 1) // bs)
+        for u in applied:
+            req = self.reqs[u.request_id]
+            req.extend(to_ints(u.new_token_ids))
+            chunk = u.num_tokens_to_compute
+            computed = len(req.tokens) if chunk is None else req.computed + chunk
+            blocks = self.ref.get_block_ids(req.rid)
+            for p in req.advance(computed, u.num_lookahead_tokens, bs):
+                for g in range(self.G):
+                    self.compute(blocks[g][p], g, req, p)
+
+    def admitted(self, r: NewRequest, hit_tokens: int, new_tokens: int, lookahead: int) -> Req:
+        """The model of an admission: ``r`` hit ``hit_tokens`` (each hit block
+        must hold exactly what ``r``'s prefix says) and computes ``new_tokens``
+        past them, with ``lookahead`` slots."""
+        bs = self.bs
+        n = len(r.token_ids)
+        assert hit_tokens % bs == 0 and 0 <= hit_tokens <= (n - 1) // bs * bs, (r.request_id, hit_tokens)
+        if r.skip_prefix_cache:
+            assert hit_tokens == 0, r.request_id
+        h = hit_tokens // bs
+        COUNTS["hit_blocks"] += h
+        COUNTS["admitted"] += 1
+        if r.block_hashes is not None:
+            COUNTS["admitted_with_caller_digests"] += 1
+        req = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items),
+                  bool(r.skip_prefix_cache),
+                  null_upto=[0 if W is None else max(0, h - W) for W in self.W])
+        self.reqs[req.rid] = req
+        self.order.append(req.rid)
+        blocks = self.ref.get_block_ids(req.rid)
+        req.advance(hit_tokens, 0, bs)  # the hit is computed
+        for g in range(self.G):
+            for p in range(h):
+                b = blocks[g][p]
+                if b != 0:
+                    self.check_hit(b, g, req, p)
+        for p in req.advance(hit_tokens + new_tokens, lookahead, bs):
+            if p >= h:
+                for g in range(self.G):
+                    self.compute(blocks[g][p], g, req, p)
+        return req
+
+    def snapshot(self) -> tuple:
+        """What a refused call must leave as it was."""
+        ref = self.ref
+        return (ref.free_queue(), list(ref.pool.ref_cnt), ref.pool.table(), ref.num_evictions,
+                {rid: (ref.get_block_ids(rid), ref.num_computed_tokens(rid)) for rid in ref.request_ids()})
 
     def compute(self, b: int, g: int, req: Req, p: int) -> None:
         """Block ``b`` now holds group ``g``'s KV of request ``req``'s block ``p``."""
@@ -482,12 +625,18 @@ class ServingLoop(RuleBasedStateMachine):
         self.order.remove(rid)
 
     # ------------------------------------------------------------ the serving loop
-    def serve(self, finished=(), updates=(), fresh=(), *, admit_waiting=True, token_budget=None):
-        """A scheduling step as a serving loop makes it, refusals included."""
+    def serve(self, finished=(), updates=(), fresh=(), *, admit_waiting=True, token_budget=None, decode_form=None):
+        """A scheduling step as a serving loop makes it, refusals included
+        (``decode_form``: running updates only, through ``decode``, the
+        retries too)."""
         new = (self.waiting if admit_waiting else []) + list(fresh)
         if admit_waiting:
             self.waiting = []
-        res = self.call_step(finished, updates, new, token_budget)
+        if decode_form is not None:
+            assert not finished and not new, (finished, new)
+            res = self.call_decode(updates, decode_form)
+        else:
+            res = self.call_step(finished, updates, new, token_budget)
         if res.ok:
             self.waiting = new[res.num_admitted:] + self.waiting
             return
@@ -500,7 +649,7 @@ class ServingLoop(RuleBasedStateMachine):
             pending = [u for u in pending if u.request_id != victim]
             if not pending:
                 break
-            res = self.call_step((), pending, ())
+            res = self.call_step((), pending, ()) if decode_form is None else self.call_decode(pending, decode_form)
             if res.ok:
                 break
             pending = pending[res.running_failed_at:]
@@ -554,6 +703,125 @@ class ServingLoop(RuleBasedStateMachine):
         self.serve(updates=updates, admit_waiting=False)
         COUNTS["rule_decode"] += 1
 
+    @precondition(lambda self: self.order)
+    @rule(data=st.data())
+    def decode_batched(self, data):
+        """The batched decode entry: running requests, by row and in any
+        order, each append the same number of tokens (none: chunk
+        continuations only) with one lookahead, and sometimes one chunk
+        each; refusals as a serving loop handles them, retried through
+        decode."""
+        rids = data.draw(st.lists(st.sampled_from(self.order), min_size=1, max_size=4, unique=True),
+                         label="decode rows")
+        room = min(self.cap - len(self.reqs[rid].tokens) for rid in rids)
+        k = data.draw(st.integers(0, min(2, room)), label="tokens per row")
+        lookahead = self.draw_lookahead(data, room - k)
+        tokens = [data.draw(st.lists(TOKEN, min_size=k, max_size=k), label=f"tokens of {rid}") for rid in rids]
+        left = [len(self.reqs[rid].tokens) + k - self.reqs[rid].computed for rid in rids]
+        chunks: list = [None] * len(rids)
+        if min(left) > 0 and data.draw(st.sampled_from([False, True, True]), label="chunks"):
+            chunks = [data.draw(st.integers(1, n), label=f"chunk of {rid}") for rid, n in zip(rids, left, strict=True)]
+        form = data.draw(st.sampled_from(["list", "list", "flat", "numpy", "torch", "torch32", "none"]),
+                         label="argument form")
+        if form == "flat" and k != 1 or form == "none" and k != 0:
+            form = "list"
+        updates = [RunningUpdate(rid, t, c, lookahead) for rid, t, c in zip(rids, tokens, chunks, strict=True)]
+        self.serve(updates=updates, admit_waiting=False, decode_form=form)
+        COUNTS["rule_decode_batched"] += 1
+
+    @rule(data=st.data())
+    def allocate_new(self, data):
+        """vLLM's per-request admission: ``get_computed_blocks`` of a waiting
+        request (or a fresh one), then ``allocate_slots(request,
+        computed=..., num_tokens=k, num_lookahead_tokens=...)``, ``k`` tokens
+        past the hit (or None: the request's own chunk, else all). The same
+        blocks on both managers; refused (None): nothing changed and the
+        request waits."""
+        pos = None
+        if self.waiting and data.draw(st.booleans(), label="a waiting request"):
+            pos = data.draw(st.sampled_from([0, 0, len(self.waiting) - 1]), label="which waiting request")
+            r = self.waiting.pop(pos)
+        else:
+            r = self.draw_new(data)
+        got = [m.get_computed_blocks(r) for m in self.managers()]
+        trace(f"c = m.get_computed_blocks({fmt_new(r)})  # -> {got[0]}")
+        assert all(c == got[0] for c in got), got
+        c = got[0]
+        self.check_computed(r, c)
+        pre = r.num_preemptions > 0
+        hits = 0 if r.skip_prefix_cache else c.num_tokens
+        self.check_all(expect={"requests": int(not pre), "preempted_requests": int(pre),
+                               "preempted_hits" if pre else "hits": hits})
+        computed = c if data.draw(st.sampled_from([True] * 4 + [False]), label="pass the hit") else None
+        hit = computed.num_tokens if computed is not None else 0
+        n = len(r.token_ids)
+        num_tokens = None
+        if data.draw(st.sampled_from([False, True, True]), label="num_tokens"):
+            num_tokens = data.draw(st.integers(1, n - hit), label="tokens past the hit")
+        la = None
+        if data.draw(st.booleans(), label="num_lookahead_tokens"):
+            la = self.draw_lookahead(data, self.cap - n)
+        chunk = num_tokens if num_tokens is not None else r.num_tokens_to_compute
+        new_tokens = n - hit if chunk is None else min(n - hit, chunk)
+        before = self.snapshot()
+        res = [m.allocate_slots(r, computed=computed, num_tokens=num_tokens, num_lookahead_tokens=la)
+               for m in self.managers()]
+        trace(f"m.allocate_slots({fmt_new(r)}, computed={'c' if computed is not None else None}, "
+              f"num_tokens={num_tokens}, num_lookahead_tokens={la})  # -> {res[0]}")
+        assert all(x == res[0] for x in res), res
+        COUNTS["allocate_new_calls"] += 1
+        if res[0] is None:
+            assert self.snapshot() == before, "allocate_slots refused a new request but changed the pool"
+            COUNTS["allocate_new_refused"] += 1
+            if pos is None:
+                self.waiting.append(r)
+            else:
+                self.waiting.insert(pos, r)
+        else:
+            COUNTS["allocate_new_admitted"] += 1
+            COUNTS["allocate_new_partial"] += hit + new_tokens < n
+            self.admitted(r, hit, new_tokens, r.num_lookahead_tokens if la is None else la)
+            h = hit // self.bs
+            blocks = self.ref.get_block_ids(r.request_id)
+            assert res[0] == [g[h:] for g in blocks], (res[0], blocks, h)
+        self.check_all(expect={"requests": 0, "preempted_requests": 0})
+        COUNTS["rule_allocate_new"] += 1
+
+    @precondition(lambda self: self.order)
+    @rule(data=st.data())
+    def allocate_running(self, data):
+        """``allocate_slots(request_id, new_token_ids, num_tokens=...,
+        num_lookahead_tokens=...)`` for a running request: append, then
+        compute (all, or a chunk), as a one-update step; the newly allocated
+        blocks on both. Refused (None): the window release happened, nothing
+        else; the most recent request is preempted and it is retried."""
+        rid = data.draw(st.sampled_from(self.order), label="allocate for")
+        u = self.draw_update(data, rid)
+        la = u.num_lookahead_tokens
+        la_arg = None if not la and data.draw(st.booleans(), label="lookahead None") else la
+        while True:
+            req = self.reqs[rid]
+            held, old_computed = req.held, {rid: req.computed}
+            res = [m.allocate_slots(rid, u.new_token_ids, num_tokens=u.num_tokens_to_compute,
+                                    num_lookahead_tokens=la_arg) for m in self.managers()]
+            trace(f"m.allocate_slots({rid!r}, {fmt_tokens(u.new_token_ids)}, num_tokens={u.num_tokens_to_compute}, "
+                  f"num_lookahead_tokens={la_arg})  # -> {res[0]}")
+            assert all(x == res[0] for x in res), res
+            COUNTS["allocate_running_calls"] += 1
+            self.apply_updates([] if res[0] is None else [u], [u], old_computed)
+            if res[0] is not None:
+                blocks = self.ref.get_block_ids(rid)
+                assert res[0] == [g[held:] for g in blocks], (res[0], blocks, held)
+                self.check_all(expect={"requests": 0, "preempted_requests": 0})
+                break
+            COUNTS["allocate_running_refused"] += 1
+            self.check_all(expect={"requests": 0, "preempted_requests": 0})
+            victim = self.order[-1]
+            self.preempt([victim], extra={victim: to_ints(u.new_token_ids) if victim == rid else []})
+            if victim == rid:
+                break
+        COUNTS["rule_allocate_running"] += 1
+
     @precondition(lambda self: self.order or self.waiting)
     @rule(data=st.data())
     def finish(self, data):
@@ -587,6 +855,8 @@ class ServingLoop(RuleBasedStateMachine):
         assert got == [expected] * len(got), (got, expected)
         COUNTS["resets"] += expected
         self.check_all(expect={"requests": 0, "reset": expected})
+        if self.events:  # everything before was taken after the call before
+            assert self.last_events == ([("cleared",)] if expected else []), self.last_events
         COUNTS["rule_reset"] += 1
 
     @rule(data=st.data())
@@ -616,17 +886,7 @@ class ServingLoop(RuleBasedStateMachine):
         trace(f"m.get_computed_blocks({fmt_new(r)})  # -> {got[0]}")
         assert all(c == got[0] for c in got), got
         c = got[0]
-        h = c.num_tokens // self.bs
-        assert c.num_tokens % self.bs == 0 and 0 <= h <= (len(r.token_ids) - 1) // self.bs
-        probe = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items), False)
-        probe.advance(c.num_tokens, 0, self.bs)  # what the hit blocks were computed from
-        for g in range(self.G):
-            assert len(c.block_ids[g]) == h
-            for p, b in enumerate(c.block_ids[g]):
-                if b != 0:
-                    self.check_hit(b, g, probe, p)
-                else:
-                    assert self.W[g] is not None and p < h - self.W[g], (g, p, c)
+        self.check_computed(r, c)
         self.check_all(expect={"requests": 1, "hit_tokens": 0 if r.skip_prefix_cache else c.num_tokens})
         COUNTS["rule_lookup"] += 1
 
@@ -718,6 +978,24 @@ class ServingLoop(RuleBasedStateMachine):
         COUNTS["rule_adversarial"] += 1
 
     # ------------------------------------------------------------ checks
+    def check_computed(self, r: NewRequest, c) -> None:
+        """``get_computed_blocks(r)``'s answer: whole blocks, short of the last
+        token, each hit block computed from exactly ``r``'s prefix (the null
+        block only where a window no longer reaches)."""
+        h = c.num_tokens // self.bs
+        assert c.num_tokens % self.bs == 0 and 0 <= h <= (len(r.token_ids) - 1) // self.bs, c
+        if r.skip_prefix_cache:
+            assert h == 0, c
+        probe = Req(r.request_id, to_ints(r.token_ids), r.lora_id, r.cache_salt, tuple(r.mm_items), False)
+        probe.advance(c.num_tokens, 0, self.bs)  # what the hit blocks were computed from
+        for g in range(self.G):
+            assert len(c.block_ids[g]) == h
+            for p, b in enumerate(c.block_ids[g]):
+                if b != 0:
+                    self.check_hit(b, g, probe, p)
+                else:
+                    assert self.W[g] is not None and p < h - self.W[g], (g, p, c)
+
     def check_all(self, expect=None) -> None:
         """Everything the managers hold against the model, the ground truth and
         each other."""
@@ -765,6 +1043,51 @@ class ServingLoop(RuleBasedStateMachine):
         COUNTS["lookups"] += stats.requests
         if self.dev is not None:
             self.compare_device(stats)
+        if self.events:
+            self.last_events = self.check_events()
+
+    def check_events(self) -> list[tuple]:
+        """The KV-cache events of the last call: the same on both managers
+        (block by block: the device cuts batches at its reads), without gaps
+        or drops; an index kept from each manager's events (what a router
+        keeps) holds exactly the reference's table; and each stored block
+        still cached says what its ground truth says (its tokens and LoRA id,
+        and, with honest digests, the digest before it). Returns the atoms."""
+        batches = [m.take_events() for m in self.managers()]
+        got = event_atoms(batches[0])
+        if self.dev is not None:
+            dev_got = event_atoms(batches[1])
+            assert dev_got == got, f"device events {dev_got} != reference events {got}"
+        for index, bs_ in zip(self.indexes, batches, strict=True):
+            for batch in bs_:
+                assert batch.dropped == 0, batch
+                index.apply(batch)  # in sequence; a removal of a block never stored raises
+        table = self.ref.pool.table()
+        want = {key: len(blocks) for key, blocks in table.items()}
+        for index in self.indexes:
+            have = index.blocks
+            assert have == want, ("the index kept from the events is not the table: "
+                                  f"extra {set(have.items()) - set(want.items())}, "
+                                  f"missing {set(want.items()) - set(have.items())}")
+        bs = self.bs
+        for a in got:
+            COUNTS[f"events_{a[0]}"] += 1
+            if a[0] != "stored":
+                continue
+            _, d, parent, tokens, lora, g = a
+            assert 0 <= g < self.G and len(tokens) == bs, a
+            blocks = table.get((d, g))
+            if not blocks:  # stored, then evicted in the same call
+                continue
+            ident = self.truth[blocks[0]][1]
+            assert (tokens, lora) == (ident[0][-bs:], ident[1]), (
+                f"event {a} for block {blocks[0]}, which was computed from {show_ident(ident)}")
+            if CHECK_DIGESTS:
+                n = len(ident[0])
+                want_parent = None if n == bs else self.honest_digest(ident_of(ident[0][:n - bs], *ident[1:]))
+                assert parent == want_parent, (a, show_ident(ident))
+        COUNTS["events_checked"] += 1
+        return got
 
     def compare_device(self, ref_stats) -> None:
         ref, dev = self.ref, self.dev
@@ -839,7 +1162,10 @@ def run(backend: str, layout: str) -> None:
     if BACKEND is None and backend == "reference" and CHECK_DIGESTS and ADVERSARIAL:
         # The CI run exercised what it is for.
         for what in ("hit_blocks", "preemptions", "evictions", "running_refused", "new_refused", "resets",
-                     "admitted_with_caller_digests"):
+                     "admitted_with_caller_digests", "decode_calls", "decode_refused", "decode_chunked",
+                     "decode_lookahead", "decode_torch", "decode_none", "allocate_new_admitted", "allocate_new_refused",
+                     "allocate_new_partial", "allocate_running_calls", "allocate_running_refused", "events_checked",
+                     "events_stored", "events_removed", "events_cleared"):
             assert counts.get(what, 0) > 0, (what, counts)
 
 
