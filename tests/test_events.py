@@ -14,6 +14,7 @@ from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBat
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
+from workload import event_atoms
 
 KEY = bytes(range(16))
 BOTH = pytest.mark.parametrize("kind", ["reference", "device"])
@@ -28,23 +29,6 @@ def make(kind: str, num_blocks: int = 8, block_size: int = 2, windows=(None,), *
 def table_of(m) -> dict:
     entries = m.pool.table() if isinstance(m, ReferenceManager) else m.pool.table_entries()
     return {key: len(blocks) for key, blocks in entries.items()}
-
-
-def atoms(batches: list[KVEventBatch]) -> list[tuple]:
-    """Events one block at a time (batches may split runs differently)."""
-    out = []
-    for batch in batches:
-        for e in batch.events:
-            if isinstance(e, BlockStored):
-                parent, bs = e.parent_block_hash, e.block_size
-                for i, d in enumerate(e.block_hashes):
-                    out.append(("stored", d, parent, tuple(e.token_ids[i * bs:(i + 1) * bs]), e.lora_id, e.group))
-                    parent = d
-            elif isinstance(e, BlockRemoved):
-                out += [("removed", d, e.group) for d in e.block_hashes]
-            else:
-                out.append(("cleared",))
-    return out
 
 
 @BOTH
@@ -100,8 +84,8 @@ def test_an_index_kept_from_the_events_equals_the_table_and_the_device_says_what
     for kind in ("reference", "device"):
         m, index, log = make(kind, num_blocks=14, windows=windows), RouterIndex(), []
         _session(m, random.Random(seed), 40, index, log)
-        assert len(atoms(log)) > 50 and any(isinstance(e, BlockRemoved) for b in log for e in b.events)
-        logs.append(atoms(log))
+        assert len(event_atoms(log)) > 50 and any(isinstance(e, BlockRemoved) for b in log for e in b.events)
+        logs.append(event_atoms(log))
     assert logs[0] == logs[1]
 
 
@@ -110,12 +94,12 @@ def test_a_step_that_reads_anyway_brings_its_events_without_another_read():
     m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
     assert m.counters.d2h == 1  # the step's status read carried the events
     batches = m.take_events()
-    assert m.counters.d2h == 1 and len(batches) == 1 and atoms(batches)[0][0] == "stored"
+    assert m.counters.d2h == 1 and len(batches) == 1 and event_atoms(batches)[0][0] == "stored"
     # A decode the host proves fits reads nothing; take_events then reads once.
     row = m.row_of("a")
     m.decode([row], [6])
     assert m.counters.d2h == 0
-    assert atoms(m.take_events())[0][0] == "stored"  # block 3 (tokens 5, 6) became full
+    assert event_atoms(m.take_events())[0][0] == "stored"  # block 3 (tokens 5, 6) became full
     assert m.counters.d2h == 1
 
 
@@ -127,7 +111,7 @@ def test_an_overflow_is_reported_never_silent(monkeypatch):
     with pytest.warns(RuntimeWarning, match="KV-cache events were dropped"):
         m.step(new=[NewRequest("a", list(range(9)))])  # four blocks cached, room for two
     (batch,) = m.take_events()
-    assert batch.dropped == 2 and len(atoms([batch])) == 2
+    assert batch.dropped == 2 and len(event_atoms([batch])) == 2
     with pytest.raises(ValueError, match="dropped"):
         RouterIndex().apply(batch)
 

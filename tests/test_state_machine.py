@@ -98,10 +98,11 @@ from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from gpukv import hashing
-from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, RouterIndex
+from gpukv.events import RouterIndex
 from gpukv.hashing import MMItem
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
+from workload import event_atoms
 
 KEY = bytes(range(16))
 ROOT = hashing.root_digest(KEY)
@@ -239,26 +240,6 @@ def fmt_step(finished, running, new) -> str:
     if new:
         parts.append("new=[" + ", ".join(fmt_new(r) for r in new) + "]")
     return f"step({', '.join(parts)})"
-
-
-def event_atoms(batches: list[KVEventBatch]) -> list[tuple]:
-    """KV-cache events one block at a time (the managers may cut batches and
-    runs differently): ``("stored", digest, parent, tokens, lora, group)``,
-    ``("removed", digest, group)``, ``("cleared",)``."""
-    out: list[tuple] = []
-    for batch in batches:
-        for e in batch.events:
-            if isinstance(e, BlockStored):
-                parent, bs = e.parent_block_hash, e.block_size
-                for i, d in enumerate(e.block_hashes):
-                    out.append(("stored", d, parent, tuple(e.token_ids[i * bs:(i + 1) * bs]), e.lora_id, e.group))
-                    parent = d
-            elif isinstance(e, BlockRemoved):
-                out += [("removed", d, e.group) for d in e.block_hashes]
-            else:
-                assert isinstance(e, AllBlocksCleared), e
-                out.append(("cleared",))
-    return out
 
 
 def trace(line: str) -> None:
@@ -743,11 +724,7 @@ class ServingLoop(RuleBasedStateMachine):
             r = self.waiting.pop(pos)
         else:
             r = self.draw_new(data)
-        got = [m.get_computed_blocks(r) for m in self.managers()]
-        trace(f"c = m.get_computed_blocks({fmt_new(r)})  # -> {got[0]}")
-        assert all(c == got[0] for c in got), got
-        c = got[0]
-        self.check_computed(r, c)
+        c = self.look_up(r, "c = ")
         pre = r.num_preemptions > 0
         hits = 0 if r.skip_prefix_cache else c.num_tokens
         self.check_all(expect={"requests": int(not pre), "preempted_requests": int(pre),
@@ -877,16 +854,21 @@ class ServingLoop(RuleBasedStateMachine):
         COUNTS["evictions"] += self.ref.num_evictions - before
         COUNTS["rule_evict"] += 1
 
+    def look_up(self, r: NewRequest, assign: str = ""):
+        """``get_computed_blocks(r)`` on every manager: the same blocks on
+        all, each computed from exactly ``r``'s prefix. Returns the hit."""
+        got = [m.get_computed_blocks(r) for m in self.managers()]
+        trace(f"{assign}m.get_computed_blocks({fmt_new(r)})  # -> {got[0]}")
+        assert all(c == got[0] for c in got), got
+        self.check_computed(r, got[0])
+        return got[0]
+
     @rule(data=st.data())
     def lookup(self, data):
         """get_computed_blocks on a candidate: the same blocks on both, each
         computed from exactly the candidate's prefix; only stats change."""
         r = self.draw_new(data)
-        got = [m.get_computed_blocks(r) for m in self.managers()]
-        trace(f"m.get_computed_blocks({fmt_new(r)})  # -> {got[0]}")
-        assert all(c == got[0] for c in got), got
-        c = got[0]
-        self.check_computed(r, c)
+        c = self.look_up(r)
         self.check_all(expect={"requests": 1, "hit_tokens": 0 if r.skip_prefix_cache else c.num_tokens})
         COUNTS["rule_lookup"] += 1
 

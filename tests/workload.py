@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpukv.hashing import MMItem
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
@@ -172,3 +173,23 @@ def chunked_session(seed: int, windows, steps: int = 20) -> None:
         assert dev.free_queue() == ref.free_queue()
         ref.check_invariants()
         dev.check_invariants()
+
+
+def event_atoms(batches: list[KVEventBatch]) -> list[tuple]:
+    """KV-cache events one block at a time (the managers may cut batches and
+    runs differently): ``("stored", digest, parent, tokens, lora, group)``,
+    ``("removed", digest, group)``, ``("cleared",)``."""
+    out: list[tuple] = []
+    for batch in batches:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                parent, bs = e.parent_block_hash, e.block_size
+                for i, d in enumerate(e.block_hashes):
+                    out.append(("stored", d, parent, tuple(e.token_ids[i * bs:(i + 1) * bs]), e.lora_id, e.group))
+                    parent = d
+            elif isinstance(e, BlockRemoved):
+                out += [("removed", d, e.group) for d in e.block_hashes]
+            else:
+                assert isinstance(e, AllBlocksCleared), e
+                out.append(("cleared",))
+    return out
