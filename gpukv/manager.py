@@ -1021,8 +1021,37 @@ class DeviceManager(FailStop):
             result.running_failed_at = None if n_ok == len(running) else n_ok
         if new:
             assert host is not None  # (a step with new requests always reads)
-            self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
+            deferred = self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
+            while deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
+                deferred = self._admission_round(new, result, hit_caps, token_budget, count_stats)
         return result
+
+    def _admission_round(self, new, result: StepResult, hit_caps, token_budget: int | None,
+                         count_stats: bool) -> bool:
+        """Admit the new requests after the ``result.num_admitted`` admitted
+        so far (a round after a deferral, ``_admit_kernel``), with what the
+        budget has left; ``result`` grows. Returns whether it deferred again."""
+        done = result.num_admitted
+        rest = new[done:]
+        budget_left = None if token_budget is None else token_budget - sum(result.num_new_tokens)
+        rows = [self._rows.take() for _ in rest]
+        try:
+            status, hits, computed = self._admit_new(rest, rows, self._blocked,
+                                                     None if hit_caps is None else hit_caps[done:],
+                                                     token_budget=budget_left)
+        except BaseException:
+            self._rows.give_back_unused(rows)
+            raise
+        host = self._read_step_status([status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
+                                       computed.to(torch.int64)])
+        part = StepResult()
+        deferred = self._finish_admission(rest, rows, host, part, count_stats)
+        result.num_admitted += part.num_admitted
+        result.num_computed_tokens += part.num_computed_tokens
+        result.rows += part.rows
+        result.num_new_tokens += part.num_new_tokens
+        result.refused_hit_tokens = part.refused_hit_tokens
+        return deferred
 
     def _read_step_status(self, parts: list) -> list:
         """Read the step's status ``parts`` (int64), the free count and the free
@@ -1102,8 +1131,9 @@ class DeviceManager(FailStop):
         return False, n_ok, count
 
     def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult,
-                          count_stats: bool) -> None:
-        """The admitted requests keep their rows; the others give theirs back."""
+                          count_stats: bool) -> bool:
+        """The admitted requests keep their rows; the others give theirs back.
+        Returns whether the admission deferred the rest (``ST_DEFERRED``)."""
         K, S = len(new), lookup_ops.NUM_STATUS
         stat, hits, comp = host[:S], host[S: S + K], host[S + K: S + 2 * K]
         if count_stats:
@@ -1111,6 +1141,8 @@ class DeviceManager(FailStop):
         admitted = int(stat[lookup_ops.ST_ADMITTED])
         bs = self.block_size
         result.num_admitted = admitted
+        if admitted < K and hits[admitted] >= 0:  # looked up, then refused
+            result.refused_hit_tokens = int(hits[admitted]) * bs
         result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
         result.num_new_tokens = [int(c) - int(h) * bs for c, h in zip(comp[:admitted], hits[:admitted], strict=True)]
         result.rows = cand_rows[:admitted]
@@ -1128,6 +1160,7 @@ class DeviceManager(FailStop):
                 self._reqs[req.request_id] = row
                 self._row_ids[row] = req.request_id
         self._rows.give_back_unused(cand_rows[admitted:])
+        return bool(stat[lookup_ops.ST_DEFERRED])
 
     def _count_lookups(self, new, hits: list) -> None:
         """Stats of the lookups the admission made: every request it looked
@@ -1290,7 +1323,8 @@ class DeviceManager(FailStop):
                          block_size=self.block_size, hit_out=bufs.hit, status=bufs.status,
                          window_blocks=self._win_dev, chains=(bufs.head, bufs.next, bufs.same),
                          resolved=bufs.resolved, start=bufs.start, compute=v["comp"], lookahead=v["lookahead"],
-                         num_requests=v["num_requests"], token_budget=v["token_budget"])
+                         num_requests=v["num_requests"], token_budget=v["token_budget"],
+                         free_queue=pool.free_queue)
 
     def _take_admitted_blocks(self, bufs: AdmissionBuffers) -> None:
         """The admitted requests' blocks: first touches of their cached hits,

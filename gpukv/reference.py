@@ -27,7 +27,7 @@ Semantics (``docs/design.md`` says why each rule is what it is):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -114,6 +114,25 @@ def _host_device(device) -> torch.device:
     return dev
 
 
+class _PopReach:
+    """The blocks a step's admitted requests pop, in vLLM's order: the front
+    of the free queue, passing over the blocks an admitted request touched
+    (vLLM takes those out before the next pops). Walked lazily, only as far
+    as a request with a free cached hit needs."""
+
+    def __init__(self, queue: Iterator[int], touched: set[int]) -> None:
+        self._queue, self._touched = queue, touched
+        self._popped: set[int] = set()
+
+    def any_of(self, blocks: set[int], num_popped: int) -> bool:
+        """Whether the first ``num_popped`` pops take any of ``blocks``."""
+        while len(self._popped) < num_popped:
+            b = next(self._queue)  # (the admitted requests fit: the queue holds their pops)
+            if b not in self._touched:
+                self._popped.add(b)
+        return not self._popped.isdisjoint(blocks)
+
+
 class BlockPool:
     """Reference counts, the free queue and the block-hash table.
 
@@ -148,6 +167,10 @@ class BlockPool:
     def free_queue(self) -> list[int]:
         """Block ids of the free queue, front (next to be reused) to back."""
         return list(self._free)
+
+    def free_blocks_in_order(self) -> Iterator[int]:
+        """The free queue, front first, lazily (valid until the queue changes)."""
+        return iter(self._free)
 
     def cached_info(self, block_id: int) -> CachedBlockInfo | None:
         return self._info[block_id]
@@ -649,17 +672,25 @@ class ReferenceManager(FailStop):
         # Each request is hashed when its lookup comes (in ``_plan``), so the
         # requests after the first refused one are not hashed at all.
         states = [self._new_state(r) for r in new]
-        plans = self._plan_admissions(states, token_budget)
-        admitted = len(plans)
-        self._admit(plans)
-        for st in states[admitted:]:
+        plans: list[_Plan] = []
+        refused_hit: int | None = None
+        while True:  # a round per deferral (``_plan_admissions``): vLLM's order exactly
+            budget_left = None if token_budget is None else token_budget - sum(
+                p.num_computed_tokens - p.num_hit_blocks * self.block_size for p in plans)
+            admitted, deferred, refused_hit = self._plan_admissions(states[len(plans):], budget_left)
+            self._admit(admitted)
+            plans += admitted
+            if not deferred:
+                break
+        for st in states[len(plans):]:
             self._remember_digests(st)
         hit_tokens = [p.num_hit_blocks * self.block_size for p in plans]
         return StepResult(
-            num_admitted=admitted,
+            num_admitted=len(plans),
             num_computed_tokens=hit_tokens,
             rows=[p.state.row for p in plans],
             num_new_tokens=[p.num_computed_tokens - h for p, h in zip(plans, hit_tokens, strict=True)],
+            refused_hit_tokens=refused_hit,
         )
 
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
@@ -686,35 +717,44 @@ class ReferenceManager(FailStop):
         self._admit([plan])
         return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
 
-    def _plan_admissions(self, states: list[_RequestState], token_budget: int | None = None) -> list[_Plan]:
+    def _plan_admissions(self, states: list[_RequestState],
+                         token_budget: int | None = None) -> tuple[list[_Plan], bool, int | None]:
         """Phases 3 and 4, interleaved: a request's lookup depends only on the
         requests before it, so looking up stops at the first refused one, or
         before the first one the budget has nothing left for (vLLM's
         ``while token_budget > 0``). Returns the admitted requests' plans (a
-        prefix of ``states``)."""
+        prefix of ``states``); whether it stopped before a request to look it
+        up again once these are admitted (deferred: vLLM pops the earlier
+        requests' blocks before it looks the next one up, and those pops
+        evict a free cached block this one hits); and the hit, in tokens, of
+        the request it looked up and refused (None: none was)."""
         num_free = self.pool.num_free_blocks
         plans: list[_Plan] = []
-        used = 0
+        used = new_blocks = 0
         budget_left = token_budget
         touched: set[int] = set()
+        evicted = _PopReach(self.pool.free_blocks_in_order(), touched)
         for state in states:
             if budget_left is not None and budget_left <= 0:
                 break
             plan = self._plan(state, plans, budget_left)
-            self._count_lookup(plan)
             first_touch = {
                 b for g in plan.hits for b in g
                 if isinstance(b, int) and b != NULL_BLOCK and self.pool.ref_cnt[b] == 0 and b not in touched
             }
+            if first_touch and evicted.any_of(first_touch, new_blocks):
+                return plans, True, None
+            self._count_lookup(plan)
             need = plan.num_new_blocks + len(first_touch)
             if used + need > num_free:
-                break
+                return plans, False, plan.num_hit_blocks * self.block_size
             plans.append(plan)
             used += need
+            new_blocks += plan.num_new_blocks
             touched |= first_touch
             if budget_left is not None:
                 budget_left -= plan.num_computed_tokens - plan.num_hit_blocks * self.block_size
-        return plans
+        return plans, False, None
 
     @mutating
     def decode(self, rows: Sequence[int], new_token_ids, *, num_tokens_to_compute=None,

@@ -163,7 +163,10 @@ class StepResult:
     (vLLM's ``num_new_tokens``, what the step's budget is charged);
     ``rows[i]`` its row, the index ``decode`` addresses it by
     (``gpukv.rows``). After a ``decode``, ``running_failed_at`` indexes its
-    ``rows``.
+    ``rows``. ``refused_hit_tokens``: the hit, in tokens, of the new request
+    the step looked up and refused (its blocks did not fit: vLLM's waiting
+    loop stops there, and counts its lookup in the stats), None when none
+    was.
     """
 
     running_failed_at: int | None = None
@@ -171,6 +174,7 @@ class StepResult:
     num_computed_tokens: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    refused_hit_tokens: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -35,23 +35,50 @@ def test_random_workloads_match_the_reference_step_by_step(seed, num_blocks, blo
 
 def test_hand_worked_batch_with_pending_hits_and_eviction():
     ref, dev = pair(10, 2)
-    for m in (ref, dev):
+    one = ReferenceManager(10, 2, hash_key=KEY)
+    new = [NewRequest("a", list(range(300, 312))), NewRequest("b", [7, 8, 9]), NewRequest("c", list(range(300, 305)))]
+    for m in (ref, dev, one):
         m.step(new=[NewRequest("p", [7, 8, 9]), NewRequest("r", [50, 51, 52, 53, 54, 55, 56])])
         m.step(finished=["p", "r"])
         # Freed tail first: the partial blocks 2 (p) and 6 (r) to the front,
         # the cached ones (1; 5, 4, 3) to the back.
         assert m.free_queue() == [6, 2, 7, 8, 9, 1, 5, 4, 3]
-        res = m.step(new=[NewRequest("a", list(range(300, 312))), NewRequest("b", [7, 8, 9]),
-                          NewRequest("c", list(range(300, 305)))])
-        # b hits p's cached block 1 (touched before any allocation, so a's
-        # sixth block is 5, evicting r's); c hits the two blocks a computes
-        # in this same step (pending hits); b and c's new blocks evict 4 and 3.
-        assert (res.num_admitted, res.num_computed_tokens) == (3, [0, 2, 4])
-        assert m.get_block_ids("a") == [[6, 2, 7, 8, 9, 5]]
-        assert m.get_block_ids("b") == [[1, 4]]
+    for m in (ref, dev):
+        res = m.step(new=new)
+        # vLLM's order: a's six new blocks are popped before b is looked up,
+        # and they evict p's cached block 1, so b hits nothing (the step
+        # defers b and looks it up again after a's pops) and its two blocks
+        # evict 5 and 4; c hits the two blocks a computed (and cached) in this
+        # same step, and its new block evicts 3.
+        assert (res.num_admitted, res.num_computed_tokens, res.num_new_tokens) == (3, [0, 0, 4], [12, 3, 1])
+        assert m.get_block_ids("a") == [[6, 2, 7, 8, 9, 1]]
+        assert m.get_block_ids("b") == [[5, 4]]
         assert m.get_block_ids("c") == [[6, 2, 3]]
-        assert m.free_queue() == [] and m.read_num_evictions() == 3
+        assert m.free_queue() == [] and m.read_num_evictions() == 4
+    # The same, one request at a time (vLLM's get_computed_blocks + allocate_slots).
+    for r in new:
+        one.allocate_slots(r, computed=one.get_computed_blocks(r))
+    assert [one.get_block_ids(r.request_id) for r in new] == [[[6, 2, 7, 8, 9, 1]], [[5, 4]], [[6, 2, 3]]]
     assert_same(ref, dev)
+    assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats() == one.make_prefix_cache_stats()
+
+
+def test_a_deferred_request_is_refused_after_its_second_lookup():
+    """b's cached hit is evicted by a's pops: it is looked up again, and then
+    does not fit; its hit (the second lookup's) is reported, counted once."""
+    ref, dev = pair(8, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("p", [7, 8, 9, 10, 11])])  # blocks 1, 2 cached, 3 partial
+        m.step(finished=["p"])
+        assert m.free_queue() == [3, 4, 5, 6, 7, 2, 1]
+        res = m.step(new=[NewRequest("a", list(range(300, 312))), NewRequest("b", [7, 8, 9, 10, 11, 12])])
+        # a pops 3, 4, 5, 6, 7, 2 (evicting p's block 2); b then hits block 1
+        # only and needs 3 - 1 new blocks plus the touch of 1: 3 > 1 free.
+        assert (res.num_admitted, res.refused_hit_tokens) == (1, 2)
+        assert m.get_block_ids("a") == [[3, 4, 5, 6, 7, 2]] and m.free_queue() == [1]
+    assert_same(ref, dev)
+    stats = ref.make_prefix_cache_stats()
+    assert dev.make_prefix_cache_stats() == stats and (stats.requests, stats.hit_blocks) == (3, 1)  # p, a and b once
 
 
 def test_running_update_that_does_not_fit_changes_nothing_on_the_device():

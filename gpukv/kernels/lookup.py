@@ -50,7 +50,8 @@ ST_HITS = 4  # stats: blocks hit
 ST_QUERY_TOKENS = 5  # stats: prompt tokens asked
 ST_HIT_TOKENS = 6  # stats: tokens hit
 ST_NEW_BLOCKS = 7  # blocks the admitted requests pop (their new blocks)
-NUM_STATUS = 8
+ST_DEFERRED = 8  # 1: the loop stopped before a request whose hit the earlier ones' pops evict (look it up again)
+NUM_STATUS = 9
 
 # Constexpr copies for the kernels: the real compiler reads only constexpr
 # globals in a kernel (the interpreter reads any).
@@ -62,6 +63,7 @@ _ST_HITS: tl.constexpr = tl.constexpr(ST_HITS)
 _ST_QUERY_TOKENS: tl.constexpr = tl.constexpr(ST_QUERY_TOKENS)
 _ST_HIT_TOKENS: tl.constexpr = tl.constexpr(ST_HIT_TOKENS)
 _ST_NEW_BLOCKS: tl.constexpr = tl.constexpr(ST_NEW_BLOCKS)
+_ST_DEFERRED: tl.constexpr = tl.constexpr(ST_DEFERRED)
 # "No request" / "no position": larger than any request index or block
 # position (``_common.BIG``).
 _BIG: tl.constexpr = tl.constexpr(BIG)
@@ -266,7 +268,30 @@ def _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G: tl.constexpr):
     return c, inh & (c >= 0)
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit
+def _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, want, CMASK, TILE: tl.constexpr):
+    """Move ``reach`` forward over the free queue until ``want`` live entries
+    no admitted request touched lie before it (``doomed`` counts those
+    already passed); returns the new (reach, doomed). Entries touched by
+    this admission are taken out before the pops that follow their toucher,
+    so the pops pass over them, as over tombstones."""
+    lanes = tl.arange(0, TILE)
+    while (doomed < want) & (reach < tail):
+        offs = reach + lanes
+        inwin = offs < tail
+        e = tl.load(ring_ptr + (offs & CMASK), mask=inwin, other=-1)
+        live = e >= 0
+        tt = tl.load(touched_ptr + tl.where(live, e, 0), mask=live, other=stamp)
+        li = (live & (tt != stamp)).to(tl.int64)
+        rank = doomed + tl.cumsum(li, 0) - li
+        take = (li != 0) & (rank < want)
+        doomed += tl.sum(take.to(tl.int64), 0)
+        last = tl.max(tl.where(take, offs, -1), 0)
+        reach = tl.where(doomed >= want, last + 1, tl.minimum(reach + TILE, tail))
+    return reach, doomed
+
+
+@triton.jit(do_not_specialize=["P", "CMASK"])
 def _admit_kernel(
     cache_ptr,          # int32[K, P, G] verified cached hit block per (request, position, group), or -1
     pend_ptr,           # int32[K, P] the chain head entry (j * P + p) of each position, or -1 (``_pending``)
@@ -292,6 +317,10 @@ def _admit_kernel(
     blocked_ptr,        # int32/int64[1] != 0: a running update failed, admit nothing
     hit_ptr,            # int32[K] out: each considered request's hit (blocks), -1 past the first refused
     status_ptr,         # int64[NUM_STATUS] out: the step's counts, ``ST_*``
+    ring_ptr,           # int32[C] the free queue's ring (``free_queue``: -1 empty or tombstone)
+    qpos_ptr,           # int64[N] each block's absolute position in the ring, -1 when not queued
+    qctr_ptr,           # int64[>= 2] the free queue's counters (HEAD, TAIL read)
+    CMASK,              # C - 1: absolute position q lives in slot q & CMASK
     BS,                 # block size (tokens)
     G: tl.constexpr,    # KV-cache groups
     TILE: tl.constexpr,  # positions per step (a power of two)
@@ -313,6 +342,17 @@ def _admit_kernel(
     only the full blocks of ``hit * BS + new`` are ones later requests of
     the step can hit before they are cached (vLLM caches them at allocation,
     before it looks the next request up).
+    Evictions, as vLLM's loop orders them: vLLM allocates (pops) for a
+    request before it looks the next one up, so a free cached block the
+    earlier requests' pops evict is no hit for a later one. The kernel
+    tracks how far those pops reach into the free queue (``reach``: just past
+    the ``new_total``-th live entry from the head that no admitted request
+    touched; extended lazily, only for a request with a free cached hit, so
+    the scan is bounded by the pops and the tombstones they pass, as
+    ``pop``'s own), and stops before a request with a first touch in front
+    of it: ``status[ST_DEFERRED] = 1``, its hit -1, nothing counted. The
+    caller looks the rest up again after this admission's pops (a new
+    round: ``DeviceManager._step``), which is vLLM's order exactly.
     ``blocked[0] != 0`` (a running update failed) admits nothing and counts
     nothing. ``nreq[0]``: the requests (K); ``stamp[0]``: this launch's mark
     in ``touched`` (bumped at the end, so every admission has its own). Both
@@ -347,6 +387,11 @@ def _admit_kernel(
     htok = tl.zeros((), tl.int64)
     go = (blocked == 0).to(tl.int32)
     lanes = tl.arange(0, TILE)
+    # How far the admitted requests' pops reach into the free queue.
+    reach = tl.load(qctr_ptr + 0)
+    tail = tl.load(qctr_ptr + 1)
+    doomed = tl.zeros((), tl.int64)  # live untouched entries before ``reach``: the blocks those pops take
+    deferred = tl.zeros((), tl.int64)
     for i in range(0, K):
         if (budget >= 0) & (budget_left <= 0):
             go = zero_like(go)  # the budget is spent: vLLM's loop ends before this request
@@ -370,6 +415,7 @@ def _admit_kernel(
             # First touches: free cached hits no earlier admitted request touched
             # (a window group holds real blocks only for its last W hit positions).
             touches = tl.zeros((), tl.int64)
+            first_pos = tail  # the front-most free-queue position of its first touches
             for p0 in range(0, P, TILE):
                 p = p0 + lanes
                 for g in tl.static_range(G):
@@ -377,46 +423,58 @@ def _admit_kernel(
                     cs = tl.where(real, c, 0)
                     rc = tl.load(ref_ptr + cs, mask=real, other=1)
                     tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
-                    touches += tl.sum((real & (rc == 0) & (tt != stamp)).to(tl.int64))
-            hit64 = hit.to(tl.int64)
-            new = tl.minimum(n_tok - hit64 * BS, comp)
-            new = tl.where(budget >= 0, tl.minimum(new, budget_left), new)
-            comp = hit64 * BS + new
-            tl.store(comp_ptr + i, comp.to(tl.int32))  # later requests' ``_pending`` read it
-            n_alloc = (comp + lookahead + BS - 1) // BS
-            need = (n_alloc - hit64) * G + touches
-            requests += 1
-            queries += tl.where(skip != 0, 0, n_blocks)
-            hits += hit64
-            qtok += tl.where(skip != 0, 0, n_tok)
-            htok += hit64 * BS
-            tl.store(hit_ptr + i, hit)
-            if used + need <= num_free:
-                tl.store(start_ptr + i, new_total.to(tl.int32))
-                used += need
-                new_total += (n_alloc - hit64) * G
-                budget_left -= new
-                admitted += 1
-                for p0 in range(0, P, TILE):
-                    p = p0 + lanes
-                    # A pending hit's request, where a group has no cached block
-                    # (``_place_hits_kernel`` reads it only there); -1 elsewhere.
-                    miss = false_like(p)
-                    for g in tl.static_range(G):
-                        cg = tl.load(cache_ptr + (i * P + p) * G + g, mask=p < hit, other=-1)
-                        miss = miss | (cg < 0)
-                    _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, (p < hit) & miss, BS)
-                    tl.store(resolved_ptr + i * P + p, who, mask=p < P)
-                    for g in tl.static_range(G):
-                        c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
-                        tl.store(touched_ptr + tl.where(real, c, 0), stamp + zero_like(c).to(tl.int64), mask=real)
-            else:
+                    first = real & (rc == 0) & (tt != stamp)
+                    touches += tl.sum(first.to(tl.int64))
+                    q = tl.load(qpos_ptr + cs, mask=first, other=-1)
+                    first_pos = tl.minimum(first_pos, tl.min(tl.where(q >= 0, q, tail), 0))
+            if first_pos < tail:
+                reach, doomed = _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total, CMASK,
+                                              TILE)
+            if first_pos < reach:  # an earlier request's pop evicts this hit: vLLM would look it up after
                 go = zero_like(go)
-            # Later requests read this request's hit (and touch marks).
-            tl.debug_barrier()
-        else:  # not considered (an earlier one was refused): no hit
+                deferred += 1
+                tl.store(hit_ptr + i, -1)
+            else:
+                hit64 = hit.to(tl.int64)
+                new = tl.minimum(n_tok - hit64 * BS, comp)
+                new = tl.where(budget >= 0, tl.minimum(new, budget_left), new)
+                comp = hit64 * BS + new
+                tl.store(comp_ptr + i, comp.to(tl.int32))  # later requests' ``_pending`` read it
+                n_alloc = (comp + lookahead + BS - 1) // BS
+                need = (n_alloc - hit64) * G + touches
+                requests += 1
+                queries += tl.where(skip != 0, 0, n_blocks)
+                hits += hit64
+                qtok += tl.where(skip != 0, 0, n_tok)
+                htok += hit64 * BS
+                tl.store(hit_ptr + i, hit)
+                if used + need <= num_free:
+                    tl.store(start_ptr + i, new_total.to(tl.int32))
+                    used += need
+                    new_total += (n_alloc - hit64) * G
+                    budget_left -= new
+                    admitted += 1
+                    for p0 in range(0, P, TILE):
+                        p = p0 + lanes
+                        # A pending hit's request, where a group has no cached block
+                        # (``_place_hits_kernel`` reads it only there); -1 elsewhere.
+                        miss = false_like(p)
+                        for g in tl.static_range(G):
+                            cg = tl.load(cache_ptr + (i * P + p) * G + g, mask=p < hit, other=-1)
+                            miss = miss | (cg < 0)
+                        _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, (p < hit) & miss, BS)
+                        tl.store(resolved_ptr + i * P + p, who, mask=p < P)
+                        for g in tl.static_range(G):
+                            c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
+                            tl.store(touched_ptr + tl.where(real, c, 0), stamp + zero_like(c).to(tl.int64), mask=real)
+                else:
+                    go = zero_like(go)
+                # Later requests read this request's hit (and touch marks).
+                tl.debug_barrier()
+        else:  # not considered (an earlier one was refused or deferred): no hit
             tl.store(hit_ptr + i, -1)
     tl.store(stamp_ptr, stamp + 1)
+    tl.store(status_ptr + _ST_DEFERRED, deferred)
     tl.store(status_ptr + _ST_ADMITTED, admitted)
     tl.store(status_ptr + _ST_USED, used)
     tl.store(status_ptr + _ST_REQUESTS, requests)
@@ -429,7 +487,7 @@ def _admit_kernel(
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp,
           num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
-          start=None, compute=None, lookahead=None, num_requests=None, token_budget=None,
+          start=None, compute=None, lookahead=None, num_requests=None, token_budget=None, free_queue=None,
           tile: int = ADMIT_TILE) -> None:
     """Run the sequential admission (see ``_admit_kernel``) over the first
     ``num_requests`` (an int or an int32[1] device tensor; default: all K)
@@ -448,7 +506,10 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     int32[1] device tensor; None or < 0: none). ``resolved`` int32[K, P] and ``start`` int32[K] receive the
     pending hits' requests and each admitted request's first new block in the
     step's pop order. ``stamp``: an int64[1] device counter (or an int, for
-    a one-off call) of admissions, bumped by this one."""
+    a one-off call) of admissions, bumped by this one. ``free_queue``: the
+    pool's ``FreeQueue``, whose order decides which hits the admitted
+    requests' pops evict (``ST_DEFERRED``); None: no cached hit is free, or
+    nothing is evicted (a kernel test's pool without a queue)."""
     check_tensor(cache_hits, "cache_hits", dtypes=INT32, ndim=3)
     K, P, G = cache_hits.shape
     dev = cache_hits.device
@@ -488,12 +549,18 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
         check_tensor(t, name, dtypes=INT64)
     check_tensor(num_free, "num_free", dtypes=INDEX_DTYPES)
     check_tensor(blocked, "blocked", dtypes=INDEX_DTYPES)
+    if free_queue is None:  # an empty queue: no block is queued, so no pop evicts a hit
+        ring = torch.full((1,), -1, dtype=torch.int32, device=dev)
+        qpos = torch.full((ref_cnt.numel(),), -1, dtype=torch.int64, device=dev)
+        qctr = torch.zeros(2, dtype=torch.int64, device=dev)
+    else:
+        ring, qpos, qctr = free_queue.ring, free_queue.pos, free_queue.counters
     _admit_kernel[(1,)](
         cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, token_budget,
         skip,
         window_blocks, num_requests, P,
-        ref_cnt, touched, stamp, num_free, blocked, hit_out, status, block_size,
-        G=G, TILE=tile,
+        ref_cnt, touched, stamp, num_free, blocked, hit_out, status, ring, qpos, qctr, ring.numel() - 1,
+        block_size, G=G, TILE=tile,
     )
 
 

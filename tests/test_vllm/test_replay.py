@@ -7,8 +7,9 @@ built-in workload under token budgets, a long-prefill threshold and pools
 small enough to preempt, and every request's admission step, cached tokens,
 prefill step, block ids when its prefill is done, preemptions and finish step
 must be equal. ``admission="batch"`` (one ``step()`` applying the same loop
-on the device) must match too, but for block ids in a pool where vLLM's
-sequential loop evicts what a later request of the step hits. vLLM is driven exactly as the replay drives its manager:
+on the device) must match too, block ids included: where vLLM's loop
+evicts what a later request of the step would hit, the step looks that one
+up again after the evicting pops. vLLM is driven exactly as the replay drives its manager:
 arrivals join the queue at their step, a request samples the trace's output
 tokens once its prompt is computed, and finishes after its last one.
 """
@@ -108,16 +109,6 @@ def test_replay_schedules_as_vllm(num_requests: int, arrival: str, budget: int, 
                          uncached_first=False, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
                          hash_key=bytes(16), ceiling=False)
     want, got = vllm_records(trace, opts), replay_records(trace, opts)
-    if admission == "batch" and num_blocks < 5000:
-        # Batched admission touches every hit of the step before it allocates,
-        # so where vLLM's one-at-a-time loop evicts a block that a later
-        # request of the same step would hit, the batch keeps the hit
-        # (docs/design.md, "The batched step"). In the small pool with a
-        # threshold, r8's re-admission keeps 11 such blocks. The scheduling
-        # (steps, cached tokens, preemptions) stays vLLM's; block ids may not.
-        for records in (want, got):
-            for record in records.values():
-                record.pop("block_ids")
     diff = {rid: {k: (want[rid][k], got[rid][k]) for k in want[rid] if want[rid][k] != got[rid][k]}
             for rid in want if want[rid] != got[rid]}
     assert not diff, f"per request, (vLLM, replay): {diff}"
