@@ -287,3 +287,33 @@ def test_entry_layout_orders_by_request_group_position():
     assert call.tolist() == [0, 0, 1, 2, 2]
     _, _, pos, _ = entry_layout([0, 5], [3, 4], reverse=True)  # the second is empty
     assert pos.tolist() == [2, 1, 0]
+
+
+# Chosen so that steps defer (look a request up again after the earlier
+# ones' pops): 3, 3, 2 and 1 times.
+@pytest.mark.parametrize(("seed", "num_blocks", "uncached_first", "budget"),
+                         [(38, 20, True, None), (29, 20, False, None), (24, 10, True, None), (37, 10, False, 12)])
+def test_a_batched_device_step_equals_vllms_waiting_loop_one_request_at_a_time(seed, num_blocks, uncached_first,
+                                                                               budget):
+    """Small pools and shared prefixes, so earlier requests' pops evict later
+    ones' hits (the device's deferral rounds) in most steps."""
+    import random
+
+    from workload import random_steps, waiting_loop_one_at_a_time
+
+    rng = random.Random(seed)
+    dev = DeviceManager(num_blocks, 2, hash_key=KEY, uncached_first=uncached_first, max_model_len=256)
+    one = ReferenceManager(num_blocks, 2, hash_key=KEY, uncached_first=uncached_first)
+    for _, _, new, _ in random_steps(seed, 8, extras=False, max_new=4):
+        new = [r for r in new if -(-len(r.token_ids) // 2) <= num_blocks - 1]
+        res = dev.step(new=new, token_budget=budget)
+        assert res.num_computed_tokens == waiting_loop_one_at_a_time(one, new, budget)
+        for req in new[: res.num_admitted]:
+            assert dev.get_block_ids(req.request_id) == one.get_block_ids(req.request_id)
+        assert dev.free_queue() == one.free_queue()
+        assert dev.make_prefix_cache_stats() == one.make_prefix_cache_stats()
+        dev.check_invariants()
+        for rid in dev.request_ids():
+            if rng.random() < 0.6:
+                dev.free(rid)
+                one.free(rid)

@@ -61,3 +61,34 @@ def test_a_step_of_one_request_equals_get_computed_blocks_then_allocate_slots(se
         assert a.pool.ref_cnt == b.pool.ref_cnt
         assert a.pool.table() == b.pool.table()
         assert a.stats == b.stats
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 4]),
+       uncached_first=st.booleans(), budget=st.sampled_from([None, 5, 12, 40]), chunk=st.sampled_from([None, 3, 8]))
+def test_a_batched_step_equals_vllms_waiting_loop_one_request_at_a_time(seed, num_blocks, block_size,
+                                                                        uncached_first, budget, chunk):
+    """Evictions included: a small pool, prefixes shared across requests and
+    steps, so an earlier request's pops often evict a later one's hit."""
+    import dataclasses
+    import random
+
+    from workload import random_steps, waiting_loop_one_at_a_time
+
+    rng = random.Random(seed)
+    a, b = (KVCacheManager(num_blocks, block_size, hash_key=KEY, uncached_first=uncached_first) for _ in range(2))
+    for _, _, new, _ in random_steps(seed, 12, extras=False, max_new=5):
+        new = [dataclasses.replace(r, num_tokens_to_compute=None if chunk is None else min(chunk, len(r.token_ids)))
+               for r in new if -(-len(r.token_ids) // block_size) <= num_blocks - 1]  # (one never fitting: an error)
+        res = a.step(new=new, token_budget=budget)
+        hits = waiting_loop_one_at_a_time(b, new, budget, chunk)
+        assert res.num_computed_tokens == hits
+        for req in new[: res.num_admitted]:
+            assert a.get_block_ids(req.request_id) == b.get_block_ids(req.request_id)
+        assert a.free_queue() == b.free_queue()
+        assert a.pool.table() == b.pool.table()
+        assert a.stats == b.stats
+        for rid in a.request_ids():
+            if rng.random() < 0.6:
+                a.free(rid)
+                b.free(rid)

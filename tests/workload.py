@@ -11,6 +11,7 @@ session, of chunked prefills, token budgets, lookahead and the batched
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -193,3 +194,27 @@ def event_atoms(batches: list[KVEventBatch]) -> list[tuple]:
                 assert isinstance(e, AllBlocksCleared), e
                 out.append(("cleared",))
     return out
+
+
+def waiting_loop_one_at_a_time(m, new, token_budget: int | None = None, chunk: int | None = None) -> list[int]:
+    """vLLM 0.8.5's waiting loop on a manager's single-request calls: per
+    request, ``get_computed_blocks`` then ``allocate_slots`` for ``min(tokens -
+    hit, chunk, budget left)`` tokens past the hit, stopping before a request
+    once the budget is spent and at the first that does not fit. Returns the
+    admitted requests' hits (tokens): what ``step(new=..., token_budget=)``
+    must equal."""
+    hits = []
+    left = token_budget
+    for req in new:
+        if left is not None and left <= 0:
+            break
+        computed = m.get_computed_blocks(req)
+        num_new = len(req.token_ids) - computed.num_tokens
+        num_new = min(num_new, chunk if chunk is not None else num_new, left if left is not None else num_new)
+        req = dataclasses.replace(req, num_tokens_to_compute=None)  # (allocate_slots' num_tokens says it)
+        if m.allocate_slots(req, computed=computed, num_tokens=num_new) is None:
+            break
+        hits.append(computed.num_tokens)
+        if left is not None:
+            left -= num_new
+    return hits
