@@ -1116,6 +1116,8 @@ def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | No
     if arr.dtype.kind == "O" and arr.ndim in (1, 2):  # ints beyond int64, or not ints: find and name one
         flat = _tokens_from_list(arr.ravel().tolist(), "new_token_ids", "")
         arr = flat.reshape(arr.shape)
+    elif arr.size == 0:  # ``[]`` or ``[[], []]``: no token, whatever dtype numpy guessed for nothing
+        arr = arr.astype(np.int64)
     return _decode_token_rows(arr, num_rows, fix)
 
 

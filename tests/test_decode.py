@@ -324,3 +324,14 @@ def test_cuda_tokens_out_of_range_on_both_managers():
     dev_step = dev.step(running=[RunningUpdate("a", torch.tensor([7, 8], device="cuda", dtype=torch.int32))])
     assert dev_step == ref.step(running=[RunningUpdate("a", torch.tensor([7, 8], device="cuda", dtype=torch.int32))])
     assert state(ref) == state(dev) and not dev.failed
+
+
+@pytest.mark.parametrize("no_tokens", [None, [[], []], np.zeros((2, 0), dtype=np.int64)])
+def test_rows_that_only_continue_a_chunked_prefill_take_no_tokens_in_any_form(no_tokens):
+    """``[[], []]`` is two rows of no token (numpy calls an empty list float,
+    which is not a reason to refuse it), the same as None."""
+    for m in pair(40, 4):
+        m.step(new=[NewRequest("a", list(range(10)), num_tokens_to_compute=3),
+                    NewRequest("b", list(range(20, 30)), num_tokens_to_compute=3)])
+        res = m.decode([m.row_of("a"), m.row_of("b")], no_tokens, num_tokens_to_compute=[4, 4])
+        assert res.ok and [m.num_computed_tokens(r) for r in "ab"] == [7, 7]
