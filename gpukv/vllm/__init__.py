@@ -4,7 +4,9 @@
   manager (the device manager on CUDA, the reference elsewhere).
 * ``Scheduler``: vLLM's v1 ``Scheduler`` running on it, selectable as
   ``vllm serve MODEL --scheduler-cls gpukv.vllm.Scheduler``;
-  ``ReferenceScheduler`` and ``DeviceScheduler`` pin the backend.
+  ``ReferenceScheduler`` and ``DeviceScheduler`` pin the backend;
+  ``BatchedReferenceScheduler`` and ``UnbatchedDeviceScheduler`` pin the
+  other ``schedule()`` too (batched: the default on the device manager).
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("gpukv.vllm needs vLLM 0.8.5: pip install 'gpukv[vllm]'") from exc
 
 from gpukv.vllm.manager import Block, KVCacheManager
-from gpukv.vllm.scheduler import DeviceScheduler, ReferenceScheduler, Scheduler
+from gpukv.vllm.scheduler import (
+    BatchedReferenceScheduler,
+    DeviceScheduler,
+    ReferenceScheduler,
+    Scheduler,
+    UnbatchedDeviceScheduler,
+)
 
-__all__ = ["Block", "DeviceScheduler", "KVCacheManager", "ReferenceScheduler", "Scheduler"]
+__all__ = ["BatchedReferenceScheduler", "Block", "DeviceScheduler", "KVCacheManager", "ReferenceScheduler",
+           "Scheduler", "UnbatchedDeviceScheduler"]

@@ -18,6 +18,13 @@ refusals, and so preemptions) are vLLM's own:
   gpukv lookahead slots (never cached) with vLLM's own lookahead.
 * ``free`` and the rest map one to one (``docs/api.md`` has the table).
 
+For ``gpukv.vllm.Scheduler``'s batched ``schedule()``, the same translations
+for many requests at once: ``allocate_running`` (every running request's
+``allocate_slots`` as one gpukv step), ``admit_waiting`` (a run of waiting
+requests' ``get_computed_blocks`` and ``allocate_slots`` as one gpukv step,
+vLLM's waiting loop on the manager) and ``read_new_block_ids`` (the new
+blocks of every request they grew or admitted, in one device read).
+
 The lookup rule (``lookup=``): vLLM 0.8.5 keeps a preempted request's block
 hashes and, on resumption, looks up only those: blocks whose tokens were
 appended but never computed are not hashed, so they never hit. gpukv hashes
@@ -30,14 +37,16 @@ hit, gpukv's own managers' rule.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.hashing import MMItem
-from gpukv.request import ComputedBlocks, NewRequest
+from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate
 
 BACKENDS = ("auto", "reference", "device")
 LOOKUPS = ("vllm", "all")
@@ -54,11 +63,7 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, sliding_wind
                  max_model_len: int, enable_caching: bool, max_num_reqs: int) -> Any:
     """The gpukv manager under the adapter: the device manager on CUDA (or when
     asked for), else the reference. vLLM's free order (``uncached_first=False``)."""
-    if backend not in BACKENDS:
-        raise InvalidInputError(f"unknown backend {backend!r}", argument="backend",
-                                fix=f"pass one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = "device" if torch.cuda.is_available() else "reference"
+    backend = resolve_backend(backend)
     kwargs = dict(sliding_windows=[sliding_window], enable_caching=enable_caching, uncached_first=False,
                   max_model_len=max_model_len, max_num_reqs=max_num_reqs)
     if backend == "device":
@@ -68,6 +73,16 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, sliding_wind
     from gpukv.reference import ReferenceManager
 
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
+
+
+def resolve_backend(backend: str) -> str:
+    """"reference" or "device": what ``backend`` ("auto" included) runs on here."""
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"unknown backend {backend!r}", argument="backend",
+                                fix=f"pass one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "device" if torch.cuda.is_available() else "reference"
+    return backend
 
 
 def _group_spec(kv_cache_config: Any) -> Any:
@@ -107,7 +122,9 @@ class KVCacheManager:
         self.lookup = lookup
         self._stats_cls = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.manager = make_backend(backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
+        self.sliding_window: int | None = getattr(spec, "sliding_window", None)
+        self.backend = resolve_backend(backend)
+        self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
                                     sliding_window=getattr(spec, "sliding_window", None),
                                     max_model_len=max_model_len, enable_caching=self.enable_caching,
                                     max_num_reqs=max_num_reqs)
@@ -116,6 +133,9 @@ class KVCacheManager:
         # vLLM's len(req_to_block_hashes[id]): the blocks vLLM has hashed for a
         # request (its lookup rule), kept across preemption until free_block_hashes.
         self._num_hashed: dict[str, int] = {}
+        # Per request the manager holds: how many blocks (positions) it holds,
+        # so the blocks a call adds are known on the host (read_new_block_ids).
+        self._num_blocks: dict[str, int] = {}
         # The hit of each request's last lookup, handed back by allocate_slots.
         self._looked_up: dict[str, ComputedBlocks] = {}
         # Requests freed once finished: a second free is a caller's mistake.
@@ -143,22 +163,15 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self._mm_items(request)  # refused before anything is counted, as vLLM hashes first
-        num_hashed = self._num_hashed.get(rid) or num_tokens // self.block_size
-        self._num_hashed[rid] = num_hashed
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.requests += 1
         if request.sampling_params.prompt_logprobs is not None:
+            self._count_lookup(request, 0)
             self._looked_up.pop(rid, None)
             return [], 0
-        # vLLM looks up its hashed blocks, less the last when they cover every token.
-        num_queries = num_hashed - (num_hashed * self.block_size == num_tokens)
-        max_hit = num_queries if self.lookup == "vllm" else (num_tokens - 1) // self.block_size
+        max_hit = self._num_queries(request) if self.lookup == "vllm" else (num_tokens - 1) // self.block_size
         computed = self._lookup(request, max_hit)
         if self.use_eagle and computed.num_tokens:  # vLLM recomputes the last hit block for EAGLE
             computed = self._lookup(request, computed.num_tokens // self.block_size - 1)
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.queries += num_queries
-            self.prefix_cache_stats.hits += computed.num_tokens // self.block_size
+        self._count_lookup(request, computed.num_tokens)
         self._looked_up[rid] = computed
         return [Block(b) for b in computed.block_ids[0]], computed.num_tokens
 
@@ -169,13 +182,7 @@ class KVCacheManager:
         or None (nothing changed) when they do not fit."""
         rid = _request_id(request)
         num_known = _checked_length(request, self.max_model_len)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise InvalidInputError(f"num_tokens must be an int >= 1, got {num_tokens!r}", argument="num_tokens",
-                                    fix="pass the tokens scheduled this step (vLLM never allocates for 0)")
-        if isinstance(num_lookahead_tokens, bool) or not isinstance(num_lookahead_tokens, int) \
-                or num_lookahead_tokens < 0:
-            raise InvalidInputError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}",
-                                    argument="num_lookahead_tokens", fix="pass 0 without speculative decoding")
+        _check_num_tokens(num_tokens, num_lookahead_tokens)
         if request.is_finished():
             raise InvalidInputError(f"request {rid!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
@@ -199,6 +206,7 @@ class KVCacheManager:
         if rid in self._num_known:
             self.manager.free(rid)
             del self._num_known[rid]
+            del self._num_blocks[rid]
         if finished:
             self._finished.add(request)
 
@@ -224,6 +232,111 @@ class KVCacheManager:
             self.prefix_cache_stats.reset = True
         return ok
 
+    # ------------------------------------------------- batched (the Scheduler's)
+    def allocate_running(self, requests: Sequence[Any], num_new_tokens: Sequence[int],
+                         num_lookahead_tokens: int = 0) -> list[tuple[int, int]]:
+        """``allocate_slots(request, n, num_lookahead_tokens=...)`` for each
+        running request in order, as one gpukv step (each update built as the
+        one-request call builds it). The first request that does not fit and
+        every later one get nothing, as if their calls had not been made
+        (vLLM's loop then preempts and retries them one by one). Returns, for
+        each request that got its blocks (a prefix of ``requests``), the
+        positions ``(start, end)`` of its new blocks (``read_new_block_ids``)."""
+        updates, plans = [], []
+        for request, num_tokens in zip(requests, num_new_tokens, strict=True):
+            rid = _request_id(request)
+            num_known = _checked_length(request, self.max_model_len)
+            _check_num_tokens(num_tokens, num_lookahead_tokens)
+            if rid not in self._num_known or request.is_finished():
+                raise InvalidInputError(f"request {rid!r} is not running", argument="requests",
+                                        fix="pass requests that hold blocks (running ones)")
+            update, target = self._running_update(request, num_known, num_tokens, num_lookahead_tokens)
+            updates.append(update)
+            plans.append((rid, num_known, target, update.num_lookahead_tokens))
+        if not updates:
+            return []
+        result = self.manager.step(running=updates)
+        granted = len(updates) if result.running_failed_at is None else result.running_failed_at
+        spans = []
+        for rid, num_known, target, slots in plans[:granted]:
+            before = self._num_blocks[rid]
+            after = max(before, -(-(target + slots) // self.block_size))
+            self._granted(rid, num_known, target, after)
+            spans.append((before, after))
+        return spans
+
+    def waiting_batchable(self, request: Any, num_lookahead_tokens: int = 0) -> bool:
+        """Whether ``admit_waiting`` gives this waiting request what vLLM's
+        ``get_computed_blocks`` then ``allocate_slots`` would give it: not
+        when it carries speculative tokens (kept over a preemption), when its
+        lookahead slots would pass ``max_model_len`` (capped then), under
+        EAGLE (its hit drops a block), nor when a resumed request's lookup
+        may be capped below gpukv's (``lookup="vllm"``: vLLM looks up only the
+        blocks it hashed before the preemption)."""
+        if self.use_eagle or request.spec_token_ids:
+            return False
+        if request.num_tokens + num_lookahead_tokens > self.max_model_len:
+            return False
+        if self.enable_caching and self.lookup == "vllm" and request.sampling_params.prompt_logprobs is None:
+            return self._num_queries(request) >= (request.num_tokens - 1) // self.block_size
+        return True
+
+    def admit_waiting(self, requests: Sequence[Any], *, num_tokens_to_compute: int | None,
+                      num_lookahead_tokens: int, token_budget: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """vLLM's waiting loop over ``requests`` (each ``waiting_batchable``),
+        as one gpukv step: looked up in order and admitted while their blocks
+        fit, each computing its hit plus ``min(tokens - hit,
+        num_tokens_to_compute, budget left)`` tokens, until the budget is
+        spent or a request does not fit. Lookups count in the stats as
+        vLLM's ``get_computed_blocks`` counts them (the refused request's
+        too). Returns per admitted request (a prefix): its hit in tokens, its
+        ``num_new_tokens`` and the positions of its blocks (all new to it)."""
+        new = []
+        for request in requests:
+            _checked_length(request, self.max_model_len)
+            chunk = num_tokens_to_compute if num_tokens_to_compute is not None \
+                and num_tokens_to_compute < request.num_tokens else None  # (the same: gpukv refuses more)
+            new.append(replace(self._new_request(request, request.all_token_ids[:]), num_tokens_to_compute=chunk,
+                               num_lookahead_tokens=num_lookahead_tokens))
+        result = self.manager.step(new=new, token_budget=token_budget)
+        hits = list(result.num_computed_tokens)
+        if result.refused_hit_tokens is not None:
+            hits.append(result.refused_hit_tokens)
+        if self.enable_caching:
+            for request, hit in zip(requests, hits, strict=False):
+                self._count_lookup(request, hit)
+        admitted = []
+        for request, hit, num_new in zip(requests, result.num_computed_tokens, result.num_new_tokens, strict=False):
+            rid = request.request_id
+            self._looked_up.pop(rid, None)
+            num_blocks = -(-(hit + num_new + num_lookahead_tokens) // self.block_size)
+            self._granted(rid, request.num_tokens, hit + num_new, num_blocks)
+            admitted.append((hit, num_new, (0, num_blocks)))
+        return admitted
+
+    def read_new_block_ids(self, spans: Sequence[tuple[str, int, int]]) -> list[list[int]]:
+        """The block ids of each request ``rid`` at positions ``[start, end)``
+        (``(rid, start, end)``), in one device read: one gather of their block
+        tables (``block_table_for``) at those positions; none when every
+        span is empty."""
+        out: list[list[int]] = [[] for _ in spans]
+        wanted = [i for i, (_, start, end) in enumerate(spans) if end > start]
+        if not wanted:
+            return out
+        table = self.manager.block_table_for([spans[i][0] for i in wanted])[0]  # [len(wanted), M], group 0
+        width = table.shape[1]
+        flat = np.concatenate([np.arange(spans[i][1], spans[i][2], dtype=np.int64) + j * width
+                               for j, i in enumerate(wanted)])
+        values = table.reshape(-1)[torch.from_numpy(flat).to(table.device)]
+        read = getattr(self.manager, "_read", None)  # the device manager's read: counted, on its stream
+        ids = read(values) if read is not None else values.tolist()
+        at = 0
+        for i in wanted:
+            n = spans[i][2] - spans[i][1]
+            out[i] = ids[at: at + n]
+            at += n
+        return out
+
     # ------------------------------------------------------------ inspection
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's blocks, position by position (reads the device)."""
@@ -245,6 +358,9 @@ class KVCacheManager:
         if held != set(self._num_known):
             raise AssertionError(f"the adapter's requests {sorted(self._num_known)} are not the manager's "
                                  f"{sorted(held)}")
+        num_blocks = {rid: len(self.get_block_ids(rid)) for rid in self._num_known}
+        if num_blocks != self._num_blocks:
+            raise AssertionError(f"the adapter's block counts {self._num_blocks} are not the manager's {num_blocks}")
 
     # -------------------------------------------------------------- internals
     def _new_request(self, request: Any, tokens: Any) -> NewRequest:
@@ -275,6 +391,35 @@ class KVCacheManager:
         end = min(request.num_tokens, max_hit * self.block_size + 1)
         return self.manager.get_computed_blocks(self._new_request(request, request.all_token_ids[:end]))
 
+    def _num_queries(self, request: Any) -> int:
+        """vLLM's lookup length in blocks: the blocks it has hashed for the
+        request (all its full blocks, or for a resumed request those it kept),
+        less the last when they cover every token."""
+        num_tokens = request.num_tokens
+        num_hashed = self._num_hashed.get(request.request_id) or num_tokens // self.block_size
+        return num_hashed - (num_hashed * self.block_size == num_tokens)
+
+    def _count_lookup(self, request: Any, hit_tokens: int) -> None:
+        """A lookup as vLLM's ``get_computed_blocks`` counts it: the request's
+        hashed blocks remembered, a request in the stats, and unless it asks
+        for prompt logprobs (no lookup then) its queries and hits, in blocks."""
+        rid = request.request_id
+        self._num_hashed[rid] = self._num_hashed.get(rid) or request.num_tokens // self.block_size
+        stats = self.prefix_cache_stats
+        if stats is None:
+            return
+        stats.requests += 1
+        if request.sampling_params.prompt_logprobs is None:
+            stats.queries += self._num_queries(request)
+            stats.hits += hit_tokens // self.block_size
+
+    def _granted(self, rid: str, num_known: int, target: int, num_blocks: int) -> None:
+        """The ledgers after a call gave request ``rid`` its blocks: ``num_known``
+        tokens handed to gpukv, ``target`` computed, ``num_blocks`` held."""
+        self._num_known[rid] = num_known
+        self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
+        self._num_blocks[rid] = num_blocks
+
     def _admit(self, request: Any, num_known: int, num_tokens: int, blocks: list[Any] | None,
                num_lookahead_tokens: int) -> list[Block] | None:
         rid = request.request_id
@@ -291,11 +436,24 @@ class KVCacheManager:
         self._looked_up.pop(rid, None)
         if new is None:
             return None
-        self._num_known[rid] = num_known
-        self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
+        self._granted(rid, num_known, target, hit // self.block_size + len(new[0]))
         return [Block(b) for b in new[0]]
 
     def _grow(self, request: Any, num_known: int, num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
+        update, target = self._running_update(request, num_known, num_tokens, num_lookahead_tokens)
+        rid = update.request_id
+        new = self.manager.allocate_slots(rid, update.new_token_ids, num_tokens=update.num_tokens_to_compute,
+                                          num_lookahead_tokens=update.num_lookahead_tokens)
+        if new is None:
+            return None
+        self._granted(rid, num_known, target, self._num_blocks[rid] + len(new[0]))
+        return [Block(b) for b in new[0]]
+
+    def _running_update(self, request: Any, num_known: int, num_tokens: int,
+                        num_lookahead_tokens: int) -> tuple[RunningUpdate, int]:
+        """gpukv's update for vLLM's ``allocate_slots(request, num_tokens,
+        num_lookahead_tokens=...)`` of a running request, and the tokens it
+        has computed after it (``target``)."""
         rid = request.request_id
         appended = request.all_token_ids[self._num_known[rid]:]  # only what vLLM appended since
         computed = self.manager.num_computed_tokens(rid)
@@ -306,12 +464,7 @@ class KVCacheManager:
         target = max(vllm_computed + num_tokens - len(request.spec_token_ids), computed + 1)
         target = min(target, num_known)
         slots = self._slots(vllm_computed + num_tokens + num_lookahead_tokens, target)
-        new = self.manager.allocate_slots(rid, appended, num_tokens=target - computed, num_lookahead_tokens=slots)
-        if new is None:
-            return None
-        self._num_known[rid] = num_known
-        self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
-        return [Block(b) for b in new[0]]
+        return RunningUpdate(rid, appended, target - computed, slots), target
 
     def _slots(self, vllm_total: int, target: int) -> int:
         """Lookahead slots beyond ``target`` so blocks cover ``vllm_total``
@@ -347,6 +500,16 @@ def _request_id(request: Any) -> str:
 def _lora_id(request: Any) -> int | None:
     lora = request.lora_request
     return lora.lora_int_id if lora else None
+
+
+def _check_num_tokens(num_tokens: Any, num_lookahead_tokens: Any) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise InvalidInputError(f"num_tokens must be an int >= 1, got {num_tokens!r}", argument="num_tokens",
+                                fix="pass the tokens scheduled this step (vLLM never allocates for 0)")
+    if isinstance(num_lookahead_tokens, bool) or not isinstance(num_lookahead_tokens, int) \
+            or num_lookahead_tokens < 0:
+        raise InvalidInputError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}",
+                                argument="num_lookahead_tokens", fix="pass 0 without speculative decoding")
 
 
 def _check_scheduled(request: Any, num_known: int, num_computed: int, num_tokens: int) -> None:

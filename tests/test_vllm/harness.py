@@ -7,8 +7,11 @@ real vLLM scheduling loop on gpukv):
   one is skipped, with a reason saying how to get it.
 * :func:`scheduler_params`: the scheduler classes to parametrize a test over, as
   ``pytest.param``\\ s with ids ``vllm`` (vLLM's own ``Scheduler``, which proves
-  the test itself), ``reference`` (``gpukv.vllm.ReferenceScheduler``) and
-  ``device`` (``gpukv.vllm.DeviceScheduler``).
+  the test itself), ``reference`` (``gpukv.vllm.ReferenceScheduler``: vLLM's
+  loop, one manager call per request), ``batched``
+  (``gpukv.vllm.BatchedReferenceScheduler``: the batched ``schedule()`` on the
+  reference), ``device`` (``gpukv.vllm.DeviceScheduler``, batched) and
+  ``device-unbatched`` (``gpukv.vllm.UnbatchedDeviceScheduler``).
 * :func:`make_scheduler`: any of those classes, built from plain keyword
   options (vLLM's ``SchedulerConfig``, ``CacheConfig``, ``VllmConfig`` and
   ``KVCacheConfig`` made here, with a stand-in model config, since
@@ -92,6 +95,9 @@ stand-in multimodal registry reports when a test asks for a multimodal model."""
 
 # ---------------------------------------------------------------- scheduler classes
 
+GPUKV_BACKENDS = ("reference", "batched", "device", "device-unbatched")
+
+
 def _gpukv_schedulers() -> tuple[dict[str, type | None], str | None]:
     """gpukv's scheduler classes by backend, or Nones and why they are absent.
 
@@ -103,27 +109,30 @@ def _gpukv_schedulers() -> tuple[dict[str, type | None], str | None]:
     except ModuleNotFoundError as exc:
         if exc.name not in ("gpukv.vllm", "gpukv"):
             raise
-        return {"reference": None, "device": None}, f"gpukv.vllm is not there yet ({exc})"
-    return {"reference": gv.ReferenceScheduler, "device": gv.DeviceScheduler}, None
+        return dict.fromkeys(GPUKV_BACKENDS), f"gpukv.vllm is not there yet ({exc})"
+    return {"reference": gv.ReferenceScheduler, "batched": gv.BatchedReferenceScheduler,
+            "device": gv.DeviceScheduler, "device-unbatched": gv.UnbatchedDeviceScheduler}, None
 
 
 def scheduler_params(*backends: str) -> list[Any]:
     """``pytest.param``\\ s of scheduler classes, for ``@pytest.mark.parametrize``.
 
-    ``backends``: any of ``"vllm"``, ``"reference"``, ``"device"`` (all three
-    when none are named); the param ids are these names. A gpukv class that
-    cannot be imported because ``gpukv.vllm`` does not exist is skipped.
+    ``backends``: any of ``"vllm"``, ``"reference"``, ``"batched"``,
+    ``"device"``, ``"device-unbatched"`` (when none are named: ``vllm``,
+    ``reference``, ``batched`` and ``device``); the param ids are these names.
+    A gpukv class that cannot be imported because ``gpukv.vllm`` does not
+    exist is skipped.
     """
     classes, why = _gpukv_schedulers()
     params = []
-    for name in backends or ("vllm", "reference", "device"):
+    for name in backends or ("vllm", "reference", "batched", "device"):
         if name == "vllm":
             params.append(pytest.param(VllmScheduler, id="vllm"))
         elif name in classes:
             marks = [pytest.mark.skip(reason=why)] if classes[name] is None else []
             params.append(pytest.param(classes[name], id=name, marks=marks))
         else:
-            raise ValueError(f"unknown backend {name!r}; pass 'vllm', 'reference' or 'device'")
+            raise ValueError(f"unknown backend {name!r}; pass 'vllm' or one of {GPUKV_BACKENDS}")
     return params
 
 

@@ -206,7 +206,7 @@ def assert_same(config: Config, cls: type) -> int:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"seed{c.seed}")
-@pytest.mark.parametrize("cls", scheduler_params("reference"))
+@pytest.mark.parametrize("cls", scheduler_params("reference", "batched"))
 def test_same_scheduler_output_as_vllm(cls: type, config: Config) -> None:
     assert_same(config, cls)
 
@@ -223,7 +223,8 @@ DEVICE_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", DEVICE_CONFIGS, ids=lambda c: f"seed{c.seed}")
-@pytest.mark.parametrize("cls", scheduler_params("device"))
+@pytest.mark.parametrize("cls", scheduler_params("device", "device-unbatched"))
 def test_same_scheduler_output_as_vllm_on_the_device_manager(cls: type, config: Config) -> None:
-    """The same on the device manager (interpreted on a CPU: short streams)."""
+    """The same on the device manager, with the batched ``schedule()`` (its
+    default) and with vLLM's loop (interpreted on a CPU: short streams)."""
     assert_same(config, cls)

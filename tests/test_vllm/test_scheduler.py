@@ -1,8 +1,10 @@
 """vLLM 0.8.5's v1 ``Scheduler`` behaviours, on vLLM's own KV-cache manager and on gpukv's.
 
-Each test runs three times: on vLLM's ``Scheduler`` (``vllm``: the test's
+Each test runs four times: on vLLM's ``Scheduler`` (``vllm``: the test's
 expectations are vLLM's own), on ``gpukv.vllm.ReferenceScheduler``
-(``reference``) and on ``gpukv.vllm.DeviceScheduler`` (``device``; on a machine
+(``reference``: vLLM's loop), on ``gpukv.vllm.BatchedReferenceScheduler``
+(``batched``: the batched ``schedule()``) and on
+``gpukv.vllm.DeviceScheduler`` (``device``, batched; on a machine
 without CUDA its Triton kernels run under the interpreter, so these runs stay
 small: the tests that admit many requests admit fewer there,
 ``harness.small_on_interpreter``). The behaviours are those vLLM 0.8.5's ``tests/v1/core/test_scheduler.py``

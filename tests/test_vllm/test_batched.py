@@ -1,0 +1,218 @@
+"""``gpukv.vllm.Scheduler``'s batched ``schedule()``: its cost and its preemptions.
+
+* Device reads per step: the batched path reads the device a fixed number of
+  times whatever the number of requests (the running batch's status when the
+  host cannot tell that it fits, the new block ids, vLLM's common-prefix
+  count), where vLLM's loop reads it once per request.
+* A running batch that fails mid-way (a pool too small for every request's
+  next block): the requests before the failure keep their blocks, vLLM's loop
+  goes on from the failed one (preempting from the tail), and every
+  ``SchedulerOutput`` equals vLLM's own, step by step.
+* The cases the batched path hands to vLLM's loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.test_vllm.harness import (  # first: it skips the module without vLLM
+    BlockTables,
+    VllmScheduler,
+    make_requests,
+    make_scheduler,
+    model_output,
+    scheduler_params,
+)
+from tests.test_vllm.test_differential import CONFIGS, assert_same, describe_output, describe_result
+
+gv = pytest.importorskip("gpukv.vllm")  # (after the harness, which skips the module without vLLM)
+
+
+def counting_reads(scheduler: Any) -> list[int]:
+    """A list that gets an entry per device read of the scheduler's device manager."""
+    manager = scheduler.kv_cache_manager.manager
+    reads: list[int] = []
+    read = manager._read
+
+    def counted(t: Any) -> list:
+        reads.append(1)
+        return read(t)
+
+    manager._read = counted
+    return reads
+
+
+def reads_per_step(cls: type, num_requests: int, num_steps: int) -> list[int]:
+    """Device reads of each ``schedule()``: ``num_requests`` prompts of 20
+    tokens (two blocks of 16 once their first sampled token is in), admitted
+    in step 0, then decoded."""
+    scheduler = make_scheduler(cls, num_blocks=64, block_size=16, max_num_batched_tokens=512, max_model_len=512,
+                               enable_prefix_caching=True)
+    for request in make_requests(num_requests, 20, ignore_eos=True, max_tokens=20):
+        scheduler.add_request(request)
+    reads = counting_reads(scheduler)
+    counts = []
+    for _ in range(num_steps):
+        del reads[:]
+        out = scheduler.schedule()
+        counts.append(len(reads))
+        scheduler.update_from_output(out, model_output(scheduler, out))
+    return counts
+
+
+# Step 0 admits every request (the admission's status, the block ids, the
+# common prefix); steps 1-12 decode within the blocks held (the common prefix
+# only: the host knows they fit and that no block is new); step 13 crosses a
+# block boundary (the new block ids too).
+BATCHED_READS = [3] + [1] * 12 + [2]
+
+
+@pytest.mark.parametrize("cls", scheduler_params("device"))
+def test_batched_device_reads_do_not_grow_with_the_requests(cls: type) -> None:
+    assert cls.batched is None  # the default: batched on the device manager
+    assert reads_per_step(cls, 4, 14) == BATCHED_READS
+
+
+@pytest.mark.parametrize("cls", scheduler_params("device-unbatched"))
+def test_unbatched_device_reads_once_per_request(cls: type) -> None:
+    """vLLM's loop on the device manager, for comparison: a read per lookup,
+    per admission and per running request, and the common prefix."""
+    assert reads_per_step(cls, 4, 2) == [13, 5]
+
+
+# ---------------------------------------------------------------- preemption mid-batch
+
+def preempting_run(cls: type) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
+    """Four requests of 30 tokens on 9 usable blocks of 16: all admitted (two
+    blocks each), then at their 33rd token each needs a third block: request
+    0 takes the last free one, request 1 does not fit, so request 3 (the
+    tail) is preempted and request 1 retried. Returns each step's output and
+    result, and for the batched path each running batch's (size, granted)."""
+    scheduler = make_scheduler(cls, num_blocks=10, block_size=16, max_num_seqs=4, max_num_batched_tokens=256,
+                               max_model_len=256, enable_prefix_caching=True)
+    batches: list[tuple[int, int]] = []
+    kvm = scheduler.kv_cache_manager
+    if hasattr(kvm, "allocate_running"):
+        allocate_running = kvm.allocate_running
+
+        def spy(requests: Any, *args: Any) -> Any:
+            spans = allocate_running(requests, *args)
+            batches.append((len(requests), len(spans)))
+            return spans
+
+        kvm.allocate_running = spy
+    for request in make_requests(4, 30, ignore_eos=True, max_tokens=10):
+        scheduler.add_request(request)
+    records, tables = [], BlockTables()
+    for _ in range(40):
+        if not scheduler.waiting and not scheduler.running:
+            break
+        out = scheduler.schedule()
+        tables.update(out)
+        tables.check(scheduler)
+        record = describe_output(out)
+        record.update(describe_result(scheduler.update_from_output(out, model_output(scheduler, out))))
+        records.append(record)
+    return records, batches
+
+
+PREEMPTING = scheduler_params("batched", "device")
+
+
+@pytest.mark.parametrize("cls", PREEMPTING)
+def test_running_batch_fails_midway_then_preempts_as_vllm(cls: type) -> None:
+    want, _ = preempting_run(VllmScheduler)
+    got, batches = preempting_run(cls)
+    # vLLM's own run, as planned: step 3 schedules requests 0, 1 and 2, each
+    # with a new block (request 3 preempted for request 1's), then request 3
+    # waits for a finished request's blocks and resumes.
+    assert want[3]["cached"] == [
+        ("0", False, [1000], [9], 32), ("1", False, [1000], [8], 32), ("2", False, [1000], [7], 32)]
+    assert [r["num_scheduled_tokens"] for r in want[:4]] == [
+        {"0": 30, "1": 30, "2": 30, "3": 30}, *[{"0": 1, "1": 1, "2": 1, "3": 1}] * 2, {"0": 1, "1": 1, "2": 1}]
+    assert [step for step, r in enumerate(want) if any(c[1] for c in r["cached"])] == [10]
+    assert want[10]["cached"] == [("3", True, [3] * 30 + [1000] * 3, [9, 2, 1], 0)]
+    assert len(got) == len(want) == 17
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert g == w, f"step {i}"
+    # The batched path: the step-3 batch of four granted one (request 0), the
+    # rest went through vLLM's loop; then three running, then request 3
+    # alone (steps 0 and 10 have no running request: no batch).
+    assert batches == [(4, 4), (4, 4), (4, 1)] + [(3, 3)] * 6 + [(1, 1)] * 6
+
+
+# ---------------------------------------------------------------- what is handed to vLLM's loop
+
+def test_delegated_steps_run_vllms_loop(tmp_path: Any) -> None:
+    """A KV connector, a sliding window, or a running request with nothing
+    to schedule: the whole step is vLLM's ``schedule()`` (no batched call);
+    a plain step is batched."""
+    calls: list[str] = []
+
+    class Spy(gv.BatchedReferenceScheduler):
+        def _schedule_running(self, step: Any, plan: list[int]) -> None:
+            calls.append("batched")
+            super()._schedule_running(step, plan)
+
+    def run(**options: Any) -> list[str]:  # the two requests both scheduled, on either path
+        del calls[:]
+        scheduler = make_scheduler(Spy, enable_prefix_caching=True, **options)
+        for request in make_requests(2, 20):
+            scheduler.add_request(request)
+        out = scheduler.schedule()
+        assert set(out.num_scheduled_tokens) == {"0", "1"}
+        return list(calls)
+
+    assert run() == ["batched"]
+    assert run(sliding_window=64) == []
+    assert run(kv_connector_path=tmp_path) == []
+    scheduler = make_scheduler(Spy, enable_prefix_caching=True)
+    for request in make_requests(2, 20):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, model_output(scheduler, out))
+    scheduler.running[1].num_computed_tokens = scheduler.running[1].num_tokens  # nothing left (pipeline parallel)
+    del calls[:]
+    out = scheduler.schedule()
+    assert calls == [] and set(out.num_scheduled_tokens) == {"0"}
+
+
+# ---------------------------------------------------------------- batches and single admissions mixed
+
+class EveryThirdAlone(gv.BatchedReferenceScheduler):
+    """The batched path whose adapter declares every third request not
+    batchable (as it does a resumed request whose lookup vLLM caps, or one
+    carrying speculative tokens): the waiting queue is then admitted in runs,
+    each broken by a request admitted through vLLM's loop body."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        kvm = self.kv_cache_manager
+        batchable = kvm.waiting_batchable
+        kvm.waiting_batchable = lambda r, la=0: batchable(r, la) and int(r.request_id[1:]) % 3 != 0
+
+
+@pytest.mark.parametrize("seed", [2, 5, 7, 8, 10, 12])
+def test_runs_of_batches_and_single_admissions_as_vllm(seed: int) -> None:
+    (config,) = [c for c in CONFIGS if c.seed == seed]
+    assert_same(config, EveryThirdAlone)
+
+
+def test_a_capped_resumed_lookup_is_not_batched() -> None:
+    """vLLM looks a resumed request up on the blocks it hashed before its
+    preemption; when that is fewer than gpukv's step would look up
+    (``lookup="vllm"``), the request is admitted one call at a time."""
+    (request,) = make_requests(1, 50)  # three full blocks of 16, the last lookup-able at (50 - 1) // 16 = 3
+    scheduler = make_scheduler(gv.BatchedReferenceScheduler, enable_prefix_caching=True)
+    kvm = scheduler.kv_cache_manager
+    assert kvm.waiting_batchable(request)
+    kvm._num_hashed[request.request_id] = 2  # hashed two blocks before it was preempted
+    assert not kvm.waiting_batchable(request)
+    kvm.lookup = "all"
+    assert kvm.waiting_batchable(request)
+    kvm.lookup = "vllm"
+    kvm._num_hashed[request.request_id] = 3
+    assert kvm.waiting_batchable(request)
+    assert not kvm.waiting_batchable(request, num_lookahead_tokens=kvm.max_model_len)
