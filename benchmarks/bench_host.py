@@ -21,9 +21,29 @@ interpreter (no GPU) the kernels run on the host:
   never indexes with a device result: every entry after the plan's one
   upload is derived on the device, ``gpukv.kernels.prefill``).
 
-What is left is Python, numpy and torch glue. A real GPU launch also costs
-host time in Triton's launcher; on a CPU it is outside the figure, and the
-``launches`` column says how many a GPU step adds.
+What is left is Python, numpy and torch glue: the "device manager"
+column. A real GPU launch also costs host time in Triton's launch path
+(``JITFunction.run``: hooks, argument binding, the specialisation key, the
+kernel-cache lookup; the launcher; the driver call), which the interpreter
+does not run. ``benchmarks/launch_cost.py`` measures it: the counted pass
+records every launch the real step makes, and a child process with the
+interpreter off replays each through Triton's real ``JITFunction.run`` and
+C launcher, compiled for sm_90 and linked against a stub CUDA driver whose
+``cuLaunchKernelEx`` does nothing (what is and is not included: that
+module's docstring). So, per step:
+
+* ``eager``: the twin's figure plus the launch path of every launch of the
+  step (step i of the twin plus sample i of the launch path, back to back);
+* ``replayed`` (decode only; ``gpukv.graphs.DecodeGraphs`` replays a
+  bucket's launches as one CUDA graph): the twin's figure plus one graph
+  launch, counted as 0 here (``cudaGraphLaunch`` cannot run without a GPU);
+  admission and the general step build no graph ("no graph").
+
+On a GPU the figures are measured directly: ``eager`` is the wall time of
+``decode``/``step``, ``replayed`` that of ``DecodeGraphs.decode``, each with
+its GPU time from CUDA events; ``--twin-check`` also runs the benchmark
+with CUDA hidden (the twin, on the same host) and prints real / twin per
+row. (Not run yet: no GPU was lent to the session that wrote it.)
 
 Workloads (block size 16, one full-attention group):
 
@@ -39,13 +59,16 @@ Workloads (block size 16, one full-attention group):
   blocks (every allocation evicts), the previous step's 8 freed.
 
 On a GPU the table also gives each step's GPU time (CUDA events around the
-call, read after the host time is taken; eager launches, not a graph).
+call, read after the host time is taken).
 
-    PYTHONPATH=.:DIR DIR/venv/bin/python benchmarks/bench_host.py [--json out.json]
+    PYTHONPATH=.:DIR DIR/venv/bin/python benchmarks/bench_host.py [--repeats 3] [--json out.json]
 
 (DIR from ``../shared/tools/vllm085/setup.sh DIR``; without it the vLLM
 column is skipped with a message.) p50 and p99 over the timed steps, after
-warm-up steps that compile every kernel variant.
+warm-up steps that compile every kernel variant; each workload runs
+``--repeats`` times with fresh managers (vLLM's alongside, in the same
+process), and a figure is the median of the repeats' p50 (p99), a ratio
+the median of the repeats' ratios (their range in the JSON).
 """
 
 from __future__ import annotations
@@ -67,6 +90,7 @@ from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import launch_cost  # noqa: E402
 from bench_cpu import VllmDriver, _vllm  # noqa: E402
 
 BS = 16
@@ -156,6 +180,8 @@ class Twin:
 
 
 def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float], dict]:
+    """Host ms per decode step (``kind``: "device", "reference", or on CUDA
+    "graphs": the device manager through ``gpukv.graphs.DecodeGraphs``)."""
     rng = random.Random(B)
     kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=B)
     new = [NewRequest(f"d{i}", [rng.randrange(VOCAB) for _ in range(100)]) for i in range(B)]
@@ -166,6 +192,8 @@ def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float
         times = [host_ms(lambda: m.decode(rows, np.random.randint(0, VOCAB, size=B)))
                  for _ in range(warmup + steps)]
         return times[warmup:], {}
+    if kind == "graphs":
+        return _decode_graphs(B, steps, warmup, kw, new, rows)
     m = Twin(lambda: DeviceManager(B * 24 + 8, BS, **kw))
     m.setup("step", (), (), new)
     toks = [(rows, torch.randint(0, VOCAB, (B,), device=m.dev)) for _ in range(warmup + steps + 1)]
@@ -174,6 +202,23 @@ def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float
     times = m.run("decode", toks[warmup:-1])
     _sync(m.dev)
     return times, dict(_count(m, "decode", *toks[-1]), gpu_ms=m.gpu_ms)
+
+
+def _decode_graphs(B: int, steps: int, warmup: int, kw: dict, new: list, rows) -> tuple[list[float], dict]:
+    """On CUDA: the decode replayed as one CUDA graph per bucket (the first
+    step of the bucket captures it, in the warm-up)."""
+    from gpukv.graphs import DecodeGraphs
+
+    m = DeviceManager(B * 24 + 8, BS, **kw)
+    m.step(new=new)
+    graphs = DecodeGraphs(m)
+    toks = [torch.randint(0, VOCAB, (B,), device=m.device) for _ in range(warmup + steps)]
+    for t in toks[:warmup]:
+        graphs.decode(rows, t)
+    gpu_ms: list[float] = []
+    times = [host_ms(lambda t=t: graphs.decode(rows, t), m.device, gpu_ms) for t in toks[warmup:]]
+    _sync(m.device)
+    return times, dict(m.counters.as_dict(), gpu_ms=gpu_ms, graph_replays=graphs.replays)
 
 
 def decode_vllm(vllm_kv, B: int, steps: int, warmup: int) -> list[float]:
@@ -271,14 +316,129 @@ def _count_one(m, method: str, *args) -> dict:
 
 
 def _count(m: Twin, method: str, *args) -> dict:
+    """Counters of one more call; on the interpreter also ``launch_list``:
+    the launches the real manager made in it (``launch_cost.capturing``),
+    for the per-launch cost."""
     if m.twin is None:
         return _count_one(m.real, method, *args)
     m.twin.counters.count_torch_ops = True
     try:
-        m.run(method, [args])
+        with launch_cost.capturing() as launches:
+            m.run(method, [args])
     finally:
         m.twin.counters.count_torch_ops = False
-    return m.twin.counters.as_dict()
+    out = m.twin.counters.as_dict()
+    if len(launches) != out.get("launches"):
+        print(f"  note: {len(launches)} launches recorded, {out.get('launches')} counted", file=sys.stderr)
+    return dict(out, launch_list=list(launches))
+
+
+def _median(xs: list[float]) -> float:
+    return float(np.median(np.asarray(xs)))
+
+
+def _repeat_stats(r: dict, launch_us: list[float] | None, interp: bool, decode: bool) -> dict:
+    """p50/p99 of one repeat's samples, and their ratios to vLLM's.
+
+    ``device``: the twin's figure on the interpreter (kernels and launches
+    out), the wall time of the call on CUDA. ``eager``: on the interpreter
+    the twin's step i plus the launch path's sample i (``launch_cost``), on
+    CUDA the wall time. ``replayed`` (decode only): on the interpreter the
+    twin's figure plus a graph launch counted as 0 (not measurable without a
+    GPU), on CUDA the wall time through ``DecodeGraphs``."""
+    dv, vl = r["dv"], r["vl"]
+    eager = None
+    if not interp:
+        eager = dv
+    elif launch_us is not None:
+        eager = [d + u / 1e3 for d, u in zip(dv, launch_us, strict=True)]
+    replayed = (dv if interp else r.get("gr")) if decode else None
+    out: dict = {"device_p50_ms": pct(dv, 50), "device_p99_ms": pct(dv, 99), "reference_p50_ms": pct(r["rf"], 50)}
+    for name, xs in (("eager", eager), ("replayed", replayed), ("vllm", vl)):
+        if xs:
+            out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = pct(xs, 50), pct(xs, 99)
+    if launch_us is not None:
+        out["launch_p50_us"], out["launch_p99_us"] = pct(launch_us, 50), pct(launch_us, 99)
+    if vl:
+        for name in ("device", "eager", "replayed"):
+            for q in ("p50", "p99"):
+                if f"{name}_{q}_ms" in out:
+                    key = "ratio_p50" if (name, q) == ("device", "p50") else f"ratio_{name}_{q}"
+                    out[key] = out[f"{name}_{q}_ms"] / out[f"vllm_{q}_ms"]
+    gpu = r["counts"].get("gpu_ms") or []
+    if gpu:
+        out["gpu_p50_ms"], out["gpu_p99_ms"] = pct(gpu, 50), pct(gpu, 99)
+    if r.get("gr_gpu"):
+        out["replayed_gpu_p50_ms"] = pct(r["gr_gpu"], 50)
+    return out
+
+
+def _row(label: str, B: int, reps: list[dict], launch: dict | None, interp: bool, decode: bool,
+         steps: int) -> dict:
+    """One table row: each figure the median over the repeats of that
+    repeat's p50 (p99); ``ratio_*_range``: the repeats' lowest and highest."""
+    per = []
+    for i, r in enumerate(reps):
+        us = launch["step_us"][0][i * steps:(i + 1) * steps] if launch else None
+        per.append(_repeat_stats(r, us, interp, decode))
+    counts = {k: v for k, v in reps[-1]["counts"].items() if k not in ("gpu_ms", "launch_list")}
+    row: dict = {"work": label, "batch": B, "counters": counts, "repeats": per,
+                 "graph": "DecodeGraphs" if decode else "no graph"}
+    for key in per[0]:
+        vals = [p[key] for p in per if key in p]
+        row[key] = _median(vals)
+        if key.startswith("ratio"):
+            row[f"{key}_range"] = [min(vals), max(vals)]
+    if launch:
+        n = launch["launches"][0]
+        row["launches_timed"] = n
+        if n:
+            row["per_launch_us"] = row["launch_p50_us"] / n
+    return row
+
+
+def _twin_check(argv: list[str], rows: list[dict]) -> None:
+    """On CUDA: run this benchmark again with CUDA hidden (the interpreter's
+    twin plus the measured launch path) and print real / twin per row."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "twin.json")
+        rest = [a for a in argv if a != "--twin-check"]
+        if "--json" in rest:
+            i = rest.index("--json")
+            del rest[i:i + 2]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        subprocess.run([sys.executable, __file__, *rest, "--json", out], env=env, check=True)
+        with open(out) as f:
+            twin = {r["work"]: r for r in json.load(f)["rows"]}
+    print("\nHow close the twin was (real GPU figure / the CPU twin's, p50; the twin run on this host with "
+          "CUDA hidden):")
+    print("| work | eager real ms | eager twin ms | real/twin | replayed real ms | replayed twin ms | real/twin |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        t = twin.get(r["work"], {})
+
+        def cell(key, r=r, t=t):
+            if key in r and key in t:
+                return f"{r[key]:.3f} | {t[key]:.3f} | {r[key] / t[key]:.2f}x"
+            return "- | - | -"
+        print(f"| {r['work']} | {cell('eager_p50_ms')} | {cell('replayed_p50_ms')} |")
+        r["twin"] = {k: t.get(k) for k in ("eager_p50_ms", "replayed_p50_ms", "device_p50_ms")}
+
+
+def _ms(r: dict, name: str) -> str:
+    return f"{r[name + '_p50_ms']:.3f} ({r[name + '_p99_ms']:.3f})" if name + "_p50_ms" in r else "-"
+
+
+def _ratio(r: dict, name: str) -> str:
+    p50 = "ratio_p50" if name == "device" else f"ratio_{name}_p50"
+    if p50 not in r:
+        return "-"
+    p99 = r.get(f"ratio_{name}_p99")
+    return f"{r[p50]:.2f}x" + (f" ({p99:.2f}x)" if p99 is not None else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,55 +448,90 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-batches", type=int, nargs="*", default=[1, 4, 16, 64],
                    help="new requests per prefill step (16 is the issue's target; larger ones take minutes a step "
                         "under the interpreter)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per workload")
+    p.add_argument("--churn", action=argparse.BooleanOptionalAction, default=True,
+                   help="the churn workload (8 new 1,024-token requests a step into a full pool)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per workload and repeat")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles every variant)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="independent runs of each workload (fresh managers); figures are the median over them")
+    p.add_argument("--launch-cost", action=argparse.BooleanOptionalAction, default=True,
+                   help="on the interpreter, measure Triton's real launch path per launch (benchmarks/"
+                        "launch_cost.py) for the eager column")
+    p.add_argument("--twin-check", action="store_true",
+                   help="on CUDA: also run the benchmark with CUDA hidden and report how close the twin was")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     vllm_kv = _vllm()
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    interp = dev.type != "cuda"
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({platform.machine()}), Triton interpreter"
-    rows = []
+    if interp:
+        launch_cost.install()  # before any manager prepares its launches
     work = [(f"decode B={B}", "decode", B) for B in args.batches]
     work += [(f"prefill {B}x256 (128 shared)", "prefill", B) for B in args.prefill_batches]
-    work += [("churn 8x1024 into a full pool", "churn", 0)]
+    if args.churn:
+        work += [("churn 8x1024 into a full pool", "churn", 0)]
+    done = []
     for label, kind, B in work:
-        if kind == "decode":
-            dv, counts = decode_gpukv("device", B, args.steps, args.warmup)
-            rf, _ = decode_gpukv("reference", B, args.steps, args.warmup)
-            vl = decode_vllm(vllm_kv, B, args.steps, args.warmup) if vllm_kv else None
-        else:
-            dv, counts = steps_gpukv("device", kind, args.steps, args.warmup, B or 16)
-            rf, _ = steps_gpukv("reference", kind, args.steps, args.warmup, B or 16)
-            vl = steps_vllm(vllm_kv, kind, args.steps, args.warmup, B or 16) if vllm_kv else None
-        gpu = counts.pop("gpu_ms", [])
-        row = {"work": label, "batch": B, "device_p50_ms": pct(dv, 50), "device_p99_ms": pct(dv, 99),
-               "reference_p50_ms": pct(rf, 50), "counters": counts}
-        if gpu:
-            row.update(gpu_p50_ms=pct(gpu, 50), gpu_p99_ms=pct(gpu, 99))
-        if vl:
-            row.update(vllm_p50_ms=pct(vl, 50), vllm_p99_ms=pct(vl, 99), ratio_p50=pct(dv, 50) / pct(vl, 50))
-        rows.append(row)
-        print(f"  {label}: device {row['device_p50_ms']:.3f} ms"
-              + (f", vLLM {row['vllm_p50_ms']:.3f} ms, ratio {row['ratio_p50']:.2f}x" if vl else ""),
-              file=sys.stderr)
-    print(f"Host cost per step, kernels excluded ({where}; gpukv {gpukv.__version__}, torch {torch.__version__}, "
-          f"vLLM {getattr(vllm_kv, 'VLLM_VERSION', 'not importable')}); p50 (p99) ms over {args.steps} steps")
-    print("| work | vLLM 0.8.5 | device manager | ratio device/vLLM | reference | launches | torch ops | H2D | D2H "
+        reps = []
+        for rep in range(args.repeats):
+            r: dict = {}
+            if kind == "decode":
+                r["dv"], r["counts"] = decode_gpukv("device", B, args.steps, args.warmup)
+                r["rf"], _ = decode_gpukv("reference", B, args.steps, args.warmup)
+                r["vl"] = decode_vllm(vllm_kv, B, args.steps, args.warmup) if vllm_kv else None
+                if not interp:
+                    r["gr"], gc = decode_gpukv("graphs", B, args.steps, args.warmup)
+                    r["gr_gpu"] = gc.get("gpu_ms")
+            else:
+                r["dv"], r["counts"] = steps_gpukv("device", kind, args.steps, args.warmup, B or 16)
+                r["rf"], _ = steps_gpukv("reference", kind, args.steps, args.warmup, B or 16)
+                r["vl"] = steps_vllm(vllm_kv, kind, args.steps, args.warmup, B or 16) if vllm_kv else None
+            reps.append(r)
+            print(f"  {label} [{rep + 1}/{args.repeats}]: device {pct(r['dv'], 50):.3f} ms"
+                  + (f", vLLM {pct(r['vl'], 50):.3f} ms" if r["vl"] else ""), file=sys.stderr)
+        done.append((label, kind, B, reps))
+    launch = None
+    if interp and args.launch_cost:
+        jobs = {label: [reps[0]["counts"]["launch_list"]] for label, _, _, reps in done}
+        try:
+            launch = launch_cost.measure(jobs, samples=args.steps * args.repeats)
+        except launch_cost.Unavailable as e:
+            print(f"  the launch path cannot be measured here ({e}): no eager column", file=sys.stderr)
+    rows = [_row(label, B, reps, launch["jobs"][label] if launch else None, interp, kind == "decode", args.steps)
+            for label, kind, B, reps in done]
+    head = (f"Host cost per step ({where}; gpukv {gpukv.__version__}, torch {torch.__version__}, "
+            f"vLLM {getattr(vllm_kv, 'VLLM_VERSION', 'not importable')}); p50 (p99) ms, each the median of "
+            f"{args.repeats} repeats of {args.steps} steps")
+    print(head)
+    if interp:
+        print("device manager: the twin (kernels and launches out); eager: + Triton's launch path per launch "
+              "(benchmarks/launch_cost.py); replayed: the twin + one CUDA graph launch, counted as 0 here")
+    print("| work | vLLM 0.8.5 | device manager | ratio device/vLLM | eager | ratio eager/vLLM | replayed "
+          "| ratio replayed/vLLM | launch path us (per launch) | reference | launches | torch ops | H2D | D2H "
           "| GPU time |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         c = r["counters"]
-        v = f"{r['vllm_p50_ms']:.3f} ({r['vllm_p99_ms']:.3f})" if "vllm_p50_ms" in r else "-"
-        q = f"{r['ratio_p50']:.2f}x" if "ratio_p50" in r else "-"
-        g = f"{r['gpu_p50_ms']:.3f} ({r['gpu_p99_ms']:.3f})" if "gpu_p50_ms" in r else "-"
-        print(f"| {r['work']} | {v} | {r['device_p50_ms']:.3f} ({r['device_p99_ms']:.3f}) | {q} | "
-              f"{r['reference_p50_ms']:.3f} | {c.get('launches', '-')} | {c.get('torch_ops', '-')} | "
-              f"{c.get('h2d', '-')} | {c.get('d2h', '-')} | {g} |")
+        lp = (f"{r['launch_p50_us']:.0f} ({r['per_launch_us']:.1f})" if r.get("per_launch_us") is not None
+              else "-")
+        rp = _ms(r, "replayed") if r["graph"] != "no graph" else "no graph"
+        print(f"| {r['work']} | {_ms(r, 'vllm')} | {_ms(r, 'device')} | {_ratio(r, 'device')} | {_ms(r, 'eager')} "
+              f"| {_ratio(r, 'eager')} | {rp} | {_ratio(r, 'replayed') if r['graph'] != 'no graph' else '-'} "
+              f"| {lp} | {r['reference_p50_ms']:.3f} | {c.get('launches', '-')} | {c.get('torch_ops', '-')} "
+              f"| {c.get('h2d', '-')} | {c.get('d2h', '-')} | {_ms(r, 'gpu')} |")
+    if launch:
+        print(f"Launch path per kernel, us (median, one kernel's launch back to back; Triton {launch['triton']}, "
+              f"sm_90 stub driver): " + ", ".join(f"{k} {v:.1f}" for k, v in launch["per_kernel_us"].items()))
+    if args.twin_check and not interp:
+        _twin_check(sys.argv[1:] if argv is None else argv, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"where": where, "gpukv": gpukv.__version__, "torch": torch.__version__,
                        "vllm": getattr(vllm_kv, "VLLM_VERSION", None), "python": sys.version.split()[0],
-                       "steps": args.steps, "warmup": args.warmup, "rows": rows}, f, indent=1)
+                       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+                       "launch_cost": ({k: v for k, v in launch.items() if k != "jobs"} if launch else None),
+                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,62 @@
+"""The launch-cost half of ``benchmarks/bench_host.py``'s twin
+(``benchmarks/launch_cost.py``): the launches a decode step makes are
+recorded under the interpreter and each goes through Triton's real launch
+path, up to the (stub) driver call, in a child process. Behaviour only, no
+timing thresholds."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from gpukv import _runtime
+from gpukv.manager import DeviceManager
+from gpukv.request import NewRequest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+launch_cost = pytest.importorskip("launch_cost", reason="benchmarks/launch_cost.py not importable")
+
+pytestmark = pytest.mark.skipif(not _runtime.INTERPRETED, reason="records launches under Triton's interpreter")
+
+
+def _decode_launches(monkeypatch) -> tuple[list, int]:
+    from gpukv.kernels import _common
+    monkeypatch.setattr(_common, "host_launch", _common.host_launch)  # restored after the test
+    try:
+        launch_cost.install()
+    except AttributeError as e:  # pragma: no cover (a gpukv without host_launch)
+        pytest.skip(f"gpukv internals launch_cost needs are missing: {e}")
+    m = DeviceManager(64, 4, hash_key=bytes(16), max_model_len=64, max_num_reqs=8)
+    rows = m.step(new=[NewRequest(f"r{i}", list(range(i, i + 6))) for i in range(3)]).rows
+    m.decode(rows, torch.zeros(3, dtype=torch.int64))  # the bucket's first step prepares its launches
+    try:
+        with launch_cost.capturing() as rec:
+            m.decode(rows, torch.ones(3, dtype=torch.int64))  # a replayed step
+    except launch_cost.Unavailable as e:
+        pytest.skip(str(e))
+    return list(rec), m.counters.launches
+
+
+def test_each_launch_of_a_decode_step_is_recorded_and_timed_through_the_launch_path(monkeypatch):
+    rec, launches = _decode_launches(monkeypatch)
+    assert len(rec) == launches > 0
+    kernels = [ln.kernel for ln in rec]
+    assert "decode._decode_fit_kernel" in kernels
+    assert "block_hash._hash_rows_kernel" in kernels  # the interpreter's host stand-in, as the GPU launches it
+    assert all(ln.grid and min(ln.grid) >= 1 for ln in rec)
+    assert any(isinstance(a, launch_cost.TensorSpec) for ln in rec for a in ln.args)
+    try:
+        out = launch_cost.measure({"decode": [rec]}, samples=3, per_kernel_reps=10, timeout=600)
+    except launch_cost.Unavailable as e:
+        pytest.skip(f"the launch path cannot be measured here: {e}")
+    job = out["jobs"]["decode"]
+    assert job["launches"] == [launches]
+    assert len(job["step_us"]) == 1 and len(job["step_us"][0]) == 3
+    assert all(t > 0 for t in job["step_us"][0])
+    # every timed launch went through Triton's launcher to the driver call
+    assert out["reached_driver"] == out["timed_launches"] == launches * (1 + 3)
+    assert set(out["per_kernel_us"]) == set(kernels)
+    assert all(v > 0 for v in out["per_kernel_us"].values())
