@@ -229,6 +229,16 @@ class DecodePlan:
     held: np.ndarray  # int64[B] rows' block positions per group after the step
     window_stops: np.ndarray | None  # int64[B, G] rows' null-block boundaries after the step (windows only)
     fits_known: bool  # the host's free-block lower bound covers the whole batch
+    # The phases with work (``DECODE_PHASES``); an eager step launches only
+    # those, a graph replays them all.
+    phases: frozenset[str] = frozenset()
+
+
+#: A decode step's phases, in launch order (``DeviceManager.launch_decode``):
+#: window releases, the fit and token write (always), new blocks, digests of
+#: blocks the appended tokens fill, caching of blocks the computed tokens fill.
+DECODE_PHASES = ("release", "fit", "allocate", "hash", "cache")
+_DECODE_PART = {p: f"decode.{p}" for p in DECODE_PHASES}  # their launches' keys in ``DecodeBuffers.prepared``
 
 
 @dataclass
@@ -635,7 +645,10 @@ class DeviceManager(FailStop):
         with self._counting():
             plan = self.plan_decode(rows_np, k, num_tokens, chunks=chunks, lookahead=lookahead)
             bufs = self.stage_decode(plan, tokens)
-            (graphs.launch if graphs is not None else self.launch_decode)(plan.bucket, bufs)
+            if graphs is not None:
+                graphs.launch(plan.bucket, bufs)
+            else:
+                self.launch_decode(plan.bucket, bufs, plan.phases)
             return self.finish_decode(plan, bufs)
 
     # --------------------------------------------------------- decode, in parts
@@ -675,6 +688,17 @@ class DeviceManager(FailStop):
         else:
             stops, L = None, 0
         bucket = (pow2_at_least(max(B, 8)), k, L, A, C)
+        phases = {"fit"}
+        if self._events is not None:  # (each phase's event entries are drained whether it ran or not)
+            phases = set(DECODE_PHASES)
+        if wg and int(released.max()) > 0:
+            phases.add("release")
+        if int(cum[-1]) > 0:
+            phases.add("allocate")
+        if int(((n + k) // bs - n // bs).max()) > 0:
+            phases.add("hash")
+        if int(filled.max()) > 0:
+            phases.add("cache")
         packed, v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["rows"][B:] = -1
@@ -691,7 +715,8 @@ class DeviceManager(FailStop):
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
-        return DecodePlan(rows, k, bucket, packed, need, comp1, held1, stops, int(cum[-1]) <= self._free_lower_bound)
+        return DecodePlan(rows, k, bucket, packed, need, comp1, held1, stops, int(cum[-1]) <= self._free_lower_bound,
+                          frozenset(phases))
 
     def _host_plan(self, bucket: tuple):
         """The bucket's host plan array (the uploaded part of its layout) and
@@ -728,28 +753,39 @@ class DeviceManager(FailStop):
             self._staging.upload(tokens, out=bufs.new_tokens)  # int64, checked on the host
         return bufs
 
-    def launch_decode(self, bucket: tuple, bufs: DecodeBuffers) -> None:
-        """The decode step's kernels: a fixed sequence for a bucket, reading
-        only its fixed buffers and the pool (what a CUDA graph captures).
-        The first step of a bucket runs the launchers and keeps the launches;
-        later steps replay them, skipping the launchers' Python."""
-        self._replayed(bufs.prepared, "decode", lambda: self._launch_decode_kernels(bucket, bufs))
+    def launch_decode(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
+        """The decode step's kernels: for a bucket, a fixed sequence reading
+        only its fixed buffers and the pool (what a CUDA graph captures:
+        ``phases`` None, every phase). An eager step passes its plan's
+        ``phases`` and launches nothing for a phase with no work (a launch
+        costs host time whatever it does). The first step of a bucket to run
+        a phase runs its launchers and keeps the launches; later steps replay
+        them, skipping the launchers' Python."""
+        run = DECODE_PHASES if phases is None else [p for p in DECODE_PHASES if p in phases]
+        for phase in run:
+            if phase == "release" and not bucket[2]:
+                continue  # (no window group)
+            self._replayed(bufs.prepared, _DECODE_PART[phase], lambda p=phase: self._launch_decode_phase(p, bufs))
 
-    def _launch_decode_kernels(self, bucket: tuple, bufs: DecodeBuffers) -> None:
+    def _launch_decode_phase(self, phase: str, bufs: DecodeBuffers) -> None:
         v, pool = bufs.views, self.pool
-        if bucket[2]:  # window groups release what their window left behind
+        if phase == "release":  # window groups release what their window left behind
             pool.release(self._rows.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
                          scratch=bufs.release_scratch, workspace=bufs.release_workspace)
-        decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
-                              v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
-                              tokens=self._rows.tokens, extras=self._rows.extras,
-                              fq_counters=pool.free_queue.counters, count=bufs.count,
-                              status=bufs.status, num_groups=self.num_groups, block_size=self.block_size)
-        grp, row, pos, want, rank = v["alloc"]
-        pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank,
-                      popped=bufs.popped, on_popped=self._popped_hook())
-        self._hash_launch(v["rows"], v["h_start"], v["h_count"])
-        self._cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
+        elif phase == "fit":
+            decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
+                                  v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
+                                  tokens=self._rows.tokens, extras=self._rows.extras,
+                                  fq_counters=pool.free_queue.counters, count=bufs.count,
+                                  status=bufs.status, num_groups=self.num_groups, block_size=self.block_size)
+        elif phase == "allocate":
+            grp, row, pos, want, rank = v["alloc"]
+            pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank,
+                          popped=bufs.popped, on_popped=self._popped_hook())
+        elif phase == "hash":
+            self._hash_launch(v["rows"], v["h_start"], v["h_count"])
+        else:
+            self._cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def finish_decode(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
         """Bring the host's mirror up to date; reads the device only when the

@@ -123,38 +123,63 @@ def test_bad_decode_input_is_refused_alike_and_changes_nothing(case):
         assert m.decode([0], [5]).ok  # and the manager still works
 
 
+class GraphLaunches:
+    """What ``gpukv.graphs.DecodeGraphs`` captures, on the CPU: ``decode``
+    hands it the staged bucket and it runs ``launch_decode(bucket, bufs)``,
+    every phase, recording the launches."""
+
+    def __init__(self, manager) -> None:
+        self.manager, self.records = manager, []
+
+    def launch(self, bucket, bufs) -> None:
+        with _common.recording() as rec:
+            self.manager.launch_decode(bucket, bufs)
+        self.records.append((bucket, rec))
+
+
 def test_a_decode_step_is_a_fixed_launch_sequence_within_its_bucket():
-    """Steps of one bucket (5 rows pad to 8) launch the same kernels with the
-    same shapes and scalar arguments whatever fills or needs a block, so a
-    CUDA graph captured once replays every step of the bucket."""
+    """Steps of one bucket (5 rows pad to 8) launch, as a graph captures
+    them, the same kernels with the same shapes and scalar arguments
+    whatever fills or needs a block, so a CUDA graph captured once replays
+    every step of the bucket."""
     for windows in [(None,), (None, 3)]:
         _, dev = pair(64, 2, windows=windows, max_model_len=64, max_num_reqs=8)
         res = dev.step(new=[NewRequest(f"r{i}", list(range(10 * i, 10 * i + 2 + i))) for i in range(5)])
         rows = res.rows
         dev.decode(rows, torch.zeros(5, dtype=torch.int64))  # the window catches up with the prompts
-        records = []
+        graph = GraphLaunches(dev)
         for t in range(1, 6):
-            with _common.recording() as rec:
-                assert dev.decode(rows, torch.tensor([t] * 5, dtype=torch.int64)).ok
-            records.append(rec)
+            assert dev.decode(rows, torch.tensor([t] * 5, dtype=torch.int64), graphs=graph).ok
             assert dev.counters.d2h == 0 and dev.counters.h2d == 1  # the plan; the tokens were on the device
-        assert all(r == records[0] for r in records), windows
+        assert all(r == graph.records[0] for r in graph.records), windows
         # fit, pop, erase, place, hash, record, insert (2), rebuild (2); windows: release (3) first
-        assert len(records[0]) == (13 if windows[1:] else 10)
+        assert len(graph.records[0][1]) == (13 if windows[1:] else 10)
 
 
-def test_a_steady_decode_keeps_one_bucket_whether_or_not_a_row_needs_a_block():
-    """Rows of equal length need a block every other step (block size 2):
-    the steps with none must launch the same sequence as the others (once,
-    an empty step planned its entries as a bucket of its own)."""
+def test_a_steady_decode_keeps_one_bucket_and_launches_only_the_phases_with_work():
+    """Rows of equal length need a block every other step (block size 2) and
+    fill one on the others: one bucket (so one graph) for all the steps,
+    while an eager step launches only what it needs: the fit and the pops
+    (4 launches), or the fit, the digests and the caching (7)."""
     _, dev = pair(64, 2, max_model_len=64, max_num_reqs=8)
     rows = dev.step(new=[NewRequest(f"r{i}", [i, i]) for i in range(3)]).rows
-    records = []
-    for t in range(4):  # 3, 4, 5, 6 tokens: new blocks at 3 and 5 only
+    eager, graph = [], GraphLaunches(dev)
+    for t in range(4):  # 3, 4, 5, 6 tokens: new blocks at 3 and 5, full blocks at 4 and 6
         with _common.recording() as rec:
             assert dev.decode(rows, [t] * 3).ok
-        records.append(rec)
-    assert all(r == records[0] for r in records)
+        eager.append(len(rec))
+    assert eager == [4, 7, 4, 7]
+    for t in range(4):  # 7, 8, 9, 10 tokens, the graph's way
+        assert dev.decode(rows, [t] * 3, graphs=graph).ok
+    assert all(r == graph.records[0] for r in graph.records) and len(graph.records[0][1]) == 10
+
+
+def test_an_eager_decode_that_needs_nothing_launches_only_the_fit():
+    _, dev = pair(64, 4, max_model_len=64)
+    rows = dev.step(new=[NewRequest("a", [1, 2])]).rows  # 2 of its block's 4 slots
+    with _common.recording() as rec:
+        assert dev.decode(rows, [3]).ok
+    assert len(rec) == 1 and dev.get_block_ids("a") == [[1]]
 
 
 def test_counters_of_a_decode_that_the_host_cannot_prove_fits():

@@ -18,9 +18,18 @@ SHARED = list(range(128))
 
 # (launches, uploads, reads) per step, for full attention and for full
 # attention beside a sliding window (the decode releases behind the window).
+# "decode": rows of staggered lengths, so that in every step some need a new
+# block and some fill one (every phase runs: a serving batch's steady state).
 EXPECTED = {
     "full": {"admit": (19, 1, 1), "decode": (10, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
     "window": {"admit": (19, 1, 1), "decode": (13, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
+}
+# An eager decode launches only the phases with work (the host knows from its
+# plan): rows of equal length (16 a block) decoding 17 steps in lockstep.
+# (launches per step: the first step, steps 2-15, step 16, step 17)
+LOCKSTEP = {
+    "full": (4, 1, 7, 4),  # a block each (fit, pop, erase, place); tokens only (fit); each fills one (fit, hash, 5)
+    "window": (4, 1, 10, 4),  # the same, and the window's release (3) in the step its window passes a block
 }
 WINDOWS = {"full": [None], "window": [None, 32]}
 
@@ -35,7 +44,7 @@ def test_launches_per_step_do_not_grow_with_the_batch(layout):
     m = DeviceManager(4096, 16, sliding_windows=WINDOWS[layout], hash_key=bytes(16), max_model_len=4096)
     want = EXPECTED[layout]
     for k in (1, 16):  # an admission of 1 and of 16 requests sharing a prefix: the same launches
-        new = [NewRequest(f"p{k}-{i}", SHARED + list(range(1000 + 300 * i, 1128 + 300 * i))) for i in range(k)]
+        new = [NewRequest(f"p{k}-{i}", SHARED + list(range(1000 + 300 * i, 1128 + 300 * i + i))) for i in range(k)]
         assert m.step(new=new).num_admitted == k
         assert counts(m) == want["admit"], ("admit", k)
     rows = [m.row_of(r) for r in m.request_ids()]
@@ -47,3 +56,15 @@ def test_launches_per_step_do_not_grow_with_the_batch(layout):
     assert counts(m) == want["append"], "append"
     m.step(finished=[m.request_ids()[0]])
     assert counts(m) == want["finish"], "finish"
+
+
+@pytest.mark.parametrize("layout", list(LOCKSTEP))
+def test_an_eager_decode_launches_only_the_phases_with_work(layout):
+    m = DeviceManager(256, 16, sliding_windows=WINDOWS[layout], hash_key=bytes(16), max_model_len=512)
+    rows = m.step(new=[NewRequest(f"r{i}", list(range(100 * i, 100 * i + 32))) for i in range(4)]).rows
+    launches = []
+    for _ in range(17):
+        assert m.decode(rows, [[5]] * len(rows)).ok
+        launches.append(counts(m)[0])
+    first, middle, fill, after = LOCKSTEP[layout]
+    assert launches == [first] + [middle] * 14 + [fill, after]
