@@ -47,7 +47,8 @@ row. (Not run yet: no GPU was lent to the session that wrote it.)
 
 Workloads (block size 16, one full-attention group):
 
-* ``decode B``: B running requests (100-token prompts) each append one token,
+* ``decode B``: B running requests (prompts of 100 to 115 tokens, staggered:
+  ``prompt_len``) each append one token,
   B = 1 .. 1024: the device manager's ``decode(rows, tokens)`` with the tokens
   in a device tensor (as a model runner has them), vLLM's
   ``allocate_slots(request, 1)`` per request, the reference's ``decode``;
@@ -179,12 +180,19 @@ class Twin:
         return self.twin if self.twin is not None else self.real
 
 
+def prompt_len(i: int) -> int:
+    """Request i's prompt in the decode workloads: 100 to 115 tokens, so that
+    from B = 16 on, every step some rows need a new block and some fill one
+    (every phase of the step runs, as in a serving batch), not all at once."""
+    return 100 + i % BS
+
+
 def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float], dict]:
     """Host ms per decode step (``kind``: "device", "reference", or on CUDA
     "graphs": the device manager through ``gpukv.graphs.DecodeGraphs``)."""
     rng = random.Random(B)
     kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=B)
-    new = [NewRequest(f"d{i}", [rng.randrange(VOCAB) for _ in range(100)]) for i in range(B)]
+    new = [NewRequest(f"d{i}", [rng.randrange(VOCAB) for _ in range(prompt_len(i))]) for i in range(B)]
     rows = np.arange(B, dtype=np.int64)  # rows are handed out from 0
     if kind == "reference":
         m = ReferenceManager(B * 24 + 8, BS, **kw)
@@ -225,7 +233,7 @@ def decode_vllm(vllm_kv, B: int, steps: int, warmup: int) -> list[float]:
     rng = random.Random(B)
     d = VllmDriver(vllm_kv, num_blocks=B * 24 + 8, max_model_len=4096)
     rids = [f"d{i}" for i in range(B)]
-    d.admit([(r, [rng.randrange(VOCAB) for _ in range(100)]) for r in rids])
+    d.admit([(r, [rng.randrange(VOCAB) for _ in range(prompt_len(i))]) for i, r in enumerate(rids)])
     times = []
     for s in range(warmup + steps):
         toks = [rng.randrange(VOCAB) for _ in rids]
