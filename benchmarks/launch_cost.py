@@ -37,8 +37,13 @@ leaves it out. This module measures it, per launch a step makes:
    untimed, which compiles the kernel for sm_90 with Triton's real compiler
    and loads it (the warm cache of a GPU process after warm-up); then the
    step's launches are timed back to back, each as the device manager's
-   replay makes it (``functools.partial(JITFunction.run, kernel, *args,
-   grid=..., warmup=False, **kw)``, ``kernels/_common.py: preparing``).
+   replay makes it: ``path="compiled"`` (the default), the launch
+   ``kernels/_common.py: preparing`` keeps on a GPU
+   (``_common.compiled_launch``: the pre-run hooks, then the compiled
+   kernel's ``kernel[grid]`` launcher); ``path="run"``, Triton's whole
+   ``JITFunction.run`` per launch (what the manager replayed before, and
+   what an unprepared launch costs). Both paths are checked to hand the
+   launcher the same arguments (``same_launcher_args``).
 
 Included: everything from ``JITFunction.run`` to the driver call, Triton's
 C launcher included. Not included: the driver's own work in
@@ -363,13 +368,14 @@ def _child_env(root: str, stub: str) -> dict:
 
 
 def measure(jobs: dict[str, list[list[Launch]]], *, samples: int = 30, per_kernel_reps: int = 50,
-            timeout: float = 900.0) -> dict[str, Any]:
+            timeout: float = 900.0, path: str = "compiled") -> dict[str, Any]:
     """Time each job's steps of launches through Triton's real launch path
     (module docstring). ``jobs``: name -> list of steps, each a list of
-    ``Launch``. Returns ``{"jobs": {name: {"step_us": [[samples] per step],
+    ``Launch``; ``path``: "compiled" or "run" (module docstring, 2.).
+    Returns ``{"jobs": {name: {"step_us": [[samples] per step],
     "launches": [n per step]}}, "per_kernel_us": {kernel: median per launch},
-    "compile_s": ..., "triton": ...}``; raises ``Unavailable`` when it
-    cannot run here."""
+    "compile_s": ..., "triton": ..., "path": ..., "same_launcher_args":
+    ...}``; raises ``Unavailable`` when it cannot run here."""
     root = cache_dir()
     stub = build_stub(root)
     with tempfile.TemporaryDirectory(prefix="gpukv-launch-cost-") as tmp:
@@ -377,7 +383,8 @@ def measure(jobs: dict[str, list[list[Launch]]], *, samples: int = 30, per_kerne
         plain = {name: [[(ln.module, ln.name, ln.grid, _plain(ln.args), _plain(ln.kwargs)) for ln in step]
                          for step in steps] for name, steps in jobs.items()}
         with open(inp, "wb") as f:  # plain Python values only (the child imports this file as __main__)
-            pickle.dump({"jobs": plain, "samples": samples, "per_kernel_reps": per_kernel_reps, "stub": stub}, f)
+            pickle.dump({"jobs": plain, "samples": samples, "per_kernel_reps": per_kernel_reps, "stub": stub,
+                         "path": path}, f)
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", inp, out],
                            env=_child_env(root, stub), capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0 or not os.path.exists(out):
@@ -394,6 +401,34 @@ def measure(jobs: dict[str, list[list[Launch]]], *, samples: int = 30, per_kerne
 
 
 _TENSOR = "gpukv.launch_cost.tensor"
+
+
+def _same_launcher_args(kernel: Any, run_call, direct) -> bool:
+    """Whether ``JITFunction.run`` (``run_call``) and ``_common.compiled_launch``
+    (``direct``) hand the compiled kernel's launcher the same arguments
+    (tensors compared by pointer, shape and strides)."""
+    import torch
+    seen: list[tuple] = []
+    launcher = kernel.run
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.data_ptr(), x.shape, x.stride()
+        if hasattr(x, "data") and hasattr(x, "extras"):  # the launch metadata, a fresh LazyDict per launch
+            return "launch metadata", x.data, len(x.extras)
+        return x
+
+    def record(*a):
+        seen.append(tuple(plain(x) for x in a))
+        return launcher(*a)
+
+    kernel._run = record  # (``CompiledKernel.run`` is a property returning ``_run``, the launcher)
+    try:
+        run_call()
+        direct()
+    finally:
+        kernel._run = launcher
+    return len(seen) == 2 and seen[0] == seen[1]
 
 
 def _plain(x: Any) -> Any:
@@ -461,6 +496,8 @@ def _child(inp: str, out: str) -> None:
         raise Unavailable("TRITON_INTERPRET is on in the launch-cost process")
     from triton.runtime.jit import JITFunction
 
+    from gpukv.kernels import _common
+
     _use_stub_driver()
     keep: list = []
     kernels: dict[tuple, Any] = {}
@@ -475,19 +512,32 @@ def _child(inp: str, out: str) -> None:
             kernels[key] = fn
         args = _make_arg(ln.args, keep)
         kw = {k: _make_arg(v, keep) for k, v in ln.kwargs}
-        # what kernels/_common.py: preparing keeps, and a replayed step calls
+        # the launch as Triton's ``kernel[grid](...)`` makes it (compiles it the first time)
         return functools.partial(JITFunction.run, kernels[key], *args, grid=ln.grid, warmup=False, **kw)
 
     steps = {name: [[prepared(ln) for ln in step] for step in job_steps] for name, job_steps in job["jobs"].items()}
     # Untimed: compile every variant for sm_90 and load it (a GPU process after warm-up).
     t0 = time.perf_counter()
     names_of: dict[int, str] = {}
+    compiled: dict[int, Any] = {}  # id(run call) -> the same launch through _common.compiled_launch
+    same_args = True
     for name, job_steps in job["jobs"].items():
         for step, calls in zip(job_steps, steps[name], strict=True):
             for plain, call in zip(step, calls, strict=True):
-                call()
+                kernel = call()
                 names_of[id(call)] = Launch(*plain).kernel
+                direct = _common.compiled_launch(call.args[0], kernel, call.args[1:], dict(call.keywords))
+                if direct is None:
+                    raise Unavailable(f"_common.compiled_launch cannot launch {Launch(*plain).kernel} here")
+                compiled[id(call)] = direct
+                same_args &= _same_launcher_args(kernel, call, direct)
     compile_s = time.perf_counter() - t0
+    if job["path"] == "compiled":  # time what the manager's replays call (``_common.preparing``)
+        for name in steps:
+            for calls in steps[name]:
+                for i, call in enumerate(calls):
+                    names_of[id(compiled[id(call)])] = names_of[id(call)]
+                    calls[i] = compiled[id(call)]
     clock = time.perf_counter
     result: dict[str, Any] = {"jobs": {}, "compile_s": compile_s}
     calls_made, reached_before = 0, reached.value
@@ -496,7 +546,7 @@ def _child(inp: str, out: str) -> None:
         for calls in job_calls:
             for call in calls:  # warm
                 call()
-            calls_made += sum(1 for c in calls if min(c.keywords["grid"], default=0) > 0) * (1 + job["samples"])
+            calls_made += len(calls) * (1 + job["samples"])  # (every recorded grid is >= 1: ``_launch``)
             times = []
             for _ in range(job["samples"]):
                 t = clock()
@@ -526,6 +576,7 @@ def _child(inp: str, out: str) -> None:
     import triton
     result["per_kernel_us"] = dict(sorted(per_kernel.items()))
     result["triton"] = triton.__version__
+    result["path"], result["same_launcher_args"] = job["path"], same_args
     with open(out, "w") as fout:
         json.dump(result, fout)
 

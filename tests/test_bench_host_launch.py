@@ -58,5 +58,8 @@ def test_each_launch_of_a_decode_step_is_recorded_and_timed_through_the_launch_p
     assert all(t > 0 for t in job["step_us"][0])
     # every timed launch went through Triton's launcher to the driver call
     assert out["reached_driver"] == out["timed_launches"] == launches * (1 + 3)
+    # timed as the manager replays a prepared launch on a GPU (``_common.compiled_launch``), which hands
+    # the compiled kernel's launcher exactly what ``JITFunction.run`` hands it, launch by launch
+    assert out["path"] == "compiled" and out["same_launcher_args"] is True
     assert set(out["per_kernel_us"]) == set(kernels)
     assert all(v > 0 for v in out["per_kernel_us"].values())

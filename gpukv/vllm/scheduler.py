@@ -96,7 +96,7 @@ class Scheduler(VllmScheduler):
             max_num_reqs=self.max_num_running_reqs,
         )
         if self.batched is None:
-            self.batched = self.kv_cache_manager.backend == "device"
+            self.batched = self._kvm.backend == "device"
 
     @property
     def _kvm(self) -> KVCacheManager:
