@@ -72,9 +72,11 @@ from gpukv.request import (
     Step,
     StepResult,
     apply_allocate_args,
+    check_block_spans,
     check_computed_for,
     check_count,
     check_decode_lengths,
+    check_group,
     check_memory,
     check_request_ids,
     check_size,
@@ -435,6 +437,26 @@ class DeviceManager(FailStop):
         ids = check_request_ids(request_ids, "request_ids", self._reqs)
         rows = self._staging.upload(np.array([self._reqs[r] for r in ids], dtype=np.int64))
         return self._rows.block_table[:, rows]
+
+    @reading
+    def read_block_ids(self, spans: Sequence[tuple[str, int, int]], group: int = 0) -> list[list[int]]:
+        """Group ``group``'s block ids of each ``(request_id, start, end)``
+        span's request at positions ``[start, end)``, in one device read (a
+        gather at the positions, planned on the host from its block counts;
+        none when every span is empty): a serving loop's new blocks of a
+        step, for many requests at once."""
+        group = check_group(group, self.num_groups)
+        spans = check_block_spans(spans, "spans", lambda rid: self._num_blocks(self._state(rid)))
+        counts = np.fromiter((end - start for _, start, end in spans), np.int64, len(spans))
+        if not counts.sum():
+            return [[] for _ in spans]
+        rows = np.repeat(np.fromiter((self._reqs[rid] for rid, _, _ in spans), np.int64, len(spans)), counts)
+        first = np.repeat(np.fromiter((start for _, start, _ in spans), np.int64, len(spans)), counts)
+        pos = first + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows_t, pos_t = self._up_packed(rows, pos)
+        ids = self._read(self._rows.block_table[group, rows_t.long(), pos_t.long()])
+        ends = np.cumsum(counts).tolist()
+        return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:

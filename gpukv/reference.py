@@ -55,9 +55,11 @@ from gpukv.request import (
     StepResult,
     apply_allocate_args,
     blocks_after_admission,
+    check_block_spans,
     check_computed_for,
     check_count,
     check_decode_lengths,
+    check_group,
     check_memory,
     check_request_ids,
     check_size,
@@ -523,6 +525,15 @@ class ReferenceManager(FailStop):
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block ids per group, position by position."""
         return [list(b) for b in self._state(request_id).blocks]
+
+    @reading
+    def read_block_ids(self, spans: Sequence[tuple[str, int, int]], group: int = 0) -> list[list[int]]:
+        """Group ``group``'s block ids of each ``(request_id, start, end)``
+        span's request at positions ``[start, end)`` (a serving loop's new
+        blocks of a step, for many requests at once)."""
+        group = check_group(group, self.num_groups)
+        spans = check_block_spans(spans, "spans", lambda rid: len(self._state(rid).blocks[group]))
+        return [self._requests[rid].blocks[group][start:end] for rid, start, end in spans]
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:

@@ -663,6 +663,37 @@ def check_request_ids(value: Any, argument: str, known: Container[str]) -> list[
     return ids
 
 
+def check_group(value: Any, num_groups: int) -> int:
+    """A KV-cache group's index, ``0 <= group < num_groups``."""
+    group = check_int(value, "group", minimum=0, fix="pass a KV-cache group's index (0 for the first)")
+    if group >= num_groups:
+        raise InvalidInputError(f"group {group} does not exist: the manager has {num_groups} KV-cache groups",
+                                argument="group", fix=f"pass 0 to {num_groups - 1}")
+    return group
+
+
+def check_block_spans(value: Any, argument: str, num_blocks_of: Callable[[str], int]) -> list[tuple[str, int, int]]:
+    """``(request_id, start, end)`` spans of block positions, each inside the
+    request's blocks: ``0 <= start <= end <= num_blocks_of(request_id)``
+    (``num_blocks_of`` raises for a request the manager does not hold)."""
+    spans = as_list(value, argument, "(request_id, start, end) tuples")
+    out = []
+    for i, span in enumerate(spans):
+        if not isinstance(span, tuple) or len(span) != 3:
+            raise InvalidTypeError(f"{argument}[{i}] must be a (request_id, start, end) tuple, got {_short(span)}",
+                                   argument=argument, fix="pass one (request_id, start, end) tuple per request")
+        rid, start, end = span
+        n = num_blocks_of(rid)
+        start = check_int(start, f"{argument}[{i}][1]", minimum=0, fix="pass a block position >= 0")
+        end = check_int(end, f"{argument}[{i}][2]", minimum=0, fix="pass a block position >= 0")
+        if not start <= end <= n:
+            raise InvalidInputError(f"{argument}[{i}]: positions [{start}, {end}) are not inside request {rid!r}'s "
+                                    f"{n} blocks", argument=argument,
+                                    fix="pass 0 <= start <= end <= the request's blocks (len(get_block_ids(id)[g]))")
+        out.append((rid, start, end))
+    return out
+
+
 def check_count(value: Any, argument: str) -> int:
     """A count (an int >= 0): ``get_num_common_prefix_blocks``' number of
     running requests."""

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpukv.errors import InvalidInputError, InvalidTypeError, UnknownRequestError
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -317,3 +318,23 @@ def test_a_batched_device_step_equals_vllms_waiting_loop_one_request_at_a_time(s
             if rng.random() < 0.6:
                 dev.free(rid)
                 one.free(rid)
+
+
+def test_read_block_ids_reads_many_requests_spans_in_one_read():
+    ref, dev = pair(40, 2)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("a", list(range(9))), NewRequest("b", [1, 2, 3]), NewRequest("c", list(range(50, 57)))])
+    spans = [("c", 1, 3), ("a", 0, 5), ("b", 2, 2), ("a", 4, 5)]
+    want = [ref.get_block_ids("c")[0][1:3], ref.get_block_ids("a")[0], [], ref.get_block_ids("a")[0][4:5]]
+    before = dev.counters.d2h
+    assert dev.read_block_ids(spans) == ref.read_block_ids(spans) == want
+    assert dev.counters.d2h == before + 1
+    assert dev.read_block_ids([("b", 0, 0)]) == [[]] and dev.counters.d2h == before + 1  # nothing to read
+    for m in (ref, dev):
+        for bad, text in [([("a", 0, 6)], "not inside"), ([("a", 3, 2)], "not inside"), ([("z", 0, 1)], "'z'"),
+                          ([("a", 0)], "tuple"), ("a", "tuple"), ([("a", -1, 2)], ">= 0")]:
+            with pytest.raises((InvalidInputError, InvalidTypeError, UnknownRequestError)) as info:
+                m.read_block_ids(bad)
+            assert text in str(info.value), (bad, str(info.value))
+        with pytest.raises(InvalidInputError, match="group 1 does not exist"):
+            m.read_block_ids(spans, group=1)

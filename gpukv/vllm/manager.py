@@ -41,7 +41,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from gpukv.errors import InvalidInputError, InvalidTypeError
@@ -316,26 +315,9 @@ class KVCacheManager:
 
     def read_new_block_ids(self, spans: Sequence[tuple[str, int, int]]) -> list[list[int]]:
         """The block ids of each request ``rid`` at positions ``[start, end)``
-        (``(rid, start, end)``), in one device read: one gather of their block
-        tables (``block_table_for``) at those positions; none when every
-        span is empty."""
-        out: list[list[int]] = [[] for _ in spans]
-        wanted = [i for i, (_, start, end) in enumerate(spans) if end > start]
-        if not wanted:
-            return out
-        table = self.manager.block_table_for([spans[i][0] for i in wanted])[0]  # [len(wanted), M], group 0
-        width = table.shape[1]
-        flat = np.concatenate([np.arange(spans[i][1], spans[i][2], dtype=np.int64) + j * width
-                               for j, i in enumerate(wanted)])
-        values = table.reshape(-1)[torch.from_numpy(flat).to(table.device)]
-        read = getattr(self.manager, "_read", None)  # the device manager's read: counted, on its stream
-        ids = read(values) if read is not None else values.tolist()
-        at = 0
-        for i in wanted:
-            n = spans[i][2] - spans[i][1]
-            out[i] = ids[at: at + n]
-            at += n
-        return out
+        (``(rid, start, end)``), in one device read (the manager's
+        ``read_block_ids``; none when every span is empty)."""
+        return self.manager.read_block_ids(spans)
 
     # ------------------------------------------------------------ inspection
     def get_block_ids(self, request_id: str) -> list[int]:
