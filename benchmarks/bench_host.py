@@ -34,10 +34,11 @@ module's docstring). So, per step:
 
 * ``eager``: the twin's figure plus the launch path of every launch of the
   step (step i of the twin plus sample i of the launch path, back to back);
-* ``replayed`` (decode only; ``gpukv.graphs.DecodeGraphs`` replays a
-  bucket's launches as one CUDA graph): the twin's figure plus one graph
-  launch, counted as 0 here (``cudaGraphLaunch`` cannot run without a GPU);
-  admission and the general step build no graph ("no graph").
+* ``replayed`` (``gpukv.graphs.DecodeGraphs`` replays a decode bucket's
+  launches as one CUDA graph, ``AdmissionGraphs`` an admission's as two):
+  the twin's figure plus the graph launches, counted as 0 here
+  (``cudaGraphLaunch`` cannot run without a GPU; the twin still counts the
+  replayed launches' hooks, a slight over-estimate).
 
 On a GPU the figures are measured directly: ``eager`` is the wall time of
 ``decode``/``step``, ``replayed`` that of ``DecodeGraphs.decode``, each with
@@ -292,6 +293,17 @@ def steps_gpukv(kind: str, work: str, steps: int, warmup: int, batch: int = 16) 
         m = ReferenceManager(num_blocks, BS, **kw)
         times = [host_ms(lambda a=a: m.step(*a)) for a in calls[:-1]]
         return times[fill + warmup:], {}
+    if kind == "graphs":  # on CUDA: the admissions replayed as CUDA graphs
+        from gpukv.graphs import AdmissionGraphs
+
+        dm = DeviceManager(num_blocks, BS, **kw)
+        graphs = AdmissionGraphs(dm)
+        for a in calls[: fill + warmup]:
+            graphs.step(*a)
+        gpu_ms: list[float] = []
+        times = [host_ms(lambda a=a: graphs.step(*a), dm.device, gpu_ms) for a in calls[fill + warmup: -1]]
+        _sync(dm.device)
+        return times, dict(dm.counters.as_dict(), gpu_ms=gpu_ms, graph_replays=graphs.replays)
     m = Twin(lambda: DeviceManager(num_blocks, BS, **kw))
     for a in calls[: fill + warmup]:  # kernels run on both (and compile, on a GPU)
         m.setup("step", *a)
@@ -345,22 +357,22 @@ def _median(xs: list[float]) -> float:
     return float(np.median(np.asarray(xs)))
 
 
-def _repeat_stats(r: dict, launch_us: list[float] | None, interp: bool, decode: bool) -> dict:
+def _repeat_stats(r: dict, launch_us: list[float] | None, interp: bool) -> dict:
     """p50/p99 of one repeat's samples, and their ratios to vLLM's.
 
     ``device``: the twin's figure on the interpreter (kernels and launches
     out), the wall time of the call on CUDA. ``eager``: on the interpreter
     the twin's step i plus the launch path's sample i (``launch_cost``), on
-    CUDA the wall time. ``replayed`` (decode only): on the interpreter the
-    twin's figure plus a graph launch counted as 0 (not measurable without a
-    GPU), on CUDA the wall time through ``DecodeGraphs``."""
+    CUDA the wall time. ``replayed``: on the interpreter the twin's figure
+    plus the graph launches counted as 0 (not measurable without a GPU), on
+    CUDA the wall time through ``DecodeGraphs`` or ``AdmissionGraphs``."""
     dv, vl = r["dv"], r["vl"]
     eager = None
     if not interp:
         eager = dv
     elif launch_us is not None:
         eager = [d + u / 1e3 for d, u in zip(dv, launch_us, strict=True)]
-    replayed = (dv if interp else r.get("gr")) if decode else None
+    replayed = dv if interp else r.get("gr")
     out: dict = {"device_p50_ms": pct(dv, 50), "device_p99_ms": pct(dv, 99), "reference_p50_ms": pct(r["rf"], 50)}
     for name, xs in (("eager", eager), ("replayed", replayed), ("vllm", vl)):
         if xs:
@@ -388,10 +400,10 @@ def _row(label: str, B: int, reps: list[dict], launch: dict | None, interp: bool
     per = []
     for i, r in enumerate(reps):
         us = launch["step_us"][0][i * steps:(i + 1) * steps] if launch else None
-        per.append(_repeat_stats(r, us, interp, decode))
+        per.append(_repeat_stats(r, us, interp))
     counts = {k: v for k, v in reps[-1]["counts"].items() if k not in ("gpu_ms", "launch_list")}
     row: dict = {"work": label, "batch": B, "counters": counts, "repeats": per,
-                 "graph": "DecodeGraphs" if decode else "no graph"}
+                 "graph": "DecodeGraphs" if decode else "AdmissionGraphs"}
     for key in per[0]:
         vals = [p[key] for p in per if key in p]
         row[key] = _median(vals)
@@ -495,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
                 r["dv"], r["counts"] = steps_gpukv("device", kind, args.steps, args.warmup, B or 16)
                 r["rf"], _ = steps_gpukv("reference", kind, args.steps, args.warmup, B or 16)
                 r["vl"] = steps_vllm(vllm_kv, kind, args.steps, args.warmup, B or 16) if vllm_kv else None
+                if not interp:
+                    r["gr"], gc = steps_gpukv("graphs", kind, args.steps, args.warmup, B or 16)
+                    r["gr_gpu"] = gc.get("gpu_ms")
             reps.append(r)
             print(f"  {label} [{rep + 1}/{args.repeats}]: device {pct(r['dv'], 50):.3f} ms"
                   + (f", vLLM {pct(r['vl'], 50):.3f} ms" if r["vl"] else ""), file=sys.stderr)
@@ -523,9 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         c = r["counters"]
         lp = (f"{r['launch_p50_us']:.0f} ({r['per_launch_us']:.1f})" if r.get("per_launch_us") is not None
               else "-")
-        rp = _ms(r, "replayed") if r["graph"] != "no graph" else "no graph"
         print(f"| {r['work']} | {_ms(r, 'vllm')} | {_ms(r, 'device')} | {_ratio(r, 'device')} | {_ms(r, 'eager')} "
-              f"| {_ratio(r, 'eager')} | {rp} | {_ratio(r, 'replayed') if r['graph'] != 'no graph' else '-'} "
+              f"| {_ratio(r, 'eager')} | {_ms(r, 'replayed')} | {_ratio(r, 'replayed')} "
               f"| {lp} | {r['reference_p50_ms']:.3f} | {c.get('launches', '-')} | {c.get('torch_ops', '-')} "
               f"| {c.get('h2d', '-')} | {c.get('d2h', '-')} | {_ms(r, 'gpu')} |")
     if launch:

@@ -606,18 +606,21 @@ class DeviceManager(FailStop):
 
     @mutating
     def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
-             new: Sequence[NewRequest] = (), *, token_budget: int | None = None) -> StepResult:
+             new: Sequence[NewRequest] = (), *, token_budget: int | None = None, graphs=None) -> StepResult:
         """The batched step; same phases and results as the reference's, and
         the same argument checks (``gpukv.request.normalize_step``): a refused
         call raises a ``gpukv.errors`` class and changes nothing.
         ``token_budget`` (vLLM's waiting loop, applied on the device in the
         admission): the tokens the new requests may compute beyond their hits,
-        None for no budget."""
+        None for no budget. ``graphs`` (a ``gpukv.graphs.AdmissionGraphs``)
+        replays the admission's kernels as CUDA graphs instead of launching
+        them."""
         step = self._normalize(finished, running, new)
         token_budget = check_token_budget(token_budget)
         self._begin_changes()
         with self._counting():
-            return self._step(list(step.finished), list(step.running), list(step.new), token_budget=token_budget)
+            return self._step(list(step.finished), list(step.running), list(step.new), token_budget=token_budget,
+                              graphs=graphs)
 
     @mutating
     def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, num_tokens_to_compute=None,
@@ -1041,7 +1044,7 @@ class DeviceManager(FailStop):
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,
-              token_budget: int | None = None) -> StepResult:
+              token_budget: int | None = None, graphs=None) -> StepResult:
         """A step on normalised arguments (``_normalize``): nothing here refuses input."""
         if finished:  # phase 1
             self._release_requests(finished)
@@ -1056,7 +1059,7 @@ class DeviceManager(FailStop):
             cand_rows = [self._rows.take() for _ in new]
             try:
                 status, hits, computed = self._admit_new(new, cand_rows, blocked, hit_caps,
-                                                         token_budget=token_budget)
+                                                         token_budget=token_budget, graphs=graphs)
             except BaseException:
                 self._rows.give_back_unused(cand_rows)  # no row leaks, whatever went wrong
                 raise
@@ -1081,11 +1084,11 @@ class DeviceManager(FailStop):
             assert host is not None  # (a step with new requests always reads)
             deferred = self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
             while deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
-                deferred = self._admission_round(new, result, hit_caps, token_budget, count_stats)
+                deferred = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs)
         return result
 
     def _admission_round(self, new, result: StepResult, hit_caps, token_budget: int | None,
-                         count_stats: bool) -> bool:
+                         count_stats: bool, graphs=None) -> bool:
         """Admit the new requests after the ``result.num_admitted`` admitted
         so far (a round after a deferral, ``_admit_kernel``), with what the
         budget has left; ``result`` grows. Returns whether it deferred again."""
@@ -1096,7 +1099,7 @@ class DeviceManager(FailStop):
         try:
             status, hits, computed = self._admit_new(rest, rows, self._blocked,
                                                      None if hit_caps is None else hit_caps[done:],
-                                                     token_budget=budget_left)
+                                                     token_budget=budget_left, graphs=graphs)
         except BaseException:
             self._rows.give_back_unused(rows)
             raise
@@ -1317,7 +1320,8 @@ class DeviceManager(FailStop):
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
         return ComputedBlocks(blocks, n * self.block_size)
 
-    def _admit_new(self, new, rows, blocked, hit_caps=None, dry: bool = False, token_budget: int | None = None):
+    def _admit_new(self, new, rows, blocked, hit_caps=None, dry: bool = False, token_budget: int | None = None,
+                   graphs=None):
         """Phases 3-5 of a step: the new requests into ``rows``, their
         digests, lookups and admission, then (unless ``dry``) their blocks.
         Planned on the host from the requests' lengths and uploaded once;
@@ -1334,8 +1338,12 @@ class DeviceManager(FailStop):
             errors.bitwise_or_(self._device_tokens_bad([t for _, t in plan.device_tokens]))
         for off, t in plan.device_tokens:
             bufs.views["tokens"][off: off + t.numel()].copy_(t)  # int64 ids wrap to their uint32 bits
-        self._replayed(bufs.prepared, "rows", lambda: prefill_ops.write_rows(bufs.views, tokens=self._rows.tokens,
-                                                                             extras=self._rows.extras))
+        def write_rows() -> None:
+            prefill_ops.write_rows(bufs.views, tokens=self._rows.tokens, extras=self._rows.extras)
+
+        if dry:  # (a lookup only: not worth a graph)
+            graphs = None
+        self._admission_part(plan.bucket, bufs, "rows", write_rows, graphs)
         self._write_extra_keys(new, rows)  # (host work, only for requests with extra keys)
         if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
             self._find_and_admit(bufs, blocked)
@@ -1344,9 +1352,18 @@ class DeviceManager(FailStop):
             self._find_and_admit(bufs, blocked)
             self._take_admitted_blocks(bufs)
 
-        self._replayed(bufs.prepared, "admit", admit_and_take)
+        self._admission_part(plan.bucket, bufs, "admit", admit_and_take, graphs)
         self._expect_events(bufs.alloc.shape[1] + bufs.record.shape[1])
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
+
+    def _admission_part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
+        """One fixed part of the admission's launches: a CUDA graph replay
+        (``graphs``: ``gpukv.graphs.AdmissionGraphs``; not with KV-cache
+        events), else its kept launches replayed (``_replayed``)."""
+        if graphs is not None and self._events is None:
+            graphs.launch((bucket, part), launch)
+        else:
+            self._replayed(bufs.prepared, part, launch)
 
     def _replayed(self, prepared: dict, part: str, launch) -> None:
         """Run ``launch`` (a fixed sequence of launches on fixed buffers) the

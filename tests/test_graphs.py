@@ -1,6 +1,9 @@
-"""CUDA-graph replay of the decode step (``gpukv.graphs``). On a GPU: captured,
-replayed, and equal to the eager step and to the reference after every step.
-Everywhere: refused with a clear error where there is no CUDA device."""
+"""CUDA-graph replay of the decode step and of the admission
+(``gpukv.graphs``). On a GPU: captured, replayed, and equal to the eager
+step and to the reference after every step. Everywhere: refused with a
+clear error where there is no CUDA device, and the launches a graph
+captures hold fixed per bucket (what makes one capture valid for every
+replay)."""
 
 import random
 
@@ -9,7 +12,8 @@ import pytest
 import torch
 
 from gpukv.errors import InvalidInputError
-from gpukv.graphs import DecodeGraphs, buckets
+from gpukv.graphs import AdmissionGraphs, DecodeGraphs, buckets
+from gpukv.kernels import _common
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest
@@ -17,11 +21,55 @@ from gpukv.request import NewRequest
 KEY = bytes(range(16))
 
 
-def test_graphs_need_a_cuda_manager():
+@pytest.mark.parametrize("graphs", [DecodeGraphs, AdmissionGraphs])
+def test_graphs_need_a_cuda_manager(graphs):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidInputError, match="CUDA graphs need a device manager on a CUDA device"):
-        DecodeGraphs(DeviceManager(8, 2, hash_key=KEY, max_model_len=16))
+        graphs(DeviceManager(8, 2, hash_key=KEY, max_model_len=16))
+
+
+class AdmissionCapture:
+    """What ``AdmissionGraphs`` captures, on the CPU: the manager hands it
+    each part of the admission; it runs the launches eagerly every time and
+    records them per key (bucket, part)."""
+
+    def __init__(self) -> None:
+        self.records: dict = {}
+
+    def launch(self, key, launch) -> None:
+        with _common.recording() as rec:
+            launch()
+        self.records.setdefault(key, []).append(rec)
+
+
+def test_an_admission_launches_the_same_sequence_per_bucket_whatever_it_admits():
+    """Steps of one admission bucket admit different requests (hits, misses,
+    pending hits, a refusal, a deferral round) with the same launches, so a
+    graph captured once replays them all; and the results are the eager
+    manager's and the reference's."""
+    kw = dict(hash_key=KEY, max_model_len=64, uncached_first=False)
+    graphed, eager = DeviceManager(14, 2, **kw), DeviceManager(14, 2, **kw)
+    ref = ReferenceManager(14, 2, hash_key=KEY, uncached_first=False)
+    capture = AdmissionCapture()
+    rng = random.Random(5)
+    docs = [[rng.randrange(20) for _ in range(8)] for _ in range(3)]
+    live: list[str] = []
+    for i in range(10):  # two 8-token requests a step (one bucket), sharing prefixes in a small pool
+        new = [NewRequest(f"s{i}-{j}", (rng.choice(docs)[: rng.choice([4, 6, 8])]
+                                        + [rng.randrange(20) for _ in range(8)])[:8]) for j in range(2)]
+        finished = [r for r in live if rng.random() < 0.7]
+        results = [graphed.step(finished, (), new, graphs=capture), eager.step(finished, (), new),
+                   ref.step(finished, (), new)]
+        assert results[0] == results[1] == results[2], i
+        assert _state(graphed) == _state(eager) == _state(ref), i
+        live = [r for r in live if r not in finished] + [r.request_id for r in new[: results[0].num_admitted]]
+    assert {part for _, part in capture.records} == {"rows", "admit"}
+    assert max(len(recs) for recs in capture.records.values()) >= 8  # a bucket, replayed
+    for key, recs in capture.records.items():
+        assert all(r == recs[0] for r in recs), key
+        assert len(recs[0]) == (1 if key[1] == "rows" else 18), key  # 19 launches an admission, as eager
+    graphed.check_invariants()
 
 
 def test_buckets_are_powers_of_two_from_eight():
@@ -88,3 +136,27 @@ def test_graph_replays_write_the_same_kv_events_as_the_reference():
     got, want = flat(graphed.take_events()), flat(ref.take_events())
     assert got == want and any(kind == BlockStored.__name__ for kind, _, _ in got)
     assert graphs.replays > 0
+
+
+@pytest.mark.gpu
+def test_admission_graph_replays_equal_the_eager_step_and_the_reference():
+    rng = random.Random(2)
+    kw = dict(hash_key=KEY, max_model_len=512, max_num_reqs=32, uncached_first=False)
+    eager, graphed = DeviceManager(120, 4, **kw), DeviceManager(120, 4, **kw)
+    ref = ReferenceManager(120, 4, hash_key=KEY, uncached_first=False)
+    graphs = AdmissionGraphs(graphed)
+    docs = [[rng.randrange(50) for _ in range(24)] for _ in range(3)]
+    live: list[str] = []
+    for step in range(30):
+        new = [NewRequest(f"s{step}-{i}", rng.choice(docs)[: rng.randint(4, 24)] + [rng.randrange(50)])
+               for i in range(rng.randint(1, 6))]
+        finished = [r for r in live if rng.random() < 0.5]
+        a = eager.step(finished, (), new, token_budget=64)
+        b = graphs.step(finished, (), new, token_budget=64)
+        c = ref.step(finished, (), new, token_budget=64)
+        assert a == b == c, step
+        torch.cuda.synchronize()
+        assert _state(eager) == _state(graphed) == _state(ref), step
+        live = [r for r in live if r not in finished] + [r.request_id for r in new[: a.num_admitted]]
+    assert graphs.replays > 0
+    graphed.check_invariants()
