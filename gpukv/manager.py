@@ -39,6 +39,7 @@ Without CUDA there are no streams and nothing is done. The decode's parts
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Sequence
@@ -241,6 +242,14 @@ class DecodePlan:
 #: blocks the appended tokens fill, caching of blocks the computed tokens fill.
 DECODE_PHASES = ("release", "fit", "allocate", "hash", "cache")
 _DECODE_PART = {p: f"decode.{p}" for p in DECODE_PHASES}  # their launches' keys in ``DecodeBuffers.prepared``
+_ALL_DECODE_PHASES = frozenset(DECODE_PHASES)
+
+
+@functools.cache
+def _decode_phases(release: bool, allocate: bool, hash_: bool, cache: bool) -> frozenset[str]:
+    """The decode phases with work (``DecodePlan.phases``): one set per combination."""
+    flags = {"release": release, "fit": True, "allocate": allocate, "hash": hash_, "cache": cache}
+    return frozenset(p for p in DECODE_PHASES if flags[p])
 
 
 @dataclass
@@ -701,8 +710,9 @@ class DeviceManager(FailStop):
         filled = comp1 // bs - comp0 // bs
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        A = max(-(-(k + lookahead) // bs), pow2_at_least(int(need_pg.max())))
-        C = max(-(-k // bs), pow2_at_least(int(filled.max())))
+        need_max, filled_max = int(need_pg.max()), int(filled.max())
+        A = max(-(-(k + lookahead) // bs), pow2_at_least(need_max))
+        C = max(-(-k // bs), pow2_at_least(filled_max))
         wg = self._window_groups
         stops: np.ndarray | None = None
         if wg:
@@ -713,17 +723,11 @@ class DeviceManager(FailStop):
         else:
             stops, L = None, 0
         bucket = (pow2_at_least(max(B, 8)), k, L, A, C)
-        phases = {"fit"}
         if self._events is not None:  # (each phase's event entries are drained whether it ran or not)
-            phases = set(DECODE_PHASES)
-        if wg and int(released.max()) > 0:
-            phases.add("release")
-        if int(cum[-1]) > 0:
-            phases.add("allocate")
-        if int(((n + k) // bs - n // bs).max()) > 0:
-            phases.add("hash")
-        if int(filled.max()) > 0:
-            phases.add("cache")
+            phases = _ALL_DECODE_PHASES
+        else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
+            phases = _decode_phases(bool(wg) and int(released.max()) > 0, need_max > 0,
+                                    k > 0 and int((n % bs).max()) + k >= bs, filled_max > 0)
         packed, v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["rows"][B:] = -1
@@ -741,7 +745,7 @@ class DeviceManager(FailStop):
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         return DecodePlan(rows, k, bucket, packed, need, comp1, held1, stops, int(cum[-1]) <= self._free_lower_bound,
-                          frozenset(phases))
+                          phases)
 
     def _host_plan(self, bucket: tuple):
         """The bucket's host plan array (the uploaded part of its layout) and
