@@ -448,6 +448,12 @@ class DeviceManager(FailStop):
         return self._rows.block_table[:, rows]
 
     @reading
+    def num_blocks_held(self, request_id: str) -> int:
+        """The block positions the request holds, per group (host only; the
+        null block counts where a window dropped one)."""
+        return self._num_blocks(self._state(request_id))
+
+    @reading
     def read_block_ids(self, spans: Sequence[tuple[str, int, int]], group: int = 0) -> list[list[int]]:
         """Group ``group``'s block ids of each ``(request_id, start, end)``
         span's request at positions ``[start, end)``, in one device read (a
@@ -455,7 +461,7 @@ class DeviceManager(FailStop):
         none when every span is empty): a serving loop's new blocks of a
         step, for many requests at once."""
         group = check_group(group, self.num_groups)
-        spans = check_block_spans(spans, "spans", lambda rid: self._num_blocks(self._state(rid)))
+        spans = check_block_spans(spans, "spans", self.num_blocks_held)
         counts = np.fromiter((end - start for _, start, end in spans), np.int64, len(spans))
         if not counts.sum():
             return [[] for _ in spans]
@@ -1055,47 +1061,38 @@ class DeviceManager(FailStop):
         blocked = self._blocked
         blocked.zero_()
         run = self._run_updates(running, blocked) if running else None  # phase 2
-        status_parts = [run["n_ok"]] if run is not None else []
-        cand_rows: list[int] = []
+        lead = [run["n_ok"]] if run is not None else []  # (rides on the step's read)
         if not self.enable_caching:
             hit_caps = [0] * len(new)  # no lookup: every hit is 0
-        if new:  # phases 3-5
-            cand_rows = [self._rows.take() for _ in new]
-            try:
-                status, hits, computed = self._admit_new(new, cand_rows, blocked, hit_caps,
-                                                         token_budget=token_budget, graphs=graphs)
-            except BaseException:
-                self._rows.give_back_unused(cand_rows)  # no row leaks, whatever went wrong
-                raise
-            status_parts += [status[: lookup_ops.NUM_STATUS], hits.to(torch.int64), computed.to(torch.int64)]
-        # The one device-to-host read of the step (none when nothing is unknown).
-        host = None
-        if new or (run is not None and run["read"]):
-            host = self._read_step_status(status_parts)
         result = StepResult()
-        pos = 0
+        # The one device-to-host read of the step (none when nothing is unknown),
+        # and one more per admission round after a deferral.
+        host = None
+        if new:  # phases 3-5
+            deferred, host = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs, lead)
+        elif run is not None and run["read"]:
+            host = self._read_step_status(lead)
         if run is not None:
             n_ok = len(running)
             if host is not None:
-                n_ok, pos = int(host[0]), 1
+                n_ok = int(host[0])
             else:  # no read: every update fit, and the bound drops by what they took
                 self._free_lower_bound -= int(run["needs"].sum())
             done, rows = run["rows"][:n_ok], self._rows
             rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
                 run[x][:n_ok] for x in ("n_after", "c1", "a1"))
             result.running_failed_at = None if n_ok == len(running) else n_ok
-        if new:
-            assert host is not None  # (a step with new requests always reads)
-            deferred = self._finish_admission(new, cand_rows, host[pos:], result, count_stats)
-            while deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
-                deferred = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs)
+        while new and deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
+            deferred, _ = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs)
         return result
 
-    def _admission_round(self, new, result: StepResult, hit_caps, token_budget: int | None,
-                         count_stats: bool, graphs=None) -> bool:
+    def _admission_round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool,
+                         graphs=None, lead: Sequence[torch.Tensor] = ()) -> tuple[bool, list]:
         """Admit the new requests after the ``result.num_admitted`` admitted
-        so far (a round after a deferral, ``_admit_kernel``), with what the
-        budget has left; ``result`` grows. Returns whether it deferred again."""
+        so far (all of them in the step's first round; after a deferral,
+        ``_admit_kernel``, the rest), with what the budget has left, in one
+        read that also carries ``lead`` (int64[1] tensors); ``result`` grows.
+        Returns whether it deferred again, and ``lead``'s values."""
         done = result.num_admitted
         rest = new[done:]
         budget_left = None if token_budget is None else token_budget - sum(result.num_new_tokens)
@@ -1105,18 +1102,18 @@ class DeviceManager(FailStop):
                                                      None if hit_caps is None else hit_caps[done:],
                                                      token_budget=budget_left, graphs=graphs)
         except BaseException:
-            self._rows.give_back_unused(rows)
+            self._rows.give_back_unused(rows)  # no row leaks, whatever went wrong
             raise
-        host = self._read_step_status([status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
+        host = self._read_step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
                                        computed.to(torch.int64)])
         part = StepResult()
-        deferred = self._finish_admission(rest, rows, host, part, count_stats)
+        deferred = self._finish_admission(rest, rows, host[len(lead):], part, count_stats)
         result.num_admitted += part.num_admitted
         result.num_computed_tokens += part.num_computed_tokens
         result.rows += part.rows
         result.num_new_tokens += part.num_new_tokens
         result.refused_hit_tokens = part.refused_hit_tokens
-        return deferred
+        return deferred, host[: len(lead)]
 
     def _read_step_status(self, parts: list) -> list:
         """Read the step's status ``parts`` (int64), the free count and the free
@@ -1365,7 +1362,7 @@ class DeviceManager(FailStop):
         (``graphs``: ``gpukv.graphs.AdmissionGraphs``; not with KV-cache
         events), else its kept launches replayed (``_replayed``)."""
         if graphs is not None and self._events is None:
-            graphs.launch((bucket, part), launch)
+            graphs.run((bucket, part), launch)
         else:
             self._replayed(bufs.prepared, part, launch)
 

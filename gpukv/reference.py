@@ -527,12 +527,18 @@ class ReferenceManager(FailStop):
         return [list(b) for b in self._state(request_id).blocks]
 
     @reading
+    def num_blocks_held(self, request_id: str) -> int:
+        """The block positions the request holds, per group (the null block
+        counts where a window dropped one)."""
+        return len(self._state(request_id).blocks[0])
+
+    @reading
     def read_block_ids(self, spans: Sequence[tuple[str, int, int]], group: int = 0) -> list[list[int]]:
         """Group ``group``'s block ids of each ``(request_id, start, end)``
         span's request at positions ``[start, end)`` (a serving loop's new
         blocks of a step, for many requests at once)."""
         group = check_group(group, self.num_groups)
-        spans = check_block_spans(spans, "spans", lambda rid: len(self._state(rid).blocks[group]))
+        spans = check_block_spans(spans, "spans", self.num_blocks_held)
         return [self._requests[rid].blocks[group][start:end] for rid, start, end in spans]
 
     @reading

@@ -324,6 +324,7 @@ def test_read_block_ids_reads_many_requests_spans_in_one_read():
     ref, dev = pair(40, 2)
     for m in (ref, dev):
         m.step(new=[NewRequest("a", list(range(9))), NewRequest("b", [1, 2, 3]), NewRequest("c", list(range(50, 57)))])
+    assert [dev.num_blocks_held(r) for r in "abc"] == [ref.num_blocks_held(r) for r in "abc"] == [5, 2, 4]
     spans = [("c", 1, 3), ("a", 0, 5), ("b", 2, 2), ("a", 4, 5)]
     want = [ref.get_block_ids("c")[0][1:3], ref.get_block_ids("a")[0], [], ref.get_block_ids("a")[0][4:5]]
     before = dev.counters.d2h

@@ -124,7 +124,7 @@ class KVCacheManager:
         self.sliding_window: int | None = getattr(spec, "sliding_window", None)
         self.backend = resolve_backend(backend)
         self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
-                                    sliding_window=getattr(spec, "sliding_window", None),
+                                    sliding_window=self.sliding_window,
                                     max_model_len=max_model_len, enable_caching=self.enable_caching,
                                     max_num_reqs=max_num_reqs)
         # Per request the manager holds: how many of its tokens gpukv has been handed.
@@ -132,9 +132,6 @@ class KVCacheManager:
         # vLLM's len(req_to_block_hashes[id]): the blocks vLLM has hashed for a
         # request (its lookup rule), kept across preemption until free_block_hashes.
         self._num_hashed: dict[str, int] = {}
-        # Per request the manager holds: how many blocks (positions) it holds,
-        # so the blocks a call adds are known on the host (read_new_block_ids).
-        self._num_blocks: dict[str, int] = {}
         # The hit of each request's last lookup, handed back by allocate_slots.
         self._looked_up: dict[str, ComputedBlocks] = {}
         # Requests freed once finished: a second free is a caller's mistake.
@@ -205,7 +202,6 @@ class KVCacheManager:
         if rid in self._num_known:
             self.manager.free(rid)
             del self._num_known[rid]
-            del self._num_blocks[rid]
         if finished:
             self._finished.add(request)
 
@@ -251,17 +247,17 @@ class KVCacheManager:
                                         fix="pass requests that hold blocks (running ones)")
             update, target = self._running_update(request, num_known, num_tokens, num_lookahead_tokens)
             updates.append(update)
-            plans.append((rid, num_known, target, update.num_lookahead_tokens))
+            plans.append((rid, num_known, target))
         if not updates:
             return []
+        held = self.manager.num_blocks_held
+        before = [held(rid) for rid, _, _ in plans]
         result = self.manager.step(running=updates)
         granted = len(updates) if result.running_failed_at is None else result.running_failed_at
         spans = []
-        for rid, num_known, target, slots in plans[:granted]:
-            before = self._num_blocks[rid]
-            after = max(before, -(-(target + slots) // self.block_size))
-            self._granted(rid, num_known, target, after)
-            spans.append((before, after))
+        for (rid, num_known, target), start in zip(plans[:granted], before, strict=False):
+            self._granted(rid, num_known, target)
+            spans.append((start, held(rid)))
         return spans
 
     def waiting_batchable(self, request: Any, num_lookahead_tokens: int = 0) -> bool:
@@ -308,9 +304,8 @@ class KVCacheManager:
         for request, hit, num_new in zip(requests, result.num_computed_tokens, result.num_new_tokens, strict=False):
             rid = request.request_id
             self._looked_up.pop(rid, None)
-            num_blocks = -(-(hit + num_new + num_lookahead_tokens) // self.block_size)
-            self._granted(rid, request.num_tokens, hit + num_new, num_blocks)
-            admitted.append((hit, num_new, (0, num_blocks)))
+            self._granted(rid, request.num_tokens, hit + num_new)
+            admitted.append((hit, num_new, (0, self.manager.num_blocks_held(rid))))
         return admitted
 
     def read_new_block_ids(self, spans: Sequence[tuple[str, int, int]]) -> list[list[int]]:
@@ -340,9 +335,6 @@ class KVCacheManager:
         if held != set(self._num_known):
             raise AssertionError(f"the adapter's requests {sorted(self._num_known)} are not the manager's "
                                  f"{sorted(held)}")
-        num_blocks = {rid: len(self.get_block_ids(rid)) for rid in self._num_known}
-        if num_blocks != self._num_blocks:
-            raise AssertionError(f"the adapter's block counts {self._num_blocks} are not the manager's {num_blocks}")
 
     # -------------------------------------------------------------- internals
     def _new_request(self, request: Any, tokens: Any) -> NewRequest:
@@ -395,12 +387,11 @@ class KVCacheManager:
             stats.queries += self._num_queries(request)
             stats.hits += hit_tokens // self.block_size
 
-    def _granted(self, rid: str, num_known: int, target: int, num_blocks: int) -> None:
+    def _granted(self, rid: str, num_known: int, target: int) -> None:
         """The ledgers after a call gave request ``rid`` its blocks: ``num_known``
-        tokens handed to gpukv, ``target`` computed, ``num_blocks`` held."""
+        tokens handed to gpukv, ``target`` computed."""
         self._num_known[rid] = num_known
         self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
-        self._num_blocks[rid] = num_blocks
 
     def _admit(self, request: Any, num_known: int, num_tokens: int, blocks: list[Any] | None,
                num_lookahead_tokens: int) -> list[Block] | None:
@@ -418,7 +409,7 @@ class KVCacheManager:
         self._looked_up.pop(rid, None)
         if new is None:
             return None
-        self._granted(rid, num_known, target, hit // self.block_size + len(new[0]))
+        self._granted(rid, num_known, target)
         return [Block(b) for b in new[0]]
 
     def _grow(self, request: Any, num_known: int, num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
@@ -428,7 +419,7 @@ class KVCacheManager:
                                           num_lookahead_tokens=update.num_lookahead_tokens)
         if new is None:
             return None
-        self._granted(rid, num_known, target, self._num_blocks[rid] + len(new[0]))
+        self._granted(rid, num_known, target)
         return [Block(b) for b in new[0]]
 
     def _running_update(self, request: Any, num_known: int, num_tokens: int,
