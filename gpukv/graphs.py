@@ -106,10 +106,6 @@ class AdmissionGraphs(_BucketGraphs):
         """``manager.step(...)``, its admission's kernels replayed."""
         return self.manager.step(finished, running, new, token_budget=token_budget, graphs=self)
 
-    def launch(self, key: tuple, launch: Callable[[], None]) -> None:
-        """Called by the manager's admission: ``key`` is (bucket, part)."""
-        self.run(key, launch)
-
 
 def buckets(max_rows: int) -> list[int]:
     """The row buckets a batch of up to ``max_rows`` can fall in (powers of

@@ -174,18 +174,6 @@ def _copy_array(a: np.ndarray, memo: dict) -> np.ndarray:
     return np.ndarray(a.shape, a.dtype, buffer=new_base, offset=offset, strides=a.strides)
 
 
-def _kernel_classes() -> list[type]:
-    from triton.runtime.jit import JITFunction
-
-    classes: list[type] = [JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        classes.append(InterpretedFunction)
-    except ImportError:  # pragma: no cover
-        pass
-    return classes
-
-
 def _clone(m: DeviceManager) -> DeviceManager:
     """A deep copy of ``m`` that goes on as ``m`` would: its own tensors (views
     still views of its own storages), host arrays and prepared launches; the
@@ -194,7 +182,7 @@ def _clone(m: DeviceManager) -> DeviceManager:
     dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
     patched = {types.FunctionType: _copy_function, np.ndarray: _copy_array}
     # Shared, not copied: the Triton kernels, and on a GPU the manager's stream and the staging's events.
-    shared = [*_kernel_classes(), torch.cuda.Stream, torch.cuda.Event]
+    shared = [*_common.triton_function_classes(), torch.cuda.Stream, torch.cuda.Event]
     patched.update({cls: copy._deepcopy_atomic for cls in shared})  # type: ignore[attr-defined]
     saved = {cls: dispatch.get(cls) for cls in patched}
     dispatch.update(patched)

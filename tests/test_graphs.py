@@ -37,7 +37,7 @@ class AdmissionCapture:
     def __init__(self) -> None:
         self.records: dict = {}
 
-    def launch(self, key, launch) -> None:
+    def run(self, key, launch) -> None:
         with _common.recording() as rec:
             launch()
         self.records.setdefault(key, []).append(rec)

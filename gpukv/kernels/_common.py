@@ -390,19 +390,23 @@ def note_launch(name: str, args: tuple = (), kwargs: dict | None = None) -> None
             rec.append((name, sig))
 
 
+def triton_function_classes() -> list[Any]:
+    """The classes whose ``run`` launches a ``@triton.jit`` function: the
+    compiled one's and, where this Triton has it, the interpreter's."""
+    from triton.runtime.jit import JITFunction
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover (a Triton without the interpreter)
+        return [JITFunction]
+    return [JITFunction, InterpretedFunction]
+
+
 def _install_prepare_hook() -> None:
     """Wrap Triton's ``run`` (compiled and interpreted) once, so that while
     ``preparing()`` is active each launch is kept as a callable."""
     import functools
 
-    from triton.runtime.jit import JITFunction
-    classes = [JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        classes.append(InterpretedFunction)
-    except ImportError:  # pragma: no cover
-        pass
-    for cls in classes:
+    for cls in triton_function_classes():
         if getattr(cls.run, "_gpukv_prepare", False):
             continue
         run = cls.run

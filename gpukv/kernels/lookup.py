@@ -40,6 +40,7 @@ from gpukv.kernels._common import (
     max_combine,
     zero_like,
 )
+from gpukv.kernels.free_queue import HEAD, TAIL
 
 # Layout of the admission outputs (``status``, int64).
 ST_ADMITTED = 0  # requests admitted (a prefix of the candidates)
@@ -388,8 +389,8 @@ def _admit_kernel(
     go = (blocked == 0).to(tl.int32)
     lanes = tl.arange(0, TILE)
     # How far the admitted requests' pops reach into the free queue.
-    reach = tl.load(qctr_ptr + 0)
-    tail = tl.load(qctr_ptr + 1)
+    reach = tl.load(qctr_ptr + HEAD)
+    tail = tl.load(qctr_ptr + TAIL)
     doomed = tl.zeros((), tl.int64)  # live untouched entries before ``reach``: the blocks those pops take
     deferred = tl.zeros((), tl.int64)
     for i in range(0, K):

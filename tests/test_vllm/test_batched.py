@@ -27,7 +27,8 @@ from tests.test_vllm.harness import (  # first: it skips the module without vLLM
 )
 from tests.test_vllm.test_differential import CONFIGS, assert_same, describe_output, describe_result
 
-gv = pytest.importorskip("gpukv.vllm")  # (after the harness, which skips the module without vLLM)
+# (after the harness, which skips the module without vLLM)
+gv = pytest.importorskip("gpukv.vllm", reason="gpukv.vllm needs vLLM 0.8.5 installed")
 
 
 def counting_reads(scheduler: Any) -> list[int]:
