@@ -406,14 +406,15 @@ _TENSOR = "gpukv.launch_cost.tensor"
 def _same_launcher_args(kernel: Any, run_call, direct) -> bool:
     """Whether ``JITFunction.run`` (``run_call``) and ``_common.compiled_launch``
     (``direct``) hand the compiled kernel's launcher the same arguments
-    (tensors compared by pointer, shape and strides)."""
+    (a tensor compared by its address, all the launcher reads of it: the
+    compiled launch hands it the address itself)."""
     import torch
     seen: list[tuple] = []
     launcher = kernel.run
 
     def plain(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return x.data_ptr(), x.shape, x.stride()
+            return x.data_ptr()
         if hasattr(x, "data") and hasattr(x, "extras"):  # the launch metadata, a fresh LazyDict per launch
             return "launch metadata", x.data, len(x.extras)
         return x

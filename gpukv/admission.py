@@ -40,6 +40,7 @@ class AdmissionPlan:
     num_tokens: np.ndarray  # int64[K] prompt tokens
     chunk: np.ndarray  # int64[K] the most tokens computed beyond the hit
     lookahead: np.ndarray  # int64[K]
+    max_new_blocks: int  # the most blocks the step can pop, per group
     bucket: tuple
     packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts [TP]
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
@@ -66,8 +67,9 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     # at most ceil((most_new + lookahead) / bs) new blocks per group and
     # caches at most most_new // bs blocks past its hit.
     most_new = chunk if token_budget is None else np.minimum(chunk, max(token_budget, 1))
+    most_blocks = -(-(most_new + lookahead) // bs)
     bucket = (pow2_at_least(max(K, 8)), pow2_at_least(int(max_hit.max())), pow2_at_least(int(ntok.sum())),
-              pow2_at_least(int((-(-(most_new + lookahead) // bs)).max())), pow2_at_least(int((most_new // bs).max())))
+              pow2_at_least(int(most_blocks.max())), pow2_at_least(int((most_new // bs).max())))
     KP = bucket[0]
     cached = host_plans.get(bucket) if host_plans is not None else None
     if cached is None:
@@ -93,7 +95,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
                 device_tokens.append((o, r.token_ids))
             else:
                 packed[base + o: base + o + n] = as_int32_tokens(np.asarray(r.token_ids))
-    return AdmissionPlan(rows_np, ntok, chunk, lookahead, bucket, packed, device_tokens)
+    return AdmissionPlan(rows_np, ntok, chunk, lookahead, int(most_blocks.sum()), bucket, packed, device_tokens)
 
 
 @dataclass

@@ -228,6 +228,7 @@ class DecodePlan:
     bucket: tuple
     packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout
     need: np.ndarray  # int64[B] blocks each row needs (all groups)
+    num_new_blocks: int  # their sum
     computed: np.ndarray  # int64[B] rows' computed tokens after the step
     held: np.ndarray  # int64[B] rows' block positions per group after the step
     window_stops: np.ndarray | None  # int64[B, G] rows' null-block boundaries after the step (windows only)
@@ -750,7 +751,8 @@ class DeviceManager(FailStop):
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
-        return DecodePlan(rows, k, bucket, packed, need, comp1, held1, stops, int(cum[-1]) <= self._free_lower_bound,
+        total = int(cum[-1])
+        return DecodePlan(rows, k, bucket, packed, need, total, comp1, held1, stops, total <= self._free_lower_bound,
                           phases)
 
     def _host_plan(self, bucket: tuple):
@@ -824,12 +826,14 @@ class DeviceManager(FailStop):
 
     def finish_decode(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
         """Bring the host's mirror up to date; reads the device only when the
-        host could not tell that the whole batch fits."""
+        host could not tell that the whole batch fits. (Also the table's
+        rebuild when due: decided on the host, never part of a graph.)"""
         B = len(plan.rows)
         self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        self._rebuild_if_due(plan.num_new_blocks)
         if plan.fits_known:
             n_fit = B
-            self._free_lower_bound -= int(plan.need.sum())
+            self._free_lower_bound -= plan.num_new_blocks
         else:
             parts = self._drain_parts()
             status = self._read(torch.cat([bufs.status, *parts]) if parts else bufs.status)
@@ -1038,6 +1042,14 @@ class DeviceManager(FailStop):
         else:
             _hash_rows(*args, **kw)
 
+    def _rebuild_if_due(self, max_popped: int) -> None:
+        """The hash table's rebuild, when the host's bound on its tombstones
+        says it is due (``DevicePool.rebuild_if_due``); a step calls it after
+        its pops and outside its prepared launches and graphs, which are the
+        same every step."""
+        if self.enable_caching and max_popped:  # (no cached block, no tombstone)
+            self.pool.rebuild_if_due(max_popped)
+
     def _cache_blocks(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
         """Cache the blocks at the valid (group, row, position) entries (the
         pool's ``record``), with their stored-block events."""
@@ -1174,6 +1186,7 @@ class DeviceManager(FailStop):
         if len(rec):
             self._cache_blocks(r_grp, r_row, r_pos, r_upd < n_ok_32)
             self._expect_events(len(rec))
+        self._rebuild_if_due(int(needs.sum()))
         return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
                 "n_ok": n_ok_dev, "read": not fits_known or bool(on_device)}
 
@@ -1354,6 +1367,7 @@ class DeviceManager(FailStop):
             self._take_admitted_blocks(bufs)
 
         self._admission_part(plan.bucket, bufs, "admit", admit_and_take, graphs)
+        self._rebuild_if_due(plan.max_new_blocks * self.num_groups)
         self._expect_events(bufs.alloc.shape[1] + bufs.record.shape[1])
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
 

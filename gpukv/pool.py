@@ -61,6 +61,8 @@ class DevicePool:
         self.touched = torch.full((num_blocks,), -1, **i64)
         self.evictions = torch.zeros(1, **i64)
         self.stamp = torch.zeros(1, **i64)  # admissions so far: each marks ``touched`` with its own
+        # Host: at most this many tombstones in the table (``rebuild_if_due``).
+        self.tombstone_bound = 0
 
     # ------------------------------------------------------------- the verbs
     # What a step does to the pool, each one launcher call with the pool's
@@ -91,11 +93,23 @@ class DevicePool:
         """Cache the blocks at the valid entries under their rows' digests,
         keeping their inputs for verification; returns the insert's inputs
         (``gpukv.kernels.blocks.record``)."""
-        inserted = block_ops.record(group, row, pos, valid, block_table=block_table, tokens=tokens, digests=digests,
-                                    extras=extras, root=root, blk_tokens=self.blk_tokens, blk_parent=self.blk_parent,
-                                    blk_extra=self.blk_extra, table=self.table, scratch=scratch, seq=seq)
-        table_ops.maybe_rebuild(self.table)
-        return inserted
+        return block_ops.record(group, row, pos, valid, block_table=block_table, tokens=tokens, digests=digests,
+                                extras=extras, root=root, blk_tokens=self.blk_tokens, blk_parent=self.blk_parent,
+                                blk_extra=self.blk_extra, table=self.table, scratch=scratch, seq=seq)
+
+    def rebuild_if_due(self, max_popped: int) -> None:
+        """After a step that popped at most ``max_popped`` blocks: each popped
+        block that was cached left at most one tombstone in the hash table,
+        so the host keeps a bound on them and rebuilds the table (two
+        launches) once the bound passes a quarter of its slots, the
+        threshold ``maybe_rebuild`` checks on the device. Decided on the
+        host, a step launches nothing for it until then, where a check on
+        the device costs two launches every step; the rebuild keeps every
+        lookup and order, so when it runs changes no result."""
+        self.tombstone_bound += max_popped
+        if self.tombstone_bound > self.table.capacity // 4:
+            table_ops.rebuild(self.table)
+            self.tombstone_bound = 0
 
     @property
     def free_count(self) -> torch.Tensor:
@@ -105,6 +119,7 @@ class DevicePool:
 
     def reset_prefix_cache(self) -> None:
         table_ops.clear(self.table)
+        self.tombstone_bound = 0
 
     # ------------------------------------------------------ host views (sync)
     def free_queue_list(self) -> list[int]:

@@ -47,6 +47,7 @@ Normalisation, done once per call:
 
 from __future__ import annotations
 
+import array
 import os
 import warnings
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence, Set
@@ -349,7 +350,8 @@ def _short_int_tokens(value: Any) -> np.ndarray | None:
     array; None for anything else (the caller then takes the general path,
     which gives the same array or raises the same error). Short ones are
     checked in a loop; longer ones by one pass over the element types and
-    one min/max over the array (no label or argument name is built)."""
+    one conversion to C unsigned 32-bit ints, which checks the range (no
+    label or argument name is built)."""
     kind = type(value)
     if kind is not list and kind is not tuple:
         return None
@@ -358,18 +360,19 @@ def _short_int_tokens(value: Any) -> np.ndarray | None:
             if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
                 return None
         return np.array(value, _INT64)
-    if set(map(type, value)) != _JUST_INT:
+    if list(map(type, value)).count(int) != len(value):  # plain ints only (a bool is an int to array)
         return None
-    try:
-        arr = np.array(value, _INT64)
+    try:  # C unsigned 32-bit: it raises OverflowError for an id outside [0, 2**32)
+        packed = array.array(_U32_CODE, value)
     except OverflowError:
         return None
-    if arr.min() < 0 or arr.max() > MAX_TOKEN_ID:
-        return None
-    return arr
+    return np.frombuffer(packed, _UINT32).astype(_INT64)
 
 
-_JUST_INT = {int}
+_UINT32 = np.dtype(np.uint32)
+# The array module's code for a 32-bit unsigned C int ("I" on every platform
+# torch supports; checked, since C only promises 16 bits).
+_U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
 
 
 def normalize_token_ids(value: Any, argument: str, request_id: str | None = None, *,
@@ -868,7 +871,7 @@ def _checked_new_requests(nw: list, known: Container[str], limits: ManagerLimits
             raise CapacityError(f"new request {rid!r} has {n} tokens, more than max_model_len "
                                 f"{limits.max_model_len}", argument=name("new", i, "token_ids"),
                                 fix="shorten the prompt or build the manager with a larger max_model_len")
-        if not defer_admissible:
+        if not defer_admissible and not fits_with_no_hit(req, limits):  # (the names are built when it matters)
             check_admissible(req, limits, name("new", i, "num_lookahead_tokens"), name("new", i, "token_ids"))
         requests.append(req)
     if warn:
@@ -876,13 +879,20 @@ def _checked_new_requests(nw: list, known: Container[str], limits: ManagerLimits
     return requests
 
 
+def fits_with_no_hit(req: NewRequest, limits: ManagerLimits) -> bool:
+    """Whether a normalised new request with no lookahead fits the pool even
+    with no cache hit (every group then holds at most its prompt's blocks)."""
+    return req.num_lookahead_tokens == 0 and \
+        len(limits.sliding_windows) * -(-len(req.token_ids) // limits.block_size) < limits.num_blocks
+
+
 def check_admissible(req: NewRequest, limits: ManagerLimits, lookahead_arg: str, tokens_arg: str) -> None:
     """Refuse a normalised new request that could never be admitted: its
     computed tokens plus lookahead slots past ``max_model_len``, or more
     blocks than the whole pool even with the best cache hit."""
+    if fits_with_no_hit(req, limits):
+        return  # so with any hit
     n, rid = len(req.token_ids), req.request_id
-    if req.num_lookahead_tokens == 0 and len(limits.sliding_windows) * -(-n // limits.block_size) < limits.num_blocks:
-        return  # it fits even with no hit (what every group holds then is at most that), so with any hit
     can_hit = limits.caching and not req.skip_prefix_cache
     if req.num_lookahead_tokens:
         best_hit = (n - 1) // limits.block_size if can_hit else 0
@@ -1086,19 +1096,20 @@ def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
             raise InvalidInputError(f"rows[{i}] = {int(items[i])} is not the row of a running request",
                                     argument="rows", fix=fix) from None
     if rows.size:
-        # One pass for the common case; the slow path only finds what to report.
-        if int(rows.min()) >= 0 and int(rows.max()) < len(in_use) and in_use[rows].all():
-            bad = rows[:0]
-        else:
-            bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
-            if bad.size == 0:
-                bad = np.flatnonzero(~in_use[rows])
+        # The common case in one count: each row at most once, and only where
+        # a request is held (a count of 1 where in_use is 0, or of 2, fails);
+        # the slow path only finds what to report.
+        if int(rows.min()) >= 0 and int(rows.max()) < len(in_use) and \
+                (np.bincount(rows, minlength=len(in_use)) <= in_use).all():
+            return rows
+        bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
+        if bad.size == 0:
+            bad = np.flatnonzero(~in_use[rows])
         if bad.size:
             i = int(bad[0])
             raise InvalidInputError(f"rows[{i}] = {int(rows[i])} is not the row of a running request",
                                     argument="rows", fix=fix)
-        if int(np.bincount(rows).max()) > 1:
-            raise InvalidInputError("a row appears twice", argument="rows", fix=fix)
+        raise InvalidInputError("a row appears twice", argument="rows", fix=fix)
     return rows
 
 

@@ -21,15 +21,15 @@ SHARED = list(range(128))
 # "decode": rows of staggered lengths, so that in every step some need a new
 # block and some fill one (every phase runs: a serving batch's steady state).
 EXPECTED = {
-    "full": {"admit": (19, 1, 1), "decode": (10, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
-    "window": {"admit": (19, 1, 1), "decode": (13, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
+    "full": {"admit": (17, 1, 1), "decode": (8, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
+    "window": {"admit": (17, 1, 1), "decode": (11, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
 }
 # An eager decode launches only the phases with work (the host knows from its
 # plan): rows of equal length (16 a block) decoding 17 steps in lockstep.
 # (launches per step: the first step, steps 2-15, step 16, step 17)
 LOCKSTEP = {
-    "full": (4, 1, 7, 4),  # a block each (fit, pop, erase, place); tokens only (fit); each fills one (fit, hash, 5)
-    "window": (4, 1, 10, 4),  # the same, and the window's release (3) in the step its window passes a block
+    "full": (4, 1, 5, 4),  # a block each (fit, pop, erase, place); tokens only (fit); each fills one (fit, hash, 3)
+    "window": (4, 1, 8, 4),  # the same, and the window's release (3) in the step its window passes a block
 }
 WINDOWS = {"full": [None], "window": [None, 32]}
 
@@ -68,3 +68,18 @@ def test_an_eager_decode_launches_only_the_phases_with_work(layout):
         launches.append(counts(m)[0])
     first, middle, fill, after = LOCKSTEP[layout]
     assert launches == [first] + [middle] * 14 + [fill, after]
+
+
+def test_the_table_is_rebuilt_when_the_hosts_bound_on_its_tombstones_passes_a_quarter_of_its_slots():
+    # 64 blocks: 128 slots, so a rebuild is due once the step's pops bound more than 32 tombstones.
+    m = DeviceManager(64, 16, hash_key=bytes(16), max_model_len=1024)
+    launches = []
+    for i in range(6):  # each request pops 10 blocks (160 tokens), cached ones evicted once the pool cycles
+        res = m.step(finished=m.request_ids(), new=[NewRequest(f"r{i}", list(range(1000 * i, 1000 * i + 160)))])
+        assert res.num_admitted == 1
+        launches.append(counts(m)[0])
+        assert m.pool.tombstone_bound == (10 * (i + 1)) % 40  # 10, 20, 30, then 40 > 32: rebuilt, 0
+        m.check_invariants()
+    admit, finish = EXPECTED["full"]["admit"][0], EXPECTED["full"]["finish"][0]
+    assert launches == [admit, admit + finish, admit + finish, admit + finish + 2, admit + finish, admit + finish]
+    assert m.pool.table.read_counters()["tombstones"] <= m.pool.tombstone_bound

@@ -434,10 +434,15 @@ def compiled_launch(fn: Any, kernel: Any, args: tuple, kwargs: dict):
     from every argument, the kernel-cache lookup and the global-value check,
     which give the same kernel for the same arguments every time (a prepared
     launch's arguments are fixed buffers and fixed scalars). Bound once here,
-    with ``fn``'s own binder, so the launcher gets exactly the arguments
-    ``run`` gives it (``tests/kernels/test_compiled_launch.py`` compares them).
-    None (keep ``run``) under the interpreter, or where this Triton's
-    internals differ from 3.x's."""
+    with ``fn``'s own binder, so the launcher gets the arguments ``run``
+    gives it (``benchmarks/launch_cost.py`` compares them), each tensor as
+    its address: the C launcher would otherwise call ``data_ptr()`` on every
+    tensor and ask the driver whether it is a device pointer
+    (``cuPointerGetAttribute``), every launch, for buffers whose storage
+    never moves (the manager prepares anew when it reallocates one,
+    ``rows_generation``) and which the first launch, through ``run``,
+    checked. None (keep ``run``) under the interpreter, or where this
+    Triton's internals differ from 3.x's."""
     from triton import knobs
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -461,11 +466,12 @@ def compiled_launch(fn: Any, kernel: Any, args: tuple, kwargs: dict):
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # another Triton: keep its run
         return None
     hooks = tuple(fn.pre_run_hooks)
+    addresses = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values)
 
-    def launch() -> None:
+    def launch(_keep_alive=values) -> None:  # (the tensors live as long as their addresses are launched)
         for hook in hooks:
             hook(*args, **kw)  # (what ``run`` hands them)
-        runner(*values)
+        runner(*addresses)
 
     return launch
 
