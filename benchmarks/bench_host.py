@@ -53,6 +53,9 @@ Workloads (block size 16, one full-attention group):
   B = 1 .. 1024: the device manager's ``decode(rows, tokens)`` with the tokens
   in a device tensor (as a model runner has them), vLLM's
   ``allocate_slots(request, 1)`` per request, the reference's ``decode``;
+  in a pool of 24 blocks a request, or of ``--decode-pool-blocks`` (a row
+  per size), with prompts from ``--decode-prompt-len`` (a row per length)
+  to 15 more: whether the host's cost stays flat in both;
 * ``prefill``: a step admits 16 requests of 256 tokens sharing a 128-token
   prefix and frees the previous step's 16 (device and reference: one
   ``step``; vLLM: ``free`` + ``get_computed_blocks`` + ``allocate_slots``
@@ -181,29 +184,42 @@ class Twin:
         return self.twin if self.twin is not None else self.real
 
 
-def prompt_len(i: int) -> int:
-    """Request i's prompt in the decode workloads: 100 to 115 tokens, so that
-    from B = 16 on, every step some rows need a new block and some fill one
-    (every phase of the step runs, as in a serving batch), not all at once."""
-    return 100 + i % BS
+#: Shortest prompt of the decode workloads (``--decode-prompt-len``).
+PROMPT_LEN = 100
 
 
-def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float], dict]:
+def prompt_len(i: int, shortest: int = PROMPT_LEN) -> int:
+    """Request i's prompt in the decode workloads: 100 to 115 tokens by
+    default, so that from B = 16 on, every step some rows need a new block
+    and some fill one (every phase of the step runs, as in a serving batch),
+    not all at once."""
+    return shortest + i % BS
+
+
+def decode_pool_blocks(B: int, pool: int | None) -> int:
+    """The decode workloads' pool: ``pool`` blocks, or by default room for
+    every request's prompt and steps with blocks to spare."""
+    return B * 24 + 8 if pool is None else pool
+
+
+def decode_gpukv(kind: str, B: int, steps: int, warmup: int, pool: int | None = None,
+                 shortest: int = PROMPT_LEN) -> tuple[list[float], dict]:
     """Host ms per decode step (``kind``: "device", "reference", or on CUDA
     "graphs": the device manager through ``gpukv.graphs.DecodeGraphs``)."""
     rng = random.Random(B)
     kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=B)
-    new = [NewRequest(f"d{i}", [rng.randrange(VOCAB) for _ in range(prompt_len(i))]) for i in range(B)]
+    new = [NewRequest(f"d{i}", [rng.randrange(VOCAB) for _ in range(prompt_len(i, shortest))]) for i in range(B)]
     rows = np.arange(B, dtype=np.int64)  # rows are handed out from 0
+    num_blocks = decode_pool_blocks(B, pool)
     if kind == "reference":
-        m = ReferenceManager(B * 24 + 8, BS, **kw)
+        m = ReferenceManager(num_blocks, BS, **kw)
         m.step(new=new)
         times = [host_ms(lambda: m.decode(rows, np.random.randint(0, VOCAB, size=B)))
                  for _ in range(warmup + steps)]
         return times[warmup:], {}
     if kind == "graphs":
-        return _decode_graphs(B, steps, warmup, kw, new, rows)
-    m = Twin(lambda: DeviceManager(B * 24 + 8, BS, **kw))
+        return _decode_graphs(B, steps, warmup, kw, new, rows, num_blocks)
+    m = Twin(lambda: DeviceManager(num_blocks, BS, **kw))
     m.setup("step", (), (), new)
     toks = [(rows, torch.randint(0, VOCAB, (B,), device=m.dev)) for _ in range(warmup + steps + 1)]
     for a in toks[:warmup]:  # kernels run on both (and compile, on a GPU)
@@ -213,12 +229,13 @@ def decode_gpukv(kind: str, B: int, steps: int, warmup: int) -> tuple[list[float
     return times, dict(_count(m, "decode", *toks[-1]), gpu_ms=m.gpu_ms)
 
 
-def _decode_graphs(B: int, steps: int, warmup: int, kw: dict, new: list, rows) -> tuple[list[float], dict]:
+def _decode_graphs(B: int, steps: int, warmup: int, kw: dict, new: list, rows,
+                   num_blocks: int) -> tuple[list[float], dict]:
     """On CUDA: the decode replayed as one CUDA graph per bucket (the first
     step of the bucket captures it, in the warm-up)."""
     from gpukv.graphs import DecodeGraphs
 
-    m = DeviceManager(B * 24 + 8, BS, **kw)
+    m = DeviceManager(num_blocks, BS, **kw)
     m.step(new=new)
     graphs = DecodeGraphs(m)
     toks = [torch.randint(0, VOCAB, (B,), device=m.device) for _ in range(warmup + steps)]
@@ -230,11 +247,12 @@ def _decode_graphs(B: int, steps: int, warmup: int, kw: dict, new: list, rows) -
     return times, dict(m.counters.as_dict(), gpu_ms=gpu_ms, graph_replays=graphs.replays)
 
 
-def decode_vllm(vllm_kv, B: int, steps: int, warmup: int) -> list[float]:
+def decode_vllm(vllm_kv, B: int, steps: int, warmup: int, pool: int | None = None,
+                shortest: int = PROMPT_LEN) -> list[float]:
     rng = random.Random(B)
-    d = VllmDriver(vllm_kv, num_blocks=B * 24 + 8, max_model_len=4096)
+    d = VllmDriver(vllm_kv, num_blocks=decode_pool_blocks(B, pool), max_model_len=4096)
     rids = [f"d{i}" for i in range(B)]
-    d.admit([(r, [rng.randrange(VOCAB) for _ in range(prompt_len(i))]) for i, r in enumerate(rids)])
+    d.admit([(r, [rng.randrange(VOCAB) for _ in range(prompt_len(i, shortest))]) for i, r in enumerate(rids)])
     times = []
     for s in range(warmup + steps):
         toks = [rng.randrange(VOCAB) for _ in rids]
@@ -470,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                         "under the interpreter)")
     p.add_argument("--churn", action=argparse.BooleanOptionalAction, default=True,
                    help="the churn workload (8 new 1,024-token requests a step into a full pool)")
+    p.add_argument("--decode-pool-blocks", type=int, nargs="*", default=[None],
+                   help="pool sizes of the decode workloads (a row per size; default: 24 blocks a request)")
+    p.add_argument("--decode-prompt-len", type=int, nargs="*", default=[PROMPT_LEN],
+                   help="shortest prompts of the decode workloads (a row per length; prompts run to it + 15)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per workload and repeat")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles every variant)")
     p.add_argument("--repeats", type=int, default=3,
@@ -487,21 +509,28 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({platform.machine()}), Triton interpreter"
     if interp:
         launch_cost.install()  # before any manager prepares its launches
-    work = [(f"decode B={B}", "decode", B) for B in args.batches]
-    work += [(f"prefill {B}x256 (128 shared)", "prefill", B) for B in args.prefill_batches]
+    work = []
+    for B in args.batches:
+        for pool in args.decode_pool_blocks:
+            for shortest in args.decode_prompt_len:
+                label = f"decode B={B}" + (f", pool {pool}" if pool is not None else "") + (
+                    f", prompts {shortest}+" if shortest != PROMPT_LEN else "")
+                work.append((label, "decode", (B, pool, shortest)))
+    work += [(f"prefill {B}x256 (128 shared)", "prefill", (B, None, 0)) for B in args.prefill_batches]
     if args.churn:
-        work += [("churn 8x1024 into a full pool", "churn", 0)]
+        work += [("churn 8x1024 into a full pool", "churn", (0, None, 0))]
     done = []
-    for label, kind, B in work:
+    for label, kind, (B, pool, shortest) in work:
         reps = []
         for rep in range(args.repeats):
             r: dict = {}
             if kind == "decode":
-                r["dv"], r["counts"] = decode_gpukv("device", B, args.steps, args.warmup)
-                r["rf"], _ = decode_gpukv("reference", B, args.steps, args.warmup)
-                r["vl"] = decode_vllm(vllm_kv, B, args.steps, args.warmup) if vllm_kv else None
+                shape = dict(pool=pool, shortest=shortest)
+                r["dv"], r["counts"] = decode_gpukv("device", B, args.steps, args.warmup, **shape)
+                r["rf"], _ = decode_gpukv("reference", B, args.steps, args.warmup, **shape)
+                r["vl"] = decode_vllm(vllm_kv, B, args.steps, args.warmup, **shape) if vllm_kv else None
                 if not interp:
-                    r["gr"], gc = decode_gpukv("graphs", B, args.steps, args.warmup)
+                    r["gr"], gc = decode_gpukv("graphs", B, args.steps, args.warmup, **shape)
                     r["gr_gpu"] = gc.get("gpu_ms")
             else:
                 r["dv"], r["counts"] = steps_gpukv("device", kind, args.steps, args.warmup, B or 16)
