@@ -1089,7 +1089,7 @@ class DeviceManager(FailStop):
             if host is not None:
                 n_ok = int(host[0])
             else:  # no read: every update fit, and the bound drops by what they took
-                self._free_lower_bound -= int(run["needs"].sum())
+                self._free_lower_bound -= run["total"]
             done, rows = run["rows"][:n_ok], self._rows
             rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
                 run[x][:n_ok] for x in ("n_after", "c1", "a1"))
@@ -1165,7 +1165,8 @@ class DeviceManager(FailStop):
         nb1 = np.maximum(nb0, -(-(c1 + lookahead) // bs))  # lookahead blocks held are kept
         needs = (nb1 - nb0) * G
         self._rows.write_tokens(rows, n, adds, self._up)
-        fits_known, n_ok_dev, count = self._updates_that_fit(np.cumsum(needs), blocked)
+        cum = np.cumsum(needs)
+        fits_known, n_ok_dev, count = self._updates_that_fit(cum, blocked)
         n_ok_32 = n_ok_dev.to(torch.int32)
         # Entries, uploaded together: allocations in pop order (update, group,
         # position); digests for every known block that became full; cache
@@ -1186,8 +1187,9 @@ class DeviceManager(FailStop):
         if len(rec):
             self._cache_blocks(r_grp, r_row, r_pos, r_upd < n_ok_32)
             self._expect_events(len(rec))
-        self._rebuild_if_due(int(needs.sum()))
-        return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "needs": needs, "fits_known": fits_known,
+        total = int(cum[-1])  # blocks all the updates need
+        self._rebuild_if_due(total)
+        return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "total": total, "fits_known": fits_known,
                 "n_ok": n_ok_dev, "read": not fits_known or bool(on_device)}
 
     def _updates_that_fit(self, cum: np.ndarray, blocked) -> tuple:

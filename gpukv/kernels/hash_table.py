@@ -804,10 +804,11 @@ def clear(table: HashTable) -> None:
     )
 
 
-#: Programs of a rebuild launch, whatever the pool's size: ``maybe_rebuild``
-#: runs every caching step, and when no rebuild is due its cost is this many
-#: programs reading one flag (a step's cost must not grow with the pool); when
-#: one is due they stride over the tiles (about one wave on an H100/H200).
+#: Programs of a rebuild launch, whatever the pool's size: when
+#: ``maybe_rebuild`` finds no rebuild due its cost is this many programs
+#: reading one flag (a check's cost must not grow with the pool); when one is
+#: due they stride over the tiles (about one wave on an H100/H200). (The
+#: manager's steps decide on the host instead: ``DevicePool.rebuild_if_due``.)
 _REBUILD_PROGRAMS = 128
 
 
