@@ -227,8 +227,7 @@ class DecodePlan:
     # group, new blocks and newly cached blocks per row and group
     bucket: tuple
     packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout
-    need: np.ndarray  # int64[B] blocks each row needs (all groups)
-    num_new_blocks: int  # their sum
+    num_new_blocks: int  # the blocks all rows need (all groups)
     computed: np.ndarray  # int64[B] rows' computed tokens after the step
     held: np.ndarray  # int64[B] rows' block positions per group after the step
     window_stops: np.ndarray | None  # int64[B, G] rows' null-block boundaries after the step (windows only)
@@ -752,7 +751,7 @@ class DeviceManager(FailStop):
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         total = int(cum[-1])
-        return DecodePlan(rows, k, bucket, packed, need, total, comp1, held1, stops, total <= self._free_lower_bound,
+        return DecodePlan(rows, k, bucket, packed, total, comp1, held1, stops, total <= self._free_lower_bound,
                           phases)
 
     def _host_plan(self, bucket: tuple):
