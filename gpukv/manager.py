@@ -107,6 +107,20 @@ _hash_rows = (hash_rows_host if _runtime.INTERPRETED and os.environ.get("GPUKV_H
               else hash_rows)
 
 
+#: The largest element of a non-empty array: the ufunc's reduce, without
+#: ``ndarray.max``'s Python wrapper (a decode plan takes three).
+_max = np.maximum.reduce
+
+
+def _block_counter(block_size: int):
+    """``tokens -> tokens // block_size`` for int64 arrays: a shift where the
+    block size is a power of two (numpy's integer division is the slower)."""
+    if block_size & (block_size - 1):
+        return lambda a: a // block_size
+    shift = block_size.bit_length() - 1
+    return lambda a: a >> shift
+
+
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -226,8 +240,9 @@ class DecodePlan:
     # (BP, k, L, A, C): rows, tokens per row, window releases per row and
     # group, new blocks and newly cached blocks per row and group
     bucket: tuple
-    packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout
+    packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout (this step's ``_host_plan``)
     num_new_blocks: int  # the blocks all rows need (all groups)
+    num_tokens: np.ndarray  # int64[B] rows' known tokens after the step
     computed: np.ndarray  # int64[B] rows' computed tokens after the step
     held: np.ndarray  # int64[B] rows' block positions per group after the step
     window_stops: np.ndarray | None  # int64[B, G] rows' null-block boundaries after the step (windows only)
@@ -259,6 +274,7 @@ class DecodeBuffers:
     inside a decode step, so a CUDA graph can capture it)."""
 
     plan: torch.Tensor
+    uploaded: torch.Tensor  # the part of ``plan`` the host sends (``_UPLOADED``)
     views: dict
     new_tokens: torch.Tensor
     count: torch.Tensor
@@ -268,7 +284,8 @@ class DecodeBuffers:
     release_workspace: torch.Tensor
     record_scratch: torch.Tensor
     record_seq: torch.Tensor
-    prepared: dict = field(default_factory=dict)  # "decode" -> (rows generation, replayable launches)
+    prepared: dict = field(default_factory=dict)  # phase's part -> (rows generation, replayable launches)
+    runs: dict = field(default_factory=dict)  # phases -> (rows generation, their launches in order)
 
 
 class DeviceManager(FailStop):
@@ -300,6 +317,7 @@ class DeviceManager(FailStop):
         # The stream every call runs on (module docstring, "Streams"); None without CUDA.
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.block_size = block_size
+        self._blocks_of = _block_counter(block_size)  # full blocks in a number of tokens
         self.sliding_windows = windows
         self.num_groups = len(windows)
         self._policies = policies(windows, block_size)  # one per group (``gpukv.windows``)
@@ -708,15 +726,17 @@ class DeviceManager(FailStop):
         B = len(rows)
         n = self._rows.num_tokens[rows] if num_tokens is None else num_tokens
         comp0, held0 = self._rows.num_computed[rows], self._rows.num_held[rows]
-        comp1 = n + k if chunks is None else comp0 + chunks
-        held1 = np.maximum(held0, (comp1 + (lookahead + bs - 1)) // bs)  # lookahead blocks held are kept
+        ntok1 = n + k
+        comp1 = ntok1 if chunks is None else comp0 + chunks
+        blocks_of = self._blocks_of  # (a shift where the block size is a power of two)
+        held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + bs - 1)))  # lookahead blocks held are kept
         need_pg = held1 - held0
         need = need_pg * G if G > 1 else need_pg  # new blocks, all groups
-        cum = np.cumsum(need)
-        filled = comp1 // bs - comp0 // bs
+        cum = np.add.accumulate(need)
+        filled = blocks_of(comp1) - blocks_of(comp0)
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        need_max, filled_max = int(need_pg.max()), int(filled.max())
+        need_max, filled_max = int(_max(need_pg)), int(_max(filled))
         A = max(-(-(k + lookahead) // bs), pow2_at_least(need_max))
         C = max(-(-k // bs), pow2_at_least(filled_max))
         wg = self._window_groups
@@ -732,18 +752,20 @@ class DeviceManager(FailStop):
         if self._events is not None:  # (each phase's event entries are drained whether it ran or not)
             phases = _ALL_DECODE_PHASES
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
-            phases = _decode_phases(bool(wg) and int(released.max()) > 0, need_max > 0,
-                                    k > 0 and int((n % bs).max()) + k >= bs, filled_max > 0)
+            fills_known = k > 0 and filled_max > 0 and int(_max(n % bs)) + k >= bs  # (none filled: none known filled)
+            phases = _decode_phases(bool(wg) and int(released.max()) > 0, need_max > 0, fills_known, filled_max > 0)
         packed, v = self._host_plan(bucket)
         v["rows"][:B] = rows
-        v["rows"][B:] = -1
         v["ntok"][:B] = n
         v["comp0"][:B] = comp0
         v["comp1"][:B] = comp1
         v["held"][:B] = held0
         v["need"][:B] = need_pg
         v["cum"][:B] = cum
-        v["cum"][B:] = decode_ops.BIG
+        if v["padded_from"] != B:  # (the rows past the batch: no row, beyond every total)
+            v["rows"][B:] = -1
+            v["cum"][B:] = decode_ops.BIG
+            v["padded_from"] = B
         if stops is not None and L:
             ell = np.arange(L)
             v["r_row"][:B] = rows[:, None, None]
@@ -751,19 +773,22 @@ class DeviceManager(FailStop):
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         total = int(cum[-1])
-        return DecodePlan(rows, k, bucket, packed, total, comp1, held1, stops, total <= self._free_lower_bound,
+        return DecodePlan(rows, k, bucket, packed, total, ntok1, comp1, held1, stops, total <= self._free_lower_bound,
                           phases)
 
     def _host_plan(self, bucket: tuple):
-        """The bucket's host plan array (the uploaded part of its layout) and
-        its named views, with the parts that never change filled in."""
-        cached = self._host_plans.get(bucket)
+        """This step's host plan array of the bucket (the uploaded part of its
+        layout: ``Staging.host_array``, written in place and sent as it is)
+        and its named views, with the parts that never change filled in."""
+        parity = self._staging.parity
+        cached = self._host_plans.get((bucket, parity))
         if cached is not None:
             return cached
         BP, k, L = bucket[:3]
         uploaded = [(name, size) for name, size in self._decode_layout(bucket) if name in _UPLOADED]
-        packed = np.zeros(sum(size for _, size in uploaded), dtype=np.int32)
-        views, off = {}, 0
+        packed = self._staging.host_array(("decode", bucket), sum(size for _, size in uploaded))
+        views: dict[str, Any] = {}
+        off = 0
         for name, size in uploaded:
             views[name] = packed[off: off + size]
             off += size
@@ -773,15 +798,16 @@ class DeviceManager(FailStop):
                 views[name] = views[name].reshape(BP, W, L)
             views["r_grp"][:] = np.array(self._window_groups)[None, :, None]
             views["r_call"][:] = np.arange(BP)[:, None, None] * G + views["r_grp"]
+        views["padded_from"] = -1  # the batch size whose padding the views hold (none yet)
         cached = (packed, views)
-        self._host_plans[bucket] = cached
+        self._host_plans[(bucket, parity)] = cached
         return cached
 
     def stage_decode(self, plan: DecodePlan, tokens) -> DecodeBuffers:
         """Upload the plan and the new tokens into the bucket's fixed buffers
         (pinned, non-blocking; tokens already on the device are copied there)."""
         bufs = self._decode_buffers(plan.bucket)
-        self._staging.upload(plan.packed, out=bufs.plan)
+        self._staging.upload_host(("decode", plan.bucket), bufs.uploaded)
         B = len(plan.rows)
         if isinstance(tokens, torch.Tensor):
             bufs.new_tokens[:B].copy_(tokens)  # as int64 (int32 sign-extended): decode_fit checks the range
@@ -797,11 +823,18 @@ class DeviceManager(FailStop):
         costs host time whatever it does). The first step of a bucket to run
         a phase runs its launchers and keeps the launches; later steps replay
         them, skipping the launchers' Python."""
-        run = DECODE_PHASES if phases is None else [p for p in DECODE_PHASES if p in phases]
+        key = _ALL_DECODE_PHASES if phases is None else phases
+        kept = bufs.runs.get(key)
+        if kept is not None and kept[0] == self.rows_generation and self._events is None:
+            for one in kept[1]:  # (the phases' kept launches, in order: one loop, no lookup per phase)
+                one()
+            return
+        run = [p for p in DECODE_PHASES if p in key and (p != "release" or bucket[2])]  # (no window group: none)
         for phase in run:
-            if phase == "release" and not bucket[2]:
-                continue  # (no window group)
             self._replayed(bufs.prepared, _DECODE_PART[phase], lambda p=phase: self._launch_decode_phase(p, bufs))
+        if self._events is None:
+            gen = self.rows_generation
+            bufs.runs[key] = (gen, [one for p in run for one in bufs.prepared[_DECODE_PART[p]][1]])
 
     def _launch_decode_phase(self, phase: str, bufs: DecodeBuffers) -> None:
         v, pool = bufs.views, self.pool
@@ -841,10 +874,14 @@ class DeviceManager(FailStop):
             self._check_errors(status[decode_ops.ST_QUEUE_ERRORS], "new_token_ids")
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
-        done = plan.rows[:n_fit]
-        self._rows.num_tokens[done] += plan.tokens_per_row
-        self._rows.num_computed[done] = plan.computed[:n_fit]
-        self._rows.num_held[done] = plan.held[:n_fit]
+        rows = self._rows
+        if n_fit == B:
+            rows.num_tokens[plan.rows], rows.num_computed[plan.rows], rows.num_held[plan.rows] = (
+                plan.num_tokens, plan.computed, plan.held)
+        else:
+            done = plan.rows[:n_fit]
+            rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
+                plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
         if plan.window_stops is not None:
             self._rows.null_until[plan.rows] = plan.window_stops
         return StepResult(running_failed_at=None if n_fit == B else n_fit)
@@ -873,8 +910,10 @@ class DeviceManager(FailStop):
             views[name] = plan[off: off + size]
             off += size
         views["alloc"], views["record"] = views["alloc"].view(5, EA), views["record"].view(4, E)
+        uploaded = sum(size for name, size in sizes.items() if name in _UPLOADED)
         bufs = DecodeBuffers(
-            plan=plan, views=views, new_tokens=torch.zeros((BP, k), dtype=torch.int64, device=dev),
+            plan=plan, uploaded=plan[:uploaded], views=views,
+            new_tokens=torch.zeros((BP, k), dtype=torch.int64, device=dev),
             count=torch.zeros(1, dtype=torch.int64, device=dev),
             status=torch.zeros(decode_ops.NUM_STATUS, dtype=torch.int64, device=dev),
             popped=torch.zeros(EA, dtype=torch.int32, device=dev),

@@ -307,10 +307,19 @@ def _token_error(problem: str, argument: str, type_error: bool):
     return cls(problem, argument=argument, fix="pass a 1-D sequence of int token ids in [0, 2**32)")
 
 
+def _ids_in_range(arr: np.ndarray) -> bool:
+    """Whether every id of a non-empty integer array is in ``[0, 2**32)``: one
+    reduction (read as unsigned, a negative id is above the range), where
+    finding the bad one takes four."""
+    if arr.dtype.itemsize == 8:
+        return int(np.maximum.reduce(arr.view(np.uint64), axis=None)) <= MAX_TOKEN_ID
+    return arr.dtype.kind == "u" or int(np.minimum.reduce(arr, axis=None)) >= 0  # (narrower: never above)
+
+
 def _checked_int_array(arr: np.ndarray, argument: str, label: str, copy: bool = True) -> np.ndarray:
     """An integer array's values checked in one vectorised pass; as int64, a
     fresh copy unless ``copy`` is False (the array is already the manager's)."""
-    if arr.size:
+    if arr.size and not _ids_in_range(arr):
         bad = np.flatnonzero((arr > MAX_TOKEN_ID) | (arr < 0)) if arr.dtype.kind == "i" else \
             np.flatnonzero(arr > MAX_TOKEN_ID)
         if bad.size:
@@ -1097,10 +1106,14 @@ def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
                                     argument="rows", fix=fix) from None
     if rows.size:
         # The common case in one count: each row at most once, and only where
-        # a request is held (a count of 1 where in_use is 0, or of 2, fails);
-        # the slow path only finds what to report.
-        if int(rows.min()) >= 0 and int(rows.max()) < len(in_use) and \
-                (np.bincount(rows, minlength=len(in_use)) <= in_use).all():
+        # a request is held (a count of 1 where in_use is 0, or of 2, fails;
+        # a row past the end makes the count longer, a negative one makes
+        # bincount refuse); the slow path only finds what to report.
+        try:
+            counts = np.bincount(rows, minlength=len(in_use))
+        except ValueError:
+            counts = None
+        if counts is not None and len(counts) == len(in_use) and np.less_equal(counts, in_use).all():
             return rows
         bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
         if bad.size == 0:
@@ -1136,6 +1149,8 @@ def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | No
         kind = value.device.type
         if device is not None and value.device == device:
             if kind == "cpu":  # the interpreter's device is the host: check it here, keep the tensor
+                if value.dim() == 1 and len(value) == num_rows and _ids_in_range(value.numpy()):
+                    return value.view(num_rows, 1)  # (integer tensors carry no autograd: nothing to detach)
                 checked = _decode_token_rows(value.detach().numpy(), num_rows, fix, copy=False)
                 return value.detach().reshape(checked.shape)
             tokens = value if value.dim() == 2 else value.reshape(-1, 1) if value.dim() == 1 else None

@@ -49,6 +49,8 @@ class Staging:
         self._want = 0  # bytes a step needed that a buffer did not hold
         self._keep: list[torch.Tensor] = []  # one-off pinned tensors of this step
         self._open = False  # inside a step (``begin_step`` .. ``end_step``)
+        # ``host_array``'s arrays: key -> (two host tensors, their numpy views)
+        self._fixed: dict = {}
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
@@ -99,6 +101,33 @@ class Staging:
             return out
         out.view(-1)[: host.numel()].copy_(host.view(-1), non_blocking=True)
         return out
+
+    @property
+    def parity(self) -> int:
+        """Which of the two buffers (and ``host_array``'s arrays) this step uses."""
+        return self._cur
+
+    def host_array(self, key: object, size: int) -> np.ndarray:
+        """This step's int32 host array for ``key`` (``size`` elements, kept
+        between steps), to fill and then send with ``upload_host``. Two per
+        key alternate with the steps, as the staging buffers do (pinned on
+        CUDA, and the same step events guard them), so a pending copy never
+        reads what the host writes. A plan written in place this way is sent
+        with one copy: ``upload`` would copy it into a staging buffer and
+        build tensor views of it first, every step."""
+        if not self._open:
+            raise RuntimeError("Staging.host_array is for use inside a step (begin_step ... end_step)")
+        pair = self._fixed.get(key)
+        if pair is None:
+            tensors = tuple(self._alloc(4 * size).view(torch.int32).zero_() for _ in range(2))
+            pair = self._fixed[key] = (tensors, tuple(t.numpy() for t in tensors))
+        return pair[1][self._cur]
+
+    def upload_host(self, key: object, out: torch.Tensor) -> None:
+        """Copy this step's ``host_array(key)`` into ``out`` (a device buffer
+        of its size), without waiting."""
+        self.counters.h2d += 1
+        out.copy_(self._fixed[key][0][self._cur], non_blocking=True)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         dtype = torch.from_numpy(array[:0].reshape(-1)).dtype

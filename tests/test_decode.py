@@ -100,11 +100,19 @@ def test_device_decode_matches_the_reference_step_by_step(windows, seed):
 BAD = {
     "a row no request holds": ([3], [1], InvalidInputError, "rows[0] = 3 is not the row of a running request"),
     "a negative row": ([-1], [1], InvalidInputError, "rows[0] = -1"),
+    "a row past the last": ([0, 9], [1, 2], InvalidInputError, "rows[1] = 9 is not the row of a running request"),
     "a row twice": ([0, 0], [1, 2], InvalidInputError, "a row appears twice"),
     "rows as a str": ("0", [1], InvalidTypeError, "rows"),
     "float rows": (np.array([0.0]), [1], InvalidTypeError, "1-D integer array"),
     "too few tokens": ([0, 1], [1], InvalidInputError, "want [2] or [2, k]"),
     "a negative token": ([0], [-1], InvalidInputError, "outside [0, 2**32)"),
+    # A 1-D CPU tensor takes the one-reduction check (the interpreter's device tensor).
+    "a negative token in a tensor": ([0, 1], torch.tensor([4, -1]), InvalidInputError,
+                                     "position 1 is -1, outside [0, 2**32)"),
+    "a token 2**32 in a tensor": ([0, 1], torch.tensor([2**32, 4]), InvalidInputError,
+                                  "position 0 is 4294967296, outside"),
+    "a negative int32 token in a tensor": ([0], torch.tensor([-7], dtype=torch.int32), InvalidInputError,
+                                           "position 0 is -7, outside"),
     "float tokens": ([0], [1.5], InvalidTypeError, "must be ints"),
     "past max_model_len": ([0], np.ones((1, 7), dtype=np.int64), CapacityError, "over max_model_len 8"),
 }

@@ -164,9 +164,14 @@ def _copy_function(f: types.FunctionType, memo: dict) -> types.FunctionType:
 
 def _copy_array(a: np.ndarray, memo: dict) -> np.ndarray:
     """A numpy array, a view as a view of the copy of its base (a decode
-    bucket's host plan is one packed array and named views of it)."""
+    bucket's host plan is one packed array and named views of it, and the
+    packed array a view of a staging tensor: ``Staging.host_array``)."""
     base = a.base
-    if not isinstance(base, np.ndarray) or base.base is not None:
+    if isinstance(base, torch.Tensor):  # host memory of a tensor: a view of the tensor's copy
+        new_tensor = copy.deepcopy(base, memo)
+        offset = a.__array_interface__["data"][0] - base.data_ptr()
+        return np.ndarray(a.shape, a.dtype, buffer=new_tensor.numpy(), offset=offset, strides=a.strides)
+    if not isinstance(base, np.ndarray) or (base.base is not None and not isinstance(base.base, torch.Tensor)):
         return a.copy(order="K")
     new_base = copy.deepcopy(base, memo)
     assert new_base.strides == base.strides

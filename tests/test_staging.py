@@ -65,6 +65,16 @@ class LaggingGpu:
                 return
         self.issued += 1  # a one-off region: fresh memory
 
+    def write(self, where: tuple) -> None:
+        """The host is about to write the whole of ``where`` (a ``host_array``)."""
+        for cb, _cs, _ce, n in self.copies:
+            if cb == where and n > self.done:
+                self.hazards.append(f"host wrote host array {where} while copy {n} from it may still be pending")
+
+    def copy(self, where: tuple) -> None:
+        self.issued += 1
+        self.copies.append((where, 0, 0, self.issued))
+
 
 class PinnedOnCpu(Staging):
     """``Staging``'s pinned path on the CPU: plain buffers, every write and
@@ -78,6 +88,14 @@ class PinnedOnCpu(Staging):
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def host_array(self, key, size):
+        self.gpu.write((key, self._cur))
+        return super().host_array(key, size)
+
+    def upload_host(self, key, out):
+        self.gpu.copy((key, self._cur))
+        super().upload_host(key, out)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         host = super()._host_view(array)
@@ -143,3 +161,45 @@ def test_block_table_for_between_steps_never_overwrites_a_pending_copy(gpu):
         ids += [r.request_id for r in new]
     assert gpu.issued > 10
     assert not gpu.hazards, gpu.hazards
+
+
+def test_host_arrays_alternate_with_the_steps_and_are_written_only_after_their_copy(gpu):
+    """``Staging.host_array``: the decode's plan, written in place and sent
+    as it is. Each step gets the other of its two arrays; the one it writes
+    was last sent two steps before, whose event the step waited on."""
+    s = PinnedOnCpu(torch.device("cpu"), StepCounters(), gpu, nbytes=1024)
+    with pytest.raises(RuntimeError, match="inside a step"):
+        s.host_array("plan", 4)
+    out = torch.zeros(4, dtype=torch.int32)
+    arrays = []
+    for step in range(4):
+        s.begin_step()
+        host = s.host_array("plan", 4)
+        host[:] = step
+        s.upload_host("plan", out)
+        s.end_step()
+        arrays.append(host)
+        assert out.tolist() == [step] * 4
+    assert arrays[0] is arrays[2] and arrays[1] is arrays[3] and arrays[0] is not arrays[1]
+    assert not gpu.hazards, gpu.hazards
+    s.begin_step()
+    s._cur ^= 1  # (as if this step skipped its wait: the array it gets was sent last step)
+    s.host_array("plan", 4)
+    assert gpu.hazards
+
+
+def test_decodes_between_other_steps_never_overwrite_a_pending_plan(gpu):
+    """Decodes (their plans in host arrays) interleaved with admissions and
+    ``block_table_for`` calls between steps, each of which flips the buffers."""
+    m = DeviceManager(64, 4, hash_key=KEY, max_model_len=256, max_num_reqs=16, device="cpu")
+    m._staging = PinnedOnCpu(m.device, m.counters, gpu)
+    m.step(new=[NewRequest("a", list(range(9))), NewRequest("b", list(range(5)))])
+    for k in range(6):
+        assert m.decode([0, 1], [[k], [k + 1]]).ok
+        if k % 2:
+            m.block_table_for(["a"])
+        if k % 3 == 0:
+            assert m.step(new=[NewRequest(f"c{k}", [50 + k] * 3)]).ok
+    assert sum(1 for c in gpu.copies if isinstance(c[0], tuple)) == 6  # every decode sent its plan
+    assert not gpu.hazards, gpu.hazards
+    m.check_invariants()
