@@ -6,8 +6,8 @@ kernels that read only the bucket's fixed device buffers and the pool: no
 host-dependent branch, no allocation, no per-step scalar argument
 (``tests/test_decode.py`` holds the sequence fixed on the CPU). So the
 sequence can be captured once per bucket in a ``torch.cuda.CUDAGraph`` and
-replayed every step, which turns about eight launches into one (eleven beside
-a sliding window)::
+replayed every step, which turns seven launches into one (ten beside a
+sliding window)::
 
     graphs = DecodeGraphs(manager)
     res = graphs.decode(rows, sampled_tokens)   # = manager.decode(...), replayed

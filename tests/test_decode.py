@@ -162,14 +162,15 @@ def test_a_decode_step_is_a_fixed_launch_sequence_within_its_bucket():
         assert all(r == graph.records[0] for r in graph.records), windows
         # fit, pop, erase, place, hash, record, insert (2); windows: release (3) first (the table's
         # rebuild is decided on the host, outside the graph)
-        assert len(graph.records[0][1]) == (11 if windows[1:] else 8)
+        assert len(graph.records[0][1]) == (10 if windows[1:] else 7)
 
 
 def test_a_steady_decode_keeps_one_bucket_and_launches_only_the_phases_with_work():
     """Rows of equal length need a block every other step (block size 2) and
     fill one on the others: one bucket (so one graph) for all the steps,
     while an eager step launches only what it needs: the fit and the pops
-    (4 launches), or the fit, the digests and the caching (5)."""
+    (3 launches: the place erases their hashes too), or the fit, the digests and the
+    caching (5)."""
     _, dev = pair(64, 2, max_model_len=64, max_num_reqs=8)
     rows = dev.step(new=[NewRequest(f"r{i}", [i, i]) for i in range(3)]).rows
     eager, graph = [], GraphLaunches(dev)
@@ -177,10 +178,10 @@ def test_a_steady_decode_keeps_one_bucket_and_launches_only_the_phases_with_work
         with _common.recording() as rec:
             assert dev.decode(rows, [t] * 3).ok
         eager.append(len(rec))
-    assert eager == [4, 5, 4, 5]
+    assert eager == [3, 5, 3, 5]
     for t in range(4):  # 7, 8, 9, 10 tokens, the graph's way
         assert dev.decode(rows, [t] * 3, graphs=graph).ok
-    assert all(r == graph.records[0] for r in graph.records) and len(graph.records[0][1]) == 8
+    assert all(r == graph.records[0] for r in graph.records) and len(graph.records[0][1]) == 7
 
 
 def test_an_eager_decode_that_needs_nothing_launches_only_the_fit():

@@ -21,15 +21,15 @@ SHARED = list(range(128))
 # "decode": rows of staggered lengths, so that in every step some need a new
 # block and some fill one (every phase runs: a serving batch's steady state).
 EXPECTED = {
-    "full": {"admit": (17, 1, 1), "decode": (8, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
-    "window": {"admit": (17, 1, 1), "decode": (11, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
+    "full": {"admit": (16, 1, 1), "decode": (7, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
+    "window": {"admit": (16, 1, 1), "decode": (10, 2, 0), "append": (0, 3, 0), "finish": (3, 1, 0)},
 }
 # An eager decode launches only the phases with work (the host knows from its
 # plan): rows of equal length (16 a block) decoding 17 steps in lockstep.
 # (launches per step: the first step, steps 2-15, step 16, step 17)
 LOCKSTEP = {
-    "full": (4, 1, 5, 4),  # a block each (fit, pop, erase, place); tokens only (fit); each fills one (fit, hash, 3)
-    "window": (4, 1, 8, 4),  # the same, and the window's release (3) in the step its window passes a block
+    "full": (3, 1, 5, 3),  # a block each (fit, pop, place+erase); tokens only (fit); each fills one (fit, hash, 3)
+    "window": (3, 1, 8, 3),  # the same, and the window's release (3) in the step its window passes a block
 }
 WINDOWS = {"full": [None], "window": [None, 32]}
 

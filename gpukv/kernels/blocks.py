@@ -10,7 +10,8 @@ record.
   free queue (``free_queue.remove``).
 * ``place``: blocks popped from the free queue go to the table positions that
   asked for them, in order (rank = prefix sum over the positions), with one
-  reference each.
+  reference each, and lose their hash-table entry (lazy eviction) in the
+  same launch.
 * ``record``: newly full blocks keep a copy of what they were computed from
   (parent digest, tokens, extra digest) so later hits can be verified, then
   join the hash table in batch order.
@@ -26,6 +27,7 @@ import triton.language as tl
 
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
+from gpukv.kernels.hash_table import erase_blocks
 from gpukv.kernels._common import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
 
 #: Entries per program of every kernel here (``_common.ENTRY_TILE``: why 256).
@@ -183,7 +185,7 @@ def touch(blocks, valid, *, ref_cnt, fq) -> None:
     fq_ops.remove(fq, blocks, was_free)
 
 
-@triton.jit(do_not_specialize=["E", "R"])
+@triton.jit(do_not_specialize=["E", "R", "cap", "N"])
 def _place_kernel(
     popped_ptr,               # int32[>= wanted] the popped blocks, in pop order
     want_ptr,                 # bool/int8/uint8/int32[E] entry e takes a block where != 0
@@ -191,16 +193,30 @@ def _place_kernel(
     g_ptr, row_ptr, pos_ptr,  # int32/int64[E] each entry's group, request row, block position
     bt_ptr,                   # int32[G, R, M] block tables (written: the wanted entries)
     ref_ptr,                  # int32[N] blocks' reference counts (1 for each block placed)
+    slot_block_ptr,           # int32[cap] the hash table's slots' blocks (its entries of placed blocks erased)
+    block_slot_ptr,           # int32[N] ... each block's slot (NO_SLOT for each placed block)
+    table_ctr_ptr,            # int64[NUM_COUNTERS] ... its counters (LIVE, TOMBSTONES, ERRORS)
+    evictions_ptr,            # int64[1] increased by the placed blocks that were cached
     E,                        # entries
     R,                        # request rows of the block tables
     M,                        # block positions per row
+    cap,                      # the hash table's slots (a power of two)
+    N,                        # blocks in the pool (ids 0..N-1)
     TILE: tl.constexpr,       # entries per program (a power of two)
 ):
+    """Each wanted entry takes its popped block (``popped[rank]``, a block
+    id >= 1; -1 where the pop came short, which writes -1 and counts
+    nothing) with one reference, and the block's hash-table entry goes
+    (lazy eviction: ``hash_table.erase_blocks``). The wanted entries' ranks
+    are ``0 .. count - 1``, so each popped block is erased and placed once,
+    by the program of its entry; entries are independent, so programs run
+    in any order."""
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < E
     want = lane & (tl.load(want_ptr + offs, mask=lane, other=0) != 0)
     rank = tl.load(rank_ptr + offs, mask=want, other=0)
     b = tl.load(popped_ptr + rank, mask=want, other=0)
+    erase_blocks(slot_block_ptr, block_slot_ptr, table_ctr_ptr, evictions_ptr, b, want, cap, N, True)
     g = tl.load(g_ptr + offs, mask=want, other=0).to(tl.int64)
     r = tl.load(row_ptr + offs, mask=want, other=0).to(tl.int64)
     p = tl.load(pos_ptr + offs, mask=want, other=0).to(tl.int64)
@@ -217,10 +233,12 @@ def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, e
     number of wanted entries before each) and ``popped`` (int32[E] scratch)
     let a caller that planned them on the device skip the prefix sum.
     ``on_popped(popped)`` (optional) sees the popped blocks before their
-    hashes go (KV-cache events)."""
+    hashes go (KV-cache events). Two launches: the pop, then the place,
+    which erases the blocks' hashes as it places them."""
     _check_entries(block_table, group, row, pos)
     check_tensor(want, "want", dtypes=MASK_DTYPES)
     check_tensor(ref_cnt, "ref_cnt", dtypes=INT32)
+    check_tensor(evictions, "evictions", dtypes=INT64, shape=(1,))
     if rank is not None:
         check_tensor(rank, "rank", dtypes=INDEX_DTYPES)
     E = want.numel()
@@ -231,12 +249,12 @@ def allocate(count, want, group, row, pos, *, block_table, ref_cnt, fq, table, e
     fq_ops.pop(fq, count, popped)
     if on_popped is not None:
         on_popped(popped)
-    table_ops.erase(table, popped, erased=evictions)  # popped[count:] = -1 is padding
     if rank is None:
         rank = (torch.cumsum(want.to(torch.int32), 0) - 1).to(torch.int32)
     G, R, M = block_table.shape
-    _place_kernel[(triton.cdiv(E, _TILE),)](popped, want, rank, group, row, pos, block_table, ref_cnt, E, R, M,
-                                            TILE=_TILE)
+    _place_kernel[(triton.cdiv(E, _TILE),)](popped, want, rank, group, row, pos, block_table, ref_cnt,
+                                            table.slot_block, table.block_slot, table.counters, evictions,
+                                            E, R, M, table.capacity, table.num_blocks, TILE=_TILE)
 
 
 @triton.jit(do_not_specialize=["root_lo", "root_hi", "K", "R"])

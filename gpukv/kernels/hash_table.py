@@ -399,6 +399,40 @@ def _find_kernel(
     tl.store(out_ptr + offs, best_blk, mask=m)
 
 
+@triton.jit
+def erase_blocks(slot_block_ptr, block_slot_ptr, counters_ptr, erased_ptr, blk, v, cap, N,
+                 COUNT_ERASED: tl.constexpr):
+    """Remove the table entries of a tile of blocks ``blk`` where ``v``
+    (distinct blocks across the whole launch): a block that is not cached
+    is skipped, a negative id too (padding), an id ``>= N`` sets
+    ``ERR_BAD_BLOCK``. Updates LIVE and TOMBSTONES (and ``erased_ptr``, an
+    int64[1], by the entries removed, with ``COUNT_ERASED``) atomically, so
+    any number of programs may erase at once, in any order. Shared by
+    ``_erase_kernel`` and the allocation's place (``blocks._place_kernel``),
+    which erases each block it places."""
+    bad = v & (blk >= N)
+    want = v & (blk >= 0) & (blk < N)
+    slot = tl.load(block_slot_ptr + blk, mask=want, other=_D_NO_SLOT)
+    want = want & (slot >= 0)
+    # A slot followed by an EMPTY one ends every probe that reaches it, so it
+    # can become EMPTY itself instead of a tombstone. Concurrent erases of
+    # neighbours stay correct: the next slot is read either before (a block or
+    # a tombstone -> we leave a tombstone) or after it became EMPTY (which it
+    # did only because the slot after it was EMPTY), both a sequential order.
+    nxt = tl.load(slot_block_ptr + ((slot + 1) & (cap - 1)), mask=want, other=0)
+    to_empty = nxt == _D_EMPTY
+    tl.store(slot_block_ptr + slot, tl.where(to_empty, _D_EMPTY, _D_TOMBSTONE), mask=want)
+    tl.store(block_slot_ptr + blk, tl.full(blk.shape, _D_NO_SLOT, tl.int32), mask=want)
+    n_gone = tl.sum(want.to(tl.int64), 0)
+    n_tomb = tl.sum((want & (~to_empty)).to(tl.int64), 0)
+    tl.atomic_add(counters_ptr + _D_LIVE, -n_gone, mask=n_gone > 0)
+    tl.atomic_add(counters_ptr + _D_TOMBSTONES, n_tomb, mask=n_tomb > 0)
+    if COUNT_ERASED:  # allocation's evictions: the popped blocks that were cached
+        tl.atomic_add(erased_ptr, n_gone, mask=n_gone > 0)
+    err = tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK
+    tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
+
+
 @triton.jit(do_not_specialize=["K", "cap", "N"])
 def _erase_kernel(
     slot_block_ptr,              # int32[cap] the slots' blocks (written: EMPTY or TOMBSTONE where erased)
@@ -422,28 +456,7 @@ def _erase_kernel(
         v = m & (tl.load(valid_ptr + offs, mask=m, other=0) != 0)
     else:
         v = m
-    # Negative ids are padding (a pop's unfilled tail): skipped, no error.
-    bad = v & (blk >= N)
-    want = v & (blk >= 0) & (blk < N)
-    slot = tl.load(block_slot_ptr + blk, mask=want, other=_D_NO_SLOT)
-    want = want & (slot >= 0)
-    # A slot followed by an EMPTY one ends every probe that reaches it, so it
-    # can become EMPTY itself instead of a tombstone. Concurrent erases of
-    # neighbours stay correct: the next slot is read either before (a block or
-    # a tombstone -> we leave a tombstone) or after it became EMPTY (which it
-    # did only because the slot after it was EMPTY), both a sequential order.
-    nxt = tl.load(slot_block_ptr + ((slot + 1) & (cap - 1)), mask=want, other=0)
-    to_empty = nxt == _D_EMPTY
-    tl.store(slot_block_ptr + slot, tl.where(to_empty, _D_EMPTY, _D_TOMBSTONE), mask=want)
-    tl.store(block_slot_ptr + blk, tl.full([TILE], _D_NO_SLOT, tl.int32), mask=want)
-    n_gone = tl.sum(want.to(tl.int64), 0)
-    n_tomb = tl.sum((want & (~to_empty)).to(tl.int64), 0)
-    tl.atomic_add(counters_ptr + _D_LIVE, -n_gone, mask=n_gone > 0)
-    tl.atomic_add(counters_ptr + _D_TOMBSTONES, n_tomb, mask=n_tomb > 0)
-    if COUNT_ERASED:  # allocation's evictions: the popped blocks that were cached
-        tl.atomic_add(erased_ptr, n_gone, mask=n_gone > 0)
-    err = tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK
-    tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
+    erase_blocks(slot_block_ptr, block_slot_ptr, counters_ptr, erased_ptr, blk, v, cap, N, COUNT_ERASED)
 
 
 @triton.jit

@@ -66,6 +66,30 @@ def test_allocate_evicts_cached_blocks_it_pops():
     assert list(table.entries().values()) == [[3]]
 
 
+def test_allocate_erases_the_popped_blocks_hashes_as_it_places_them_across_programs():
+    """The place kernel erases each placed block's table entry (the pop's
+    evictions): 600 wanted entries among 800 (three programs of 256), the
+    first 600 free blocks popped, 1..700 cached before."""
+    N, E = 1024, 800
+    fq, table, ref, bt = setup(num_blocks=N, rows=8, M=100)
+    cached = torch.arange(1, 701, dtype=torch.int32)
+    keys = cached.to(torch.int64) * 7919
+    table_ops.insert(table, keys, keys + 1, 0, cached, torch.ones(700, dtype=torch.int32))
+    want = (torch.arange(E) % 4 != 3).to(torch.int32)
+    e = torch.arange(E, dtype=torch.int32)
+    ev = torch.zeros(1, dtype=torch.int64)
+    blocks.allocate(torch.tensor([600]), want, torch.zeros(E, dtype=torch.int32), e // 100, e % 100,
+                    block_table=bt, ref_cnt=ref, fq=fq, table=table, evictions=ev)
+    assert ev.tolist() == [600]
+    assert sorted(b for blks in table.entries().values() for b in blks) == list(range(601, 701))
+    table.check_invariants()
+    placed = bt[0].reshape(-1)[want.bool()]
+    assert placed.tolist() == list(range(1, 601))  # in entry order
+    assert bt[0].reshape(-1)[~want.bool()].tolist() == [0] * 200
+    assert ref[1:601].tolist() == [1] * 600 and ref[601:].tolist() == [0] * (N - 601)
+    assert fq.to_list() == list(range(601, N))
+
+
 def test_record_copies_inputs_and_inserts_in_order():
     fq, table, ref, bt = setup()
     bt[0, 0, :2] = i32([5, 6])
