@@ -33,7 +33,10 @@ C launcher, compiled for sm_90 and linked against a stub CUDA driver whose
 module's docstring). So, per step:
 
 * ``eager``: the twin's figure plus the launch path of every launch of the
-  step (step i of the twin plus sample i of the launch path, back to back);
+  step (step i of the twin plus sample i of the launch path, back to back):
+  a launch the manager replays through its compiled launcher, any other
+  (a free's release, the table's rebuild) through ``JITFunction.run``, as
+  each goes on a GPU (the table's "launches" column counts those);
 * ``replayed`` (``gpukv.graphs.DecodeGraphs`` replays a decode bucket's
   launches as one CUDA graph, ``AdmissionGraphs`` an admission's as two):
   the twin's figure plus the graph launches, counted as 0 here
@@ -430,6 +433,7 @@ def _row(label: str, B: int, reps: list[dict], launch: dict | None, interp: bool
     if launch:
         n = launch["launches"][0]
         row["launches_timed"] = n
+        row["launches_not_replayed"] = launch.get("not_replayed", [0])[0]  # timed through JITFunction.run
         if n:
             row["per_launch_us"] = row["launch_p50_us"] / n
     return row
@@ -465,6 +469,13 @@ def _twin_check(argv: list[str], rows: list[dict]) -> None:
             return "- | - | -"
         print(f"| {r['work']} | {cell('eager_p50_ms')} | {cell('replayed_p50_ms')} |")
         r["twin"] = {k: t.get(k) for k in ("eager_p50_ms", "replayed_p50_ms", "device_p50_ms")}
+
+
+def _launches(r: dict) -> str:
+    """The step's launches, and how many of them the manager does not replay
+    (the eager column times those through ``JITFunction.run``)."""
+    n, run = r["counters"].get("launches", "-"), r.get("launches_not_replayed")
+    return f"{n} ({run} not replayed)" if run else f"{n}"
 
 
 def _ms(r: dict, name: str) -> str:
@@ -569,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
               else "-")
         print(f"| {r['work']} | {_ms(r, 'vllm')} | {_ms(r, 'device')} | {_ratio(r, 'device')} | {_ms(r, 'eager')} "
               f"| {_ratio(r, 'eager')} | {_ms(r, 'replayed')} | {_ratio(r, 'replayed')} "
-              f"| {lp} | {r['reference_p50_ms']:.3f} | {c.get('launches', '-')} | {c.get('torch_ops', '-')} "
+              f"| {lp} | {r['reference_p50_ms']:.3f} | {_launches(r)} | {c.get('torch_ops', '-')} "
               f"| {c.get('h2d', '-')} | {c.get('d2h', '-')} | {_ms(r, 'gpu')} |")
     if launch:
         print(f"Launch path per kernel, us (median, one kernel's launch back to back; Triton {launch['triton']}, "

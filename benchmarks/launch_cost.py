@@ -36,13 +36,16 @@ leaves it out. This module measures it, per launch a step makes:
    (CPU memory: a pointer is a number to the launch path) and is run once
    untimed, which compiles the kernel for sm_90 with Triton's real compiler
    and loads it (the warm cache of a GPU process after warm-up); then the
-   step's launches are timed back to back, each as the device manager's
-   replay makes it: ``path="compiled"`` (the default), the launch
-   ``kernels/_common.py: preparing`` keeps on a GPU
+   step's launches are timed back to back, each as the device manager
+   makes it on a GPU: ``path="compiled"`` (the default), a launch the
+   manager replays (recorded inside ``_common.run_prepared``:
+   ``Launch.replayed``) as ``kernels/_common.py: preparing`` keeps it
    (``_common.compiled_launch``: the pre-run hooks, then the compiled
-   kernel's ``kernel[grid]`` launcher); ``path="run"``, Triton's whole
-   ``JITFunction.run`` per launch (what the manager replayed before, and
-   what an unprepared launch costs). Both paths are checked to hand the
+   kernel's ``kernel[grid]`` launcher), and any other launch (a free's
+   release, the table's rebuild, a running update's launches, the first
+   step of a bucket) through Triton's whole ``JITFunction.run``, as it
+   goes on a GPU; ``path="run"``, every launch through ``JITFunction.run``
+   (what the manager replayed before). Both paths are checked to hand the
    launcher the same arguments (``same_launcher_args``).
 
 Included: everything from ``JITFunction.run`` to the driver call, Triton's
@@ -194,6 +197,9 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: tuple  # sorted (key, value) pairs
+    # A launch the manager replays (``_common.run_prepared``): on a GPU its
+    # compiled launcher; any other launch goes through ``JITFunction.run``.
+    replayed: bool = False
 
     @property
     def kernel(self) -> str:
@@ -215,8 +221,9 @@ def _launch(module: str, name: str, grid: Any, args: tuple, kwargs: dict) -> Lau
     if callable(grid):
         raise Unavailable(f"{module}.{name}: a callable grid cannot be recorded")
     kw = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    from gpukv.kernels import _common
     return Launch(module, name, tuple(int(g) for g in grid), _spec(tuple(args)),
-                  tuple(sorted((k, _spec(v)) for k, v in kw.items())))
+                  tuple(sorted((k, _spec(v)) for k, v in kw.items())), _common.replaying())
 
 
 _recorders: list[list] = []
@@ -380,7 +387,7 @@ def measure(jobs: dict[str, list[list[Launch]]], *, samples: int = 30, per_kerne
     stub = build_stub(root)
     with tempfile.TemporaryDirectory(prefix="gpukv-launch-cost-") as tmp:
         inp, out = os.path.join(tmp, "in.pkl"), os.path.join(tmp, "out.json")
-        plain = {name: [[(ln.module, ln.name, ln.grid, _plain(ln.args), _plain(ln.kwargs)) for ln in step]
+        plain = {name: [[(ln.module, ln.name, ln.grid, _plain(ln.args), _plain(ln.kwargs), ln.replayed) for ln in step]
                          for step in steps] for name, steps in jobs.items()}
         with open(inp, "wb") as f:  # plain Python values only (the child imports this file as __main__)
             pickle.dump({"jobs": plain, "samples": samples, "per_kernel_reps": per_kernel_reps, "stub": stub,
@@ -534,11 +541,14 @@ def _child(inp: str, out: str) -> None:
                 same_args &= _same_launcher_args(kernel, call, direct)
     compile_s = time.perf_counter() - t0
     if job["path"] == "compiled":  # time what the manager's replays call (``_common.preparing``)
-        for name in steps:
-            for calls in steps[name]:
-                for i, call in enumerate(calls):
-                    names_of[id(compiled[id(call)])] = names_of[id(call)]
-                    calls[i] = compiled[id(call)]
+        for name, job_steps in job["jobs"].items():
+            for step, calls in zip(job_steps, steps[name], strict=True):
+                for i, (plain, call) in enumerate(zip(step, calls, strict=True)):
+                    if Launch(*plain).replayed:  # (any other launch goes through ``run``, as on a GPU)
+                        names_of[id(compiled[id(call)])] = names_of[id(call)]
+                        calls[i] = compiled[id(call)]
+                    else:
+                        names_of[id(call)] += " (not replayed: JITFunction.run)"
     clock = time.perf_counter
     result: dict[str, Any] = {"jobs": {}, "compile_s": compile_s}
     calls_made, reached_before = 0, reached.value
@@ -555,7 +565,9 @@ def _child(inp: str, out: str) -> None:
                     call()
                 times.append((clock() - t) * 1e6)
             per_step.append(times)
-        result["jobs"][name] = {"step_us": per_step, "launches": [len(c) for c in job_calls]}
+        run_calls = [sum(" (not replayed" in names_of[id(c)] for c in calls) for calls in job_calls]
+        result["jobs"][name] = {"step_us": per_step, "launches": [len(c) for c in job_calls],
+                                "not_replayed": run_calls}
     # Every timed launch went the whole way to the (stub) driver's cuLaunchKernelEx.
     result["timed_launches"], result["reached_driver"] = calls_made, reached.value - reached_before
     # Each distinct kernel alone (its first recorded launch), for the per-launch figure: the median over

@@ -288,6 +288,18 @@ class DecodeBuffers:
     runs: dict = field(default_factory=dict)  # phases -> (rows generation, their launches in order)
 
 
+@dataclass
+class ReleaseBuffers:
+    """Fixed device buffers of one release bucket (``_release_entries``):
+    the uploaded entries (int32[5, EP]: group, row, position, call, valid),
+    the kernels' scratch, and the kept launches."""
+
+    plan: torch.Tensor
+    scratch: torch.Tensor
+    workspace: torch.Tensor
+    prepared: dict = field(default_factory=dict)  # "release" -> (rows generation, replayable launches)
+
+
 class DeviceManager(FailStop):
     """Device-resident manager with the reference's API (``gpukv.reference``),
     plus the batched ``decode(rows, new_token_ids)`` entry for serving loops.
@@ -362,6 +374,7 @@ class DeviceManager(FailStop):
         self._decode_bufs: dict[tuple, DecodeBuffers] = {}
         self._host_plans: dict[tuple, tuple] = {}
         self._admission_bufs: dict[tuple, AdmissionBuffers] = {}
+        self._release_bufs: dict[int, ReleaseBuffers] = {}  # by entries (padded), for ``_release_entries``
         self._admission_plans: dict[tuple, np.ndarray] = {}
         self._blocked = torch.zeros(1, dtype=torch.int32, device=self.device)  # a running update did not fit
 
@@ -826,8 +839,7 @@ class DeviceManager(FailStop):
         key = _ALL_DECODE_PHASES if phases is None else phases
         kept = bufs.runs.get(key)
         if kept is not None and kept[0] == self.rows_generation and self._events is None:
-            for one in kept[1]:  # (the phases' kept launches, in order: one loop, no lookup per phase)
-                one()
+            _common.run_prepared(kept[1])  # (the phases' kept launches, in order: no lookup per phase)
             return
         run = [p for p in DECODE_PHASES if p in key and (p != "release" or bucket[2])]  # (no window group: none)
         for phase in run:
@@ -1311,8 +1323,39 @@ class DeviceManager(FailStop):
         self._rows.release(rows)
 
     def _release_entries(self, rows, grp, pos, call) -> None:
-        """Release the blocks at these block-table entries (one upload)."""
-        self.pool.release(self._rows.block_table, *self._up_packed(grp, rows, pos, call))
+        """Release the blocks at these block-table entries: one upload into
+        fixed buffers of a size bucket (entries padded to a power of two from
+        16, the padding masked off), whose three launches the first release
+        of the bucket keeps and later ones replay (``_replayed``), as the
+        decode's: a free launched anew went through Triton's whole launch
+        path three times, and its launchers' checks, every step that
+        finished a request."""
+        E = len(grp)
+        bufs = self._release_buffers(pow2_at_least(max(E, 16)))
+        EP = bufs.workspace.numel()
+        host = self._staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
+        host[:4, :E] = (grp, rows, pos, call)
+        host[4, :E] = 1
+        if E < EP:  # padding: no entry, and a call of its own after the last (calls never decrease)
+            host[3, E:] = int(call[-1]) + 1
+            host[4, E:] = 0
+        self._staging.upload_host(("release", EP), bufs.plan)
+        self._replayed(bufs.prepared, "release", lambda: self._launch_release(bufs))
+
+    def _launch_release(self, bufs: ReleaseBuffers) -> None:
+        grp, row, pos, call, valid = bufs.plan.view(5, -1)
+        self.pool.release(self._rows.block_table, grp, row, pos, call, valid=valid, scratch=bufs.scratch,
+                          workspace=bufs.workspace)
+
+    def _release_buffers(self, EP: int) -> ReleaseBuffers:
+        bufs = self._release_bufs.get(EP)
+        if bufs is None:
+            dev = self.device
+            bufs = self._release_bufs[EP] = ReleaseBuffers(
+                plan=torch.zeros(5 * EP, dtype=torch.int32, device=dev),
+                scratch=torch.zeros((2, EP), dtype=torch.int32, device=dev),
+                workspace=torch.zeros(EP, dtype=torch.int64, device=dev))
+        return bufs
 
     def _up_packed(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Int32 host arrays on the device in one upload: their views, each
@@ -1431,8 +1474,7 @@ class DeviceManager(FailStop):
             return
         kept = prepared.get(part)
         if kept is not None and kept[0] == self.rows_generation:
-            for one in kept[1]:
-                one()
+            _common.run_prepared(kept[1])
             return
         with _common.preparing() as launches:
             launch()

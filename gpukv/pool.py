@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gpukv import hashing
+from gpukv.kernels import _common
 from gpukv.kernels import blocks as block_ops
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
@@ -63,6 +64,7 @@ class DevicePool:
         self.stamp = torch.zeros(1, **i64)  # admissions so far: each marks ``touched`` with its own
         # Host: at most this many tombstones in the table (``rebuild_if_due``).
         self.tombstone_bound = 0
+        self._rebuild_launches: list | None = None  # the rebuild's two launches, kept by its first run
 
     # ------------------------------------------------------------- the verbs
     # What a step does to the pool, each one launcher call with the pool's
@@ -108,7 +110,13 @@ class DevicePool:
         lookup and order, so when it runs changes no result."""
         self.tombstone_bound += max_popped
         if self.tombstone_bound > self.table.capacity // 4:
-            table_ops.rebuild(self.table)
+            # (its arguments are the table's own tensors, which never move: kept once, then replayed)
+            if self._rebuild_launches is None:
+                with _common.preparing() as kept:
+                    table_ops.rebuild(self.table)
+                self._rebuild_launches = kept
+            else:
+                _common.run_prepared(self._rebuild_launches)
             self.tombstone_bound = 0
 
     @property

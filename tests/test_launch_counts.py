@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpukv.kernels import _common
 from gpukv.manager import DeviceManager
 from gpukv.request import NewRequest, RunningUpdate
 
@@ -83,3 +84,17 @@ def test_the_table_is_rebuilt_when_the_hosts_bound_on_its_tombstones_passes_a_qu
     admit, finish = EXPECTED["full"]["admit"][0], EXPECTED["full"]["finish"][0]
     assert launches == [admit, admit + finish, admit + finish, admit + finish + 2, admit + finish, admit + finish]
     assert m.pool.table.read_counters()["tombstones"] <= m.pool.tombstone_bound
+
+
+def test_a_free_replays_the_launches_its_size_buckets_first_free_kept():
+    m = DeviceManager(256, 16, hash_key=bytes(16), max_model_len=1024)
+    m.step(new=[NewRequest(f"r{i}", list(range(100 * i, 100 * i + 40 + 16 * i))) for i in range(4)])
+    kept = []
+    for i in range(3):  # 3, 4 and 5 blocks: one bucket of 16 entries
+        with _common.recording() as rec:
+            m.free(f"r{i}")
+        assert len(rec) == EXPECTED["full"]["finish"][0]
+        kept.append(m._release_bufs[16].prepared["release"][1])
+        m.check_invariants()
+    assert kept[0] is kept[1] is kept[2]  # prepared once, replayed since
+    assert m.read_num_free_blocks() == 255 - 6  # only r3's 6 blocks are held

@@ -476,6 +476,27 @@ def compiled_launch(fn: Any, kernel: Any, args: tuple, kwargs: dict):
     return launch
 
 
+_replaying = [0]  # > 0 while ``run_prepared`` runs kept launches
+
+
+def run_prepared(launches: list) -> None:
+    """Run launches ``preparing`` kept, in order; a recorder
+    (``benchmarks/launch_cost.py``) sees them as replays (``replaying``),
+    which on a GPU skip ``JITFunction.run``, where every other launch pays
+    for it."""
+    _replaying[0] += 1
+    try:
+        for one in launches:
+            one()
+    finally:
+        _replaying[0] -= 1
+
+
+def replaying() -> bool:
+    """Whether the launch being made is a kept one replayed (``run_prepared``)."""
+    return _replaying[0] > 0
+
+
 @contextlib.contextmanager
 def preparing() -> Iterator[list]:
     """Yield a list that fills with one replayable callable per launch."""
