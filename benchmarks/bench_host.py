@@ -439,6 +439,27 @@ def _row(label: str, B: int, reps: list[dict], launch: dict | None, interp: bool
     return row
 
 
+def _launch_paths(jobs: dict, steps: int, repeats: int) -> dict:
+    """``launch_cost.measure`` of each job's step, ``steps`` samples in each
+    of ``repeats`` child processes, their samples in order (repeat i's
+    eager figures add child i's). One child per repeat, because on this
+    machine a process's launch path keeps one speed for its whole life, and
+    it is one of two (about 3.5 or 6 us a launch for the same launches, on
+    the same code): the median over repeats is then not one process's
+    luck. ``per_kernel_us``: each kernel's median over the children;
+    ``per_child_launch_us``: each child's mean per launch over all jobs."""
+    outs = [launch_cost.measure(jobs, samples=steps) for _ in range(repeats)]
+    merged = dict(outs[0], jobs={})
+    for name in jobs:
+        merged["jobs"][name] = dict(outs[0]["jobs"][name],
+                                    step_us=[[t for out in outs for t in out["jobs"][name]["step_us"][0]]])
+    merged["per_kernel_us"] = {k: _median([out["per_kernel_us"][k] for out in outs]) for k in outs[0]["per_kernel_us"]}
+    n = sum(out["jobs"][name]["launches"][0] for name in jobs for out in outs[:1])
+    merged["per_child_launch_us"] = [sum(_median(out["jobs"][name]["step_us"][0]) for name in jobs) / max(n, 1)
+                                     for out in outs]
+    return merged
+
+
 def _twin_check(argv: list[str], rows: list[dict]) -> None:
     """On CUDA: run this benchmark again with CUDA hidden (the interpreter's
     twin plus the measured launch path) and print real / twin per row."""
@@ -558,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if interp and args.launch_cost:
         jobs = {label: [reps[0]["counts"]["launch_list"]] for label, _, _, reps in done}
         try:
-            launch = launch_cost.measure(jobs, samples=args.steps * args.repeats)
+            launch = _launch_paths(jobs, args.steps, args.repeats)
         except launch_cost.Unavailable as e:
             print(f"  the launch path cannot be measured here ({e}): no eager column", file=sys.stderr)
     rows = [_row(label, B, reps, launch["jobs"][label] if launch else None, interp, kind == "decode", args.steps)
@@ -585,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     if launch:
         print(f"Launch path per kernel, us (median, one kernel's launch back to back; Triton {launch['triton']}, "
               f"sm_90 stub driver): " + ", ".join(f"{k} {v:.1f}" for k, v in launch["per_kernel_us"].items()))
+        print("Launch path per launch in each repeat's process (the step's launches back to back), us: "
+              + ", ".join(f"{v:.1f}" for v in launch["per_child_launch_us"]))
     if args.twin_check and not interp:
         _twin_check(sys.argv[1:] if argv is None else argv, rows)
     if args.json:
