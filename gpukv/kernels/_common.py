@@ -559,6 +559,10 @@ def count_launches(namespace: dict) -> None:
     """Register every ``_*_kernel`` Triton function of a module's globals."""
     if _runtime.INTERPRETED:
         _mark_interpreted_runs()
+    # Now, not at the first ``preparing()``: a wrapper of a kernel's ``run``
+    # installed in between (``_aot.Recorder``) would otherwise call past it,
+    # and a step would keep no launches to replay.
+    _install_prepare_hook()
     for name, obj in namespace.items():
         if (name.endswith("_kernel") and hasattr(obj, "add_pre_run_hook")
                 and not getattr(obj, "_gpukv_counted", False)):
