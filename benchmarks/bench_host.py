@@ -454,7 +454,7 @@ def _launch_paths(jobs: dict, steps: int, repeats: int) -> dict:
         merged["jobs"][name] = dict(outs[0]["jobs"][name],
                                     step_us=[[t for out in outs for t in out["jobs"][name]["step_us"][0]]])
     merged["per_kernel_us"] = {k: _median([out["per_kernel_us"][k] for out in outs]) for k in outs[0]["per_kernel_us"]}
-    n = sum(out["jobs"][name]["launches"][0] for name in jobs for out in outs[:1])
+    n = sum(outs[0]["jobs"][name]["launches"][0] for name in jobs)
     merged["per_child_launch_us"] = [sum(_median(out["jobs"][name]["step_us"][0]) for name in jobs) / max(n, 1)
                                      for out in outs]
     return merged

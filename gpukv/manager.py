@@ -232,15 +232,14 @@ class _StepAccounting:
 @dataclass
 class DecodePlan:
     """A batched decode step as the host plans it (``DeviceManager.decode``):
-    the rows, what they need, and the packed int32 plan uploaded once into
+    the rows, what they need and hold after it; its packed int32 plan is in
+    this step's host array of the bucket (``_host_plan``), uploaded once into
     the bucket's fixed device buffer (layout: ``gpukv/kernels/decode.py``)."""
 
     rows: np.ndarray  # int64[B]
-    tokens_per_row: int
     # (BP, k, L, A, C): rows, tokens per row, window releases per row and
     # group, new blocks and newly cached blocks per row and group
     bucket: tuple
-    packed: np.ndarray  # int32, the uploaded part of the bucket's plan layout (this step's ``_host_plan``)
     num_new_blocks: int  # the blocks all rows need (all groups)
     num_tokens: np.ndarray  # int64[B] rows' known tokens after the step
     computed: np.ndarray  # int64[B] rows' computed tokens after the step
@@ -372,7 +371,7 @@ class DeviceManager(FailStop):
         self._staging = Staging(self.device, self.counters)
         self._counting_depth = 0
         self._decode_bufs: dict[tuple, DecodeBuffers] = {}
-        self._host_plans: dict[tuple, tuple] = {}
+        self._host_plans: dict[tuple, dict] = {}  # (bucket, staging parity) -> views
         self._admission_bufs: dict[tuple, AdmissionBuffers] = {}
         self._release_bufs: dict[int, ReleaseBuffers] = {}  # by entries (padded), for ``_release_entries``
         self._admission_plans: dict[tuple, np.ndarray] = {}
@@ -767,7 +766,7 @@ class DeviceManager(FailStop):
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
             fills_known = k > 0 and filled_max > 0 and int(_max(n % bs)) + k >= bs  # (none filled: none known filled)
             phases = _decode_phases(bool(wg) and int(released.max()) > 0, need_max > 0, fills_known, filled_max > 0)
-        packed, v = self._host_plan(bucket)
+        v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["ntok"][:B] = n
         v["comp0"][:B] = comp0
@@ -786,18 +785,17 @@ class DeviceManager(FailStop):
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         total = int(cum[-1])
-        return DecodePlan(rows, k, bucket, packed, total, ntok1, comp1, held1, stops, total <= self._free_lower_bound,
-                          phases)
+        return DecodePlan(rows, bucket, total, ntok1, comp1, held1, stops, total <= self._free_lower_bound, phases)
 
     def _host_plan(self, bucket: tuple):
-        """This step's host plan array of the bucket (the uploaded part of its
-        layout: ``Staging.host_array``, written in place and sent as it is)
-        and its named views, with the parts that never change filled in."""
+        """Named views of this step's host plan array of the bucket (the
+        uploaded part of its layout: ``Staging.host_array``, written in place
+        and sent as it is), with the parts that never change filled in."""
         parity = self._staging.parity
         cached = self._host_plans.get((bucket, parity))
         if cached is not None:
             return cached
-        BP, k, L = bucket[:3]
+        BP, L = bucket[0], bucket[2]
         uploaded = [(name, size) for name, size in self._decode_layout(bucket) if name in _UPLOADED]
         packed = self._staging.host_array(("decode", bucket), sum(size for _, size in uploaded))
         views: dict[str, Any] = {}
@@ -812,9 +810,8 @@ class DeviceManager(FailStop):
             views["r_grp"][:] = np.array(self._window_groups)[None, :, None]
             views["r_call"][:] = np.arange(BP)[:, None, None] * G + views["r_grp"]
         views["padded_from"] = -1  # the batch size whose padding the views hold (none yet)
-        cached = (packed, views)
-        self._host_plans[(bucket, parity)] = cached
-        return cached
+        self._host_plans[(bucket, parity)] = views
+        return views
 
     def stage_decode(self, plan: DecodePlan, tokens) -> DecodeBuffers:
         """Upload the plan and the new tokens into the bucket's fixed buffers
@@ -886,14 +883,9 @@ class DeviceManager(FailStop):
             self._check_errors(status[decode_ops.ST_QUEUE_ERRORS], "new_token_ids")
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
-        rows = self._rows
-        if n_fit == B:
-            rows.num_tokens[plan.rows], rows.num_computed[plan.rows], rows.num_held[plan.rows] = (
-                plan.num_tokens, plan.computed, plan.held)
-        else:
-            done = plan.rows[:n_fit]
-            rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
-                plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
+        rows, done = self._rows, plan.rows[:n_fit]
+        rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
+            plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
         if plan.window_stops is not None:
             self._rows.null_until[plan.rows] = plan.window_stops
         return StepResult(running_failed_at=None if n_fit == B else n_fit)
@@ -1331,8 +1323,8 @@ class DeviceManager(FailStop):
         path three times, and its launchers' checks, every step that
         finished a request."""
         E = len(grp)
-        bufs = self._release_buffers(pow2_at_least(max(E, 16)))
-        EP = bufs.workspace.numel()
+        EP = pow2_at_least(max(E, 16))
+        bufs = self._release_buffers(EP)
         host = self._staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
         host[:4, :E] = (grp, rows, pos, call)
         host[4, :E] = 1

@@ -1149,10 +1149,8 @@ def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | No
         kind = value.device.type
         if device is not None and value.device == device:
             if kind == "cpu":  # the interpreter's device is the host: check it here, keep the tensor
-                if value.dim() == 1 and len(value) == num_rows and _ids_in_range(value.numpy()):
-                    return value.view(num_rows, 1)  # (integer tensors carry no autograd: nothing to detach)
-                checked = _decode_token_rows(value.detach().numpy(), num_rows, fix, copy=False)
-                return value.detach().reshape(checked.shape)
+                checked = _decode_token_rows(value.numpy(), num_rows, fix, copy=False)  # (ints: no autograd)
+                return value.reshape(checked.shape)
             tokens = value if value.dim() == 2 else value.reshape(-1, 1) if value.dim() == 1 else None
             if tokens is None or tokens.shape[0] != num_rows:
                 raise InvalidInputError(f"new_token_ids has shape {tuple(value.shape)}, want [{num_rows}] or "
