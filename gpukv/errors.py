@@ -8,7 +8,8 @@ fix it (``fix``); ``str(error)`` is ``"<argument>: <problem>; <fix>"``.
 
 Both managers (``gpukv.reference`` and ``gpukv.manager``) check every argument
 before changing anything, through the one normalisation in
-``gpukv.request``: a ``GpukvInputError`` (every class below but the last two)
+``gpukv.request``: a ``GpukvInputError`` (every class below but
+``NoFreeBlocksError``, ``ManagerFailedError`` and ``PublisherClosedError``)
 from a manager call means the call was refused and changed nothing, and the
 manager can be used on as before. A call that does not fit the method's
 signature (an unknown keyword, a missing or extra argument) is refused the
@@ -30,11 +31,17 @@ range, which only the step's read can find; ``docs/design.md``).
 | ``UnknownRequestError`` | ``KeyError`` | a request id the manager does not hold (never admitted, or already freed) |
 | ``NoFreeBlocksError`` | ``RuntimeError`` | ``BlockPool.allocate`` (the reference's low-level pool) asked for more blocks than are free; manager calls report a lack of blocks in their result instead, so inside one it is a fault |
 | ``ManagerFailedError`` | ``RuntimeError`` | the manager stopped after a fault inside an earlier call and refuses every call (``gpukv.failstop``) |
+| ``ReconcileError`` | ``ValueError`` | ``reconcile_kv_cache_config``: a rank passed no config, sent bytes that are not one, or has other groups; every rank raises the same one, naming the rank (``rank``) |
+| ``AddressError`` | ``OSError`` | a KV-events endpoint or metrics address that cannot be bound or reached here |
+| ``AddressInUseError`` | ``OSError`` | an endpoint, port or ipc socket path another socket is listening on |
+| ``PublisherClosedError`` | ``RuntimeError`` | a KV-events publisher used after ``close`` |
 """  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
 
 __all__ = [
+    "AddressError",
+    "AddressInUseError",
     "CapacityError",
     "DuplicateRequestError",
     "GpukvError",
@@ -43,6 +50,8 @@ __all__ = [
     "InvalidTypeError",
     "ManagerFailedError",
     "NoFreeBlocksError",
+    "PublisherClosedError",
+    "ReconcileError",
     "StaleComputedBlocksError",
     "UnknownRequestError",
 ]
@@ -119,3 +128,37 @@ class NoFreeBlocksError(GpukvError, RuntimeError):
 class ManagerFailedError(GpukvError, RuntimeError):
     """The manager stopped after a fault inside an earlier call (its state may
     be half updated) and refuses every call; the message names the fault."""
+
+
+class ReconcileError(InvalidInputError):
+    """``reconcile_kv_cache_config`` cannot agree on one config: a rank passed
+    no ``KVCacheConfig``, sent what is not a config (bytes that are not UTF-8
+    JSON of ``KVCacheConfig.to_dict``'s shape, a size over the limit, another
+    protocol), or has other KV-cache groups. Every rank of the group raises
+    the same one; ``rank`` is the global rank at fault (the first one)."""
+
+    def __init__(self, problem: str = "", *, argument: str = "", fix: str = "", rank: int = -1) -> None:
+        super().__init__(problem, argument=argument, fix=fix)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (_rebuild_reconcile, (self.problem, self.argument, self.fix, self.rank))
+
+
+def _rebuild_reconcile(problem, argument, fix, rank):
+    return ReconcileError(problem, argument=argument, fix=fix, rank=rank)
+
+
+class AddressError(GpukvInputError, OSError):
+    """An address gpukv cannot listen on or send to (an ipc path that is a
+    file, a host that is not this machine's, a port not allowed); also an
+    ``OSError``, as the socket's own error was."""
+
+
+class AddressInUseError(AddressError):
+    """An address, TCP port or ipc socket path that another socket holds
+    (one that is listening: a dead process's leftover socket file is not)."""
+
+
+class PublisherClosedError(GpukvError, RuntimeError):
+    """A KV-events publisher used after ``close``."""

@@ -1,9 +1,10 @@
-"""KV-cache events on the wire, as current vLLM publishes them (the
-``events`` extra: ``pip install 'gpukv[events]'``, pyzmq and msgspec).
+"""KV-cache events on the wire, in vLLM's format (the ``events`` extra:
+``pip install 'gpukv[events]'``, pyzmq and msgspec).
 
-The format is vLLM 0.33.0's (``vllm/distributed/kv_events.py`` and
-``vllm/config/kv_events.py`` of that release), which KV-aware routers (NVIDIA
-Dynamo, llm-d) read:
+The format follows vLLM 0.33.0's (``vllm/distributed/kv_events.py`` and
+``vllm/config/kv_events.py`` of that release; tested with 0.33.0 only, not
+with later releases such as 0.34.0), which KV-aware routers (NVIDIA Dynamo,
+llm-d) read:
 
 * **Frames.** Each batch is one ZMQ multipart message on a PUB socket:
   ``(topic, seq, payload)``, ``topic`` the configured topic as UTF-8, ``seq``
@@ -49,16 +50,31 @@ picks (vLLM binds the node's address), and ``endpoint`` then says which; an
 ``inproc://`` does (vLLM refuses one). A device batch that lost events to a
 full buffer (``KVEventBatch.dropped``) is published with a warning: the wire
 format has no field to say so, and a subscriber's index is stale after it.
+
+Every input is checked, and a refusal is a typed error from ``gpukv.errors``
+(``argument: problem; fix``) that leaves the publisher as it was: endpoints
+(scheme, a port in 0..65535, ``*`` or 0 only where the socket binds, an ipc
+path of at most 107 bytes), the sizes (at most ``MAX_BUFFER_STEPS`` and
+``MAX_HWM``, what ZMQ's int options hold), the topic (text that is UTF-8),
+every ``KVEventsConfig`` field, and every batch of a ``publish``, which is
+all or nothing. An address another socket holds is refused
+(``AddressInUseError``), an ipc path included: ZMQ itself would unlink the
+path and bind anew, so subscribers connecting afterwards would reach the new
+publisher and never the old one (``ZmqEventPublisher``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import math
 import os
 import queue
+import socket
+import stat
 import threading
 import time
 import warnings
@@ -68,6 +84,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpukv import events as gk
+from gpukv.errors import (
+    AddressError,
+    AddressInUseError,
+    InvalidInputError,
+    InvalidTypeError,
+    PublisherClosedError,
+)
 
 try:
     import msgspec
@@ -78,18 +101,26 @@ except ImportError:
 __all__ = [
     "VLLM_VERSION", "MEDIUM_GPU", "EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
     "KVEventBatch", "KVEventsConfig", "EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "make_publisher",
-    "to_wire", "from_wire", "encode", "decode", "END_SEQ",
+    "to_wire", "from_wire", "encode", "decode", "END_SEQ", "MAX_BUFFER_STEPS", "MAX_HWM",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The vLLM release whose wire format and configuration this module follows.
+#: The vLLM release whose wire format and configuration this module follows,
+#: and the one it was tested with.
 VLLM_VERSION = "0.33.0"
 MEDIUM_GPU = "GPU"
 #: The sequence number of the replay's closing message.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: The environment variable vLLM reads to choose int (default) or bytes hashes.
 INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+#: ZMQ's high-water marks are C ints: the largest ``hwm`` and ``max_queue_size``.
+MAX_HWM = 2**31 - 1
+#: The largest ``buffer_steps``: the replay socket's high-water mark,
+#: ``2 * (buffer_steps + 1)``, must fit a C int too.
+MAX_BUFFER_STEPS = (MAX_HWM - 1) // 2 - 1
+_MAX_PORT = 65535
+_MAX_IPC_PATH_BYTES = 107  # a Unix socket's sun_path holds 108 bytes, the last a NUL
 
 
 # ---------------------------------------------------------------- the schema
@@ -155,7 +186,12 @@ def decode(payload: bytes) -> KVEventBatch:
 
 
 def _int_hashes_default() -> bool:
-    return bool(int(os.environ.get(INT_HASHES_ENV, "1")))
+    value = os.environ.get(INT_HASHES_ENV, "1")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise InvalidInputError(f"is {value!r}, not an int", argument=INT_HASHES_ENV,
+                                fix="set it to 1 (int hashes, vLLM's default) or 0 (16-byte hashes)") from None
 
 
 def to_wire(batch: gk.KVEventBatch, *, sliding_windows: Iterable[int | None] | None = None,
@@ -206,6 +242,90 @@ def from_wire(batch: KVEventBatch, seq: int) -> gk.KVEventBatch:
     return gk.KVEventBatch(seq, out, ts=batch.ts)
 
 
+# --------------------------------------------------------------- validation
+# Each check raises a gpukv.errors class naming the argument; nothing is
+# changed before every check of a call has passed.
+
+_ENDPOINT_FIX = "write tcp://HOST:PORT (HOST * to bind every interface), ipc://PATH or inproc://NAME"
+_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def _check_text(argument: str, value: Any, fix: str) -> None:
+    """A str that encodes to UTF-8 (ZMQ takes bytes) and has no NUL (C strings end there)."""
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"must be a str, got {type(value).__name__} {value!r}", argument=argument, fix=fix)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidInputError(f"is not UTF-8 text ({err.reason} at index {err.start})", argument=argument,
+                                fix=fix) from None
+    if "\0" in value:
+        raise InvalidInputError(f"has a NUL character at index {value.index(chr(0))}", argument=argument, fix=fix)
+
+
+def _check_int(argument: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"must be an int, got {type(value).__name__} {value!r}", argument=argument,
+                               fix=f"pass a whole number from {low} to {high}")
+    if not low <= value <= high:
+        raise InvalidInputError(f"must be from {low} to {high}, got {value}", argument=argument,
+                                fix=f"pass a whole number from {low} to {high}")
+
+
+def _check_tcp(argument: str, endpoint: str, address: str, binds: bool) -> None:
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or any(c.isspace() for c in host):
+        raise InvalidInputError(f"{endpoint!r} has no HOST:PORT", argument=argument, fix=_ENDPOINT_FIX)
+    if binds and port == "*":  # ZMQ's "any free port", as port 0
+        return
+    if not (port.isascii() and port.isdigit()) or int(port) > _MAX_PORT:
+        raise InvalidInputError(f"{endpoint!r} has port {port!r}, not a number from 0 to {_MAX_PORT}",
+                                argument=argument, fix=f"use a TCP port from 1 to {_MAX_PORT} (0: any free one)")
+    if int(port) == 0 and not binds:
+        raise InvalidInputError(f"{endpoint!r} connects to port 0", argument=argument,
+                                fix="connect to the port the subscriber listens on (port 0 is only for binding)")
+
+
+def _check_endpoint(argument: str, endpoint: Any, binds: bool | None = None) -> None:
+    """A ZMQ endpoint gpukv can bind or connect (``binds`` None: vLLM's rule decides)."""
+    _check_text(argument, endpoint, _ENDPOINT_FIX)
+    scheme, sep, address = endpoint.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise InvalidInputError(f"{endpoint!r} is not a tcp://, ipc:// or inproc:// endpoint", argument=argument,
+                                fix=_ENDPOINT_FIX)
+    if not address:
+        raise InvalidInputError(f"{endpoint!r} has no address after {scheme}://", argument=argument,
+                                fix=_ENDPOINT_FIX)
+    if scheme == "tcp":
+        _check_tcp(argument, endpoint, address, _binds(endpoint) if binds is None else binds)
+    elif scheme == "ipc" and len(address.encode("utf-8")) > _MAX_IPC_PATH_BYTES:
+        raise InvalidInputError(f"the ipc path is {len(address.encode('utf-8'))} bytes, over the "
+                                f"{_MAX_IPC_PATH_BYTES} a Unix socket path holds", argument=argument,
+                                fix="use a shorter path (a directory such as /tmp)")
+
+
+def _check_bool(argument: str, value: Any, *, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise InvalidTypeError(f"must be {'True, False or None' if optional else 'True or False'}, got "
+                               f"{type(value).__name__} {value!r}", argument=argument, fix="pass a bool")
+
+
+def _check_windows(sliding_windows: Any) -> list[int | None] | None:
+    """The manager's ``sliding_windows`` as a list: None or a positive int per group."""
+    if sliding_windows is None:
+        return None
+    fix = "pass the manager's sliding_windows (one entry per group: None, or the window in tokens)"
+    if isinstance(sliding_windows, (str, bytes)) or not isinstance(sliding_windows, Iterable):
+        raise InvalidTypeError(f"must be a list, got {type(sliding_windows).__name__}", argument="sliding_windows",
+                               fix=fix)
+    windows = list(sliding_windows)
+    for i, w in enumerate(windows):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise InvalidInputError(f"must be None or a positive int, got {w!r}", argument=f"sliding_windows[{i}]",
+                                    fix=fix)
+    return windows
+
+
 # ------------------------------------------------------------ configuration
 
 @dataclass
@@ -214,9 +334,12 @@ class KVEventsConfig:
 
     ``publisher`` None becomes ``"zmq"`` when ``enable_kv_cache_events`` is
     set, ``"null"`` (publish nothing) otherwise. ``buffer_steps``: batches
-    kept for replay; ``hwm``: the PUB socket's high-water mark (messages a
-    slow subscriber may fall behind before ZMQ drops them); ``max_queue_size``:
-    batches waiting to be sent before ``publish`` blocks.
+    kept for replay (1 to ``MAX_BUFFER_STEPS``); ``hwm``: the PUB socket's
+    high-water mark (messages a slow subscriber may fall behind before ZMQ
+    drops them); ``max_queue_size``: batches waiting to be sent before
+    ``publish`` blocks (both 1 to ``MAX_HWM``). Every field is checked at
+    construction (type and range; the endpoints' syntax; the topic is
+    UTF-8 text), so a config that exists can be published with.
     """
 
     enable_kv_cache_events: bool = False
@@ -229,47 +352,159 @@ class KVEventsConfig:
     topic: str = ""
 
     def __post_init__(self) -> None:
+        _check_bool("enable_kv_cache_events", self.enable_kv_cache_events)
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        publisher_fix = "gpukv publishes over ZMQ ('zmq') or not at all ('null')"
+        if not isinstance(self.publisher, str):
+            raise InvalidTypeError(f"must be a str, got {type(self.publisher).__name__} {self.publisher!r}",
+                                   argument="publisher", fix=publisher_fix)
         if self.publisher not in ("null", "zmq"):
-            raise ValueError(f"publisher must be 'zmq' or 'null', got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise InvalidInputError(f"must be 'zmq' or 'null', got {self.publisher!r}", argument="publisher",
+                                    fix=publisher_fix)
+        _check_endpoint("endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", self.replay_endpoint, binds=True)
+        _check_int("buffer_steps", self.buffer_steps, 1, MAX_BUFFER_STEPS)
+        _check_int("hwm", self.hwm, 1, MAX_HWM)
+        _check_int("max_queue_size", self.max_queue_size, 1, MAX_HWM)
+        _check_text("topic", self.topic, "pass the topic as text ('' for every subscriber)")
 
     @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        """The config from the JSON ``vllm serve --kv-events-config`` takes."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> KVEventsConfig:
+        """The config from the JSON ``vllm serve --kv-events-config`` takes
+        (a JSON object of these fields); anything else raises a typed error."""
+        fix = 'pass a JSON object such as {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise InvalidTypeError(f"must be a str of JSON, got {type(text).__name__}", argument="text", fix=fix)
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise InvalidInputError("is not JSON of a config (nested too deep)", argument="text", fix=fix) from None
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError of bytes
+            raise InvalidInputError(f"is not JSON ({err})", argument="text", fix=fix) from None
         if not isinstance(data, dict):
-            raise ValueError("a KV-events config is a JSON object")
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"unknown KV-events config field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(fields))}")
+            raise InvalidTypeError(f"must be a JSON object, got a JSON {type(data).__name__}", argument="text",
+                                   fix=fix)
+        fields = sorted(f.name for f in dataclasses.fields(cls))
+        for name in data:
+            if name not in fields:
+                raise InvalidInputError("unknown KV-events config field", argument=name,
+                                        fix=f"use the fields {', '.join(fields)}")
         return cls(**data)
 
 
 def _offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     """``endpoint`` for data-parallel rank ``rank``: a TCP port plus the rank
-    (port 0 stays 0), an ipc or inproc name with ``_dp<rank>`` appended."""
+    (port 0 and ``*`` stay), an ipc or inproc name with ``_dp<rank>`` appended.
+    ``endpoint`` has passed ``_check_endpoint``; a port pushed past 65535
+    refuses ``data_parallel_rank``."""
     if endpoint is None or rank == 0:
         return endpoint
     if endpoint.startswith(("inproc://", "ipc://")):
         return f"{endpoint}_dp{rank}"
-    if endpoint.startswith("tcp://"):
-        base, _, port = endpoint.rpartition(":")
-        if port.isdigit() and int(port) != 0:
-            return f"{base}:{int(port) + rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
         return endpoint
-    raise ValueError(f"endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
+    if int(port) + rank > _MAX_PORT:
+        raise InvalidInputError(f"{rank} puts the port of {endpoint!r} past {_MAX_PORT}",
+                                argument="data_parallel_rank", fix="give the ranks a lower base port")
+    return f"{base}:{int(port) + rank}"
 
 
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to the rest."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _check_ipc_free(argument: str, endpoint: str) -> None:
+    """Refuse an ipc path a socket is listening on. ZMQ's bind unlinks the
+    path first and binds anew, silently: subscribers connecting afterwards
+    would reach the new socket and never the old one. A socket file nobody
+    listens on (left by a process that died) is taken over, as ZMQ would;
+    a path that is not a socket is refused (ZMQ would delete the file). The
+    check and the bind are two steps: a socket bound between them is missed."""
+    path = endpoint.removeprefix("ipc://")
+    if path.startswith("@"):  # Linux's abstract namespace: the kernel refuses a second bind itself
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise AddressError(f"cannot look at {path} ({err.strerror})", argument=argument,
+                           fix="use a path in a directory this process can read") from None
+    if not stat.S_ISSOCK(mode):
+        raise AddressError(f"{path} exists and is not a socket", argument=argument,
+                           fix="use a path where no file is (binding would delete it)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return  # a stale file: nobody listens
+    except OSError as err:  # a full backlog (timeout), or a socket we may not reach: someone holds it
+        raise AddressInUseError(f"{path} is a socket this process cannot reach ({err.strerror or err})",
+                                argument=argument, fix="use another path") from None
+    finally:
+        probe.close()
+    raise AddressInUseError(f"another socket is listening on {path}", argument=argument,
+                            fix="use another path, or close the publisher that holds this one")
+
+
+def _socket_error(argument: str, endpoint: str, code: int, reason: str) -> AddressError:
+    """A ZMQError (its errno and text) from bind or connect as gpukv's error
+    (both are OSErrors)."""
+    if code == errno.EADDRINUSE:
+        return AddressInUseError(f"{endpoint!r} is in use ({reason})", argument=argument,
+                                 fix="use another port or path (port 0: any free one)")
+    return AddressError(f"cannot use {endpoint!r} ({reason})", argument=argument,
+                        fix="use an address of this machine (tcp://*:PORT binds every interface)")
+
+
+def _check_timeout(timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidTypeError(f"must be a number of seconds, got {type(timeout).__name__} {timeout!r}",
+                               argument="timeout", fix="pass seconds as an int or float")
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise InvalidInputError(f"must be finite and >= 0, got {timeout}", argument="timeout",
+                                fix="pass seconds as a finite number >= 0")
+
+
+_EVENT_TYPES = (gk.BlockStored, gk.BlockRemoved, gk.AllBlocksCleared)
+
+
+def _batch_list(batches: Any) -> list[gk.KVEventBatch]:
+    """``publish``'s argument as a list of batches, each of the right kinds."""
+    fix = "pass a KVEventBatch or a list of them (manager.take_events())"
+    if isinstance(batches, gk.KVEventBatch):
+        return [batches]
+    if isinstance(batches, (str, bytes, dict)) or not isinstance(batches, Iterable):
+        raise InvalidTypeError(f"must be a KVEventBatch or a list of them, got {type(batches).__name__}",
+                               argument="batches", fix=fix)
+    try:
+        items = list(batches)
+    except Exception as err:  # a caller's iterator that failed
+        raise InvalidInputError(f"raised while read ({type(err).__name__}: {err})", argument="batches",
+                                fix=fix) from err
+    for i, batch in enumerate(items):
+        if not isinstance(batch, gk.KVEventBatch):
+            raise InvalidTypeError(f"must be a KVEventBatch, got {type(batch).__name__}", argument=f"batches[{i}]",
+                                   fix=fix)
+        if not isinstance(batch.events, list):
+            raise InvalidTypeError(f"must be a list, got {type(batch.events).__name__}",
+                                   argument=f"batches[{i}].events", fix=fix)
+        for j, event in enumerate(batch.events):
+            if not isinstance(event, _EVENT_TYPES):
+                raise InvalidTypeError(f"must be a gpukv.events event, got {type(event).__name__}",
+                                       argument=f"batches[{i}].events[{j}]", fix=fix)
+        if isinstance(batch.ts, bool) or not isinstance(batch.ts, (int, float)) or not math.isfinite(batch.ts):
+            raise InvalidInputError(f"must be a finite number of seconds, got {batch.ts!r}",
+                                    argument=f"batches[{i}].ts", fix=fix)
+        if isinstance(batch.dropped, bool) or not isinstance(batch.dropped, int) or batch.dropped < 0:
+            raise InvalidInputError(f"must be an int >= 0, got {batch.dropped!r}", argument=f"batches[{i}].dropped",
+                                    fix=fix)
+    return items
 
 
 # --------------------------------------------------------------- publishers
@@ -283,12 +518,15 @@ class EventPublisher:
 
     def publish_from(self, manager: Any) -> int:
         """Publish what ``manager.take_events()`` hands out; how many batches."""
+        if not callable(getattr(manager, "take_events", None)):
+            raise InvalidTypeError(f"has no take_events(), got {type(manager).__name__}", argument="manager",
+                                   fix="pass a manager built with enable_kv_cache_events=True")
         batches = manager.take_events()
         self.publish(batches)
         return len(batches)
 
     def close(self, timeout: float = 2.0) -> None:
-        pass
+        _check_timeout(timeout)
 
     def __enter__(self) -> EventPublisher:
         return self
@@ -298,18 +536,27 @@ class EventPublisher:
 
 
 class NullEventPublisher(EventPublisher):
-    """Publishes nothing (``publisher="null"``, or events off)."""
+    """Publishes nothing (``publisher="null"``, or events off); it checks
+    what it is given as the ZMQ publisher does, so switching events on
+    brings no new refusals."""
 
     def publish(self, batches: gk.KVEventBatch | Iterable[gk.KVEventBatch]) -> None:
-        pass
+        _batch_list(batches)
 
 
 class ZmqEventPublisher(EventPublisher):
     """vLLM's ZMQ publisher: a PUB socket and, with ``replay_endpoint``, a
     ROUTER socket that replays the last ``buffer_steps`` batches (module
-    docstring). A thread of its own encodes and sends, and answers replay
-    requests, so ``publish`` only queues. ``endpoint`` and ``replay_endpoint``
-    are the addresses bound (with the port the OS picked for port 0).
+    docstring). ``publish`` checks and encodes the batches and queues them;
+    a thread of its own sends them and answers replay requests.
+    ``endpoint`` and ``replay_endpoint`` are the addresses bound (with the
+    port the OS picked for port 0).
+
+    Every argument is checked before any socket exists (as ``KVEventsConfig``
+    checks its fields); an address another socket is listening on, an ipc
+    path included, raises ``AddressInUseError`` (a socket file nobody
+    listens on, left by a dead process, is taken over), one that cannot be
+    used here ``AddressError``. A refused constructor leaves no socket open.
 
     ``sliding_windows``: the manager's (``manager.sliding_windows``), for
     ``kv_cache_spec_kind``; ``int_block_hashes``: see ``to_wire``.
@@ -327,61 +574,97 @@ class ZmqEventPublisher(EventPublisher):
             raise ImportError("ZmqEventPublisher needs the 'events' extra: pip install 'gpukv[events]' "
                               "(pyzmq and msgspec)") from None
         KVEventsConfig(True, "zmq", endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic)  # checks
+        _check_int("data_parallel_rank", data_parallel_rank, 0, _MAX_PORT)
+        _check_bool("int_block_hashes", int_block_hashes, optional=True)
+        _check_text("medium", medium, f"pass the medium's name ({MEDIUM_GPU!r})")
+        self.sliding_windows = _check_windows(sliding_windows)
+        pub_endpoint = _offset_endpoint(endpoint, data_parallel_rank)
+        replay = _offset_endpoint(replay_endpoint, data_parallel_rank)
+        assert pub_endpoint is not None
         self._zmq = zmq
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
-        self.sliding_windows = None if sliding_windows is None else list(sliding_windows)
-        self.int_block_hashes = _int_hashes_default() if int_block_hashes is None else bool(int_block_hashes)
+        self.int_block_hashes = _int_hashes_default() if int_block_hashes is None else int_block_hashes
         self.medium = medium
         self._topic = topic.encode("utf-8")
-        self._queue: queue.Queue[gk.KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0  # of the next batch sent (so: batches sent)
         self._queued = 0
         self._closed = False
+        self._open_sockets(pub_endpoint, replay, hwm, buffer_steps)
+        self._thread = threading.Thread(target=self._run, name="gpukv-kv-events", daemon=True)
+        self._thread.start()
 
+    def _open_sockets(self, endpoint: str, replay_endpoint: str | None, hwm: int, buffer_steps: int) -> None:
+        """Bind (or connect) the PUB socket and bind the replay socket; on
+        any failure close both and raise gpukv's error."""
+        zmq = self._zmq
         self._ctx = zmq.Context()
         self._replay = None
         try:
-            pub_endpoint = _offset_endpoint(endpoint, data_parallel_rank)
-            assert pub_endpoint is not None
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, 1000)  # let queued batches leave when closed
-            if _binds(pub_endpoint):
-                self._pub.bind(pub_endpoint)
-                pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(pub_endpoint)
-            self.endpoint = pub_endpoint
-            self.replay_endpoint = _offset_endpoint(replay_endpoint, data_parallel_rank)
-            if self.replay_endpoint is not None:
+            self.endpoint = self._attach(self._pub, "endpoint", endpoint, _binds(endpoint))
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 # Room for a whole replay and its end marker, as vLLM sizes it.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(self.replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        except Exception:
+                self.replay_endpoint = self._attach(self._replay, "replay_endpoint", replay_endpoint, True)
+        except BaseException:
             self._ctx.destroy(linger=0)
             raise
-        self._thread = threading.Thread(target=self._run, name="gpukv-kv-events", daemon=True)
-        self._thread.start()
+
+    def _attach(self, sock: Any, argument: str, endpoint: str, binds: bool) -> str:
+        """Bind or connect ``sock``; the address bound (its port for port 0)."""
+        if binds and endpoint.startswith("ipc://"):
+            _check_ipc_free(argument, endpoint)
+        try:
+            if not binds:
+                sock.connect(endpoint)
+                return endpoint
+            sock.bind(endpoint)
+        except self._zmq.ZMQError as err:
+            code = err.errno or 0
+            raise _socket_error(argument, endpoint, code, self._zmq.strerror(code)) from None
+        return sock.getsockopt_string(self._zmq.LAST_ENDPOINT)
+
+    def _encode(self, batch: gk.KVEventBatch, argument: str) -> bytes:
+        """A batch's payload, decoded again with the schema as a subscriber
+        would: what cannot be sent or read is refused here, not in the thread."""
+        try:
+            payload = encode(to_wire(batch, sliding_windows=self.sliding_windows,
+                                     int_block_hashes=self.int_block_hashes,
+                                     data_parallel_rank=self.data_parallel_rank, medium=self.medium))
+            decode(payload)
+        except (TypeError, ValueError, OverflowError, msgspec.MsgspecError) as err:
+            raise InvalidInputError(f"cannot be sent in vLLM's schema ({err})", argument=argument,
+                                    fix="publish the batches a manager hands out (take_events())") from None
+        return payload
 
     def publish(self, batches: gk.KVEventBatch | Iterable[gk.KVEventBatch]) -> None:
-        """Queue batches to publish, in order (blocks while the queue is full)."""
+        """Queue batches to publish, in order (blocks while the queue is
+        full). All or nothing: every batch is checked and encoded before any
+        is queued, so a refused call queues none and changes nothing."""
         if self._closed:
-            raise RuntimeError("the publisher is closed")
-        for batch in [batches] if isinstance(batches, gk.KVEventBatch) else batches:
+            raise PublisherClosedError("the publisher is closed", fix="make a new publisher to publish more")
+        items = _batch_list(batches)
+        payloads = [self._encode(batch, f"batches[{i}]") for i, batch in enumerate(items)]
+        for batch in items:
             if batch.dropped:
                 warnings.warn(f"KV-cache batch {batch.seq} follows {batch.dropped} dropped events, and the wire "
                               "format cannot say so: subscribers' indexes are stale from here", RuntimeWarning,
                               stacklevel=2)
-            self._queue.put(batch)
+        for payload in payloads:
+            self._queue.put(payload)
             self._queued += 1
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every batch queued so far is sent (False on timeout)."""
+        _check_timeout(timeout)
         target = self._queued
         deadline = time.monotonic() + timeout
         while self._next_seq < target:
@@ -393,6 +676,7 @@ class ZmqEventPublisher(EventPublisher):
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then close the sockets (waiting at most
         ``timeout`` seconds for the thread, and one more for ZMQ to send)."""
+        _check_timeout(timeout)
         if self._closed:
             return
         self._closed = True
@@ -416,25 +700,22 @@ class ZmqEventPublisher(EventPublisher):
                     except Exception:
                         logger.exception("KV-events replay failed")
                 try:
-                    batch = self._queue.get(timeout=self._POLL_S)
+                    payload = self._queue.get(timeout=self._POLL_S)
                 except queue.Empty:
                     continue
-                if batch is None:
+                if payload is None:
                     break
                 try:
-                    self._send(batch)
+                    self._send(payload)
                 except Exception:
-                    logger.exception("publishing KV-cache batch %d failed", batch.seq)
+                    logger.exception("publishing KV-cache batch %d failed", self._next_seq)
                     self._next_seq += 1  # lost: its number is skipped, so subscribers see the gap
         finally:
             self._pub.close()
             if self._replay is not None:
                 self._replay.close()
 
-    def _send(self, batch: gk.KVEventBatch) -> None:
-        wire = to_wire(batch, sliding_windows=self.sliding_windows, int_block_hashes=self.int_block_hashes,
-                       data_parallel_rank=self.data_parallel_rank, medium=self.medium)
-        payload = encode(wire)
+    def _send(self, payload: bytes) -> None:
         seq = self._next_seq
         self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
         self._buffer.append((seq, payload))
@@ -454,11 +735,22 @@ class ZmqEventPublisher(EventPublisher):
         self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
 
+_PUBLISHER_OPTIONS = ("sliding_windows", "int_block_hashes", "medium")
+
+
 def make_publisher(config: KVEventsConfig | None, *, data_parallel_rank: int = 0, **kwargs: Any) -> EventPublisher:
     """The publisher ``config`` asks for (vLLM's ``EventPublisherFactory``):
     a ``ZmqEventPublisher`` when events are on and the publisher is
     ``"zmq"``, else one that publishes nothing. ``kwargs`` go to
     ``ZmqEventPublisher`` (``sliding_windows``, ``int_block_hashes``, ``medium``)."""
+    if config is not None and not isinstance(config, KVEventsConfig):
+        raise InvalidTypeError(f"must be a KVEventsConfig or None, got {type(config).__name__}", argument="config",
+                               fix="build one with KVEventsConfig(...) or KVEventsConfig.from_json(text)")
+    _check_int("data_parallel_rank", data_parallel_rank, 0, _MAX_PORT)
+    for name in kwargs:
+        if name not in _PUBLISHER_OPTIONS:
+            raise InvalidTypeError("is not an option of the publisher", argument=name,
+                                   fix=f"pass only {', '.join(_PUBLISHER_OPTIONS)}")
     if config is None or not config.enable_kv_cache_events or config.publisher == "null":
         return NullEventPublisher()
     return ZmqEventPublisher(config.endpoint, config.replay_endpoint, config.buffer_steps, config.hwm,

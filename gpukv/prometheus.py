@@ -1,7 +1,8 @@
 """Prometheus metrics of a serving loop (the optional ``metrics`` extra).
 
-Names and labels are current vLLM's (0.33.0, ``vllm/v1/metrics/loggers.py``),
-so a dashboard built for vLLM reads gpukv's too: every series carries vLLM's
+Names and labels follow vLLM 0.33.0's (``vllm/v1/metrics/loggers.py``; tested
+with that release only, not with later ones such as 0.34.0), so a dashboard
+built for vLLM reads gpukv's too: every series carries vLLM's
 labels ``model_name`` (vLLM's served model name; ``gpukv replay
 --served-model-name``) and ``engine`` (the engine index, ``"0"``), and the
 names are ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``
@@ -21,8 +22,8 @@ and counted the prefix cache in blocks: ``vllm085=True`` (``gpukv replay
 --metrics-vllm085``) adds its ``vllm:gpu_prefix_cache_queries`` /
 ``vllm:gpu_prefix_cache_hits`` (counters, in blocks, re-admissions
 included: ``PrefixCacheStats.vllm085_query_blocks`` / ``..._hit_blocks``) and
-``vllm:gpu_cache_usage_perc``. Its other names here are the same as current
-vLLM's (``vllm:num_preemptions_total`` is what both expose).
+``vllm:gpu_cache_usage_perc``. Its other names here are the same as vLLM
+0.33.0's (``vllm:num_preemptions_total`` is what both expose).
 
 ``prometheus-client`` is imported only when metrics are asked for; without
 it, ``require()`` raises an ``ImportError`` whose message names the extra.
@@ -30,8 +31,10 @@ it, ``require()`` raises an ``ImportError`` whose message names the extra.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
+from gpukv.errors import AddressError, AddressInUseError, InvalidInputError, InvalidTypeError
 from gpukv.metrics import PrefixCacheStats
 
 EXTRA_HINT = "pip install 'gpukv[metrics]' (prometheus-client)"
@@ -51,6 +54,39 @@ def require() -> Any:
 
 #: What vLLM labels every metric with.
 LABELS = ("model_name", "engine")
+
+_PORT_FIX = "pass a TCP port from 1 to 65535, or 0 for any free one"
+_ADDR_FIX = "pass an IP address or host name of this machine (127.0.0.1; 0.0.0.0 for every interface)"
+
+
+def _check_port(port: Any) -> None:
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise InvalidTypeError(f"must be an int, got {type(port).__name__} {port!r}", argument="port", fix=_PORT_FIX)
+    if not 0 <= port <= 65535:
+        raise InvalidInputError(f"must be from 0 to 65535, got {port}", argument="port", fix=_PORT_FIX)
+
+
+def _check_addr(addr: Any) -> None:
+    if not isinstance(addr, str):
+        raise InvalidTypeError(f"must be a str, got {type(addr).__name__} {addr!r}", argument="addr", fix=_ADDR_FIX)
+    if not addr or not addr.isprintable() or any(c.isspace() for c in addr) or len(addr) > 253:
+        raise InvalidInputError(f"{addr!r} is not an address", argument="addr", fix=_ADDR_FIX)
+    try:
+        addr.encode("idna" if not addr.isascii() else "ascii")
+    except UnicodeError:
+        raise InvalidInputError(f"{addr!r} is not an address", argument="addr", fix=_ADDR_FIX) from None
+
+
+def _listen_error(port: int, addr: str, err: OSError) -> AddressError:
+    """The HTTP server's OSError as gpukv's (an OSError too), with a hint."""
+    where = f"{addr}:{port}"
+    if err.errno == errno.EADDRINUSE:
+        return AddressInUseError(f"{where} is in use ({err.strerror or err})", argument="port",
+                                 fix="pass another port, or 0 for any free one (serve returns it)")
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return AddressError(f"not allowed to listen on {where} ({err.strerror or err})", argument="port",
+                            fix="pass a port from 1024 up, or 0 for any free one")
+    return AddressError(f"cannot listen on {where} ({err.strerror or err})", argument="addr", fix=_ADDR_FIX)
 
 
 class ServingMetrics:
@@ -122,8 +158,17 @@ class ServingMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose the registry at ``http://addr:port/metrics`` from a daemon
-        thread; returns the port (``port=0`` picks a free one)."""
-        server, _ = self._pc.start_http_server(port, addr=addr, registry=self.registry)
+        thread; returns the port (``port=0`` picks a free one). A port not
+        an int from 0 to 65535, or an ``addr`` that is not an address, raises
+        ``InvalidTypeError`` / ``InvalidInputError``; a port in use
+        ``AddressInUseError``, one that cannot be listened on (a host not of
+        this machine, a port not allowed) ``AddressError``: both OSErrors."""
+        _check_port(port)
+        _check_addr(addr)
+        try:
+            server, _ = self._pc.start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as err:  # socket.gaierror included: a name that does not resolve
+            raise _listen_error(port, addr, err) from None
         return server.server_address[1]
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:

@@ -19,11 +19,15 @@ that ranks can compare configs and logs can record them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
 
 __all__ = [
     "KVCacheSpec",
@@ -65,18 +69,52 @@ def _dtype_to_str(dtype: torch.dtype) -> str:
 def _dtype_from_str(name: Any) -> torch.dtype:
     if not isinstance(name, str):
         raise TypeError(f"dtype must be a string like 'float16', got {name!r}")
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
+    # Looked up among torch's dtypes only: a name from a peer must not reach
+    # getattr(torch, ...), whose lazy attributes import modules.
+    dtypes = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    dtype = dtypes.get(name.removeprefix("torch."))
+    if dtype is None:
         raise ValueError(f"unknown torch dtype {name!r}; use a name like 'float16'")
     return dtype
 
 
-def _require_keys(what: str, data: Any, keys: tuple[str, ...]) -> None:
+def _require_keys(what: str, data: Any, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """``data`` is a dict with every key of ``keys``, and no key outside
+    ``keys`` and ``optional`` (a stray key is a dict of another shape)."""
     if not isinstance(data, dict):
         raise TypeError(f"{what} must be a dict, got {type(data).__name__}")
     missing = [k for k in keys if k not in data]
     if missing:
-        raise ValueError(f"{what} is missing key(s) {missing}; it has {sorted(data)}")
+        raise ValueError(f"{what} is missing key(s) {missing}; it has {sorted(map(repr, data))}")
+    unknown = sorted(repr(k) for k in data if k not in keys and k not in optional)
+    if unknown:
+        raise ValueError(f"{what} has unknown key(s) {', '.join(unknown)}; its keys are "
+                         f"{sorted(keys + optional)}")
+
+
+def _as_list(what: str, value: Any) -> list[Any]:
+    """A JSON array (a list; a tuple from Python) as a list; a str is refused,
+    not read as a list of characters."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+_FROM_DICT_FIX = "pass what to_dict() returns (its JSON, parsed)"
+
+
+@contextlib.contextmanager
+def _typed_refusals() -> Iterator[None]:
+    """The builtin TypeError / ValueError of a dict of the wrong shape as
+    gpukv's typed errors (subclasses of the same builtins), naming ``data``."""
+    try:
+        yield
+    except GpukvInputError:
+        raise
+    except TypeError as err:
+        raise InvalidTypeError(str(err), argument="data", fix=_FROM_DICT_FIX) from err
+    except ValueError as err:
+        raise InvalidInputError(str(err), argument="data", fix=_FROM_DICT_FIX) from err
 
 
 @dataclass(frozen=True)
@@ -232,16 +270,25 @@ _SPEC_KINDS: dict[str, type[KVCacheSpec]] = {
 
 
 def spec_from_dict(data: dict[str, Any]) -> KVCacheSpec:
-    """The inverse of ``KVCacheSpec.to_dict``."""
+    """The inverse of ``KVCacheSpec.to_dict``. A dict of another shape (a
+    missing or unknown key, a value of the wrong type or range) raises
+    ``InvalidTypeError`` / ``InvalidInputError`` (``argument`` ``"data"``)."""
+    with _typed_refusals():
+        return _spec_from_dict(data)
+
+
+def _spec_from_dict(data: Any) -> KVCacheSpec:
     _require_keys(
         "a KV cache spec dict",
         data,
         ("kind", "block_size", "num_kv_heads", "head_size", "dtype"),
+        optional=("use_mla", "sliding_window"),
     )
-    cls = _SPEC_KINDS.get(data["kind"])
+    kind = data["kind"]
+    cls = _SPEC_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(
-            f"unknown KV cache spec kind {data['kind']!r}; expected one of {sorted(_SPEC_KINDS)}"
+            f"unknown KV cache spec kind {kind!r}; expected one of {sorted(_SPEC_KINDS)}"
         )
     kwargs: dict[str, Any] = {
         "block_size": data["block_size"],
@@ -251,8 +298,11 @@ def spec_from_dict(data: dict[str, Any]) -> KVCacheSpec:
         "use_mla": data.get("use_mla", False),
     }
     if cls is SlidingWindowSpec:
-        _require_keys("a sliding window spec dict", data, ("sliding_window",))
+        if "sliding_window" not in data:
+            raise ValueError("a sliding window spec dict is missing key(s) ['sliding_window']")
         kwargs["sliding_window"] = data["sliding_window"]
+    elif "sliding_window" in data:
+        raise ValueError(f"a {kind} spec dict has no key 'sliding_window'")
     return cls(**kwargs)
 
 
@@ -350,19 +400,24 @@ class KVCacheConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
-        """The inverse of ``to_dict``; validates as the constructor does."""
-        _require_keys("a KV cache config dict", data, ("num_blocks", "tensors", "kv_cache_groups"))
-        tensors = []
-        for t in data["tensors"]:
-            _require_keys("a KV cache tensor dict", t, ("size", "shared_by"))
-            tensors.append(KVCacheTensor(size=t["size"], shared_by=list(t["shared_by"])))
-        groups = []
-        for g in data["kv_cache_groups"]:
-            _require_keys("a KV cache group dict", g, ("layer_names", "kv_cache_spec"))
-            groups.append(
-                KVCacheGroupSpec(
-                    layer_names=list(g["layer_names"]),
-                    kv_cache_spec=spec_from_dict(g["kv_cache_spec"]),
+        """The inverse of ``to_dict``; validates as the constructor does. A
+        dict of another shape (a missing or unknown key, a str or a number
+        where a list goes, a value of the wrong type or range) raises
+        ``InvalidTypeError`` / ``InvalidInputError`` (``argument``
+        ``"data"``); so does any value the constructors refuse."""
+        with _typed_refusals():
+            _require_keys("a KV cache config dict", data, ("num_blocks", "tensors", "kv_cache_groups"))
+            tensors = []
+            for t in _as_list("tensors", data["tensors"]):
+                _require_keys("a KV cache tensor dict", t, ("size", "shared_by"))
+                tensors.append(KVCacheTensor(size=t["size"], shared_by=_as_list("shared_by", t["shared_by"])))
+            groups = []
+            for g in _as_list("kv_cache_groups", data["kv_cache_groups"]):
+                _require_keys("a KV cache group dict", g, ("layer_names", "kv_cache_spec"))
+                groups.append(
+                    KVCacheGroupSpec(
+                        layer_names=_as_list("layer_names", g["layer_names"]),
+                        kv_cache_spec=_spec_from_dict(g["kv_cache_spec"]),
+                    )
                 )
-            )
-        return cls(num_blocks=data["num_blocks"], tensors=tensors, kv_cache_groups=groups)
+            return cls(num_blocks=data["num_blocks"], tensors=tensors, kv_cache_groups=groups)

@@ -10,8 +10,10 @@ one tcp://127.0.0.1 socket on a port the OS picks); every wait is bounded.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
@@ -22,6 +24,7 @@ import zmq
 
 from gpukv import events as gk
 from gpukv import kv_events
+from gpukv.errors import AddressError, AddressInUseError, InvalidInputError, InvalidTypeError, PublisherClosedError
 from gpukv.events import KVEventBatch, RouterIndex, int_block_hash
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -290,12 +293,18 @@ def test_config_follows_vllm():
     assert (c.publisher, c.topic) == ("zmq", "kv")
     assert isinstance(kv_events.make_publisher(None), kv_events.NullEventPublisher)
     assert isinstance(kv_events.make_publisher(kv_events.KVEventsConfig(True, "null")), kv_events.NullEventPublisher)
-    with pytest.raises(ValueError, match="unknown KV-events config field"):
+    with pytest.raises(InvalidInputError) as info:
         kv_events.KVEventsConfig.from_json('{"enable_kv_cache_events": true, "port": 1}')
-    with pytest.raises(ValueError, match="publisher must be"):
+    assert str(info.value) == ("port: unknown KV-events config field; use the fields buffer_steps, "
+                               "enable_kv_cache_events, endpoint, hwm, max_queue_size, publisher, replay_endpoint, "
+                               "topic")
+    with pytest.raises(InvalidInputError) as info:
         kv_events.KVEventsConfig(True, "nats")
+    assert str(info.value) == ("publisher: must be 'zmq' or 'null', got 'nats'; gpukv publishes over ZMQ ('zmq') "
+                               "or not at all ('null')")
     offset = kv_events._offset_endpoint
     assert offset("tcp://*:5557", 2) == "tcp://*:5559" and offset("tcp://*:0", 2) == "tcp://*:0"
+    assert offset("tcp://*:*", 2) == "tcp://*:*" and offset("ipc:///tmp/e", 2) == "ipc:///tmp/e_dp2"
     assert offset("inproc://ev", 1) == "inproc://ev_dp1" and offset("tcp://*:5557", 0) == "tcp://*:5557"
     assert kv_events._binds("tcp://*:5557") and kv_events._binds("ipc:///tmp/x")
     assert not kv_events._binds("tcp://127.0.0.1:5557")
@@ -308,8 +317,10 @@ def test_a_batch_after_dropped_events_is_published_with_a_warning(sockdir):
             publisher.publish(KVEventBatch(0, [], dropped=3))
     finally:
         publisher.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(PublisherClosedError) as info:
         publisher.publish([])
+    assert str(info.value) == "the publisher is closed; make a new publisher to publish more"
+    assert isinstance(info.value, RuntimeError)
 
 
 def test_without_the_extra_the_error_names_it(monkeypatch):
@@ -323,3 +334,137 @@ def test_without_the_extra_the_error_names_it(monkeypatch):
     spec = importlib.util.spec_from_file_location("kv_events_without_msgspec", kv_events.__file__)
     with pytest.raises(ImportError, match=r"needs the 'events' extra: pip install 'gpukv\[events\]'"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+# ------------------------------------------------- refusals (issue 29)
+
+def _replayed(ctx: zmq.Context, replay_endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
+    """Every (seq, payload) the replay socket holds from ``start`` on."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay_endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        assert dealer.poll(5000), "no answer from the replay socket"
+        _, _, seq, payload = dealer.recv_multipart()
+        if seq == kv_events.END_SEQ:
+            dealer.close(linger=0)
+            return out
+        out.append((int.from_bytes(seq, "big"), payload))
+
+
+def _received(sub: zmq.Socket, publisher, ts: float) -> bool:
+    """Publish batches stamped ``ts`` until ``sub`` gets one (a subscription
+    takes a moment to reach a PUB socket); False if none comes in 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        publisher.publish(KVEventBatch(0, [], ts=ts))
+        if sub.poll(50):
+            return DECODER.decode(sub.recv_multipart()[2]).ts == ts
+    return False
+
+
+def test_a_second_publisher_on_a_live_ipc_path_is_refused(sockdir):
+    """ZMQ alone would let the second bind take the path over (shown first,
+    with raw sockets): a subscriber connecting afterwards reaches only the
+    newcomer. gpukv refuses the second publisher, and the first stays
+    reachable by subscribers that connect after the refusal."""
+    ctx = zmq.Context()
+    try:
+        raw_first, raw_second = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB)
+        raw_first.bind(f"ipc://{sockdir}/raw")
+        raw_second.bind(f"ipc://{sockdir}/raw")  # ZMQ says nothing: the path is the second's now
+        raw_sub = ctx.socket(zmq.SUB)
+        raw_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        raw_sub.connect(f"ipc://{sockdir}/raw")
+        time.sleep(0.2)
+        raw_first.send(b"first")
+        assert not raw_sub.poll(300)  # the first one is unreachable: the hazard is real
+
+        first = kv_events.ZmqEventPublisher(f"ipc://{sockdir}/ev")
+        try:
+            with pytest.raises(AddressInUseError) as info:
+                kv_events.ZmqEventPublisher(f"ipc://{sockdir}/ev")
+            assert str(info.value) == (f"endpoint: another socket is listening on {sockdir}/ev; use another path, "
+                                       "or close the publisher that holds this one")
+            assert isinstance(info.value, OSError)
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"ipc://{sockdir}/ev")
+            assert _received(sub, first, 7.0)
+        finally:
+            first.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_stale_ipc_socket_file_is_taken_over(sockdir):
+    """A socket file nobody listens on (its process died, or a closed
+    publisher left it: ZMQ does not remove it) is bound anew."""
+    path = f"{sockdir}/stale"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays, nobody listens
+    assert os.path.exists(path)
+    ctx = zmq.Context()
+    publisher = kv_events.ZmqEventPublisher(f"ipc://{path}")
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{path}")
+        assert _received(sub, publisher, 3.0)
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+    again = kv_events.ZmqEventPublisher(f"ipc://{path}")  # the file a closed publisher left
+    again.close()
+
+
+def test_an_ipc_path_that_is_a_file_is_refused_and_kept(sockdir):
+    path = f"{sockdir}/notes.txt"
+    with open(path, "w") as f:
+        f.write("mine")
+    with pytest.raises(AddressError) as info:
+        kv_events.ZmqEventPublisher(f"ipc://{path}")
+    assert type(info.value) is AddressError
+    assert str(info.value) == (f"endpoint: {path} exists and is not a socket; use a path where no file is "
+                               "(binding would delete it)")
+    with open(path) as f:
+        assert f.read() == "mine"
+
+
+def test_a_publish_is_all_or_nothing(sockdir):
+    """``publish([batch, "x"])`` used to queue the first batch and then
+    raise; now it queues neither, and the next batch is number 0."""
+    ctx = zmq.Context()
+    publisher = kv_events.ZmqEventPublisher(f"ipc://{sockdir}/pub", f"ipc://{sockdir}/replay")
+    try:
+        with pytest.raises(InvalidTypeError) as info:
+            publisher.publish([KVEventBatch(0, [gk.AllBlocksCleared()], ts=1.0), "x"])
+        assert str(info.value) == ("batches[1]: must be a KVEventBatch, got str; pass a KVEventBatch or a list of "
+                                   "them (manager.take_events())")
+        with pytest.raises(InvalidInputError) as info:  # a token id msgpack cannot carry: refused, not lost
+            publisher.publish([KVEventBatch(0, [], ts=1.5),
+                               KVEventBatch(0, [gk.BlockStored([KEY], None, [2**64, 1], 2, None)], ts=1.75)])
+        assert str(info.value).startswith("batches[1]: cannot be sent in vLLM's schema (")
+        publisher.publish(KVEventBatch(0, [gk.AllBlocksCleared()], ts=2.0))
+        assert publisher.flush()
+        assert [(seq, DECODER.decode(p).ts) for seq, p in _replayed(ctx, publisher.replay_endpoint)] == [(0, 2.0)]
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_bad_hash_form_variable_is_refused(monkeypatch, sockdir):
+    monkeypatch.setenv(kv_events.INT_HASHES_ENV, "yes")
+    with pytest.raises(InvalidInputError) as info:
+        kv_events.ZmqEventPublisher(f"ipc://{sockdir}/pub")
+    assert str(info.value) == ("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: is 'yes', not an int; set it to 1 (int hashes, "
+                               "vLLM's default) or 0 (16-byte hashes)")
+    kv_events.ZmqEventPublisher(f"ipc://{sockdir}/pub", int_block_hashes=False).close()  # given: the variable unread
+
+
+def test_the_wording_says_which_release_was_tested():
+    assert kv_events.VLLM_VERSION == "0.33.0"
+    doc = kv_events.__doc__
+    assert "current" not in doc and "tested with 0.33.0 only" in doc

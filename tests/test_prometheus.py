@@ -1,5 +1,5 @@
 """Prometheus metrics (``gpukv.prometheus``, the ``metrics`` extra): values
-as the replay counts them, the names and labels vLLM uses (current vLLM's,
+as the replay counts them, the names and labels vLLM uses (vLLM 0.33.0's,
 and vLLM 0.8.5's block-unit counters on request), the HTTP endpoint of
 ``gpukv replay --metrics-port``, and the message when the extra is missing."""
 
@@ -164,3 +164,20 @@ def test_without_the_extra_the_option_is_one_error_line(capsys, monkeypatch):
     assert info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "need the 'metrics' extra" in lines[0] and "gpukv[metrics]" in lines[0], lines
+
+
+def test_a_metrics_port_in_use_is_a_user_error_with_a_hint(capsys):
+    """``serve`` refuses a port in use with an ``AddressInUseError``, an
+    OSError, so ``gpukv replay --metrics-port`` reports it as the user's
+    mistake (exit status 2), not as an internal error."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main(["replay", "--backend", "reference", "--max-requests", "1", "--no-progress",
+                  "--metrics-port", str(port)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port} is in use (Address already in use); pass another port, or 0 for any free one" in err
+    assert "internal error" not in err
