@@ -1,0 +1,197 @@
+"""Random request streams on a vLLM 0.33 scheduler, every step recorded.
+
+:func:`run_stream` drives one scheduler class through a seeded stream:
+requests arrive over the first steps with prompts drawn from a few shared
+prefixes (so they hit each other's blocks), random lengths and output
+budgets, under a small token budget and pool (chunked prefill, preemption and
+resumption), with speculative drafts (some accepted, some rejected), prompt
+logprobs and aborts. :class:`StepRecord` is what one step shows from outside
+the block manager: the ``SchedulerOutput`` as plain data, the stats and usage,
+the KV events published, the tokens returned. Two classes that make the same
+decisions produce equal records, so ``run_stream(gpukv_cls, seed) ==
+run_stream(VllmScheduler, seed)`` is the step-by-step comparison a gpukv class
+has to pass.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from .harness import BlockTables, Engine, KVView, RequestStatus, make_requests, make_scheduler
+
+PREFIX_BLOCKS = (0, 1, 2, 3)  # a prompt shares 0..3 blocks of one of the prefixes
+NUM_PREFIXES = 3
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """A stream's shape; ``seed`` decides everything else."""
+
+    seed: int
+    num_requests: int = 24
+    arrival_steps: int = 12
+    num_blocks: int = 20
+    max_num_batched_tokens: int = 64
+    max_num_seqs: int = 6
+    num_speculative_tokens: int = 2
+    abort_rate: float = 0.004
+
+
+@dataclass
+class StepRecord:
+    """One step, as plain comparable data."""
+
+    new: list[tuple[str, tuple[tuple[int, ...], ...], int]]
+    cached: list[tuple[str, bool, tuple[tuple[int, ...], ...] | None, int, int]]
+    num_scheduled_tokens: dict[str, int]
+    spec_decode_tokens: dict[str, tuple[int, ...]]
+    finished: frozenset[str]
+    preempted: frozenset[str]
+    tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    prefix_cache: tuple[int, ...] | None = None
+    spec: tuple[int, int, int] | None = None
+    usage: float | None = None
+    events: list[tuple[Any, ...]] = field(default_factory=list)
+    aborted: tuple[str, ...] = ()  # finish_requests(..., FINISHED_ABORTED) just before this step
+
+
+def _groups(block_ids):
+    return None if block_ids is None else tuple(tuple(group) for group in block_ids)
+
+
+def record_output(out) -> StepRecord:
+    """A ``SchedulerOutput`` as a :class:`StepRecord` (the model's side filled in later)."""
+    c = out.scheduled_cached_reqs
+    return StepRecord(
+        new=[(n.req_id, _groups(n.block_ids), n.num_computed_tokens) for n in out.scheduled_new_reqs],
+        cached=[(rid, rid in c.resumed_req_ids, _groups(ids), computed, outputs) for rid, ids, computed, outputs
+                in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, c.num_output_tokens, strict=True)],
+        num_scheduled_tokens=dict(out.num_scheduled_tokens),
+        spec_decode_tokens={rid: tuple(t) for rid, t in out.scheduled_spec_decode_tokens.items()},
+        finished=frozenset(out.finished_req_ids),
+        preempted=frozenset(out.preempted_req_ids or ()),
+    )
+
+
+def _event(event) -> tuple[Any, ...]:
+    fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "medium")
+    return (type(event).__name__, *(getattr(event, name, None) for name in fields))
+
+
+def record_results(record: StepRecord, results, scheduler) -> None:
+    """Fill in what ``update_from_output`` returned and published."""
+    for eco in results.values():
+        for o in eco.outputs:
+            record.tokens[o.request_id] = tuple(o.new_token_ids)
+            if o.finish_reason is not None:
+                record.finish_reasons[o.request_id] = o.finish_reason.name
+        stats = eco.scheduler_stats
+        if stats is not None:
+            p = stats.prefix_cache_stats
+            record.prefix_cache = (p.requests, p.queries, p.hits, p.preempted_requests, p.preempted_queries,
+                                   p.preempted_hits)
+            s = stats.spec_decoding_stats
+            record.spec = None if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+            record.usage = round(stats.kv_cache_usage, 9)
+    record.events.extend(_event(e) for e in scheduler.kv_event_publisher.take())
+
+
+def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts of 1..3 blocks of one of the shared prefixes, then 1..40 own tokens."""
+    prefixes = [[rng.randrange(5000) for _ in range(3 * BLOCK_SIZE)] for _ in range(NUM_PREFIXES)]
+    prompts = []
+    for _ in range(n):
+        shared = rng.choice(PREFIX_BLOCKS) * BLOCK_SIZE
+        own = [rng.randrange(5000, 9000) for _ in range(rng.randrange(1, 41))]
+        prompts.append(rng.choice(prefixes)[:shared] + own)
+    return prompts
+
+
+def _request(rng: random.Random, i: int, prompt: list[int]) -> Any:
+    (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=rng.randrange(1, 48),
+                               ignore_eos=True, prompt_logprobs=1 if rng.random() < 0.1 else None,
+                               block_size=BLOCK_SIZE)
+    return request
+
+
+class _Model:
+    """The model's side of the stream: samples, draft acceptance, drafts."""
+
+    def __init__(self, rng: random.Random, num_spec: int) -> None:
+        self.rng, self.num_spec = rng, num_spec
+
+    def sample(self, request) -> list[int]:
+        drafts = [t for t in request.spec_token_ids if t >= 0]
+        accepted = drafts[: self.rng.randrange(len(drafts) + 1)] if drafts else []
+        return [*accepted, 100 + self.rng.randrange(50)]
+
+    def drafts(self, request) -> list[int]:  # noqa: ARG002
+        return [200 + self.rng.randrange(50) for _ in range(self.num_spec)]
+
+
+def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, max_steps: int = 400):
+    """Run ``config``'s stream on a ``cls`` scheduler; returns its step records.
+
+    Everything random comes from ``config.seed`` and the requests' own state,
+    so two classes making the same decisions see the same stream. With
+    ``check_tables`` each step also checks the block tables rebuilt from the
+    outputs against the manager (``harness.BlockTables``)."""
+    rng = random.Random(config.seed)
+    scheduler = make_scheduler(cls, num_blocks=config.num_blocks, max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
+                               num_speculative_tokens=config.num_speculative_tokens, block_size=BLOCK_SIZE,
+                               enable_kv_cache_events=True)
+    model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
+    engine = Engine(scheduler, sample=model.sample, drafts=model.drafts,
+                    tables=BlockTables() if check_tables else None)
+    prompts = make_prompts(rng, config.num_requests)
+    arrivals = sorted(rng.randrange(config.arrival_steps) for _ in prompts)
+    records: list[StepRecord] = []
+    pending = list(range(config.num_requests))
+    for step in range(max_steps):
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            scheduler.add_request(_request(rng, i, prompts[i]))
+        aborted = _maybe_abort(rng, scheduler, config.abort_rate)
+        if not pending and not scheduler.has_requests() and not engine.in_flight:
+            break
+        before = len(engine.results)
+        out = engine.step()
+        if out is not None:
+            records.append(record_output(out))
+            records[-1].aborted = aborted
+        for results in engine.results[before:]:
+            record_results(records[-1], results, scheduler)
+    else:
+        raise AssertionError(f"stream {config.seed} did not finish in {max_steps} steps")
+    KVView(scheduler).assert_empty()
+    return records
+
+
+def _maybe_abort(rng: random.Random, scheduler, rate: float) -> tuple[str, ...]:
+    """Abort one live request, with probability ``rate`` per live request."""
+    live = sorted(scheduler.requests, key=int)
+    if not live or rng.random() >= rate * len(live):
+        return ()
+    victim = rng.choice(live)
+    scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+    return (victim,)
+
+
+def coverage(records: list[StepRecord]) -> dict[str, int]:
+    """How much of what a stream is for it exercised."""
+    return {
+        "hits": sum(1 for r in records for _, _, computed in r.new if computed > 0),
+        # a step that ran a request but returned no token for it: a partial prefill (synchronous runs)
+        "chunks": sum(1 for r in records for rid in r.num_scheduled_tokens if rid not in r.tokens),
+        "preemptions": sum(len(r.preempted) for r in records),
+        "spec_steps": sum(1 for r in records if r.spec_decode_tokens),
+        "aborts": sum(len(r.aborted) for r in records),
+        "finished": sum(len(r.finish_reasons) for r in records),
+        "stored_events": sum(1 for r in records for e in r.events if e[0] == "BlockStored"),
+        "removed_events": sum(1 for r in records for e in r.events if e[0] == "BlockRemoved"),
+    }
