@@ -396,3 +396,19 @@ def test_finished_set_reaches_the_client_outputs():
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {}
     assert model_output(scheduler, out).req_ids == []
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_admission_needs_room_for_the_whole_prompt_not_just_its_chunk(cls):
+    """scheduler_reserve_full_isl (on by default): allocate_slots(...,
+    full_sequence_must_fit=True) admits a waiting request only if its whole
+    prompt fits. 5 usable blocks; request 0 takes 3 (48 tokens); request 1's
+    first 16-token chunk would fit in the 2 left, its 48-token prompt does not."""
+    scheduler = make_scheduler(cls, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+    assert scheduler.scheduler_reserve_full_isl is True
+    for request in make_requests(2, 48, max_tokens=2, ignore_eos=True):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 48}
+    assert [r.request_id for r in scheduler.waiting] == ["1"]
+    assert KVView(scheduler).num_free_blocks() == 2
