@@ -19,10 +19,12 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import lzma
 import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +39,13 @@ from gpukv.defaults import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NUM_BLOCKS,
     DEFAULT_STEP_MS,
+    MAX_BLOCK_SIZE,
+    MAX_LINGER_S,
+    MAX_NUM_BLOCKS,
     PLAIN_INTERVAL_S,
 )
 from gpukv.errors import GpukvError
-from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace
+from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace, open_trace, trace_suffix
 
 if TYPE_CHECKING:
     from gpukv.replay import ReplayOptions
@@ -54,6 +59,8 @@ DEFAULT_SIZES = {"block_size": DEFAULT_BLOCK_SIZE, "num_blocks": DEFAULT_NUM_BLO
 # How much goes to stderr besides results and errors: -1 --quiet (nothing),
 # 0 notes, warnings and progress, 1 --verbose (every note). Set by main().
 _verbosity = 0
+# When main() began: the process's age where /proc cannot tell it.
+_main_started = time.perf_counter()
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -97,38 +104,62 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see '{self.prog} --help')", prog=self.prog)
 
 
-def _int_option(minimum: int, maximum: int | None = None, why: str = ""):
+def _short(text: str, limit: int = 40, quote: bool = True) -> str:
+    """``text`` as the user typed it, cut for an error message (quoted, unless it is a number)."""
+    shown = repr if quote else str
+    return shown(text) if len(text) <= limit else shown(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def _int_option(minimum: int, maximum: int, what: str = ""):
+    """An option's parser: an integer in ``[minimum, maximum]``, else a
+    message that names the range (and, in ``what``, what it counts); argparse
+    prefixes the option's name, and the parser exits 2."""
+    allowed = f"from {minimum} to {maximum}{f' ({what})' if what else ''}"
+
     def parse(text: str) -> int:
         try:
             value = int(text.strip(), 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"must be {'positive' if minimum == 1 else f'>= {minimum}'}{why}, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        except ValueError:  # not an integer, or one of thousands of digits
+            raise argparse.ArgumentTypeError(f"expected an integer {allowed}, got {_short(text)}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {_short(text.strip(), quote=False)}")
         return value
 
+    parse.allowed = (minimum, maximum)  # type: ignore[attr-defined]  # read by the tests: every int option has a range
     return parse
 
 
-def _positive_float_option(unit: str):
-    """An option's parser for a positive, finite number of ``unit``."""
+def _float_option(unit: str, minimum: float = 0.0, maximum: float = math.inf, zero: bool = False):
+    """An option's parser for a finite number of ``unit`` above ``minimum``
+    (or equal to it, with ``zero``) and at most ``maximum``."""
+    low = f">= {minimum:g}" if zero else f"> {minimum:g}"
+    allowed = f"{low} and finite" if maximum == math.inf else f"{low} and <= {maximum:g}"
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
-        if not (0 < value < math.inf):
-            raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {_short(text)}") from None
+        above = value >= minimum if zero else value > minimum
+        if not (above and value <= maximum and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} {allowed}, got "
+                                             f"{_short(text.strip(), quote=False)}")
         return value
 
     return parse
 
 
-_ms_option = _positive_float_option("milliseconds")
-_gib_option = _positive_float_option("GiB")
+_ms_option = _float_option("milliseconds")
+_gib_option = _float_option("GiB")
+_linger_option = _float_option("seconds", maximum=MAX_LINGER_S, zero=True)
+
+# The integer options' ranges, shared by both commands (MAX_SIZE: int32 on the device).
+_block_size_option = _int_option(1, MAX_BLOCK_SIZE, "tokens per block")
+_num_blocks_option = _int_option(2, MAX_NUM_BLOCKS, "blocks, the null block included")
+_model_len_option = _int_option(1, MAX_SIZE, "tokens")
+_requests_option = _int_option(1, MAX_SIZE, "requests")
+# The device manager keeps two request rows per running request (int32 row ids).
+_num_seqs_option = _int_option(1, MAX_SIZE // 2, "requests")
 
 
 # Words --max-num-batched-tokens takes for "no budget" (as does 0).
@@ -146,11 +177,13 @@ def _budget_option(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of tokens, or 0 or 'unlimited' for no budget, "
                                          f"got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 or 'unlimited': no budget), got {value}")
-    if value > MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_SIZE}, got {value}")
+    if not 0 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_SIZE} (tokens; 0 or 'unlimited': no "
+                                         f"budget), got {_short(text.strip(), quote=False)}")
     return value
+
+
+_budget_option.allowed = (0, MAX_SIZE)  # type: ignore[attr-defined]
 
 
 def _list_option(parse_one):
@@ -158,9 +191,10 @@ def _list_option(parse_one):
     def parse(text: str) -> list:
         items = [t for t in text.split(",") if t.strip()]
         if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {_short(text)}")
         return [parse_one(t) for t in items]
 
+    parse.item = parse_one  # type: ignore[attr-defined]  # the tests read each item's range through it
     return parse
 
 
@@ -176,30 +210,34 @@ def _sweep_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl (default: built-in workload)")
     sizes = p.add_mutually_exclusive_group()
-    sizes.add_argument("--num-blocks", type=_list_option(_int_option(2, MAX_SIZE)), metavar="N,N,...",
-                       help="pool sizes in blocks")
-    sizes.add_argument("--tokens", type=_list_option(_int_option(1, MAX_SIZE)), metavar="T,T,...",
-                       help="pool sizes in tokens (whole blocks)")
+    sizes.add_argument("--num-blocks", type=_list_option(_num_blocks_option), metavar="N,N,...",
+                       help="pool sizes in blocks, the null block included (N blocks hold N - 1 blocks of tokens)")
+    sizes.add_argument("--tokens", type=_list_option(_model_len_option), metavar="T,T,...",
+                       help="pool sizes in tokens, whole blocks (T tokens: T // block size blocks and the null block)")
     sizes.add_argument("--gib", type=_list_option(_gib_option), metavar="G,G,...",
                        help="pool sizes in GiB of KV cache for the model given by --layers etc.")
-    p.add_argument("--layers", type=_int_option(1), default=32, help="model layers (with --gib)")
-    p.add_argument("--kv-heads", type=_int_option(1), default=8, help="KV heads per layer (with --gib)")
-    p.add_argument("--head-size", type=_int_option(1), default=128, help="head size (with --gib)")
+    # Far past any model's (the largest have about 128 layers): --gib's sizing
+    # describes every layer, so a billion of them would run for minutes.
+    p.add_argument("--layers", type=_int_option(1, 4096, "layers"), default=32, help="model layers (with --gib)")
+    p.add_argument("--kv-heads", type=_int_option(1, 65536, "heads"), default=8,
+                   help="KV heads per layer (with --gib)")
+    p.add_argument("--head-size", type=_int_option(1, 65536), default=128, help="head size (with --gib)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float8_e4m3fn"], default="bfloat16",
                    help="KV-cache dtype (with --gib)")
-    p.add_argument("--block-size", type=_int_option(1, MAX_SIZE), default=16, help="tokens per block")
-    p.add_argument("--max-requests", type=_int_option(1), default=None,
+    p.add_argument("--block-size", type=_block_size_option, default=DEFAULT_BLOCK_SIZE, help="tokens per block")
+    p.add_argument("--max-requests", type=_requests_option, default=None,
                    help=f"replay only the first N requests (default: all; {BUILTIN_REQUESTS} for the built-in "
                    "workload)")
     p.add_argument("--max-num-batched-tokens", type=_budget_option, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    metavar="N", help="the token budget per step (0 or 'unlimited': none)")
-    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=DEFAULT_MAX_NUM_SEQS,
+    p.add_argument("--max-num-seqs", type=_num_seqs_option, default=DEFAULT_MAX_NUM_SEQS,
                    help="most requests running at once")
-    p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=DEFAULT_SIZES["max_model_len"],
+    p.add_argument("--max-model-len", type=_model_len_option, default=DEFAULT_SIZES["max_model_len"],
                    help="longest request in tokens; a size that cannot hold one is flagged")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
     _add_arrival_options(p)
-    p.add_argument("--jobs", type=_int_option(1), default=os.cpu_count() or 1,
+    p.add_argument("--jobs", type=_int_option(1, MAX_SIZE, "processes; never more than the sizes"),
+                   default=os.cpu_count() or 1,
                    help="replays run at once, one process each")
     p.add_argument("--json", metavar="OUT", help="write the points as JSON")
     p.add_argument("--plot", metavar="OUT.png",
@@ -224,27 +262,16 @@ def sweep_main(args) -> int:
     args.arrival = args.arrival or DEFAULT_ARRIVAL
     trace = _load_trace_or_fail(path, "mooncake", max_requests, args.arrival, args.step_ms)
     bs = args.block_size
-    unit, capacities = "tokens", None
     model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
-    if args.num_blocks is not None:
-        blocks = args.num_blocks
-    elif args.tokens is not None:
-        blocks = [max(2, t // bs) for t in args.tokens]
-    elif args.gib is not None:
-        try:
-            blocks = [model.blocks_for(g, bs) for g in args.gib]
-        except ValueError as e:
-            raise CliError(f"--gib: {e}") from None
-        unit, capacities = "GiB", list(args.gib)
-    else:
-        blocks = sweep.default_sizes(trace, bs, max_model_len=args.max_model_len)
+    blocks, unit, capacities = _sweep_sizes(args, trace, model)
     opts = ReplayOptions(block_size=bs, max_num_seqs=args.max_num_seqs, prompt_only=args.prompt_only,
                          max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens or None,
                          hash_key=_hash_key())
-    shown = [_capacity_text(c, unit) for c in capacities] if capacities else [f"{n * bs:,} tokens" for n in blocks]
+    shown = ([sweep.capacity_text(c, unit) for c in capacities] if capacities
+             else [sweep.capacity_text(sweep.pool_tokens(n, bs), unit) for n in blocks])
     jobs = min(args.jobs, len(blocks))
-    _note(f"{len(blocks)} replays of {trace.num_requests} requests ({_arrival_text(args)}), {jobs} at a time; "
-          "the ceiling from one pass over the trace")
+    _note(f"{_plural(len(blocks), 'replay')} of {_plural(trace.num_requests, 'request')} ({_arrival_text(args)}), "
+          f"{jobs} at a time; the ceiling from one pass over the trace")
     for n, text in zip(blocks, shown, strict=True):
         if not sweep.holds_max_model_len(n, bs, args.max_model_len):
             _warn(f"{text} ({n:,} blocks) cannot hold one request of --max-model-len {args.max_model_len:,} tokens "
@@ -253,11 +280,53 @@ def sweep_main(args) -> int:
     def finished(i: int, point: dict) -> None:
         if _verbosity > 0:
             _note(f"{shown[i]}: prefix cache hit rate {point['prefix_cache_hit_rate']:.4f}, "
-                  f"{point['preemptions']:,} preemptions, {point['wall_s']:.1f} s")
+                  f"{_plural(point['preemptions'], 'preemption')}, {point['wall_s']:.1f} s")
 
-    result = sweep.run_sweep(trace, blocks, opts, jobs=jobs, capacity_unit=unit, capacities=capacities,
-                             trace_label=label, capacity_of=model.gib_of if args.gib is not None else None,
-                             progress=_verbosity >= 0, labels=shown, on_point=finished)
+    try:
+        result = sweep.run_sweep(trace, blocks, opts, jobs=jobs, capacity_unit=unit, capacities=capacities,
+                                 trace_label=label, capacity_of=model.gib_of if args.gib is not None else None,
+                                 progress=_verbosity >= 0, labels=shown, on_point=finished)
+    except sweep.SizeRefused as e:
+        raise CliError(f"the reference manager refused a pool of {e}; ask for smaller sizes") from None
+    _deliver_sweep(args, result, outputs)
+    return 0
+
+
+def _sweep_sizes(args, trace: Trace, model) -> tuple[list[int], str, list[float] | None]:
+    """The pools a sweep replays, in blocks (the null block included), their
+    unit and, for GiB, the sizes as given; a size no pool can have is a CliError."""
+    from gpukv import sweep
+
+    bs = args.block_size
+    unit, capacities = "tokens", None
+    if args.num_blocks is not None:
+        blocks = list(args.num_blocks)
+    elif args.tokens is not None:
+        for t in args.tokens:
+            if t < bs:
+                raise CliError(f"--tokens {t}: less than one block of {bs} tokens; give at least {bs} "
+                               f"(a size holds whole blocks)")
+        blocks = [t // bs + 1 for t in args.tokens]
+    elif args.gib is not None:
+        try:
+            blocks = [model.blocks_for(g, bs) for g in args.gib]
+        except ValueError as e:
+            raise CliError(f"--gib: {e}") from None
+        unit, capacities = "GiB", list(args.gib)
+    else:
+        blocks = sweep.default_sizes(trace, bs, max_model_len=args.max_model_len)
+    option = next((o for o in ("--num-blocks", "--tokens", "--gib") if getattr(args, o[2:].replace("-", "_"))),
+                  "the trace's default sizes")
+    for n in blocks:
+        if not 2 <= n <= MAX_NUM_BLOCKS:
+            most = sweep.pool_tokens(MAX_NUM_BLOCKS, bs)
+            raise CliError(f"{option}: a pool of {n:,} blocks of {bs} tokens; a pool has from 2 to {MAX_NUM_BLOCKS} "
+                           f"blocks, the null block included (at most {most} tokens of {bs}-token blocks)")
+    return blocks, unit, capacities
+
+
+def _deliver_sweep(args, result: dict, outputs: dict[str, Path]) -> None:
+    """A sweep's warnings, files and table."""
     for line in result["warnings"]:
         if "rejected" in line:
             _warn(line)
@@ -269,11 +338,6 @@ def sweep_main(args) -> int:
         plot.sweep_figure(result, outputs["--plot"])
         _note(f"plot written to {args.plot}")
     _print_sweep(result)
-    return 0
-
-
-def _capacity_text(capacity: float, unit: str) -> str:
-    return f"{capacity:,.4g} {unit}" if unit == "GiB" else f"{capacity:,} {unit}"
 
 
 def _arrival_text(args) -> str:
@@ -286,7 +350,9 @@ def _print_sweep(result: dict) -> None:
     unit = result["capacity_unit"]
     print(f"{'capacity (' + unit + ')':>18}  {'blocks':>9}  {'hit rate':>8}  {'first adm.':>10}  {'evictions':>10}  "
           f"{'preempted':>9}  {'recomputed':>10}  {'rejected':>8}")
-    rows = [*result["points"], {**result["ceiling"], "label": "ceiling"}]
+    # In order of size, the ceiling where it falls (a size may be larger than it).
+    rows = sorted([*result["points"], {**result["ceiling"], "label": "ceiling"}],
+                  key=lambda p: (p["num_blocks"], "label" in p))
     flagged = False
     for p in rows:
         cap = f"{p['capacity']:,.4g}" if unit == "GiB" else f"{p['capacity']:,}"
@@ -302,7 +368,8 @@ def _print_sweep(result: dict) -> None:
               f"{recomputed:>10}  {p['rejected']:>8,}{mark}")
     print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, re-admissions after a "
           "preemption apart); first adm.: each request's first admission; recomputed: share of the tokens computed "
-          "that a preempted request had computed before; ceiling: a cache that never evicts (one pass over the trace)")
+          "that a preempted request had computed before; ceiling: a cache that never evicts (one pass over the trace); "
+          "blocks: the pool, the null block included, so it holds blocks - 1 blocks of tokens")
     if flagged:
         print(f"!: cannot hold max_model_len {result['max_model_len']:,} or rejected requests: served fewer requests, "
               "not comparable with the other sizes")
@@ -341,15 +408,15 @@ def _add_backend_options(p: argparse.ArgumentParser) -> None:
 
 def _add_pool_options(p: argparse.ArgumentParser) -> None:
     """The pool's sizes; a step trace's config may set them instead."""
-    p.add_argument("--block-size", type=_int_option(1, MAX_SIZE), default=None,
+    p.add_argument("--block-size", type=_block_size_option, default=None,
                    help=f"tokens per block (default: {DEFAULT_SIZES['block_size']}; a step trace's config wins)")
-    p.add_argument("--num-blocks", type=_int_option(2, MAX_SIZE, " (block 0 is the null block)"), default=None,
+    p.add_argument("--num-blocks", type=_num_blocks_option, default=None,
                    help=f"blocks in the pool, the null block included (default: {DEFAULT_SIZES['num_blocks']}; a step "
                    "trace's config wins)")
-    p.add_argument("--max-model-len", type=_int_option(1, MAX_SIZE), default=None,
+    p.add_argument("--max-model-len", type=_model_len_option, default=None,
                    help=f"longest request in tokens (default: {DEFAULT_SIZES['max_model_len']}; a step trace's "
                    "config wins)")
-    p.add_argument("--max-num-seqs", type=_int_option(1, MAX_SIZE // 2), default=DEFAULT_MAX_NUM_SEQS,
+    p.add_argument("--max-num-seqs", type=_num_seqs_option, default=DEFAULT_MAX_NUM_SEQS,
                    help=f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}: the default pool holds about "
                    "72 of the built-in workload's requests at their full length; vLLM's 1024 suits short chats)")
 
@@ -363,22 +430,24 @@ def _add_scheduling_options(p: argparse.ArgumentParser) -> None:
                    f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM 0.8.5's default for its OpenAI server on GPUs with "
                    "at least 70 GiB such as the H100/H200 gpukv targets; it uses 2048 on smaller ones). Mooncake "
                    "traces only: a step trace runs as written")
-    p.add_argument("--long-prefill-token-threshold", type=_int_option(0, MAX_SIZE), default=0, metavar="N",
+    p.add_argument("--long-prefill-token-threshold", type=_int_option(0, MAX_SIZE, "tokens; 0: no cap"), default=0,
+                   metavar="N",
                    help="most prompt tokens one request computes in a step (default: 0, no cap, as in vLLM). "
                    "Mooncake traces only")
     p.add_argument("--uncached-first", action=argparse.BooleanOptionalAction, default=True,
                    help="free uncached blocks to the front of the free queue, or (--no-uncached-first) all to the back")
     p.add_argument("--admission", choices=["batch", "one"], default="batch",
-                   help="batch: admit a step's candidates in one batched step (each chunk charged whole, hit "
-                        "included); one: vLLM's waiting loop (look up, then schedule new tokens beyond the hit)")
+                   help="vLLM's waiting loop (look each request up, then schedule tokens beyond its hit, charged "
+                   "only those) either way: batch, for a step's candidates in one batched step() call; one, one "
+                   "get_computed_blocks and allocate_slots per request, as vLLM calls its manager")
 
 
 def _add_workload_options(p: argparse.ArgumentParser) -> None:
     """How much of the trace runs, and when its requests arrive."""
-    p.add_argument("--max-requests", type=_int_option(1), default=None,
+    p.add_argument("--max-requests", type=_requests_option, default=None,
                    help=f"replay only the first N requests (default: all; {BUILTIN_REQUESTS} for the built-in "
                    "workload)")
-    p.add_argument("--max-steps", type=_int_option(1), default=None,
+    p.add_argument("--max-steps", type=_int_option(1, MAX_SIZE, "steps"), default=None,
                    help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not "
                    "count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
@@ -412,11 +481,18 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
                    help="write the full report (summary, per-request records, final state, version, arguments, "
                    "trace and config); '-' writes it to stdout and moves the human summary to stderr")
     p.add_argument("--plot", metavar="OUT.png",
-                   help="draw the token hit rate, blocks in use and manager time per step over the steps "
-                   "(.png, .svg or .pdf by the extension; needs the 'plot' extra)")
-    p.add_argument("--metrics-port", type=_int_option(0, 65535), default=None, metavar="PORT",
-                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the replay runs (vLLM's "
-                   "names and labels, current vLLM's; 0 picks a free port; needs the 'metrics' extra)")
+                   help="draw vLLM's prefix cache hit rate so far beside its ceiling, blocks in use against the pool "
+                   "and the manager's time per step, over the steps (.png, .svg or .pdf by the extension; needs the "
+                   "'plot' extra)")
+    p.add_argument("--metrics-port", type=_int_option(0, 65535, "a TCP port; 0: any free one"), default=None,
+                   metavar="PORT",
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics from before the trace loads until "
+                   "the replay ends, and --metrics-linger seconds longer (vLLM's names and labels, tested with vLLM "
+                   "0.33.0; 0 picks a free port; needs the 'metrics' extra)")
+    p.add_argument("--metrics-linger", type=_linger_option, default=0, metavar="SECONDS",
+                   help="with --metrics-port: keep serving the final metrics this many seconds after the replay ends "
+                   f"(at most {MAX_LINGER_S:g}; Ctrl-C stops early), so a scraper that visits every 15 s still sees "
+                   "a short replay's totals; 0: the endpoint closes when the replay ends")
     p.add_argument("--served-model-name", default="gpukv", metavar="NAME",
                    help="the metrics' model_name label (vLLM's flag of that name sets it there)")
     p.add_argument("--metrics-vllm085", action="store_true",
@@ -446,24 +522,25 @@ def _print_summary(report: dict, file=None) -> None:
     file = file if file is not None else sys.stdout
     s = report["summary"]
     c = report["config"]
-    steps = f"{s['steps']:,} steps"
+    steps = _plural(s["steps"], "step")
     if s.get("skipped_idle_steps"):
-        steps += f" (and {s['skipped_idle_steps']:,} idle steps skipped)"
+        steps += f" (and {_plural(s['skipped_idle_steps'], 'idle step')} skipped)"
     arrival = report.get("arguments", {}).get("arrival")
     if c["trace_kind"] == "mooncake" and arrival is not None:
         steps += ", " + _arrival_text(argparse.Namespace(**report["arguments"]))
     rows = [
         ("backend", _backend_text(c)),
-        ("trace", f"{c['trace_kind']}, {s['requests']} requests ({s['finished']} finished, "
-                  f"{s['rejected']} rejected), {steps}"),
-        ("pool", f"{c['num_blocks']:,} blocks of {c['block_size']} tokens ({s['pool_tokens']:,} tokens), "
-                 f"max {c['max_num_seqs']} running, admission {c['admission']}"),
+        ("trace", f"{c['trace_kind']}, {_plural(s['requests'], 'request')} ({_outcomes(s, c)}), {steps}"),
+        ("pool", f"{_plural(c['num_blocks'], 'block')} of {c['block_size']} tokens, block 0 the null block, so "
+                 f"{c['num_blocks'] - 1:,} hold {s['pool_tokens']:,} tokens; max {c['max_num_seqs']} running, "
+                 f"admission {c['admission']}"),
         ("scheduling", _scheduling(c)),
         ("prefix cache hit rate", _headline(s)),
         ("  first admission", f"{s['first_admission_hit_rate']:.4f}  (each request once, at its first admission)"),
         ("  after preemption", f"{_rate(s['preempted_hits'], s['preempted_queries'])}  ({s['preempted_hits']:,} of "
-                               f"{s['preempted_queries']:,} tokens, {s['preempted_lookup_requests']:,} lookups of "
-                               "preempted requests, counted apart as vLLM does)"),
+                               f"{s['preempted_queries']:,} tokens, "
+                               f"{_plural(s['preempted_lookup_requests'], 'lookup')} of preempted requests, "
+                               "counted apart as vLLM does)"),
         ("  every admission", f"{s['every_admission_hit_rate']:.4f}  ({s['cached_tokens']:,} of "
                               f"{s['prompt_tokens']:,} prompt tokens, re-admissions included)"),
         ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks asked, "
@@ -474,7 +551,7 @@ def _print_summary(report: dict, file=None) -> None:
         ("evictions", _evictions(s)),
         ("preemptions", f"{s['preemptions']:,}"),
         ("manager time/step", _manager_time(s, c)),
-        ("wall time", f"{s['wall_s']:.1f} s"),
+        ("time", _times(s, report.get("process_wall_s"))),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -487,14 +564,54 @@ def _print_summary(report: dict, file=None) -> None:
         _note(f"... and {len(messages) - len(shown)} more (--verbose shows them, --json keeps them)")
 
 
+def _plural(n: int, word: str) -> str:
+    """``1 request``, ``2 requests``, ``1,024 blocks``."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _outcomes(s: dict, c: dict) -> str:
+    """What became of a replay's requests: finished, rejected, and those it
+    left running or waiting (a step trace that ends first, or --max-steps)."""
+    text = f"{s['finished']:,} finished, {s['rejected']:,} rejected"
+    running, waiting = s.get("running_at_end", 0), s.get("waiting_at_end", 0)
+    if running or waiting:
+        end = "when the trace ended" if c["trace_kind"] == "step" else "when the replay stopped"
+        text += f", {running:,} still running and {waiting:,} waiting {end}"
+    return text
+
+
+def _times(s: dict, process_s: float | None) -> str:
+    """The replay loop's wall time, and the whole process's beside it."""
+    text = f"replay loop {s['wall_s']:.1f} s (its steps: the scheduler and the manager's calls)"
+    if process_s is not None:
+        text += (f"; the whole process {process_s:.1f} s (also the imports, loading the trace, the manager's setup, "
+                 "the ceiling's pass and the report)")
+    return text
+
+
+def _process_seconds() -> float:
+    """How long this process has run, as ``time`` counts it (the
+    interpreter's start and the imports included): from /proc where there
+    is one, else since ``main()`` began."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        start = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot
+        return max(0.0, uptime - start)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _main_started
+
+
 def _headline(s: dict) -> str:
     """vLLM's prefix cache hit rate, beside what the trace allows."""
     rate = f"{s['prefix_cache_hit_rate']:.4f}"
     ceiling = s.get("prefix_cache_hit_rate_ceiling")
     if ceiling is not None:
         rate += f" of a possible {ceiling:.4f}"
-    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up, {s['lookup_requests']:,} "
-            "lookups, re-admissions after preemption apart")
+    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up, "
+            f"{_plural(s['lookup_requests'], 'lookup')}, re-admissions after preemption apart")
     if ceiling is not None:
         text += "; possible: the same trace in a cache that never evicts"
     return text + ")"
@@ -512,7 +629,7 @@ def _pressure(s: dict, arrival: str | None) -> str:
     fix = "fewer --max-num-seqs or more --num-blocks avoid it"
     if arrival == "back-to-back":
         fix += "; --arrival timestamp lets requests come as they came"
-    return f"OVERSUBSCRIBED: {need}, so {s['preemptions']:,} preemptions ({fix})"
+    return f"OVERSUBSCRIBED: {need}, so {_plural(s['preemptions'], 'preemption')} ({fix})"
 
 
 def _evictions(s: dict) -> str:
@@ -530,8 +647,8 @@ def _recomputation(s: dict) -> str:
         return f"none: no request was preempted ({s['computed_tokens']:,} tokens computed)"
     share = s["recomputed_tokens"] / s["computed_tokens"] if s["computed_tokens"] else 0.0
     return (f"{s['recomputed_tokens']:,} of the {s['computed_tokens']:,} tokens computed ({share:.0%}) were "
-            f"computed again after {s['preemptions']:,} preemptions (one request preempted "
-            f"{s['most_preemptions_of_a_request']:,} times)")
+            f"computed again after {_plural(s['preemptions'], 'preemption')} (one request preempted "
+            f"{_plural(s['most_preemptions_of_a_request'], 'time')})")
 
 
 def _backend_text(c: dict) -> str:
@@ -654,8 +771,10 @@ def replay_main(args) -> int:
     if args.arrival == "timestamp" and args.format == "step":
         raise CliError("--arrival timestamp applies to Mooncake traces, not step traces")
     key = _hash_key()  # one key for both runs, so their digests (and tables) agree
-    if args.metrics_port is None and (args.metrics_vllm085 or args.served_model_name != "gpukv"):
-        raise CliError("--served-model-name and --metrics-vllm085 apply to the metrics: add --metrics-port")
+    if args.metrics_port is None and (args.metrics_vllm085 or args.served_model_name != "gpukv"
+                                      or args.metrics_linger):
+        raise CliError("--served-model-name, --metrics-vllm085 and --metrics-linger apply to the metrics: "
+                       "add --metrics-port")
     # The endpoint answers from the first second, a scraper's first try
     # included: it starts before the trace loads and torch is imported (issue 19).
     metrics = (_serve_metrics(args.metrics_port, model_name=args.served_model_name, vllm085=args.metrics_vllm085)
@@ -680,9 +799,27 @@ def replay_main(args) -> int:
         "arguments": dict(vars(args)),
         "trace": args.trace if args.trace is not None else "built-in",
         **report,
+        # The whole process so far, beside the summary's replay loop (wall_s).
+        "process_wall_s": _process_seconds(),
     }
     _deliver_report(args, report, ref, outputs, json_to_stdout)
+    if metrics is not None and args.metrics_linger:
+        _linger(args.metrics_linger)
     return 0
+
+
+def _linger(seconds: float) -> None:
+    """Keep the metrics endpoint (a daemon thread) serving the final values
+    ``seconds`` longer, so a scraper's next visit still finds them; the
+    report is out already, so Ctrl-C just ends it early."""
+    _note(f"the replay is over; serving its final metrics {seconds:g} s longer (--metrics-linger; Ctrl-C stops)")
+    try:
+        _sleep(seconds)
+    except KeyboardInterrupt:
+        _note("stopped serving the metrics")
+
+
+_sleep = time.sleep  # what _linger waits with (a test replaces it)
 
 
 def _replay_outputs(args) -> tuple[dict[str, Path], bool]:
@@ -714,6 +851,10 @@ def _load_trace_or_fail(path, fmt: str, max_requests: int | None, arrival: str, 
         return load_trace(path, fmt, max_requests=max_requests, arrival=arrival, step_ms=step_ms)
     except TraceError as e:
         raise CliError(f"{e}{_format_hint(path, fmt)}") from None
+    except FileNotFoundError as e:
+        raise CliError(f"cannot read the trace: {_os_problem(e)}; TRACE is a Mooncake .jsonl (or .jsonl.xz, "
+                       ".jsonl.gz) or a step-trace .json (docs/traces.md), and with no TRACE the built-in workload "
+                       "runs") from None
     except OSError as e:
         raise CliError(f"cannot read the trace: {_os_problem(e)}") from None
     except (ValueError, TypeError) as e:
@@ -730,7 +871,7 @@ def _format_hint(path, fmt: str) -> str:
     looks = _sniff_format(path)
     if looks is None:
         return ""
-    resolved = fmt if fmt != "auto" else ("mooncake" if Path(path).suffix == ".jsonl" else "step")
+    resolved = fmt if fmt != "auto" else ("mooncake" if trace_suffix(path) == ".jsonl" else "step")
     if looks == resolved:
         return ""  # the right format, with a problem of its own: the message says which
     if looks in ("mooncake", "step"):
@@ -748,9 +889,9 @@ def _sniff_format(path) -> str | None:
     'steps'), 'mooncake array', 'other' (text that is neither), or None
     (unreadable)."""
     try:
-        with open(path, "rb") as f:
+        with open_trace(path) as f:
             head = f.read(1 << 20).decode("utf-8", errors="replace")
-    except OSError:
+    except (OSError, EOFError, lzma.LZMAError):  # gzip's BadGzipFile is an OSError
         return None
     first = next((line.strip() for line in head.splitlines() if line.strip()), "")
     with contextlib.suppress(ValueError, RecursionError):
@@ -942,18 +1083,25 @@ def _triton_installed() -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command; on an error, print one line on stderr and exit
-    (``SystemExit``) with the status the module docstring lists."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``gpukv replay`` and ``gpukv sweep``."""
     parser = _Parser(prog=PROG, description="gpukv: a GPU-resident KV-cache block manager",
                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _replay_parser(sub)
     _sweep_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; on an error, print one line on stderr and exit
+    (``SystemExit``) with the status the module docstring lists."""
+    parser = build_parser()
     prefix = PROG
-    global _verbosity
+    global _verbosity, _main_started
     _verbosity = 0
+    _main_started = time.perf_counter()
     try:
         args, extra = parser.parse_known_args(argv)
         prefix = f"{PROG} {args.command}"

@@ -20,6 +20,7 @@ def require() -> Any:
         raise ImportError(f"plots need the 'plot' extra: {EXTRA_HINT}") from None
     matplotlib.use("Agg")  # files only: no display, none needed
     matplotlib.rcParams["svg.fonttype"] = "none"  # SVG text stays text (searchable, smaller)
+    matplotlib.rcParams["svg.hashsalt"] = "gpukv"  # the SVG's element ids the same each time, not random
     import matplotlib.pyplot as plt
 
     return plt
@@ -62,8 +63,10 @@ def replay_figure(report: dict, path: str | Path) -> None:
     axes[0].set_ylim(bottom=0)
     axes[0].legend(loc="lower right", fontsize="small")
     axes[1].plot(blocks, color="tab:green", label="blocks in use")
-    if c.get("num_blocks"):
-        axes[1].axhline(c["num_blocks"] - 1, color="black", linestyle=":", label=f"the pool: {c['num_blocks'] - 1:,}")
+    if c.get("num_blocks"):  # every block but the null block can be in use
+        n = c["num_blocks"]
+        axes[1].axhline(n - 1, color="black", linestyle=":",
+                        label=f"the pool: {n:,} blocks, the null block included ({n - 1:,} for tokens)")
         axes[1].legend(loc="lower right", fontsize="small")
     axes[1].set_ylabel("blocks in use")
     axes[2].plot([max(x, 1e-4) for x in ms], color="tab:orange", linewidth=0.8)
@@ -72,7 +75,7 @@ def replay_figure(report: dict, path: str | Path) -> None:
     axes[2].set_xlabel("step")
     for ax in axes:
         ax.grid(True, alpha=0.3)
-    fig.savefig(path, format=fmt)
+    _save(fig, path, fmt)
     plt.close(fig)
 
 
@@ -112,8 +115,15 @@ def sweep_figure(result: dict, path: str | Path) -> None:
     ax.set_title(f"{result['trace']}: {result['num_requests']} requests, {result['block_size']}-token blocks")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="lower right", fontsize="small")
-    fig.savefig(path, format=fmt)
+    _save(fig, path, fmt)
     plt.close(fig)
+
+
+def _save(fig, path: str | Path, fmt: str) -> None:
+    """Write the figure; an SVG or PDF without its date, so the same run
+    draws the same file (``docs/sweep_builtin.svg`` is one)."""
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
+    fig.savefig(path, format=fmt, metadata=metadata)
 
 
 def _capacity_label(x: float, unit: str) -> str:

@@ -698,6 +698,10 @@ class Replay:
             "requests": len(self.live),
             "finished": sum(lv.status == "finished" for lv in self.live.values()),
             "rejected": sum(lv.status == "rejected" for lv in self.live.values()),
+            # Requests the replay left unfinished: a step trace's that never
+            # finish, or any when --max-steps stopped it.
+            "running_at_end": len(self.running),
+            "waiting_at_end": len(self.waiting),
             "steps": num_steps,
             "skipped_idle_steps": self.skipped_steps,
             # vLLM's prefix cache hit rate (the one the text summary, the plot
@@ -730,6 +734,10 @@ class Replay:
             "manager_ms_per_step_mean": float(ms.mean()),
             "manager_ms_per_step_p50": float(np.percentile(ms, 50)),
             "manager_ms_per_step_p99": float(np.percentile(ms, 99)),
+            # The replay loop's wall time: its steps (this scheduler and the
+            # manager's calls, the series recorded), not the manager's setup,
+            # loading the trace, the ceiling's pass or the report
+            # (`gpukv replay` prints the whole process's time beside it).
             "wall_s": wall_s,
         }
 

@@ -3,7 +3,12 @@ in parallel processes, beside the ceiling (a cache that never evicts).
 
 Sizes come in blocks, in tokens (rounded down to whole blocks) or in GiB of
 KV cache for a model described by its layers, KV heads, head size and dtype
-(``gpukv.get_kv_cache_config`` turns the memory into blocks). Every point is
+(``gpukv.get_kv_cache_config`` turns the memory into blocks). A pool is
+counted as vLLM counts ``num_gpu_blocks``: its blocks include block 0, the
+null block, which holds no tokens; so ``N`` blocks hold ``(N - 1) *
+block_size`` tokens (a point's ``capacity`` in tokens), and ``T`` tokens take
+``T // block_size`` blocks and the null block. A size in GiB is the memory
+of all ``N`` blocks, as vLLM allocates them. Every point is
 an independent ``Replay`` on the reference manager with the same options, so
 points differ only in the pool. The trace is parsed once and handed to the
 workers; the ceiling is one pass over the prompts against a cache that never
@@ -105,6 +110,13 @@ def _reporter(index: int, sink: Callable[[tuple[int, int, int]], None]) -> Calla
     return report
 
 
+class SizeRefused(ValueError):
+    """A pool size the manager refuses (too large for its limits or this
+    machine's memory). Its one argument is the message, so it crosses from a
+    worker process to the parent intact (the managers' own errors take
+    keyword arguments, which an exception's pickling drops)."""
+
+
 def _run_point(job: tuple) -> dict:
     """One replay (a worker process's job, or the parent's with one job): the point's figures."""
     trace, opts, num_blocks, index = job
@@ -112,8 +124,14 @@ def _run_point(job: tuple) -> dict:
     if on_progress is None and _PROGRESS is not None:
         on_progress = _reporter(index, _PROGRESS.put)
     t0 = time.perf_counter()
-    report = Replay(trace, replace(opts, num_blocks=num_blocks, progress=False, ceiling=False,
-                                   on_progress=on_progress)).run()
+    try:
+        replay = Replay(trace, replace(opts, num_blocks=num_blocks, progress=False, ceiling=False,
+                                       on_progress=on_progress))
+    except MemoryError:
+        raise SizeRefused(f"{num_blocks:,} blocks: not enough memory for the reference manager") from None
+    except (ValueError, TypeError) as e:  # the manager's sizes and memory checks (gpukv.errors)
+        raise SizeRefused(f"{num_blocks:,} blocks: {e}") from None
+    report = replay.run()
     s = report["summary"]
     return {
         "num_blocks": num_blocks,
@@ -172,12 +190,14 @@ def run_sweep(trace_path: str | Path | Trace, sizes_blocks: list[int], opts: Rep
               labels: list[str] | None = None, on_point: Callable[[int, dict], None] | None = None) -> dict:
     """Replay a trace (a path, loaded with ``fmt``, ``max_requests``,
     ``arrival`` and ``step_ms``, or a parsed ``Trace``) at each pool size
-    (blocks), ``jobs`` processes at a time, the smallest pools (the slowest:
-    they preempt) first; the points in the order given, each with
-    ``capacity`` in ``capacity_unit`` (``capacities``, or the pool's tokens);
+    (blocks, the null block included), ``jobs`` processes at a time, the
+    smallest pools (the slowest: they preempt) first; the points in the order
+    given, each with ``capacity`` in ``capacity_unit`` (``capacities``, or the
+    tokens the pool holds: its blocks but the null block);
     ``capacity_of(num_blocks, block_size)`` gives the ceiling's in that unit
     when it is not tokens. ``progress``: a bar per size on stderr, named by
-    ``labels``; ``on_point(i, point)`` is called as each point finishes."""
+    ``labels``; ``on_point(i, point)`` is called as each point finishes. A
+    size the manager refuses raises :class:`SizeRefused`."""
     if opts.backend != "reference":
         raise ValueError("a sweep replays on the reference manager (its processes would share one GPU)")
     trace = trace_path if isinstance(trace_path, Trace) else load_trace(
@@ -193,35 +213,16 @@ def run_sweep(trace_path: str | Path | Trace, sizes_blocks: list[int], opts: Rep
     results: dict[int, dict] = {}
     t0 = time.perf_counter()
     try:
-        if jobs == 1:
-            for i in order:
-                results[i] = _run_point((trace, replace(opts, on_progress=_reporter(i, bars.update)),
-                                         sizes_blocks[i], i))
-                bars.finish(i, results[i]["finished"] + results[i]["rejected"])
-                if on_point is not None:
-                    on_point(i, results[i])
-            ceiling_rate = no_eviction_hit_rate(trace, bs, opts.max_model_len)
-        else:
-            ceiling_rate = _run_parallel(work, order, jobs, bars, results, on_point, trace, opts)
+        run = _run_serial if jobs == 1 else _run_parallel
+        ceiling_rate = run(work, order, jobs, bars, results, on_point, trace, opts)
     except BaseException:
         bars.close(ok=False)
         raise
     bars.close()
     points = [results[i] for i in range(len(sizes_blocks))]
     for i, p in enumerate(points):
-        p["capacity"] = capacities[i] if capacities is not None else p["num_blocks"] * bs
+        p["capacity"] = capacities[i] if capacities is not None else pool_tokens(p["num_blocks"], bs)
         p["holds_max_model_len"] = holds_max_model_len(p["num_blocks"], bs, opts.max_model_len)
-    top = ceiling_blocks(trace, bs)
-    too_long = sum(r.input_length > opts.max_model_len for r in trace.requests)
-    ceiling = {
-        "num_blocks": top,
-        "capacity": capacity_of(top, bs) if capacity_of is not None else top * bs,
-        "prefix_cache_hit_rate": ceiling_rate,
-        "first_admission_hit_rate": ceiling_rate,
-        "evictions": 0, "preemptions": 0, "recomputed_tokens": 0, "finished": trace.num_requests - too_long,
-        "rejected": too_long,
-        "holds_max_model_len": True,
-    }
     return {
         "trace": trace_label or str(trace_path if not isinstance(trace_path, Trace) else "a parsed trace"),
         "num_requests": trace.num_requests,
@@ -229,12 +230,48 @@ def run_sweep(trace_path: str | Path | Trace, sizes_blocks: list[int], opts: Rep
         "max_model_len": opts.max_model_len,
         "capacity_unit": capacity_unit,
         "points": points,
-        "ceiling": ceiling,
+        "ceiling": _ceiling_point(trace, opts, ceiling_rate, capacity_of),
         "warnings": point_warnings(points, bs, opts.max_model_len, capacity_unit),
         "wall_s": time.perf_counter() - t0,
         "options": {k: v for k, v in asdict(opts).items()
                     if k not in ("metrics", "hash_key", "progress", "on_progress", "ceiling")},
     }
+
+
+def pool_tokens(num_blocks: int, block_size: int) -> int:
+    """The tokens a pool of ``num_blocks`` holds: every block but the null block."""
+    return (num_blocks - 1) * block_size
+
+
+def _ceiling_point(trace: Trace, opts: ReplayOptions, rate: float | None, capacity_of) -> dict:
+    """The ceiling as a point: a pool that holds every token of every request
+    (and the null block), so nothing is evicted or preempted."""
+    bs = opts.block_size
+    top = ceiling_blocks(trace, bs)
+    too_long = sum(r.input_length > opts.max_model_len for r in trace.requests)
+    return {
+        "num_blocks": top,
+        "capacity": capacity_of(top, bs) if capacity_of is not None else pool_tokens(top, bs),
+        "prefix_cache_hit_rate": rate,
+        "first_admission_hit_rate": rate,
+        "evictions": 0, "preemptions": 0, "recomputed_tokens": 0, "finished": trace.num_requests - too_long,
+        "rejected": too_long,
+        "holds_max_model_len": True,
+    }
+
+
+def _run_serial(work: dict, order: list[int], jobs: int, bars: _Bars, results: dict, on_point, trace,
+                opts: ReplayOptions) -> float | None:
+    """The points one after another in this process, then the ceiling's
+    pass; ``_run_parallel``'s arguments (``jobs``, 1, unused). Returns the ceiling."""
+    del jobs  # one at a time
+    for i in order:
+        trace, point_opts, num_blocks, index = work[i]
+        results[i] = _run_point((trace, replace(point_opts, on_progress=_reporter(i, bars.update)), num_blocks, index))
+        bars.finish(i, results[i]["finished"] + results[i]["rejected"])
+        if on_point is not None:
+            on_point(i, results[i])
+    return no_eviction_hit_rate(trace, opts.block_size, opts.max_model_len)
 
 
 def _run_parallel(work: dict, order: list[int], jobs: int, bars: _Bars, results: dict, on_point, trace,
@@ -273,7 +310,7 @@ def point_warnings(points: list[dict], block_size: int, max_model_len: int, unit
     """What makes a point not comparable with the others, one line each."""
     out = []
     for p in points:
-        size = f"{p['capacity']:,.4g} {unit}" if unit == "GiB" else f"{p['capacity']:,} {unit}"
+        size = capacity_text(p["capacity"], unit)
         size += f" ({p['num_blocks']:,} blocks)"
         if not p.get("holds_max_model_len", True):
             out.append(f"{size} cannot hold one request of max_model_len {max_model_len:,} tokens "
@@ -282,6 +319,11 @@ def point_warnings(points: list[dict], block_size: int, max_model_len: int, unit
             out.append(f"{size} rejected {p['rejected']:,} requests: its hit rate is over fewer requests, "
                        "not comparable with the others")
     return out
+
+
+def capacity_text(capacity: float, unit: str) -> str:
+    """A size in its unit, as the table, the warnings and the notes write it."""
+    return f"{capacity:,.4g} {unit}" if unit == "GiB" else f"{capacity:,} {unit}"
 
 
 def default_sizes(trace, block_size: int, count: int = 4, max_model_len: int | None = None) -> list[int]:

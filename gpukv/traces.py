@@ -21,15 +21,23 @@ Every field but ``steps`` and each request's ``id`` and ``token_ids`` is
 optional. A malformed trace raises :class:`TraceError`, whose text is one line
 ``FILE:LINE: problem`` (for a step trace, the line where the offending JSON
 object or array starts).
+
+Either kind may be compressed: a file ending in ``.xz`` or ``.gz`` is read
+through ``lzma`` or ``gzip`` (the whole Mooncake conversation trace ships as
+``gpukv/data/mooncake_conversation_trace.jsonl.xz``, 0.2 MB for 3 MB), and its
+format is judged by the name without that ending.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import gzip
+import io
 import json
 import json.decoder
 import json.scanner
+import lzma
 import math
 import re
 from dataclasses import dataclass, field
@@ -182,18 +190,55 @@ def builtin_trace_path() -> Path:
     return Path(str(resources.files("gpukv") / "data" / "mooncake_conversation_slice.jsonl"))
 
 
+def conversation_trace_path() -> Path:
+    """The whole Mooncake conversation trace (12,031 requests), xz-compressed:
+    what ``docs/chunked_prefill.md`` measures (``gpukv/data/README.md``)."""
+    return Path(str(resources.files("gpukv") / "data" / "mooncake_conversation_trace.jsonl.xz"))
+
+
+# The endings of compressed traces, read through lzma and gzip.
+_COMPRESSED = (".xz", ".gz")
+
+
+def trace_suffix(path: str | Path) -> str:
+    """The extension that tells a trace's format: ``.jsonl`` for both
+    ``t.jsonl`` and ``t.jsonl.xz`` (a compression ending is looked through)."""
+    path = Path(path)
+    if path.suffix.lower() in _COMPRESSED:
+        path = path.with_suffix("")
+    return path.suffix
+
+
+def open_trace(path: str | Path) -> io.BufferedIOBase:
+    """``path`` opened for reading bytes (the caller closes it), decompressed
+    if it ends in ``.xz`` or ``.gz``."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".xz":
+        return lzma.open(path, "rb")  # noqa: SIM115
+    if suffix == ".gz":
+        return gzip.open(path, "rb")  # noqa: SIM115
+    return open(path, "rb")  # noqa: SIM115
+
+
+def _read_problem(e: Exception) -> str:
+    """What went wrong decompressing a trace, in words."""
+    return f"cannot decompress it ({type(e).__name__}: {e}): a damaged or truncated compressed file"
+
+
 def load_trace(path: str | Path, fmt: str = "auto", *, max_requests: int | None = None,
                arrival: str = "back-to-back", step_ms: float = 100.0) -> Trace:
-    """Load a trace file; ``fmt`` 'auto' takes ``.jsonl`` as Mooncake, anything
-    else as a step trace. Raises :class:`TraceError` for a malformed trace
-    (empty ones included) and ``OSError`` for a file that cannot be read."""
+    """Load a trace file; ``fmt`` 'auto' takes ``.jsonl`` (also ``.jsonl.xz``,
+    ``.jsonl.gz``) as Mooncake, anything else as a step trace. Raises
+    :class:`TraceError` for a malformed trace (empty ones and damaged
+    compressed files included) and ``OSError`` for a file that cannot be read."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(2, "no such file", str(path))
     if path.is_dir():
         raise IsADirectoryError(21, "is a directory, not a trace file", str(path))
     if fmt == "auto":
-        fmt = "mooncake" if path.suffix == ".jsonl" else "step"
+        fmt = "mooncake" if trace_suffix(path) == ".jsonl" else "step"
     if fmt == "mooncake":
         return load_mooncake(path, max_requests=max_requests, arrival=arrival, step_ms=step_ms)
     if fmt == "step":
@@ -276,29 +321,45 @@ def load_mooncake(path: Path, *, max_requests: int | None = None, arrival: str =
         raise ValueError(f"step_ms must be a positive finite number, got {step_ms!r}")
     _check_limit(max_requests)
     requests: list[TraceRequest] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if max_requests is not None and len(requests) >= max_requests:
-                break
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TraceError(path, lineno, f"not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not text.strip():
-                continue
-            try:
-                rec = json.loads(text)
-            except (ValueError, RecursionError) as e:
-                raise TraceError(path, lineno, _json_problem(e)) from None
-            ts, n_in, n_out, ids = mooncake_record(rec, path, lineno)
-            step = 0 if arrival == "back-to-back" else int(ts // step_ms)
-            idx = len(requests)
-            requests.append(TraceRequest(f"r{idx}", step, n_in, hash_ids=ids, output_length=n_out, index=idx))
+    lineno = 0
+    try:
+        with open_trace(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                if max_requests is not None and len(requests) >= max_requests:
+                    break
+                rec = _json_line(raw, path, lineno)
+                if rec is _BLANK:
+                    continue
+                ts, n_in, n_out, ids = mooncake_record(rec, path, lineno)
+                step = 0 if arrival == "back-to-back" else int(ts // step_ms)
+                idx = len(requests)
+                requests.append(TraceRequest(f"r{idx}", step, n_in, hash_ids=ids, output_length=n_out, index=idx))
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+        # The line after the last one read is where the damage starts.
+        raise TraceError(path, lineno + 1, _read_problem(e)) from None
     if not requests:
         raise TraceError(path, None, "empty trace: no Mooncake records")
     if arrival == "timestamp":
         requests.sort(key=lambda r: r.arrival_step)  # stable: file order within a step
     return Trace("mooncake", requests=requests)
+
+
+_BLANK = object()  # what _json_line returns for a line of white space
+
+
+def _json_line(raw: bytes, path: Path, lineno: int) -> Any:
+    """One line of a JSON Lines file, decoded (``_BLANK`` for white space
+    alone), or a TraceError naming it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(path, lineno, f"not UTF-8 text (byte {e.start + 1} of the line)") from None
+    if not text.strip():
+        return _BLANK
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise TraceError(path, lineno, _json_problem(e)) from None
 
 
 # --------------------------------------------------------------------------
@@ -382,7 +443,11 @@ def _line_of_problem(text: str, e: Exception) -> int | None:
 
 
 def load_step_trace(path: Path, *, max_requests: int | None = None) -> Trace:
-    data = Path(path).read_bytes()
+    try:
+        with open_trace(path) as f:
+            data = f.read()
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+        raise TraceError(path, None, _read_problem(e)) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -228,33 +228,108 @@ def test_step_trace_config_overriding_an_option_says_so(tmp_path, capsys):
     assert "blocks of 2 tokens" in out
 
 
+def test_one_of_a_kind_is_counted_in_the_singular(capsys):
+    status, out, _ = run_cli(["--max-requests", "1", "--prompt-only", "--max-steps", "1"], capsys)
+    assert status == 0
+    assert ("mooncake, 1 request (0 finished, 0 rejected, 1 still running and 0 waiting when the replay stopped), "
+            "1 step, arrivals by timestamp") in out
+    assert "1 lookup, re-admissions after preemption apart" in out
+    assert "(0 of 0 tokens, 0 lookups of preempted requests, counted apart as vLLM does)" in out
+
+
+def test_a_step_trace_says_what_it_left_running(tmp_path, capsys):
+    doc = {"steps": [{"new": [{"id": "a", "token_ids": [1, 2, 3]}, {"id": "b", "token_ids": [4, 5]}]},
+                     {"finish": ["a"]}]}
+    status, out, _ = run_cli([write(tmp_path, "steps.json", json.dumps(doc))], capsys)
+    assert status == 0
+    assert ("trace                  step, 2 requests (1 finished, 0 rejected, 1 still running and 0 waiting when the "
+            "trace ended), 2 steps\n") in out
+
+
+def test_max_steps_says_what_it_left_unfinished(capsys):
+    status, out, _ = run_cli(["--max-requests", "3", "--arrival", "back-to-back", "--max-num-seqs", "2",
+                              "--max-steps", "1", "--json", "-"], capsys)
+    summary = json.loads(out.splitlines()[0])["summary"]
+    assert (status, summary["finished"], summary["running_at_end"], summary["waiting_at_end"]) == (0, 0, 2, 1)
+
+
+def test_the_pool_is_counted_one_way(capsys):
+    status, out, _ = run_cli(["--max-requests", "1", "--prompt-only", "--num-blocks", "3000"], capsys)
+    assert status == 0
+    assert ("pool                   3,000 blocks of 16 tokens, block 0 the null block, so 2,999 hold 47,984 tokens; "
+            "max 64 running, admission batch\n") in out
+    assert "of 47,984 tokens)" in out  # pool pressure: the same tokens
+
+
 # ----------------------------------------------------------------- options
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--block-size", "0"], ["--block-size", "must be positive, got 0"]),
-    (["--block-size", "x"], ["--block-size", "expected an integer, got 'x'"]),
-    (["--block-size", str(2**31)], ["--block-size", "at most 2147483647"]),
-    (["--num-blocks", "1"], ["--num-blocks", "must be >= 2", "null block"]),
-    (["--max-model-len", "-3"], ["--max-model-len", "must be positive"]),
-    (["--max-num-seqs", "0"], ["--max-num-seqs", "must be positive"]),
-    (["--max-requests", "0"], ["--max-requests", "must be positive"]),
-    (["--max-steps", "1.5"], ["--max-steps", "expected an integer"]),
-    (["--step-ms", "0"], ["--step-ms", "positive and finite"]),
-    (["--step-ms", "nan"], ["--step-ms", "positive and finite"]),
-    (["--step-ms", "inf"], ["--step-ms", "positive and finite"]),
-    (["--admission", "all"], ["--admission", "invalid choice"]),
-    (["--max-num-batched-tokens", "-1"], ["--max-num-batched-tokens", "must be >= 0", "'unlimited': no budget"]),
-    (["--max-num-batched-tokens", "lots"], ["--max-num-batched-tokens", "expected a number of tokens", "'lots'"]),
-    (["--max-num-batched-tokens", str(2**31)], ["--max-num-batched-tokens", "at most 2147483647"]),
-    (["--long-prefill-token-threshold", "-5"], ["--long-prefill-token-threshold", "must be >= 0"]),
-    (["--bogus"], ["gpukv replay: unrecognized arguments: --bogus", "(see 'gpukv replay --help')"]),
-    (["/no/such/trace.jsonl"], ["/no/such/trace.jsonl", "no such file"]),
+HINT = "(see 'gpukv replay --help')"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "0"], "argument --block-size: must be an integer from 1 to 65536 (tokens per block), got 0"),
+    (["--block-size", "x"], "argument --block-size: expected an integer from 1 to 65536 (tokens per block), got 'x'"),
+    (["--num-blocks", "1"],
+     "argument --num-blocks: must be an integer from 2 to 536870912 (blocks, the null block included), got 1"),
+    (["--max-model-len", "-3"], "argument --max-model-len: must be an integer from 1 to 2147483647 (tokens), got -3"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer from 1 to 1073741823 (requests), got 0"),
+    (["--max-requests", "0"], "argument --max-requests: must be an integer from 1 to 2147483647 (requests), got 0"),
+    (["--max-steps", "1.5"], "argument --max-steps: expected an integer from 1 to 2147483647 (steps), got '1.5'"),
+    (["--max-steps", "9" * 5000], "argument --max-steps: expected an integer from 1 to 2147483647 (steps), got "
+                                  f"'{'9' * 40}'... (5000 characters)"),
+    (["--step-ms", "0"], "argument --step-ms: must be a number of milliseconds > 0 and finite, got 0"),
+    (["--step-ms", "nan"], "argument --step-ms: must be a number of milliseconds > 0 and finite, got nan"),
+    (["--step-ms", "inf"], "argument --step-ms: must be a number of milliseconds > 0 and finite, got inf"),
+    (["--max-num-batched-tokens", "-1"], "argument --max-num-batched-tokens: must be an integer from 0 to 2147483647 "
+                                         "(tokens; 0 or 'unlimited': no budget), got -1"),
+    (["--max-num-batched-tokens", "lots"], "argument --max-num-batched-tokens: expected a number of tokens, or 0 or "
+                                           "'unlimited' for no budget, got 'lots'"),
+    (["--long-prefill-token-threshold", "-5"], "argument --long-prefill-token-threshold: must be an integer from 0 to "
+                                               "2147483647 (tokens; 0: no cap), got -5"),
+    (["--metrics-port", "65536"], "argument --metrics-port: must be an integer from 0 to 65535 (a TCP port; 0: any "
+                                  "free one), got 65536"),
+    (["--metrics-linger", "-1"], "argument --metrics-linger: must be a number of seconds >= 0 and <= 86400, got -1"),
+    (["--metrics-linger", "1e9"], "argument --metrics-linger: must be a number of seconds >= 0 and <= 86400, got 1e9"),
+    (["--metrics-linger", "5"], "--served-model-name, --metrics-vllm085 and --metrics-linger apply to the metrics: "
+                                "add --metrics-port"),
 ])
-def test_bad_option_is_one_error_line(argv, words, capsys):
+def test_bad_option_is_one_error_line(argv, message, capsys):
     status, out, err = run_cli(argv, capsys)
-    assert_one_line_error(status, err, "gpukv", *words)
-    assert out == ""
+    hint = f" {HINT}" if message.startswith("argument") else ""
+    assert (status, out, err) == (2, "", f"gpukv replay: {message}{hint}\n")
+
+
+def test_a_bad_choice_is_one_error_line(capsys):
+    status, out, err = run_cli(["--admission", "all"], capsys)
+    # argparse quotes the choices or not, by Python version.
+    assert (status, out) == (2, "") and re.fullmatch(
+        r"gpukv replay: argument --admission: invalid choice: 'all' \(choose from '?batch'?, '?one'?\) "
+        + re.escape(HINT) + "\n", err), err
+
+
+def test_a_missing_trace_says_what_trace_may_be(capsys):
+    status, out, err = run_cli(["/no/such/trace.jsonl"], capsys)
+    assert (status, out) == (2, "")
+    assert err == ("gpukv replay: cannot read the trace: /no/such/trace.jsonl: no such file; TRACE is a Mooncake "
+                   ".jsonl (or .jsonl.xz, .jsonl.gz) or a step-trace .json (docs/traces.md), and with no TRACE the "
+                   "built-in workload runs\n")
+
+
+def test_a_damaged_compressed_trace_is_one_error_line(tmp_path, capsys):
+    import lzma
+
+    packed = lzma.compress(("".join(line(timestamp=i) + "\n" for i in range(500))).encode())
+    path = write(tmp_path, "t.jsonl.xz", packed[:200])
+    status, out, err = run_cli([path], capsys)
+    assert (status, out) == (2, "")
+    assert re.fullmatch(re.escape(f"gpukv replay: {path}:") + r"\d+: cannot decompress it \(EOFError: .*\): a "
+                        r"damaged or truncated compressed file\n", err), err
+
+
+def test_an_unknown_option_is_one_error_line(capsys):
+    status, out, err = run_cli(["--bogus"], capsys)
+    assert (status, out, err) == (2, "", f"gpukv replay: unrecognized arguments: --bogus {HINT}\n")
 
 
 def test_trace_that_is_a_directory(tmp_path, capsys):
@@ -578,13 +653,24 @@ def test_json_file_carries_version_arguments_trace_and_config(tmp_path, capsys):
 
 
 def test_json_dash_from_a_subprocess_is_parseable():
+    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "gpukv", "replay", "--backend", "reference", "--max-requests", "1",
                            "--prompt-only", "--json", "-"], capture_output=True, text=True, env=_env(), cwd=ROOT,
                           timeout=300)
+    elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert set(report) >= REPORT_KEYS and report["trace"] == "built-in"
     assert "prefix cache hit rate" in proc.stderr
+    # The whole process's time is the process's as its parent sees it (the
+    # interpreter's start and the imports included; /proc counts in 10 ms
+    # ticks), and holds the replay loop's.
+    loop, total = report["summary"]["wall_s"], report["process_wall_s"]
+    assert loop < total <= elapsed + 0.02 and total > 0.5 * elapsed, (loop, total, elapsed)
+    time_line = next(x for x in proc.stderr.splitlines() if x.startswith("time "))
+    assert time_line == (f"time                   replay loop {loop:.1f} s (its steps: the scheduler and the manager's "
+                         f"calls); the whole process {total:.1f} s (also the imports, loading the trace, the manager's "
+                         "setup, the ceiling's pass and the report)")
 
 
 def test_no_cuda_note_goes_to_stderr(capsys, monkeypatch):
@@ -912,3 +998,179 @@ def test_a_trace_in_the_wrong_format_says_which_formats_there_are(case, tmp_path
 def test_a_problem_in_the_right_format_gets_no_format_hint(tmp_path, capsys):
     status, out, err = run_cli([write(tmp_path, "t.jsonl", line() + "\n" + line(input_length=-1) + "\n")], capsys)
     assert "input_length" in assert_one_line_error(status, err) and "formats" not in err
+
+
+# ------------------------------------------------------------ integer limits
+
+# Every integer option of both commands and its range (issue 29): a value
+# outside it is a usage error, exit 2, whose one line names the option and the
+# range. An option added without a range fails the first test below.
+INT_LIMITS = {
+    ("replay", "--block-size"): (1, 65536, "tokens per block"),
+    ("replay", "--num-blocks"): (2, 2**29, "blocks, the null block included"),
+    ("replay", "--max-model-len"): (1, 2**31 - 1, "tokens"),
+    ("replay", "--max-num-seqs"): (1, 2**30 - 1, "requests"),
+    ("replay", "--max-num-batched-tokens"): (0, 2**31 - 1, "tokens; 0 or 'unlimited': no budget"),
+    ("replay", "--long-prefill-token-threshold"): (0, 2**31 - 1, "tokens; 0: no cap"),
+    ("replay", "--max-requests"): (1, 2**31 - 1, "requests"),
+    ("replay", "--max-steps"): (1, 2**31 - 1, "steps"),
+    ("replay", "--metrics-port"): (0, 65535, "a TCP port; 0: any free one"),
+    ("sweep", "--num-blocks"): (2, 2**29, "blocks, the null block included"),
+    ("sweep", "--tokens"): (1, 2**31 - 1, "tokens"),
+    ("sweep", "--layers"): (1, 4096, "layers"),
+    ("sweep", "--kv-heads"): (1, 65536, "heads"),
+    ("sweep", "--head-size"): (1, 65536, None),
+    ("sweep", "--block-size"): (1, 65536, "tokens per block"),
+    ("sweep", "--max-requests"): (1, 2**31 - 1, "requests"),
+    ("sweep", "--max-num-batched-tokens"): (0, 2**31 - 1, "tokens; 0 or 'unlimited': no budget"),
+    ("sweep", "--max-num-seqs"): (1, 2**30 - 1, "requests"),
+    ("sweep", "--max-model-len"): (1, 2**31 - 1, "tokens"),
+    ("sweep", "--jobs"): (1, 2**31 - 1, "processes; never more than the sizes"),
+}
+# The options that take a number that is not an integer (their own checks: test_bad_option_is_one_error_line).
+FLOAT_OPTIONS = {("replay", "--step-ms"), ("replay", "--metrics-linger"), ("sweep", "--step-ms"), ("sweep", "--gib")}
+
+
+def _typed_options() -> dict[tuple[str, str], object]:
+    """(command, option) -> the parser of each value, for every option of both commands that has one."""
+    import argparse
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {(command, action.option_strings[-1]): getattr(action.type, "item", action.type)
+            for command, p in sub.choices.items() for action in p._actions
+            if action.type is not None and action.option_strings}
+
+
+def test_every_integer_option_has_a_range():
+    typed = _typed_options()
+    assert typed.keys() == INT_LIMITS.keys() | FLOAT_OPTIONS
+    for key, (low, high, _) in INT_LIMITS.items():
+        assert typed[key].allowed == (low, high), key
+    from gpukv.defaults import MAX_NUM_BLOCKS
+    from gpukv.request import MAX_NUM_BLOCKS as MANAGERS_LIMIT
+    from gpukv.traces import MAX_SIZE
+
+    assert MAX_NUM_BLOCKS == MANAGERS_LIMIT == 2**29 and MAX_SIZE == 2**31 - 1  # the managers' own limits
+
+
+@pytest.mark.parametrize("command, option", sorted(INT_LIMITS), ids=lambda x: x)
+def test_an_integer_option_takes_its_range_and_refuses_the_rest(command, option, capsys):
+    low, high, what = INT_LIMITS[(command, option)]
+    parse = _typed_options()[(command, option)]
+    assert (parse(str(low)), parse(f" {high} ")) == (low, high)
+    allowed = f"from {low} to {high}" + (f" ({what})" if what else "")
+    for bad in (low - 1, high + 1, 2**63):
+        with pytest.raises(SystemExit) as info:
+            main([command, option, str(bad)])
+        assert info.value.code == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", f"gpukv {command}: argument {option}: must be an integer {allowed}, got {bad} "
+                                  f"(see 'gpukv {command} --help')\n")
+
+
+def _two_requests(tmp_path) -> str:
+    return write(tmp_path, "two.jsonl", line() + "\n" + line(timestamp=40, hash_ids=[1, 3]) + "\n")
+
+
+@pytest.mark.parametrize("option", ["--block-size", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                                    "--long-prefill-token-threshold", "--max-requests", "--max-steps"])
+def test_the_largest_value_of_an_option_replays(option, tmp_path, capsys):
+    # Each at its maximum runs to the end (the ranges are what the replay can
+    # take, not just what parses); --num-blocks' largest is left to the
+    # managers' memory check, which a machine with 320 GiB free would pass.
+    status, out, err = run_cli([_two_requests(tmp_path), "--prompt-only", option, str(INT_LIMITS["replay", option][1])],
+                               capsys)
+    assert status == 0, err
+    assert "trace                  mooncake, 2 requests (2 finished, 0 rejected)" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "10"], "--tokens 10: less than one block of 16 tokens; give at least 16 (a size holds whole blocks)"),
+    (["--tokens", str(2**31 - 1), "--block-size", "1"],
+     "--tokens: a pool of 2,147,483,648 blocks of 1 tokens; a pool has from 2 to 536870912 blocks, the null block "
+     "included (at most 536870911 tokens of 1-token blocks)"),
+    (["--gib", "1e7"], "--gib: a pool of 5,120,000,000 blocks of 16 tokens; a pool has from 2 to 536870912 blocks, "
+                       "the null block included (at most 8589934576 tokens of 16-token blocks)"),
+])
+def test_a_sweep_size_no_pool_can_have_is_one_error_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "--max-requests", "1", "-q", *argv])
+    assert info.value.code == 2
+    assert capsys.readouterr() == ("", f"gpukv sweep: {message}\n")
+
+
+def test_a_sweep_size_the_manager_refuses_is_one_error_line(capsys, monkeypatch):
+    import pickle
+
+    from gpukv import replay, sweep
+    from gpukv.errors import CapacityError
+
+    def refuse(_opts):
+        raise CapacityError("the reference pool needs about 320.00 GiB on the host", argument="num_blocks",
+                            fix="lower num_blocks")
+
+    monkeypatch.setattr(replay, "make_manager", refuse)
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "--max-requests", "1", "-q", "--num-blocks", str(2**29), "--jobs", "1"])
+    assert info.value.code == 2
+    assert capsys.readouterr() == ("", "gpukv sweep: the reference manager refused a pool of 536,870,912 blocks: "
+                                       "num_blocks: the reference pool needs about 320.00 GiB on the host; lower "
+                                       "num_blocks; ask for smaller sizes\n")
+    # From a worker process it comes back whole (the managers' errors would lose their keyword arguments).
+    refused = pickle.loads(pickle.dumps(sweep.SizeRefused("536,870,912 blocks: too big")))
+    assert isinstance(refused, ValueError) and str(refused) == "536,870,912 blocks: too big"
+
+
+def test_the_largest_sweep_values_run(capsys):
+    assert main(["sweep", "--max-requests", "2", "--prompt-only", "-q", "--tokens", str(2**31 - 1), "--block-size",
+                 "65536", "--jobs", str(2**31 - 1), "--max-num-seqs", str(2**30 - 1)]) == 0
+    rows = [x.split()[:3] for x in capsys.readouterr().out.splitlines()[1:3]]
+    # The ceiling (2 blocks of 65,536 tokens and the null block) above the larger size (32,767 blocks and the
+    # null block): the table in order of size.
+    assert rows == [["131,072", "(ceiling)", "3"], ["2,147,418,112", "32,768", "0.0000"]]
+
+
+# ---------------------------------------------------------- metrics linger
+
+def test_metrics_linger_keeps_the_endpoint_serving_after_the_report(capsys, monkeypatch):
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    seen = {}
+
+    def linger(seconds):  # instead of sleeping: what a scraper finds while the command lingers
+        out, err = capsys.readouterr()
+        port = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", err)[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            seen.update(seconds=seconds, out=out, err=err, page=r.read().decode())
+
+    monkeypatch.setattr(cli, "_sleep", linger)
+    status = main(["replay", "--backend", "reference", "--no-progress", "--max-requests", "3", "--prompt-only",
+                   "--metrics-port", "0", "--metrics-linger", "2.5", "--json", "-"])
+    assert status == 0 and seen["seconds"] == 2.5
+    summary = json.loads(seen["out"].splitlines()[0])["summary"]  # the report was out before the linger
+    assert seen["err"].endswith("note: the replay is over; serving its final metrics 2.5 s longer (--metrics-linger; "
+                                "Ctrl-C stops)\n")
+    queries = re.search(r'^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$', seen["page"], re.M)
+    assert float(queries[1]) == summary["queries"] > 0  # the final values
+
+
+def test_ctrl_c_while_lingering_ends_it_with_status_0(capsys, monkeypatch):
+    pytest.importorskip("prometheus_client")
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_sleep", interrupted)
+    assert main(["replay", "--backend", "reference", "--no-progress", "--max-requests", "1", "--prompt-only",
+                 "--metrics-port", "0", "--metrics-linger", "30"]) == 0
+    assert capsys.readouterr().err.endswith("note: stopped serving the metrics\n")
+
+
+def test_no_linger_no_wait(capsys, monkeypatch):
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setattr(cli, "_sleep", lambda _seconds: pytest.fail("lingered without --metrics-linger"))
+    assert main(["replay", "--backend", "reference", "--no-progress", "--max-requests", "1", "--prompt-only",
+                 "--metrics-port", "0"]) == 0
+    assert "--metrics-linger" not in capsys.readouterr().err

@@ -1,9 +1,12 @@
 """Every snippet in README.md and docs/*.md works as pasted.
 
-* ```` ```python ```` blocks run: the blocks of one file in order, in a fresh
-  namespace, as if pasted into one Python session (so a block may use what
-  an earlier block of its file defined); all files in one subprocess, in an
-  empty directory. A failure names the file and the line of the block, and the
+* ```` ```python ```` blocks run, each file's twice (``tests/run_snippets.py``):
+  its blocks in order in one namespace, as if pasted into one Python session,
+  and each block alone in a fresh namespace, as if pasted by itself; so every
+  block defines what it uses. All files in one subprocess, in an empty
+  directory (a process per block would load torch each time). A comment that
+  states a value (``m.num_computed_tokens("c")  # its hit + 2048: 2048``) is
+  checked. A failure names the file and the line of the block, and the
   traceback points at the markdown line. A block that cannot run on a
   CPU-only machine in a few seconds (it needs a GPU, vLLM, the network or a
   long run) says so on the line before its fence, with the reason:
@@ -92,38 +95,17 @@ def blocks(path: Path) -> list[Block]:
 ALL = [b for p in DOCS for b in blocks(p)]
 PYTHON_FILES = sorted({b.path for b in ALL if b.lang == "python"})
 
-# Runs the blocks given on stdin (JSON: file -> blocks), each file's in order
-# in a fresh namespace of its own, every block compiled under its file's name
-# with its lines where they are in the file; prints {file: None or the
-# failure} as JSON. One interpreter for all files: torch and Triton load once.
-DRIVER = r"""
-import io, json, sys, traceback
-results = {}
-for file, todo in json.load(sys.stdin).items():
-    namespace = {"__name__": "__main__"}
-    results[file] = None
-    for b in todo:
-        try:
-            exec(compile("\n" * b["line"] + b["code"], b["file"], "exec"), namespace)
-        except BaseException:
-            out = io.StringIO()
-            traceback.print_exc(file=out)
-            results[file] = f"{out.getvalue()}{b['where']}: this python block fails as pasted (traceback above)"
-            break
-sys.stdout.flush()
-print("\n" + json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
-def python_results(tmp_path_factory) -> dict[str, str | None]:
-    """Each file's python blocks run: None, or how the first failing one failed."""
+def python_results(tmp_path_factory) -> dict[str, dict]:
+    """Each file's python blocks run (``tests/run_snippets.py``): ``{"in
+    order": failure, "alone": {where: failure}}``, a failure None or how it failed."""
     todo = {str(p): [{"file": str(b.path), "line": b.line, "code": b.code, "where": b.where}
                      for b in ALL if b.path == p and b.lang == "python" and b.skip is None]
             for p in PYTHON_FILES}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(todo), capture_output=True, text=True,
-                          cwd=tmp_path_factory.mktemp("snippets"), env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "run_snippets.py")], input=json.dumps(todo),
+                          capture_output=True, text=True, cwd=tmp_path_factory.mktemp("snippets"), env=env,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]  # a snippet that kills the interpreter
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -135,11 +117,21 @@ def test_the_snippets_are_found():
 
 
 @pytest.mark.parametrize("path", PYTHON_FILES, ids=[str(p.relative_to(ROOT)) for p in PYTHON_FILES])
-def test_python_blocks_run_as_pasted(path, python_results):
+def test_python_blocks_run_in_order_as_one_session(path, python_results):
     if not any(b.path == path and b.lang == "python" and b.skip is None for b in ALL):
         pytest.skip("every python block of this file is marked to skip")
-    failure = python_results[str(path)]
+    failure = python_results[str(path)]["in order"]
     assert failure is None, failure
+
+
+@pytest.mark.parametrize("path", PYTHON_FILES, ids=[str(p.relative_to(ROOT)) for p in PYTHON_FILES])
+def test_each_python_block_runs_alone(path, python_results):
+    alone = python_results[str(path)]["alone"]
+    if not alone:
+        pytest.skip("every python block of this file is marked to skip")
+    assert alone.keys() == {b.where for b in ALL if b.path == path and b.lang == "python" and b.skip is None}
+    failures = [f for f in alone.values() if f is not None]
+    assert not failures, "\n\n".join(failures)
 
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.lang == "json"], ids=lambda b: b.where)
@@ -243,7 +235,7 @@ def test_files_named_in_shell_blocks_exist():
     for where, text in _shell_texts():
         for words in _commands(text):
             for w in words:
-                repo_file = re.fullmatch(r"[\w./-]+\.(py|sh)", w) and not w.startswith(("../", "/"))
+                repo_file = re.fullmatch(r"[\w./-]+\.(py|sh|xz)", w) and not w.startswith(("../", "/"))
                 if repo_file and not (ROOT / w).is_file():
                     missing.append(f"{where}: {w}")
     assert not missing, "\n".join(missing)
@@ -266,3 +258,47 @@ def test_the_version_is_written_in_one_place():
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gpukv.__version__"}
     assert project["project"]["license"] == "Apache-2.0"  # an SPDX expression (PEP 639)
+
+
+# ------------------------------------------------------- the snippet runner
+
+def _run(code: str) -> dict:
+    """``code`` as a block at line 10 of a file, run by tests/run_snippets.py's
+    rules in a fresh namespace; the namespace after it."""
+    import run_snippets
+
+    namespace: dict = {"__name__": "__main__"}
+    run_snippets.run_block({"file": "doc.md", "line": 10, "code": code, "where": "doc.md:10"}, namespace)
+    return namespace
+
+
+def test_a_comment_that_states_a_value_is_checked():
+    _run("x = [1, 2]\nx + [3]  # the list: [1, 2, 3]\ny, z = 2, {'a': 1}  # 2, {'a': 1}\nprint(len(x))  # 2\n")
+    for wrong, says in (("[1, 2] + [3]  # the list: [1, 2, 4]", "[1, 2, 4]"), ("a, b = 1, 2  # 1, 3", "(1, 3)"),
+                        ("print(7)  # 8", "8")):
+        with pytest.raises(AssertionError, match=re.escape(f"doc.md:11: {wrong.split('  #')[0]} gives")) as e:
+            _run(wrong + "\n")
+        assert str(e.value).endswith(f"but its comment says {says}")
+
+
+def test_prose_comments_and_other_statements_are_not_checked():
+    ns = _run("n = 3  # three of them\nn + 1  # [B] or [B, k] tensor\nimport math  # 5\n"
+              "for i in range(2): n += i  # 1\n")
+    assert ns["n"] == 4
+
+
+def test_a_statement_runs_once_even_when_its_value_is_checked():
+    ns = _run("calls = []\ncalls.append(1) or len(calls)  # 1\nprint(calls.append(2))  # None\n")
+    assert ns["calls"] == [1, 2]
+
+
+def test_a_block_that_uses_an_earlier_one_fails_alone(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("```python\nm = 2\n```\n\n```python\nm * 3  # 6\n```\n", encoding="utf-8")
+    found = [{"file": str(doc), "line": b.line, "code": b.code, "where": f"doc.md:{b.line}"} for b in blocks(doc)]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "run_snippets.py")],
+                          input=json.dumps({str(doc): found}), capture_output=True, text=True, timeout=60)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])[str(doc)]
+    assert result["in order"] is None and result["alone"]["doc.md:1"] is None
+    assert "NameError: name 'm' is not defined" in result["alone"]["doc.md:5"]
+    assert result["alone"]["doc.md:5"].endswith("doc.md:5: this python block fails as pasted (traceback above)")

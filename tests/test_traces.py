@@ -1,6 +1,7 @@
 """Trace loading: what a valid trace becomes, and where an invalid one is blamed."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -113,3 +114,63 @@ def test_step_trace_fields_become_requests():
     assert (r.request_id, r.input_length, r.lora_id, r.cache_salt, r.skip_prefix_cache) == ("7", 5, 3, "s", True)
     assert [(m.offset, m.length, m.hash) for m in r.mm_items] == [(0, 2, "5"), (3, 2, "b")]
     assert trace.steps[1].decode["7"].tolist() == [9] and trace.steps[1].finish == ["7"]
+
+
+# ---------------------------------------------------------- compressed traces
+
+def test_the_shipped_trace_is_the_published_one():
+    import hashlib
+
+    from gpukv.traces import builtin_trace_path, conversation_trace_path, open_trace
+
+    with open_trace(conversation_trace_path()) as f:
+        data = f.read()
+    # The SHA-256 of conversation_trace.jsonl as kvcache-ai/Mooncake publishes it (FAST25-release/traces), the
+    # file docs/chunked_prefill.md measured; the built-in workload is its first 300 lines.
+    assert hashlib.sha256(data).hexdigest() == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+    lines = data.splitlines(keepends=True)
+    assert len(lines) == 12_031
+    assert b"".join(lines[:300]) == builtin_trace_path().read_bytes()
+    trace = load_trace(conversation_trace_path(), max_requests=5)  # .jsonl.xz: a Mooncake trace by its name
+    assert trace.kind == "mooncake" and [r.input_length for r in trace.requests[:2]] == [6758, 7322]
+
+
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_a_compressed_trace_reads_as_the_plain_one(tmp_path, suffix):
+    import gzip
+    import lzma
+
+    text = "".join(json.dumps(r) + "\n" for r in (rec(), rec(ts=100, ids=(1, 3)), rec(ts=200, ids=(4, 5))))
+    plain = tmp_path / "t.jsonl"
+    plain.write_text(text)
+    packed = tmp_path / f"t.jsonl{suffix}"
+    packed.write_bytes((lzma.compress if suffix == ".xz" else gzip.compress)(text.encode()))
+    a, b = load_trace(plain, arrival="timestamp", step_ms=100), load_trace(packed, arrival="timestamp", step_ms=100)
+    assert b.kind == "mooncake"
+    assert [(r.arrival_step, r.input_length, r.hash_ids.tolist()) for r in a.requests] == \
+        [(r.arrival_step, r.input_length, r.hash_ids.tolist()) for r in b.requests] == \
+        [(0, 600, [1, 2]), (1, 600, [1, 3]), (2, 600, [4, 5])]
+    step = tmp_path / f"s.json{suffix}"  # a step trace, compressed: by the name under the ending
+    doc = json.dumps({"steps": [{"new": [{"id": "a", "token_ids": [1, 2]}]}]}).encode()
+    step.write_bytes((lzma.compress if suffix == ".xz" else gzip.compress)(doc))
+    assert load_trace(step).kind == "step"
+
+
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_a_damaged_compressed_trace_is_one_line_naming_the_line(tmp_path, suffix):
+    import gzip
+    import lzma
+
+    text = "".join(json.dumps(rec(ts=i)) + "\n" for i in range(2000)).encode()
+    packed = (lzma.compress if suffix == ".xz" else gzip.compress)(text)
+    path = tmp_path / f"t.jsonl{suffix}"
+    path.write_bytes(packed[: len(packed) // 2])  # cut off midway
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    where, problem = str(e.value).split(": ", 1)
+    assert where.startswith(f"{path}:") and 1 < int(where.rsplit(":", 1)[1]) < 2000
+    assert problem.startswith("cannot decompress it (") and problem.endswith(
+        "): a damaged or truncated compressed file")
+    path.write_bytes(b"not compressed at all")
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:1: cannot decompress it (")):
+        load_trace(path)
