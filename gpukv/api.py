@@ -18,13 +18,17 @@ too, so there they are deprecated (a ``DeprecationWarning`` names the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from gpukv.events import KVEventBatch
 from gpukv.metrics import PrefixCacheStats, StepCounters
 from gpukv.request import ComputedBlocks, ManagerLimits, NewRequest, RunningUpdate, StepResult
+
+if TYPE_CHECKING:  # (gpukv.running imports gpukv.request, as this module does: no cycle, only typing)
+    from gpukv.running import RunningBatch
 
 
 def manager_args_from_config(config: Any) -> tuple[int, int, list[int | None]]:
@@ -77,6 +81,7 @@ class BlockManager(Protocol):
     def num_blocks_held(self, request_id: str) -> int: ...
     def read_block_ids(self, spans: Sequence[tuple[str, int, int]], group: int = 0) -> list[list[int]]: ...
     def num_computed_tokens(self, request_id: str) -> int: ...
+    def row_token_counts(self, rows: Any) -> tuple[np.ndarray, np.ndarray]: ...
     def block_hashes(self, request_id: str) -> list[bytes]: ...
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]: ...
 
@@ -93,7 +98,8 @@ class BlockManager(Protocol):
     def free(self, request_id: str) -> None: ...
 
     # batched calls
-    def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
-             new: Sequence[NewRequest] = (), *, token_budget: int | None = None) -> StepResult: ...
-    def decode(self, rows: Any, new_token_ids: Any, *, num_tokens_to_compute: Any = None,
-               num_lookahead_tokens: int = 0) -> StepResult: ...
+    def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] | RunningBatch = (),
+             new: Sequence[NewRequest] = (), *, token_budget: int | None = None, block_ids: bool = False,
+             prefix_of: str | None = None) -> StepResult: ...
+    def decode(self, rows: Any, new_token_ids: Any, *, num_new_tokens: Any = None, num_tokens_to_compute: Any = None,
+               num_lookahead_tokens: Any = 0) -> StepResult: ...

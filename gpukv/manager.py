@@ -63,6 +63,7 @@ from gpukv.kernels import prefill as prefill_ops
 from gpukv.kernels._common import pow2_at_least
 from gpukv.kernels.block_hash import hash_rows, hash_rows_host, key_lanes
 from gpukv.metrics import PrefixCacheStats
+from gpukv.outputs import OutputGather, StepGather
 from gpukv.pool import DevicePool
 from gpukv.request import (
     MAX_NUM_BLOCKS,
@@ -71,22 +72,21 @@ from gpukv.request import (
     NewRequest,
     RunningUpdate,
     Step,
+    StepOutputs,
     StepResult,
     apply_allocate_args,
     check_block_spans,
     check_computed_for,
     check_count,
-    check_decode_lengths,
     check_group,
     check_memory,
     check_request_ids,
     check_size,
+    check_step_outputs,
     check_token_budget,
+    common_prefix_length,
     normalize_computed,
-    normalize_decode_chunks,
-    normalize_decode_tokens,
     normalize_device,
-    normalize_rows,
     normalize_step,
     normalize_token_ids,
     normalize_windows,
@@ -94,7 +94,8 @@ from gpukv.request import (
     resolve_key,
     unknown_request,
 )
-from gpukv.rows import DeviceRows
+from gpukv.rows import DeviceRows, entry_layout
+from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
 from gpukv.staging import Staging, StepCounters, TorchOpCounter
 from gpukv.windows import policies
 
@@ -164,32 +165,12 @@ def _warn_waiting_property(name: str) -> None:
                   f"read_{name}() instead", DeprecationWarning, stacklevel=3)
 
 
-def entry_layout(starts, stops, *, reverse: bool = False):
-    """The host plan of a step phase: one entry per (request r, group g,
-    position p) with ``starts[r, g] <= p < stops[r, g]``, ordered by request,
-    then group, then position (descending with ``reverse``: a free call gives
-    blocks back tail first). ``starts``/``stops`` are [R, G] (or [R], the same
-    for every group of a one-group layout). Returns int64 arrays (request,
-    group, position, call) where call = r * G + g: one free call per request
-    and group. Vectorised: no Python loop over blocks."""
-    starts = np.asarray(starts, dtype=np.int64)
-    stops = np.asarray(stops, dtype=np.int64)
-    if starts.ndim == 1:
-        starts, stops = starts[:, None], stops[:, None]
-    R, G = starts.shape
-    counts = np.maximum(stops - starts, 0).ravel()
-    call = np.repeat(np.arange(R * G, dtype=np.int64), counts)
-    offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    pos = (stops.ravel()[call] - 1 - offs) if reverse else (starts.ravel()[call] + offs)
-    return call // G, call % G, pos, call
-
-
 #: KV-cache events the device buffer holds between two reads (more are
 #: dropped and reported): about 9 MB with 16-token blocks.
 KV_EVENTS_CAPACITY = 65_536
 
 #: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
-_UPLOADED = frozenset({"rows", "ntok", "comp0", "comp1", "held", "need", "cum",
+_UPLOADED = frozenset({"rows", "ntok", "nnew", "comp0", "comp1", "held", "need", "cum",
                        "r_grp", "r_row", "r_pos", "r_call", "r_valid"})
 
 
@@ -241,6 +222,7 @@ class DecodePlan:
     # group, new blocks and newly cached blocks per row and group
     bucket: tuple
     num_new_blocks: int  # the blocks all rows need (all groups)
+    held_before: np.ndarray  # int64[B] block positions rows hold per group before the step
     num_tokens: np.ndarray  # int64[B] rows' known tokens after the step
     computed: np.ndarray  # int64[B] rows' computed tokens after the step
     held: np.ndarray  # int64[B] rows' block positions per group after the step
@@ -297,6 +279,29 @@ class ReleaseBuffers:
     scratch: torch.Tensor
     workspace: torch.Tensor
     prepared: dict = field(default_factory=dict)  # "release" -> (rows generation, replayable launches)
+
+
+@dataclass
+class _RunningPhase:
+    """A step's phase 2 once launched: the rows, the block positions each
+    holds per group before and after (if it fits), the blocks they take, how
+    many fit (an int64[1] device tensor to read, None when the host knows all
+    do), and ``finish(n_ok)``, which brings the host's mirror up to date."""
+
+    rows: np.ndarray
+    held_before: np.ndarray
+    held_after: np.ndarray
+    total: int
+    n_ok: torch.Tensor | None
+    finish: Any
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+#: A step that hands back nothing beyond its decisions.
+_NO_OUTPUTS = StepOutputs()
 
 
 class DeviceManager(FailStop):
@@ -376,6 +381,7 @@ class DeviceManager(FailStop):
         self._release_bufs: dict[int, ReleaseBuffers] = {}  # by entries (padded), for ``_release_entries``
         self._admission_plans: dict[tuple, np.ndarray] = {}
         self._blocked = torch.zeros(1, dtype=torch.int32, device=self.device)  # a running update did not fit
+        self._gather = OutputGather(self)  # what a step hands back (``gpukv.outputs``)
 
     @property
     def rows_generation(self) -> int:
@@ -504,6 +510,13 @@ class DeviceManager(FailStop):
         return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
 
     @reading
+    def row_token_counts(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The known and the computed tokens of the requests at ``rows``
+        (host ints, each a running request's), as int64 arrays; host only."""
+        rows_np = normalize_rows(rows, self._rows.in_use, distinct=False)
+        return self._rows.num_tokens[rows_np], self._rows.num_computed[rows_np]
+
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included (host only)."""
         return int(self._rows.num_computed[self._state(request_id)])
@@ -517,12 +530,9 @@ class DeviceManager(FailStop):
         row = self._state(request_id)
         count = check_count(num_running_requests, "num_running_requests")
         n = self._num_blocks(row)
-        blocks = self._rows.block_table[:, row, :n].long()
-        # (a count past int32 equals no block's: the reference's answer, without an overflow)
-        same = (self.pool.ref_cnt[blocks] == min(count, 2**31 - 1)).to(torch.int32)
-        leading = same.cumprod(dim=1).sum(dim=1)
-        out = self._read(leading)
-        return [0 if w is not None else int(c) for w, c in zip(self.sliding_windows, out, strict=True)]
+        refs = self._read(self.pool.ref_cnt[self._rows.block_table[:, row, :n].long()])
+        return [0 if w is not None else common_prefix_length(r, count)
+                for w, r in zip(self.sliding_windows, refs, strict=True)]
 
     @reading
     def block_hashes(self, request_id: str) -> list[bytes]:
@@ -650,45 +660,62 @@ class DeviceManager(FailStop):
             self._step([request_id], (), ())
 
     @mutating
-    def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] = (),
-             new: Sequence[NewRequest] = (), *, token_budget: int | None = None, graphs=None) -> StepResult:
-        """The batched step; same phases and results as the reference's, and
-        the same argument checks (``gpukv.request.normalize_step``): a refused
-        call raises a ``gpukv.errors`` class and changes nothing.
+    def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] | RunningBatch = (),
+             new: Sequence[NewRequest] = (), *, token_budget: int | None = None, block_ids: bool = False,
+             prefix_of: str | None = None, graphs=None) -> StepResult:
+        """The batched step; same phases, arguments and results as the
+        reference's (``gpukv.reference.ReferenceManager.step``), and the same
+        argument checks (``gpukv.request.normalize_step``): a refused call
+        raises a ``gpukv.errors`` class and changes nothing.
         ``token_budget`` (vLLM's waiting loop, applied on the device in the
         admission): the tokens the new requests may compute beyond their hits,
-        None for no budget. ``graphs`` (a ``gpukv.graphs.AdmissionGraphs``)
+        None for no budget. A ``RunningBatch`` runs as ``decode`` does (its
+        plan, kept launches, and no read when the host's bound says it fits).
+        ``block_ids`` and ``prefix_of`` come back in the step's one read
+        (``gpukv.outputs``). ``graphs`` (a ``gpukv.graphs.AdmissionGraphs``)
         replays the admission's kernels as CUDA graphs instead of launching
         them."""
-        step = self._normalize(finished, running, new)
+        step, batch = self._normalize_step(finished, running, new)
         token_budget = check_token_budget(token_budget)
+        outputs = check_step_outputs(block_ids, prefix_of, self._reqs, step.finished, step.new)
         self._begin_changes()
         with self._counting():
-            return self._step(list(step.finished), list(step.running), list(step.new), token_budget=token_budget,
-                              graphs=graphs)
+            return self._step(list(step.finished), list(step.running) if batch is None else batch, list(step.new),
+                              token_budget=token_budget, graphs=graphs, outputs=outputs)
+
+    def _normalize_step(self, finished, running, new) -> tuple[Step, RunningRows | None]:
+        """``step()``'s arguments checked; a ``RunningBatch`` apart."""
+        if not isinstance(running, RunningBatch):
+            return self._normalize(finished, running, new), None
+        step = self._normalize(finished, (), new)
+        return step, self._normalize_running(running, [self._reqs[rid] for rid in step.finished])
 
     @mutating
-    def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, num_tokens_to_compute=None,
-               num_lookahead_tokens: int = 0, graphs=None) -> StepResult:
+    def decode(self, rows: Sequence[int] | np.ndarray, new_token_ids, *, num_new_tokens=None,
+               num_tokens_to_compute=None, num_lookahead_tokens=0, graphs=None) -> StepResult:
         """The running requests at ``rows`` (``StepResult.rows`` / ``row_of``)
-        each append ``k`` tokens and get their blocks: the same result as
-        ``step(running=[RunningUpdate(id, tokens, chunk, num_lookahead_tokens)
-        ...])`` in row order (``running_failed_at`` indexes ``rows``), at a
-        host cost that does not grow with the batch.
+        each append their new tokens and get their blocks: the same result as
+        ``step(running=[RunningUpdate(id, tokens, chunk, lookahead) ...])`` in
+        row order (``running_failed_at`` indexes ``rows``), at a host cost
+        that does not grow with the batch. The arguments are
+        ``gpukv.RunningBatch``'s (``gpukv.running``).
 
         ``rows``: host ints (list, numpy or CPU tensor), distinct, each a
         running request's. ``new_token_ids``: ``[B]``, ``[B, k]``, or None
-        (``k = 0``: the rows only continue a chunked prefill); a tensor on
-        the manager's CUDA device (a model runner's sampled tokens) is read
-        only by the device, which checks each id is in ``[0, 2**32)``: an id
-        out of range is never cached (``kernels/decode.py``: ``POISON``) and
-        stops the manager at the step's read, or the next step's when this
-        one reads nothing (a fault: the step has changed state by then).
-        Anything else (lists, numpy, CPU tensors) is checked on the host, as
-        ``step()``'s tokens are, before anything changes.
+        (``k = 0``: the rows only continue a chunked prefill); with
+        ``num_new_tokens`` (one count per row) a flat host list of every
+        row's tokens (a ragged batch). A tensor on the manager's CUDA device
+        (a model runner's sampled tokens) is read only by the device, which
+        checks each id is in ``[0, 2**32)``: an id out of range is never
+        cached (``kernels/decode.py``: ``POISON``) and stops the manager at
+        the step's read, or the next step's when this one reads nothing (a
+        fault: the step has changed state by then). Anything else (lists,
+        numpy, CPU tensors) is checked on the host, as ``step()``'s tokens
+        are, before anything changes.
         ``num_tokens_to_compute``: None (each row computes every known token)
         or one chunk per row; ``num_lookahead_tokens``: slots reserved beyond
-        the computed tokens (speculative decoding), never cached.
+        the computed tokens (speculative decoding), one int or one per row,
+        never cached.
 
         The host plans the step with numpy (no Python per request) into one
         int32 buffer, uploads it through pinned memory, and launches a fixed
@@ -699,46 +726,59 @@ class DeviceManager(FailStop):
         ``graphs`` (a ``gpukv.graphs.DecodeGraphs``) replays the kernels as
         a CUDA graph instead of launching them.
         """
-        rows_np = normalize_rows(rows, self._rows.in_use)
-        tokens = normalize_decode_tokens(new_token_ids, len(rows_np), self.device)
-        k = tokens.shape[1]
-        num_tokens = self._rows.num_tokens[rows_np]
-        check_decode_lengths(num_tokens, k, self._limits)
-        chunks, lookahead = None, 0
-        if num_tokens_to_compute is not None or type(num_lookahead_tokens) is not int or num_lookahead_tokens != 0:
-            computed = self._rows.num_computed[rows_np]
-            chunks, lookahead = normalize_decode_chunks(num_tokens_to_compute, num_tokens + k - computed, computed,
-                                                        num_lookahead_tokens, self._limits)
-        if not len(rows_np):
+        run = self._normalize_running(RunningBatch(rows, new_token_ids, num_new_tokens, num_tokens_to_compute,
+                                                   num_lookahead_tokens))
+        if not len(run.rows):
             return StepResult()
         self._begin_changes()
         with self._counting():
-            plan = self.plan_decode(rows_np, k, num_tokens, chunks=chunks, lookahead=lookahead)
-            bufs = self.stage_decode(plan, tokens)
-            if graphs is not None:
-                graphs.launch(plan.bucket, bufs)
-            else:
-                self.launch_decode(plan.bucket, bufs, plan.phases)
+            plan, bufs = self._launch_running(run, graphs)
             return self.finish_decode(plan, bufs)
+
+    def _normalize_running(self, batch: Any, finished_rows: Sequence[int] = ()) -> RunningRows:
+        """A ``RunningBatch`` checked (``gpukv.running.normalize_running``);
+        ``finished_rows``: rows the same step frees first (not running then)."""
+        rows = self._rows
+        in_use = rows.in_use
+        if finished_rows:
+            in_use = in_use.copy()
+            in_use[list(finished_rows)] = False
+        return normalize_running(batch, in_use, rows.num_tokens.__getitem__, rows.num_computed.__getitem__,
+                                 self._limits, self.device)
+
+    def _launch_running(self, run: RunningRows, graphs=None) -> tuple[DecodePlan, DecodeBuffers]:
+        """Plan, stage and launch a running batch (``decode``'s kernels); the
+        host's mirror is brought up to date by ``finish_decode``."""
+        plan = self.plan_decode(run.rows, run.tokens.shape[1], run.num_tokens, chunks=run.chunks,
+                                lookahead=run.lookahead, num_new=run.counts)
+        bufs = self.stage_decode(plan, run.tokens)
+        if graphs is not None:
+            graphs.launch(plan.bucket, bufs)
+        else:
+            self.launch_decode(plan.bucket, bufs, plan.phases)
+        return plan, bufs
 
     # --------------------------------------------------------- decode, in parts
     # ``decode`` is these four calls; ``gpukv.graphs`` runs the same plan,
     # stage and finish around a captured ``launch_decode``.
     def plan_decode(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None, *,
-                    chunks: np.ndarray | None = None, lookahead: int = 0) -> DecodePlan:
+                    chunks: np.ndarray | None = None, lookahead: int | np.ndarray = 0,
+                    num_new: np.ndarray | None = None) -> DecodePlan:
         """The host plan of a decode of ``k`` tokens for each of ``rows``
-        (checked by ``decode``): per row its token counts (known, computed
-        before and after), the blocks it holds and needs and the running total
-        of those (the device derives every entry from these,
-        ``kernels/decode.py``), and the window releases; a few vectorised
-        numpy operations, no Python per request. ``num_tokens``: the rows'
-        known token counts, when the caller has them already; ``chunks``:
-        tokens each row computes (None: all it knows after the append)."""
+        (``num_new``: fewer for some, at most ``k`` each; checked by
+        ``decode``): per row its token counts (known, computed before and
+        after), the blocks it holds and needs and the running total of those
+        (the device derives every entry from these, ``kernels/decode.py``),
+        and the window releases; a few vectorised numpy operations, no Python
+        per request. ``num_tokens``: the rows' known token counts, when the
+        caller has them already; ``chunks``: tokens each row computes (None:
+        all it knows after the append); ``lookahead``: slots per row (or for
+        every row) beyond them."""
         bs, G = self.block_size, self.num_groups
         B = len(rows)
         n = self._rows.num_tokens[rows] if num_tokens is None else num_tokens
         comp0, held0 = self._rows.num_computed[rows], self._rows.num_held[rows]
-        ntok1 = n + k
+        ntok1 = n + (k if num_new is None else num_new)
         comp1 = ntok1 if chunks is None else comp0 + chunks
         blocks_of = self._blocks_of  # (a shift where the block size is a power of two)
         held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + bs - 1)))  # lookahead blocks held are kept
@@ -749,7 +789,8 @@ class DeviceManager(FailStop):
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
         need_max, filled_max = int(_max(need_pg)), int(_max(filled))
-        A = max(-(-(k + lookahead) // bs), pow2_at_least(need_max))
+        la_max = lookahead if type(lookahead) is int else int(_max(lookahead))
+        A = max(-(-(k + la_max) // bs), pow2_at_least(need_max))
         C = max(-(-k // bs), pow2_at_least(filled_max))
         wg = self._window_groups
         stops: np.ndarray | None = None
@@ -764,11 +805,13 @@ class DeviceManager(FailStop):
         if self._events is not None:  # (each phase's event entries are drained whether it ran or not)
             phases = _ALL_DECODE_PHASES
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
-            fills_known = k > 0 and filled_max > 0 and int(_max(n % bs)) + k >= bs  # (none filled: none known filled)
+            # (a known block fills whether or not a computed one does: a row appending beyond its chunk)
+            fills_known = k > 0 and int(_max(n % bs + (k if num_new is None else num_new))) >= bs
             phases = _decode_phases(bool(wg) and int(released.max()) > 0, need_max > 0, fills_known, filled_max > 0)
         v = self._host_plan(bucket)
         v["rows"][:B] = rows
         v["ntok"][:B] = n
+        v["nnew"][:B] = k if num_new is None else num_new
         v["comp0"][:B] = comp0
         v["comp1"][:B] = comp1
         v["held"][:B] = held0
@@ -785,7 +828,8 @@ class DeviceManager(FailStop):
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         total = int(cum[-1])
-        return DecodePlan(rows, bucket, total, ntok1, comp1, held1, stops, total <= self._free_lower_bound, phases)
+        return DecodePlan(rows, bucket, total, held0, ntok1, comp1, held1, stops, total <= self._free_lower_bound,
+                          phases)
 
     def _host_plan(self, bucket: tuple):
         """Named views of this step's host plan array of the bucket (the
@@ -851,11 +895,12 @@ class DeviceManager(FailStop):
             pool.release(self._rows.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
                          scratch=bufs.release_scratch, workspace=bufs.release_workspace)
         elif phase == "fit":
-            decode_ops.decode_fit(v["rows"], v["ntok"], v["comp0"], v["comp1"], v["held"], v["need"], v["cum"],
-                                  v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
+            decode_ops.decode_fit(v["rows"], v["ntok"], v["nnew"], v["comp0"], v["comp1"], v["held"], v["need"],
+                                  v["cum"], v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
                                   tokens=self._rows.tokens, extras=self._rows.extras,
                                   fq_counters=pool.free_queue.counters, count=bufs.count,
-                                  status=bufs.status, num_groups=self.num_groups, block_size=self.block_size)
+                                  status=bufs.status, blocked=self._blocked, num_groups=self.num_groups,
+                                  block_size=self.block_size)
         elif phase == "allocate":
             grp, row, pos, want, rank = v["alloc"]
             pool.allocate(bufs.count, want, grp, row, pos, block_table=self._rows.block_table, rank=rank,
@@ -883,12 +928,17 @@ class DeviceManager(FailStop):
             self._check_errors(status[decode_ops.ST_QUEUE_ERRORS], "new_token_ids")
             n_fit = int(status[decode_ops.ST_FIT])
             self._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
+        self._finish_running(plan, n_fit)
+        return StepResult(running_failed_at=None if n_fit == B else n_fit)
+
+    def _finish_running(self, plan: DecodePlan, n_fit: int) -> None:
+        """The host's mirror after a running batch of which the first
+        ``n_fit`` rows got their blocks (every row released behind its window)."""
         rows, done = self._rows, plan.rows[:n_fit]
         rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
             plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
         if plan.window_stops is not None:
-            self._rows.null_until[plan.rows] = plan.window_stops
-        return StepResult(running_failed_at=None if n_fit == B else n_fit)
+            rows.null_until[plan.rows] = plan.window_stops
 
     def _decode_layout(self, bucket: tuple) -> list[tuple[str, int]]:
         """(name, length) of each int32 array of a bucket's device plan, in
@@ -896,7 +946,7 @@ class DeviceManager(FailStop):
         ``decode_fit`` writes (``kernels/decode.py``)."""
         BP, k, L, A, C = bucket
         G, W = self.num_groups, len(self._window_groups)
-        names = [(x, BP) for x in ("rows", "ntok", "comp0", "comp1", "held", "need", "cum")]
+        names = [(x, BP) for x in ("rows", "ntok", "nnew", "comp0", "comp1", "held", "need", "cum")]
         names += [(f"r_{x}", BP * W * L) for x in ("grp", "row", "pos", "call", "valid")] if L else []
         return names + [("h_start", BP), ("h_count", BP), ("alloc", 5 * BP * G * A), ("record", 4 * BP * G * C)]
 
@@ -1108,40 +1158,97 @@ class DeviceManager(FailStop):
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,
-              token_budget: int | None = None, graphs=None) -> StepResult:
+              token_budget: int | None = None, graphs=None, outputs: StepOutputs = _NO_OUTPUTS) -> StepResult:
         """A step on normalised arguments (``_normalize``): nothing here refuses input."""
         if finished:  # phase 1
             self._release_requests(finished)
-        blocked = self._blocked
-        blocked.zero_()
-        run = self._run_updates(running, blocked) if running else None  # phase 2
-        lead = [run["n_ok"]] if run is not None else []  # (rides on the step's read)
+        run = self._run_phase(running)  # phase 2
+        lead = [run.n_ok] if run is not None and run.n_ok is not None else []  # (rides on the step's read)
         if not self.enable_caching:
             hit_caps = [0] * len(new)  # no lookup: every hit is 0
         result = StepResult()
+        tail = self._output_gather(run, outputs, new) if outputs.block_ids or outputs.prefix_of is not None else None
         # The one device-to-host read of the step (none when nothing is unknown),
         # and one more per admission round after a deferral.
-        host = None
+        host, deferred = None, False
         if new:  # phases 3-5
-            deferred, host = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs, lead)
-        elif run is not None and run["read"]:
-            host = self._read_step_status(lead)
+            deferred, host = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs, lead,
+                                                   tail)
+        elif lead or tail is not None:
+            host = self._read_step_status(lead + ([] if tail is None else tail.parts()))
+            if tail is not None:
+                tail.took(host[len(lead):])
         if run is not None:
-            n_ok = len(running)
-            if host is not None:
-                n_ok = int(host[0])
-            else:  # no read: every update fit, and the bound drops by what they took
-                self._free_lower_bound -= run["total"]
-            done, rows = run["rows"][:n_ok], self._rows
-            rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
-                run[x][:n_ok] for x in ("n_after", "c1", "a1"))
-            result.running_failed_at = None if n_ok == len(running) else n_ok
+            n_ok = int(host[0]) if lead and host is not None else run.size
+            if not lead:  # no read: every update fit, and the bound drops by what they took
+                self._free_lower_bound -= run.total
+            run.finish(n_ok)
+            result.running_failed_at = None if n_ok == run.size else n_ok
         while new and deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
-            deferred, _ = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs)
+            deferred, _ = self._admission_round(new, result, hit_caps, token_budget, count_stats, graphs, (), tail)
+        if tail is not None:
+            self._take_outputs(result, run, outputs, tail)
         return result
 
+    def _output_gather(self, run: _RunningPhase | None, outputs: StepOutputs, new) -> StepGather:
+        """The step's output gather (``gpukv.outputs``): the running rows'
+        new blocks, and ``prefix_of``'s blocks up to the most it holds after
+        (a new request's: from its admission's own entries)."""
+        running = None if run is None else (run.rows, run.held_before, run.held_after)
+        prefix = prefix_new = None
+        if outputs.prefix_of is not None and outputs.prefix_of not in self._reqs:
+            prefix_new = next(i for i, r in enumerate(new) if r.request_id == outputs.prefix_of)
+        elif outputs.prefix_of is not None:
+            row = self._reqs[outputs.prefix_of]
+            n = int(self._rows.num_held[row])
+            at = np.flatnonzero(run.rows == row) if run is not None else np.zeros(0, np.int64)
+            if run is not None and len(at):
+                n = int(run.held_after[at[0]])  # (if it fits; the read says, and _take_outputs cuts)
+            prefix = (row, n)
+        return StepGather(self._gather, running, prefix, outputs.block_ids, self.num_groups, prefix_new)
+
+    def _take_outputs(self, result: StepResult, run: _RunningPhase | None, outputs: StepOutputs,
+                      tail: StepGather) -> None:
+        """What the step hands back, from its last read's gather."""
+        n_fit = 0 if run is None else run.size if result.running_failed_at is None else result.running_failed_at
+        row = None if outputs.prefix_of is None else self._reqs.get(outputs.prefix_of)
+        held = 0 if row is None else int(self._rows.num_held[row])
+        running, admitted, prefix = tail.finish(n_fit, held, self.sliding_windows)
+        if outputs.block_ids:
+            result.running_block_ids, result.admitted_block_ids = running, admitted
+        if row is not None:
+            result.prefix_ref_counts = prefix
+
+    def _run_phase(self, running) -> _RunningPhase | None:
+        """Phase 2 launched: ``RunningUpdate``s (``_run_updates``) or a
+        normalised ``RunningBatch`` (``decode``'s plan and kept launches);
+        None when nothing runs. The admission's kernels read ``_blocked``."""
+        if isinstance(running, RunningRows):
+            if len(running.rows):
+                plan, bufs = self._launch_running(running)  # (decode_fit sets _blocked)
+                self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+                self._rebuild_if_due(plan.num_new_blocks)
+                n_ok = None if plan.fits_known else bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1]
+                return _RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok,
+                                     lambda n: self._finish_running(plan, n))
+            running = []
+        self._blocked.zero_()
+        if not running:
+            return None
+        run = self._run_updates(running, self._blocked)
+        rows = self._rows
+
+        def finish(n_ok: int) -> None:
+            done = run["rows"][:n_ok]
+            rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
+                run[x][:n_ok] for x in ("n_after", "c1", "a1"))
+
+        return _RunningPhase(run["rows"], run["a0"], run["a1"], run["total"], run["n_ok"] if run["read"] else None,
+                             finish)
+
     def _admission_round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool,
-                         graphs=None, lead: Sequence[torch.Tensor] = ()) -> tuple[bool, list]:
+                         graphs=None, lead: Sequence[torch.Tensor] = (), tail: StepGather | None = None
+                         ) -> tuple[bool, list]:
         """Admit the new requests after the ``result.num_admitted`` admitted
         so far (all of them in the step's first round; after a deferral,
         ``_admit_kernel``, the rest), with what the budget has left, in one
@@ -1158,16 +1265,27 @@ class DeviceManager(FailStop):
         except BaseException:
             self._rows.give_back_unused(rows)  # no row leaks, whatever went wrong
             raise
+        gathered = [] if tail is None else tail.parts((np.asarray(rows, dtype=np.int64), self._most_blocks(rest)),
+                                                      first=done)
         host = self._read_step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
-                                       computed.to(torch.int64)])
+                                       computed.to(torch.int64), *gathered])
         part = StepResult()
         deferred = self._finish_admission(rest, rows, host[len(lead):], part, count_stats)
+        if tail is not None:
+            adm = np.asarray(part.rows, dtype=np.int64)
+            tail.took(host[len(lead) + lookup_ops.NUM_STATUS + 2 * len(rest):], adm, self._rows.num_held[adm])
         result.num_admitted += part.num_admitted
         result.num_computed_tokens += part.num_computed_tokens
         result.rows += part.rows
         result.num_new_tokens += part.num_new_tokens
         result.refused_hit_tokens = part.refused_hit_tokens
         return deferred, host[: len(lead)]
+
+    def _most_blocks(self, new: Sequence[NewRequest]) -> np.ndarray:
+        """The most block positions each new request can hold after its
+        admission (its whole prompt computed, and its lookahead)."""
+        bs = self.block_size
+        return np.fromiter((-(-(len(r.token_ids) + r.num_lookahead_tokens) // bs) for r in new), np.int64, len(new))
 
     def _read_step_status(self, parts: list) -> list:
         """Read the step's status ``parts`` (int64), the free count and the free
@@ -1231,8 +1349,8 @@ class DeviceManager(FailStop):
             self._expect_events(len(rec))
         total = int(cum[-1])  # blocks all the updates need
         self._rebuild_if_due(total)
-        return {"rows": rows, "n_after": n_after, "c1": c1, "a1": nb1, "total": total, "fits_known": fits_known,
-                "n_ok": n_ok_dev, "read": not fits_known or bool(on_device)}
+        return {"rows": rows, "n_after": n_after, "c1": c1, "a0": nb0, "a1": nb1, "total": total,
+                "fits_known": fits_known, "n_ok": n_ok_dev, "read": not fits_known or bool(on_device)}
 
     def _updates_that_fit(self, cum: np.ndarray, blocked) -> tuple:
         """How many updates, in order, get their blocks (``cum``: blocks needed

@@ -52,23 +52,22 @@ from gpukv.request import (
     NewRequest,
     RunningUpdate,
     Step,
+    StepOutputs,
     StepResult,
     apply_allocate_args,
     blocks_after_admission,
     check_block_spans,
     check_computed_for,
     check_count,
-    check_decode_lengths,
     check_group,
     check_memory,
     check_request_ids,
     check_size,
+    check_step_outputs,
     check_token_budget,
+    common_prefix_length,
     new_tokens_at_admission,
     normalize_computed,
-    normalize_decode_chunks,
-    normalize_decode_tokens,
-    normalize_rows,
     normalize_step,
     normalize_token_ids,
     normalize_windows,
@@ -78,6 +77,7 @@ from gpukv.request import (
     unknown_request,
 )
 from gpukv.rows import RowAllocator
+from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
 from gpukv.windows import policies
 
 NULL_BLOCK = 0
@@ -403,8 +403,14 @@ class ReferenceManager(FailStop):
         self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root = hashing.root_digest(self._key)
         self._requests: dict[str, _RequestState] = {}
-        self._rows = RowAllocator(max_num_reqs)  # handed out as the device manager does
+        self._rows = RowAllocator(max_num_reqs, on_grow=self._grow_rows)  # handed out as the device manager does
         self._row_ids: dict[int, str] = {}
+        # Per row (as the device manager mirrors them): the request's state,
+        # its known and its computed tokens, so a batch addressed by rows is
+        # read with numpy (each count written where the request's changes).
+        self._row_state = np.empty(self._rows.capacity, dtype=object)
+        self._row_tokens = np.zeros(self._rows.capacity, dtype=np.int64)
+        self._row_computed = np.zeros(self._rows.capacity, dtype=np.int64)
         self.stats = PrefixCacheStats()
         # The device manager's per-step accounting, for the same API: always zero
         # here (no launches, uploads or device reads).
@@ -505,16 +511,9 @@ class ReferenceManager(FailStop):
         needs full attention)."""
         st = self._state(request_id)
         count = check_count(num_running_requests, "num_running_requests")
-        out = []
-        for g, window in enumerate(self.sliding_windows):
-            n = 0
-            if window is None:
-                for b in st.blocks[g]:
-                    if self.pool.ref_cnt[b] != count:
-                        break
-                    n += 1
-            out.append(n)
-        return out
+        ref = self.pool.ref_cnt
+        return [0 if w is not None else common_prefix_length([ref[b] for b in st.blocks[g]], count)
+                for g, w in enumerate(self.sliding_windows)]
 
     @reading
     def request_ids(self) -> list[str]:
@@ -540,6 +539,13 @@ class ReferenceManager(FailStop):
         group = check_group(group, self.num_groups)
         spans = check_block_spans(spans, "spans", self.num_blocks_held)
         return [self._requests[rid].blocks[group][start:end] for rid, start, end in spans]
+
+    @reading
+    def row_token_counts(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The known and the computed tokens of the requests at ``rows``
+        (host ints, each a running request's), as int64 arrays."""
+        rows_np = normalize_rows(rows, self._rows.in_use, distinct=False)
+        return self._row_tokens[rows_np], self._row_computed[rows_np]
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
@@ -623,10 +629,12 @@ class ReferenceManager(FailStop):
         (update,) = self._normalize((), [update], (), single=True).running
         num_before = [len(b) for b in self._state(request).blocks]
         self._begin_changes()
-        self._release_skipped(self._state(request))
-        if not self._run(update):
+        st = self._state(request)
+        self._release_skipped(st)
+        states, work = self._running_work([update])
+        if self._run_all(states, *work) is not None:
             return None
-        self._cache_running([self._state(request)])
+        self._cache_running(states)
         return [self._state(request).blocks[g][num_before[g]:] for g in range(self.num_groups)]
 
     @mutating
@@ -640,10 +648,12 @@ class ReferenceManager(FailStop):
     def step(
         self,
         finished: Sequence[str] = (),
-        running: Sequence[RunningUpdate] = (),
+        running: Sequence[RunningUpdate] | RunningBatch = (),
         new: Sequence[NewRequest] = (),
         *,
         token_budget: int | None = None,
+        block_ids: bool = False,
+        prefix_of: str | None = None,
     ) -> StepResult:
         """One scheduling step, phase by phase (see ``docs/design.md``):
 
@@ -665,27 +675,97 @@ class ReferenceManager(FailStop):
         5. touch the hits of every admitted request, then allocate for each in
            order, then cache the blocks that will be full.
 
+        ``running``: ``RunningUpdate``s, or a ``RunningBatch`` (the same work
+        as arrays, addressed by row: ``gpukv.running``). What a serving loop
+        reads after the step comes back with it, in the step's one device
+        read on the device manager: ``block_ids=True`` gives each running
+        update's new blocks and each admitted request's blocks
+        (``StepResult.running_block_ids``, ``admitted_block_ids``);
+        ``prefix_of`` (a request held before the step and not finished in
+        it) its blocks' reference counts after the step, for
+        ``StepResult.num_common_prefix_blocks`` (vLLM's cascade-attention
+        prefix).
+
         Every argument is checked before anything changes (``gpukv.request``:
         containers may be lists, tuples or iterators, materialised once; a str
         is not a list of ids); a refused call raises a ``gpukv.errors`` class
         and changes nothing.
         """
-        step = self._normalize(finished, running, new)
+        step, batch = self._normalize_step(finished, running, new)
         token_budget = check_token_budget(token_budget)
+        outputs = check_step_outputs(block_ids, prefix_of, self._requests, step.finished, step.new)
         self._begin_changes()
-        finished, running, new = step.finished, step.running, step.new
+        return self._step(step.finished, step.running if batch is None else batch, step.new, token_budget, outputs)
+
+    def _normalize_step(self, finished, running, new) -> tuple[Step, RunningRows | None]:
+        """``step()``'s arguments checked; a ``RunningBatch`` apart."""
+        if not isinstance(running, RunningBatch):
+            return self._normalize(finished, running, new), None
+        step = self._normalize(finished, (), new)
+        rows = [self._requests[rid].row for rid in step.finished]
+        return step, self._normalize_running(running, rows)
+
+    def _normalize_running(self, batch: Any, finished_rows: Sequence[int] = ()) -> RunningRows:
+        """A ``RunningBatch`` checked (``gpukv.running.normalize_running``);
+        ``finished_rows``: rows the same step frees first."""
+        in_use = self._rows.in_use
+        if finished_rows:
+            in_use = in_use.copy()
+            in_use[list(finished_rows)] = False
+        return normalize_running(batch, in_use, self._row_tokens.__getitem__, self._row_computed.__getitem__,
+                                 self._limits, None)
+
+    def _step(self, finished, running, new, token_budget: int | None, outputs: StepOutputs) -> StepResult:
+        """A step on normalised arguments (``step``): nothing here refuses input."""
         for rid in finished:
             self._free_request(rid)
-        requests = self._requests
+        grown, work = self._running_work(running)
         if any(w is not None for w in self.sliding_windows):  # full attention releases nothing
-            for update in running:
-                self._release_skipped(requests[update.request_id])
-        grown = [requests[update.request_id] for update in running]
-        failed_at = self._run_all(running, grown)
+            for st in grown:
+                self._release_skipped(st)
+        held_before = [len(st.blocks[0]) for st in grown] if outputs.block_ids else []
+        filled: list[_RequestState] = []
+        failed_at = self._run_all(grown, *work, filled=filled)
+        self._cache_running(filled)
         if failed_at is not None:
-            self._cache_running(grown[:failed_at])
-            return StepResult(running_failed_at=failed_at)
-        self._cache_running(grown)
+            result = StepResult(running_failed_at=failed_at)
+        else:
+            result = self._admit_new(new, token_budget)
+        if outputs.block_ids:
+            fit = len(grown) if failed_at is None else failed_at
+            result.running_block_ids = [[st.blocks[g][h:] for st, h in zip(grown[:fit], held_before, strict=False)]
+                                        for g in range(self.num_groups)]
+            admitted = [self._requests[self._row_ids[r]] for r in result.rows]
+            result.admitted_block_ids = [[list(st.blocks[g]) for st in admitted] for g in range(self.num_groups)]
+        if outputs.prefix_of is not None and outputs.prefix_of in self._requests:
+            st = self._requests[outputs.prefix_of]
+            ref = self.pool.ref_cnt
+            result.prefix_ref_counts = [None if w is not None else [ref[b] for b in st.blocks[g]]
+                                        for g, w in enumerate(self.sliding_windows)]
+        return result
+
+    def _running_work(self, running) -> tuple[list[_RequestState], tuple[list, list, Any]]:
+        """The running requests' states and, per request, its new tokens (a
+        list), its chunk (None: all) and its lookahead slots, from
+        ``RunningUpdate``s or a normalised ``RunningBatch``."""
+        if isinstance(running, RunningRows):
+            states = self._row_state[running.rows].tolist()
+            tokens = running.tokens.tolist()
+            if running.counts is not None:
+                tokens = [t[:c] for t, c in zip(tokens, running.counts.tolist(), strict=True)]
+            chunks = [None] * len(states) if running.chunks is None else running.chunks.tolist()
+            la = running.lookahead
+            return states, (tokens, chunks, [la] * len(states) if isinstance(la, int) else la.tolist())
+        requests = self._requests
+        states = [requests[u.request_id] for u in running]
+        tokens = []
+        for u in running:
+            t: Any = u.new_token_ids  # normalised (gpukv.request): an int64 array or a tensor
+            tokens.append((t if type(t) is np.ndarray else token_array_for_host(t)).tolist())
+        return states, (tokens, [u.num_tokens_to_compute for u in running], [u.num_lookahead_tokens for u in running])
+
+    def _admit_new(self, new, token_budget: int | None) -> StepResult:
+        """Phases 3-5 for the step's new requests."""
         # Each request is hashed when its lookup comes (in ``_plan``), so the
         # requests after the first refused one are not hashed at all.
         states = [self._new_state(r) for r in new]
@@ -774,27 +854,19 @@ class ReferenceManager(FailStop):
         return plans, False, None
 
     @mutating
-    def decode(self, rows: Sequence[int], new_token_ids, *, num_tokens_to_compute=None,
-               num_lookahead_tokens: int = 0) -> StepResult:
+    def decode(self, rows: Sequence[int], new_token_ids, *, num_new_tokens=None, num_tokens_to_compute=None,
+               num_lookahead_tokens=0) -> StepResult:
         """The running requests at ``rows`` (``StepResult.rows``) each append
-        ``k`` new tokens (``new_token_ids`` is ``[B]``, ``[B, k]`` or
-        ``[B, 0]`` to only continue a chunked prefill) and get their blocks:
-        ``step(running=[RunningUpdate(id_of_row, tokens, chunk,
-        num_lookahead_tokens)...])`` in row order, with the same results
-        (``running_failed_at`` indexes ``rows``). ``num_tokens_to_compute``:
-        None (every known token) or one chunk per row. The device manager's
+        their new tokens and get their blocks: ``step(running=RunningBatch(
+        rows, new_token_ids, ...))``, the same as ``step(running=
+        [RunningUpdate(id_of_row, tokens, chunk, lookahead)...])`` in row order
+        (``running_failed_at`` indexes ``rows``). The arguments are
+        ``gpukv.RunningBatch``'s (``gpukv.running``). The device manager's
         batched decode entry, on the host."""
-        rows_np = normalize_rows(rows, self._rows.in_use)
-        tokens = normalize_decode_tokens(new_token_ids, len(rows_np), None)
-        states = [self._requests[self._row_ids[r]] for r in rows_np.tolist()]
-        lengths = np.array([len(st.tokens) for st in states], dtype=np.int64)
-        computed = np.array([st.num_computed_tokens for st in states], dtype=np.int64)
-        check_decode_lengths(lengths, tokens.shape[1], self._limits)
-        chunks, la = normalize_decode_chunks(num_tokens_to_compute, lengths + tokens.shape[1] - computed, computed,
-                                             num_lookahead_tokens, self._limits)
-        updates = [RunningUpdate(st.request_id, t, None if chunks is None else int(c), la)
-                   for st, t, c in zip(states, tokens, chunks if chunks is not None else lengths, strict=True)]
-        return self.step(running=updates)  # (its point of first change is this call's)
+        run = self._normalize_running(RunningBatch(rows, new_token_ids, num_new_tokens, num_tokens_to_compute,
+                                                   num_lookahead_tokens))
+        self._begin_changes()
+        return self._step((), run, (), None, StepOutputs())
 
     @mutating
     def take_events(self) -> list[KVEventBatch]:
@@ -825,6 +897,10 @@ class ReferenceManager(FailStop):
                     if b != NULL_BLOCK:
                         held[b] += 1
         assert held[1:] == self.pool.ref_cnt[1:], "reference counts disagree with the requests' block lists"
+        for st in self._requests.values():
+            assert self._row_state[st.row] is st, f"row {st.row} does not hold request {st.request_id!r}"
+            assert (self._row_tokens[st.row], self._row_computed[st.row]) == (len(st.tokens), st.num_computed_tokens), \
+                f"row {st.row}'s counts are not request {st.request_id!r}'s"
 
     # ------------------------------------------------------------- checking
     def _state(self, request_id: str) -> _RequestState:
@@ -1045,8 +1121,10 @@ class ReferenceManager(FailStop):
             for g in range(self.num_groups):
                 st.blocks[g].extend(self.pool.allocate(plan.num_new_blocks // self.num_groups))
             st.num_computed_tokens = plan.num_computed_tokens
-            st.row = self._rows.take()
-            self._row_ids[st.row] = st.request_id
+            st.row = row = self._rows.take()
+            self._row_ids[row] = st.request_id
+            self._row_state[row] = st
+            self._row_tokens[row], self._row_computed[row] = len(st.tokens), st.num_computed_tokens
             self._requests[st.request_id] = st
         for plan in plans:
             self._cache_full_blocks(plan.state)
@@ -1063,43 +1141,41 @@ class ReferenceManager(FailStop):
                 for i in range(skip):
                     st.blocks[g][i] = NULL_BLOCK
 
-    def _run(self, update: RunningUpdate) -> bool:
-        """Append a running request's tokens and give it blocks for the
-        tokens it computes and its lookahead slots. False, with nothing
-        changed, when the blocks do not fit."""
-        return self._run_all([update], [self._state(update.request_id)]) is None
-
-    def _run_all(self, updates: Sequence[RunningUpdate], states: Sequence[_RequestState]) -> int | None:
-        """``_run`` for each update in order (``states``: their requests'
-        states): the index of the first whose blocks do not fit, it and the
-        later ones left unchanged, or None when all fit."""
+    def _run_all(self, states: Sequence[_RequestState], tokens: Sequence[list], chunks: Sequence[int | None],
+                 lookaheads: Sequence[int], filled: list[_RequestState] | None = None) -> int | None:
+        """Each running request in order (``states``) appends its ``tokens``
+        and gets blocks for the tokens it computes (``chunks``: None for all)
+        and its lookahead slots: the index of the first whose blocks do not
+        fit, it and the later ones left unchanged, or None when all fit.
+        ``filled`` gets the requests a block of whose filled up (known or
+        computed): the only ones with anything to hash or cache."""
         bs = self.block_size
         pool = self.pool
         free = pool._free  # len(free) is pool.num_free_blocks
-        for k, (update, st) in enumerate(zip(updates, states, strict=True)):
-            new_tokens: Any = update.new_token_ids  # normalised (gpukv.request): an int64 array or a tensor
-            if type(new_tokens) is not np.ndarray:
-                new_tokens = token_array_for_host(new_tokens)
-            new_tokens = new_tokens.tolist()
-            tokens = st.tokens
-            num_tokens = len(tokens) + len(new_tokens)
-            chunk = update.num_tokens_to_compute
-            computed = num_tokens if chunk is None else st.num_computed_tokens + chunk
+        row_tokens, row_computed = self._row_tokens, self._row_computed
+        for k, (st, new_tokens, chunk, lookahead) in enumerate(zip(states, tokens, chunks, lookaheads, strict=True)):
+            known = st.tokens
+            num_before, computed_before = len(known), st.num_computed_tokens
+            num_tokens = num_before + len(new_tokens)
+            computed = num_tokens if chunk is None else computed_before + chunk
             # Lookahead blocks from earlier steps are kept: a group never shrinks here.
-            n_total = max(-(-(computed + update.num_lookahead_tokens) // bs), len(st.blocks[0]))
+            n_total = max(-(-(computed + lookahead) // bs), len(st.blocks[0]))
             need = 0
             for blocks in st.blocks:
                 need += n_total - len(blocks)
             if need > len(free):
                 return k
-            if isinstance(tokens, np.ndarray):  # a list from the first append on
-                tokens = st.tokens = tokens.tolist()
-            tokens.extend(new_tokens)
+            if isinstance(known, np.ndarray):  # a list from the first append on
+                known = st.tokens = known.tolist()
+            known.extend(new_tokens)
             for blocks in st.blocks:
                 n = n_total - len(blocks)
                 if n:  # allocating none changes nothing
                     blocks.extend(pool.allocate(n))
             st.num_computed_tokens = computed
+            row_tokens[st.row], row_computed[st.row] = num_tokens, computed
+            if filled is not None and (num_tokens // bs > num_before // bs or computed // bs > computed_before // bs):
+                filled.append(st)
         return None
 
     def _cache_running(self, states: list[_RequestState]) -> None:
@@ -1148,10 +1224,18 @@ class ReferenceManager(FailStop):
                         [int(t) for t in st.tokens[i * bs:(i + 1) * bs]], bs, st.lora_id, g))
             st.num_cached_blocks[g] = max(st.num_cached_blocks[g], num_full)
 
+    def _grow_rows(self, capacity: int) -> None:
+        for name in ("_row_state", "_row_tokens", "_row_computed"):
+            old = getattr(self, name)
+            grown = np.empty(capacity, dtype=object) if old.dtype == object else np.zeros(capacity, dtype=np.int64)
+            grown[: len(old)] = old
+            setattr(self, name, grown)
+
     def _free_request(self, request_id: str) -> None:
         st = self._requests.pop(request_id)
         self._rows.give_back(st.row)
         del self._row_ids[st.row]
+        self._row_state[st.row] = None
         self._remember_digests(st)  # a preempted request comes back with the same prefix
         for g in range(self.num_groups):
             self.pool.free(list(reversed(st.blocks[g])))

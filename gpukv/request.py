@@ -176,10 +176,69 @@ class StepResult:
     rows: list[int] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     refused_hit_tokens: int | None = None
+    # With ``step(..., block_ids=True)``: per group, each running update's new
+    # blocks (the updates that got theirs, in order), and each admitted
+    # request's blocks (all of them, its hit included).
+    running_block_ids: list[list[list[int]]] | None = None
+    admitted_block_ids: list[list[list[int]]] | None = None
+    # With ``step(..., prefix_of=request_id)``: per group, the reference
+    # counts of that request's blocks after the step, in order (None for a
+    # sliding-window group; the whole field None for a new request the step
+    # did not admit); ``num_common_prefix_blocks`` reads them.
+    prefix_ref_counts: list[list[int] | None] | None = None
 
     @property
     def ok(self) -> bool:
         return self.running_failed_at is None
+
+    def num_common_prefix_blocks(self, num_running_requests: int) -> list[int]:
+        """``get_num_common_prefix_blocks(prefix_of, num_running_requests)``
+        as of the end of the step, from ``prefix_ref_counts`` (no read)."""
+        if self.prefix_ref_counts is None:
+            raise InvalidInputError("the step was not asked for a common prefix, or its prefix_of was a new request "
+                                    "it did not admit", argument="prefix_of",
+                                    fix="pass step(..., prefix_of=request_id) naming a running or admitted request")
+        count = check_count(num_running_requests, "num_running_requests")
+        return [0 if refs is None else common_prefix_length(refs, count) for refs in self.prefix_ref_counts]
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What a step hands back besides its decisions (``step``'s
+    ``block_ids`` and ``prefix_of``, checked)."""
+
+    block_ids: bool = False
+    prefix_of: str | None = None
+
+
+def check_step_outputs(block_ids: Any, prefix_of: Any, known: Container[str], finished: Sequence[str],
+                       new: Sequence[NewRequest] = ()) -> StepOutputs:
+    """``step``'s ``block_ids`` (a bool) and ``prefix_of`` (None, a request
+    held before the step and not finished in it, or one of its new requests:
+    its counts come back if it is admitted)."""
+    if type(block_ids) is not bool:
+        raise InvalidTypeError(f"must be a bool, got {_type_name(block_ids)}", argument="block_ids",
+                               fix="pass True to get the step's new block ids back, False for none")
+    if prefix_of is not None:
+        if type(prefix_of) is str and any(r.request_id == prefix_of for r in new):
+            return StepOutputs(block_ids, prefix_of)
+        check_request_id(prefix_of, "prefix_of", known)
+        if prefix_of in finished:
+            raise InvalidInputError(f"request {prefix_of!r} is finished in this step", argument="prefix_of",
+                                    fix="name a request that runs on (vLLM: the first running request)")
+    return StepOutputs(block_ids, prefix_of)
+
+
+def common_prefix_length(ref_counts: Sequence[int], count: int) -> int:
+    """vLLM's common prefix (cascade attention): how many leading blocks are
+    held by exactly ``count`` requests (every running one), up to the first
+    that is not (``get_num_common_prefix_blocks``, on both managers)."""
+    n = 0
+    for c in ref_counts:
+        if c != count:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -1080,117 +1139,6 @@ def normalize_device(device: Any, interpreted: bool, cuda_available: bool) -> to
                             fix="pass 'cuda', 'cuda:N' or, without CUDA, 'cpu' (or None)")
 
 
-def normalize_rows(value: Any, in_use: np.ndarray) -> np.ndarray:
-    """The rows of a batched decode as a fresh 1-D int64 array: a list, tuple,
-    1-D int array or CPU tensor of distinct rows that requests hold."""
-    fix = "pass the rows StepResult.rows (or row_of) gave, each once"
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise InvalidTypeError(f"rows must be on the host, got a tensor on {value.device}", argument="rows",
-                                   fix="pass a list, a numpy array or a CPU tensor (the manager stages them)")
-        value = value.numpy()
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "iu" or value.ndim != 1:
-            raise InvalidTypeError(f"rows must be a 1-D integer array, got {value.dtype} of shape {value.shape}",
-                                   argument="rows", fix=fix)
-        rows = np.array(value, dtype=np.int64)
-    else:
-        items = as_list(value, "rows", "rows")
-        if any(type(x) is not int and not isinstance(x, np.integer) for x in items):
-            raise InvalidTypeError("rows must be ints", argument="rows", fix=fix)
-        try:
-            rows = np.array(items, dtype=np.int64).reshape(-1)
-        except OverflowError:  # an int beyond int64 (only on this error path: find it)
-            i = next(i for i, x in enumerate(items) if not -2**63 <= int(x) < 2**63)
-            raise InvalidInputError(f"rows[{i}] = {int(items[i])} is not the row of a running request",
-                                    argument="rows", fix=fix) from None
-    if rows.size:
-        # The common case in one count: each row at most once, and only where
-        # a request is held (a count of 1 where in_use is 0, or of 2, fails;
-        # a row past the end makes the count longer, a negative one makes
-        # bincount refuse); the slow path only finds what to report.
-        try:
-            counts = np.bincount(rows, minlength=len(in_use))
-        except ValueError:
-            counts = None
-        if counts is not None and len(counts) == len(in_use) and np.less_equal(counts, in_use).all():
-            return rows
-        bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
-        if bad.size == 0:
-            bad = np.flatnonzero(~in_use[rows])
-        if bad.size:
-            i = int(bad[0])
-            raise InvalidInputError(f"rows[{i}] = {int(rows[i])} is not the row of a running request",
-                                    argument="rows", fix=fix)
-        raise InvalidInputError("a row appears twice", argument="rows", fix=fix)
-    return rows
-
-
-def normalize_decode_tokens(value: Any, num_rows: int, device: torch.device | None) -> np.ndarray | torch.Tensor:
-    """A decode's new tokens as ``[num_rows, k]`` (k >= 0 tokens per row;
-    None is ``k = 0``: the rows only continue a chunked prefill).
-
-    Tokens on the host (a list, a numpy array, a CPU tensor) are checked here
-    as ``step()``'s are (ints, each in ``[0, 2**32)``) and become a fresh int64
-    array. A tensor on the manager's CUDA device (``device``; a model
-    runner's sampled tokens) is kept unread: reading it would stop the host
-    until the GPU catches up; the decode kernel checks its range on the
-    device (``DeviceManager.decode``). Under Triton's interpreter the
-    manager's device is the CPU: a CPU tensor is checked here and also kept
-    as a tensor (it needs no upload). A tensor on another CUDA device is read
-    and checked here; on any other device it is refused."""
-    fix = "pass one row of new token ids per request, as a [B] or [B, k] tensor or array (None: no new token)"
-    if value is None:
-        return np.zeros((num_rows, 0), dtype=np.int64)
-    if isinstance(value, torch.Tensor):
-        if value.dtype not in (torch.int32, torch.int64):
-            raise InvalidTypeError(f"new_token_ids must be int32 or int64, got {value.dtype}",
-                                   argument="new_token_ids", fix=fix)
-        kind = value.device.type
-        if device is not None and value.device == device:
-            if kind == "cpu":  # the interpreter's device is the host: check it here, keep the tensor
-                checked = _decode_token_rows(value.numpy(), num_rows, fix, copy=False)  # (ints: no autograd)
-                return value.reshape(checked.shape)
-            tokens = value if value.dim() == 2 else value.reshape(-1, 1) if value.dim() == 1 else None
-            if tokens is None or tokens.shape[0] != num_rows:
-                raise InvalidInputError(f"new_token_ids has shape {tuple(value.shape)}, want [{num_rows}] or "
-                                        f"[{num_rows}, k]", argument="new_token_ids", fix=fix)
-            return tokens  # range-checked by the decode kernel, on the device
-        if kind not in ("cpu", "cuda"):
-            raise InvalidTypeError(f"new_token_ids on device {value.device} cannot be read",
-                                   argument="new_token_ids", fix="pass them on the CPU or the manager's device")
-        return _decode_token_rows(value.detach().cpu().numpy(), num_rows, fix)
-    if isinstance(value, np.ndarray):
-        return _decode_token_rows(value, num_rows, fix)
-    items = as_list(value, "new_token_ids", "token ids")
-    try:
-        arr = np.asarray(items)
-    except (ValueError, TypeError, OverflowError):  # numpy refuses ragged rows ([[8, 9], [10]])
-        raise InvalidInputError("is ragged: its rows hold different numbers of token ids",
-                                argument="new_token_ids", fix=fix) from None
-    if arr.dtype.kind == "O" and arr.ndim in (1, 2):  # ints beyond int64, or not ints: find and name one
-        flat = _tokens_from_list(arr.ravel().tolist(), "new_token_ids", "")
-        arr = flat.reshape(arr.shape)
-    elif arr.size == 0:  # ``[]`` or ``[[], []]``: no token, whatever dtype numpy guessed for nothing
-        arr = arr.astype(np.int64)
-    return _decode_token_rows(arr, num_rows, fix)
-
-
-def _decode_token_rows(arr: np.ndarray, num_rows: int, fix: str, copy: bool = True) -> np.ndarray:
-    """A host array of a decode's new tokens, checked (integer, ``[B]`` or
-    ``[B, k]``, ids in ``[0, 2**32)``) and as ``[num_rows, k]`` int64 (a
-    fresh copy unless ``copy`` is False)."""
-    if arr.dtype.kind not in "iu":
-        raise InvalidTypeError(f"new_token_ids must be ints, got {arr.dtype}", argument="new_token_ids", fix=fix)
-    tokens: np.ndarray | None = arr if arr.ndim == 2 else arr.reshape(-1, 1) if arr.ndim == 1 else None
-    if tokens is not None:
-        tokens = _checked_int_array(tokens.reshape(-1), "new_token_ids", "", copy=copy).reshape(tokens.shape)
-    if tokens is None or len(tokens) != num_rows:
-        raise InvalidInputError(f"new_token_ids has shape {tuple(arr.shape)}, want [{num_rows}] or [{num_rows}, k]",
-                                argument="new_token_ids", fix=fix)
-    return tokens
-
-
 def check_computed_for(request: NewRequest, computed: ComputedBlocks | None, limits: ManagerLimits) -> None:
     """A hit handed to ``allocate_slots`` has the form a lookup of this
     request gives: at most ``floor((n - 1) / block_size)`` blocks (its last
@@ -1242,56 +1190,3 @@ def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, n
         request = replace(request, num_lookahead_tokens=la)
     check_admissible(request, limits, "num_lookahead_tokens", "request.token_ids")
     return request
-
-
-def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndarray, lookahead: Any,
-                            limits: ManagerLimits) -> tuple[np.ndarray | None, int]:
-    """A decode's ``num_tokens_to_compute`` (None, or one int per row, each
-    in ``[1, remaining]``) and ``num_lookahead_tokens`` (an int >= 0), checked
-    in one vectorised pass: ``remaining`` are the rows' known tokens not
-    computed yet after the append, ``computed`` their computed tokens."""
-    la = check_lookahead(lookahead, "num_lookahead_tokens")
-    chunks = None
-    fix = "pass None to compute every known token, or one int per row from 1 to its tokens not computed yet"
-    if value is not None:
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "cpu":
-                raise InvalidTypeError(f"num_tokens_to_compute must be on the host, got a tensor on {value.device}",
-                                       argument="num_tokens_to_compute", fix=fix)
-            value = value.numpy()
-        if isinstance(value, np.ndarray):
-            arr = value
-        else:
-            items = as_list(value, "num_tokens_to_compute", "ints")
-            try:
-                arr = np.asarray(items)
-            except (ValueError, TypeError, OverflowError):  # ragged ([[1], [2, 3]])
-                raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got a ragged list",
-                                       argument="num_tokens_to_compute", fix=fix) from None
-        if arr.dtype.kind not in "iu" or arr.shape != remaining.shape:
-            raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got {arr.dtype} of shape "
-                                   f"{arr.shape}", argument="num_tokens_to_compute", fix=fix)
-        chunks = arr.astype(np.int64)
-        bad = np.flatnonzero((chunks < 1) | (chunks > remaining))
-        if bad.size:
-            i = int(bad[0])
-            what = ("has no token left to compute" if remaining[i] == 0
-                    else f"must compute 1 to {int(remaining[i])} tokens")
-            raise InvalidInputError(f"rows[{i}] {what}, got num_tokens_to_compute[{i}] = {int(chunks[i])}",
-                                    argument="num_tokens_to_compute", fix=fix)
-    after = computed + (remaining if chunks is None else chunks)
-    if limits.max_model_len is not None and after.size and int(after.max()) + la > limits.max_model_len:
-        i = int(np.argmax(after))
-        raise CapacityError(f"rows[{i}] would need slots for {int(after[i])} computed and {la} lookahead tokens, "
-                            f"more than max_model_len {limits.max_model_len}", argument="num_lookahead_tokens",
-                            fix="reserve fewer lookahead tokens, or raise max_model_len")
-    return chunks, la
-
-
-def check_decode_lengths(num_tokens: np.ndarray, k: int, limits: ManagerLimits) -> None:
-    """Refuse a decode that takes a request past ``max_model_len``."""
-    if limits.max_model_len is not None and num_tokens.size and int(num_tokens.max()) + k > limits.max_model_len:
-        i = int(np.argmax(num_tokens))
-        raise CapacityError(f"rows[{i}] would hold {int(num_tokens[i]) + k} tokens, over max_model_len "
-                            f"{limits.max_model_len}", argument="new_token_ids",
-                            fix="finish the request, or raise max_model_len")

@@ -181,3 +181,23 @@ class DeviceRows:
         self.null_until = np.concatenate([self.null_until, np.zeros((capacity - old, G), dtype=np.int64)])
         self._capacity = capacity
         self.generation += 1
+
+
+def entry_layout(starts, stops, *, reverse: bool = False):
+    """The host plan of a step phase: one entry per (request r, group g,
+    position p) with ``starts[r, g] <= p < stops[r, g]``, ordered by request,
+    then group, then position (descending with ``reverse``: a free call gives
+    blocks back tail first). ``starts``/``stops`` are [R, G] (or [R], the same
+    for every group of a one-group layout). Returns int64 arrays (request,
+    group, position, call) where call = r * G + g: one free call per request
+    and group. Vectorised: no Python loop over blocks."""
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    if starts.ndim == 1:
+        starts, stops = starts[:, None], stops[:, None]
+    R, G = starts.shape
+    counts = np.maximum(stops - starts, 0).ravel()
+    call = np.repeat(np.arange(R * G, dtype=np.int64), counts)
+    offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    pos = (stops.ravel()[call] - 1 - offs) if reverse else (starts.ravel()[call] + offs)
+    return call // G, call % G, pos, call

@@ -66,6 +66,7 @@ _MUST_SHRINK = {
     ("gpukv.kernels.free_queue", "FreeQueue.create(tile)"),
     ("gpukv.kernels.lookup", "verify(tile)"),
     ("gpukv.kernels.block_hash", "DEFAULT_TILE"),
+    ("gpukv.kernels.gather", "_TILE"),
 }
 
 _TILE_NAME = re.compile(r"^_?([A-Z0-9]+_)*TILE$")

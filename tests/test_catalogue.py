@@ -38,6 +38,7 @@ from gpukv.hashing import MMItem
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate
+from gpukv.running import RunningBatch
 
 KEY = bytes(range(16))
 NUM_BLOCKS, BLOCK_SIZE, WINDOWS, MAX_LEN = 24, 2, [None, 4], 32
@@ -522,6 +523,42 @@ CASES = [
     ("block-table-for-int-id", lambda m: m.block_table_for([1]), InvalidTypeError, "request_ids[0]"),
     ("block-table-for-unknown", lambda m: m.block_table_for(["a", "zz"]), UnknownRequestError, "request_ids[1]"),
     ("block-table-for-set", lambda m: m.block_table_for({"a"}), InvalidTypeError, "request_ids"),
+    # --- issue 27: a running batch as arrays (gpukv.RunningBatch) and the step's outputs
+    ("batch-counts-wrong-length", lambda m: m.step(running=RunningBatch([m.row_of("a")], [7], num_new_tokens=[1, 1])),
+     InvalidTypeError, "num_new_tokens"),
+    ("batch-counts-negative",
+     lambda m: m.step(running=RunningBatch([m.row_of("a"), m.row_of("b")], [7], num_new_tokens=[2, -1])),
+     InvalidInputError, "num_new_tokens"),
+    ("batch-counts-floats", lambda m: m.step(running=RunningBatch([m.row_of("a")], [7], num_new_tokens=[1.0])),
+     InvalidTypeError, "num_new_tokens"),
+    ("batch-flat-tokens-short",
+     lambda m: m.step(running=RunningBatch([m.row_of("a"), m.row_of("b")], [7], num_new_tokens=[1, 1])),
+     InvalidInputError, "new_token_ids"),
+    ("batch-flat-token-2**32", lambda m: m.step(running=RunningBatch([m.row_of("a")], [2**32], num_new_tokens=[1])),
+     InvalidInputError, "new_token_ids"),
+    ("batch-flat-tokens-2d",
+     lambda m: m.step(running=RunningBatch([m.row_of("a")], np.array([[7]]), num_new_tokens=[1])),
+     InvalidTypeError, "new_token_ids"),
+    ("batch-row-finished-in-the-step", lambda m: m.step(finished=["b"], running=RunningBatch([m.row_of("b")], [7])),
+     InvalidInputError, "rows"),
+    ("batch-row-twice", lambda m: m.step(running=RunningBatch([m.row_of("a"), m.row_of("a")], [7, 8])),
+     InvalidInputError, "rows"),
+    ("batch-lookahead-negative",
+     lambda m: m.step(running=RunningBatch([m.row_of("a")], [7], num_lookahead_tokens=[-1])),
+     InvalidInputError, "num_lookahead_tokens"),
+    ("batch-lookahead-past-max-model-len",
+     lambda m: m.step(running=RunningBatch([m.row_of("a")], [7], num_lookahead_tokens=[MAX_LEN])),
+     CapacityError, "num_lookahead_tokens"),
+    ("batch-past-max-model-len",
+     lambda m: m.step(running=RunningBatch([m.row_of("a")], [7] * MAX_LEN, num_new_tokens=[MAX_LEN])),
+     CapacityError, "new_token_ids"),
+    ("decode-ragged-counts-and-rows-disagree", lambda m: m.decode([m.row_of("a")], [7, 8], num_new_tokens=[1]),
+     InvalidInputError, "new_token_ids"),
+    ("step-block-ids-not-bool", lambda m: m.step(block_ids=1), InvalidTypeError, "block_ids"),
+    ("step-prefix-of-unknown", lambda m: m.step(prefix_of="zz"), UnknownRequestError, "prefix_of"),
+    ("step-prefix-of-int", lambda m: m.step(prefix_of=3), InvalidTypeError, "prefix_of"),
+    ("step-prefix-of-finished", lambda m: m.step(finished=["a"], prefix_of="a"), InvalidInputError, "prefix_of"),
+    ("row-counts-unknown-row", lambda m: m.row_token_counts([m.row_of("a"), 99]), InvalidInputError, "rows"),
 ]
 
 

@@ -312,7 +312,15 @@ def _manager_steps(KVCacheManager, NewRequest, RunningUpdate, *, windows, block_
         updates = [RunningUpdate(rid, list(range(1 + (step + i + seed) % (bs + 2)))) for i, rid in enumerate(running)]
         finished = running[: step % 3]
         updates = [u for u in updates if u.request_id not in finished]
-        res = mgr.step(finished, updates, new)
+        if step % 4 == 3 and updates:  # the same work as a ragged RunningBatch, with the outputs gathered
+            from gpukv.running import RunningBatch
+
+            batch = RunningBatch([mgr.row_of(u.request_id) for u in updates],
+                                 [t for u in updates for t in u.new_token_ids],
+                                 num_new_tokens=[len(u.new_token_ids) for u in updates])
+            res = mgr.step(finished, batch, new, block_ids=True, prefix_of=updates[0].request_id)
+        else:
+            res = mgr.step(finished, updates, new)
         running = [rid for rid in running if rid not in finished]
         if not res.ok:  # preempt the newest running request, as a scheduler would
             victim = running.pop()

@@ -2,11 +2,12 @@
 the entries every later kernel of the step reads.
 
 A decode step (``DeviceManager.decode``) gives each of B running requests
-``K`` new tokens (K may be 0: the rows only continue a chunked prefill) and
-computes some of their known tokens. The host knows each request's counts
-exactly and uploads int32 arrays of the bucket's fixed length ``BP`` (rows
-padded to a power of two): ``rows`` (-1 for padding), ``ntok`` (known tokens
-before the step), ``comp0``/``comp1`` (computed tokens before and after),
+up to ``K`` new tokens (``nnew`` of them for row i; K may be 0: the rows only
+continue a chunked prefill) and computes some of their known tokens. The
+host knows each request's counts exactly and uploads int32 arrays of the
+bucket's fixed length ``BP`` (rows padded to a power of two): ``rows`` (-1
+for padding), ``ntok`` (known tokens before the step), ``nnew`` (new tokens,
+at most K), ``comp0``/``comp1`` (computed tokens before and after),
 ``held`` (block positions held per group before), ``need`` (new blocks per
 group) and ``cum`` (the running total of blocks the requests need, all
 groups; padding holds ``BIG``, so it never fits). What only the device knows
@@ -27,7 +28,10 @@ graph can replay it):
   fills with computed tokens, a bucket size): caching entries
   ``record_group/row/pos/valid`` at positions ``comp0 // BS + c``;
 * the new tokens into the rows of the requests that fit, after their known
-  tokens.
+  tokens (row i's first ``nnew[i]`` of its K slots);
+* ``blocked`` (int32[1]): 1 when a real row did not fit, else 0 (a step's
+  admission reads it: nothing is admitted after a running request that did
+  not fit).
 
 The new tokens arrive as int64 (the host's, checked already, or a model
 runner's tensor copied in on the device, never read by the host), so the
@@ -110,6 +114,7 @@ def _entries(e, BP, G, W, rows_ptr, n_fit):
 def _decode_fit_kernel(
     rows_ptr,          # int32[BP] request rows (-1: padding)
     ntok_ptr,          # int32[BP] their known tokens before the step
+    nnew_ptr,          # int32[BP] their new tokens (at most K; row i's are new_tok[i, :nnew[i]])
     comp0_ptr,         # int32[BP] their computed tokens before the step
     comp1_ptr,         # int32[BP] ... and after it
     held_ptr,          # int32[BP] block positions each group holds before the step
@@ -125,18 +130,21 @@ def _decode_fit_kernel(
     fq_counters_ptr,   # int64[8] free-queue counters (read: NUM_FREE, ERROR; ERROR |= ERR_BAD_TOKEN)
     count_ptr,         # int64[1] out: blocks to pop
     status_ptr,        # int64[NUM_STATUS] out
+    blocked_ptr,       # int32[1] out: 1 when a real row did not fit
     BP, K, G, A, C,    # bucket rows, tokens per row, groups, alloc and record entries per row and group
     BS: tl.constexpr,  # block size
     TILE: tl.constexpr,
 ):
     free = tl.load(fq_counters_ptr + _NUM_FREE)
     n_fit = tl.zeros([], tl.int64)
+    n_real = tl.zeros([], tl.int64)
     count = tl.zeros([], tl.int64)
     for start in range(0, BP, TILE):
         offs = start + tl.arange(0, TILE)
         cum = tl.load(cum_ptr + offs, mask=offs < BP, other=_BIG).to(tl.int64)
         fits = cum <= free  # cum never decreases: the requests that fit are a prefix
         n_fit += tl.sum(fits.to(tl.int64), 0)
+        n_real += tl.sum((tl.load(rows_ptr + offs, mask=offs < BP, other=-1) >= 0).to(tl.int64), 0)
         count = tl.maximum(count, tl.max(tl.where(fits, cum, 0), 0))
     E = BP * G * A
     for start in range(0, E, TILE):
@@ -164,16 +172,17 @@ def _decode_fit_kernel(
         offs = start + tl.arange(0, TILE)
         m = offs < BP
         n = tl.load(ntok_ptr + offs, mask=m, other=0)
+        k = tl.load(nnew_ptr + offs, mask=m, other=0)
         fit = m & (offs.to(tl.int64) < n_fit) & (tl.load(rows_ptr + offs, mask=m, other=-1) >= 0)
         tl.store(hash_start_ptr + offs, n // BS, mask=m)
-        tl.store(hash_count_ptr + offs, tl.where(fit, (n + K) // BS - n // BS, 0), mask=m)
+        tl.store(hash_count_ptr + offs, tl.where(fit, (n + k) // BS - n // BS, 0), mask=m)
     n_bad = tl.zeros([], tl.int64)
     for start in range(0, BP * K, TILE):
         offs = start + tl.arange(0, TILE)
         i = offs // K
         real = offs < BP * K
         r = tl.load(rows_ptr + i, mask=real, other=-1).to(tl.int64)
-        real = real & (r >= 0)
+        real = real & (r >= 0) & ((offs % K) < tl.load(nnew_ptr + i, mask=real, other=0))
         ok = real & (i.to(tl.int64) < n_fit)
         n = tl.load(ntok_ptr + i, mask=ok, other=0).to(tl.int64)
         tok = tl.load(new_tok_ptr + offs, mask=real, other=0)
@@ -192,22 +201,24 @@ def _decode_fit_kernel(
     tl.store(status_ptr + _ST_FREE_AFTER, free - count)
     tl.store(status_ptr + _ST_QUEUE_ERRORS, err)
     tl.store(status_ptr + _ST_BAD_TOKENS, n_bad)
+    tl.store(blocked_ptr, (n_fit < n_real).to(tl.int32))
 
 
-def decode_fit(rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record, new_tokens, *,
-               tokens, extras, fq_counters, count, status, num_groups: int, block_size: int) -> None:
+def decode_fit(rows, ntok, nnew, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record, new_tokens, *,
+               tokens, extras, fq_counters, count, status, blocked, num_groups: int, block_size: int) -> None:
     """Decide how many requests of a decode plan fit (a prefix), write the
     step's entries (``alloc`` int32[5, BP*G*A], ``record`` int32[4, BP*G*C],
     ``hash_start``/``hash_count`` int32[BP]) masked past them, write their
-    new tokens (int64[BP, K], range-checked: ``ERR_BAD_TOKEN``, ``POISON``
-    in ``extras`` int64[R, M, 2]) into their rows, and set ``count`` (the
-    blocks to pop) and ``status`` (``ST_*``). ``A`` and ``C`` are read from
+    new tokens (int64[BP, K], the first ``nnew[i]`` of row i; range-checked:
+    ``ERR_BAD_TOKEN``, ``POISON`` in ``extras`` int64[R, M, 2]) into their
+    rows, and set ``count`` (the blocks to pop), ``status`` (``ST_*``) and
+    ``blocked`` (int32[1]: a real row did not fit). ``A`` and ``C`` are read from
     the entry arrays' shapes. One launch, no host sync."""
     BP = rows.shape[0]
     K = new_tokens.shape[1]
     G = num_groups
     A, C = alloc.shape[1] // max(BP * G, 1), record.shape[1] // max(BP * G, 1)
-    for t, name in ((rows, "rows"), (ntok, "ntok"), (comp0, "comp0"), (comp1, "comp1"), (held, "held"),
+    for t, name in ((rows, "rows"), (ntok, "ntok"), (nnew, "nnew"), (comp0, "comp0"), (comp1, "comp1"), (held, "held"),
                     (need, "need"), (cum, "cum"), (hash_start, "hash_start"), (hash_count, "hash_count")):
         check_tensor(t, name, dtypes=INT32, shape=(BP,))
     # alloc and record: a whole number of entries per (row, group) (A and C are read from them)
@@ -215,9 +226,10 @@ def decode_fit(rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count
     check_tensor(record, "record", dtypes=INT32, shape=(4, BP * G * C))
     check_tensor(new_tokens, "new_tokens", dtypes=INT64, shape=(BP, None))
     check_tensor(extras, "extras", dtypes=INT64, shape=(tokens.shape[0], None, 2), contiguous=True)
-    _decode_fit_kernel[(1,)](rows, ntok, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record,
+    check_tensor(blocked, "blocked", dtypes=INT32, shape=(1,))
+    _decode_fit_kernel[(1,)](rows, ntok, nnew, comp0, comp1, held, need, cum, hash_start, hash_count, alloc, record,
                              new_tokens, tokens, tokens.shape[1], extras, extras.shape[1], fq_counters, count,
-                             status, BP, K, G, A, C,
+                             status, blocked, BP, K, G, A, C,
                              BS=block_size, TILE=_TILE, num_warps=num_warps(_TILE, max_warps=DEFAULT_WARPS))
 
 

@@ -5,8 +5,10 @@
 * ``Scheduler``: vLLM's v1 ``Scheduler`` running on it, selectable as
   ``vllm serve MODEL --scheduler-cls gpukv.vllm.Scheduler``;
   ``ReferenceScheduler`` and ``DeviceScheduler`` pin the backend;
-  ``BatchedReferenceScheduler`` and ``UnbatchedDeviceScheduler`` pin the
-  other ``schedule()`` too (batched: the default on the device manager).
+  ``UnbatchedReferenceScheduler`` and ``UnbatchedDeviceScheduler`` run
+  vLLM's own loop on them (one manager call per request) instead of the
+  batched ``schedule()``, the default (``BatchedReferenceScheduler`` is
+  ``ReferenceScheduler``'s old name for it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from gpukv.vllm.scheduler import (
     ReferenceScheduler,
     Scheduler,
     UnbatchedDeviceScheduler,
+    UnbatchedReferenceScheduler,
 )
 
 __all__ = ["BatchedReferenceScheduler", "Block", "DeviceScheduler", "KVCacheManager", "ReferenceScheduler",
-           "Scheduler", "UnbatchedDeviceScheduler"]
+           "Scheduler", "UnbatchedDeviceScheduler", "UnbatchedReferenceScheduler"]

@@ -19,11 +19,18 @@ refusals, and so preemptions) are vLLM's own:
 * ``free`` and the rest map one to one (``docs/api.md`` has the table).
 
 For ``gpukv.vllm.Scheduler``'s batched ``schedule()``, the same translations
-for many requests at once: ``allocate_running`` (every running request's
-``allocate_slots`` as one gpukv step), ``admit_waiting`` (a run of waiting
-requests' ``get_computed_blocks`` and ``allocate_slots`` as one gpukv step,
-vLLM's waiting loop on the manager) and ``read_new_block_ids`` (the new
-blocks of every request they grew or admitted, in one device read).
+for a whole step at once: ``schedule_batch`` is one gpukv ``step``: the
+requests freed since the last step, every running request's
+``allocate_slots`` (as array, a ``gpukv.RunningBatch`` addressed by row), a
+run of waiting requests' ``get_computed_blocks`` and ``allocate_slots``
+(vLLM's waiting loop on the manager), and what the scheduler's output needs
+(every new block id, the first running request's reference counts for the
+common prefix), in one device read.
+
+Frees are folded into the next step: ``free`` records the request and the
+next call to gpukv frees every recorded one first, in order, in one call (a
+read of the manager's state, ``usage`` say, does so at once). Nothing can
+tell the difference: no allocation, lookup or count happens in between.
 
 The lookup rule (``lookup=``): vLLM 0.8.5 keeps a preempted request's block
 hashes and, on resumption, looks up only those: blocks whose tokens were
@@ -38,14 +45,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.hashing import MMItem
-from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate
+from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate, StepResult
+from gpukv.running import RunningBatch
 
 BACKENDS = ("auto", "reference", "device")
 LOOKUPS = ("vllm", "all")
@@ -56,6 +65,21 @@ class Block:
     """A block as vLLM's scheduler reads it: only its id."""
 
     block_id: int
+
+
+@dataclass
+class BatchOutcome:
+    """What ``schedule_batch`` decided: how many of the running requests got
+    their blocks (a prefix), each one's new block ids; per admitted waiting
+    request (a prefix) its hit in tokens, its ``num_new_tokens`` and its block
+    ids; and the step's result, for the common prefix
+    (``result.num_common_prefix_blocks``)."""
+
+    num_running: int
+    running_block_ids: list[list[int]]
+    admitted: list[tuple[int, int]]
+    admitted_block_ids: list[list[int]]
+    result: StepResult
 
 
 def make_backend(backend: str, *, num_blocks: int, block_size: int, sliding_window: int | None,
@@ -127,8 +151,10 @@ class KVCacheManager:
                                     sliding_window=self.sliding_window,
                                     max_model_len=max_model_len, enable_caching=self.enable_caching,
                                     max_num_reqs=max_num_reqs)
-        # Per request the manager holds: how many of its tokens gpukv has been handed.
-        self._num_known: dict[str, int] = {}
+        # The requests gpukv holds for vLLM, by id: their rows (``gpukv.rows``).
+        self._rows: dict[str, int] = {}
+        # Requests freed here and not yet in gpukv, in order (the next call frees them first).
+        self._pending_free: list[str] = []
         # vLLM's len(req_to_block_hashes[id]): the blocks vLLM has hashed for a
         # request (its lookup rule), kept across preemption until free_block_hashes.
         self._num_hashed: dict[str, int] = {}
@@ -142,6 +168,7 @@ class KVCacheManager:
     def usage(self) -> float:
         """vLLM's ``1 - free / num_gpu_blocks`` (its null block counts as used;
         reads the device)."""
+        self._flush()
         return 1.0 - self.manager.read_num_free_blocks() / self.num_gpu_blocks
 
     def make_prefix_cache_stats(self) -> Any:
@@ -163,6 +190,7 @@ class KVCacheManager:
             self._count_lookup(request, 0)
             self._looked_up.pop(rid, None)
             return [], 0
+        self._flush()
         max_hit = self._num_queries(request) if self.lookup == "vllm" else (num_tokens - 1) // self.block_size
         computed = self._lookup(request, max_hit)
         if self.use_eagle and computed.num_tokens:  # vLLM recomputes the last hit block for EAGLE
@@ -177,31 +205,35 @@ class KVCacheManager:
         not yet admitted) and ``num_lookahead_tokens`` slots; the new blocks,
         or None (nothing changed) when they do not fit."""
         rid = _request_id(request)
-        num_known = _checked_length(request, self.max_model_len)
+        _checked_length(request, self.max_model_len)
         _check_num_tokens(num_tokens, num_lookahead_tokens)
         if request.is_finished():
             raise InvalidInputError(f"request {rid!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
-        if rid in self._num_known:
+        self._flush()
+        if rid in self._rows:
             if new_computed_blocks:
                 raise InvalidInputError(f"request {rid!r} is running; computed blocks are for admission only",
                                         argument="new_computed_blocks", fix="pass None for a running request")
-            return self._grow(request, num_known, num_tokens, num_lookahead_tokens)
-        return self._admit(request, num_known, num_tokens, new_computed_blocks, num_lookahead_tokens)
+            return self._grow(request, num_tokens, num_lookahead_tokens)
+        return self._admit(request, num_tokens, new_computed_blocks, num_lookahead_tokens)
 
     def free(self, request: Any) -> None:
         """Give back the request's blocks (tail first), as vLLM's ``free``: a
         request holding none (waiting, preempted, aborted before it ran) frees
-        nothing; a finished request freed a second time is refused."""
+        nothing; a finished request freed a second time is refused. gpukv
+        frees them at the next call (module docstring)."""
         rid = _request_id(request)
         finished = request.is_finished()
         if finished and request in self._finished:
             raise InvalidInputError(f"request {rid!r} was already freed", argument="request",
                                     fix="free a finished request once")
         self._looked_up.pop(rid, None)
-        if rid in self._num_known:
-            self.manager.free(rid)
-            del self._num_known[rid]
+        if self._rows.pop(rid, None) is not None:
+            if not finished:  # preempted: vLLM keeps the hashes of the blocks it computed
+                full = self.manager.num_computed_tokens(rid) // self.block_size
+                self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), full)
+            self._pending_free.append(rid)
         if finished:
             self._finished.add(request)
 
@@ -215,53 +247,111 @@ class KVCacheManager:
         """Leading blocks of ``request`` held by all ``num_running_requests``
         running requests (reads the device)."""
         rid = _request_id(request)
-        if rid not in self._num_known:
+        if rid not in self._rows:
             raise InvalidInputError(f"request {rid!r} holds no blocks", argument="request",
                                     fix="pass a running request")
+        self._flush()
         return self.manager.get_num_common_prefix_blocks(rid, num_running_requests)[0]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, when no request holds one (else False)."""
+        self._flush()
         ok = self.manager.reset_prefix_cache()
         if ok and self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return ok
 
     # ------------------------------------------------- batched (the Scheduler's)
-    def allocate_running(self, requests: Sequence[Any], num_new_tokens: Sequence[int],
-                         num_lookahead_tokens: int = 0) -> list[tuple[int, int]]:
-        """``allocate_slots(request, n, num_lookahead_tokens=...)`` for each
-        running request in order, as one gpukv step (each update built as the
-        one-request call builds it). The first request that does not fit and
-        every later one get nothing, as if their calls had not been made
-        (vLLM's loop then preempts and retries them one by one). Returns, for
-        each request that got its blocks (a prefix of ``requests``), the
-        positions ``(start, end)`` of its new blocks (``read_new_block_ids``)."""
-        updates, plans = [], []
-        for request, num_tokens in zip(requests, num_new_tokens, strict=True):
-            rid = _request_id(request)
-            num_known = _checked_length(request, self.max_model_len)
-            _check_num_tokens(num_tokens, num_lookahead_tokens)
-            if rid not in self._num_known or request.is_finished():
-                raise InvalidInputError(f"request {rid!r} is not running", argument="requests",
-                                        fix="pass requests that hold blocks (running ones)")
-            update, target = self._running_update(request, num_known, num_tokens, num_lookahead_tokens)
-            updates.append(update)
-            plans.append((rid, num_known, target))
-        if not updates:
-            return []
-        held = self.manager.num_blocks_held
-        before = [held(rid) for rid, _, _ in plans]
-        result = self.manager.step(running=updates)
-        granted = len(updates) if result.running_failed_at is None else result.running_failed_at
-        spans = []
-        for (rid, num_known, target), start in zip(plans[:granted], before, strict=False):
-            self._granted(rid, num_known, target)
-            spans.append((start, held(rid)))
-        return spans
+    def schedule_batch(self, running: Sequence[Any], num_new_tokens: Sequence[int] | np.ndarray,
+                       waiting: Sequence[Any], *, num_tokens_to_compute: int | None, num_lookahead_tokens: int,
+                       token_budget: int, prefix_of: Any | None) -> BatchOutcome:
+        """One scheduling step's block-manager work as one gpukv ``step``:
+
+        * the requests freed since the last call, first, in order;
+        * ``allocate_slots(request, n, num_lookahead_tokens=...)`` for each
+          running request and its ``num_new_tokens``, in order: the first
+          that does not fit and every later one get nothing, as if their
+          calls had not been made (vLLM's loop then preempts and retries them
+          one by one), and then no waiting request is looked at;
+        * vLLM's waiting loop over ``waiting`` (each ``waiting_batchable``):
+          looked up in order and admitted while their blocks fit, each
+          computing its hit plus ``min(tokens - hit, num_tokens_to_compute,
+          budget left)`` tokens, until ``token_budget`` is spent or one does
+          not fit; lookups count in the stats as vLLM's
+          ``get_computed_blocks`` counts them (the refused request's too);
+        * the new block ids of all of them, and ``prefix_of``'s (a running
+          request, the first waiting one when none runs, or None) reference
+          counts for the common prefix, in the step's one device read.
+
+        Every argument is checked, in a few vectorised passes, before
+        anything changes."""
+        batch = self._running_batch(running, num_new_tokens, num_lookahead_tokens) if len(running) else ()
+        new = [self._admission_request(r, num_tokens_to_compute, num_lookahead_tokens) for r in waiting]
+        prefix = None if prefix_of is None else _request_id(prefix_of)
+        if prefix is not None and prefix not in self._rows and not any(r.request_id == prefix for r in new):
+            raise InvalidInputError(f"request {prefix!r} holds no blocks", argument="prefix_of",
+                                    fix="pass the first running request (or, with none, the first waiting one)")
+        if any(r.request_id in self._pending_free for r in new):  # (a request freed and resumed before a step)
+            self._flush()
+        finished, self._pending_free = self._pending_free, []
+        result = self.manager.step(finished=finished, running=batch, new=new,
+                                   token_budget=token_budget if new else None, block_ids=True, prefix_of=prefix)
+        return self._outcome(running, waiting, result)
+
+    def _outcome(self, running: Sequence[Any], waiting: Sequence[Any], result: StepResult) -> BatchOutcome:
+        """The adapter's ledger after ``schedule_batch``'s step, and what it
+        hands the scheduler."""
+        fit = len(running) if result.running_failed_at is None else result.running_failed_at
+        hits = list(result.num_computed_tokens)
+        if result.refused_hit_tokens is not None:
+            hits.append(result.refused_hit_tokens)
+        if self.enable_caching:
+            for request, hit in zip(waiting, hits, strict=False):
+                self._count_lookup(request, hit)
+        rows, looked_up = self._rows, self._looked_up
+        for request, row in zip(waiting, result.rows, strict=False):
+            rid = request.request_id
+            looked_up.pop(rid, None)
+            rows[rid] = row
+        assert result.running_block_ids is not None and result.admitted_block_ids is not None
+        return BatchOutcome(fit, result.running_block_ids[0],
+                            list(zip(result.num_computed_tokens, result.num_new_tokens, strict=True)),
+                            result.admitted_block_ids[0], result)
+
+    def _running_batch(self, requests: Sequence[Any], num_new_tokens: Sequence[int] | np.ndarray,
+                       num_lookahead_tokens: int) -> RunningBatch:
+        """gpukv's ``RunningBatch`` for each running request's
+        ``allocate_slots(request, n, num_lookahead_tokens=...)`` (as
+        ``_running_update`` builds one update), checked in vectorised passes."""
+        rows_of = self._rows
+        count = len(requests)
+        try:
+            rows = np.fromiter([rows_of[r.request_id] for r in requests], np.int64, count)
+        except (KeyError, AttributeError):
+            bad = next(r for r in requests if getattr(r, "request_id", None) not in rows_of)
+            raise InvalidInputError(f"request {getattr(bad, 'request_id', bad)!r} is not running",
+                                    argument="running", fix="pass requests that hold blocks (running ones)") from None
+        known = np.fromiter([r.num_tokens for r in requests], np.int64, count)
+        spec = np.fromiter([len(r.spec_token_ids) for r in requests], np.int64, count)
+        vllm_computed = np.fromiter([r.num_computed_tokens for r in requests], np.int64, count)
+        n = np.asarray(num_new_tokens, dtype=np.int64)
+        _check_running_batch(requests, known, spec, vllm_computed, n, self.max_model_len)
+        held, computed = self.manager.row_token_counts(rows)
+        appended = known - held
+        # What vLLM caches after these calls (its computed tokens less the
+        # speculative ones), at least one token more than gpukv has computed.
+        target = np.minimum(np.maximum(vllm_computed + n - spec, computed + 1), known)
+        slots = np.maximum(0, np.minimum(vllm_computed + n + num_lookahead_tokens, self.max_model_len) - target)
+        chunks = target - computed
+        if appended.size and int(appended.max()) == 1 and int(appended.min()) == 1:  # a decode: the last token each
+            return RunningBatch(rows, [r.all_token_ids[-1] for r in requests], num_tokens_to_compute=chunks,
+                                num_lookahead_tokens=slots)
+        tokens = [t for r, a in zip(requests, held.tolist(), strict=True) for t in r.all_token_ids[a:]]
+        return RunningBatch(rows, tokens, num_new_tokens=appended, num_tokens_to_compute=chunks,
+                            num_lookahead_tokens=slots)
 
     def waiting_batchable(self, request: Any, num_lookahead_tokens: int = 0) -> bool:
-        """Whether ``admit_waiting`` gives this waiting request what vLLM's
+        """Whether ``schedule_batch`` gives this waiting request what vLLM's
         ``get_computed_blocks`` then ``allocate_slots`` would give it: not
         when it carries speculative tokens (kept over a preemption), when its
         lookahead slots would pass ``max_model_len`` (capped then), under
@@ -276,74 +366,56 @@ class KVCacheManager:
             return self._num_queries(request) >= (request.num_tokens - 1) // self.block_size
         return True
 
-    def admit_waiting(self, requests: Sequence[Any], *, num_tokens_to_compute: int | None,
-                      num_lookahead_tokens: int, token_budget: int) -> list[tuple[int, int, tuple[int, int]]]:
-        """vLLM's waiting loop over ``requests`` (each ``waiting_batchable``),
-        as one gpukv step: looked up in order and admitted while their blocks
-        fit, each computing its hit plus ``min(tokens - hit,
-        num_tokens_to_compute, budget left)`` tokens, until the budget is
-        spent or a request does not fit. Lookups count in the stats as
-        vLLM's ``get_computed_blocks`` counts them (the refused request's
-        too). Returns per admitted request (a prefix): its hit in tokens, its
-        ``num_new_tokens`` and the positions of its blocks (all new to it)."""
-        new = []
-        for request in requests:
-            _checked_length(request, self.max_model_len)
-            chunk = num_tokens_to_compute if num_tokens_to_compute is not None \
-                and num_tokens_to_compute < request.num_tokens else None  # (the same: gpukv refuses more)
-            new.append(replace(self._new_request(request, request.all_token_ids[:]), num_tokens_to_compute=chunk,
-                               num_lookahead_tokens=num_lookahead_tokens))
-        result = self.manager.step(new=new, token_budget=token_budget)
-        hits = list(result.num_computed_tokens)
-        if result.refused_hit_tokens is not None:
-            hits.append(result.refused_hit_tokens)
-        if self.enable_caching:
-            for request, hit in zip(requests, hits, strict=False):
-                self._count_lookup(request, hit)
-        admitted = []
-        for request, hit, num_new in zip(requests, result.num_computed_tokens, result.num_new_tokens, strict=False):
-            rid = request.request_id
-            self._looked_up.pop(rid, None)
-            self._granted(rid, request.num_tokens, hit + num_new)
-            admitted.append((hit, num_new, (0, self.manager.num_blocks_held(rid))))
-        return admitted
-
-    def read_new_block_ids(self, spans: Sequence[tuple[str, int, int]]) -> list[list[int]]:
-        """The block ids of each request ``rid`` at positions ``[start, end)``
-        (``(rid, start, end)``), in one device read (the manager's
-        ``read_block_ids``; none when every span is empty)."""
-        return self.manager.read_block_ids(spans)
+    def _admission_request(self, request: Any, chunk: int | None, lookahead: int) -> NewRequest:
+        """gpukv's ``NewRequest`` for vLLM's waiting loop body over
+        ``request``: its whole prompt looked up, at most ``chunk`` tokens
+        computed beyond the hit (vLLM's long-prefill threshold)."""
+        num_tokens = _checked_length(request, self.max_model_len)
+        chunk = chunk if chunk is not None and chunk < num_tokens else None  # (the same: gpukv refuses more)
+        return self._new_request(request, request.all_token_ids[:], chunk, lookahead)
 
     # ------------------------------------------------------------ inspection
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's blocks, position by position (reads the device)."""
+        self._flush()
         return self.manager.get_block_ids(request_id)[0]
 
     def num_free_blocks(self) -> int:
         """Free blocks, evictable cached ones included, as vLLM's
         ``block_pool.get_num_free_blocks()`` (reads the device)."""
+        self._flush()
         return self.manager.read_num_free_blocks()
 
     def request_ids(self) -> list[str]:
         """Ids of the requests holding blocks."""
-        return list(self._num_known)
+        return list(self._rows)
 
     def check_invariants(self) -> None:
         """The manager's invariants, and the adapter's ledger agreeing with it."""
+        self._flush()
         self.manager.check_invariants()
         held = set(self.manager.request_ids())
-        if held != set(self._num_known):
-            raise AssertionError(f"the adapter's requests {sorted(self._num_known)} are not the manager's "
-                                 f"{sorted(held)}")
+        if held != set(self._rows):
+            raise AssertionError(f"the adapter's requests {sorted(self._rows)} are not the manager's {sorted(held)}")
+        rows = {rid: self.manager.row_of(rid) for rid in held}
+        if rows != self._rows:
+            raise AssertionError(f"the adapter's rows {self._rows} are not the manager's {rows}")
 
     # -------------------------------------------------------------- internals
-    def _new_request(self, request: Any, tokens: Any) -> NewRequest:
+    def _flush(self) -> None:
+        """Free in gpukv what was freed here since the last call (one call)."""
+        if self._pending_free:
+            finished, self._pending_free = self._pending_free, []
+            self.manager.step(finished=finished)
+
+    def _new_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
         """gpukv's view of a vLLM request: its tokens, LoRA and multimodal
         items (its extra keys, in every digest it caches under), and no lookup
         when it asks for prompt logprobs (vLLM computes every prompt token then)."""
         return NewRequest(request.request_id, tokens, lora_id=_lora_id(request),
                           mm_items=self._mm_items(request) if self.enable_caching else (),
-                          skip_prefix_cache=request.sampling_params.prompt_logprobs is not None)
+                          skip_prefix_cache=request.sampling_params.prompt_logprobs is not None,
+                          num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)
 
     def _mm_items(self, request: Any) -> tuple[MMItem, ...]:
         positions, hashes = request.mm_positions or [], request.mm_hashes or []
@@ -387,15 +459,10 @@ class KVCacheManager:
             stats.queries += self._num_queries(request)
             stats.hits += hit_tokens // self.block_size
 
-    def _granted(self, rid: str, num_known: int, target: int) -> None:
-        """The ledgers after a call gave request ``rid`` its blocks: ``num_known``
-        tokens handed to gpukv, ``target`` computed."""
-        self._num_known[rid] = num_known
-        self._num_hashed[rid] = max(self._num_hashed.get(rid, 0), target // self.block_size)
-
-    def _admit(self, request: Any, num_known: int, num_tokens: int, blocks: list[Any] | None,
+    def _admit(self, request: Any, num_tokens: int, blocks: list[Any] | None,
                num_lookahead_tokens: int) -> list[Block] | None:
         rid = request.request_id
+        num_known = request.num_tokens
         computed = self._computed_for(rid, blocks)
         hit = computed.num_tokens if computed is not None else 0
         _check_scheduled(request, num_known, hit, num_tokens)
@@ -409,27 +476,25 @@ class KVCacheManager:
         self._looked_up.pop(rid, None)
         if new is None:
             return None
-        self._granted(rid, num_known, target)
+        self._rows[rid] = self.manager.row_of(rid)
         return [Block(b) for b in new[0]]
 
-    def _grow(self, request: Any, num_known: int, num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
-        update, target = self._running_update(request, num_known, num_tokens, num_lookahead_tokens)
+    def _grow(self, request: Any, num_tokens: int, num_lookahead_tokens: int) -> list[Block] | None:
+        update = self._running_update(request, num_tokens, num_lookahead_tokens)
         rid = update.request_id
         new = self.manager.allocate_slots(rid, update.new_token_ids, num_tokens=update.num_tokens_to_compute,
                                           num_lookahead_tokens=update.num_lookahead_tokens)
         if new is None:
             return None
-        self._granted(rid, num_known, target)
         return [Block(b) for b in new[0]]
 
-    def _running_update(self, request: Any, num_known: int, num_tokens: int,
-                        num_lookahead_tokens: int) -> tuple[RunningUpdate, int]:
+    def _running_update(self, request: Any, num_tokens: int, num_lookahead_tokens: int) -> RunningUpdate:
         """gpukv's update for vLLM's ``allocate_slots(request, num_tokens,
-        num_lookahead_tokens=...)`` of a running request, and the tokens it
-        has computed after it (``target``)."""
+        num_lookahead_tokens=...)`` of a running request."""
         rid = request.request_id
-        appended = request.all_token_ids[self._num_known[rid]:]  # only what vLLM appended since
-        computed = self.manager.num_computed_tokens(rid)
+        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self._rows[rid]]))
+        appended = request.all_token_ids[held:]  # only what vLLM appended since
+        num_known = request.num_tokens
         vllm_computed = request.num_computed_tokens
         _check_scheduled(request, num_known, vllm_computed, num_tokens)
         # What vLLM caches after this call (its computed tokens less the
@@ -437,7 +502,7 @@ class KVCacheManager:
         target = max(vllm_computed + num_tokens - len(request.spec_token_ids), computed + 1)
         target = min(target, num_known)
         slots = self._slots(vllm_computed + num_tokens + num_lookahead_tokens, target)
-        return RunningUpdate(rid, appended, target - computed, slots), target
+        return RunningUpdate(rid, appended, target - computed, slots)
 
     def _slots(self, vllm_total: int, target: int) -> int:
         """Lookahead slots beyond ``target`` so blocks cover ``vllm_total``
@@ -483,6 +548,21 @@ def _check_num_tokens(num_tokens: Any, num_lookahead_tokens: Any) -> None:
             or num_lookahead_tokens < 0:
         raise InvalidInputError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}",
                                 argument="num_lookahead_tokens", fix="pass 0 without speculative decoding")
+
+
+def _check_running_batch(requests: Sequence[Any], known: np.ndarray, spec: np.ndarray, computed: np.ndarray,
+                         num_new: np.ndarray, max_model_len: int) -> None:
+    """``_checked_length``, ``_check_num_tokens`` and ``_check_scheduled`` of
+    every running request at once (the one-request messages on failure)."""
+    if num_new.shape != known.shape:
+        raise InvalidInputError(f"{len(num_new)} token counts for {len(known)} requests", argument="num_new_tokens",
+                                fix="pass one count per running request")
+    bad = (known < 1) | (known > max_model_len) | (num_new < 1) | (computed + num_new > known + spec)
+    if bad.any():
+        i = int(np.argmax(bad))
+        _checked_length(requests[i], max_model_len)
+        _check_num_tokens(int(num_new[i]), 0)
+        _check_scheduled(requests[i], int(known[i]), int(computed[i]), int(num_new[i]))
 
 
 def _check_scheduled(request: Any, num_known: int, num_computed: int, num_tokens: int) -> None:

@@ -7,27 +7,35 @@ that, step by step). Two ways to get there:
 * vLLM's own ``schedule()``, unchanged, on gpukv's block manager
   (``gpukv.vllm.KVCacheManager``), which answers each call as vLLM's manager
   does: one gpukv call per request, each a device read on the device manager.
-* The batched ``schedule()`` (``batched``; the default on the device manager):
-  vLLM's loop logic on the host, and the block manager's work in a few
-  batched calls: every running request grown in one gpukv step, the waiting
-  queue admitted in one gpukv step (vLLM's waiting loop on the manager), and
-  every new block id read back in one device read. Where a step has something
-  it does not handle, the whole step is vLLM's own (``Scheduler``'s docstring
-  names those cases).
+* The batched ``schedule()`` (``batched``, the default): vLLM's loop
+  decisions on the host, made over arrays where they allow it, and the
+  block manager's work for the whole step in one gpukv call
+  (``KVCacheManager.schedule_batch``: the requests freed since the last
+  step, every running request grown, the waiting queue admitted by vLLM's
+  waiting loop on the manager, every new block id and the common prefix's
+  reference counts, in one device read). Where a step has something it does
+  not handle, the whole step is vLLM's own (``Scheduler``'s docstring names
+  those cases); where the running batch does not fit, vLLM's loop goes on
+  from the first request that did not, one call at a time. The output is
+  built in one pass over the scheduled requests, and ``update_from_output``
+  after a batched step is a tighter loop making vLLM's own objects
+  (``_update_batched``).
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import accumulate, islice
 from typing import Any
 
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.engine import EngineCoreEventType
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
+from gpukv.request import StepResult
 from gpukv.vllm.manager import KVCacheManager
 
 
@@ -39,24 +47,27 @@ class _Step:
     timestamp: float
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
+    # The running requests scheduled, their tokens and new block ids, in order.
     running: list[Request] = field(default_factory=list)
+    running_tokens: list[int] = field(default_factory=list)
+    running_blocks: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # new block ids: known ones, and positions to read (rid, start, end)
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
-    spans: list[tuple[str, int, int]] = field(default_factory=list)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)  # new and resumed requests' blocks
     req_index: int = 0
+    # The batched call's result, while no later call changed the manager:
+    # the common prefix needs no read of its own then.
+    prefix: StepResult | None = None
 
 
 class Scheduler(VllmScheduler):
     """vLLM's scheduler with gpukv's block manager. ``backend``: "auto" (the
     device manager on CUDA, else the reference), "reference" or "device".
 
-    ``batched`` (class attribute, or set on an instance): True for the
-    batched ``schedule()``, False for vLLM's loop calling the manager once per
-    request; None (the default) picks the batched one on the device manager
-    and vLLM's loop on the reference.
+    ``batched`` (class attribute, or set on an instance): True (the default)
+    for the batched ``schedule()``, False for vLLM's loop calling the
+    manager once per request.
 
     The batched ``schedule()`` hands a step to vLLM's own ``schedule()``, whole,
     when the step has any of: a LoRA config (``max_loras`` admission checks),
@@ -64,10 +75,10 @@ class Scheduler(VllmScheduler):
     lookup drops its last hit block), a sliding-window KV-cache group (gpukv's
     batched step releases every running request's blocks behind the window
     before the first fit check, vLLM one request at a time, so a tight pool
-    could decide differently), a running request or one of the waiting
-    requests it could admit with encoder inputs (encoder budget and cache) or
-    structured output (the grammar bitmask, ``WAITING_FOR_FSM``), or a
-    running request with no token to schedule (pipeline parallelism). Handled
+    could decide differently), a request in the scheduler with encoder inputs
+    (encoder budget and cache) or structured output (the grammar bitmask,
+    ``WAITING_FOR_FSM``), or a running request with no token to schedule
+    (pipeline parallelism). Handled
     exactly: chunked prefill, the long-prefill threshold, ``max_model_len``,
     speculative tokens and lookahead slots, prompt logprobs, preemption (the
     running batch stops at the first request that does not fit; vLLM's loop
@@ -77,7 +88,7 @@ class Scheduler(VllmScheduler):
     """
 
     backend = "auto"
-    batched: bool | None = None
+    batched: bool | None = True
     finished_req_ids: set[str]  # vLLM's (typed here: mypy does not see vLLM's)
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
@@ -96,7 +107,9 @@ class Scheduler(VllmScheduler):
             max_num_reqs=self.max_num_running_reqs,
         )
         if self.batched is None:
-            self.batched = self._kvm.backend == "device"
+            self.batched = True
+        self._last_batched = False  # whether the last schedule() was batched (update_from_output's path)
+        self._num_special = 0  # requests with encoder inputs or structured output (``_batchable``)
 
     @property
     def _kvm(self) -> KVCacheManager:
@@ -107,25 +120,105 @@ class Scheduler(VllmScheduler):
         """vLLM's ``schedule()``: batched when ``batched`` and the step has
         nothing the batched path hands to vLLM's loop (class docstring)."""
         plan = self._running_plan() if self.batched and self._batchable() else None
+        self._last_batched = plan is not None
         if plan is None:
             return super().schedule()
         step = _Step(token_budget=self.max_num_scheduled_tokens, timestamp=time.monotonic())
-        self._schedule_running(step, plan)
-        if not step.preempted:
-            self._schedule_waiting(step)
+        self._schedule_batched(step, plan)
         return self._output(step)
 
     def _batchable(self) -> bool:
-        """No LoRA, KV connector, EAGLE or sliding window, and no request the
-        step may schedule with encoder inputs or structured output."""
+        """No LoRA, KV connector, EAGLE or sliding window, and no request
+        with encoder inputs or structured output (``WAITING_FOR_FSM`` is
+        one) in the scheduler (a count, not a scan of the queues)."""
         if self.lora_config or self.connector is not None or self.use_eagle:
             return False
-        if self._kvm.sliding_window is not None:
-            return False
-        room = max(0, self.max_num_running_reqs - len(self.running))
-        return not any(r.has_encoder_inputs or r.use_structured_output or r.status == RequestStatus.WAITING_FOR_FSM
-                       for r in chain(self.running, islice(self.waiting, room)))
+        return self._kvm.sliding_window is None and not self._num_special
 
+    @staticmethod
+    def _special(request: Request) -> bool:
+        """A request the batched path leaves to vLLM's loop."""
+        return request.has_encoder_inputs or request.use_structured_output
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self._num_special += self._special(request)
+
+    def _free_request(self, request: Request) -> None:
+        self._num_special -= self._special(request)
+        super()._free_request(request)
+
+    def _running_plan(self) -> list[int] | None:
+        """Each running request's ``num_new_tokens`` if all are scheduled
+        (vLLM's loop without a preemption: the threshold, ``max_model_len``,
+        then the budget in order until it is spent); None when one has none
+        (pipeline parallelism: vLLM skips it, the batched path does not)."""
+        running = self.running
+        if self.num_spec_tokens:  # drafts can take a request past max_model_len: vLLM caps it
+            mml = self.max_model_len
+            n = [min(r.num_tokens_with_spec, mml) - r.num_computed_tokens for r in running]
+        else:  # (known tokens never pass max_model_len)
+            n = [r.num_tokens - r.num_computed_tokens for r in running]
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0:
+            n = [min(x, threshold) for x in n]
+        budget = self.max_num_scheduled_tokens
+        taken = list(accumulate(n))
+        m = bisect_left(taken, budget) + 1  # vLLM's loop runs while the budget lasts
+        if m >= len(n):
+            m = len(n)
+        else:
+            n = n[:m]
+        if m and min(n) == 0:
+            return None
+        if m and taken[m - 1] > budget:
+            n[-1] -= taken[m - 1] - budget
+        return n
+
+    # ------------------------------------------------------- the batched call
+    def _schedule_batched(self, step: _Step, plan: list[int]) -> None:
+        """The running batch and a run of waiting requests in one gpukv call;
+        then vLLM's loop where the batch did not fit (preemption), or vLLM's
+        waiting loop where the run stopped before a request it does not take."""
+        batch = self.running[: len(plan)]
+        budget_left = step.token_budget - sum(plan)
+        waiting = self._waiting_batch(len(self.running)) if budget_left > 0 else []
+        # vLLM's common prefix is the first running request's after the step:
+        # the first admitted one when none runs now.
+        first = self.running[0] if self.running else waiting[0] if waiting else None
+        outcome = self._kvm.schedule_batch(batch, plan, waiting, num_tokens_to_compute=self._chunk(),
+                                           num_lookahead_tokens=self.num_lookahead_tokens, token_budget=budget_left,
+                                           prefix_of=first)
+        fit = outcome.num_running
+        self._scheduled_running(step, batch[:fit], plan[:fit], outcome.running_block_ids)
+        if fit < len(batch):
+            self._running_loop(step, fit)  # (the batch's waiting requests were not looked at)
+            return
+        step.req_index = fit
+        step.prefix = outcome.result
+        for request, (hit, num_new), ids in zip(waiting, outcome.admitted, outcome.admitted_block_ids, strict=False):
+            self.waiting.popleft()
+            step.block_ids[request.request_id] = ids
+            self._scheduled_waiting(step, request, hit, num_new)
+        if len(outcome.admitted) == len(waiting) and not step.preempted:
+            self._schedule_waiting(step)  # (nothing left, or a request the batch does not take)
+
+    def _waiting_batch(self, num_running: int) -> list[Request]:
+        """The waiting requests vLLM's loop could admit this step (as many as
+        the free running slots), up to the first the batch does not take."""
+        batch = []
+        kvm, lookahead = self._kvm, self.num_lookahead_tokens
+        for request in islice(self.waiting, max(0, self.max_num_running_reqs - num_running)):
+            if not kvm.waiting_batchable(request, lookahead):
+                break
+            batch.append(request)
+        return batch
+
+    def _chunk(self) -> int | None:
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        return threshold if threshold > 0 else None
+
+    # ------------------------------------------------------- running phase
     def _num_new_running(self, request: Request, token_budget: int) -> int:
         """vLLM's tokens to schedule for a running request (before encoder inputs)."""
         num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
@@ -135,32 +228,10 @@ class Scheduler(VllmScheduler):
         num_new_tokens = min(num_new_tokens, token_budget)
         return min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
 
-    def _running_plan(self) -> list[int] | None:
-        """Each running request's ``num_new_tokens`` if all are scheduled (vLLM's
-        loop without a preemption), on the host; None when one has none
-        (pipeline parallelism: vLLM skips it, the batched path does not)."""
-        budget, plan = self.max_num_scheduled_tokens, []
-        for request in self.running:
-            if budget <= 0:
-                break
-            num_new_tokens = self._num_new_running(request, budget)
-            if num_new_tokens == 0:
-                return None
-            plan.append(num_new_tokens)
-            budget -= num_new_tokens
-        return plan
-
-    # ------------------------------------------------------- running phase
-    def _schedule_running(self, step: _Step, plan: list[int]) -> None:
-        """vLLM's running loop: the planned requests grown in one gpukv step;
-        from the first that does not fit, vLLM's loop (preempt from the tail,
-        retry) one request at a time."""
-        batch = self.running[: len(plan)]
-        spans = self._kvm.allocate_running(batch, plan, self.num_lookahead_tokens) if batch else []
-        for request, num_new_tokens, (start, end) in zip(batch, plan, spans, strict=False):
-            step.spans.append((request.request_id, start, end))
-            self._scheduled_running(step, request, num_new_tokens)
-        req_index = len(spans)
+    def _running_loop(self, step: _Step, req_index: int) -> None:
+        """vLLM's running loop from ``req_index`` on, one request at a time
+        (preempt from the tail, retry)."""
+        step.prefix = None  # (the manager changes after the batched call)
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._num_new_running(request, step.token_budget)
@@ -184,46 +255,49 @@ class Scheduler(VllmScheduler):
                     break
             if new_blocks is None:
                 break
-            step.block_ids[request.request_id] = [b.block_id for b in new_blocks]
-            self._scheduled_running(step, request, num_new_tokens)
+            self._scheduled_running(step, [request], [num_new_tokens], [[b.block_id for b in new_blocks]])
             req_index += 1
         step.req_index = req_index
 
-    def _scheduled_running(self, step: _Step, request: Request, num_new_tokens: int) -> None:
-        """vLLM's bookkeeping for a running request that got its blocks."""
-        step.running.append(request)
-        step.num_scheduled_tokens[request.request_id] = num_new_tokens
-        step.token_budget -= num_new_tokens
-        if request.spec_token_ids:
-            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-            if num_spec > 0:
-                del request.spec_token_ids[num_spec:]
-                step.spec_decode_tokens[request.request_id] = request.spec_token_ids
+    def _scheduled_running(self, step: _Step, requests: list[Request], num_tokens: list[int],
+                           block_ids: list[list[int]]) -> None:
+        """vLLM's bookkeeping for running requests that got their blocks."""
+        step.running += requests
+        step.running_tokens += num_tokens
+        step.running_blocks += block_ids
+        scheduled = step.num_scheduled_tokens
+        scheduled.update(zip([r.request_id for r in requests], num_tokens, strict=True))
+        step.token_budget -= sum(num_tokens)
+        if self.num_spec_tokens:
+            for request, n in zip(requests, num_tokens, strict=True):
+                if request.spec_token_ids:
+                    num_spec = n + request.num_computed_tokens - request.num_tokens
+                    if num_spec > 0:
+                        del request.spec_token_ids[num_spec:]
+                        step.spec_decode_tokens[request.request_id] = request.spec_token_ids
 
     # ------------------------------------------------------- waiting phase
     def _schedule_waiting(self, step: _Step) -> None:
         """vLLM's waiting loop: each run of batchable requests (up to the free
-        running slots) admitted in one gpukv step, any other request by
+        running slots) admitted in one gpukv call, any other request by
         vLLM's loop body, until the budget, the slots or the blocks run out."""
-        kvm, lookahead = self._kvm, self.num_lookahead_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        kvm = self._kvm
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
-            batch = []
-            for request in islice(self.waiting, self.max_num_running_reqs - len(self.running)):
-                if not kvm.waiting_batchable(request, lookahead):
-                    break
-                batch.append(request)
+            step.prefix = None  # (another call changes the manager)
+            batch = self._waiting_batch(len(self.running))
             if not batch:
                 if not self._schedule_one_waiting(step, self.waiting[0]):
                     break
                 continue
-            admitted = kvm.admit_waiting(batch, num_tokens_to_compute=threshold if threshold > 0 else None,
-                                         num_lookahead_tokens=lookahead, token_budget=step.token_budget)
-            for request, (hit, num_new_tokens, (start, end)) in zip(batch, admitted, strict=False):
+            outcome = kvm.schedule_batch((), (), batch, num_tokens_to_compute=self._chunk(),
+                                         num_lookahead_tokens=self.num_lookahead_tokens,
+                                         token_budget=step.token_budget, prefix_of=None)
+            for request, (hit, num_new), ids in zip(batch, outcome.admitted, outcome.admitted_block_ids,
+                                                    strict=False):
                 self.waiting.popleft()
-                step.spans.append((request.request_id, start, end))
-                self._scheduled_waiting(step, request, hit, num_new_tokens)
-            if len(admitted) < len(batch):
+                step.block_ids[request.request_id] = ids
+                self._scheduled_waiting(step, request, hit, num_new)
+            if len(outcome.admitted) < len(batch):
                 break  # refused, or the budget is spent
 
     def _schedule_one_waiting(self, step: _Step, request: Request) -> bool:
@@ -265,59 +339,188 @@ class Scheduler(VllmScheduler):
 
     # ------------------------------------------------------------ the output
     def _output(self, step: _Step) -> SchedulerOutput:
-        """vLLM's ``SchedulerOutput`` from the step's decisions (the new block
-        ids of the batched calls read here, in one read), then vLLM's
-        advance of ``num_computed_tokens`` and of ``finished_req_ids``."""
+        """vLLM's ``SchedulerOutput`` from the step's decisions, then vLLM's
+        advance of ``num_computed_tokens`` and of ``finished_req_ids``, in one
+        pass over the scheduled requests."""
         num_scheduled_tokens = step.num_scheduled_tokens
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
         assert step.token_budget >= 0
         assert len(self.running) <= self.max_num_running_reqs
         assert len(step.new) + len(step.resumed) + len(step.running) <= len(self.running)
-        block_ids = step.block_ids
-        for (rid, _, _), ids in zip(step.spans, self._kvm.read_new_block_ids(step.spans), strict=True):
-            block_ids[rid] = ids
-        num_common_prefix_blocks = 0
-        if self.running:
-            num_common_prefix_blocks = self._kvm.get_num_common_prefix_blocks(self.running[0], len(self.running))
-        grammar_bitmask = self.structured_output_manager.grammar_bitmask(self.requests, {}, len(self.running))
-
-        def cached(request: Request, resumed: bool) -> Any:
-            rid = request.request_id
-            return self._make_cached_request_data(request, num_scheduled_tokens[rid],
-                                                  len(step.spec_decode_tokens.get(rid, ())), block_ids[rid],
-                                                  resumed_from_preemption=resumed)
-
         output = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(r, block_ids[r.request_id]) for r in step.new],
-            scheduled_cached_reqs=[cached(r, True) for r in step.resumed] + [cached(r, False) for r in step.running],
+            scheduled_new_reqs=self._new_request_data(step),
+            scheduled_cached_reqs=self._resumed_request_data(step) + self._running_request_data(step),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=step.spec_decode_tokens,
             scheduled_encoder_inputs={},
-            num_common_prefix_blocks=num_common_prefix_blocks,
+            num_common_prefix_blocks=self._common_prefix(step),
             finished_req_ids=self.finished_req_ids,
             free_encoder_input_ids=self.encoder_cache_manager.get_freed_ids(),
             structured_output_request_ids={},
-            grammar_bitmask=grammar_bitmask,
+            grammar_bitmask=self.structured_output_manager.grammar_bitmask(self.requests, {}, len(self.running)),
         )
-        for rid, num_tokens in num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
 
+    def _common_prefix(self, step: _Step) -> int:
+        """vLLM's ``get_num_common_prefix_blocks(running[0], len(running))``:
+        from the batched call's read while nothing changed since, else read."""
+        if not self.running:
+            return 0
+        if step.prefix is not None and step.prefix.prefix_ref_counts is not None:
+            return step.prefix.num_common_prefix_blocks(len(self.running))[0]
+        return self._kvm.get_num_common_prefix_blocks(self.running[0], len(self.running))
+
+    def _new_request_data(self, step: _Step) -> list[NewRequestData]:
+        out = []
+        for request in step.new:
+            out.append(NewRequestData.from_request(request, step.block_ids[request.request_id]))
+            request.num_computed_tokens += step.num_scheduled_tokens[request.request_id]
+        return out
+
+    def _resumed_request_data(self, step: _Step) -> list[CachedRequestData]:
+        out = []
+        for request in step.resumed:
+            rid = request.request_id
+            n = step.num_scheduled_tokens[rid]
+            out.append(self._make_cached_request_data(request, n, len(step.spec_decode_tokens.get(rid, ())),
+                                                      step.block_ids[rid], resumed_from_preemption=True))
+            request.num_computed_tokens += n
+        return out
+
+    def _running_request_data(self, step: _Step) -> list[CachedRequestData]:
+        """vLLM's ``_make_cached_request_data`` for each scheduled running
+        request (its cached objects reused), and the advance of its
+        ``num_computed_tokens``, in one loop."""
+        spec = step.spec_decode_tokens
+        cache = self._cached_reqs_data
+        out = []
+        for request, n, ids in zip(step.running, step.running_tokens, step.running_blocks, strict=True):
+            rid = request.request_id
+            computed = request.num_computed_tokens
+            regular = n - len(spec[rid]) if spec and rid in spec else n
+            new_token_ids = request.all_token_ids[computed: computed + regular]
+            queue = cache.get(rid)
+            if queue:
+                data = queue.popleft()
+                data.resumed_from_preemption = False
+                data.new_token_ids = new_token_ids
+                data.new_block_ids = ids
+                data.num_computed_tokens = computed
+            else:
+                data = CachedRequestData.from_request(request, False, new_token_ids, ids)
+            out.append(data)
+            request.num_computed_tokens = computed + n
+        return out
+
+    # -------------------------------------------------- update_from_output
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> EngineCoreOutputs:
+        """vLLM's ``update_from_output``; after a batched step (no encoder
+        inputs or structured output in it) a tighter loop that makes the same
+        objects and state changes (``_update_batched``)."""
+        if not self._last_batched:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        return self._update_batched(scheduler_output, model_runner_output)
+
+    def _update_batched(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> EngineCoreOutputs:
+        """vLLM 0.8.5's ``update_from_output`` for a step with no encoder
+        inputs and no structured output: per scheduled request its sampled
+        tokens appended and checked for a stop (a stopped request freed),
+        its rejected drafts taken back, new drafts, logprobs and prompt
+        logprobs handed on; the same ``EngineCoreOutputs``."""
+        sampled = model_runner_output.sampled_token_ids
+        drafts = model_runner_output.spec_token_ids
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        index = model_runner_output.req_id_to_index
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        max_model_len = self.max_model_len
+        spec_stats = None
+        new_running: list[Request] = []
+        outputs: list[EngineCoreOutput] = []
+        for request in self.running:
+            rid = request.request_id
+            if not scheduled.get(rid, 0):
+                new_running.append(request)
+                continue
+            i = index[rid]
+            tokens = sampled[i]
+            if spec_scheduled:
+                drafted = spec_scheduled.get(rid)
+                if drafted:
+                    request.num_computed_tokens -= len(drafted) + 1 - len(tokens)
+                    spec_stats = self.make_spec_decoding_stats(spec_stats, num_draft_tokens=len(drafted),
+                                                               num_accepted_tokens=len(tokens) - 1)
+            if drafts is not None:
+                request.spec_token_ids = drafts[i]
+            stopped = False
+            if tokens:
+                outs, all_ids = request._output_token_ids, request._all_token_ids  # (append_output_token_ids')
+                params = request.sampling_params
+                for num_new, token in enumerate(tokens, 1):
+                    outs.append(token)
+                    all_ids.append(token)
+                    # vLLM's check_stop (vllm/v1/core/sched/utils.py), for the token just appended
+                    if len(all_ids) >= max_model_len or len(outs) >= request.max_tokens:
+                        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    elif not params.ignore_eos and token == request.eos_token_id:
+                        request.status = RequestStatus.FINISHED_STOPPED
+                    elif params.stop_token_ids and token in params.stop_token_ids:
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        request.stop_reason = token
+                    else:
+                        continue
+                    self._free_request(request)
+                    del tokens[num_new:]
+                    stopped = True
+                    break
+            new_logprobs = logprobs.slice(i, i + 1) if logprobs and request.sampling_params.logprobs is not None \
+                else None
+            prompt_tensors = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if tokens:
+                events = request.events
+                if events:  # (take_events')
+                    request.events = []
+                outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=tokens,
+                                                finish_reason=request.get_finished_reason() if stopped else None,
+                                                new_logprobs=new_logprobs, new_prompt_logprobs_tensors=prompt_tensors,
+                                                stop_reason=request.stop_reason, events=events or None))
+            else:
+                assert not prompt_tensors  # vLLM's invariant: no partial prefill outputs
+            if not stopped:
+                new_running.append(request)
+        finished, cache = self.finished_req_ids, self._cached_reqs_data
+        for data in scheduler_output.scheduled_cached_reqs:
+            if data.req_id not in finished:
+                cache[data.req_id].append(data)
+        self.running = new_running
+        result = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_stats))
+        if self.include_finished_set:
+            result.finished_requests = scheduler_output.finished_req_ids | self.finished_req_ids
+        return result
+
 
 class ReferenceScheduler(Scheduler):
-    """On gpukv's reference manager (host memory, any machine); vLLM's loop
-    (``batched`` False) unless told otherwise."""
+    """On gpukv's reference manager (host memory, any machine), with the
+    batched ``schedule()`` unless told otherwise."""
 
     backend = "reference"
 
 
 class BatchedReferenceScheduler(ReferenceScheduler):
-    """On gpukv's reference manager, with the batched ``schedule()``."""
+    """On gpukv's reference manager, with the batched ``schedule()`` (as
+    ``ReferenceScheduler`` now is by default; kept for the name)."""
 
     batched = True
+
+
+class UnbatchedReferenceScheduler(ReferenceScheduler):
+    """On gpukv's reference manager, with vLLM's loop (one call per request)."""
+
+    batched = False
 
 
 class DeviceScheduler(Scheduler):

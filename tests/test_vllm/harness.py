@@ -7,11 +7,11 @@ real vLLM scheduling loop on gpukv):
   one is skipped, with a reason saying how to get it.
 * :func:`scheduler_params`: the scheduler classes to parametrize a test over, as
   ``pytest.param``\\ s with ids ``vllm`` (vLLM's own ``Scheduler``, which proves
-  the test itself), ``reference`` (``gpukv.vllm.ReferenceScheduler``: vLLM's
-  loop, one manager call per request), ``batched``
-  (``gpukv.vllm.BatchedReferenceScheduler``: the batched ``schedule()`` on the
-  reference), ``device`` (``gpukv.vllm.DeviceScheduler``, batched) and
-  ``device-unbatched`` (``gpukv.vllm.UnbatchedDeviceScheduler``).
+  the test itself), ``reference`` (``gpukv.vllm.UnbatchedReferenceScheduler``:
+  vLLM's loop, one manager call per request), ``batched``
+  (``gpukv.vllm.ReferenceScheduler``: the batched ``schedule()``, the
+  default, on the reference), ``device`` (``gpukv.vllm.DeviceScheduler``,
+  batched) and ``device-unbatched`` (``gpukv.vllm.UnbatchedDeviceScheduler``).
 * :func:`make_scheduler`: any of those classes, built from plain keyword
   options (vLLM's ``SchedulerConfig``, ``CacheConfig``, ``VllmConfig`` and
   ``KVCacheConfig`` made here, with a stand-in model config, since
@@ -110,7 +110,7 @@ def _gpukv_schedulers() -> tuple[dict[str, type | None], str | None]:
         if exc.name not in ("gpukv.vllm", "gpukv"):
             raise
         return dict.fromkeys(GPUKV_BACKENDS), f"gpukv.vllm is not there yet ({exc})"
-    return {"reference": gv.ReferenceScheduler, "batched": gv.BatchedReferenceScheduler,
+    return {"reference": gv.UnbatchedReferenceScheduler, "batched": gv.ReferenceScheduler,
             "device": gv.DeviceScheduler, "device-unbatched": gv.UnbatchedDeviceScheduler}, None
 
 

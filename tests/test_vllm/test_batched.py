@@ -1,9 +1,11 @@
 """``gpukv.vllm.Scheduler``'s batched ``schedule()``: its cost and its preemptions.
 
-* Device reads per step: the batched path reads the device a fixed number of
-  times whatever the number of requests (the running batch's status when the
-  host cannot tell that it fits, the new block ids, vLLM's common-prefix
-  count), where vLLM's loop reads it once per request.
+* gpukv calls and device reads per step: the batched path makes one gpukv
+  call a step (the frees since the last step, the running batch, the waiting
+  run) and reads the device once in it (the admission's status and the
+  running batch's fit, every new block id, the common prefix's reference
+  counts), whatever the number of requests, where vLLM's loop reads it once
+  per request.
 * A running batch that fails mid-way (a pool too small for every request's
   next block): the requests before the failure keep their blocks, vLLM's loop
   goes on from the failed one (preempting from the tail), and every
@@ -18,6 +20,8 @@ from typing import Any
 import pytest
 
 from tests.test_vllm.harness import (  # first: it skips the module without vLLM
+    EOS_TOKEN_ID,
+    SAMPLED_TOKEN_ID,
     BlockTables,
     VllmScheduler,
     make_requests,
@@ -45,42 +49,84 @@ def counting_reads(scheduler: Any) -> list[int]:
     return reads
 
 
-def reads_per_step(cls: type, num_requests: int, num_steps: int) -> list[int]:
-    """Device reads of each ``schedule()``: ``num_requests`` prompts of 20
+def counting_calls(scheduler: Any) -> list[str]:
+    """A list that gets the name of each call the scheduler's adapter makes
+    to its gpukv manager (reads of host state included)."""
+    manager = scheduler.kv_cache_manager.manager
+    calls: list[str] = []
+
+    class Counted:
+        def __getattr__(self, name: str) -> Any:
+            member = getattr(manager, name)
+            if not callable(member):
+                return member
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls.append(name)
+                return member(*args, **kwargs)
+
+            return call
+
+    scheduler.kv_cache_manager.manager = Counted()
+    return calls
+
+
+def per_step(cls: type, num_requests: int, num_steps: int, *, log_stats: bool = True) -> tuple[list, list, list]:
+    """Per ``schedule()``: device reads, gpukv calls; and per
+    ``update_from_output``: gpukv calls. ``num_requests`` prompts of 20
     tokens (two blocks of 16 once their first sampled token is in), admitted
-    in step 0, then decoded."""
-    scheduler = make_scheduler(cls, num_blocks=64, block_size=16, max_num_batched_tokens=512, max_model_len=512,
-                               enable_prefix_caching=True)
-    for request in make_requests(num_requests, 20, ignore_eos=True, max_tokens=20):
+    in step 0, then decoded; the first finishes at step 5 (its EOS token)."""
+    scheduler = make_scheduler(cls, num_blocks=16 * num_requests + 8, block_size=16, max_num_batched_tokens=2048,
+                               max_model_len=512, max_num_seqs=num_requests, enable_prefix_caching=True,
+                               log_stats=log_stats)
+    for request in make_requests(num_requests, 20, ignore_eos=False, max_tokens=20):
         scheduler.add_request(request)
     reads = counting_reads(scheduler)
-    counts = []
-    for _ in range(num_steps):
-        del reads[:]
+    calls = counting_calls(scheduler)
+    reads_out, calls_out, update_calls = [], [], []
+    for i in range(num_steps):
+        del reads[:], calls[:]
         out = scheduler.schedule()
-        counts.append(len(reads))
-        scheduler.update_from_output(out, model_output(scheduler, out))
-    return counts
+        reads_out.append(len(reads))
+        calls_out.append(list(calls))
+        del calls[:]
+        sample = (lambda r: EOS_TOKEN_ID if r.request_id == "0" else SAMPLED_TOKEN_ID) if i == 5 else None
+        scheduler.update_from_output(out, model_output(scheduler, out, sample))
+        update_calls.append(list(calls))
+    return reads_out, calls_out, update_calls
 
 
-# Step 0 admits every request (the admission's status, the block ids, the
-# common prefix); steps 1-12 decode within the blocks held (the common prefix
-# only: the host knows they fit and that no block is new); step 13 crosses a
-# block boundary (the new block ids too).
-BATCHED_READS = [3] + [1] * 12 + [2]
+@pytest.mark.parametrize("num_requests", [4, 24])
+@pytest.mark.parametrize("cls", scheduler_params("device"))
+def test_batched_device_reads_and_calls_do_not_grow_with_the_requests(cls: type, num_requests: int) -> None:
+    """One gpukv step and one read a step, whatever the number of requests:
+    step 0 admits them all, steps 1-12 decode within their blocks (one more
+    call, host only: the rows' token counts), step 13 crosses a block
+    boundary; the request finished at step 5 is freed in update_from_output's
+    one call (``usage`` needs the free count: one read there) and not again
+    in step 6."""
+    assert cls.batched is True  # the default
+    reads, calls, updates = per_step(cls, num_requests, 14)
+    assert reads == [1] * 14
+    assert calls == [["step"]] + [["row_token_counts", "step"]] * 13
+    assert updates[5] == ["step", "read_num_free_blocks"]  # the free, then vLLM's usage
+    assert all(u == ["read_num_free_blocks"] for i, u in enumerate(updates) if i != 5)
 
 
 @pytest.mark.parametrize("cls", scheduler_params("device"))
-def test_batched_device_reads_do_not_grow_with_the_requests(cls: type) -> None:
-    assert cls.batched is None  # the default: batched on the device manager
-    assert reads_per_step(cls, 4, 14) == BATCHED_READS
+def test_without_stats_frees_fold_into_the_next_step(cls: type) -> None:
+    """Without ``log_stats`` nothing reads the pool after a step: the frees
+    of update_from_output wait for the next step's one call."""
+    reads, calls, updates = per_step(cls, 4, 8, log_stats=False)
+    assert reads == [1] * 8 and calls == [["step"]] + [["row_token_counts", "step"]] * 7
+    assert updates == [[]] * 8
 
 
 @pytest.mark.parametrize("cls", scheduler_params("device-unbatched"))
 def test_unbatched_device_reads_once_per_request(cls: type) -> None:
     """vLLM's loop on the device manager, for comparison: a read per lookup,
     per admission and per running request, and the common prefix."""
-    assert reads_per_step(cls, 4, 2) == [13, 5]
+    assert per_step(cls, 4, 2)[0] == [13, 5]
 
 
 # ---------------------------------------------------------------- preemption mid-batch
@@ -95,15 +141,16 @@ def preempting_run(cls: type) -> tuple[list[dict[str, Any]], list[tuple[int, int
                                max_model_len=256, enable_prefix_caching=True)
     batches: list[tuple[int, int]] = []
     kvm = scheduler.kv_cache_manager
-    if hasattr(kvm, "allocate_running"):
-        allocate_running = kvm.allocate_running
+    if hasattr(kvm, "schedule_batch"):
+        schedule_batch = kvm.schedule_batch
 
-        def spy(requests: Any, *args: Any) -> Any:
-            spans = allocate_running(requests, *args)
-            batches.append((len(requests), len(spans)))
-            return spans
+        def spy(requests: Any, *args: Any, **kwargs: Any) -> Any:
+            outcome = schedule_batch(requests, *args, **kwargs)
+            if len(requests):
+                batches.append((len(requests), outcome.num_running))
+            return outcome
 
-        kvm.allocate_running = spy
+        kvm.schedule_batch = spy
     for request in make_requests(4, 30, ignore_eos=True, max_tokens=10):
         scheduler.add_request(request)
     records, tables = [], BlockTables()
@@ -152,10 +199,10 @@ def test_delegated_steps_run_vllms_loop(tmp_path: Any) -> None:
     a plain step is batched."""
     calls: list[str] = []
 
-    class Spy(gv.BatchedReferenceScheduler):
-        def _schedule_running(self, step: Any, plan: list[int]) -> None:
+    class Spy(gv.ReferenceScheduler):
+        def _schedule_batched(self, step: Any, plan: list[int]) -> None:
             calls.append("batched")
-            super()._schedule_running(step, plan)
+            super()._schedule_batched(step, plan)
 
     def run(**options: Any) -> list[str]:  # the two requests both scheduled, on either path
         del calls[:]
@@ -182,7 +229,7 @@ def test_delegated_steps_run_vllms_loop(tmp_path: Any) -> None:
 
 # ---------------------------------------------------------------- batches and single admissions mixed
 
-class EveryThirdAlone(gv.BatchedReferenceScheduler):
+class EveryThirdAlone(gv.ReferenceScheduler):
     """The batched path whose adapter declares every third request not
     batchable (as it does a resumed request whose lookup vLLM caps, or one
     carrying speculative tokens): the waiting queue is then admitted in runs,
@@ -206,7 +253,7 @@ def test_a_capped_resumed_lookup_is_not_batched() -> None:
     preemption; when that is fewer than gpukv's step would look up
     (``lookup="vllm"``), the request is admitted one call at a time."""
     (request,) = make_requests(1, 50)  # three full blocks of 16, the last lookup-able at (50 - 1) // 16 = 3
-    scheduler = make_scheduler(gv.BatchedReferenceScheduler, enable_prefix_caching=True)
+    scheduler = make_scheduler(gv.ReferenceScheduler, enable_prefix_caching=True)
     kvm = scheduler.kv_cache_manager
     assert kvm.waiting_batchable(request)
     kvm._num_hashed[request.request_id] = 2  # hashed two blocks before it was preempted

@@ -151,7 +151,7 @@ def test_stats_in_blocks_as_vllm_counts() -> None:
 def snapshot(m: Any) -> tuple:
     inner = m.manager
     return (inner.free_queue(), sorted((r, tuple(inner.get_block_ids(r)[0])) for r in inner.request_ids()),
-            dict(m._num_known), dict(m._num_hashed))
+            dict(m._rows), list(m._pending_free), dict(m._num_hashed))
 
 
 def running_manager(backend: str) -> tuple[Any, Request]:
