@@ -35,28 +35,51 @@ vLLM at p50, with the range of the per-repeat p50 ratios beside it.
 
 The device manager on a machine without CUDA runs its Triton kernels under
 the interpreter (on the host, about a second of CPU per admitted request),
-so its wall time is not its host cost. Its columns give, at ``--device-n``
-requests only (both workloads one after the other on one scheduler, so the
-set-up is paid once): Triton launches and device-to-host reads per step
-(each read is a host wait on a GPU), and its host time with the kernels
-taken out by ``benchmarks/bench_host.py``'s timing twin: a second
-``DeviceScheduler`` gets the same requests and runs each step right after
-the real one, with the kernel bodies skipped (``gpukv.kernels._common.
-kernel_bodies_skipped``: each launch still goes through Triton's launch path
-and its hooks) and its device reads (``_read``) answered from the real one's
-record. The host learns the device's state only through those reads, so the
-twin does the real step's host work; every step the benchmark checks that
-both emit the same ``SchedulerOutput``, launch as many kernels, and that
-the twin consumed every recorded read. Its time is thread CPU time less the
-interpreter's own launch path (``kernel_seconds``, counted in thread time
-too while the twin runs). A real GPU launch also costs host time in
-Triton's launcher, which that figure leaves out (the launch count says how
-many).
+so its wall time is not its host cost. Its columns give, at each
+``--device-n`` (both workloads one after the other on one scheduler, so the
+set-up is paid once), what one engine step costs the host on a GPU, counted
+honestly (issue 27): an *honest twin*.
+
+1. The host's own work: a second ``DeviceScheduler`` gets the same requests
+   and runs each step right after the real one, with the kernel bodies
+   skipped (``gpukv.kernels._common.kernel_bodies_skipped``: each launch
+   still goes through the launch hooks) and its device reads (``_read``)
+   answered from the real one's record. The host learns the device's state
+   only through those reads, so the twin does the real step's host work;
+   every step the benchmark checks that both emit the same
+   ``SchedulerOutput``, launch as many kernels, and that the twin consumed
+   every recorded read. Its time is thread CPU time less the interpreter's
+   own launch path (``kernel_seconds``). Torch operations, uploads and
+   reads run there on CPU tensors, so their dispatch is in this figure.
+2. Triton's launch path for every launch of the step, measured: the real
+   step's launches are recorded (``launch_cost.capturing``) and replayed in
+   a child process through Triton's real launcher against a stub CUDA
+   driver (``benchmarks/launch_cost.py``): a launch the manager replays
+   through its compiled launcher, any other through ``JITFunction.run``.
+3. What a GPU adds to each other operation, counted in the real step and
+   charged at a stated cost (``GpuCosts``, microseconds, each beyond what the
+   twin already ran on the CPU; ``--gpu-costs`` changes them): a torch
+   operation's kernel launch (5: the CUDA runtime's launch and the
+   backend's set-up over the CPU dispatch the twin ran; published
+   breakdowns put a small CUDA op's whole CPU path at 5-25 us), an upload
+   (4: ``cudaMemcpyAsync`` from pinned memory), a CUDA event recorded (2)
+   or waited on (1: already complete two steps later), a device read (15: a
+   synchronising copy of a few hundred bytes, the wait for the GPU's queued
+   work not counted) and a stream query (0.5: ``torch.cuda.current_stream``
+   in each call's stream ordering).
+
+The table gives the counts per step (launches, of which replayed; torch
+ops, uploads, events, reads, stream queries), the twin's own time, and the
+honest figure, 1 + 2 + 3, with its ratio to vLLM's step measured in the same
+run. ``tests/test_bench_scheduler.py`` holds the counts flat in N.
 
 With CUDA (``torch.cuda.is_available()``) the device scheduler runs with real
 kernels at every N, after the other two in each repeat, and its columns give
 its wall time per step (host time, its waits on the GPU included) and the
-step's span on the GPU's stream (CUDA events recorded around the step).
+step's span on the GPU's stream (CUDA events recorded around the step);
+``--twin-check`` then also runs this benchmark with CUDA hidden (the honest
+twin, on the same host) and prints real / honest twin per row. (Not run yet:
+no GPU was lent to the session that wrote it.)
 
     PYTHONPATH=. /work/vllm085/venv/bin/python benchmarks/bench_scheduler.py [--quick] [--json PATH]
 
@@ -67,6 +90,7 @@ step's span on the GPU's stream (CUDA events recorded around the step).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -81,8 +105,9 @@ from typing import Any
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _path in (ROOT, os.path.join(ROOT, "benchmarks")):  # (gpukv and tests; launch_cost beside this file)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import torch  # noqa: E402
 
@@ -260,12 +285,88 @@ class _ThreadClock:
     perf_counter = staticmethod(time.thread_time)
 
 
+@dataclass(frozen=True)
+class GpuCosts:
+    """What a GPU adds to each operation a step makes, in microseconds of
+    host time beyond what the twin ran on CPU tensors (module docstring, 3)."""
+
+    torch_op: float = 5.0
+    upload: float = 4.0
+    event_record: float = 2.0
+    event_wait: float = 1.0
+    read: float = 15.0
+    stream_query: float = 0.5
+
+    @classmethod
+    def parse(cls, text: str | None) -> GpuCosts:
+        """``name=us,name=us`` (the field names) over the defaults."""
+        if not text:
+            return cls()
+        values = {}
+        for item in text.split(","):
+            name, _, us = item.partition("=")
+            if name.strip() not in cls.__dataclass_fields__:
+                raise SystemExit(f"--gpu-costs: unknown operation {name!r}; use {', '.join(cls.__dataclass_fields__)}")
+            values[name.strip()] = float(us)
+        return cls(**values)
+
+    def us(self, counts: dict) -> float:
+        """The stated cost of a step's counted operations."""
+        return sum(getattr(self, k) * counts.get(k, 0) for k in self.__dataclass_fields__)
+
+
+#: The operations counted per step besides launches (``GpuCosts``' fields).
+COUNTED = tuple(GpuCosts.__dataclass_fields__)
+
+
+class _Counting:
+    """Counts, while ``on`` and only for ``manager``, what a GPU step pays
+    for besides launches: torch operations (``gpukv.staging.TorchOpCounter``
+    around the step), uploads, the staging's CUDA events, device reads and
+    stream queries (each call's ``_enter_stream``), by wrapping the methods
+    that make them. Installed once per real scheduler."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager, self.on, self.counts = manager, False, dict.fromkeys(COUNTED, 0)
+        staging = manager._staging
+        self._wrap(staging, "upload", "upload")
+        self._wrap(staging, "upload_host", "upload")
+        self._wrap(staging, "begin_step", "event_wait")
+        self._wrap(staging, "end_step", "event_record")
+        self._wrap(manager, "_enter_stream", "stream_query")
+
+    def _wrap(self, obj: Any, name: str, what: str) -> None:
+        real = getattr(obj, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.counts[what] += 1
+            return real(*args, **kwargs)
+
+        setattr(obj, name, counted)
+
+    def start(self) -> None:
+        from gpukv.metrics import StepCounters
+        from gpukv.staging import TorchOpCounter
+
+        self.counts = dict.fromkeys(COUNTED, 0)
+        self._ops = StepCounters()
+        self._torch = TorchOpCounter(self._ops)
+        self._torch.__enter__()
+        self.on = True
+
+    def stop(self, reads: int) -> dict:
+        self.on = False
+        self._torch.__exit__(None, None, None)
+        return dict(self.counts, torch_op=self._ops.torch_ops, read=reads)
+
+
 class DeviceCounts:
-    """Launches and device reads per step of a DeviceScheduler run; on the
-    interpreter, its timing twin (module docstring). ``works``: the workloads
-    (same N) run one after the other on the same scheduler, so that the set-up
-    (admitting N requests: about a second each under the interpreter) is paid
-    once."""
+    """Launches, reads and the other counted operations per step of a
+    DeviceScheduler run; on the interpreter, its timing twin (module
+    docstring). ``works``: the workloads (same N) run one after the other on
+    the same scheduler, so that the set-up (admitting N requests: about a
+    second each under the interpreter) is paid once."""
 
     def __init__(self, h, cls: type, works: list[Workload], steps: int) -> None:
         configs = [w.config(steps) for w in works]
@@ -278,6 +379,7 @@ class DeviceCounts:
         self.reads: list = []
         self.num_reads = 0
         m = self.real.sched.kv_cache_manager.manager
+        self.counting = _Counting(m)
         real_read = m._read
 
         def recording(t, _read=real_read):
@@ -299,28 +401,38 @@ class DeviceCounts:
 
             tm._read = replaying
 
-    def step(self) -> dict:
-        """One step of the real scheduler (and then its twin): launches,
-        reads, and ms: on CUDA the wall time and the GPU time of the step,
-        on the interpreter the twin's host time with the kernels out."""
-        self.num_reads, self.reads[:] = 0, []
+    def _real_step(self, measured: bool) -> dict:
+        """One step of the real scheduler: launches (and, when ``measured``
+        on the interpreter, the launches themselves, to time their launch
+        path), the counted operations, its reads (for the twin), and on CUDA
+        the wall time and the GPU time of the step."""
+        self.num_reads, self.reads = 0, []
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         l0 = _common.launches()
-        ts, tu, out = self.real.step(time.perf_counter if self.cuda else None)
-        launches = _common.launches() - l0
-        row = {"launches": launches, "reads": self.num_reads}
+        self.counting.start()
+        capture = launch_cost().capturing() if measured and not self.cuda else contextlib.nullcontext([])
+        with capture as recorded:
+            ts, tu, out = self.real.step(time.perf_counter if self.cuda else None)
+        counts = self.counting.stop(self.num_reads)
+        row = {"launches": _common.launches() - l0, "reads": self.num_reads, "counts": counts,
+               "replayed": sum(ln.replayed for ln in recorded), "launch_list": list(recorded),
+               "digest": _digest(out), "recorded_reads": self.reads}
         if self.cuda:
             end.record()
             end.synchronize()
             row.update(wall_ms=ts + tu, gpu_ms=start.elapsed_time(end))
-            return row
-        # the twin: the thread's CPU time less what the interpreter spends in
-        # the (skipped) launches; kernel_seconds() counts wall time, which on a
-        # shared machine includes other processes' time, so while the twin runs
-        # it reads the thread's CPU clock too
+        return row
+
+    def _twin_step(self, row: dict) -> None:
+        """The twin's run of the step ``row`` recorded: its host time with the
+        kernels out (the thread's CPU time less what the interpreter spends in
+        the skipped launches; while the twin runs, ``kernel_seconds()`` reads
+        the thread's CPU clock too, not the wall clock, which on a shared
+        machine includes other processes' time)."""
+        self.reads = list(row.pop("recorded_reads"))
         clock = lambda: time.thread_time() - _common.kernel_seconds()  # noqa: E731
         wall_clock = _common.time
         _common.time = _ThreadClock
@@ -331,49 +443,93 @@ class DeviceCounts:
                 twin_launches = _common.launches() - l0
         finally:
             _common.time = wall_clock
-        if _digest(twin_out) != _digest(out) or twin_launches != launches or self.reads:
-            raise SystemExit(f"the timing twin diverged ({self.real.work}): launches {twin_launches} vs {launches}, "
-                             f"{len(self.reads)} reads left, same output: {_digest(twin_out) == _digest(out)}")
+        if _digest(twin_out) != row["digest"] or twin_launches != row["launches"] or self.reads:
+            raise SystemExit(f"the timing twin diverged ({self.twin.work}): launches {twin_launches} vs "
+                             f"{row['launches']}, {len(self.reads)} reads left, same output: "
+                             f"{_digest(twin_out) == row['digest']}")
         row["host_ms"] = ts + tu
-        return row
 
     def run(self, warmup: int, steps: int, max_setup: int = 1000) -> dict[str, list[dict]]:
         """The set-up, then each workload in turn: ``warmup`` untimed steps and
-        ``steps`` measured ones; the measured steps' rows by workload kind."""
+        ``steps`` measured ones; the measured steps' rows by workload kind.
+        The real scheduler runs every step first (its reads recorded), then
+        the twin runs them all back to back, as vLLM's own runs are timed:
+        interleaved with the interpreter's kernels, its caches would be cold."""
+        plan: list[tuple[Workload, bool, dict]] = []
         for _ in range(max_setup):
             if self.real.ready:
                 break
-            self.step()
+            plan.append((self.works[0], False, self._real_step(False)))
         else:
             raise SystemExit(f"{self.real.work}: not all requests decoding after {max_setup} steps")
-        if self.twin is not None and not self.twin.ready:
-            raise SystemExit("the timing twin is not ready when the real scheduler is")
-        out = {}
         for work in self.works:
-            for run in (self.real, self.twin) if self.twin is not None else (self.real,):
-                run.work = work
-            out[work.kind] = [self.step() for _ in range(warmup + steps)][warmup:]
+            self.real.work = work
+            plan += [(work, i >= warmup, self._real_step(i >= warmup)) for i in range(warmup + steps)]
+        if self.twin is not None:
+            for work, _, row in plan:
+                self.twin.work = work
+                self._twin_step(row)
+            if not self.twin.ready:
+                raise SystemExit("the timing twin is not ready when the real scheduler is")
+        out: dict[str, list[dict]] = {w.kind: [] for w in self.works}
+        for work, measured, row in plan:
+            row.pop("recorded_reads", None)
+            row.pop("digest")
+            if measured:
+                out[work.kind].append(row)
         return out
 
 
+def launch_cost():
+    """``benchmarks/launch_cost.py`` (the launch path's measurement)."""
+    import launch_cost as module
+
+    return module
+
+
+def add_launch_path(rows_by_key: dict[str, list[dict]], costs: GpuCosts, samples: int) -> str | None:
+    """Each interpreter row's honest figure (module docstring): the twin's
+    host time, the launch path of its recorded launches (timed in a child
+    process, ``launch_cost.measure``) and the counted operations at
+    ``costs``. Returns why the launch path could not be measured, or None."""
+    jobs = {key: [r["launch_list"] for r in rows] for key, rows in rows_by_key.items() if rows}
+    why = None
+    try:
+        timed = launch_cost().measure(jobs, samples=samples)["jobs"] if jobs else {}
+    except (launch_cost().Unavailable, RuntimeError) as e:
+        timed, why = {}, str(e).splitlines()[0]
+    for key, rows in rows_by_key.items():
+        for i, r in enumerate(rows):
+            launch_us = float(np.median(timed[key]["step_us"][i])) if key in timed else 0.0
+            r["launch_path_ms"] = launch_us / 1e3 if key in timed else None
+            r["stated_ms"] = costs.us(r["counts"]) / 1e3
+            r["honest_ms"] = r["host_ms"] + r["stated_ms"] + launch_us / 1e3 if key in timed else None
+            del r["launch_list"]
+    return why
+
+
 def _device_summary(rows: list[dict]) -> dict:
-    out = {"steps": len(rows)}
-    for key in ("launches", "reads"):
+    out: dict[str, Any] = {"steps": len(rows)}
+    for key in ("launches", "replayed", "reads"):
         xs = [r[key] for r in rows]
         out[key] = {"mean": float(np.mean(xs)), "min": min(xs), "max": max(xs)}
-    for key in ("host_ms", "wall_ms", "gpu_ms"):
-        xs = [r[key] for r in rows if key in r]
+    out["counts"] = {k: {"mean": float(np.mean([r["counts"][k] for r in rows])),
+                         "min": min(r["counts"][k] for r in rows), "max": max(r["counts"][k] for r in rows)}
+                     for k in COUNTED}
+    for key in ("host_ms", "launch_path_ms", "stated_ms", "honest_ms", "wall_ms", "gpu_ms"):
+        xs = [r[key] for r in rows if r.get(key) is not None]
         if xs:
-            out[key] = {"p50": pct(xs, 50), "p99": pct(xs, 99), "max": max(xs)}
+            out[key] = {"p50": pct(xs, 50), "p99": pct(xs, 99), "max": max(xs), "min": min(xs)}
     return out
 
 
 # ------------------------------------------------------------------ main
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    full = dict(n=[64, 256, 1024], admit=16, steps=30, warmup=3, repeats=3, device_n=64, device_steps=3,
-                device_warmup=1)
-    quick = dict(n=[2], admit=2, steps=3, warmup=1, repeats=2, device_n=2, device_steps=1, device_warmup=0)
+    full = dict(n=[16, 64, 256, 1024], admit=16, steps=30, warmup=3, repeats=3, device_n=[16, 64, 256],
+                device_steps=5, device_warmup=1, launch_samples=20)
+    quick = dict(n=[2], admit=2, steps=3, warmup=1, repeats=2, device_n=[2], device_steps=1, device_warmup=0,
+                 launch_samples=3)
     p.add_argument("--n", type=int, nargs="+", help=f"requests decoding (default {full['n']})")
     p.add_argument("--workloads", nargs="+", default=["decode-heavy", "admission-heavy"],
                    choices=["decode-heavy", "admission-heavy"])
@@ -381,14 +537,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help=f"timed steps per repeat ({full['steps']})")
     p.add_argument("--warmup", type=int, help=f"untimed steps per repeat, after the set-up ({full['warmup']})")
     p.add_argument("--repeats", type=int, help=f"repeats, vLLM and the reference alternating ({full['repeats']})")
-    p.add_argument("--device-n", type=int,
-                   help="without CUDA: the N at which the device scheduler's launches, reads and host time (timing "
-                        "twin) are measured, 0 for none (its kernels run under Triton's interpreter: about a second "
-                        f"per admitted request) ({full['device_n']})")
+    p.add_argument("--device-n", type=int, nargs="*",
+                   help="without CUDA: the Ns at which the device scheduler's honest twin is measured, none for "
+                        "none (its kernels run under Triton's interpreter: a set-up of about 0.3 s per request, "
+                        f"and seconds a step at N=1024) ({full['device_n']})")
     p.add_argument("--device-steps", type=int,
                    help=f"without CUDA: the device scheduler's timed steps ({full['device_steps']})")
     p.add_argument("--device-warmup", type=int,
                    help=f"without CUDA: its untimed steps after the set-up ({full['device_warmup']})")
+    p.add_argument("--launch-samples", type=int,
+                   help=f"without CUDA: samples of each step's launch path ({full['launch_samples']})")
+    p.add_argument("--gpu-costs", help="without CUDA: the stated costs, us, as name=us,... over the defaults "
+                                       f"({', '.join(f'{k}={v}' for k, v in vars(GpuCosts()).items())})")
+    p.add_argument("--twin-check", action="store_true",
+                   help="on CUDA: also run with CUDA hidden (the honest twin) and print real / twin per row")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (options given still apply): " + ", ".join(f"{k}={v}" for k, v in quick.items()))
     p.add_argument("--json", help="write the results here")
@@ -396,6 +558,124 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.costs = GpuCosts.parse(args.gpu_costs)
+    return args
+
+
+def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | None]:
+    """Without CUDA: the honest twin's rows by (kind, N), both workloads one
+    after the other on one scheduler per N; and why the launch path could not
+    be measured (None when it was)."""
+    rows: dict[tuple[str, int], list[dict]] = {}
+    for n in args.device_n:
+        t0 = time.perf_counter()
+        works = [Workload(kind, n, args.admit) for kind in args.workloads]
+        got = DeviceCounts(h, cls, works, len(works) * (args.device_warmup + args.device_steps) + 8).run(
+            args.device_warmup, args.device_steps)
+        for kind, r in got.items():
+            rows[(kind, n)] = r
+        print(f"  device scheduler at N={n}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    why = add_launch_path({f"{k}/{n}": r for (k, n), r in rows.items()}, args.costs, args.launch_samples)
+    return rows, why
+
+
+def _measure_row(h, classes: dict, kind: str, n: int, args: argparse.Namespace, device_cls: type, cuda: bool) -> dict:
+    """vLLM and the reference, alternating over repeats (and on CUDA the
+    device scheduler after them): one row of the table."""
+    work = Workload(kind, n, args.admit)
+    times: dict[str, list[float]] = {"vllm": [], "reference": []}
+    per_repeat: list[float] = []
+    device: list[dict] = []
+    for rep in range(args.repeats):
+        order = ["vllm", "reference"] if rep % 2 == 0 else ["reference", "vllm"]
+        got = {name: timed_run(h, classes[name], work, args.warmup, args.steps) for name in order}
+        if cuda:
+            gc.collect()
+            device += DeviceCounts(h, device_cls, [work], args.warmup + args.steps + 8).run(args.warmup,
+                                                                                           args.steps)[kind]
+        for name, ts in got.items():
+            times[name] += ts
+        per_repeat.append(pct(got["reference"], 50) / pct(got["vllm"], 50))
+    row: dict[str, Any] = {"workload": kind, "n": n, "replace_per_step": work.replace,
+                           "admit_per_step": args.admit if kind == "admission-heavy" else 0}
+    for name, ts in times.items():
+        row[name] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
+    row["ratio_p50"] = row["reference"]["p50_ms"] / row["vllm"]["p50_ms"]
+    row["ratio_p99"] = row["reference"]["p99_ms"] / row["vllm"]["p99_ms"]
+    row["ratio_p50_per_repeat"] = per_repeat
+    if device:
+        row["device"] = _device_summary(device)
+    return row
+
+
+def _count_cell(d: dict, key: str) -> str:
+    c = d[key]
+    return f"{c['mean']:.1f}" + (f" ({c['min']}-{c['max']})" if c["min"] != c["max"] else "")
+
+
+def _print_table(rows: list[dict], cuda: bool) -> None:
+    if cuda:
+        dev_head = ("device wall p50 (p99) ms | device GPU p50 (p99) ms | ratio device wall/vLLM | launches/step "
+                    "| reads/step")
+        ndev = 5
+    else:
+        dev_head = ("launches/step (replayed) | torch ops | uploads | events recorded, waited | reads | stream "
+                    "queries | twin host ms | launch path ms | stated ms | honest p50 ms [min-max] "
+                    "| ratio honest/vLLM p50")
+        ndev = 11
+    print(f"| workload | N | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms | ratio reference/vLLM p50 "
+          f"[per repeat] | {dev_head} |")
+    print("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * ndev)
+    for r in rows:
+        v, g = r["vllm"], r["reference"]
+        lo, hi = min(r["ratio_p50_per_repeat"]), max(r["ratio_p50_per_repeat"])
+        cells = [r["workload"], str(r["n"]), f"{v['p50_ms']:.3f} ({v['p99_ms']:.3f})",
+                 f"{g['p50_ms']:.3f} ({g['p99_ms']:.3f})", f"{r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}]"]
+        d = r.get("device")
+        if d is None:
+            cells += ["-"] * ndev
+        elif cuda:
+            cells += [f"{d['wall_ms']['p50']:.3f} ({d['wall_ms']['p99']:.3f})",
+                      f"{d['gpu_ms']['p50']:.3f} ({d['gpu_ms']['p99']:.3f})",
+                      f"{d['wall_ms']['p50'] / v['p50_ms']:.2f}x", _count_cell(d, "launches"), _count_cell(d, "reads")]
+        else:
+            c = d["counts"]
+            honest = d.get("honest_ms")
+            cells += [f"{_count_cell(d, 'launches')} ({d['replayed']['mean']:.1f})", _count_cell(c, "torch_op"),
+                      _count_cell(c, "upload"), f"{c['event_record']['mean']:.1f}, {c['event_wait']['mean']:.1f}",
+                      _count_cell(c, "read"), _count_cell(c, "stream_query"), f"{d['host_ms']['p50']:.3f}",
+                      f"{d['launch_path_ms']['p50']:.3f}" if "launch_path_ms" in d else "-",
+                      f"{d['stated_ms']['p50']:.3f}",
+                      f"{honest['p50']:.3f} [{honest['min']:.3f}-{honest['max']:.3f}]" if honest else "-",
+                      f"{honest['p50'] / v['p50_ms']:.2f}x" if honest else "-"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def _twin_check(argv: list[str], rows: list[dict]) -> None:
+    """On CUDA: this benchmark again with CUDA hidden (the honest twin on the
+    same host), and per row real wall / honest twin."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "twin.json")
+        ns = sorted({r["n"] for r in rows})
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--device-n", *map(str, ns), "--json", out]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        subprocess.run(cmd, env=env, check=True)
+        with open(out) as f:
+            twin = {(r["workload"], r["n"]): r.get("device") for r in json.load(f)["rows"]}
+    print("\n| workload | N | device wall p50 ms (GPU) | honest twin p50 ms (no GPU) | real / twin |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        t = twin.get((r["workload"], r["n"]))
+        if r.get("device") and t and t.get("honest_ms"):
+            real, est = r["device"]["wall_ms"]["p50"], t["honest_ms"]["p50"]
+            print(f"| {r['workload']} | {r['n']} | {real:.3f} | {est:.3f} | {real / est:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
     h = _harness()
     if h is None:
         print("vLLM 0.8.5 is not importable: nothing measured", file=sys.stderr)
@@ -407,92 +687,45 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     where = (torch.cuda.get_device_name() if cuda
              else f"CPU ({platform.machine()}, {os.cpu_count()} cores), Triton interpreter")
-    try:
-        load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-    except OSError:
-        load = "load average unknown"
     classes = {"vllm": h.VllmScheduler, "reference": ReferenceScheduler}
-    device_cpu: dict[str, list[dict]] = {}
-    if not cuda and args.device_n:  # (one scheduler for both workloads: the set-up is paid once)
-        t0 = time.perf_counter()
-        works = [Workload(kind, args.device_n, args.admit) for kind in args.workloads]
-        device_cpu = DeviceCounts(h, DeviceScheduler, works, len(works) * (args.device_warmup + args.device_steps)
-                                  + 8).run(args.device_warmup, args.device_steps)
-        print(f"  device scheduler at N={args.device_n}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    twins: dict = {}
+    why = None
+    if not cuda and args.device_n:
+        launch_cost().install()  # before any manager prepares its launches (host stand-ins recordable)
+        twins, why = _device_twins(h, DeviceScheduler, args)
     rows = []
     for kind in args.workloads:
         for n in args.n:
-            work = Workload(kind, n, args.admit)
             t_row = time.perf_counter()
-            times: dict[str, list[float]] = {"vllm": [], "reference": []}
-            per_repeat: list[float] = []
-            device: list[dict] = []
-            for rep in range(args.repeats):
-                order = ["vllm", "reference"] if rep % 2 == 0 else ["reference", "vllm"]
-                got = {name: timed_run(h, classes[name], work, args.warmup, args.steps) for name in order}
-                if cuda:
-                    gc.collect()
-                    device += DeviceCounts(h, DeviceScheduler, [work],
-                                           args.warmup + args.steps + 8).run(args.warmup, args.steps)[kind]
-                for name, ts in got.items():
-                    times[name] += ts
-                per_repeat.append(pct(got["reference"], 50) / pct(got["vllm"], 50))
-            if not cuda and n == args.device_n:
-                device = device_cpu[kind]
-            row = {"workload": kind, "n": n, "replace_per_step": work.replace,
-                   "admit_per_step": args.admit if kind == "admission-heavy" else 0}
-            for name, ts in times.items():
-                row[name] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
-            row["ratio_p50"] = row["reference"]["p50_ms"] / row["vllm"]["p50_ms"]
-            row["ratio_p99"] = row["reference"]["p99_ms"] / row["vllm"]["p99_ms"]
-            row["ratio_p50_per_repeat"] = per_repeat
-            if device:
-                row["device"] = _device_summary(device)
+            row = _measure_row(h, classes, kind, n, args, DeviceScheduler, cuda)
+            if (kind, n) in twins:
+                row["device"] = _device_summary(twins[(kind, n)])
             rows.append(row)
             print(f"  {kind} N={n}: vLLM {row['vllm']['p50_ms']:.3f} ms, reference "
                   f"{row['reference']['p50_ms']:.3f} ms, ratio {row['ratio_p50']:.2f}x "
                   f"({time.perf_counter() - t_row:.0f} s)", file=sys.stderr)
-
+    try:
+        load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:
+        load = "load average unknown"
     print(f"Scheduling step (schedule() + update_from_output()) under vLLM's v1 Scheduler: {where}; "
           f"gpukv {gpukv.__version__}, vLLM {vllm.__version__}, torch {torch.__version__}; {load} at the end. "
           f"p50 (p99) ms over {args.repeats} x {args.steps} steps, vLLM and reference alternating per repeat.")
-    if cuda:
-        dev_head = "device wall p50 (p99) ms | device GPU p50 (p99) ms | launches/step | reads/step"
-    else:
-        dev_head = "device launches/step | device reads/step | device host p50 (max) ms, kernels out"
-    print(f"| workload | N | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms | ratio reference/vLLM p50 "
-          f"(per repeat) | {dev_head} |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if cuda else ""))
-    for r in rows:
-        v, g = r["vllm"], r["reference"]
-        lo, hi = min(r["ratio_p50_per_repeat"]), max(r["ratio_p50_per_repeat"])
-        cells = [r["workload"], str(r["n"]), f"{v['p50_ms']:.3f} ({v['p99_ms']:.3f})",
-                 f"{g['p50_ms']:.3f} ({g['p99_ms']:.3f})", f"{r['ratio_p50']:.2f}x ({lo:.2f}-{hi:.2f})"]
-        d = r.get("device")
-
-        def count(key, d=d) -> str:
-            c = d[key]
-            return f"{c['mean']:.1f}" + (f" ({c['min']}-{c['max']})" if c["min"] != c["max"] else "")
-
-        if d is None:
-            cells += ["-"] * (4 if cuda else 3)
-        elif cuda:
-            cells += [f"{d['wall_ms']['p50']:.3f} ({d['wall_ms']['p99']:.3f})",
-                      f"{d['gpu_ms']['p50']:.3f} ({d['gpu_ms']['p99']:.3f})", count("launches"), count("reads")]
-        else:
-            cells += [count("launches"), count("reads"), f"{d['host_ms']['p50']:.3f} ({d['host_ms']['max']:.3f})"]
-        print("| " + " | ".join(cells) + " |")
+    _print_table(rows, cuda)
     if not cuda:
-        print(f"\nNo CUDA here: the device manager's time on a GPU was not measured. Its launches, reads and host "
-              f"time (timing twin) are over {args.device_steps} timed step(s) after {args.device_warmup} warm-up, at "
-              f"N={args.device_n} only." if args.device_n in args.n else
-              "\nNo CUDA here: the device manager was not measured (--device-n is 0 or not among --n).")
+        print(f"\nNo CUDA here: the device scheduler is its honest twin (module docstring) over "
+              f"{args.device_steps} timed step(s) after {args.device_warmup} warm-up, at N in {args.device_n}; "
+              f"stated costs (us): {', '.join(f'{k}={v}' for k, v in vars(args.costs).items())}."
+              + (f" The launch path was not measured ({why}): no honest figure." if why else ""))
+    elif args.twin_check:
+        _twin_check([a for a in (argv or sys.argv[1:]) if a != "--twin-check"], rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"where": where, "cuda": cuda, "gpukv": gpukv.__version__, "vllm": vllm.__version__,
                        "torch": torch.__version__, "python": sys.version.split()[0], "load": load,
                        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-                       "device_n": None if cuda else args.device_n,
+                       "device_n": None if cuda else args.device_n, "gpu_costs": vars(args.costs),
+                       "launch_path_unmeasured": why,
                        "device_steps": args.steps if cuda else args.device_steps, "rows": rows}, f, indent=1)
     return 0
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "AddressError",
+    "AddressInUseError",
     "CapacityError",
     "ComputedBlocks",
     "DuplicateRequestError",
@@ -39,6 +41,9 @@ __all__ = [
     "NoFreeBlocksError",
     "PrefixCacheStats",
     "PrefixCachingMetrics",
+    "PublisherClosedError",
+    "ReconcileError",
+    "RunningBatch",
     "RunningUpdate",
     "SlidingWindowSpec",
     "StaleComputedBlocksError",
@@ -60,6 +65,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     )
     from gpukv.distributed import reconcile_kv_cache_config
     from gpukv.errors import (
+        AddressError,
+        AddressInUseError,
         CapacityError,
         DuplicateRequestError,
         GpukvError,
@@ -68,12 +75,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
         InvalidTypeError,
         ManagerFailedError,
         NoFreeBlocksError,
+        PublisherClosedError,
+        ReconcileError,
         StaleComputedBlocksError,
         UnknownRequestError,
     )
     from gpukv.hashing import MMItem
     from gpukv.metrics import PrefixCacheStats, PrefixCachingMetrics
     from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate, StepResult
+    from gpukv.running import RunningBatch
     from gpukv.spec import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -89,12 +99,13 @@ _FROM: dict[str, tuple[str, ...]] = {
     "config": ("available_kv_cache_memory", "check_enough_kv_cache_memory", "get_kv_cache_config",
                "unify_kv_cache_configs"),
     "distributed": ("reconcile_kv_cache_config",),
-    "errors": ("CapacityError", "DuplicateRequestError", "GpukvError", "GpukvInputError", "InvalidInputError",
-               "InvalidTypeError", "ManagerFailedError", "NoFreeBlocksError", "StaleComputedBlocksError",
-               "UnknownRequestError"),
+    "errors": ("AddressError", "AddressInUseError", "CapacityError", "DuplicateRequestError", "GpukvError",
+               "GpukvInputError", "InvalidInputError", "InvalidTypeError", "ManagerFailedError", "NoFreeBlocksError",
+               "PublisherClosedError", "ReconcileError", "StaleComputedBlocksError", "UnknownRequestError"),
     "hashing": ("MMItem",),
     "metrics": ("PrefixCacheStats", "PrefixCachingMetrics"),
     "request": ("ComputedBlocks", "NewRequest", "RunningUpdate", "StepResult"),
+    "running": ("RunningBatch",),
     "spec": ("FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheSpec", "KVCacheTensor",
              "SlidingWindowSpec"),
 }

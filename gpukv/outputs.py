@@ -69,38 +69,38 @@ class OutputGather:
         every group of each; a window group's prefix reads nothing."""
         m = self._m
         G = m.num_groups
-        starts, stops, rows = [], [], []
-        B = K = 0
+        full = np.array([w is None for w in m.sliding_windows])
+        parts = []  # (rows, starts, stops): segments of requests, every group
         if running is not None:
             r, h0, h1 = running
-            B = len(r)
-            starts.append(np.repeat(h0[:, None], G, 1))
-            stops.append(np.repeat(h1[:, None], G, 1))
-            rows.append(r)
+            parts.append((r, h0, h1))
         if candidates is not None:
             r, upper = candidates
-            K = len(r)
-            starts.append(np.zeros((K, G), dtype=np.int64))
-            stops.append(np.repeat(upper[:, None], G, 1))
-            rows.append(r)
+            parts.append((r, np.zeros(len(r), dtype=np.int64), upper))
         if prefix is not None:
             row, n = prefix
-            full = np.array([w is None for w in m.sliding_windows])
-            starts.append(np.zeros((1, G), dtype=np.int64))
-            stops.append(np.where(full, n, 0)[None, :].astype(np.int64))
-            rows.append(np.array([row], dtype=np.int64))
-        if not starts:
-            starts, stops, rows = [np.zeros((0, G), np.int64)], [np.zeros((0, G), np.int64)], [np.zeros(0, np.int64)]
-        st, sp = np.concatenate(starts), np.concatenate(stops)
+            parts.append((np.array([row], dtype=np.int64), np.zeros(1, dtype=np.int64), np.array([n])))
+        B = len(parts[0][0]) if running is not None else 0
+        K = len(candidates[0]) if candidates is not None else 0
+        rows = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+        st = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+        sp = np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+        if G > 1:  # every group of each segment
+            st, sp = np.repeat(st[:, None], G, 1), np.repeat(sp[:, None], G, 1)
+            if prefix is not None:
+                sp[-1] = np.where(full, sp[-1], 0)  # a window group's prefix reads nothing
+        else:
+            st, sp = st[:, None], sp[:, None]
+            if prefix is not None and not full[0]:
+                sp[-1] = 0
         counts = sp - st
         flat = counts.ravel()
         first = (np.cumsum(flat) - flat).reshape(counts.shape)
         req, grp, pos, _ = entry_layout(st, sp)
-        row_of = np.concatenate(rows)[req]
         E = len(req)
         EP = pow2_at_least(max(E, 16))
         host = m._staging.host_array(("gather", EP), 3 * EP).reshape(3, EP)
-        host[0, :E], host[1, :E], host[2, :E] = grp, row_of, pos
+        host[0, :E], host[1, :E], host[2, :E] = grp, rows[req], pos
         host[1, E:] = -1
         return GatherPlan(B, K, first, counts, prefix is not None, E, EP)
 

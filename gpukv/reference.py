@@ -332,6 +332,22 @@ class _RequestState:
         return self.lora_id is not None or bool(self.mm_items) or self.cache_salt is not None
 
 
+class _Available(Sequence):
+    """Whether each of the first ``n`` positions has a block, asked of
+    ``there(i)`` only when a policy reads position ``i``."""
+
+    def __init__(self, there: Callable[[int], bool], n: int) -> None:
+        self._there, self._n = there, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # (a policy reads positions, never slices)
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._there(i)
+
+
 @dataclass
 class _Plan:
     """A new request's admission plan within one step."""
@@ -1050,7 +1066,8 @@ class ReferenceManager(FailStop):
             while True:
                 new_hit = hit
                 for g, policy in enumerate(self._policies):
-                    new_hit = policy.hit([block_at(i, g) is not None for i in range(new_hit)])
+                    # (read lazily: full attention stops at its first miss)
+                    new_hit = policy.hit(_Available(lambda i, g=g: block_at(i, g) is not None, new_hit))
                 if new_hit == hit:
                     break
                 hit = new_hit

@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 
-from gpukv import NewRequest, RunningUpdate
+from gpukv import NewRequest, RunningBatch, RunningUpdate
 from gpukv import manager as manager_module
 from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import _aot, block_hash
@@ -46,7 +46,8 @@ def _workload(m) -> None:
     """Steps that reach every phase: admission with shared prefixes and
     pending hits, decode that allocates, finishing, eviction, lookup."""
     m.step(new=[NewRequest("a", PREFIX + [1, 2, 3]), NewRequest("b", PREFIX + [4])])
-    m.step(running=[RunningUpdate("a", [5, 6]), RunningUpdate("b", [7])])
+    m.step(running=RunningBatch([m.row_of("a"), m.row_of("b")], [5, 6, 7], num_new_tokens=[2, 1]), block_ids=True,
+           prefix_of="a")
     m.decode([m.row_of("a"), m.row_of("b")], [[8, 9], [10, 11]])
     m.step(finished=["a"], new=[NewRequest("c", PREFIX + [1, 2, 3, 5, 9])])
     m.step(finished=["b", "c"])

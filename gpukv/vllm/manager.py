@@ -291,8 +291,8 @@ class KVCacheManager:
         if prefix is not None and prefix not in self._rows and not any(r.request_id == prefix for r in new):
             raise InvalidInputError(f"request {prefix!r} holds no blocks", argument="prefix_of",
                                     fix="pass the first running request (or, with none, the first waiting one)")
-        if any(r.request_id in self._pending_free for r in new):  # (a request freed and resumed before a step)
-            self._flush()
+        if new and self._pending_free and not self._pending_free_set().isdisjoint(r.request_id for r in new):
+            self._flush()  # (a request freed and resumed before a step: freed first, in a call of its own)
         finished, self._pending_free = self._pending_free, []
         result = self.manager.step(finished=finished, running=batch, new=new,
                                    token_budget=token_budget if new else None, block_ids=True, prefix_of=prefix)
@@ -402,6 +402,9 @@ class KVCacheManager:
             raise AssertionError(f"the adapter's rows {self._rows} are not the manager's {rows}")
 
     # -------------------------------------------------------------- internals
+    def _pending_free_set(self) -> set[str]:
+        return set(self._pending_free)
+
     def _flush(self) -> None:
         """Free in gpukv what was freed here since the last call (one call)."""
         if self._pending_free:
