@@ -1220,31 +1220,49 @@ class DeviceManager(FailStop):
             result.prefix_ref_counts = prefix
 
     def _run_phase(self, running) -> _RunningPhase | None:
-        """Phase 2 launched: ``RunningUpdate``s (``_run_updates``) or a
-        normalised ``RunningBatch`` (``decode``'s plan and kept launches);
-        None when nothing runs. The admission's kernels read ``_blocked``."""
-        if isinstance(running, RunningRows):
-            if len(running.rows):
-                plan, bufs = self._launch_running(running)  # (decode_fit sets _blocked)
-                self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
-                self._rebuild_if_due(plan.num_new_blocks)
-                n_ok = None if plan.fits_known else bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1]
-                return _RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok,
-                                     lambda n: self._finish_running(plan, n))
-            running = []
-        self._blocked.zero_()
-        if not running:
+        """Phase 2 launched, as the batched decode runs it (its plan and kept
+        launches, ``_launch_running``): a normalised ``RunningBatch``, or
+        ``RunningUpdate``s laid out as one (``_running_rows``); None when
+        nothing runs. Whether all fit rides on the step's read unless the
+        host's bound covers them (tokens on the device: always, so that an id
+        out of range raises in this step). The admission's kernels read
+        ``_blocked``, which ``decode_fit`` writes."""
+        if not isinstance(running, RunningRows):
+            running = self._running_rows(running) if running else None
+        if running is None or not len(running.rows):
+            self._blocked.zero_()
             return None
-        run = self._run_updates(running, self._blocked)
-        rows = self._rows
+        plan, bufs = self._launch_running(running)
+        self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        self._rebuild_if_due(plan.num_new_blocks)
+        read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
+        n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
+        return _RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok,
+                             lambda n: self._finish_running(plan, n))
 
-        def finish(n_ok: int) -> None:
-            done = run["rows"][:n_ok]
-            rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
-                run[x][:n_ok] for x in ("n_after", "c1", "a1"))
-
-        return _RunningPhase(run["rows"], run["a0"], run["a1"], run["total"], run["n_ok"] if run["read"] else None,
-                             finish)
+    def _running_rows(self, running: Sequence[RunningUpdate]) -> RunningRows:
+        """Normalised ``RunningUpdate``s as the batch they are: rows, their
+        tokens padded into ``[B, K]`` rows (a device tensor when any update's
+        are on the device), chunks and lookahead per row."""
+        rows = np.fromiter((self._reqs[u.request_id] for u in running), np.int64, len(running))
+        adds = [u.new_token_ids for u in running]
+        counts = np.fromiter((len(a) for a in adds), np.int64, len(adds))
+        width = int(counts.max())
+        if any(isinstance(a, torch.Tensor) for a in adds):  # (kept on the device, unread: decode_fit checks them)
+            tokens: Any = torch.zeros((len(adds), width), dtype=torch.int64, device=self.device)
+            for i, a in enumerate(adds):
+                tokens[i, : len(a)] = torch.as_tensor(a, device=self.device)
+        else:
+            tokens = np.zeros((len(adds), width), dtype=np.int64)
+            if width:
+                tokens[np.arange(width)[None, :] < counts[:, None]] = np.concatenate(adds)
+        num_tokens = self._rows.num_tokens[rows]
+        remaining = num_tokens + counts - self._rows.num_computed[rows]
+        chunks = np.fromiter((r if u.num_tokens_to_compute is None else u.num_tokens_to_compute
+                              for u, r in zip(running, remaining.tolist(), strict=True)), np.int64, len(running))
+        lookahead = np.fromiter((u.num_lookahead_tokens for u in running), np.int64, len(running))
+        return RunningRows(rows, tokens, None if int(counts.min()) == width else counts, num_tokens, chunks,
+                           lookahead)
 
     def _admission_round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool,
                          graphs=None, lead: Sequence[torch.Tensor] = (), tail: StepGather | None = None
@@ -1302,71 +1320,6 @@ class DeviceManager(FailStop):
         self._free_lower_bound = host[main - 2]
         return host[: main - 2]
 
-    def _run_updates(self, running, blocked) -> dict:
-        """Phase 2: window releases, then every update's tokens, blocks,
-        digests and cache entries; whether all fit is decided on the device
-        (``blocked`` is set when not) unless the host's bound covers them."""
-        G, bs, pool = self.num_groups, self.block_size, self.pool
-        rows = np.array([self._reqs[u.request_id] for u in running], dtype=np.int64)
-        if self._window_groups:
-            self._release_behind_windows(rows)
-        adds = [u.new_token_ids for u in running]
-        on_device = [a for a in adds if isinstance(a, torch.Tensor)]
-        if on_device:  # checked on the device; the step reads (below) to raise if one was out of range
-            self.pool.free_queue.counter("error").bitwise_or_(self._device_tokens_bad(on_device))
-        n = self._rows.num_tokens[rows]
-        n_after = n + np.array([len(a) for a in adds], dtype=np.int64)
-        c0 = self._rows.num_computed[rows]
-        chunks = np.array([-1 if u.num_tokens_to_compute is None else u.num_tokens_to_compute for u in running],
-                          dtype=np.int64)
-        c1 = np.where(chunks < 0, n_after, c0 + chunks)
-        lookahead = np.array([u.num_lookahead_tokens for u in running], dtype=np.int64)
-        nb0 = self._rows.num_held[rows]
-        nb1 = np.maximum(nb0, -(-(c1 + lookahead) // bs))  # lookahead blocks held are kept
-        needs = (nb1 - nb0) * G
-        self._rows.write_tokens(rows, n, adds, self._up)
-        cum = np.cumsum(needs)
-        fits_known, n_ok_dev, count = self._updates_that_fit(cum, blocked)
-        n_ok_32 = n_ok_dev.to(torch.int32)
-        # Entries, uploaded together: allocations in pop order (update, group,
-        # position); digests for every known block that became full; cache
-        # entries for the full blocks computed this step (digests exist for
-        # them: a computed token is a known one).
-        upd, grp, ps, _ = entry_layout(np.repeat(nb0[:, None], G, 1), np.repeat(nb1[:, None], G, 1))
-        f0, f1 = n // bs, n_after // bs
-        k0, k1 = c0 // bs, c1 // bs
-        rec, rgrp, rps, _ = entry_layout(np.repeat(k0[:, None], G, 1), np.repeat(k1[:, None], G, 1))
-        (a_upd, a_grp, a_row, a_pos, h_row, h_start, h_count, r_upd, r_grp, r_row, r_pos) = self._up_packed(
-            upd, grp, rows[upd], ps, rows, f0, f1 - f0, rec, rgrp, rows[rec], rps)
-        if len(upd):
-            pool.allocate(count, a_upd < n_ok_32, a_grp, a_row, a_pos, block_table=self._rows.block_table,
-                          on_popped=self._popped_hook())
-            self._expect_events(len(upd))
-        if (f1 > f0).any():
-            self._hash_launch(h_row, h_start, h_count)
-        if len(rec):
-            self._cache_blocks(r_grp, r_row, r_pos, r_upd < n_ok_32)
-            self._expect_events(len(rec))
-        total = int(cum[-1])  # blocks all the updates need
-        self._rebuild_if_due(total)
-        return {"rows": rows, "n_after": n_after, "c1": c1, "a0": nb0, "a1": nb1, "total": total,
-                "fits_known": fits_known, "n_ok": n_ok_dev, "read": not fits_known or bool(on_device)}
-
-    def _updates_that_fit(self, cum: np.ndarray, blocked) -> tuple:
-        """How many updates, in order, get their blocks (``cum``: blocks needed
-        so far, update by update): known on the host when its lower bound of
-        free blocks covers them all, else decided on the device (``blocked``
-        set when not all fit). Returns (known, count int64[1], blocks to pop
-        int64[1])."""
-        if int(cum[-1]) <= self._free_lower_bound:
-            return (True, torch.full((1,), len(cum), dtype=torch.int64, device=self.device),
-                    torch.full((1,), int(cum[-1]), dtype=torch.int64, device=self.device))
-        cum_dev = self._up(cum, np.int64)
-        n_ok = (cum_dev <= self.pool.free_count).sum().reshape(1)
-        count = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), cum_dev])[n_ok]
-        blocked.copy_((n_ok < len(cum)).to(torch.int32))
-        return False, n_ok, count
-
     def _finish_admission(self, new, cand_rows: list[int], host: list, result: StepResult,
                           count_stats: bool) -> bool:
         """The admitted requests keep their rows; the others give theirs back.
@@ -1409,16 +1362,6 @@ class DeviceManager(FailStop):
             n = 0 if req.skip_prefix_cache else len(req.token_ids)
             self._stats.record(num_tokens=n, num_hit_tokens=int(h) * bs, num_blocks=-(-n // bs), num_hit_blocks=int(h),
                                preempted=req.num_preemptions > 0)
-
-    def _release_behind_windows(self, rows: np.ndarray) -> None:
-        """Window groups give back the blocks behind their window (tail first,
-        one free call per request and group) and hold the null block there."""
-        starts = self._rows.null_until[rows]
-        stops = self._window_stops(self._rows.num_computed[rows], starts)
-        idx, grp, ps, call = entry_layout(starts, stops, reverse=True)
-        self._rows.null_until[rows] = stops
-        if len(idx):
-            self._release_entries(rows[idx], grp, ps, call)
 
     def _release_requests(self, request_ids: Sequence[str]) -> None:
         """Free whole requests: one free call per request and group, tail first."""

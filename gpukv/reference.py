@@ -26,6 +26,7 @@ Semantics (``docs/design.md`` says why each rule is what it is):
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1059,6 +1060,9 @@ class ReferenceManager(FailStop):
                 probe[(i, g)] = found
             return probe[(i, g)]
 
+        def has_block(i: int, g: int) -> bool:
+            return block_at(i, g) is not None
+
         if st.skip_prefix_cache or not self.enable_caching:
             hit = 0
         else:
@@ -1067,7 +1071,7 @@ class ReferenceManager(FailStop):
                 new_hit = hit
                 for g, policy in enumerate(self._policies):
                     # (read lazily: full attention stops at its first miss)
-                    new_hit = policy.hit(_Available(lambda i, g=g: block_at(i, g) is not None, new_hit))
+                    new_hit = policy.hit(_Available(functools.partial(has_block, g=g), new_hit))
                 if new_hit == hit:
                     break
                 hit = new_hit

@@ -20,8 +20,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gpukv.request import as_int32_tokens
-
 
 class RowAllocator:
     """LIFO of freed rows over a counter of rows never used.
@@ -140,25 +138,6 @@ class DeviceRows:
         self.null_until[rows] = 0
         for row in rows.tolist():
             self._allocator.give_back(row)
-
-    # ------------------------------------------------------------- contents
-    def write_tokens(self, rows, starts, token_arrays: list, upload) -> None:
-        """Write tokens into rows after ``starts``: host arrays through
-        ``upload`` (one per dtype), tensors already on the device copied
-        there, unread."""
-        lens = np.array([len(a) for a in token_arrays], dtype=np.int64)
-        total = int(lens.sum())
-        if total == 0:
-            return
-        rows, starts = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
-        first = np.repeat(rows * self.max_tokens + starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
-        flat_idx = upload(first + np.arange(total), np.int64)
-        if any(isinstance(a, torch.Tensor) for a in token_arrays):
-            vals = torch.cat([a.to(self.device, torch.int64) if isinstance(a, torch.Tensor)
-                              else upload(a, np.int64) for a in token_arrays]).to(torch.int32)
-        else:
-            vals = upload(as_int32_tokens(np.concatenate(token_arrays)), np.int32)
-        self.tokens.view(-1).index_copy_(0, flat_idx, vals)
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self._capacity:
