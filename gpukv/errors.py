@@ -27,7 +27,8 @@ range, which only the step's read can find; ``docs/design.md``).
 | ``InvalidInputError`` | ``ValueError`` | the right kind but a value the manager cannot take: a negative token id, a 2-D token array, ragged rows of token ids, a LoRA id >= 2**64, a salt that is not valid UTF-8, multimodal items that overlap or leave the prompt, a block size < 1, a caller's iterator that raised while read (its exception is the ``__cause__``) |
 | ``DuplicateRequestError`` | ``ValueError`` | a request id used twice: finished twice in a step (double free), a new id already in use, finished and running in one step |
 | ``CapacityError`` | ``ValueError`` | too large for this manager: a request longer than ``max_model_len`` or one that cannot fit the whole pool even with the best possible cache hit; constructor sizes that cannot be allocated (raised before anything is allocated) |
-| ``StaleComputedBlocksError`` | ``ValueError`` | ``allocate_slots`` got computed blocks that no longer match the cache (evicted since ``get_computed_blocks``) |
+| ``StaleComputedBlocksError`` | ``ValueError`` | ``allocate_slots`` got computed blocks that a lookup of the request does not find now (evicted since ``get_computed_blocks``, or another request's) |
+| ``ConcurrentCallError`` | ``RuntimeError`` | a manager called from a second thread while a call of another thread is under way: refused at once, nothing changed (a manager is used from one thread at a time) |
 | ``UnknownRequestError`` | ``KeyError`` | a request id the manager does not hold (never admitted, or already freed) |
 | ``NoFreeBlocksError`` | ``RuntimeError`` | ``BlockPool.allocate`` (the reference's low-level pool) asked for more blocks than are free; manager calls report a lack of blocks in their result instead, so inside one it is a fault |
 | ``ManagerFailedError`` | ``RuntimeError`` | the manager stopped after a fault inside an earlier call and refuses every call (``gpukv.failstop``) |
@@ -43,6 +44,7 @@ __all__ = [
     "AddressError",
     "AddressInUseError",
     "CapacityError",
+    "ConcurrentCallError",
     "DuplicateRequestError",
     "GpukvError",
     "GpukvInputError",
@@ -123,6 +125,14 @@ class UnknownRequestError(GpukvInputError, KeyError):
 class NoFreeBlocksError(GpukvError, RuntimeError):
     """The reference ``BlockPool.allocate`` asked for more blocks than the free
     queue holds (a programming error in a caller of the low-level pool)."""
+
+
+class ConcurrentCallError(GpukvInputError, RuntimeError):
+    """A call made while another thread's call of the same manager is under
+    way: refused before it touches anything (a refusal: nothing changed,
+    nothing stopped). A manager is used from one thread at a time; a caller
+    serialises its calls (a lock around them) or keeps one manager per
+    thread."""
 
 
 class ManagerFailedError(GpukvError, RuntimeError):

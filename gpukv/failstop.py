@@ -24,6 +24,16 @@ one of two things:
 A call that nests another (the reference's ``decode`` runs its ``step``)
 has changed state once the inner call has.
 
+One thread at a time: every call first takes the manager's call lock (an
+``RLock``, so a call nested in another of the same thread goes on) without
+waiting; a call from a second thread while one is under way is refused at
+once with :class:`gpukv.errors.ConcurrentCallError`, before it reads or
+changes anything, and stops nothing. Reads and diagnostics are calls too:
+after a fault, every call, reads, properties and ``check_invariants``
+included, raises ``ManagerFailedError``; only ``failed`` and ``failure``
+(what stopped it) still answer, with a manager's configuration
+(``num_blocks``, ``block_size``, ``limits``, ``hash_key``).
+
 Every call also runs between ``_enter_stream()`` and ``_leave_stream()``:
 nothing for the reference; the device manager orders a call made on another
 CUDA stream than its own after the caller's work and runs it on its own
@@ -35,10 +45,11 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gpukv.errors import GpukvInputError, InvalidTypeError, ManagerFailedError
+from gpukv.errors import ConcurrentCallError, GpukvInputError, InvalidTypeError, ManagerFailedError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,6 +66,24 @@ class FailStop:
     def failed(self) -> bool:
         """Whether a call failed part-way and the manager refuses all calls since."""
         return self._fault is not None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the manager (the fault a call raised), or None: the one
+        diagnostic that answers after a fault."""
+        return self._fault
+
+    def _enter_call(self, name: str) -> threading.RLock:
+        """Take the call lock without waiting (a call nested in one of this
+        thread goes on); a call under way on another thread: refused."""
+        lock = self.__dict__.get("_call_lock")
+        if lock is None:  # (setdefault: one lock, whichever thread makes it first)
+            lock = self.__dict__.setdefault("_call_lock", threading.RLock())
+        if not lock.acquire(blocking=False):
+            raise ConcurrentCallError(f"another thread's call of this {type(self).__name__} is under way",
+                                      argument=name, fix="call a manager from one thread at a time (hold a lock "
+                                                         "around its calls), or give each thread its own manager")
+        return lock
 
     def _begin_changes(self) -> None:
         """Mark the running call's point of first change: its arguments are
@@ -119,34 +148,43 @@ def mutating(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: FailStop, *args: Any, **kwargs: Any) -> Any:
-        self._raise_if_failed()
-        outer = self._changing
-        self._changing = False
-        entered = out = None
+        lock = self._enter_call(method.__name__)
         try:
-            entered = self._enter_stream()
-            out = method(self, *args, **kwargs)
-            self._changing = True  # closing the call's event batch is a change
-            self._after_call()
-            return out
-        except BaseException as exc:
-            out = None
-            if self._fault is not None:  # a nested call stopped the manager already
-                raise
-            if not self._changing:
-                if isinstance(exc, (GpukvInputError, Warning)):
-                    raise  # refused before anything changed
-                if _is_call_mistake(exc):
-                    raise _call_mistake(method, exc) from exc  # type: ignore[arg-type]
-            self._fault = exc
-            raise
+            return _mutating_call(self, method, args, kwargs)
         finally:
-            self._changing = outer or self._changing
-            if entered is not None:
-                self._leave_stream(entered, out)
+            lock.release()
 
     call.mutates = True  # type: ignore[attr-defined]  # (tests find the mutating calls by it)
     return call  # type: ignore[return-value]
+
+
+def _mutating_call(self: FailStop, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``mutating``'s body, with the call lock held."""
+    self._raise_if_failed()
+    outer = self._changing
+    self._changing = False
+    entered = out = None
+    try:
+        entered = self._enter_stream()
+        out = method(self, *args, **kwargs)
+        self._changing = True  # closing the call's event batch is a change
+        self._after_call()
+        return out
+    except BaseException as exc:
+        out = None
+        if self._fault is not None:  # a nested call stopped the manager already
+            raise
+        if not self._changing:
+            if isinstance(exc, (GpukvInputError, Warning)):
+                raise  # refused before anything changed
+            if _is_call_mistake(exc):
+                raise _call_mistake(method, exc) from exc  # type: ignore[arg-type]
+        self._fault = exc
+        raise
+    finally:
+        self._changing = outer or self._changing
+        if entered is not None:
+            self._leave_stream(entered, out)
 
 
 def reading(method: F) -> F:
@@ -156,20 +194,24 @@ def reading(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: FailStop, *args: Any, **kwargs: Any) -> Any:
-        self._raise_if_failed()
-        entered = self._enter_stream()
-        out = None
+        lock = self._enter_call(method.__name__)
         try:
-            out = method(self, *args, **kwargs)
-            return out
-        except TypeError as exc:
+            self._raise_if_failed()
+            entered = self._enter_stream()
             out = None
-            if _is_call_mistake(exc):
-                raise _call_mistake(method, exc) from exc
-            raise
+            try:
+                out = method(self, *args, **kwargs)
+                return out
+            except TypeError as exc:
+                out = None
+                if _is_call_mistake(exc):
+                    raise _call_mistake(method, exc) from exc
+                raise
+            finally:
+                if entered is not None:
+                    self._leave_stream(entered, out)
         finally:
-            if entered is not None:
-                self._leave_stream(entered, out)
+            lock.release()
 
     call.mutates = False  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

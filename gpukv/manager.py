@@ -52,7 +52,7 @@ import torch
 from gpukv import _runtime, hashing
 from gpukv.admission import AdmissionBuffers, plan_admission
 from gpukv.api import manager_args_from_config
-from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError
+from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
@@ -66,7 +66,9 @@ from gpukv.metrics import PrefixCacheStats
 from gpukv.outputs import OutputGather, StepGather
 from gpukv.pool import DevicePool
 from gpukv.request import (
+    MAX_MODEL_LEN,
     MAX_NUM_BLOCKS,
+    MAX_NUM_REQS,
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
@@ -92,6 +94,7 @@ from gpukv.request import (
     normalize_windows,
     request_id_type_error,
     resolve_key,
+    stale_computed_blocks,
     unknown_request,
 )
 from gpukv.rows import DeviceRows, entry_layout
@@ -150,8 +153,8 @@ def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_nu
     block_size = check_size(block_size, "block_size", 1)
     windows = list(normalize_windows(sliding_windows))
     num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
-    max_model_len = check_size(max_model_len, "max_model_len", 1, 2**31 - 1)
-    max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
+    max_model_len = check_size(max_model_len, "max_model_len", 1, MAX_MODEL_LEN)
+    max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, MAX_NUM_REQS)
     dev = (normalize_device(device, _runtime.INTERPRETED, _runtime.CUDA_AVAILABLE) if device is not None
            else _runtime.default_device())
     key = resolve_key(hash_key)
@@ -222,6 +225,7 @@ class DecodePlan:
     # group, new blocks and newly cached blocks per row and group
     bucket: tuple
     num_new_blocks: int  # the blocks all rows need (all groups)
+    cum: np.ndarray  # int64[B] the blocks the rows up to each one need (all groups)
     held_before: np.ndarray  # int64[B] block positions rows hold per group before the step
     num_tokens: np.ndarray  # int64[B] rows' known tokens after the step
     computed: np.ndarray  # int64[B] rows' computed tokens after the step
@@ -231,6 +235,10 @@ class DecodePlan:
     # The phases with work (``DECODE_PHASES``); an eager step launches only
     # those, a graph replays them all.
     phases: frozenset[str] = frozenset()
+
+    def blocks_popped(self, num_fit: int) -> int:
+        """The blocks the first ``num_fit`` rows took (the only ones popped)."""
+        return int(self.cum[num_fit - 1]) if num_fit else 0
 
 
 #: A decode step's phases, in launch order (``DeviceManager.launch_decode``):
@@ -430,10 +438,12 @@ class DeviceManager(FailStop):
         _warn_waiting_property("num_evictions")
         return self.read_num_evictions()
 
+    @reading
     def read_num_free_blocks(self) -> int:
         """Free blocks now; reads the device (waits for the GPU)."""
         return int(self._read(self.pool.free_count)[0])
 
+    @reading
     def read_num_evictions(self) -> int:
         """Cached blocks evicted so far; reads the device (waits for the GPU)."""
         return int(self._read(self.pool.evictions)[0])
@@ -444,6 +454,7 @@ class DeviceManager(FailStop):
         _warn_waiting_property("usage")
         return self.read_usage()
 
+    @reading
     def read_usage(self) -> float:
         """Fraction of the pool (null block excluded) that is referenced, as
         vLLM's ``KVCacheManager.usage``; reads the device (waits for the GPU)."""
@@ -566,15 +577,11 @@ class DeviceManager(FailStop):
         self._reset_flag = True
         return True
 
+    @reading
     def check_invariants(self, *, verify_digests: bool = True) -> None:
         """The pool's invariants (see ``DevicePool.check_invariants``), and each
         block's count equals the number of block-table rows that hold it."""
-        entered = self._enter_stream()
-        try:
-            self._check_invariants(verify_digests)
-        finally:
-            if entered is not None:
-                self._leave_stream(entered, None)
+        self._check_invariants(verify_digests)
 
     def _check_invariants(self, verify_digests: bool) -> None:
         self.pool.check_invariants(self._key, verify_digests=verify_digests)
@@ -623,8 +630,7 @@ class DeviceManager(FailStop):
                     now = self._lookup_only(request, count_stats=False, hit_cap=cap)
                     if now.num_tokens != computed.num_tokens or any(
                             list(computed.block_ids[g]) != now.block_ids[g] for g in range(self.num_groups)):
-                        raise StaleComputedBlocksError("the computed blocks are stale (evicted since the lookup)",
-                                                       argument="computed", fix="call get_computed_blocks again")
+                        raise stale_computed_blocks()
                 # (the dry lookup above wrote only a free row and scratch buffers)
                 self._begin_changes()
                 res = self._step((), (), [request], count_stats=False, hit_caps=[cap])
@@ -774,6 +780,7 @@ class DeviceManager(FailStop):
         caller has them already; ``chunks``: tokens each row computes (None:
         all it knows after the append); ``lookahead``: slots per row (or for
         every row) beyond them."""
+        self._raise_if_failed()  # (a part of decode, refused after a fault as any call)
         bs, G = self.block_size, self.num_groups
         B = len(rows)
         n = self._rows.num_tokens[rows] if num_tokens is None else num_tokens
@@ -828,8 +835,8 @@ class DeviceManager(FailStop):
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         total = int(cum[-1])
-        return DecodePlan(rows, bucket, total, held0, ntok1, comp1, held1, stops, total <= self._free_lower_bound,
-                          phases)
+        return DecodePlan(rows, bucket, total, cum, held0, ntok1, comp1, held1, stops,
+                          total <= self._free_lower_bound, phases)
 
     def _host_plan(self, bucket: tuple):
         """Named views of this step's host plan array of the bucket (the
@@ -860,6 +867,7 @@ class DeviceManager(FailStop):
     def stage_decode(self, plan: DecodePlan, tokens) -> DecodeBuffers:
         """Upload the plan and the new tokens into the bucket's fixed buffers
         (pinned, non-blocking; tokens already on the device are copied there)."""
+        self._raise_if_failed()  # (a part of decode, refused after a fault as any call)
         bufs = self._decode_buffers(plan.bucket)
         self._staging.upload_host(("decode", plan.bucket), bufs.uploaded)
         B = len(plan.rows)
@@ -877,6 +885,7 @@ class DeviceManager(FailStop):
         costs host time whatever it does). The first step of a bucket to run
         a phase runs its launchers and keeps the launches; later steps replay
         them, skipping the launchers' Python."""
+        self._raise_if_failed()  # (a part of decode, refused after a fault as any call)
         key = _ALL_DECODE_PHASES if phases is None else phases
         kept = bufs.runs.get(key)
         if kept is not None and kept[0] == self.rows_generation and self._events is None:
@@ -914,9 +923,9 @@ class DeviceManager(FailStop):
         """Bring the host's mirror up to date; reads the device only when the
         host could not tell that the whole batch fits. (Also the table's
         rebuild when due: decided on the host, never part of a graph.)"""
+        self._raise_if_failed()  # (a part of decode, refused after a fault as any call)
         B = len(plan.rows)
         self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
-        self._rebuild_if_due(plan.num_new_blocks)
         if plan.fits_known:
             n_fit = B
             self._free_lower_bound -= plan.num_new_blocks
@@ -933,7 +942,10 @@ class DeviceManager(FailStop):
 
     def _finish_running(self, plan: DecodePlan, n_fit: int) -> None:
         """The host's mirror after a running batch of which the first
-        ``n_fit`` rows got their blocks (every row released behind its window)."""
+        ``n_fit`` rows got their blocks (every row released behind its
+        window), and the table's rebuild when what they popped makes it due
+        (after the fit is known: rows that did not fit popped nothing)."""
+        self._rebuild_if_due(plan.blocks_popped(n_fit))
         rows, done = self._rows, plan.rows[:n_fit]
         rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
             plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
@@ -1234,7 +1246,6 @@ class DeviceManager(FailStop):
             return None
         plan, bufs = self._launch_running(running)
         self._expect_events(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
-        self._rebuild_if_due(plan.num_new_blocks)
         read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
         n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
         return _RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok,

@@ -41,13 +41,14 @@ from gpukv.errors import (
     InvalidInputError,
     InvalidTypeError,
     NoFreeBlocksError,
-    StaleComputedBlocksError,
 )
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats, StepCounters
 from gpukv.request import (
+    MAX_MODEL_LEN,
     MAX_NUM_BLOCKS,
+    MAX_NUM_REQS,
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
@@ -74,6 +75,7 @@ from gpukv.request import (
     normalize_windows,
     request_id_type_error,
     resolve_key,
+    stale_computed_blocks,
     token_array_for_host,
     unknown_request,
 )
@@ -396,11 +398,11 @@ class ReferenceManager(FailStop):
         ``gpukv.events`` batches for ``take_events``."""
         self.device = _host_device(device)
         self.block_size = check_size(block_size, "block_size", 1)
-        max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, 2**31 - 1)
+        max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, MAX_NUM_REQS)
         windows = list(normalize_windows(sliding_windows))
         num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
         if max_model_len is not None:
-            max_model_len = check_size(max_model_len, "max_model_len", 1)
+            max_model_len = check_size(max_model_len, "max_model_len", 1, MAX_MODEL_LEN)
         self.max_model_len = max_model_len
         self.sliding_windows = windows
         self.num_groups = len(windows)
@@ -472,12 +474,12 @@ class ReferenceManager(FailStop):
     @property
     def num_free_blocks(self) -> int:
         """Free blocks now (``read_num_free_blocks``)."""
-        return self.pool.num_free_blocks
+        return self.read_num_free_blocks()
 
     @property
     def num_evictions(self) -> int:
         """Cached blocks evicted so far (``read_num_evictions``)."""
-        return self.pool.num_evictions
+        return self.read_num_evictions()
 
     @reading
     def free_queue(self) -> list[int]:
@@ -489,14 +491,17 @@ class ReferenceManager(FailStop):
         """Fraction of the pool (null block excluded) that is referenced."""
         return self.read_usage()
 
+    @reading
     def read_num_free_blocks(self) -> int:
         """Free blocks now (the device manager's name; nothing to wait for here)."""
         return self.pool.num_free_blocks
 
+    @reading
     def read_num_evictions(self) -> int:
         """Cached blocks evicted so far (the device manager's name)."""
         return self.pool.num_evictions
 
+    @reading
     def read_usage(self) -> float:
         """Fraction of the pool (null block excluded) that is referenced, as
         vLLM's ``KVCacheManager.usage``."""
@@ -903,6 +908,7 @@ class ReferenceManager(FailStop):
         """The row a running request holds (``gpukv.rows``)."""
         return self._state(request_id).row
 
+    @reading
     def check_invariants(self) -> None:
         """Pool invariants, plus: each block's count equals the number of
         request block lists that hold it."""
@@ -946,9 +952,7 @@ class ReferenceManager(FailStop):
                     continue
                 info = self.pool.cached_info(b)
                 if info is None or info.digest != state.block_hashes[i] or info.group != g:
-                    raise StaleComputedBlocksError(
-                        "the computed blocks are stale (evicted since the lookup)", argument="computed",
-                        fix="call get_computed_blocks again")
+                    raise stale_computed_blocks()
 
     # ------------------------------------------------------------- hashing
     def _remember_digests(self, st: _RequestState) -> None:

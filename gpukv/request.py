@@ -62,6 +62,7 @@ from gpukv.errors import (
     DuplicateRequestError,
     InvalidInputError,
     InvalidTypeError,
+    StaleComputedBlocksError,
     UnknownRequestError,
 )
 from gpukv.hashing import MMItem
@@ -72,6 +73,11 @@ MAX_LORA_ID = 2**64 - 1
 # The device hash table holds at most 2**30 slots, two per block; both
 # managers take the same sizes, so the reference has the same bound.
 MAX_NUM_BLOCKS = 2**29
+# Token positions, request rows and counts of requests are int32 on the
+# device; both managers refuse more (docs/design.md, "Limits").
+MAX_MODEL_LEN = 2**31 - 1
+MAX_NUM_REQS = 2**31 - 1
+MAX_COUNT = 2**31 - 1
 
 _INTS = (int, np.integer)
 _BOOLS = (bool, np.bool_)
@@ -699,6 +705,15 @@ def min_blocks_to_admit(num_tokens: int, limits: ManagerLimits, can_hit: bool, c
 
 # -------------------------------------------------------------- whole calls
 
+def stale_computed_blocks() -> StaleComputedBlocksError:
+    """``allocate_slots``' refusal of computed blocks that a lookup of the
+    request does not find now (both managers)."""
+    return StaleComputedBlocksError("the computed blocks are not what a lookup of this request finds now (evicted "
+                                    "since the lookup, or another request's: other tokens, salt, LoRA id or "
+                                    "multimodal items)", argument="computed",
+                                    fix="call get_computed_blocks(request) for this request and pass its result")
+
+
 def unknown_request(rid: Any, argument: str = "request_id") -> UnknownRequestError:
     """The one error for a request id a manager does not hold."""
     return UnknownRequestError(f"unknown request id {rid!r}: it was never admitted or was already freed",
@@ -766,9 +781,10 @@ def check_block_spans(value: Any, argument: str, num_blocks_of: Callable[[str], 
 
 
 def check_count(value: Any, argument: str) -> int:
-    """A count (an int >= 0): ``get_num_common_prefix_blocks``' number of
-    running requests."""
-    return check_int(value, argument, minimum=0, fix="pass how many requests are running (an int >= 0)")
+    """A count (an int in ``[0, MAX_COUNT]``): ``get_num_common_prefix_blocks``'
+    number of running requests."""
+    return check_int(value, argument, minimum=0, maximum=MAX_COUNT,
+                     fix=f"pass how many requests are running (an int from 0 to {MAX_COUNT})")
 
 
 def _warn_block_hashes() -> None:

@@ -34,6 +34,9 @@ class RowAllocator:
         self.in_use = np.zeros(self.capacity, dtype=bool)
         self._freed: list[int] = []
         self._next_unused = 0
+        # Rows handed out from the counter and held since (so a take undone
+        # puts each row back where it came from: ``give_back_unused``).
+        self._fresh: set[int] = set()
         self._on_grow = on_grow
 
     def take(self) -> int:
@@ -42,6 +45,7 @@ class RowAllocator:
         else:
             row = self._next_unused
             self._next_unused += 1
+            self._fresh.add(row)
             if row >= self.capacity:
                 self._grow(row + 1)
         self.in_use[row] = True
@@ -50,18 +54,29 @@ class RowAllocator:
     def give_back(self, row: int) -> None:
         """Return a row: it is the next one handed out."""
         self.in_use[row] = False
+        self._fresh.discard(row)
         self._freed.append(row)
 
     def give_back_unused(self, rows: list[int]) -> None:
-        """Return rows taken this step and never used (in reverse order: the
-        allocator is left as if they had not been taken)."""
+        """Return rows taken this step and never used, the last taken first:
+        each goes back where it came from (the counter, or the freed rows),
+        so the allocator is exactly as if they had not been taken (a refused
+        call changes nothing; its capacity may have grown, which no later
+        hand-out sees)."""
         for row in reversed(rows):
-            self.give_back(row)
+            self.in_use[row] = False
+            if row in self._fresh and row == self._next_unused - 1:
+                self._fresh.discard(row)
+                self._next_unused -= 1
+            else:
+                self._fresh.discard(row)
+                self._freed.append(row)
 
     def state(self) -> tuple:
-        """(capacity, freed rows in hand-out order reversed, next unused row):
-        equal states hand out equal rows."""
-        return self.capacity, tuple(self._freed), self._next_unused
+        """(freed rows in hand-out order reversed, next unused row): equal
+        states hand out equal rows (the capacity only says how far the row
+        tensors have grown)."""
+        return tuple(self._freed), self._next_unused
 
     def reserve(self, capacity: int) -> None:
         if capacity > self.capacity:

@@ -32,48 +32,21 @@ from gpukv.errors import (
     GpukvInputError,
     InvalidInputError,
     InvalidTypeError,
+    StaleComputedBlocksError,
     UnknownRequestError,
 )
 from gpukv.hashing import MMItem
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
-from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate
+from gpukv.request import MAX_COUNT, ComputedBlocks, NewRequest, RunningUpdate
 from gpukv.running import RunningBatch
+from workload import state_of
 
 KEY = bytes(range(16))
 NUM_BLOCKS, BLOCK_SIZE, WINDOWS, MAX_LEN = 24, 2, [None, 4], 32
 
 
 # ---------------------------------------------------------------- snapshots
-
-def state_of(obj, seen=None):
-    """Everything an object holds, recursively, as comparable plain values:
-    tensors as (dtype, shape, device, bytes), dicts in their order."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.device.type,
-                obj.detach().cpu().contiguous().numpy().tobytes())
-    if isinstance(obj, np.ndarray):
-        return ("array", obj.dtype.str, obj.shape, obj.tobytes())
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes, np.generic, torch.device, torch.dtype)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, [state_of(x, seen) for x in obj])
-    if isinstance(obj, (set, frozenset)):
-        return ("set", sorted(repr(x) for x in obj))
-    if isinstance(obj, dict):
-        return ("dict", [(state_of(k, seen), state_of(v, seen)) for k, v in obj.items()])
-    if callable(obj) and not hasattr(obj, "__dict__"):
-        return ("callable", repr(obj))
-    if id(obj) in seen:
-        return ("seen", type(obj).__name__)
-    seen.add(id(obj))
-    fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-    for name in getattr(type(obj), "__slots__", ()):
-        if hasattr(obj, name):
-            fields[name] = getattr(obj, name)
-    return (type(obj).__name__, {k: state_of(v, seen) for k, v in sorted(fields.items())})
-
 
 def tensors_of(m) -> int:
     """How many tensors the snapshot of a device manager compares (a guard
@@ -137,6 +110,10 @@ def scenario():
 # ---------------------------------------------------------------- the table
 
 OK_NEW = dict(request_id="n", token_ids=[1, 2, 3, 4, 5])
+
+
+#: "c"'s cached prompt [20, 21, 22, 23, 24] as a lookup of it finds it (both managers).
+C_HIT = ComputedBlocks([[9, 10], [12, 13]], 4)
 
 
 def new(**kw):
@@ -555,11 +532,71 @@ CASES = [
     ("decode-ragged-counts-and-rows-disagree", lambda m: m.decode([m.row_of("a")], [7, 8], num_new_tokens=[1]),
      InvalidInputError, "new_token_ids"),
     ("step-block-ids-not-bool", lambda m: m.step(block_ids=1), InvalidTypeError, "block_ids"),
+    ("common-prefix-count-10**30", lambda m: m.get_num_common_prefix_blocks("a", 10**30), CapacityError,
+     "num_running_requests"),
     ("step-prefix-of-unknown", lambda m: m.step(prefix_of="zz"), UnknownRequestError, "prefix_of"),
     ("step-prefix-of-int", lambda m: m.step(prefix_of=3), InvalidTypeError, "prefix_of"),
     ("step-prefix-of-finished", lambda m: m.step(finished=["a"], prefix_of="a"), InvalidInputError, "prefix_of"),
     ("row-counts-unknown-row", lambda m: m.row_token_counts([m.row_of("a"), 99]), InvalidInputError, "rows"),
 ]
+
+
+# Issue 29: computed blocks that are not the request's own (the hit of "c"'s
+# cached prompt handed in with another salt, LoRA id or tokens, or forged ids)
+# are refused after the device manager's dry lookup (a lookup capped at the
+# hit, to tell), which uses a free row and the admission's scratch buffers:
+# what a refusal must leave as it was is the rest, the row allocator included
+# (it once kept the row the lookup took).
+STALE_CASES = [
+    ("allocate-computed-of-another-salt",
+     lambda m: m.allocate_slots(NewRequest("n", [20, 21, 22, 23, 24], cache_salt="s"), computed=C_HIT),
+     StaleComputedBlocksError, "computed"),
+    ("allocate-computed-of-another-lora",
+     lambda m: m.allocate_slots(NewRequest("n", [20, 21, 22, 23, 24], lora_id=3), computed=C_HIT),
+     StaleComputedBlocksError, "computed"),
+    ("allocate-computed-of-other-tokens",
+     lambda m: m.allocate_slots(NewRequest("n", [20, 21, 99, 23, 24]), computed=C_HIT),
+     StaleComputedBlocksError, "computed"),
+    ("allocate-computed-forged-ids",
+     lambda m: m.allocate_slots(NewRequest("n", [20, 21, 22, 23, 24]), computed=ComputedBlocks([[9, 11], [12, 13]], 4)),
+     StaleComputedBlocksError, "computed"),
+]
+
+
+def logical_state_of(m) -> tuple:
+    """A manager's state without what a call may use as scratch: the step
+    buffers and plans of each bucket, the staging buffers, the step counters,
+    the pool's per-step stamps (``last_seen``, ``touched``, ``stamp``: scratch
+    by design, ``gpukv/pool.py``), and the contents of rows no request holds."""
+    scratch = {"_admission_bufs", "_admission_plans", "_decode_bufs", "_host_plans", "_release_bufs", "_gather",
+               "_staging", "counters"}
+    fields = {k: v for k, v in vars(m).items() if k not in scratch and k not in ("pool", "_rows")}
+    out = [state_of(fields)]
+    if isinstance(m, DeviceManager):
+        pool = {k: v for k, v in vars(m.pool).items() if k not in ("stamp", "touched", "last_seen")}
+        held = sorted(m._reqs.values())
+        rows = m._rows
+        out += [state_of(pool), rows.state(), [state_of(t[held]) for t in (rows.tokens, rows.digests, rows.extras,
+                                                                           rows.lora)],
+                state_of(rows.block_table[:, held]),
+                [a[held].tolist() for a in (rows.num_tokens, rows.num_computed, rows.num_held, rows.null_until)]]
+    else:
+        out += [state_of(m.pool), state_of(m._rows)]
+    return tuple(out)
+
+
+@pytest.mark.parametrize("_name, call, exc, argument", STALE_CASES, ids=[c[0] for c in STALE_CASES])
+def test_computed_blocks_not_the_requests_own_are_refused_changing_nothing(scenario, _name, call, exc, argument):
+    errors = []
+    for m in scenario.managers():
+        before = logical_state_of(m)
+        with pytest.raises(exc) as info:
+            call(m)
+        assert info.value.argument == argument
+        assert logical_state_of(m) == before, f"{type(m).__module__} changed state on a refused call"
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    scenario.good_step()
 
 
 def test_the_catalogue_is_large_enough():
@@ -610,8 +647,9 @@ def test_a_refusal_keeps_what_went_wrong_as_its_cause(scenario):
 
 def test_counts_and_id_lists_are_answered_alike(scenario):
     # Once: "2" was answered by the reference and crashed the device manager
-    # (AttributeError); 10**30 overflowed on the device.
-    for count in (0, 1, 2, np.int64(2), 10**30):
+    # (AttributeError); 10**30 overflowed on the device, then both answered it
+    # (issue 29: a count is at most MAX_COUNT on both, CASES refuses more).
+    for count in (0, 1, 2, np.int64(2), MAX_COUNT):
         answers = [m.get_num_common_prefix_blocks("a", count) for m in scenario.managers()]
         assert answers[0] == answers[1], count
     assert [m.get_num_common_prefix_blocks("a", 2) for m in scenario.managers()][0][0] == 2  # a and b share 2
@@ -683,7 +721,6 @@ def build(kind, **kw):
     args = dict(num_blocks=8, block_size=2, hash_key=KEY, max_model_len=16)
     args.update(kw)
     if kind == "ref":
-        args.pop("max_num_reqs", None)
         args.pop("device", None)
         return ReferenceManager(args.pop("num_blocks"), args.pop("block_size"), **args)
     return DeviceManager(args.pop("num_blocks"), args.pop("block_size"), **args)
@@ -701,6 +738,9 @@ CONSTRUCTOR_CASES = [
     ("windows-zero", dict(sliding_windows=[None, 0]), InvalidInputError, "sliding_windows[1]"),
     ("windows-bool", dict(sliding_windows=[True]), InvalidTypeError, "sliding_windows[0]"),
     ("max-model-len-0", dict(max_model_len=0), InvalidInputError, "max_model_len"),
+    # issue 29: once accepted by the reference and refused by the device manager
+    ("max-model-len-2**40", dict(max_model_len=2**40), CapacityError, "max_model_len"),
+    ("max-num-reqs-2**31", dict(max_num_reqs=2**31), CapacityError, "max_num_reqs"),
     ("hash-key-short", dict(hash_key=b"short"), InvalidInputError, "hash_key"),
     ("hash-key-int", dict(hash_key=5), InvalidTypeError, "hash_key"),
 ]

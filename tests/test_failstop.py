@@ -10,7 +10,9 @@ way when its pool fails under it.
 from __future__ import annotations
 
 import importlib
+import warnings
 
+import numpy as np
 import pytest
 
 from gpukv import NewRequest, RunningBatch, RunningUpdate
@@ -86,8 +88,10 @@ def _launched_kernels():
     return [name for name, _ in _kernels() if name not in NOT_LAUNCHED]
 
 
-def _assert_stopped(m, fault_type: type[BaseException]) -> None:
-    assert m.failed
+def _every_call_after_a_fault(m) -> list:
+    """Every kind of call: mutating ones, reads, the properties that read
+    state, the invariants, and the decode's parts (issue 29: reads once
+    answered after a fault)."""
     calls = [
         lambda: m.step(),
         lambda: m.step(new=[NewRequest("z", [1, 2, 3])]),
@@ -96,12 +100,33 @@ def _assert_stopped(m, fault_type: type[BaseException]) -> None:
         lambda: m.get_computed_blocks(NewRequest("y", [1])),
         lambda: m.reset_prefix_cache(),
         lambda: m.make_prefix_cache_stats(),
+        lambda: m.read_num_free_blocks(),
+        lambda: m.read_num_evictions(),
+        lambda: m.read_usage(),
+        lambda: m.num_free_blocks,
+        lambda: m.num_evictions,
+        lambda: m.usage,
+        lambda: m.free_queue(),
+        lambda: m.request_ids(),
+        lambda: m.row_token_counts([]),
+        lambda: m.check_invariants(),
+        lambda: m.take_events(),
     ]
-    for call in calls:
-        with pytest.raises(ManagerFailedError, match="stopped after a fault") as info:
-            call()
+    if isinstance(m, DeviceManager):
+        calls.append(lambda: m.plan_decode(np.zeros(0, dtype=np.int64), 1))
+    return calls
+
+
+def _assert_stopped(m, fault_type: type[BaseException]) -> None:
+    assert m.failed and isinstance(m.failure, fault_type)  # (the one diagnostic that answers)
+    for call in _every_call_after_a_fault(m):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (the device's waiting properties warn first)
+            with pytest.raises(ManagerFailedError, match="stopped after a fault") as info:
+                call()
         assert isinstance(info.value.__cause__, fault_type)
         assert type(info.value.__cause__).__name__ in str(info.value)
+    assert m.num_blocks == 12 and m.limits.block_size == 4  # (its configuration still answers)
 
 
 @pytest.mark.parametrize("name", _launched_kernels())
@@ -302,3 +327,102 @@ def test_a_fault_in_a_nested_call_stops_the_outer_one_too(make, monkeypatch):
         m.decode([m.row_of("a")], [3])
     monkeypatch.undo()
     _assert_stopped(m, InvalidInputError)
+
+
+# ------------------------------------------------------------------ threads
+# Issue 29: two threads on one manager, one sending good steps and one bad
+# input, once stopped it (a refusal on one thread was taken for a fault: the
+# point-of-first-change mark is per manager), or crashed the device manager's
+# step accounting. A manager is used from one thread at a time: a call that
+# comes while another thread's is under way is refused at once.
+
+
+@pytest.mark.parametrize("make", [_device, _reference], ids=["device", "reference"])
+def test_two_threads_on_one_manager_are_refused_never_stopped(make):
+    import threading
+
+    from gpukv.errors import ConcurrentCallError
+
+    m = make()
+    stop = threading.Event()
+    outcomes: dict[str, list] = {"good": [], "bad": []}
+
+    import time
+
+    start = time.monotonic()
+
+    def good():
+        k = 0
+        # (both threads get their turns: the reference is fast enough to end before the other starts)
+        while k < 3 or (time.monotonic() - start < 3 and len(outcomes["bad"]) < 20):
+            try:
+                m.step(new=[NewRequest(f"g{k}", PREFIX + [k])])
+                m.step(finished=[f"g{k}"])
+                outcomes["good"].append("ok")
+            except ConcurrentCallError:
+                outcomes["good"].append("busy")
+                if f"g{k}" in m.request_ids():
+                    m.step(finished=[f"g{k}"])
+            k += 1
+        stop.set()
+
+    def bad():
+        while not stop.is_set():
+            try:
+                m.step(new=[NewRequest("x", [-1])])
+            except ConcurrentCallError:
+                outcomes["bad"].append("busy")
+            except InvalidInputError:
+                outcomes["bad"].append("refused")
+
+    threads = [threading.Thread(target=good), threading.Thread(target=bad)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not m.failed, m.failure
+    assert "ok" in outcomes["good"] and outcomes["bad"]
+    assert set(outcomes["bad"]) <= {"busy", "refused"}  # (never a fault: refused at once, or refused its input)
+    while True:  # (the last good step may have been refused before its free)
+        try:
+            held = m.request_ids()
+            m.step(finished=held)
+            break
+        except ConcurrentCallError:  # pragma: no cover (both threads have ended)
+            continue
+    m.check_invariants()
+    assert m.read_num_free_blocks() == m.num_blocks - 1
+
+
+@pytest.mark.parametrize("make", [_device, _reference], ids=["device", "reference"])
+def test_a_call_while_another_threads_call_is_under_way_is_refused_at_once(make):
+    import threading
+
+    from gpukv.errors import ConcurrentCallError
+
+    m = make()
+    m.step(new=[NewRequest("a", PREFIX)])
+    inside, release = threading.Event(), threading.Event()
+    real = type(m)._normalize
+
+    def slow_normalize(self, *args, **kwargs):  # holds the first call inside the manager
+        inside.set()
+        release.wait(30)
+        return real(self, *args, **kwargs)
+
+    errors = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(m), "_normalize", slow_normalize)
+        first = threading.Thread(target=lambda: m.step(finished=["a"]))
+        first.start()
+        assert inside.wait(30)
+        for call in (lambda: m.step(), lambda: m.read_num_free_blocks(), lambda: m.get_block_ids("a"),
+                     lambda: m.check_invariants()):
+            with pytest.raises(ConcurrentCallError) as info:
+                call()
+            errors.append(info.value)
+        release.set()
+        first.join(30)
+    assert all(isinstance(e, RuntimeError) and "one thread at a time" in str(e) for e in errors)
+    assert not m.failed and m.request_ids() == []  # the first call went through, the others changed nothing
+    m.check_invariants()

@@ -17,7 +17,7 @@ from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.running import RunningBatch
-from workload import KEY
+from workload import KEY, state_of
 
 
 def managers(num_blocks=16, block_size=4, windows=(None,), max_model_len=64):
@@ -203,3 +203,36 @@ def test_a_known_block_that_fills_beyond_the_chunk_is_hashed_then():
         m.check_invariants()
         probe = m.get_computed_blocks(NewRequest("probe", [1, 2, 3, 4, 9]))
         assert probe.num_tokens == 4
+
+
+def _held_state(m: DeviceManager) -> tuple:
+    """What a step that gives a request nothing must leave as it was: the
+    pool (reference counts, free queue, hash table, cached blocks' records)
+    and every request row (tokens, digests, extra keys, block tables, the
+    host's counts)."""
+    from gpukv.kernels import free_queue
+
+    rows, counters = m._rows, m.pool.free_queue.counters.clone()
+    counters[int(free_queue.LAST_POP)] = 0  # (the last pop's count: a launch's output, 0 when nothing fit)
+    return (state_of(m.pool.ref_cnt), state_of(counters), m.free_queue(), m.pool.table_entries(),
+            [state_of(getattr(m.pool.table, f)) for f in ("slot_lo", "slot_hi", "slot_group", "slot_block",
+                                                           "block_slot", "block_seq", "counters")],
+            [state_of(t) for t in (m.pool.blk_parent, m.pool.blk_tokens, m.pool.blk_extra)],
+            [state_of(t) for t in (rows.tokens, rows.digests, rows.extras, rows.block_table, rows.lora)],
+            [x.tolist() for x in (rows.num_tokens, rows.num_computed, rows.num_held, rows.null_until)])
+
+
+@pytest.mark.parametrize("form", ["updates", "batch"])
+def test_a_running_request_that_does_not_fit_changes_nothing(form):
+    # Issue 29: a running update reported as not fitting once wrote its row's
+    # tokens and digests and moved the free queue's counters.
+    dev = managers(num_blocks=6, block_size=2)[1]  # 5 usable blocks
+    dev.step(new=[NewRequest("a", [1, 2, 3]), NewRequest("b", [4, 5, 6])])  # 2 blocks each, 1 free
+    before = _held_state(dev)
+    if form == "updates":
+        res = dev.step(running=[RunningUpdate("a", [7, 8, 9, 10])])  # 7 tokens: 2 more blocks
+    else:
+        res = dev.step(running=RunningBatch([dev.row_of("a")], [7, 8, 9, 10], num_new_tokens=[4]))
+    assert res.running_failed_at == 0
+    assert _held_state(dev) == before
+    dev.check_invariants()

@@ -6,13 +6,17 @@ calls ``check(step_index, managers, results)`` after every step, so a test can
 compare the device manager with the reference step by step; ``check`` and
 ``assert_same`` are that comparison. ``chunked_session`` is another such
 session, of chunked prefills, token budgets, lookahead and the batched
-``decode`` entry.
+``decode`` entry. ``state_of`` is everything an object holds, as plain
+values (the catalogues' snapshots).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+
+import numpy as np
+import torch
 
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpukv.hashing import MMItem
@@ -218,3 +222,32 @@ def waiting_loop_one_at_a_time(m, new, token_budget: int | None = None, chunk: i
         if left is not None:
             left -= num_new
     return hits
+
+
+def state_of(obj, seen=None):
+    """Everything an object holds, recursively, as comparable plain values:
+    tensors as (dtype, shape, device, bytes), dicts in their order."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.device.type,
+                obj.detach().cpu().contiguous().numpy().tobytes())
+    if isinstance(obj, np.ndarray):
+        return ("array", obj.dtype.str, obj.shape, obj.tobytes())
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, np.generic, torch.device, torch.dtype)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [state_of(x, seen) for x in obj])
+    if isinstance(obj, (set, frozenset)):
+        return ("set", sorted(repr(x) for x in obj))
+    if isinstance(obj, dict):
+        return ("dict", [(state_of(k, seen), state_of(v, seen)) for k, v in obj.items()])
+    if callable(obj) and not hasattr(obj, "__dict__"):
+        return ("callable", repr(obj))
+    if id(obj) in seen:
+        return ("seen", type(obj).__name__)
+    seen.add(id(obj))
+    fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            fields[name] = getattr(obj, name)
+    return (type(obj).__name__, {k: state_of(v, seen) for k, v in sorted(fields.items())})
