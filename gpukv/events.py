@@ -23,7 +23,7 @@ its step status (``docs/design.md``), so several decode steps can share one.
 ``dropped`` counts events lost to a full device buffer since the last batch:
 never silent, the manager also warns.
 
-On the wire. ``gpukv.kv_events`` publishes these batches as current vLLM
+On the wire. ``gpukv.kv_events`` publishes these batches as vLLM 0.33.0
 does (msgpack over a ZMQ PUB socket with a replay socket) and turns what a
 subscriber receives back into them (``from_wire``). There a digest may be an
 int (vLLM's default form: the digest's last 8 bytes, big-endian), hence
