@@ -619,7 +619,7 @@ def _print_table(rows: list[dict], cuda: bool) -> None:
                     "| reads/step")
         ndev = 5
     else:
-        dev_head = ("launches/step (replayed) | torch ops | uploads | events recorded, waited | reads | stream "
+        dev_head = ("launches/step | torch ops | uploads | events recorded, waited | reads | stream "
                     "queries | twin host ms | launch path ms | stated ms | honest p50 ms [min-max] "
                     "| ratio honest/vLLM p50")
         ndev = 11
@@ -641,7 +641,7 @@ def _print_table(rows: list[dict], cuda: bool) -> None:
         else:
             c = d["counts"]
             honest = d.get("honest_ms")
-            cells += [f"{_count_cell(d, 'launches')} ({d['replayed']['mean']:.1f})", _count_cell(c, "torch_op"),
+            cells += [f"{_count_cell(d, 'launches')}, {d['replayed']['mean']:.1f} replayed", _count_cell(c, "torch_op"),
                       _count_cell(c, "upload"), f"{c['event_record']['mean']:.1f}, {c['event_wait']['mean']:.1f}",
                       _count_cell(c, "read"), _count_cell(c, "stream_query"), f"{d['host_ms']['p50']:.3f}",
                       f"{d['launch_path_ms']['p50']:.3f}" if "launch_path_ms" in d else "-",
