@@ -73,6 +73,14 @@ class FailStop:
         diagnostic that answers after a fault."""
         return self._fault
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, a pickle) leaves the call lock out: a
+        lock cannot be copied, and the copy is another manager that makes its
+        own on its first call."""
+        state = self.__dict__.copy()
+        state.pop("_call_lock", None)
+        return state
+
     def _enter_call(self, name: str) -> threading.RLock:
         """Take the call lock without waiting (a call nested in one of this
         thread goes on); a call under way on another thread: refused."""

@@ -26,7 +26,7 @@ The 0.33 counterpart of ``tests/test_vllm/harness.py`` (vLLM 0.8.5). What is her
 
 Run (``INSTALL_HINT``)::
 
-    PYTHONPATH=. /work/vllm033/venv/bin/python -m pytest -q tests/test_vllm033
+    PYTHONPATH=. VENV/bin/python -m pytest -q tests/test_vllm033
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import gpukv._runtime  # noqa: F401  (before vLLM imports triton: the interprete
 VLLM_VERSION_PREFIX = "0.33."
 INSTALL_HINT = (
     "build a second venv: `pip install torch==2.13.0`, `pip install --no-deps vllm==0.33.0`, the pure-Python "
-    "packages its scheduler imports (/work/vllm033/requirements-vllm033.txt; /work/notes/vllm033.md), "
+    "packages its scheduler imports (tests/test_vllm033/requirements-vllm033.txt; tests/test_vllm033/NOTES.md), "
     "`pip install --no-deps -e .`, then `PYTHONPATH=. VENV/bin/python -m pytest -q tests/test_vllm033`"
 )
 
