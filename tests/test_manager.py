@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpukv.errors import InvalidInputError, InvalidTypeError, UnknownRequestError
+from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -216,7 +216,7 @@ def test_allocate_slots_with_stale_or_shorter_computed_blocks():
         m.step(new=[NewRequest("x", list(range(100, 114)))])  # 7 blocks: evicts the cached ones
     for m in (ref, dev):
         before = (m.free_queue(), m.request_ids())
-        with pytest.raises(ValueError, match="stale"):
+        with pytest.raises(StaleComputedBlocksError, match="not what a lookup of this request finds now"):
             m.allocate_slots(NewRequest("c", [1, 2, 3, 4, 5]), computed=ComputedBlocks([[1, 2]], 4))
         assert (m.free_queue(), m.request_ids()) == before
     assert_same(ref, dev)

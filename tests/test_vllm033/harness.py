@@ -86,7 +86,8 @@ __all__ = [
     "EOS_TOKEN_ID", "SAMPLED_TOKEN_ID", "AllBlocksCleared", "BlockRemoved", "BlockStored", "BlockTables",
     "DraftTokenIds", "Engine", "EngineCoreOutputs", "EventRecorder", "KVCacheBlocks", "KVView", "ModelRunnerOutput",
     "PrefixCacheStats", "Request", "RequestStatus", "SamplingParams", "SchedulerOutput", "VllmAsyncScheduler",
-    "VllmKVCacheManager", "VllmScheduler", "is_async", "make_requests", "make_scheduler", "scheduler_params",
+    "VllmKVCacheManager", "VllmScheduler", "coordinator_name", "is_async", "is_gpukv", "make_requests",
+    "gpukv033", "make_scheduler", "scheduler_params",
 ]
 
 EOS_TOKEN_ID = 50256
@@ -98,10 +99,29 @@ SAMPLED_TOKEN_ID = 1000
 
 # ---------------------------------------------------------------- scheduler classes
 
-EXTRA_SCHEDULERS: dict[str, type] = {}
-"""More scheduler classes by param id (a gpukv class for vLLM 0.33, once it
-exists): ``scheduler_params`` offers them beside vLLM's own. A class that
-subclasses ``AsyncScheduler`` runs with async scheduling on."""
+from gpukv.vllm import v0_33 as gpukv033  # noqa: E402  (after the skips: it imports vLLM 0.33)
+
+EXTRA_SCHEDULERS: dict[str, type] = {
+    "gpukv-ref": gpukv033.ReferenceScheduler,
+    "gpukv-ref-async": gpukv033.ReferenceAsyncScheduler,
+}
+"""More scheduler classes by param id (gpukv's for vLLM 0.33, on the
+reference backend): ``scheduler_params`` offers them beside vLLM's own. A
+class that subclasses ``AsyncScheduler`` runs with async scheduling on. The
+device backend runs a few streams of its own (``test_streams.py``)."""
+
+
+def is_gpukv(scheduler_or_cls: Any) -> bool:
+    """Whether a scheduler (or class) is one of gpukv's."""
+    cls = scheduler_or_cls if isinstance(scheduler_or_cls, type) else type(scheduler_or_cls)
+    return issubclass(cls, (gpukv033.Scheduler, gpukv033.AsyncScheduler))
+
+
+def coordinator_name(scheduler: Any) -> str:
+    """The class name of the KV-cache coordinator vLLM chose (for gpukv: the
+    one it would have chosen, which gpukv's stand-in names)."""
+    coordinator = scheduler.kv_cache_manager.coordinator
+    return getattr(coordinator, "vllm_kind", type(coordinator).__name__)
 
 
 def is_async(cls: type) -> bool:
@@ -226,9 +246,12 @@ def make_scheduler(
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid))
     vllm_config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory
-    scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                    structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,
-                    hash_block_size=block_size, include_finished_set=include_finished_set, log_stats=log_stats)
+    try:
+        scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                        structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,
+                        hash_block_size=block_size, include_finished_set=include_finished_set, log_stats=log_stats)
+    except gpukv033.UnsupportedConfigError as exc:  # a configuration gpukv refuses, by design (its message says why)
+        pytest.skip(f"{cls.__name__} refuses this configuration: {exc}")
     if enable_kv_cache_events:
         scheduler.kv_event_publisher = EventRecorder()  # what a subscriber to the ZMQ publisher receives
     scheduler.use_v2_model_runner = model_runner_v2  # as vLLM's own tests set it, after construction
@@ -457,8 +480,14 @@ def stats_of(results: dict[int, Any]) -> Any:
 class KVView:
     """The facts about a scheduler's KV cache that tests assert, through the
     manager's public interface where it has one (``get_block_ids``, ``usage``)
-    and through vLLM's ``block_pool`` otherwise. Block ids count from 0, the
-    null block."""
+    and through vLLM's ``block_pool`` otherwise (a gpukv scheduler:
+    :class:`GpukvKVView`, the same facts from the gpukv manager). Block ids
+    count from 0, the null block."""
+
+    def __new__(cls, scheduler: Any) -> Any:
+        if cls is KVView and is_gpukv(scheduler):
+            return super().__new__(GpukvKVView)
+        return super().__new__(cls)
 
     def __init__(self, scheduler: Any) -> None:
         self.kvm = scheduler.kv_cache_manager
@@ -489,6 +518,37 @@ class KVView:
         assert self.ref_counts() == {}
         assert self.num_free_blocks() == self.pool.num_gpu_blocks - 1
         assert self.kvm.usage == 0.0
+
+
+class GpukvKVView(KVView):
+    """:class:`KVView` of a gpukv scheduler: the same facts read from the
+    gpukv manager under the adapter (``kv_cache_manager.manager``), the
+    reference's host state or the device pool's host views."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.kvm = scheduler.kv_cache_manager
+        self.manager = self.kvm.manager
+        self.device = self.kvm.backend == "device"
+
+    def num_free_blocks(self) -> int:
+        return self.manager.read_num_free_blocks()
+
+    def free_queue(self) -> list[int]:
+        return self.manager.free_queue()
+
+    def cached_block_ids(self) -> set[int]:
+        table = self.manager.pool.table_entries() if self.device else self.manager.pool.table()
+        return {b for blocks in table.values() for b in blocks}
+
+    def ref_counts(self) -> dict[int, int]:
+        counts = self.manager.pool.ref_counts() if self.device else self.manager.pool.ref_cnt
+        return {b: int(n) for b, n in enumerate(counts) if b and n > 0}
+
+    def assert_empty(self) -> None:
+        assert self.ref_counts() == {}
+        assert self.num_free_blocks() == self.kvm.num_gpu_blocks - 1
+        assert self.kvm.usage == 0.0
+        self.kvm.check_invariants()
 
 
 class BlockTables:

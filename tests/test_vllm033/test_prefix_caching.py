@@ -26,6 +26,7 @@ from .harness import (
     KVCacheBlocks,
     KVView,
     VllmScheduler,
+    coordinator_name,
     is_async,
     make_requests,
     make_scheduler,
@@ -150,7 +151,7 @@ def test_without_prefix_caching_freed_blocks_are_reused_last_first(cls):
     """Caching off: every freed block goes to the front, the tail first, so
     the next request gets the same blocks in reverse."""
     scheduler = make_scheduler(cls, num_blocks=10, enable_prefix_caching=False)
-    assert type(scheduler.kv_cache_manager.coordinator).__name__ == "KVCacheCoordinatorNoPrefixCache"
+    assert coordinator_name(scheduler) == "KVCacheCoordinatorNoPrefixCache"
     engine = Engine(scheduler)
     run_one(engine, 0, [5] * 40)
     assert KVView(scheduler).free_queue()[:4] == [3, 2, 1, 4]

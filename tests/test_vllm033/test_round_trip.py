@@ -17,6 +17,8 @@ from .harness import (
     KVView,
     VllmAsyncScheduler,
     VllmScheduler,
+    coordinator_name,
+    is_async,
     make_requests,
     make_scheduler,
     model_output,
@@ -95,7 +97,7 @@ def test_engine_loop_finishes_every_request_and_frees_every_block(cls):
     # sync: 1 prefill + 3 decodes, then the step that hands the finished ids to the workers (has_requests()
     # holds while finished_req_ids is not empty); async: 4 batches, one empty schedule while the last
     # decode is in flight, the finished ids' step, and the two empty batches drained
-    assert steps == (7 if cls is VllmAsyncScheduler else 5)
+    assert steps == (7 if is_async(cls) else 5)
     KVView(scheduler).assert_empty()
 
 
@@ -104,7 +106,7 @@ def test_hybrid_round_trip_gives_one_block_list_per_group():
     request gets blocks in both groups from one pool; the window group's
     blocks behind the window become the null block (0) as decoding goes on."""
     scheduler = make_scheduler(VllmScheduler, sliding_window=32, hybrid=True, num_blocks=100)
-    assert type(scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    assert coordinator_name(scheduler) == "HybridKVCacheCoordinator"
     (request,) = make_requests(1, 64, max_tokens=20, ignore_eos=True)
     engine = Engine(scheduler)
     engine.add([request])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import VllmScheduler, scheduler_params
+from .harness import EXTRA_SCHEDULERS, VllmAsyncScheduler, VllmScheduler, gpukv033, is_async, scheduler_params
 from .streams import StreamConfig, coverage, run_stream
 
 SEEDS = [0, 1, 2, 3]
@@ -45,3 +45,34 @@ def test_streams_exercise_hits_chunks_preemption_drafts_aborts_and_events():
 
 def test_different_seeds_make_different_streams():
     assert run_stream(VllmScheduler, StreamConfig(seed=0)) != run_stream(VllmScheduler, StreamConfig(seed=1))
+
+
+# ---------------------------------------------------------------- gpukv held to vLLM, step by step
+
+GPUKV = [pytest.param(cls, id=name) for name, cls in EXTRA_SCHEDULERS.items()]
+
+
+@pytest.mark.parametrize("cls", GPUKV)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gpukv_stream_is_vllms_step_by_step(cls, seed):
+    """Every step's ``SchedulerOutput``, tokens, stats, usage and KV events of
+    a gpukv class equal those of vLLM's own class of the same kind (sync or
+    async) on the same stream."""
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    config = StreamConfig(seed=seed)
+    expected = run_stream(vllm_cls, config, check_tables=False)
+    got = run_stream(cls, config)
+    for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+        assert have == want, f"step {step} differs"
+    assert len(got) == len(expected)  # (after the steps: the first that differs says more)
+
+
+DEVICE = [pytest.param(gpukv033.DeviceScheduler, id="gpukv-device"),
+          pytest.param(gpukv033.DeviceAsyncScheduler, id="gpukv-device-async")]
+
+
+@pytest.mark.parametrize("cls", DEVICE)
+def test_gpukv_device_stream_is_vllms_step_by_step(cls):
+    """The device backend on one stream, sync and async (about 45 s each under
+    Triton's interpreter, hence not the whole suite: the reference runs that)."""
+    test_gpukv_stream_is_vllms_step_by_step(cls, SEEDS[0])
