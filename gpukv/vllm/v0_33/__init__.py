@@ -1,0 +1,26 @@
+"""gpukv under vLLM 0.33's v1 engine (``gpukv.vllm`` exports these when vLLM 0.33.x is installed).
+
+* ``KVCacheManager``: vLLM 0.33's ``KVCacheManager`` interface on a gpukv
+  manager (the device manager on CUDA, the reference elsewhere).
+* ``AsyncScheduler`` / ``Scheduler``: vLLM 0.33's ``AsyncScheduler`` (async
+  scheduling, the engine's default) and ``Scheduler`` running on it,
+  ``vllm serve MODEL --scheduler-cls gpukv.vllm.AsyncScheduler``;
+  ``Reference*`` and ``Device*`` pin the backend. vLLM's own scheduling loop
+  (no batched ``schedule()`` for 0.33).
+* ``UnsupportedConfigError``: what a refused configuration raises.
+"""
+
+from __future__ import annotations
+
+from gpukv.vllm.v0_33.manager import Block, KVCacheManager, UnsupportedConfigError
+from gpukv.vllm.v0_33.scheduler import (
+    AsyncScheduler,
+    DeviceAsyncScheduler,
+    DeviceScheduler,
+    ReferenceAsyncScheduler,
+    ReferenceScheduler,
+    Scheduler,
+)
+
+__all__ = ["AsyncScheduler", "Block", "DeviceAsyncScheduler", "DeviceScheduler", "KVCacheManager",
+           "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnsupportedConfigError"]

@@ -1,0 +1,103 @@
+"""vLLM 0.33's v1 ``Scheduler`` and ``AsyncScheduler`` on gpukv:
+``--scheduler-cls gpukv.vllm.AsyncScheduler`` (async scheduling, vLLM
+0.33's default) or ``gpukv.vllm.Scheduler``.
+
+vLLM's own scheduling loop, unchanged (one block-manager call per request):
+after vLLM's ``__init__`` builds its ``KVCacheManager``, the mixin swaps in
+``gpukv.vllm.v0_33.KVCacheManager``, which answers every call as vLLM's
+manager does. A plain ``Scheduler`` subclass under async scheduling would run
+every other batch empty (the output placeholders are ``AsyncScheduler``'s),
+hence the two classes. gpukv's batched ``schedule()`` (vLLM 0.8.5's
+``gpukv.vllm.Scheduler.batched``) is not offered for 0.33.
+
+Configurations the adapter does not follow are refused at construction with
+an ``UnsupportedConfigError`` saying what and what to do
+(``_refuse_unsupported``; ``gpukv/vllm/v0_33/manager.py`` lists them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+from gpukv.vllm.v0_33.manager import KVCacheManager, UnsupportedConfigError, check_kv_cache_config
+
+
+def _refuse_unsupported(scheduler: Any, kv_cache_config: Any) -> None:
+    """Refuse what vLLM's constructor set up that the gpukv manager does not
+    follow (the old manager is bound to connectors; Mamba, copy-on-write and
+    zeroing need vLLM's pool)."""
+    def refuse(what: str, fix: str) -> UnsupportedConfigError:
+        return UnsupportedConfigError(f"gpukv's vLLM 0.33 scheduler does not support {what}",
+                                      argument="vllm_config", fix=fix)
+
+    check_kv_cache_config(kv_cache_config)
+    if scheduler.connector is not None:
+        raise refuse("a KV connector (kv_transfer_config)", "drop kv_transfer_config, or use vLLM's own scheduler")
+    if scheduler.aux_output_connector is not None:
+        raise refuse("the aux-output connector (aux_output_config.enabled)",
+                     "turn aux_output_config off, or use vLLM's own scheduler")
+    if scheduler.is_encoder_decoder:
+        raise refuse("encoder-decoder models", "use vLLM's own scheduler")
+    if scheduler.hash_block_size != scheduler.block_size:
+        raise refuse(f"a hash block size ({scheduler.hash_block_size}) below the block size ({scheduler.block_size}): "
+                     "fine-grained partial hits", "hash at the block size")
+    if scheduler.use_eagle_block_drop:
+        raise refuse("EAGLE's trailing-block drop", "use n-gram or draft-model speculation, or vLLM's own scheduler")
+    if scheduler.num_hash_lookahead_tokens or scheduler.num_prefill_lookahead:
+        raise refuse("hash or prefill lookahead tokens", "use vLLM's own scheduler")
+    if scheduler.dcp_world_size > 1:
+        raise refuse("decode context parallelism (decode_context_parallel_size > 1)", "use vLLM's own scheduler")
+
+
+class _GpukvManagerMixin:
+    """Swaps vLLM's ``KVCacheManager`` for gpukv's after vLLM's constructor.
+
+    ``backend`` (class attribute): "auto" (the device manager on CUDA, the
+    reference elsewhere), "reference" or "device"."""
+
+    backend = "auto"
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)  # type: ignore[call-arg]
+        me: Any = self
+        _refuse_unsupported(me, kv_cache_config)
+        me.kv_cache_manager = KVCacheManager(
+            kv_cache_config, me.max_model_len, enable_caching=bool(me.cache_config.enable_prefix_caching),
+            log_stats=me.log_stats, enable_kv_cache_events=me.enable_kv_cache_events,
+            watermark=me.scheduler_config.watermark, backend=self.backend,
+            max_num_reqs=min(max(1, me.max_num_running_reqs), 64))  # (rows grow past it)
+
+
+class Scheduler(_GpukvManagerMixin, VllmScheduler):
+    """vLLM 0.33's ``Scheduler`` (synchronous) on gpukv's block manager."""
+
+
+class AsyncScheduler(_GpukvManagerMixin, VllmAsyncScheduler):
+    """vLLM 0.33's ``AsyncScheduler`` (async scheduling, the engine's default) on gpukv's block manager."""
+
+
+class ReferenceScheduler(Scheduler):
+    """``Scheduler`` on the reference manager (host, the executable spec)."""
+
+    backend = "reference"
+
+
+class ReferenceAsyncScheduler(AsyncScheduler):
+    """``AsyncScheduler`` on the reference manager."""
+
+    backend = "reference"
+
+
+class DeviceScheduler(Scheduler):
+    """``Scheduler`` on the device manager (Triton kernels; the interpreter without CUDA)."""
+
+    backend = "device"
+
+
+class DeviceAsyncScheduler(AsyncScheduler):
+    """``AsyncScheduler`` on the device manager."""
+
+    backend = "device"

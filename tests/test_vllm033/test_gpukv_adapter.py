@@ -1,0 +1,84 @@
+"""gpukv's vLLM 0.33 adapter itself: what ``gpukv.vllm`` exports under 0.33,
+what it refuses, and bad input. (Its behaviour is held to vLLM's by every
+other module here: ``harness.EXTRA_SCHEDULERS``.)"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from gpukv.errors import InvalidInputError
+
+from .harness import Engine, gpukv033, make_requests, make_scheduler
+
+
+def test_gpukv_vllm_exports_the_033_classes_under_vllm_033():
+    import gpukv.vllm
+
+    assert gpukv.vllm.Scheduler is gpukv033.Scheduler
+    assert gpukv.vllm.AsyncScheduler is gpukv033.AsyncScheduler
+    assert gpukv.vllm.KVCacheManager is gpukv033.KVCacheManager
+    assert gpukv.vllm.VLLM_VERSION.startswith("0.33.")
+
+
+def test_an_unsupported_vllm_version_is_a_clear_import_error(monkeypatch):
+    import vllm
+
+    import gpukv.vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.9.1")
+    saved = sys.modules.pop("gpukv.vllm")
+    try:
+        with pytest.raises(ImportError, match=r"supports vLLM 0\.8\.x .* and 0\.33\.x .*found vLLM 0\.9\.1"):
+            importlib.import_module("gpukv.vllm")
+    finally:
+        sys.modules["gpukv.vllm"] = saved
+    assert gpukv.vllm.Scheduler is gpukv033.Scheduler
+
+
+@pytest.mark.parametrize("options", [dict(sliding_window=32), dict(sliding_window=32, hybrid=True)])
+def test_sliding_window_configurations_are_refused_at_construction(options):
+    with pytest.raises(pytest.skip.Exception, match="does not support sliding-window groups"):
+        make_scheduler(gpukv033.ReferenceScheduler, **options)
+
+
+def test_the_engine_core_reads_the_coordinator_stand_in():
+    scheduler = make_scheduler(gpukv033.ReferenceAsyncScheduler)
+    (manager,) = scheduler.kv_cache_manager.coordinator.single_type_managers
+    assert manager.block_size == 16 and type(manager.kv_cache_spec).__name__ == "FullAttentionSpec"
+    assert scheduler.kv_cache_manager.manager.__class__.__name__ == "ReferenceManager"
+
+
+def test_connector_paths_say_they_are_refused():
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler)
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="KV-connector"):
+        scheduler.kv_cache_manager.evict_blocks({1})
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="block_pool.free_blocks"):
+        scheduler.kv_cache_manager.block_pool.free_blocks([])
+
+
+def test_bad_allocations_are_refused_and_change_nothing():
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler)
+    kvm = scheduler.kv_cache_manager
+    engine = Engine(scheduler)
+    engine.add(make_requests(1, 40, max_tokens=2, ignore_eos=True))
+    engine.run_until_idle()
+    (request,) = make_requests(1, 40, first_id=0)  # the same prompt: hits 2 blocks
+    blocks, hit, _ = kvm.get_computed_blocks(request)
+    assert hit == 32
+    free = kvm.num_free_blocks()
+    with pytest.raises(InvalidInputError, match="num_new_tokens must be an int >= 1"):
+        kvm.allocate_slots(request, 0)
+    with pytest.raises(InvalidInputError, match="not the hit's 32 tokens"):
+        kvm.allocate_slots(request, 8, 16, blocks)
+    (other,) = make_requests(1, 40, first_id=7)
+    with pytest.raises(InvalidInputError, match="not the hit of request '7'"):
+        kvm.allocate_slots(other, 8, 32, blocks)
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="external"):
+        kvm.allocate_slots(request, 8, 32, blocks, num_external_computed_tokens=16)
+    assert kvm.num_free_blocks() == free and kvm.request_ids() == []
+    # the uncached block was freed first, so it is reused first
+    assert kvm.allocate_slots(request, 8, 32, blocks).get_block_ids() == ([3],)
+    kvm.check_invariants()
