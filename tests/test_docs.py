@@ -241,6 +241,29 @@ def test_files_named_in_shell_blocks_exist():
     assert not missing, "\n".join(missing)
 
 
+def test_extras_and_scheduler_classes_in_shell_blocks_exist():
+    """``pip install 'gpukv[X]'`` names an extra of pyproject.toml, and
+    ``--scheduler-cls gpukv.vllm.NAME`` a class one of the vLLM adapters
+    exports (read from ``gpukv/vllm/__init__.py``: each vLLM version's
+    ``__all__``; importing it here would need that vLLM)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["project"]["optional-dependencies"])
+    exported = set(re.findall(r'"(\w+)"', " ".join(re.findall(r"__all__ = \[([^\]]*)\]",
+                                                                (ROOT / "gpukv/vllm/__init__.py").read_text()))))
+    wrong, extras_seen, classes_seen = [], 0, 0
+    for where, text in _shell_texts():
+        for extra in re.findall(r"gpukv\[([\w,-]+)\]", text):
+            extras_seen += 1
+            wrong += [f"{where}: no extra {e!r} in pyproject.toml" for e in extra.split(",") if e not in extras]
+        for name in re.findall(r"--scheduler-cls gpukv\.vllm\.(\w+)", text):
+            classes_seen += 1
+            if name not in exported:
+                wrong.append(f"{where}: gpukv.vllm exports no {name}")
+    assert not wrong, "\n".join(wrong)
+    assert extras_seen >= 2 and classes_seen >= 2  # the parsing found them
+
+
 def test_gpukv_version_prints_the_one_version():
     import gpukv
     from gpukv.cli import main
