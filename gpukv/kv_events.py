@@ -51,6 +51,24 @@ picks (vLLM binds the node's address), and ``endpoint`` then says which; an
 full buffer (``KVEventBatch.dropped``) is published with a warning: the wire
 format has no field to say so, and a subscriber's index is stale after it.
 
+Routers without gpukv's key. Each ``BlockStored`` carries the blocks' tokens
+(``block_size`` per digest) and ``parent_block_hash``, the published digest
+of the block before the first (None at a request's start), so a router can
+hash ``token_ids`` itself and link blocks by parent, as NVIDIA Dynamo's
+indexer does. ``published_hash="sha256_cbor"`` (a publisher option) makes
+``block_hashes`` and ``parent_block_hash`` vLLM 0.33.0's own ``sha256_cbor``
+hashes, which a router can compute from token ids alone
+(``sha256_cbor_block_hashes``): NONE_HASH from ``PYTHONHASHSEED`` if set,
+else ``"vllm-none-hash"``, as vLLM seeds it. They are computed without
+extra keys: a LoRA block (``lora_id`` set) is refused (vLLM's hash covers
+the adapter's name and path, which gpukv does not have), and a block whose
+request had a ``cache_salt`` or multimodal items gets its plain-text hash
+(the events do not say which blocks had them). The publisher then maps each
+gpukv digest to its hash and so must see every batch of its manager from the
+first (a parent or removal it never saw is refused). These hashes are for
+routers only: the manager's hit stays decided by its own keyed digests of
+the request's tokens.
+
 Every input is checked, and a refusal is a typed error from ``gpukv.errors``
 (``argument: problem; fix``) that leaves the publisher as it was: endpoints
 (scheme, a port in 0..65535, ``*`` or 0 only where the socket binds, an ipc
@@ -68,6 +86,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -78,8 +97,8 @@ import stat
 import threading
 import time
 import warnings
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +121,7 @@ __all__ = [
     "VLLM_VERSION", "MEDIUM_GPU", "EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
     "KVEventBatch", "KVEventsConfig", "EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "make_publisher",
     "to_wire", "from_wire", "encode", "decode", "END_SEQ", "MAX_BUFFER_STEPS", "MAX_HWM",
+    "PUBLISHED_HASHES", "VLLM_NONE_HASH_SEED", "sha256_cbor_block_hashes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,6 +139,15 @@ MAX_HWM = 2**31 - 1
 #: The largest ``buffer_steps``: the replay socket's high-water mark,
 #: ``2 * (buffer_steps + 1)``, must fit a C int too.
 MAX_BUFFER_STEPS = (MAX_HWM - 1) // 2 - 1
+#: What ``published_hash`` may be: gpukv's own digests (the default), or
+#: vLLM's ``sha256_cbor`` block hashes, computed from the tokens alone.
+PUBLISHED_HASHES = ("gpukv", "sha256_cbor")
+#: The seed of vLLM's NONE_HASH (the parent of a chain's first block) when
+#: ``PYTHONHASHSEED`` is not set (vLLM 0.33.0's ``DEFAULT_NONE_HASH_SEED``).
+VLLM_NONE_HASH_SEED = "vllm-none-hash"
+#: Digests of evicted blocks kept so that a later child (a sliding-window
+#: request whose older blocks were freed and evicted) still finds its parent.
+_RETIRED_HASHES = 1 << 16
 _MAX_PORT = 65535
 _MAX_IPC_PATH_BYTES = 107  # a Unix socket's sun_path holds 108 bytes, the last a NUL
 
@@ -324,6 +353,156 @@ def _check_windows(sliding_windows: Any) -> list[int | None] | None:
             raise InvalidInputError(f"must be None or a positive int, got {w!r}", argument=f"sliding_windows[{i}]",
                                     fix=fix)
     return windows
+
+
+# ------------------------------------------------- vLLM's sha256_cbor hashes
+# vLLM 0.33.0 (v1/core/kv_cache_utils.py, utils/hashing.py): block i's hash is
+# SHA-256 of the canonical CBOR of (parent hash, tuple of block i's tokens,
+# extra keys), the parent of the first block being NONE_HASH = SHA-256 of the
+# CBOR of the seed (PYTHONHASHSEED if set, else "vllm-none-hash"). gpukv writes
+# that small shape itself (canonical CBOR: shortest heads, definite lengths).
+
+def _cbor_head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes([major << 5 | n])
+    for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * size):
+            return bytes([major << 5 | extra]) + n.to_bytes(size, "big")
+    raise OverflowError(f"{n} does not fit CBOR's 64-bit head")
+
+
+def _cbor_block(parent: bytes, tokens: Iterable[int]) -> bytes:
+    """Canonical CBOR of ``[parent, [tokens...], None]`` (no extra keys)."""
+    toks = [int(t) for t in tokens]
+    out = [_cbor_head(4, 3), _cbor_head(2, len(parent)), parent, _cbor_head(4, len(toks))]
+    out += [_cbor_head(0, t) if t >= 0 else _cbor_head(1, -1 - t) for t in toks]
+    out.append(b"\xf6")
+    return b"".join(out)
+
+
+def _none_hash(seed: str) -> bytes:
+    text = seed.encode("utf-8")
+    return hashlib.sha256(_cbor_head(3, len(text)) + text).digest()
+
+
+def _none_hash_seed() -> str:
+    return os.environ.get("PYTHONHASHSEED", VLLM_NONE_HASH_SEED)
+
+
+def sha256_cbor_block_hashes(token_ids: Iterable[int], block_size: int, parent: bytes | None = None, *,
+                             seed: str | None = None) -> list[bytes]:
+    """vLLM 0.33.0's ``sha256_cbor`` hashes (32 bytes each) of the full
+    blocks of ``token_ids`` without extra keys, chained from ``parent`` (None:
+    the start of a request, NONE_HASH from ``seed``, by default vLLM's:
+    ``PYTHONHASHSEED`` if set, else ``"vllm-none-hash"``). What
+    ``published_hash="sha256_cbor"`` publishes (as ints: ``int_block_hash``)."""
+    _check_int("block_size", block_size, 1, MAX_HWM)
+    toks = list(token_ids)
+    h = parent if parent is not None else _none_hash(_none_hash_seed() if seed is None else seed)
+    out = []
+    for i in range(len(toks) // block_size):
+        h = hashlib.sha256(_cbor_block(h, toks[i * block_size:(i + 1) * block_size])).digest()
+        out.append(h)
+    return out
+
+
+class _Sha256CborChain:
+    """The publisher's map from gpukv's digests to vLLM's ``sha256_cbor``
+    hashes: a stored block's hash chains from its parent's (looked up by the
+    parent's gpukv digest), so the publisher must see every batch of its
+    manager from the first. ``rehash`` translates batches without changing
+    the map and returns a commit, so a refused publish changes nothing."""
+
+    def __init__(self, seed: str) -> None:
+        self.none_hash = _none_hash(seed)
+        self.live: dict[bytes, tuple[bytes, int]] = {}  # gpukv digest -> (sha, stored blocks)
+        self.retired: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def rehash(self, items: list[gk.KVEventBatch]) -> tuple[list[gk.KVEventBatch], Callable[[], None]]:
+        over: dict[bytes, tuple[bytes, int] | None] = {}
+        retire: dict[bytes, bytes] = {}
+        cleared = False
+
+        def live(d: bytes) -> tuple[bytes, int] | None:
+            if d in over:
+                return over[d]
+            return None if cleared else self.live.get(d)
+
+        def digest(d: Any, argument: str) -> bytes:
+            if not isinstance(d, bytes):
+                raise InvalidInputError(f"is a {type(d).__name__}, not a manager's digest", argument=argument,
+                                        fix="publish the batches a manager hands out (take_events())")
+            return d
+
+        out: list[gk.KVEventBatch] = []
+        for i, batch in enumerate(items):
+            events: list[gk.KVCacheEvent] = []
+            for j, e in enumerate(batch.events):
+                where = f"batches[{i}].events[{j}]"
+                if isinstance(e, gk.AllBlocksCleared):
+                    cleared, over = True, {}
+                    events.append(e)
+                elif isinstance(e, gk.BlockStored):
+                    if e.lora_id is not None:
+                        raise InvalidInputError(
+                            f"is a LoRA block (lora_id {e.lora_id}): vLLM's sha256_cbor hash covers the adapter's "
+                            "name and path, which gpukv does not have", argument=where,
+                            fix="publish LoRA deployments with published_hash='gpukv' (the default)")
+                    parent_sha: bytes | None = None
+                    if e.parent_block_hash is None:
+                        h = self.none_hash
+                    else:
+                        p = digest(e.parent_block_hash, f"{where}.parent_block_hash")
+                        entry = live(p)
+                        found = entry[0] if entry is not None else retire.get(p, self.retired.get(p))
+                        if found is None:
+                            raise InvalidInputError(
+                                "has a parent this publisher never published", argument=where,
+                                fix="with published_hash='sha256_cbor' publish every batch of the manager from "
+                                    "its first (make the publisher with the manager)")
+                        h = parent_sha = found
+                    shas = []
+                    for k, d in enumerate(e.block_hashes):
+                        d = digest(d, f"{where}.block_hashes[{k}]")
+                        h = hashlib.sha256(_cbor_block(h, e.token_ids[k * e.block_size:(k + 1) * e.block_size])
+                                           ).digest()
+                        entry = live(d)
+                        over[d] = (h, 1 if entry is None else entry[1] + 1)
+                        shas.append(h)
+                    events.append(gk.BlockStored(list(shas), parent_sha, list(e.token_ids), e.block_size,
+                                                 e.lora_id, e.group))
+                else:
+                    shas = []
+                    for k, d in enumerate(e.block_hashes):
+                        d = digest(d, f"{where}.block_hashes[{k}]")
+                        entry = live(d)
+                        if entry is None:
+                            raise InvalidInputError("removes a block this publisher never published as stored",
+                                                    argument=f"{where}.block_hashes[{k}]",
+                                                    fix="with published_hash='sha256_cbor' publish every batch "
+                                                        "of the manager from its first")
+                        over[d] = (entry[0], entry[1] - 1) if entry[1] > 1 else None
+                        if entry[1] == 1:
+                            retire[d] = entry[0]
+                        shas.append(entry[0])
+                    events.append(gk.BlockRemoved(list(shas), e.group))
+            out.append(gk.KVEventBatch(batch.seq, events, ts=batch.ts, dropped=batch.dropped))
+
+        def commit() -> None:
+            if cleared:
+                self.live.clear()
+            for d, v in over.items():
+                if v is None:
+                    self.live.pop(d, None)
+                else:
+                    self.live[d] = v
+            for d, sha in retire.items():
+                self.retired[d] = sha
+                self.retired.move_to_end(d)
+            while len(self.retired) > _RETIRED_HASHES:
+                self.retired.popitem(last=False)
+
+        return out, commit
 
 
 # ------------------------------------------------------------ configuration
@@ -559,7 +738,9 @@ class ZmqEventPublisher(EventPublisher):
     used here ``AddressError``. A refused constructor leaves no socket open.
 
     ``sliding_windows``: the manager's (``manager.sliding_windows``), for
-    ``kv_cache_spec_kind``; ``int_block_hashes``: see ``to_wire``.
+    ``kv_cache_spec_kind``; ``int_block_hashes``: see ``to_wire``;
+    ``published_hash``: ``"gpukv"`` (gpukv's digests) or ``"sha256_cbor"``
+    (vLLM's, from the tokens alone; module docstring).
     """
 
     _POLL_S = 0.02  # how long the thread waits for a batch before it looks at the replay socket again
@@ -567,7 +748,8 @@ class ZmqEventPublisher(EventPublisher):
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000, topic: str = "", *,
                  data_parallel_rank: int = 0, sliding_windows: Iterable[int | None] | None = None,
-                 int_block_hashes: bool | None = None, medium: str = MEDIUM_GPU) -> None:
+                 int_block_hashes: bool | None = None, medium: str = MEDIUM_GPU,
+                 published_hash: str = "gpukv") -> None:
         try:
             import zmq
         except ImportError:
@@ -577,6 +759,7 @@ class ZmqEventPublisher(EventPublisher):
         _check_int("data_parallel_rank", data_parallel_rank, 0, _MAX_PORT)
         _check_bool("int_block_hashes", int_block_hashes, optional=True)
         _check_text("medium", medium, f"pass the medium's name ({MEDIUM_GPU!r})")
+        _check_published_hash(published_hash)
         self.sliding_windows = _check_windows(sliding_windows)
         pub_endpoint = _offset_endpoint(endpoint, data_parallel_rank)
         replay = _offset_endpoint(replay_endpoint, data_parallel_rank)
@@ -586,6 +769,8 @@ class ZmqEventPublisher(EventPublisher):
         self.data_parallel_rank = data_parallel_rank
         self.int_block_hashes = _int_hashes_default() if int_block_hashes is None else int_block_hashes
         self.medium = medium
+        self.published_hash = published_hash
+        self._chain = _Sha256CborChain(_none_hash_seed()) if published_hash == "sha256_cbor" else None
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -652,7 +837,12 @@ class ZmqEventPublisher(EventPublisher):
         if self._closed:
             raise PublisherClosedError("the publisher is closed", fix="make a new publisher to publish more")
         items = _batch_list(batches)
+        commit = None
+        if self._chain is not None:
+            items, commit = self._chain.rehash(items)
         payloads = [self._encode(batch, f"batches[{i}]") for i, batch in enumerate(items)]
+        if commit is not None:
+            commit()
         for batch in items:
             if batch.dropped:
                 warnings.warn(f"KV-cache batch {batch.seq} follows {batch.dropped} dropped events, and the wire "
@@ -735,14 +925,25 @@ class ZmqEventPublisher(EventPublisher):
         self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
 
-_PUBLISHER_OPTIONS = ("sliding_windows", "int_block_hashes", "medium")
+_PUBLISHER_OPTIONS = ("sliding_windows", "int_block_hashes", "medium", "published_hash")
+
+
+def _check_published_hash(value: Any) -> None:
+    fix = "pass 'gpukv' (gpukv's digests, the default) or 'sha256_cbor' (vLLM's, from the tokens)"
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"must be a str, got {type(value).__name__} {value!r}", argument="published_hash",
+                               fix=fix)
+    if value not in PUBLISHED_HASHES:
+        raise InvalidInputError(f"must be one of {PUBLISHED_HASHES}, got {value!r}", argument="published_hash",
+                                fix=fix)
 
 
 def make_publisher(config: KVEventsConfig | None, *, data_parallel_rank: int = 0, **kwargs: Any) -> EventPublisher:
     """The publisher ``config`` asks for (vLLM's ``EventPublisherFactory``):
     a ``ZmqEventPublisher`` when events are on and the publisher is
     ``"zmq"``, else one that publishes nothing. ``kwargs`` go to
-    ``ZmqEventPublisher`` (``sliding_windows``, ``int_block_hashes``, ``medium``)."""
+    ``ZmqEventPublisher`` (``sliding_windows``, ``int_block_hashes``, ``medium``,
+    ``published_hash``)."""
     if config is not None and not isinstance(config, KVEventsConfig):
         raise InvalidTypeError(f"must be a KVEventsConfig or None, got {type(config).__name__}", argument="config",
                                fix="build one with KVEventsConfig(...) or KVEventsConfig.from_json(text)")
@@ -751,6 +952,8 @@ def make_publisher(config: KVEventsConfig | None, *, data_parallel_rank: int = 0
         if name not in _PUBLISHER_OPTIONS:
             raise InvalidTypeError("is not an option of the publisher", argument=name,
                                    fix=f"pass only {', '.join(_PUBLISHER_OPTIONS)}")
+    if "published_hash" in kwargs:
+        _check_published_hash(kwargs["published_hash"])
     if config is None or not config.enable_kv_cache_events or config.publisher == "null":
         return NullEventPublisher()
     return ZmqEventPublisher(config.endpoint, config.replay_endpoint, config.buffer_steps, config.hwm,
