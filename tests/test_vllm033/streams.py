@@ -36,8 +36,11 @@ class StreamConfig:
     num_blocks: int = 20
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 6
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: int = 2  # 0: no speculative decoding
     abort_rate: float = 0.004
+    sliding_window: int | None = None  # a sliding-window group of this many tokens (None: full attention only)
+    hybrid: bool = False  # with sliding_window: a full-attention group, then the window group
+    max_output_tokens: int = 47  # each request's output budget: 1..this many tokens
 
 
 @dataclass
@@ -57,6 +60,7 @@ class StepRecord:
     usage: float | None = None
     events: list[tuple[Any, ...]] = field(default_factory=list)
     aborted: tuple[str, ...] = ()  # finish_requests(..., FINISHED_ABORTED) just before this step
+    boundaries: dict[str, int] = field(default_factory=dict)  # new requests' shared_prefix_boundary
 
 
 def _groups(block_ids):
@@ -78,7 +82,8 @@ def record_output(out) -> StepRecord:
 
 
 def _event(event) -> tuple[Any, ...]:
-    fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "medium")
+    fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "medium",
+              "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
     return (type(event).__name__, *(getattr(event, name, None) for name in fields))
 
 
@@ -111,8 +116,9 @@ def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _request(rng: random.Random, i: int, prompt: list[int]) -> Any:
-    (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=rng.randrange(1, 48),
+def _request(rng: random.Random, i: int, prompt: list[int], max_output_tokens: int) -> Any:
+    max_tokens = rng.randrange(1, max_output_tokens + 1)
+    (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=max_tokens,
                                ignore_eos=True, prompt_logprobs=1 if rng.random() < 0.1 else None,
                                block_size=BLOCK_SIZE)
     return request
@@ -143,10 +149,11 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
     rng = random.Random(config.seed)
     scheduler = make_scheduler(cls, num_blocks=config.num_blocks, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
-                               num_speculative_tokens=config.num_speculative_tokens, block_size=BLOCK_SIZE,
+                               num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
+                               sliding_window=config.sliding_window, hybrid=config.hybrid,
                                enable_kv_cache_events=True)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
-    engine = Engine(scheduler, sample=model.sample, drafts=model.drafts,
+    engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=BlockTables() if check_tables else None)
     prompts = make_prompts(rng, config.num_requests)
     arrivals = sorted(rng.randrange(config.arrival_steps) for _ in prompts)
@@ -155,7 +162,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
     for step in range(max_steps):
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            scheduler.add_request(_request(rng, i, prompts[i]))
+            scheduler.add_request(_request(rng, i, prompts[i], config.max_output_tokens))
         aborted = _maybe_abort(rng, scheduler, config.abort_rate)
         if not pending and not scheduler.has_requests() and not engine.in_flight:
             break
@@ -164,6 +171,8 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
         if out is not None:
             records.append(record_output(out))
             records[-1].aborted = aborted
+            records[-1].boundaries = {rid: scheduler.requests[rid].shared_prefix_boundary
+                                      for rid, *_ in records[-1].new if rid in scheduler.requests}
         for results in engine.results[before:]:
             record_results(records[-1], results, scheduler)
     else:

@@ -102,8 +102,9 @@ def test_no_padding_without_speculative_decoding():
     assert out.scheduled_new_reqs[0].block_ids == ([1, 2, 3],)
 
 
-def test_hybrid_events_are_one_per_group_with_the_group_kind():
-    scheduler = make_scheduler(VllmScheduler, sliding_window=32, hybrid=True, enable_kv_cache_events=True)
+@pytest.mark.parametrize("cls", scheduler_params(async_=False))
+def test_hybrid_events_are_one_per_group_with_the_group_kind(cls):
+    scheduler = make_scheduler(cls, sliding_window=32, hybrid=True, enable_kv_cache_events=True)
     engine = Engine(scheduler)
     engine.add(make_requests(1, 32, max_tokens=1))
     engine.run_until_idle()

@@ -8,10 +8,11 @@ import importlib
 import sys
 
 import pytest
+import torch
 
 from gpukv.errors import InvalidInputError
 
-from .harness import Engine, gpukv033, make_requests, make_scheduler
+from .harness import Engine, gpukv033, is_async, make_requests, make_scheduler
 
 
 def test_gpukv_vllm_exports_the_033_classes_under_vllm_033():
@@ -39,9 +40,52 @@ def test_an_unsupported_vllm_version_is_a_clear_import_error(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [dict(sliding_window=32), dict(sliding_window=32, hybrid=True)])
-def test_sliding_window_configurations_are_refused_at_construction(options):
-    with pytest.raises(pytest.skip.Exception, match="does not support sliding-window groups"):
-        make_scheduler(gpukv033.ReferenceScheduler, **options)
+@pytest.mark.parametrize("cls", [gpukv033.ReferenceAsyncScheduler, gpukv033.ReferenceScheduler])
+def test_sliding_windows_with_tokens_in_flight_are_refused_at_construction(cls, options):
+    """Windows run on the synchronous Scheduler without speculative decoding;
+    async scheduling or drafts put tokens in flight, whose window release
+    (by processed tokens) gpukv's managers cannot be told yet."""
+    spec = {} if is_async(cls) else dict(num_speculative_tokens=2)
+    with pytest.raises(pytest.skip.Exception, match="releases window blocks by processed tokens"):
+        make_scheduler(cls, **options, **spec)
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler, **options)
+    assert scheduler.kv_cache_manager.manager.sliding_windows == [None] * options.get("hybrid", False) + [32]
+
+
+def test_window_configurations_gpukv_does_not_follow_are_refused():
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    def config(**window):
+        spec = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, **window)
+        return KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["w"], spec)])
+
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="sliding window of 1 token"):
+        gpukv033.KVCacheManager(config(sliding_window=1), 64)
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="extra retained tokens"):
+        gpukv033.KVCacheManager(config(sliding_window=32, extra_retained_tokens=1), 64)
+    sparse = config(sliding_window=32)
+    sparse.prefix_cache_retention_interval = 16
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="prefix_cache_retention_interval"):
+        gpukv033.KVCacheManager(sparse, 64)
+
+
+def test_a_window_release_gpukv_would_make_differently_is_refused():
+    """A running window request with tokens in flight whose processed count
+    crosses a window block other than gpukv's computed count: refused, before
+    anything changes (the scheduler refuses such configurations up front)."""
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler, sliding_window=32)
+    kvm = scheduler.kv_cache_manager
+    engine = Engine(scheduler)
+    engine.add(make_requests(1, 64, max_tokens=8, ignore_eos=True))
+    engine.step()
+    request = scheduler.requests["0"]
+    request.num_in_flight_tokens = 17  # as if the prefill's last 17 tokens were still running
+    free = kvm.num_free_blocks()
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="releases window blocks by processed tokens"):
+        kvm.allocate_slots(request, 1)
+    assert kvm.num_free_blocks() == free
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="releases window blocks by processed tokens"):
+        kvm.cache_blocks(request, 64)
 
 
 def test_the_engine_core_reads_the_coordinator_stand_in():

@@ -101,11 +101,12 @@ def test_engine_loop_finishes_every_request_and_frees_every_block(cls):
     KVView(scheduler).assert_empty()
 
 
-def test_hybrid_round_trip_gives_one_block_list_per_group():
+@pytest.mark.parametrize("cls", scheduler_params(async_=False))
+def test_hybrid_round_trip_gives_one_block_list_per_group(cls):
     """Full attention (group 0) and a 32-token sliding window (group 1): a new
     request gets blocks in both groups from one pool; the window group's
     blocks behind the window become the null block (0) as decoding goes on."""
-    scheduler = make_scheduler(VllmScheduler, sliding_window=32, hybrid=True, num_blocks=100)
+    scheduler = make_scheduler(cls, sliding_window=32, hybrid=True, num_blocks=100)
     assert coordinator_name(scheduler) == "HybridKVCacheCoordinator"
     (request,) = make_requests(1, 64, max_tokens=20, ignore_eos=True)
     engine = Engine(scheduler)

@@ -4,7 +4,9 @@ Today they check that a stream is reproducible (the same seed, the same
 records: what makes a step-by-step comparison meaningful), that it exercises
 what it is for (hits, chunked prefill, preemption, speculative tokens, aborts,
 KV events), and every step's block tables and budgets. A gpukv class is held
-to vLLM by ``assert run_stream(gpukv_cls, config) == run_stream(VllmScheduler, config)``.
+to vLLM by ``assert run_stream(gpukv_cls, config) == run_stream(VllmScheduler, config)``,
+on full attention and (the synchronous ``Scheduler`` without speculative
+decoding: what gpukv follows for windows) on sliding-window and hybrid groups.
 """
 
 from __future__ import annotations
@@ -81,6 +83,65 @@ def test_gpukv_device_stream_is_vllms_step_by_step(cls):
     expected = run_stream(vllm_cls, config, check_tables=False)
     got = run_stream(cls, config)
     assert all(count > 0 for count in coverage(expected).values())  # the shorter stream still has them all
+    for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+        assert have == want, f"step {step} differs"
+    assert len(got) == len(expected)
+
+
+# ---------------------------------------------------------------- sliding windows and hybrid groups
+
+def window_streams(seed: int, **overrides) -> list:
+    """A window-only and two hybrid (full + window) streams, no speculative
+    decoding: a 32-token budget, so a 17-token window's admission cap (5
+    blocks: cdiv(16 + 32, 16) + 1) is below long prompts' blocks and decides
+    admissions; the hybrid ones preempt and see shared-prefix boundaries."""
+    shapes = [dict(sliding_window=17, num_blocks=12), dict(sliding_window=17, hybrid=True, num_blocks=20),
+              dict(sliding_window=20, hybrid=True, num_blocks=16)]
+    return [StreamConfig(seed=seed, num_speculative_tokens=0, max_num_batched_tokens=32, **shape, **overrides)
+            for shape in shapes]
+
+
+WINDOW_SEEDS = [0, 1]
+
+
+def test_window_streams_exercise_hits_chunks_preemption_boundaries_and_events():
+    totals: dict[str, int] = {}
+    for seed in WINDOW_SEEDS:
+        for config in window_streams(seed):
+            records = run_stream(VllmScheduler, config, check_tables=False)
+            for name, count in coverage(records).items():
+                totals[name] = totals.get(name, 0) + count
+            totals["boundaries"] = totals.get("boundaries", 0) + sum(1 for r in records for b in r.boundaries.values()
+                                                                     if b)
+    del totals["spec_steps"]  # (none: gpukv follows windows without speculative decoding)
+    assert all(count > 0 for count in totals.values()), totals
+
+
+@pytest.mark.parametrize("seed", WINDOW_SEEDS)
+def test_gpukv_window_streams_are_vllms_step_by_step(seed):
+    """Window-only and hybrid streams on the reference backend: every step's
+    output, tokens, stats, usage, KV events (with their group's kind and
+    window) and shared-prefix boundaries equal vLLM's ``Scheduler``'s."""
+    for config in window_streams(seed):
+        expected = run_stream(VllmScheduler, config, check_tables=False)
+        got = run_stream(gpukv033.ReferenceScheduler, config)
+        for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+            assert have == want, f"{config}: step {step} differs"
+        assert len(got) == len(expected)
+
+
+def test_gpukv_device_window_stream_is_vllms_step_by_step():
+    """The device backend on one short hybrid stream (6 requests of at most
+    12 output tokens: Triton's interpreter is slow, and two groups cost
+    twice the launches), which still hits (window blocks as the null block),
+    chunks, preempts, evicts and meets a shared-prefix boundary."""
+    config = window_streams(1, num_requests=6, arrival_steps=3, max_output_tokens=12)[1]
+    expected = run_stream(VllmScheduler, config, check_tables=False)
+    got = run_stream(gpukv033.DeviceScheduler, config)
+    counts = coverage(expected)
+    assert all(counts[name] > 0 for name in ("hits", "chunks", "preemptions", "stored_events", "removed_events"))
+    assert any(b for r in expected for b in r.boundaries.values())
+    assert any(b == 0 for r in expected for _, groups, _ in r.new for group in groups for b in group)
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"
     assert len(got) == len(expected)

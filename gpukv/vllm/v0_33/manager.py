@@ -15,20 +15,30 @@ Where a 0.33 rule lives (one home each):
   gpukv manager's ``uncached_first=True``;
 * lookup of every full block of the request's known tokens (a resumed
   request included): gpukv's own lookup, on the tokens up to
-  ``max_cache_hit_length`` (``_lookup``);
+  ``max_cache_hit_length`` (``_lookup``); a sliding window's hit and the
+  hybrid fixpoint are gpukv's (``gpukv.windows``, the same rules);
 * what is cached when: gpukv caches the full blocks of its computed tokens,
   and this adapter makes gpukv's computed tokens vLLM's cached ones:
   ``min(computed + scheduled, num_tokens)`` at ``allocate_slots`` and
   ``cache_blocks``' count in ``update_from_output`` (``_target``);
-* whole-prompt admission, the watermark and ``reserved_blocks``: checked here
-  before gpukv is called (``_fits``), since gpukv checks only the blocks it
-  is about to take;
+* whole-prompt admission (window groups' reservation capped), the watermark
+  and ``reserved_blocks``: checked here before gpukv is called (``_fits``,
+  the counts ``groups.KVGroups.blocks_to_admit``), since gpukv checks only
+  the blocks it is about to take;
+* window release by processed tokens: gpukv releases by its computed tokens,
+  the same blocks whenever nothing is in flight; ``_grow`` refuses a call
+  where the two part (``groups.KVGroups.releases_differ``), and the
+  scheduler refuses the configurations that have tokens in flight;
+* the shared-prefix boundary (``get_computed_blocks``' third value): vLLM's
+  first lookup group's lone hit when longer than the hit, from the index of
+  cached hashes per group that the event stream keeps (``events``);
+* the null block: id 0, one for every group, no hash (``views.Block``);
 * usage ``1 - free / (num_blocks - 1)``, prefix-cache stats in tokens at
   admission (``record_prefix_cache_stats``): here;
 * KV events: gpukv's per-block events, merged into one ``BlockStored`` per
   call and group as vLLM emits them, with vLLM's block hashes (the
   request's own, converted as vLLM converts them) in place of gpukv's
-  digests (``_EventTranslator``).
+  digests, tagged with the group's kind and window (``events``).
 
 Out of scope (refused at construction by ``gpukv.vllm.v0_33.scheduler``, or
 here with an ``UnsupportedConfigError``): KV connectors (external tokens,
@@ -36,125 +46,37 @@ delayed caching, ``evict_blocks``, ``pop_blocks_for_free``), the
 aux-output connector, Mamba, fine-grained partial hits (hash block size below
 the block size) and their copy-on-write, KV-cache zeroing, encoder-decoder
 models, EAGLE's block drop, hash lookahead, decode context parallelism,
-sliding-window and hybrid groups (``docs/design.md`` says why), multimodal
-and prompt-embedding requests.
+sliding-window groups with tokens in flight (async scheduling, speculative
+decoding: ``groups.WINDOWS_NEED_PROCESSED_RELEASE``), sparse retention and
+windows under 2 tokens, multimodal and prompt-embedding requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
+from gpukv.vllm.v0_33.events import EventTranslator
+from gpukv.vllm.v0_33.groups import (
+    WINDOWS_NEED_PROCESSED_RELEASE,
+    UnsupportedConfigError,
+    check_kv_cache_config,
+    refuse,
+)
+from gpukv.vllm.v0_33.views import NULL_BLOCK, Block, CoordinatorView, InertHooks, NoBlockPool
+
+__all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "make_backend"]
 
 
-class UnsupportedConfigError(InvalidInputError):
-    """A vLLM 0.33 configuration or call the gpukv adapter does not follow
-    (``gpukv.vllm.v0_33``'s module docstring lists them): the message says
-    what and what to do instead."""
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """A block as vLLM 0.33's scheduler and ``KVCacheBlocks`` read it: its id,
-    whether it is the null block, and (cached blocks) vLLM's block hash and
-    the tokens that hash covers (``estimate_cached_tokens`` reads those)."""
-
-    block_id: int
-    block_hash: Any = None
-    block_hash_num_tokens: int | None = None
-
-    @property
-    def is_null(self) -> bool:
-        return self.block_id == 0
-
-
-@dataclass(frozen=True, slots=True)
-class SingleTypeView:
-    """What the engine core and the scheduler read of one of vLLM's
-    single-type managers: its group, spec and block size."""
-
-    kv_cache_group_id: int
-    kv_cache_spec: Any
-    block_size: int
-
-    def new_step_starts(self) -> None:
-        """Mamba's hook in vLLM; nothing to do for attention groups."""
-
-
-class CoordinatorView:
-    """Stands in for vLLM's ``KVCacheCoordinator``: the engine core reads
-    ``single_type_managers[i].block_size`` / ``.kv_cache_spec`` after the
-    scheduler is built (``vllm/v1/engine/core.py``); ``vllm_kind`` names the
-    coordinator vLLM would have chosen."""
-
-    enable_partial_hash_hits = False
-
-    def __init__(self, kv_cache_config: Any, enable_caching: bool) -> None:
-        self.single_type_managers = [
-            SingleTypeView(i, group.kv_cache_spec, group.kv_cache_spec.block_size)
-            for i, group in enumerate(kv_cache_config.kv_cache_groups)]
-        self.vllm_kind = "UnitaryKVCacheCoordinator" if enable_caching else "KVCacheCoordinatorNoPrefixCache"
-
-    def new_step_starts(self) -> None:
-        for manager in self.single_type_managers:
-            manager.new_step_starts()
-
-
-class _NoBlockPool:
-    """``kv_cache_manager.block_pool``: vLLM's scheduler reaches the pool
-    directly only on paths the adapter refuses (copy-on-write partial hits,
-    deferred frees of a KV-connector consumer); say so if one is reached."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise UnsupportedConfigError(
-            f"vLLM's scheduler read block_pool.{name}, which only KV-connector and copy-on-write paths do",
-            argument="kv_cache_manager.block_pool",
-            fix="run without a KV connector and with hash_block_size == block_size, or use vLLM's own scheduler")
-
-
-def _refuse(what: str, fix: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(f"gpukv's vLLM 0.33 adapter does not support {what}", argument="vllm_config",
-                                  fix=fix)
-
-
-def check_kv_cache_config(kv_cache_config: Any) -> int:
-    """The block size of a KV-cache config the adapter follows: one or more
-    full-attention groups of one block size. Anything else is refused."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if not groups:
-        raise InvalidInputError("the KV-cache config has no groups", argument="kv_cache_config",
-                                fix="pass the KVCacheConfig the engine built")
-    if getattr(kv_cache_config, "has_mamba_layers", False):
-        raise _refuse("Mamba layers", "use vLLM's own scheduler for Mamba models")
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-        raise _refuse("KV-cache zeroing", "use vLLM's own scheduler for models that need zeroed blocks")
-    sizes = set()
-    for group in groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            raise _refuse("sliding-window groups (alone or hybrid)",
-                          "use vLLM's own scheduler: 0.33's window release by processed tokens, admission cap and "
-                          "hybrid hit rule are not followed yet")
-        if type(spec) is not FullAttentionSpec:
-            raise _refuse(f"KV-cache spec {type(spec).__name__}", "only full attention (FullAttentionSpec) runs on "
-                                                                 "gpukv; use vLLM's own scheduler")
-        sizes.add(spec.block_size)
-    if len(sizes) != 1:
-        raise _refuse(f"groups of different block sizes {sorted(sizes)}", "give every group one block size")
-    return sizes.pop()
-
-
-def make_backend(backend: str, *, num_blocks: int, block_size: int, num_groups: int, max_model_len: int,
-                 enable_caching: bool, enable_kv_cache_events: bool, max_num_reqs: int) -> Any:
+def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
+                 max_model_len: int, enable_caching: bool, enable_kv_cache_events: bool, max_num_reqs: int) -> Any:
     """The gpukv manager under the adapter (device on CUDA or when asked,
-    else the reference), with vLLM 0.33's free order (``uncached_first``)."""
-    kwargs = dict(sliding_windows=[None] * num_groups, enable_caching=enable_caching, uncached_first=True,
+    else the reference), one group per window (None: full attention), with
+    vLLM 0.33's free order (``uncached_first``)."""
+    kwargs = dict(sliding_windows=list(windows), enable_caching=enable_caching, uncached_first=True,
                   max_model_len=max_model_len, max_num_reqs=max_num_reqs,
                   enable_kv_cache_events=enable_kv_cache_events)
     if resolve_backend(backend) == "device":
@@ -166,129 +88,28 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, num_groups: 
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
 
 
-class _EventTranslator:
-    """gpukv's KV events as vLLM 0.33 publishes them.
-
-    gpukv emits one ``BlockStored`` per block, under its own digests; vLLM
-    emits one per ``cache_full_blocks`` call and group, under the request's
-    block hashes (``maybe_convert_block_hash``: 64-bit ints by default). The
-    adapter drains gpukv's events after each call, so the blocks one call
-    stored for one group are one run; their positions in the request give
-    vLLM's hashes. A digest's vLLM hash is remembered while a block is cached
-    under it, for its ``BlockRemoved``."""
-
-    def __init__(self, kv_cache_config: Any, block_size: int) -> None:
-        from vllm.v1.kv_cache_interface import (  # type: ignore[attr-defined,unused-ignore]  # (vLLM 0.33 only)
-            get_kv_cache_spec_kind,
-            get_kv_cache_spec_sliding_window,
-        )
-
-        self.block_size = block_size
-        self.metadata = [(get_kv_cache_spec_kind(g.kv_cache_spec).value,
-                          get_kv_cache_spec_sliding_window(g.kv_cache_spec)) for g in kv_cache_config.kv_cache_groups]
-        self.events: list[Any] = []
-        # gpukv digest -> [vLLM's external hash, blocks cached under it]
-        self._known: dict[bytes, list[Any]] = {}
-
-    def drain(self, manager: Any, request: Any | None) -> None:
-        """Translate what ``manager`` logged since the last drain (one call)."""
-        from gpukv import events as gk
-
-        run: list[Any] = []
-        positions: dict[bytes, int] | None = None
-        for batch in manager.take_events():
-            for event in batch.events:
-                if isinstance(event, gk.BlockStored):
-                    if run and (run[-1].group != event.group or run[-1].block_hashes[-1] != event.parent_block_hash):
-                        self._stored(run, request, positions)
-                        run = []
-                    if positions is None:
-                        assert request is not None, "blocks were stored by a call without a request"
-                        positions = {d: i for i, d in enumerate(manager.block_hashes(request.request_id))}
-                    run.append(event)
-                    continue
-                if run:
-                    self._stored(run, request, positions)
-                    run = []
-                if isinstance(event, gk.BlockRemoved):
-                    self._removed(event)
-                else:
-                    self._cleared()
-        if run:
-            self._stored(run, request, positions)
-
-    def _stored(self, run: list[Any], request: Any, positions: dict[bytes, int] | None) -> None:
-        from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import (  # type: ignore[attr-defined,unused-ignore]  # (vLLM 0.33 only)
-            generate_block_hash_extra_keys,
-            maybe_convert_block_hash,
-            to_event_extra_keys,
-        )
-
-        assert positions is not None and request is not None
-        first = positions[run[0].block_hashes[0]]
-        last = positions[run[-1].block_hashes[-1]]
-        hashes = [maybe_convert_block_hash(request.block_hashes[i]) for i in range(first, last + 1)]
-        digests = [d for event in run for d in event.block_hashes]
-        for digest, external in zip(digests, hashes, strict=True):
-            entry = self._known.setdefault(digest, [external, 0])
-            entry[1] += 1
-        bs = self.block_size
-        extra, mm_index = [], 0
-        for i in range(first, last + 1):
-            keys, mm_index = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_index)
-            extra.append(keys)
-        lora = request.lora_request
-        group = run[0].group
-        kind, window = self.metadata[group]
-        self.events.append(BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=maybe_convert_block_hash(request.block_hashes[first - 1]) if first else None,
-            token_ids=request.all_token_ids[first * bs:(last + 1) * bs], block_size=bs,
-            lora_id=lora.adapter_id if lora else None, medium="GPU", lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra), group_idx=group, session_id=request.session_id,
-            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))
-
-    def _removed(self, event: Any) -> None:
-        from vllm.distributed.kv_events import BlockRemoved
-
-        for digest in event.block_hashes:
-            entry = self._known[digest]
-            entry[1] -= 1
-            if not entry[1]:
-                del self._known[digest]
-            self.events.append(BlockRemoved(block_hashes=[entry[0]], medium="GPU", group_idx=event.group))
-
-    def _cleared(self) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared
-
-        self._known.clear()
-        self.events.append(AllBlocksCleared())
-
-    def take(self) -> list[Any]:
-        events, self.events = self.events, []
-        return events
-
-
-class KVCacheManager:
+class KVCacheManager(InertHooks):
     """vLLM 0.33's ``vllm.v1.core.kv_cache_manager.KVCacheManager``, on gpukv.
 
     Arguments: vLLM's ``kv_cache_config`` and ``max_model_len``, its
-    ``enable_caching``, ``log_stats``, ``enable_kv_cache_events`` and
-    ``watermark`` (fraction of the pool kept free at admission);
+    ``enable_caching``, ``log_stats``, ``enable_kv_cache_events``,
+    ``watermark`` (fraction of the pool kept free at admission) and
+    ``max_in_flight_tokens`` (sizes window groups' admission caps; None:
+    ``max_model_len``, vLLM's default);
     ``backend`` ("auto", "reference", "device") picks the gpukv manager
     underneath (``.manager``), ``max_num_reqs`` its first request rows.
     """
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, *, enable_caching: bool = True,
                  log_stats: bool = False, enable_kv_cache_events: bool = False, watermark: float = 0.0,
-                 backend: str = "auto", max_num_reqs: int = 64) -> None:
+                 max_in_flight_tokens: int | None = None, backend: str = "auto", max_num_reqs: int = 64) -> None:
         from vllm.v1.core.kv_cache_manager import (  # type: ignore[attr-defined,unused-ignore]  # (vLLM 0.33 only)
             KVCacheBlocks,
         )
         from vllm.v1.metrics.stats import PrefixCacheStats
 
-        self.block_size = check_kv_cache_config(kv_cache_config)
+        self.groups = check_kv_cache_config(kv_cache_config, max_model_len, max_in_flight_tokens)
+        self.block_size = self.groups.block_size
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or watermark < 0:
             raise InvalidInputError(f"watermark must be a number >= 0, got {watermark!r}", argument="watermark",
                                     fix="pass the scheduler config's watermark (0.0 by default)")
@@ -305,15 +126,17 @@ class KVCacheManager:
         self._blocks_cls = KVCacheBlocks
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self.coordinator = CoordinatorView(kv_cache_config, self.enable_caching)
-        self.block_pool = _NoBlockPool()
+        self.block_pool = NoBlockPool()
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.backend = resolve_backend(backend)
+        # The boundary needs one group's lone hit: an index of what each group cached (more than one lookup group).
+        self._events = EventTranslator(kv_cache_config, self.block_size, publish=self.enable_kv_cache_events,
+                                       index=self.enable_caching and len(self.groups.lookup_order) > 1)
         self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
-                                    num_groups=self.num_kv_cache_groups, max_model_len=max_model_len,
-                                    enable_caching=self.enable_caching,
-                                    enable_kv_cache_events=self.enable_kv_cache_events, max_num_reqs=max_num_reqs)
-        self._events = _EventTranslator(kv_cache_config, self.block_size)
+                                    windows=self.groups.windows, max_model_len=max_model_len,
+                                    enable_caching=self.enable_caching, enable_kv_cache_events=self._events.active,
+                                    max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
         # Each request's last lookup, handed back by allocate_slots: (what vLLM got, gpukv's hit).
@@ -374,11 +197,6 @@ class KVCacheManager:
             return 0
         return self._num_cached_blocks(request) * self.block_size
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM 0.33 (cascade attention is gone): 0 per group."""
-        del running_request_id  # (vLLM's signature)
-        return [0] * self.num_kv_cache_groups
-
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> Any:
         """``KVCacheBlocks`` of ``blocks``, or the shared empty instance when
         every group is empty (vLLM's scheduler compares with it)."""
@@ -389,48 +207,35 @@ class KVCacheManager:
         with its group's spec kind and window)."""
         return self._events.take()
 
-    def take_new_block_ids(self) -> list[int]:
-        """Blocks to zero: none (zeroing configurations are refused)."""
-        return []
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """Copy-on-write copies: none (partial hits are refused)."""
-        return [], []
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba boundary states: none (Mamba is refused)."""
-        return {}
-
-    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        """Mamba partial tails: none (Mamba is refused)."""
-        del request  # (vLLM's signature)
-        return []
-
     def new_step_starts(self) -> None:
         """vLLM's per-step hook (Mamba only)."""
         self.coordinator.new_step_starts()
 
     # ------------------------------------------------------------ lookups and allocation
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
-        """The request's cache hit: ``(KVCacheBlocks, hit tokens, 0)`` (the
-        shared-prefix boundary is 0 without sparse-retention groups). The hit
-        covers at most ``max_cache_hit_length`` tokens (None: all but the last
-        token), whole blocks of its known tokens."""
+        """The request's cache hit: ``(KVCacheBlocks, hit tokens, shared-prefix
+        boundary)``. The hit covers at most ``max_cache_hit_length`` tokens
+        (None: all but the last token), whole blocks of its known tokens; a
+        window group's blocks before its window are the null block. The
+        boundary: the hit of vLLM's first lookup group alone (full attention
+        in a hybrid) when longer than the hit, else 0."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        self._check_request(request)
+        _check_request(request, self.max_model_len)
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise InvalidInputError(f"max_cache_hit_length must be None or an int >= 0, got {limit!r}",
                                     argument="max_cache_hit_length", fix="pass None for num_tokens - 1")
-        computed = self._lookup(request, min(limit, request.num_tokens - 1) // self.block_size)
+        max_hit_blocks = min(limit, request.num_tokens - 1) // self.block_size
+        computed = self._lookup(request, max_hit_blocks)
+        boundary = self._shared_prefix_boundary(request, max_hit_blocks, computed.num_tokens)
         if not computed.num_tokens:
             self._looked_up.pop(request.request_id, None)
-            return self.empty_kv_cache_blocks, 0, 0
+            return self.empty_kv_cache_blocks, 0, boundary
         blocks = self.create_kv_cache_blocks(tuple(self._blocks(request, ids, 0, len(ids))
                                                    for ids in computed.block_ids))
         self._looked_up[request.request_id] = (blocks, computed)
-        return blocks, computed.num_tokens, 0
+        return blocks, computed.num_tokens, boundary
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
@@ -452,7 +257,7 @@ class KVCacheManager:
         _check_count(num_new_tokens, "num_new_tokens", 1 if not num_new_computed_tokens else 0)
         _check_count(num_lookahead_tokens, "num_lookahead_tokens", 0)
         _check_count(reserved_blocks, "reserved_blocks", 0)
-        self._check_request(request)
+        _check_request(request, self.max_model_len)
         if request.is_finished():
             raise InvalidInputError(f"request {request.request_id!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
@@ -472,6 +277,9 @@ class KVCacheManager:
         rid = request.request_id
         if not self.enable_caching or rid not in self._requests:
             return
+        if self.groups.has_windows:  # (called only with tokens in flight, and gpukv would release here too)
+            raise refuse(WINDOWS_NEED_PROCESSED_RELEASE, "use the synchronous Scheduler without speculative "
+                         "decoding for sliding-window models, or vLLM's own scheduler", argument="cache_blocks")
         _check_count(num_computed_tokens, "num_computed_tokens", 0)
         (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self.manager.row_of(rid)]))
         target = min(num_computed_tokens, request.num_tokens)
@@ -498,26 +306,6 @@ class KVCacheManager:
         self._drain(None)
         return ok
 
-    # ------------------------------------------------------------ KV-connector paths: refused
-    # vLLM's KV-connector, copy-on-write and zeroing hooks: refused, saying so.
-    def get_computed_blocks_for_connector(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise _connector_only("get_computed_blocks_for_connector")
-
-    def truncate_computed_blocks(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise _connector_only("truncate_computed_blocks")
-
-    def remove_skipped_blocks(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise _connector_only("remove_skipped_blocks")
-
-    def pop_blocks_for_free(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise _connector_only("pop_blocks_for_free")
-
-    def evict_blocks(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise _connector_only("evict_blocks")
-
-    def record_blocks_for_zeroing(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise _connector_only("record_blocks_for_zeroing")
-
     # ------------------------------------------------------------ inspection (not vLLM's)
     def num_free_blocks(self) -> int:
         """Free blocks, evictable cached ones included (reads the device)."""
@@ -536,26 +324,6 @@ class KVCacheManager:
                                  f"{sorted(held)}")
 
     # ------------------------------------------------------------ internals
-    def _check_request(self, request: Any) -> None:
-        """A request the adapter can follow: some tokens, within
-        ``max_model_len``, no multimodal inputs or prompt embeddings (whose
-        extra keys gpukv does not derive as vLLM 0.33 does)."""
-        rid = getattr(request, "request_id", None)
-        if not isinstance(rid, str):
-            raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
-                                   fix="pass a vllm.v1.request.Request")
-        if not request.num_tokens:
-            raise InvalidInputError(f"request {rid!r} has no tokens", argument="request",
-                                    fix="give the request a prompt of at least one token")
-        if request.num_tokens > self.max_model_len:
-            raise InvalidInputError(f"request {rid!r} has {request.num_tokens} tokens, more than max_model_len="
-                                    f"{self.max_model_len}", argument="request",
-                                    fix="finish or truncate requests at max_model_len")
-        if request.mm_features or request.prompt_embeds is not None:
-            raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
-                                         "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
-                                         fix="send text prompts, or use vLLM's own scheduler")
-
     def _new_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
         lora = request.lora_request
         return NewRequest(request.request_id, tokens, lora_id=lora.adapter_id if lora else None,
@@ -569,6 +337,17 @@ class KVCacheManager:
             return ComputedBlocks([[] for _ in range(self.num_kv_cache_groups)], 0)
         end = max_hit_blocks * self.block_size + 1
         return self.manager.get_computed_blocks(self._new_request(request, request.all_token_ids[:end]))
+
+    def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
+        """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup
+        group, in tokens, when longer than the hit (0 otherwise, and always
+        with one lookup group, where the two are one)."""
+        if not self._events.index:
+            return 0
+        hashes = request.block_hashes
+        longest = self.groups.longest_single_group_hit(lambda i, g: self._events.is_cached(hashes[i], g),
+                                                       min(max_hit_blocks, len(hashes))) * self.block_size
+        return longest if longest > num_hit_tokens else 0
 
     def _computed_for(self, request: Any, num_new_computed_tokens: int, blocks: Any) -> ComputedBlocks | None:
         """gpukv's hit for the computed blocks vLLM hands back: those of the
@@ -609,12 +388,13 @@ class KVCacheManager:
         need_slot = min(hit + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         target = min(hit + num_new_tokens, request.num_tokens)
         hit_blocks = hit // self.block_size
-        if full_sequence_must_fit:
-            full = self._blocks_for(min(request.num_tokens, self.max_model_len))
-            if not self._fits(max(full - hit_blocks, 0) + touched, watermark, 0):
+        if full_sequence_must_fit:  # (vLLM: before any window release; a request admitted holds none)
+            full = self.groups.blocks_to_admit(min(request.num_tokens, self.max_model_len), hit_blocks, capped=True)
+            if not self._fits(full + touched, watermark, 0):
                 return None
         if (watermark or reserved_blocks) and not self._fits(
-                max(self._blocks_for(need_slot) - hit_blocks, 0) + touched, watermark, reserved_blocks):
+                self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False) + touched, watermark,
+                reserved_blocks):
             return None
         new = self.manager.allocate_slots(self._new_request(request, request.all_token_ids[:]), computed=computed,
                                           num_tokens=target - hit, num_lookahead_tokens=need_slot - target)
@@ -634,6 +414,11 @@ class KVCacheManager:
         total = min(request.num_computed_tokens, self.max_model_len)
         need_slot = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         target = max(min(total + num_new_tokens, request.num_tokens), computed)
+        # gpukv releases window blocks by its computed tokens, vLLM by the processed ones: the same blocks here?
+        if self.groups.has_windows and self.groups.releases_differ(max(0, total - request.num_in_flight_tokens),
+                                                                   computed):
+            raise refuse(WINDOWS_NEED_PROCESSED_RELEASE, "use the synchronous Scheduler without speculative "
+                         "decoding for sliding-window models, or vLLM's own scheduler", argument="request")
         if reserved_blocks and not self._fits(self._blocks_to_grow(rid, need_slot), 0, reserved_blocks):
             return None
         chunk = None if target == request.num_tokens else target - computed
@@ -651,9 +436,6 @@ class KVCacheManager:
         """vLLM's fit check: the blocks to take plus the watermark within the
         free blocks less ``reserved`` (reads the device)."""
         return num_blocks + watermark <= self.manager.read_num_free_blocks() - reserved
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size) * self.num_kv_cache_groups
 
     def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         per_group = -(-num_tokens // self.block_size)
@@ -679,10 +461,10 @@ class KVCacheManager:
 
     def _blocks(self, request: Any, ids: Sequence[int], start: int, num_cached: int) -> list[Block]:
         """``Block``\\ s for ``ids`` at positions from ``start``: those before
-        ``num_cached`` carry the request's vLLM block hash."""
+        ``num_cached`` carry the request's vLLM block hash, but the null block."""
         bs = self.block_size
         hashes = request.block_hashes
-        return [Block(b, hashes[i], (i + 1) * bs) if i < num_cached else Block(b)
+        return [NULL_BLOCK if not b else Block(b, hashes[i], (i + 1) * bs) if i < num_cached else Block(b)
                 for i, b in enumerate(ids, start)]
 
     def _new_blocks(self, new: list[list[int]]) -> Any:
@@ -693,8 +475,29 @@ class KVCacheManager:
         return self._blocks_cls(tuple([Block(b) for b in group] for group in new))
 
     def _drain(self, request: Any | None) -> None:
-        if self.enable_kv_cache_events:
+        if self._events.active:
             self._events.drain(self.manager, request)
+
+
+def _check_request(request: Any, max_model_len: int) -> None:
+    """A request the adapter can follow: some tokens, within
+    ``max_model_len``, no multimodal inputs or prompt embeddings (whose
+    extra keys gpukv does not derive as vLLM 0.33 does)."""
+    rid = getattr(request, "request_id", None)
+    if not isinstance(rid, str):
+        raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
+                               fix="pass a vllm.v1.request.Request")
+    if not request.num_tokens:
+        raise InvalidInputError(f"request {rid!r} has no tokens", argument="request",
+                                fix="give the request a prompt of at least one token")
+    if request.num_tokens > max_model_len:
+        raise InvalidInputError(f"request {rid!r} has {request.num_tokens} tokens, more than max_model_len="
+                                f"{max_model_len}", argument="request",
+                                fix="finish or truncate requests at max_model_len")
+    if request.mm_features or request.prompt_embeds is not None:
+        raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
+                                     "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
+                                     fix="send text prompts, or use vLLM's own scheduler")
 
 
 def _has_blocks(blocks: Any) -> bool:
@@ -707,7 +510,22 @@ def _check_count(value: Any, argument: str, minimum: int) -> None:
                                 fix=f"pass a count of at least {minimum}")
 
 
-def _connector_only(name: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(f"{name} belongs to KV-connector and copy-on-write paths, which gpukv's vLLM 0.33 "
-                                  "adapter does not follow", argument=name,
-                                  fix="run without a KV connector, or use vLLM's own scheduler")
+CONNECTOR_ONLY = ("get_computed_blocks_for_connector", "truncate_computed_blocks", "remove_skipped_blocks",
+                  "pop_blocks_for_free", "evict_blocks", "record_blocks_for_zeroing")
+"""vLLM 0.33 manager methods only its KV-connector, copy-on-write and zeroing
+paths call: each refuses, saying so (``_refusing``)."""
+
+
+def _refusing(name: str) -> Any:
+    def refused(_self: KVCacheManager, *_args: Any, **_kwargs: Any) -> Any:
+        raise UnsupportedConfigError(f"{name} belongs to KV-connector and copy-on-write paths, which gpukv's vLLM "
+                                     "0.33 adapter does not follow", argument=name,
+                                     fix="run without a KV connector, or use vLLM's own scheduler")
+
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = f"vLLM's ``{name}``: refused (a KV-connector, copy-on-write or zeroing path)."
+    return refused
+
+
+for _name in CONNECTOR_ONLY:
+    setattr(KVCacheManager, _name, _refusing(_name))

@@ -1,0 +1,105 @@
+"""What vLLM 0.33's scheduler and engine core read of its block manager
+beyond the calls: blocks, the coordinator's single-type managers, the pool
+(refused), as the adapter presents them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A block as vLLM 0.33's scheduler and ``KVCacheBlocks`` read it: its id,
+    whether it is the null block (id 0, one for every group: it stands in for
+    the blocks a sliding window released or a window hit skips, and carries
+    no hash), and (cached blocks) vLLM's block hash and the tokens that hash
+    covers (``estimate_cached_tokens`` reads those)."""
+
+    block_id: int
+    block_hash: Any = None
+    block_hash_num_tokens: int | None = None
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+
+NULL_BLOCK = Block(0)
+
+
+@dataclass(frozen=True, slots=True)
+class SingleTypeView:
+    """What the engine core and the scheduler read of one of vLLM's
+    single-type managers: its group, spec and block size."""
+
+    kv_cache_group_id: int
+    kv_cache_spec: Any
+    block_size: int
+
+    def new_step_starts(self) -> None:
+        """Mamba's hook in vLLM; nothing to do for attention groups."""
+
+
+class CoordinatorView:
+    """Stands in for vLLM's ``KVCacheCoordinator``: the engine core reads
+    ``single_type_managers[i].block_size`` / ``.kv_cache_spec`` after the
+    scheduler is built (``vllm/v1/engine/core.py``); ``vllm_kind`` names the
+    coordinator vLLM would have chosen (``get_kv_cache_coordinator``)."""
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, kv_cache_config: Any, enable_caching: bool) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        self.single_type_managers = [
+            SingleTypeView(i, group.kv_cache_spec, group.kv_cache_spec.block_size) for i, group in enumerate(groups)]
+        self.vllm_kind = ("KVCacheCoordinatorNoPrefixCache" if not enable_caching else
+                          "UnitaryKVCacheCoordinator" if len(groups) == 1 else "HybridKVCacheCoordinator")
+
+    def new_step_starts(self) -> None:
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+
+class NoBlockPool:
+    """``kv_cache_manager.block_pool``: vLLM's scheduler reaches the pool
+    directly only on paths the adapter refuses (copy-on-write partial hits,
+    deferred frees of a KV-connector consumer); say so if one is reached."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise UnsupportedConfigError(
+            f"vLLM's scheduler read block_pool.{name}, which only KV-connector and copy-on-write paths do",
+            argument="kv_cache_manager.block_pool",
+            fix="run without a KV connector and with hash_block_size == block_size, or use vLLM's own scheduler")
+
+
+class InertHooks:
+    """vLLM 0.33 manager hooks with nothing to report for the configurations
+    the adapter follows (zeroing, copy-on-write, Mamba and cascade attention
+    are refused or gone); ``num_kv_cache_groups`` comes from the manager."""
+
+    num_kv_cache_groups: int
+
+    def take_new_block_ids(self) -> list[int]:
+        """Blocks to zero: none (zeroing configurations are refused)."""
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """Copy-on-write copies: none (partial hits are refused)."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary states: none (Mamba is refused)."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """Mamba partial tails: none (Mamba is refused)."""
+        del request  # (vLLM's signature)
+        return []
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33 (cascade attention is gone): 0 per group."""
+        del running_request_id  # (vLLM's signature)
+        return [0] * self.num_kv_cache_groups
