@@ -419,90 +419,114 @@ class _Sha256CborChain:
         self.retired: OrderedDict[bytes, bytes] = OrderedDict()
 
     def rehash(self, items: list[gk.KVEventBatch]) -> tuple[list[gk.KVEventBatch], Callable[[], None]]:
-        over: dict[bytes, tuple[bytes, int] | None] = {}
-        retire: dict[bytes, bytes] = {}
-        cleared = False
+        """``items`` with vLLM's hashes in place of gpukv's digests, and the
+        commit that makes the map what publishing them leaves."""
+        pending = _ChainUpdate(self)
+        out = [gk.KVEventBatch(batch.seq, [pending.translate(e, f"batches[{i}].events[{j}]")
+                                           for j, e in enumerate(batch.events)], ts=batch.ts, dropped=batch.dropped)
+               for i, batch in enumerate(items)]
+        return out, pending.commit
 
-        def live(d: bytes) -> tuple[bytes, int] | None:
-            if d in over:
-                return over[d]
-            return None if cleared else self.live.get(d)
 
-        def digest(d: Any, argument: str) -> bytes:
-            if not isinstance(d, bytes):
-                raise InvalidInputError(f"is a {type(d).__name__}, not a manager's digest", argument=argument,
-                                        fix="publish the batches a manager hands out (take_events())")
-            return d
+class _ChainUpdate:
+    """One ``rehash``'s changes to a ``_Sha256CborChain``, kept apart from it
+    until ``commit``: digests stored or removed (``over``: the new entry, None
+    once removed), digests whose last stored block went (``retire``: their
+    hash, still a parent's), and whether the batches cleared everything."""
 
-        out: list[gk.KVEventBatch] = []
-        for i, batch in enumerate(items):
-            events: list[gk.KVCacheEvent] = []
-            for j, e in enumerate(batch.events):
-                where = f"batches[{i}].events[{j}]"
-                if isinstance(e, gk.AllBlocksCleared):
-                    cleared, over = True, {}
-                    events.append(e)
-                elif isinstance(e, gk.BlockStored):
-                    if e.lora_id is not None:
-                        raise InvalidInputError(
-                            f"is a LoRA block (lora_id {e.lora_id}): vLLM's sha256_cbor hash covers the adapter's "
-                            "name and path, which gpukv does not have", argument=where,
-                            fix="publish LoRA deployments with published_hash='gpukv' (the default)")
-                    parent_sha: bytes | None = None
-                    if e.parent_block_hash is None:
-                        h = self.none_hash
-                    else:
-                        p = digest(e.parent_block_hash, f"{where}.parent_block_hash")
-                        entry = live(p)
-                        found = entry[0] if entry is not None else retire.get(p, self.retired.get(p))
-                        if found is None:
-                            raise InvalidInputError(
-                                "has a parent this publisher never published", argument=where,
-                                fix="with published_hash='sha256_cbor' publish every batch of the manager from "
-                                    "its first (make the publisher with the manager)")
-                        h = parent_sha = found
-                    shas = []
-                    for k, d in enumerate(e.block_hashes):
-                        d = digest(d, f"{where}.block_hashes[{k}]")
-                        h = hashlib.sha256(_cbor_block(h, e.token_ids[k * e.block_size:(k + 1) * e.block_size])
-                                           ).digest()
-                        entry = live(d)
-                        over[d] = (h, 1 if entry is None else entry[1] + 1)
-                        shas.append(h)
-                    events.append(gk.BlockStored(list(shas), parent_sha, list(e.token_ids), e.block_size,
-                                                 e.lora_id, e.group))
-                else:
-                    shas = []
-                    for k, d in enumerate(e.block_hashes):
-                        d = digest(d, f"{where}.block_hashes[{k}]")
-                        entry = live(d)
-                        if entry is None:
-                            raise InvalidInputError("removes a block this publisher never published as stored",
-                                                    argument=f"{where}.block_hashes[{k}]",
-                                                    fix="with published_hash='sha256_cbor' publish every batch "
-                                                        "of the manager from its first")
-                        over[d] = (entry[0], entry[1] - 1) if entry[1] > 1 else None
-                        if entry[1] == 1:
-                            retire[d] = entry[0]
-                        shas.append(entry[0])
-                    events.append(gk.BlockRemoved(list(shas), e.group))
-            out.append(gk.KVEventBatch(batch.seq, events, ts=batch.ts, dropped=batch.dropped))
+    def __init__(self, chain: _Sha256CborChain) -> None:
+        self.chain = chain
+        self.over: dict[bytes, tuple[bytes, int] | None] = {}
+        self.retire: dict[bytes, bytes] = {}
+        self.cleared = False
 
-        def commit() -> None:
-            if cleared:
-                self.live.clear()
-            for d, v in over.items():
-                if v is None:
-                    self.live.pop(d, None)
-                else:
-                    self.live[d] = v
-            for d, sha in retire.items():
-                self.retired[d] = sha
-                self.retired.move_to_end(d)
-            while len(self.retired) > _RETIRED_HASHES:
-                self.retired.popitem(last=False)
+    def translate(self, event: gk.KVCacheEvent, where: str) -> gk.KVCacheEvent:
+        """``event`` (at ``where`` in the publish) with vLLM's hashes."""
+        if isinstance(event, gk.AllBlocksCleared):
+            self.cleared, self.over = True, {}
+            return event
+        if isinstance(event, gk.BlockStored):
+            return self._stored(event, where)
+        return self._removed(event, where)
 
-        return out, commit
+    def _live(self, d: bytes) -> tuple[bytes, int] | None:
+        """``d``'s entry as this update leaves it so far."""
+        if d in self.over:
+            return self.over[d]
+        return None if self.cleared else self.chain.live.get(d)
+
+    def _stored(self, e: gk.BlockStored, where: str) -> gk.BlockStored:
+        """Each stored block's hash, chained from its parent's."""
+        if e.lora_id is not None:
+            raise InvalidInputError(
+                f"is a LoRA block (lora_id {e.lora_id}): vLLM's sha256_cbor hash covers the adapter's "
+                "name and path, which gpukv does not have", argument=where,
+                fix="publish LoRA deployments with published_hash='gpukv' (the default)")
+        parent_sha = None if e.parent_block_hash is None else self._parent_sha(e.parent_block_hash, where)
+        h = self.chain.none_hash if parent_sha is None else parent_sha
+        shas: list[gk.BlockHash] = []
+        for k, d in enumerate(e.block_hashes):
+            d = _manager_digest(d, f"{where}.block_hashes[{k}]")
+            h = hashlib.sha256(_cbor_block(h, e.token_ids[k * e.block_size:(k + 1) * e.block_size])).digest()
+            entry = self._live(d)
+            self.over[d] = (h, 1 if entry is None else entry[1] + 1)
+            shas.append(h)
+        return gk.BlockStored(shas, parent_sha, list(e.token_ids), e.block_size, e.lora_id, e.group)
+
+    def _parent_sha(self, parent: Any, where: str) -> bytes:
+        """The hash of a stored block's parent: live, retired in this update,
+        or retired before (a parent outlives its blocks in the map)."""
+        p = _manager_digest(parent, f"{where}.parent_block_hash")
+        entry = self._live(p)
+        found = entry[0] if entry is not None else self.retire.get(p, self.chain.retired.get(p))
+        if found is None:
+            raise InvalidInputError(
+                "has a parent this publisher never published", argument=where,
+                fix="with published_hash='sha256_cbor' publish every batch of the manager from "
+                    "its first (make the publisher with the manager)")
+        return found
+
+    def _removed(self, e: gk.BlockRemoved, where: str) -> gk.BlockRemoved:
+        """Each removed block's hash; a digest whose last block goes retires."""
+        shas: list[gk.BlockHash] = []
+        for k, d in enumerate(e.block_hashes):
+            d = _manager_digest(d, f"{where}.block_hashes[{k}]")
+            entry = self._live(d)
+            if entry is None:
+                raise InvalidInputError("removes a block this publisher never published as stored",
+                                        argument=f"{where}.block_hashes[{k}]",
+                                        fix="with published_hash='sha256_cbor' publish every batch "
+                                            "of the manager from its first")
+            self.over[d] = (entry[0], entry[1] - 1) if entry[1] > 1 else None
+            if entry[1] == 1:
+                self.retire[d] = entry[0]
+            shas.append(entry[0])
+        return gk.BlockRemoved(shas, e.group)
+
+    def commit(self) -> None:
+        """The chain's map as publishing the translated batches leaves it
+        (the oldest retired hashes forgotten past ``_RETIRED_HASHES``)."""
+        chain = self.chain
+        if self.cleared:
+            chain.live.clear()
+        for d, v in self.over.items():
+            if v is None:
+                chain.live.pop(d, None)
+            else:
+                chain.live[d] = v
+        for d, sha in self.retire.items():
+            chain.retired[d] = sha
+            chain.retired.move_to_end(d)
+        while len(chain.retired) > _RETIRED_HASHES:
+            chain.retired.popitem(last=False)
+
+
+def _manager_digest(d: Any, argument: str) -> bytes:
+    """``d``, a digest as a manager's batches carry it (bytes), or refused."""
+    if not isinstance(d, bytes):
+        raise InvalidInputError(f"is a {type(d).__name__}, not a manager's digest", argument=argument,
+                                fix="publish the batches a manager hands out (take_events())")
+    return d
 
 
 # ------------------------------------------------------------ configuration

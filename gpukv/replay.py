@@ -34,7 +34,8 @@ Beside the hit rate it reaches, a report gives the ceiling
 (``no_eviction_hit_rate``: the same trace against a cache that never evicts,
 one pass over the prompts), how much of the pool the running requests would
 need at their full length (``peak_demand_tokens``), and how many of the
-tokens computed were recomputed after a preemption.
+tokens computed were recomputed after a preemption (``gpukv.replay_report``
+builds the report from the replay's state once it has run).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from gpukv import _runtime
 from gpukv.defaults import (  # the CLI reads them without importing torch (issue 19)
     DEFAULT_ARRIVAL,  # noqa: F401  (gpukv.replay.DEFAULT_ARRIVAL as before)
     DEFAULT_BLOCK_SIZE,
@@ -61,6 +61,7 @@ from gpukv.defaults import (  # the CLI reads them without importing torch (issu
     PLAIN_DELAY_S,
     PLAIN_INTERVAL_S,
 )
+from gpukv.replay_report import build_report, no_eviction_hit_rate  # noqa: F401  (gpukv.replay.no_eviction_hit_rate)
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.traces import Trace, TraceRequest
 
@@ -174,46 +175,6 @@ def make_manager(opts: ReplayOptions):
     raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
 
 
-def no_eviction_hit_rate(trace: Trace, block_size: int, max_model_len: int | None = None) -> float | None:
-    """The prefix cache hit rate ``trace`` reaches in a cache that never
-    evicts: each request looked up once, in arrival order, against the full
-    prompt blocks of every request before it, and counted as vLLM counts
-    (hit tokens over prompt tokens; a hit of at most ``(n - 1) // block_size``
-    blocks, as the managers allow). One pass over the prompts, no replay.
-
-    It is exactly what the replay reaches in a pool that holds everything (no
-    eviction, no preemption, no retried lookup) when no chunk cap lets a
-    request start while an earlier one sharing its blocks is partway through
-    (``docs/chunked_prefill.md``); with a cap it is an upper bound. Mooncake
-    traces only (None for a step trace, whose requests may also hit blocks
-    of decoded tokens or carry extra keys); requests longer than
-    ``max_model_len`` are left out, as the replay rejects them."""
-    if trace.kind != "mooncake":
-        return None
-    ids: dict[tuple[int, bytes], int] = {}  # (parent block's id, tokens) -> block id: exact, no digests
-    hits = queries = 0
-    block = np.dtype((np.void, 4 * block_size))
-    for r in trace.requests:
-        if max_model_len is not None and r.input_length > max_model_len:
-            continue
-        tokens = r.prompt_tokens()
-        n = len(tokens)
-        full = n // block_size
-        rows = np.ascontiguousarray(tokens[: full * block_size], dtype="<u4").view(block).tolist()
-        parent, i = -1, 0
-        while i < len(rows) and (parent, rows[i]) in ids:  # the blocks cached already
-            parent = ids[(parent, rows[i])]
-            i += 1
-        new = rows[i:]  # new blocks, and so are their chains: ids in sequence, each the next one's parent
-        if new:
-            start = len(ids)
-            parents = [parent, *range(start, start + len(new) - 1)]
-            ids.update(zip(zip(parents, new, strict=True), range(start, start + len(new)), strict=True))
-        queries += n
-        hits += min(i, (n - 1) // block_size) * block_size
-    return hits / queries if queries else 0.0
-
-
 class _PlainLines:
     """A file for tqdm where stderr is no terminal (CI logs, files): each
     refresh becomes one plain line, no carriage returns or padding."""
@@ -281,7 +242,8 @@ class _Progress:
 
 
 class Replay:
-    """Runs one trace through one manager; ``run()`` returns the report dict."""
+    """Runs one trace through one manager; ``run()`` returns the report dict
+    (``gpukv.replay_report.build_report``)."""
 
     def __init__(self, trace: Trace, opts: ReplayOptions, manager=None) -> None:
         cfg = trace.config
@@ -369,7 +331,7 @@ class Replay:
             raise
         progress.update(self.done, step)
         progress.close(step)
-        return self._report(executed, time.perf_counter() - t0)
+        return build_report(self, executed, time.perf_counter() - t0)
 
     def _mooncake_events(self) -> tuple[list[str], dict[str, np.ndarray]]:
         """A Mooncake step's events: decoding requests that sampled their last
@@ -664,128 +626,3 @@ class Replay:
     def _reject(self, live: _Live, step: int, reason: str) -> None:
         self._finish(live, step, "rejected", reason)
         self.messages.append(f"request {live.rid} rejected: {reason}")
-
-    # ---------------------------------------------------------------- report
-    def _first_admission_hit_rate(self) -> float:
-        admitted = [(lv.spec.input_length, lv.num_cached_tokens) for lv in self.live.values()
-                    if lv.num_cached_tokens is not None]
-        prompt = sum(n for n, _ in admitted)
-        return sum(cached for _, cached in admitted) / prompt if prompt else 0.0
-
-    def _report(self, num_steps: int, wall_s: float) -> dict:
-        """What run() returns: the config, the summary, each request's record, the final state, the series."""
-        summary = self._summary(num_steps, wall_s)
-        requests = {rid: self._request_record(lv) for rid, lv in self.live.items()}
-        return {
-            "config": self._config_record(),
-            "summary": summary,
-            "requests": requests,
-            "final": {"free_queue": self.manager.free_queue(), "num_free_blocks": self.manager.read_num_free_blocks()},
-            "messages": self.messages,
-            "step_ms": [round(x, 4) for x in self.step_ms],
-            "prefix_cache_hit_rate_per_step": [round(x, 5) for x in self.hit_rate],
-            "blocks_in_use": self.blocks_in_use,
-        }
-
-    def _summary(self, num_steps: int, wall_s: float) -> dict:
-        """The report's totals: requests, tokens, hit rates and their ceiling,
-        the pool's pressure, evictions, manager time."""
-        tot = self.totals
-        ms = np.array(self.step_ms) if self.step_ms else np.zeros(1)
-        pool_tokens = (self.manager.num_blocks - 1) * self.opts.block_size
-        return {
-            "backend": self.opts.backend,
-            "requests": len(self.live),
-            "finished": sum(lv.status == "finished" for lv in self.live.values()),
-            "rejected": sum(lv.status == "rejected" for lv in self.live.values()),
-            # Requests the replay left unfinished: a step trace's that never
-            # finish, or any when --max-steps stopped it.
-            "running_at_end": len(self.running),
-            "waiting_at_end": len(self.waiting),
-            "steps": num_steps,
-            "skipped_idle_steps": self.skipped_steps,
-            # vLLM's prefix cache hit rate (the one the text summary, the plot
-            # and the docs call so), its ceiling, and the counts behind it.
-            **self._lookup_stats(),
-            "prefix_cache_hit_rate_ceiling": (no_eviction_hit_rate(self.trace, self.opts.block_size,
-                                                                   self.opts.max_model_len)
-                                              if self.opts.ceiling else None),
-            # Other rates, by other names: each request's first admission
-            # alone, and every admission (a re-admission after a preemption,
-            # which mostly hits its own blocks, counted again).
-            "first_admission_hit_rate": self._first_admission_hit_rate(),
-            "every_admission_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
-            "prompt_tokens": tot["prompt_tokens"],
-            "cached_tokens": tot["cached_tokens"],
-            "admissions": tot["admissions"],
-            # The pool's pressure: what the running requests need at their
-            # full length (at most, over the steps) against what the pool
-            # holds, and the work preemptions cost.
-            "pool_tokens": pool_tokens,
-            "peak_demand_tokens": self.peak_demand,
-            "peak_demand_over_pool": self.peak_demand / pool_tokens if pool_tokens else 0.0,
-            "preemptions": tot["preemptions"],
-            "most_preemptions_of_a_request": max((lv.preemptions for lv in self.live.values()), default=0),
-            "computed_tokens": tot["computed_tokens"],
-            "recomputed_tokens": tot["recomputed_tokens"],
-            "evictions": self.manager.read_num_evictions(),
-            "max_blocks_in_use": max(self.blocks_in_use, default=0),
-            "mean_blocks_in_use": float(np.mean(self.blocks_in_use)) if self.blocks_in_use else 0.0,
-            "manager_ms_per_step_mean": float(ms.mean()),
-            "manager_ms_per_step_p50": float(np.percentile(ms, 50)),
-            "manager_ms_per_step_p99": float(np.percentile(ms, 99)),
-            # The replay loop's wall time: its steps (this scheduler and the
-            # manager's calls, the series recorded), not the manager's setup,
-            # loading the trace, the ceiling's pass or the report
-            # (`gpukv replay` prints the whole process's time beside it).
-            "wall_s": wall_s,
-        }
-
-    def _lookup_stats(self) -> dict:
-        """The manager's stats, as vLLM counts them: every lookup attempt of a
-        request not preempted before, in tokens; re-admissions apart."""
-        stats = self.stats
-        return {
-            "prefix_cache_hit_rate": stats.hit_rate if stats else 0.0,
-            "queries": stats.queries if stats else 0,
-            "hits": stats.hits if stats else 0,
-            "lookup_requests": stats.requests if stats else 0,
-            "query_blocks": stats.query_blocks if stats else 0,
-            "hit_blocks": stats.hit_blocks if stats else 0,
-            "block_hit_rate": stats.block_hit_rate if stats else 0.0,
-            "preempted_lookup_requests": stats.preempted_requests if stats else 0,
-            "preempted_queries": stats.preempted_queries if stats else 0,
-            "preempted_hits": stats.preempted_hits if stats else 0,
-        }
-
-    @staticmethod
-    def _request_record(lv: _Live) -> dict:
-        """One request's line of the report."""
-        return {
-            "admitted_step": lv.admitted_step,
-            "num_prompt_tokens": lv.spec.input_length,
-            "num_cached_tokens": lv.num_cached_tokens,
-            "prefill_done_step": lv.prefill_done_step,
-            "block_ids": lv.block_ids,
-            "preemptions": lv.preemptions,
-            "status": lv.status,
-            "finished_step": lv.finished_step,
-            **({"reason": lv.reason} if lv.reason else {}),
-        }
-
-    def _config_record(self) -> dict:
-        """The configuration the replay ran with."""
-        return {
-            "block_size": self.opts.block_size, "num_blocks": self.opts.num_blocks,
-            "max_model_len": self.opts.max_model_len, "max_num_seqs": self.opts.max_num_seqs,
-            "admission": self.opts.admission, "uncached_first": self.opts.uncached_first,
-            # As applied: a step trace runs unbudgeted (None, 0).
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "long_prefill_token_threshold": self.long_prefill_token_threshold,
-            "prompt_only": self.opts.prompt_only, "trace_kind": self.trace.kind,
-            "backend": self.opts.backend,
-            # The device manager's kernels ran under Triton's interpreter (no
-            # CUDA): its times per step are the interpreter's, not the GPU's.
-            "interpreted": self.opts.backend == "device" and _runtime.INTERPRETED,
-            "sliding_windows": list(getattr(self.manager, "sliding_windows", [None])),
-        }

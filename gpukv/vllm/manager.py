@@ -21,11 +21,12 @@ refusals, and so preemptions) are vLLM's own:
 For ``gpukv.vllm.Scheduler``'s batched ``schedule()``, the same translations
 for a whole step at once: ``schedule_batch`` is one gpukv ``step``: the
 requests freed since the last step, every running request's
-``allocate_slots`` (as array, a ``gpukv.RunningBatch`` addressed by row), a
-run of waiting requests' ``get_computed_blocks`` and ``allocate_slots``
-(vLLM's waiting loop on the manager), and what the scheduler's output needs
-(every new block id, the first running request's reference counts for the
-common prefix), in one device read.
+``allocate_slots`` (as array, a ``gpukv.RunningBatch`` addressed by row:
+``gpukv.vllm.running_batch``), a run of waiting requests'
+``get_computed_blocks`` and ``allocate_slots`` (vLLM's waiting loop on the
+manager), and what the scheduler's output needs (every new block id, the
+first running request's reference counts for the common prefix), in one
+device read. Every argument is checked first (``gpukv.vllm.checks``).
 
 Frees are folded into the next step: ``free`` records the request and the
 next call to gpukv frees every recorded one first, in order, in one call (a
@@ -54,7 +55,8 @@ import torch
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.hashing import MMItem
 from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate, StepResult
-from gpukv.running import RunningBatch
+from gpukv.vllm.checks import check_num_tokens, check_scheduled, checked_length, request_id_of
+from gpukv.vllm.running_batch import running_batch
 
 BACKENDS = ("auto", "reference", "device")
 LOOKUPS = ("vllm", "all")
@@ -181,8 +183,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Any) -> tuple[list[Block], int]:
         """The request's cache hit: blocks (``.block_id``) and its length in tokens."""
-        rid = _request_id(request)
-        num_tokens = _checked_length(request, self.max_model_len)
+        rid = request_id_of(request)
+        num_tokens = checked_length(request, self.max_model_len)
         if not self.enable_caching:
             return [], 0
         self._mm_items(request)  # refused before anything is counted, as vLLM hashes first
@@ -204,9 +206,9 @@ class KVCacheManager:
         """Blocks for ``num_tokens`` more tokens (beyond the hit for a request
         not yet admitted) and ``num_lookahead_tokens`` slots; the new blocks,
         or None (nothing changed) when they do not fit."""
-        rid = _request_id(request)
-        _checked_length(request, self.max_model_len)
-        _check_num_tokens(num_tokens, num_lookahead_tokens)
+        rid = request_id_of(request)
+        checked_length(request, self.max_model_len)
+        check_num_tokens(num_tokens, num_lookahead_tokens)
         if request.is_finished():
             raise InvalidInputError(f"request {rid!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
@@ -223,7 +225,7 @@ class KVCacheManager:
         request holding none (waiting, preempted, aborted before it ran) frees
         nothing; a finished request freed a second time is refused. gpukv
         frees them at the next call (module docstring)."""
-        rid = _request_id(request)
+        rid = request_id_of(request)
         finished = request.is_finished()
         if finished and request in self._finished:
             raise InvalidInputError(f"request {rid!r} was already freed", argument="request",
@@ -239,14 +241,14 @@ class KVCacheManager:
 
     def free_block_hashes(self, request: Any) -> None:
         """Forget the request's lookup state (vLLM: once it finished)."""
-        rid = _request_id(request)
+        rid = request_id_of(request)
         self._num_hashed.pop(rid, None)
         self._looked_up.pop(rid, None)
 
     def get_num_common_prefix_blocks(self, request: Any, num_running_requests: int) -> int:
         """Leading blocks of ``request`` held by all ``num_running_requests``
         running requests (reads the device)."""
-        rid = _request_id(request)
+        rid = request_id_of(request)
         if rid not in self._rows:
             raise InvalidInputError(f"request {rid!r} holds no blocks", argument="request",
                                     fix="pass a running request")
@@ -285,9 +287,10 @@ class KVCacheManager:
 
         Every argument is checked, in a few vectorised passes, before
         anything changes."""
-        batch = self._running_batch(running, num_new_tokens, num_lookahead_tokens) if len(running) else ()
+        batch = (running_batch(self.manager, self._rows, running, num_new_tokens, num_lookahead_tokens,
+                               self.max_model_len) if len(running) else ())
         new = [self._admission_request(r, num_tokens_to_compute, num_lookahead_tokens) for r in waiting]
-        prefix = None if prefix_of is None else _request_id(prefix_of)
+        prefix = None if prefix_of is None else request_id_of(prefix_of)
         if prefix is not None and prefix not in self._rows and not any(r.request_id == prefix for r in new):
             raise InvalidInputError(f"request {prefix!r} holds no blocks", argument="prefix_of",
                                     fix="pass the first running request (or, with none, the first waiting one)")
@@ -318,38 +321,6 @@ class KVCacheManager:
                             list(zip(result.num_computed_tokens, result.num_new_tokens, strict=True)),
                             result.admitted_block_ids[0], result)
 
-    def _running_batch(self, requests: Sequence[Any], num_new_tokens: Sequence[int] | np.ndarray,
-                       num_lookahead_tokens: int) -> RunningBatch:
-        """gpukv's ``RunningBatch`` for each running request's
-        ``allocate_slots(request, n, num_lookahead_tokens=...)`` (as
-        ``_running_update`` builds one update), checked in vectorised passes."""
-        rows_of = self._rows
-        count = len(requests)
-        try:
-            rows = np.fromiter([rows_of[r.request_id] for r in requests], np.int64, count)
-        except (KeyError, AttributeError):
-            bad = next(r for r in requests if getattr(r, "request_id", None) not in rows_of)
-            raise InvalidInputError(f"request {getattr(bad, 'request_id', bad)!r} is not running",
-                                    argument="running", fix="pass requests that hold blocks (running ones)") from None
-        known = np.fromiter([r.num_tokens for r in requests], np.int64, count)
-        spec = np.fromiter([len(r.spec_token_ids) for r in requests], np.int64, count)
-        vllm_computed = np.fromiter([r.num_computed_tokens for r in requests], np.int64, count)
-        n = np.asarray(num_new_tokens, dtype=np.int64)
-        _check_running_batch(requests, known, spec, vllm_computed, n, self.max_model_len)
-        held, computed = self.manager.row_token_counts(rows)
-        appended = known - held
-        # What vLLM caches after these calls (its computed tokens less the
-        # speculative ones), at least one token more than gpukv has computed.
-        target = np.minimum(np.maximum(vllm_computed + n - spec, computed + 1), known)
-        slots = np.maximum(0, np.minimum(vllm_computed + n + num_lookahead_tokens, self.max_model_len) - target)
-        chunks = target - computed
-        if appended.size and int(appended.max()) == 1 and int(appended.min()) == 1:  # a decode: the last token each
-            return RunningBatch(rows, [r.all_token_ids[-1] for r in requests], num_tokens_to_compute=chunks,
-                                num_lookahead_tokens=slots)
-        tokens = [t for r, a in zip(requests, held.tolist(), strict=True) for t in r.all_token_ids[a:]]
-        return RunningBatch(rows, tokens, num_new_tokens=appended, num_tokens_to_compute=chunks,
-                            num_lookahead_tokens=slots)
-
     def waiting_batchable(self, request: Any, num_lookahead_tokens: int = 0) -> bool:
         """Whether ``schedule_batch`` gives this waiting request what vLLM's
         ``get_computed_blocks`` then ``allocate_slots`` would give it: not
@@ -370,7 +341,7 @@ class KVCacheManager:
         """gpukv's ``NewRequest`` for vLLM's waiting loop body over
         ``request``: its whole prompt looked up, at most ``chunk`` tokens
         computed beyond the hit (vLLM's long-prefill threshold)."""
-        num_tokens = _checked_length(request, self.max_model_len)
+        num_tokens = checked_length(request, self.max_model_len)
         chunk = chunk if chunk is not None and chunk < num_tokens else None  # (the same: gpukv refuses more)
         return self._new_request(request, request.all_token_ids[:], chunk, lookahead)
 
@@ -468,7 +439,7 @@ class KVCacheManager:
         num_known = request.num_tokens
         computed = self._computed_for(rid, blocks)
         hit = computed.num_tokens if computed is not None else 0
-        _check_scheduled(request, num_known, hit, num_tokens)
+        check_scheduled(request, num_known, hit, num_tokens)
         # vLLM caches full blocks up to hit + num_tokens less its speculative
         # tokens; gpukv computes (and caches) exactly those, the rest are slots.
         target = max(hit + num_tokens - len(request.spec_token_ids), hit + 1)
@@ -499,7 +470,7 @@ class KVCacheManager:
         appended = request.all_token_ids[held:]  # only what vLLM appended since
         num_known = request.num_tokens
         vllm_computed = request.num_computed_tokens
-        _check_scheduled(request, num_known, vllm_computed, num_tokens)
+        check_scheduled(request, num_known, vllm_computed, num_tokens)
         # What vLLM caches after this call (its computed tokens less the
         # speculative ones), at least one token more than gpukv has computed.
         target = max(vllm_computed + num_tokens - len(request.spec_token_ids), computed + 1)
@@ -530,65 +501,6 @@ class KVCacheManager:
         return looked_up
 
 
-def _request_id(request: Any) -> str:
-    rid = getattr(request, "request_id", None)
-    if not isinstance(rid, str):
-        raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
-                               fix="pass a vllm.v1.request.Request")
-    return rid
-
-
 def _lora_id(request: Any) -> int | None:
     lora = request.lora_request
     return lora.lora_int_id if lora else None
-
-
-def _check_num_tokens(num_tokens: Any, num_lookahead_tokens: Any) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise InvalidInputError(f"num_tokens must be an int >= 1, got {num_tokens!r}", argument="num_tokens",
-                                fix="pass the tokens scheduled this step (vLLM never allocates for 0)")
-    if isinstance(num_lookahead_tokens, bool) or not isinstance(num_lookahead_tokens, int) \
-            or num_lookahead_tokens < 0:
-        raise InvalidInputError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}",
-                                argument="num_lookahead_tokens", fix="pass 0 without speculative decoding")
-
-
-def _check_running_batch(requests: Sequence[Any], known: np.ndarray, spec: np.ndarray, computed: np.ndarray,
-                         num_new: np.ndarray, max_model_len: int) -> None:
-    """``_checked_length``, ``_check_num_tokens`` and ``_check_scheduled`` of
-    every running request at once (the one-request messages on failure)."""
-    if num_new.shape != known.shape:
-        raise InvalidInputError(f"{len(num_new)} token counts for {len(known)} requests", argument="num_new_tokens",
-                                fix="pass one count per running request")
-    bad = (known < 1) | (known > max_model_len) | (num_new < 1) | (computed + num_new > known + spec)
-    if bad.any():
-        i = int(np.argmax(bad))
-        _checked_length(requests[i], max_model_len)
-        _check_num_tokens(int(num_new[i]), 0)
-        _check_scheduled(requests[i], int(known[i]), int(computed[i]), int(num_new[i]))
-
-
-def _check_scheduled(request: Any, num_known: int, num_computed: int, num_tokens: int) -> None:
-    """Tokens scheduled past the request's known and speculative tokens have
-    nothing to compute: a caller's mistake, refused before anything changes."""
-    limit = num_known + len(request.spec_token_ids)
-    if num_computed + num_tokens > limit:
-        raise InvalidInputError(f"request {request.request_id!r}: {num_computed} computed tokens plus num_tokens="
-                                f"{num_tokens} is more than its {limit} tokens (speculative ones included)",
-                                argument="num_tokens",
-                                fix="schedule at most the tokens the request has that are not computed yet")
-
-
-def _checked_length(request: Any, max_model_len: int) -> int:
-    """The request's known tokens (prompt and outputs, no speculative ones):
-    how many; read without copying them (a running request's call costs what
-    it appends, not its length)."""
-    num_tokens = request.num_tokens
-    if not num_tokens:
-        raise InvalidInputError(f"request {request.request_id!r} has no tokens", argument="request",
-                                fix="give the request a prompt of at least one token")
-    if num_tokens > max_model_len:
-        raise InvalidInputError(f"request {request.request_id!r} has {num_tokens} tokens, more than "
-                                f"max_model_len={max_model_len}", argument="request",
-                                fix="finish or truncate requests at max_model_len")
-    return num_tokens

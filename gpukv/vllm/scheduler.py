@@ -17,48 +17,26 @@ that, step by step). Two ways to get there:
   not handle, the whole step is vLLM's own (``Scheduler``'s docstring names
   those cases); where the running batch does not fit, vLLM's loop goes on
   from the first request that did not, one call at a time. The output is
-  built in one pass over the scheduled requests, and ``update_from_output``
-  after a batched step is a tighter loop making vLLM's own objects
-  (``_update_batched``).
+  built in one pass over the scheduled requests (``gpukv.vllm.batched_step``),
+  and ``update_from_output`` after a batched step is a tighter loop making
+  vLLM's own objects (``gpukv.vllm.batched_update``).
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
 from itertools import accumulate, islice
 from typing import Any
 
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from gpukv.request import StepResult
+from gpukv.vllm.batched_step import BatchedStep, make_output
+from gpukv.vllm.batched_update import update_batched
 from gpukv.vllm.manager import KVCacheManager
-
-
-@dataclass
-class _Step:
-    """What one batched ``schedule()`` has decided so far (vLLM's locals)."""
-
-    token_budget: int
-    timestamp: float
-    new: list[Request] = field(default_factory=list)
-    resumed: list[Request] = field(default_factory=list)
-    # The running requests scheduled, their tokens and new block ids, in order.
-    running: list[Request] = field(default_factory=list)
-    running_tokens: list[int] = field(default_factory=list)
-    running_blocks: list[list[int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    block_ids: dict[str, list[int]] = field(default_factory=dict)  # new and resumed requests' blocks
-    req_index: int = 0
-    # The batched call's result, while no later call changed the manager:
-    # the common prefix needs no read of its own then.
-    prefix: StepResult | None = None
 
 
 class Scheduler(VllmScheduler):
@@ -123,9 +101,9 @@ class Scheduler(VllmScheduler):
         self._last_batched = plan is not None
         if plan is None:
             return super().schedule()
-        step = _Step(token_budget=self.max_num_scheduled_tokens, timestamp=time.monotonic())
+        step = BatchedStep(token_budget=self.max_num_scheduled_tokens, timestamp=time.monotonic())
         self._schedule_batched(step, plan)
-        return self._output(step)
+        return make_output(self, step)
 
     def _batchable(self) -> bool:
         """No LoRA, KV connector, EAGLE or sliding window, and no request
@@ -176,7 +154,7 @@ class Scheduler(VllmScheduler):
         return n
 
     # ------------------------------------------------------- the batched call
-    def _schedule_batched(self, step: _Step, plan: list[int]) -> None:
+    def _schedule_batched(self, step: BatchedStep, plan: list[int]) -> None:
         """The running batch and a run of waiting requests in one gpukv call;
         then vLLM's loop where the batch did not fit (preemption), or vLLM's
         waiting loop where the run stopped before a request it does not take."""
@@ -228,7 +206,7 @@ class Scheduler(VllmScheduler):
         num_new_tokens = min(num_new_tokens, token_budget)
         return min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
 
-    def _running_loop(self, step: _Step, req_index: int) -> None:
+    def _running_loop(self, step: BatchedStep, req_index: int) -> None:
         """vLLM's running loop from ``req_index`` on, one request at a time
         (preempt from the tail, retry)."""
         step.prefix = None  # (the manager changes after the batched call)
@@ -259,7 +237,7 @@ class Scheduler(VllmScheduler):
             req_index += 1
         step.req_index = req_index
 
-    def _scheduled_running(self, step: _Step, requests: list[Request], num_tokens: list[int],
+    def _scheduled_running(self, step: BatchedStep, requests: list[Request], num_tokens: list[int],
                            block_ids: list[list[int]]) -> None:
         """vLLM's bookkeeping for running requests that got their blocks."""
         step.running += requests
@@ -277,7 +255,7 @@ class Scheduler(VllmScheduler):
                         step.spec_decode_tokens[request.request_id] = request.spec_token_ids
 
     # ------------------------------------------------------- waiting phase
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: BatchedStep) -> None:
         """vLLM's waiting loop: each run of batchable requests (up to the free
         running slots) admitted in one gpukv call, any other request by
         vLLM's loop body, until the budget, the slots or the blocks run out."""
@@ -300,7 +278,7 @@ class Scheduler(VllmScheduler):
             if len(outcome.admitted) < len(batch):
                 break  # refused, or the budget is spent
 
-    def _schedule_one_waiting(self, step: _Step, request: Request) -> bool:
+    def _schedule_one_waiting(self, step: BatchedStep, request: Request) -> bool:
         """vLLM's waiting loop body for one request (no LoRA, connector,
         encoder inputs or structured output here); False when refused."""
         computed_blocks, num_computed_tokens = self._kvm.get_computed_blocks(request)
@@ -319,7 +297,7 @@ class Scheduler(VllmScheduler):
         self._scheduled_waiting(step, request, num_computed_tokens, num_new_tokens)
         return True
 
-    def _scheduled_waiting(self, step: _Step, request: Request, num_computed_tokens: int,
+    def _scheduled_waiting(self, step: BatchedStep, request: Request, num_computed_tokens: int,
                            num_new_tokens: int) -> None:
         """vLLM's bookkeeping for an admitted waiting request."""
         step.req_index += 1
@@ -337,170 +315,14 @@ class Scheduler(VllmScheduler):
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
 
-    # ------------------------------------------------------------ the output
-    def _output(self, step: _Step) -> SchedulerOutput:
-        """vLLM's ``SchedulerOutput`` from the step's decisions, then vLLM's
-        advance of ``num_computed_tokens`` and of ``finished_req_ids``, in one
-        pass over the scheduled requests."""
-        num_scheduled_tokens = step.num_scheduled_tokens
-        total = sum(num_scheduled_tokens.values())
-        assert total <= self.max_num_scheduled_tokens
-        assert step.token_budget >= 0
-        assert len(self.running) <= self.max_num_running_reqs
-        assert len(step.new) + len(step.resumed) + len(step.running) <= len(self.running)
-        output = SchedulerOutput(
-            scheduled_new_reqs=self._new_request_data(step),
-            scheduled_cached_reqs=self._resumed_request_data(step) + self._running_request_data(step),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=step.spec_decode_tokens,
-            scheduled_encoder_inputs={},
-            num_common_prefix_blocks=self._common_prefix(step),
-            finished_req_ids=self.finished_req_ids,
-            free_encoder_input_ids=self.encoder_cache_manager.get_freed_ids(),
-            structured_output_request_ids={},
-            grammar_bitmask=self.structured_output_manager.grammar_bitmask(self.requests, {}, len(self.running)),
-        )
-        self.finished_req_ids = set()
-        return output
-
-    def _common_prefix(self, step: _Step) -> int:
-        """vLLM's ``get_num_common_prefix_blocks(running[0], len(running))``:
-        from the batched call's read while nothing changed since, else read."""
-        if not self.running:
-            return 0
-        if step.prefix is not None and step.prefix.prefix_ref_counts is not None:
-            return step.prefix.num_common_prefix_blocks(len(self.running))[0]
-        return self._kvm.get_num_common_prefix_blocks(self.running[0], len(self.running))
-
-    def _new_request_data(self, step: _Step) -> list[NewRequestData]:
-        out = []
-        for request in step.new:
-            out.append(NewRequestData.from_request(request, step.block_ids[request.request_id]))
-            request.num_computed_tokens += step.num_scheduled_tokens[request.request_id]
-        return out
-
-    def _resumed_request_data(self, step: _Step) -> list[CachedRequestData]:
-        out = []
-        for request in step.resumed:
-            rid = request.request_id
-            n = step.num_scheduled_tokens[rid]
-            out.append(self._make_cached_request_data(request, n, len(step.spec_decode_tokens.get(rid, ())),
-                                                      step.block_ids[rid], resumed_from_preemption=True))
-            request.num_computed_tokens += n
-        return out
-
-    def _running_request_data(self, step: _Step) -> list[CachedRequestData]:
-        """vLLM's ``_make_cached_request_data`` for each scheduled running
-        request (its cached objects reused), and the advance of its
-        ``num_computed_tokens``, in one loop."""
-        spec = step.spec_decode_tokens
-        cache = self._cached_reqs_data
-        out = []
-        for request, n, ids in zip(step.running, step.running_tokens, step.running_blocks, strict=True):
-            rid = request.request_id
-            computed = request.num_computed_tokens
-            regular = n - len(spec[rid]) if spec and rid in spec else n
-            new_token_ids = request.all_token_ids[computed: computed + regular]
-            queue = cache.get(rid)
-            if queue:
-                data = queue.popleft()
-                data.resumed_from_preemption = False
-                data.new_token_ids = new_token_ids
-                data.new_block_ids = ids
-                data.num_computed_tokens = computed
-            else:
-                data = CachedRequestData.from_request(request, False, new_token_ids, ids)
-            out.append(data)
-            request.num_computed_tokens = computed + n
-        return out
-
     # -------------------------------------------------- update_from_output
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> EngineCoreOutputs:
         """vLLM's ``update_from_output``; after a batched step (no encoder
         inputs or structured output in it) a tighter loop that makes the same
-        objects and state changes (``_update_batched``)."""
+        objects and state changes (``gpukv.vllm.batched_update``)."""
         if not self._last_batched:
             return super().update_from_output(scheduler_output, model_runner_output)
-        return self._update_batched(scheduler_output, model_runner_output)
-
-    def _update_batched(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> EngineCoreOutputs:
-        """vLLM 0.8.5's ``update_from_output`` for a step with no encoder
-        inputs and no structured output: per scheduled request its sampled
-        tokens appended and checked for a stop (a stopped request freed),
-        its rejected drafts taken back, new drafts, logprobs and prompt
-        logprobs handed on; the same ``EngineCoreOutputs``."""
-        sampled = model_runner_output.sampled_token_ids
-        drafts = model_runner_output.spec_token_ids
-        logprobs = model_runner_output.logprobs
-        prompt_logprobs = model_runner_output.prompt_logprobs_dict
-        index = model_runner_output.req_id_to_index
-        scheduled = scheduler_output.num_scheduled_tokens
-        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        max_model_len = self.max_model_len
-        spec_stats = None
-        new_running: list[Request] = []
-        outputs: list[EngineCoreOutput] = []
-        for request in self.running:
-            rid = request.request_id
-            if not scheduled.get(rid, 0):
-                new_running.append(request)
-                continue
-            i = index[rid]
-            tokens = sampled[i]
-            if spec_scheduled:
-                drafted = spec_scheduled.get(rid)
-                if drafted:
-                    request.num_computed_tokens -= len(drafted) + 1 - len(tokens)
-                    spec_stats = self.make_spec_decoding_stats(spec_stats, num_draft_tokens=len(drafted),
-                                                               num_accepted_tokens=len(tokens) - 1)
-            if drafts is not None:
-                request.spec_token_ids = drafts[i]
-            stopped = False
-            if tokens:
-                outs, all_ids = request._output_token_ids, request._all_token_ids  # (append_output_token_ids')
-                params = request.sampling_params
-                for num_new, token in enumerate(tokens, 1):
-                    outs.append(token)
-                    all_ids.append(token)
-                    # vLLM's check_stop (vllm/v1/core/sched/utils.py), for the token just appended
-                    if len(all_ids) >= max_model_len or len(outs) >= request.max_tokens:
-                        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    elif not params.ignore_eos and token == request.eos_token_id:
-                        request.status = RequestStatus.FINISHED_STOPPED
-                    elif params.stop_token_ids and token in params.stop_token_ids:
-                        request.status = RequestStatus.FINISHED_STOPPED
-                        request.stop_reason = token
-                    else:
-                        continue
-                    self._free_request(request)
-                    del tokens[num_new:]
-                    stopped = True
-                    break
-            new_logprobs = logprobs.slice(i, i + 1) if logprobs and request.sampling_params.logprobs is not None \
-                else None
-            prompt_tensors = prompt_logprobs.get(rid) if prompt_logprobs else None
-            if tokens:
-                events = request.events
-                if events:  # (take_events')
-                    request.events = []
-                outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=tokens,
-                                                finish_reason=request.get_finished_reason() if stopped else None,
-                                                new_logprobs=new_logprobs, new_prompt_logprobs_tensors=prompt_tensors,
-                                                stop_reason=request.stop_reason, events=events or None))
-            else:
-                assert not prompt_tensors  # vLLM's invariant: no partial prefill outputs
-            if not stopped:
-                new_running.append(request)
-        finished, cache = self.finished_req_ids, self._cached_reqs_data
-        for data in scheduler_output.scheduled_cached_reqs:
-            if data.req_id not in finished:
-                cache[data.req_id].append(data)
-        self.running = new_running
-        result = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_stats))
-        if self.include_finished_set:
-            result.finished_requests = scheduler_output.finished_req_ids | self.finished_req_ids
-        return result
+        return update_batched(self, scheduler_output, model_runner_output)
 
 
 class ReferenceScheduler(Scheduler):
