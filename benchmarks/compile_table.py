@@ -5,7 +5,7 @@ needed (Triton's compiler and its bundled ptxas run on the CPU).
     PYTHONPATH=. python benchmarks/compile_table.py [--growth-steps 18]
 
 The signatures compiled are those the recording workloads launch
-(``gpukv.kernels._aot``: two short device-manager runs, full attention and
+(``tests/kernels/aot.py``: two short device-manager runs, full attention and
 full + sliding window, plus direct launcher calls for what a manager never
 launches); a kernel with several signatures reports its worst registers,
 spills and shared memory and the sum of its compile seconds. Then the
@@ -24,14 +24,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpukv._runtime  # noqa: E402,F401  (the interpreter on machines without CUDA)
-from gpukv.kernels import _aot  # noqa: E402
+from tests.kernels import aot  # noqa: E402
 
 
 def _manager_runs(steps: int):
     return (
-        ("full attention", lambda: _aot.manager_workload(windows=(None,), steps=steps)),
+        ("full attention", lambda: aot.manager_workload(windows=(None,), steps=steps)),
         ("full + sliding window",
-         lambda: _aot.manager_workload(windows=(None, 40), uncached_first=False, steps=steps, seed=1)),
+         lambda: aot.manager_workload(windows=(None, 40), uncached_first=False, steps=steps, seed=1)),
     )
 
 
@@ -44,20 +44,20 @@ def main() -> None:
 
     import triton
 
-    kernels, helpers, unused = _aot.discover()
+    kernels, helpers, unused = aot.discover()
     t0 = time.perf_counter()
-    rec = _aot.record(kernels)
+    rec = aot.record(kernels)
     t_rec = time.perf_counter() - t0
     sigs = rec.signatures()
     t0 = time.perf_counter()
-    results = _aot.compile_all(sigs, jobs=args.jobs)
+    results = aot.compile_all(sigs, jobs=args.jobs)
     t_comp = time.perf_counter() - t0
-    targets = ", ".join(f"sm_{t[1]}" for t in _aot.TARGETS)
+    targets = ", ".join(f"sm_{t[1]}" for t in aot.TARGETS)
     print(f"Triton {triton.__version__}; targets {targets} (`GPUTarget(\"cuda\", cc, 32)`), fresh Triton cache, "
           f"no GPU. {len(kernels)} kernels ({len(helpers)} jit helpers compiled inside them), "
           f"{len(sigs)} distinct signatures, {len(results)} compiles: {t_comp:.0f} s "
           f"(recording the launches under the interpreter: {t_rec:.0f} s).\n")
-    print(_aot.markdown_table(results))
+    print(aot.markdown_table(results))
     unlaunched = sorted(set(kernels) - set(rec.per_kernel()))
     if unlaunched:
         print(f"\nNOT COMPILED (never launched by the recording workloads): {', '.join(unlaunched)}")
@@ -70,19 +70,19 @@ def main() -> None:
     print("\nDistinct compiled signatures, with the kernels' `do_not_specialize` marks / without them:\n")
     print("| workload | with | without | most per kernel, with / without |")
     print("| --- | ---: | ---: | ---: |")
-    runs = [("the recording above (manager runs and direct launcher calls)", _aot.WORKLOADS),
-            ("its two manager runs (5 steps each)", _aot.MANAGER_WORKLOADS)]
+    runs = [("the recording above (manager runs and direct launcher calls)", aot.WORKLOADS),
+            ("its two manager runs (5 steps each)", aot.MANAGER_WORKLOADS)]
     if args.growth_steps:
         runs.append((f"the two manager runs, {args.growth_steps} steps each", _manager_runs(args.growth_steps)))
     for label, workloads in runs:
         counts = []
         for honour in (True, False):
-            if honour and workloads is _aot.WORKLOADS:
+            if honour and workloads is aot.WORKLOADS:
                 r, labels = rec, None
-            elif honour and workloads is _aot.MANAGER_WORKLOADS:
-                r, labels = rec, [x for x, _ in _aot.MANAGER_WORKLOADS]
+            elif honour and workloads is aot.MANAGER_WORKLOADS:
+                r, labels = rec, [x for x, _ in aot.MANAGER_WORKLOADS]
             else:
-                r, labels = _aot.record(kernels, honour_do_not_specialize=honour, workloads=workloads), None
+                r, labels = aot.record(kernels, honour_do_not_specialize=honour, workloads=workloads), None
             per = r.per_kernel(labels)
             counts.append((sum(per.values()), max(per.values())))
         (w, wmax), (wo, womax) = counts

@@ -139,8 +139,7 @@ def _permutation(order: str, n: int, rng: random.Random) -> list[int]:
 def _kernel_modules() -> list[types.ModuleType]:
     import gpukv.kernels as pkg
 
-    return [importlib.import_module(f"gpukv.kernels.{info.name}") for info in pkgutil.iter_modules(pkg.__path__)
-            if info.name != "_aot"]
+    return [importlib.import_module(f"gpukv.kernels.{info.name}") for info in pkgutil.iter_modules(pkg.__path__)]
 
 
 def _shrink_defaults(fn: Any, tile: int, undo: list) -> bool:

@@ -18,9 +18,10 @@ import pytest
 from gpukv import NewRequest, RunningBatch, RunningUpdate
 from gpukv import manager as manager_module
 from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
-from gpukv.kernels import _aot, block_hash
+from gpukv.kernels import block_hash
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
+from tests.kernels import aot
 
 PREFIX = list(range(100, 108))
 
@@ -80,7 +81,7 @@ NOT_LAUNCHED = {"block_hash._blake3_bytes_kernel", "block_hash._hash_block_chain
 
 
 def _kernels():
-    kernels, _, _ = _aot.discover()
+    kernels, _, _ = aot.discover()
     return sorted(kernels.items())
 
 

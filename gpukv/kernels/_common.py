@@ -560,7 +560,7 @@ def count_launches(namespace: dict) -> None:
     if _runtime.INTERPRETED:
         _mark_interpreted_runs()
     # Now, not at the first ``preparing()``: a wrapper of a kernel's ``run``
-    # installed in between (``_aot.Recorder``) would otherwise call past it,
+    # installed in between (``Recorder`` of ``tests/kernels/aot.py``) would otherwise call past it,
     # and a step would keep no launches to replay.
     _install_prepare_hook()
     for name, obj in namespace.items():

@@ -357,6 +357,43 @@ def segment_digest(K0, K1, K2, K3, K4, K5, K6, K7, p0, p1, p2, p3, e0, e1, e2, e
 # --------------------------------------------------------------------------
 
 
+@triton.jit
+def _block_digest(K0, K1, K2, K3, K4, K5, K6, K7, p0, p1, p2, p3, e0, e1, e2, e3, blk, active,
+                  BLOCK_SIZE: tl.constexpr):
+    """The chained digest (four 32-bit words per lane) of the BLOCK_SIZE
+    tokens at ``blk``, from the parent digest ``p`` and extra digest ``e``:
+    NSEG - 1 full segments of SEGMENT_TOKENS, then the LAST tokens."""
+    NSEG: tl.constexpr = (BLOCK_SIZE + SEGMENT_TOKENS - 1) // SEGMENT_TOKENS
+    LAST: tl.constexpr = BLOCK_SIZE - (NSEG - 1) * SEGMENT_TOKENS
+    s0, s1, s2, s3 = p0, p1, p2, p3
+    for s in range(0, NSEG):
+        n_tok = tl.where(s == NSEG - 1, LAST, SEGMENT_TOKENS)
+        s0, s1, s2, s3 = segment_digest(
+            K0, K1, K2, K3, K4, K5, K6, K7, s0, s1, s2, s3, e0, e1, e2, e3,
+            blk + s * SEGMENT_TOKENS, n_tok, active)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _extra_words(ext_ptr, s_ec, active, zero, HAS_EXTRAS: tl.constexpr):
+    """A block's extra-key digest as four 32-bit words per lane (lanes
+    ``lo``, ``hi`` at ``ext_ptr`` and ``ext_ptr + s_ec``); zeros without
+    ``HAS_EXTRAS``."""
+    if HAS_EXTRAS:
+        e_lo = to_u64(tl.load(ext_ptr, mask=active, other=0))
+        e_hi = to_u64(tl.load(ext_ptr + s_ec, mask=active, other=0))
+        e0 = _lo32(e_lo)
+        e1 = _hi32(e_lo)
+        e2 = _lo32(e_hi)
+        e3 = _hi32(e_hi)
+    else:
+        e0 = zero
+        e1 = zero
+        e2 = zero
+        e3 = zero
+    return e0, e1, e2, e3
+
+
 @triton.jit(do_not_specialize=["R", "max_blocks", "block_cap", "s_tr", "s_er", "s_or"])
 def _hash_block_chains_kernel(
     key_ptr,                   # int64[2]: the gpukv key lanes (k0, k1)
@@ -376,55 +413,31 @@ def _hash_block_chains_kernel(
     HAS_EXTRAS: tl.constexpr,  # whether extras_ptr is read (else zero extra digests)
     TILE: tl.constexpr,        # requests per program, one lane each (a power of two)
 ):
+    """The chained digests of the leading ``num_blocks[r]`` full blocks of
+    each request, one lane per request (deterministic: no lane reads
+    another's output); positions past them get (0, 0)."""
     pid = tl.program_id(0)
     rows = pid * TILE + tl.arange(0, TILE)
     rmask = rows < R
     r64 = rows.to(tl.int64)
-
     zero_i = tl.zeros([TILE], dtype=tl.int64)
     K0, K1, K2, K3, K4, K5, K6, K7 = derive_block_key(
         tl.load(key_ptr) + zero_i, tl.load(key_ptr + 1) + zero_i)
-
     nb = tl.load(num_blocks_ptr + rows, mask=rmask, other=0)
     nb = tl.minimum(tl.maximum(nb, 0), block_cap)
     p_lo = to_u64(tl.load(parents_ptr + r64 * s_pr, mask=rmask, other=0))
     p_hi = to_u64(tl.load(parents_ptr + r64 * s_pr + s_pc, mask=rmask, other=0))
-    p0 = _lo32(p_lo)
-    p1 = _hi32(p_lo)
-    p2 = _lo32(p_hi)
-    p3 = _hi32(p_hi)
+    p0, p1, p2, p3 = _lo32(p_lo), _hi32(p_lo), _lo32(p_hi), _hi32(p_hi)
     zero = tl.zeros_like(p0)
-
     tok_row = tokens_ptr + r64 * s_tr
     ext_row = extras_ptr + r64 * s_er
     out_row = out_ptr + r64 * s_or
-
-    # Segments of a block: NSEG - 1 full ones of SEGMENT_TOKENS, then LAST tokens.
-    NSEG: tl.constexpr = (BLOCK_SIZE + SEGMENT_TOKENS - 1) // SEGMENT_TOKENS
-    LAST: tl.constexpr = BLOCK_SIZE - (NSEG - 1) * SEGMENT_TOKENS
-
     n_hash = tl.max(nb, axis=0)
     for b in range(0, n_hash):
         active = rmask & (b < nb)
-        if HAS_EXTRAS:
-            e_lo = to_u64(tl.load(ext_row + b * s_eb, mask=active, other=0))
-            e_hi = to_u64(tl.load(ext_row + b * s_eb + s_ec, mask=active, other=0))
-            e0 = _lo32(e_lo)
-            e1 = _hi32(e_lo)
-            e2 = _lo32(e_hi)
-            e3 = _hi32(e_hi)
-        else:
-            e0 = zero
-            e1 = zero
-            e2 = zero
-            e3 = zero
-        blk = tok_row + b * BLOCK_SIZE
-        s0, s1, s2, s3 = p0, p1, p2, p3
-        for s in range(0, NSEG):
-            n_tok = tl.where(s == NSEG - 1, LAST, SEGMENT_TOKENS)
-            s0, s1, s2, s3 = segment_digest(
-                K0, K1, K2, K3, K4, K5, K6, K7, s0, s1, s2, s3, e0, e1, e2, e3,
-                blk + s * SEGMENT_TOKENS, n_tok, active)
+        e0, e1, e2, e3 = _extra_words(ext_row + b * s_eb, s_ec, active, zero, HAS_EXTRAS)
+        s0, s1, s2, s3 = _block_digest(K0, K1, K2, K3, K4, K5, K6, K7, p0, p1, p2, p3, e0, e1, e2, e3,
+                                       tok_row + b * BLOCK_SIZE, active, BLOCK_SIZE)
         s0 = tl.where(active, s0, zero)
         s1 = tl.where(active, s1, zero)
         s2 = tl.where(active, s2, zero)
@@ -512,6 +525,37 @@ def _msg_word(row_ptr, w, length, lo):
     return tl.where(keep >= 4, x, x & part)
 
 
+@triton.jit
+def _key_words(key_ptr, zero_i):
+    """The 32-byte key (int64[4] LE lanes at ``key_ptr``) as eight 32-bit
+    words in every lane of ``zero_i``'s shape."""
+    k0 = to_u64(tl.load(key_ptr) + zero_i)
+    k1 = to_u64(tl.load(key_ptr + 1) + zero_i)
+    k2 = to_u64(tl.load(key_ptr + 2) + zero_i)
+    k3 = to_u64(tl.load(key_ptr + 3) + zero_i)
+    return _lo32(k0), _hi32(k0), _lo32(k1), _hi32(k1), _lo32(k2), _hi32(k2), _lo32(k3), _hi32(k3)
+
+
+@triton.jit
+def _msg_block(row_ptr, w, length, lo):
+    """The 16 message words ``w .. w + 15`` of a 64-byte block (``_msg_word``)."""
+    return (_msg_word(row_ptr, w, length, lo), _msg_word(row_ptr, w + 1, length, lo),
+            _msg_word(row_ptr, w + 2, length, lo), _msg_word(row_ptr, w + 3, length, lo),
+            _msg_word(row_ptr, w + 4, length, lo), _msg_word(row_ptr, w + 5, length, lo),
+            _msg_word(row_ptr, w + 6, length, lo), _msg_word(row_ptr, w + 7, length, lo),
+            _msg_word(row_ptr, w + 8, length, lo), _msg_word(row_ptr, w + 9, length, lo),
+            _msg_word(row_ptr, w + 10, length, lo), _msg_word(row_ptr, w + 11, length, lo),
+            _msg_word(row_ptr, w + 12, length, lo), _msg_word(row_ptr, w + 13, length, lo),
+            _msg_word(row_ptr, w + 14, length, lo), _msg_word(row_ptr, w + 15, length, lo))
+
+
+@triton.jit
+def _where8(live, n0, n1, n2, n3, n4, n5, n6, n7, h0, h1, h2, h3, h4, h5, h6, h7):
+    """A chaining value of eight words per lane: ``n`` where ``live``, else ``h``."""
+    return (tl.where(live, n0, h0), tl.where(live, n1, h1), tl.where(live, n2, h2), tl.where(live, n3, h3),
+            tl.where(live, n4, h4), tl.where(live, n5, h5), tl.where(live, n6, h6), tl.where(live, n7, h7))
+
+
 @triton.jit(do_not_specialize=["n", "lmax", "n_chunk_blocks"])
 def _blake3_bytes_kernel(
     key_ptr,              # int64[4] the 32-byte key as LE lanes (the IV for the unkeyed modes)
@@ -541,37 +585,15 @@ def _blake3_bytes_kernel(
     rows = pid * TILE + tl.arange(0, TILE)
     rmask = rows < n
     r64 = rows.to(tl.int64)
-    zero_i = tl.zeros([TILE], dtype=tl.int64)
-    k0 = to_u64(tl.load(key_ptr) + zero_i)
-    k1 = to_u64(tl.load(key_ptr + 1) + zero_i)
-    k2 = to_u64(tl.load(key_ptr + 2) + zero_i)
-    k3 = to_u64(tl.load(key_ptr + 3) + zero_i)
-    h0, h1, h2, h3 = _lo32(k0), _hi32(k0), _lo32(k1), _hi32(k1)
-    h4, h5, h6, h7 = _lo32(k2), _hi32(k2), _lo32(k3), _hi32(k3)
-
+    h0, h1, h2, h3, h4, h5, h6, h7 = _key_words(key_ptr, tl.zeros([TILE], dtype=tl.int64))
     length = tl.load(len_ptr + rows, mask=rmask, other=0)
     length = tl.where(rmask, tl.minimum(tl.maximum(length, 0), lmax), 0)
     last = tl.maximum((length + 63) // 64, 1) - 1  # index of the lane's last block
     lo = tl.zeros([TILE], dtype=tl.int32)
     row_ptr = msg_ptr + r64 * s_mr
     for blk in range(0, n_chunk_blocks):
-        w = blk * 16
-        m0 = _msg_word(row_ptr, w, length, lo)
-        m1 = _msg_word(row_ptr, w + 1, length, lo)
-        m2 = _msg_word(row_ptr, w + 2, length, lo)
-        m3 = _msg_word(row_ptr, w + 3, length, lo)
-        m4 = _msg_word(row_ptr, w + 4, length, lo)
-        m5 = _msg_word(row_ptr, w + 5, length, lo)
-        m6 = _msg_word(row_ptr, w + 6, length, lo)
-        m7 = _msg_word(row_ptr, w + 7, length, lo)
-        m8 = _msg_word(row_ptr, w + 8, length, lo)
-        m9 = _msg_word(row_ptr, w + 9, length, lo)
-        m10 = _msg_word(row_ptr, w + 10, length, lo)
-        m11 = _msg_word(row_ptr, w + 11, length, lo)
-        m12 = _msg_word(row_ptr, w + 12, length, lo)
-        m13 = _msg_word(row_ptr, w + 13, length, lo)
-        m14 = _msg_word(row_ptr, w + 14, length, lo)
-        m15 = _msg_word(row_ptr, w + 15, length, lo)
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _msg_block(row_ptr, blk * 16,
+                                                                                        length, lo)
         block_len = tl.minimum(tl.maximum(length - 64 * blk, 0), 64)
         flags = (tl.where(blk == 0, CHUNK_START, 0) | tl.where(blk == last, CHUNK_END | ROOT, 0)
                  | MODE)
@@ -579,15 +601,8 @@ def _blake3_bytes_kernel(
             h0, h1, h2, h3, h4, h5, h6, h7,
             m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
             block_len, flags)
-        live = blk <= last
-        h0 = tl.where(live, n0, h0)
-        h1 = tl.where(live, n1, h1)
-        h2 = tl.where(live, n2, h2)
-        h3 = tl.where(live, n3, h3)
-        h4 = tl.where(live, n4, h4)
-        h5 = tl.where(live, n5, h5)
-        h6 = tl.where(live, n6, h6)
-        h7 = tl.where(live, n7, h7)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _where8(blk <= last, n0, n1, n2, n3, n4, n5, n6, n7,
+                                                 h0, h1, h2, h3, h4, h5, h6, h7)
     out_row = out_ptr + r64 * s_or
     tl.store(out_row, _pack64(h0, h1), mask=rmask)
     tl.store(out_row + 1, _pack64(h2, h3), mask=rmask)

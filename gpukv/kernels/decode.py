@@ -108,6 +108,100 @@ def _entries(e, BP, G, W, rows_ptr, n_fit):
     return m, i, (e // W) % G, e % W, r, ok
 
 
+@triton.jit
+def _fit_prefix(cum_ptr, rows_ptr, free, BP, TILE: tl.constexpr):
+    """How many requests fit the ``free`` blocks (a prefix: ``cum`` never
+    decreases), how many rows are real, and the blocks the fitting ones pop."""
+    n_fit = tl.zeros([], tl.int64)
+    n_real = tl.zeros([], tl.int64)
+    count = tl.zeros([], tl.int64)
+    for start in range(0, BP, TILE):
+        offs = start + tl.arange(0, TILE)
+        cum = tl.load(cum_ptr + offs, mask=offs < BP, other=_BIG).to(tl.int64)
+        fits = cum <= free  # cum never decreases: the requests that fit are a prefix
+        n_fit += tl.sum(fits.to(tl.int64), 0)
+        n_real += tl.sum((tl.load(rows_ptr + offs, mask=offs < BP, other=-1) >= 0).to(tl.int64), 0)
+        count = tl.maximum(count, tl.max(tl.where(fits, cum, 0), 0))
+    return n_fit, n_real, count
+
+
+@triton.jit
+def _write_alloc(alloc_ptr, rows_ptr, held_ptr, need_ptr, cum_ptr, n_fit, BP, G, A, TILE: tl.constexpr):
+    """The allocation's entries (group, row, pos, want, rank; rows of
+    ``alloc[5, BP * G * A]``), ``want`` 0 past the fit."""
+    E = BP * G * A
+    for start in range(0, E, TILE):
+        e = start + tl.arange(0, TILE)
+        m, i, g, a, r, ok = _entries(e, BP, G, A, rows_ptr, n_fit)
+        held = tl.load(held_ptr + i, mask=m, other=0)
+        need = tl.load(need_ptr + i, mask=m, other=0)
+        c = tl.load(cum_ptr + i, mask=m, other=0)
+        tl.store(alloc_ptr + e, g, mask=m)
+        tl.store(alloc_ptr + E + e, tl.maximum(r, 0), mask=m)
+        tl.store(alloc_ptr + 2 * E + e, held + a, mask=m)
+        tl.store(alloc_ptr + 3 * E + e, (ok & (a < need)).to(tl.int32), mask=m)
+        tl.store(alloc_ptr + 4 * E + e, c - need * G + g * need + a, mask=m)
+
+
+@triton.jit
+def _write_record(record_ptr, rows_ptr, comp0_ptr, comp1_ptr, n_fit, BP, G, C, BS: tl.constexpr,
+                  TILE: tl.constexpr):
+    """The caching entries (group, row, pos, valid; rows of ``record[4, BP *
+    G * C]``): the blocks the step's computed tokens fill, ``valid`` 0 past
+    the fit."""
+    EC = BP * G * C
+    for start in range(0, EC, TILE):
+        e = start + tl.arange(0, TILE)
+        m, i, g, j, r, ok = _entries(e, BP, G, C, rows_ptr, n_fit)
+        first = tl.load(comp0_ptr + i, mask=m, other=0) // BS
+        filled = tl.load(comp1_ptr + i, mask=m, other=0) // BS - first
+        tl.store(record_ptr + e, g, mask=m)
+        tl.store(record_ptr + EC + e, tl.maximum(r, 0), mask=m)
+        tl.store(record_ptr + 2 * EC + e, first + j, mask=m)
+        tl.store(record_ptr + 3 * EC + e, (ok & (j < filled)).to(tl.int32), mask=m)
+
+
+@triton.jit
+def _write_hash_ranges(hash_start_ptr, hash_count_ptr, rows_ptr, ntok_ptr, nnew_ptr, n_fit, BP, BS: tl.constexpr,
+                       TILE: tl.constexpr):
+    """Per row, the first known block that becomes full and how many do (0
+    past the fit)."""
+    for start in range(0, BP, TILE):
+        offs = start + tl.arange(0, TILE)
+        m = offs < BP
+        n = tl.load(ntok_ptr + offs, mask=m, other=0)
+        k = tl.load(nnew_ptr + offs, mask=m, other=0)
+        fit = m & (offs.to(tl.int64) < n_fit) & (tl.load(rows_ptr + offs, mask=m, other=-1) >= 0)
+        tl.store(hash_start_ptr + offs, n // BS, mask=m)
+        tl.store(hash_count_ptr + offs, tl.where(fit, (n + k) // BS - n // BS, 0), mask=m)
+
+
+@triton.jit
+def _write_new_tokens(tokens_ptr, T, extras_ptr, M, new_tok_ptr, rows_ptr, ntok_ptr, nnew_ptr, n_fit, BP, K,
+                      BS: tl.constexpr, TILE: tl.constexpr):
+    """The fitting rows' new tokens into their rows (low 32 bits), ``POISON``
+    in the extra digest of a block an out-of-range id lands in; returns the
+    out-of-range ids of real rows (fitting or not)."""
+    n_bad = tl.zeros([], tl.int64)
+    for start in range(0, BP * K, TILE):
+        offs = start + tl.arange(0, TILE)
+        i = offs // K
+        real = offs < BP * K
+        r = tl.load(rows_ptr + i, mask=real, other=-1).to(tl.int64)
+        real = real & (r >= 0) & ((offs % K) < tl.load(nnew_ptr + i, mask=real, other=0))
+        ok = real & (i.to(tl.int64) < n_fit)
+        n = tl.load(ntok_ptr + i, mask=ok, other=0).to(tl.int64)
+        tok = tl.load(new_tok_ptr + offs, mask=real, other=0)
+        bad = real & ((tok < 0) | (tok > _MAX_TOKEN))
+        n_bad += tl.sum(bad.to(tl.int64), 0)
+        at = n + (offs % K)
+        tl.store(tokens_ptr + r * T + at, tok.to(tl.int32), mask=ok)
+        ext = extras_ptr + (r * M + at // BS) * 2  # the extra digest of the block the id lands in
+        tl.store(ext, tl.full([TILE], _POISON, tl.int64), mask=ok & bad)
+        tl.store(ext + 1, tl.full([TILE], _POISON, tl.int64), mask=ok & bad)
+    return n_bad
+
+
 # Bucket sizes are runtime arguments, not constexprs: a new bucket (another
 # batch size or tokens per row) must not compile a new variant inside a step.
 @triton.jit(do_not_specialize=["T", "M", "BP", "K", "G", "A", "C"])
@@ -135,64 +229,18 @@ def _decode_fit_kernel(
     BS: tl.constexpr,  # block size
     TILE: tl.constexpr,
 ):
+    """``decode_fit`` (one program, deterministic): the requests that fit
+    the free count, a prefix (``_fit_prefix``); the step's allocation and
+    caching entries and the blocks to hash, masked past them; their new
+    tokens, range-checked (``ERR_BAD_TOKEN`` in the queue's error word,
+    ``POISON`` extras). ``count``: the blocks to pop; ``status``: ``ST_*``."""
     free = tl.load(fq_counters_ptr + _NUM_FREE)
-    n_fit = tl.zeros([], tl.int64)
-    n_real = tl.zeros([], tl.int64)
-    count = tl.zeros([], tl.int64)
-    for start in range(0, BP, TILE):
-        offs = start + tl.arange(0, TILE)
-        cum = tl.load(cum_ptr + offs, mask=offs < BP, other=_BIG).to(tl.int64)
-        fits = cum <= free  # cum never decreases: the requests that fit are a prefix
-        n_fit += tl.sum(fits.to(tl.int64), 0)
-        n_real += tl.sum((tl.load(rows_ptr + offs, mask=offs < BP, other=-1) >= 0).to(tl.int64), 0)
-        count = tl.maximum(count, tl.max(tl.where(fits, cum, 0), 0))
-    E = BP * G * A
-    for start in range(0, E, TILE):
-        e = start + tl.arange(0, TILE)
-        m, i, g, a, r, ok = _entries(e, BP, G, A, rows_ptr, n_fit)
-        held = tl.load(held_ptr + i, mask=m, other=0)
-        need = tl.load(need_ptr + i, mask=m, other=0)
-        c = tl.load(cum_ptr + i, mask=m, other=0)
-        tl.store(alloc_ptr + e, g, mask=m)
-        tl.store(alloc_ptr + E + e, tl.maximum(r, 0), mask=m)
-        tl.store(alloc_ptr + 2 * E + e, held + a, mask=m)
-        tl.store(alloc_ptr + 3 * E + e, (ok & (a < need)).to(tl.int32), mask=m)
-        tl.store(alloc_ptr + 4 * E + e, c - need * G + g * need + a, mask=m)
-    EC = BP * G * C
-    for start in range(0, EC, TILE):
-        e = start + tl.arange(0, TILE)
-        m, i, g, j, r, ok = _entries(e, BP, G, C, rows_ptr, n_fit)
-        first = tl.load(comp0_ptr + i, mask=m, other=0) // BS
-        filled = tl.load(comp1_ptr + i, mask=m, other=0) // BS - first
-        tl.store(record_ptr + e, g, mask=m)
-        tl.store(record_ptr + EC + e, tl.maximum(r, 0), mask=m)
-        tl.store(record_ptr + 2 * EC + e, first + j, mask=m)
-        tl.store(record_ptr + 3 * EC + e, (ok & (j < filled)).to(tl.int32), mask=m)
-    for start in range(0, BP, TILE):
-        offs = start + tl.arange(0, TILE)
-        m = offs < BP
-        n = tl.load(ntok_ptr + offs, mask=m, other=0)
-        k = tl.load(nnew_ptr + offs, mask=m, other=0)
-        fit = m & (offs.to(tl.int64) < n_fit) & (tl.load(rows_ptr + offs, mask=m, other=-1) >= 0)
-        tl.store(hash_start_ptr + offs, n // BS, mask=m)
-        tl.store(hash_count_ptr + offs, tl.where(fit, (n + k) // BS - n // BS, 0), mask=m)
-    n_bad = tl.zeros([], tl.int64)
-    for start in range(0, BP * K, TILE):
-        offs = start + tl.arange(0, TILE)
-        i = offs // K
-        real = offs < BP * K
-        r = tl.load(rows_ptr + i, mask=real, other=-1).to(tl.int64)
-        real = real & (r >= 0) & ((offs % K) < tl.load(nnew_ptr + i, mask=real, other=0))
-        ok = real & (i.to(tl.int64) < n_fit)
-        n = tl.load(ntok_ptr + i, mask=ok, other=0).to(tl.int64)
-        tok = tl.load(new_tok_ptr + offs, mask=real, other=0)
-        bad = real & ((tok < 0) | (tok > _MAX_TOKEN))
-        n_bad += tl.sum(bad.to(tl.int64), 0)
-        at = n + (offs % K)
-        tl.store(tokens_ptr + r * T + at, tok.to(tl.int32), mask=ok)
-        ext = extras_ptr + (r * M + at // BS) * 2  # the extra digest of the block the id lands in
-        tl.store(ext, tl.full([TILE], _POISON, tl.int64), mask=ok & bad)
-        tl.store(ext + 1, tl.full([TILE], _POISON, tl.int64), mask=ok & bad)
+    n_fit, n_real, count = _fit_prefix(cum_ptr, rows_ptr, free, BP, TILE)
+    _write_alloc(alloc_ptr, rows_ptr, held_ptr, need_ptr, cum_ptr, n_fit, BP, G, A, TILE)
+    _write_record(record_ptr, rows_ptr, comp0_ptr, comp1_ptr, n_fit, BP, G, C, BS, TILE)
+    _write_hash_ranges(hash_start_ptr, hash_count_ptr, rows_ptr, ntok_ptr, nnew_ptr, n_fit, BP, BS, TILE)
+    n_bad = _write_new_tokens(tokens_ptr, T, extras_ptr, M, new_tok_ptr, rows_ptr, ntok_ptr, nnew_ptr, n_fit, BP, K,
+                              BS, TILE)
     err = tl.load(fq_counters_ptr + _QUEUE_ERROR)
     err = tl.where(n_bad > 0, err | _ERR_BAD_TOKEN, err)
     tl.store(fq_counters_ptr + _QUEUE_ERROR, err)

@@ -316,36 +316,20 @@ def _pop_kernel(
     tl.store(ctr_ptr + LAST_POP, found)
 
 
-@triton.jit(do_not_specialize=["E"])
-def _push_kernel(
-    ring_ptr,                # int32[C] the ring (written: the pushed blocks at their new positions)
-    pos_ptr,                 # int64[N] blocks' positions (claimed from -1 for each pushed block)
-    ctr_ptr,                 # int64[NUM_COUNTERS] the counters (all but LAST_POP updated)
-    blk_ptr,                 # int32[E] blocks to push, in the order a reference frees them
-    where_ptr,               # int8/uint8/int32[E] WHERE_BACK, WHERE_FRONT, anything else: skipped
-    call_ptr,                # int32/int64[E] call ids, a call a maximal run of equal ids (HAS_CALL; else unread)
-    ws_ptr,                  # int64[>= E] scratch: each entry's rank between the two passes
-    E,                       # entries
-    N,                       # blocks in the pool (ids 0..N-1)
-    C,                       # ring capacity (a power of two)
-    CMASK,                   # C - 1: absolute position p lives in slot p & CMASK
-    base,                    # BASE: where compaction re-bases head
-    HAS_CALL: tl.constexpr,  # whether call_ptr is read (else the entries are one call)
-    TILE: tl.constexpr,      # entries (and ring positions, compacting) per step (a power of two)
-):
+@triton.jit
+def _push_ranks(blk_ptr, where_ptr, call_ptr, ws_ptr, E, N, HAS_CALL: tl.constexpr, TILE: tl.constexpr):
+    """Pass 1 of ``push``, front to back: front-goers before each entry (P),
+    where its call starts (S = P at the call's first entry), back-goers
+    before it. The workspace keeps the back rank of a back-goer and the rank
+    of a front-goer within its call's front group (P - S). Returns the
+    front-goers F, the back-goers B and the entries with a bad block id."""
     lanes = tl.arange(0, TILE)
     zero = tl.full([], 0, tl.int64)
-    n_tiles = tl.cdiv(E, TILE)
-
-    # Pass 1, front to back: front-goers before each entry (P), where its call
-    # starts (S = P at the call's first entry), back-goers before it. The
-    # workspace keeps the back rank of a back-goer and the rank of a
-    # front-goer within its call's front group (P - S).
     p_run = zero
     b_run = zero
     s_run = zero - 1
     n_bad = zero
-    for t in range(0, n_tiles):
+    for t in range(0, tl.cdiv(E, TILE)):
         idx = t * TILE + lanes
         m = idx < E
         blk = tl.load(blk_ptr + idx, mask=m, other=0)
@@ -371,29 +355,21 @@ def _push_kernel(
         p_run += tl.sum(fi, 0)
         b_run += tl.sum(bi, 0)
         s_run = tl.maximum(s_run, tl.max(st, 0))
-    F = p_run
-    B = b_run
+    return p_run, b_run, n_bad
 
-    head = tl.load(ctr_ptr + HEAD)
-    tail = tl.load(ctr_ptr + TAIL)
-    nfree = tl.load(ctr_ptr + NUM_FREE)
-    ntomb = tl.load(ctr_ptr + NUM_TOMB)
-    err = tl.load(ctr_ptr + ERROR)
-    comps = tl.load(ctr_ptr + COMPACTIONS)
-    need = (tail - head) + F + B > C
-    head, tail = _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base, TILE)
-    ntomb = tl.where(need, 0, ntomb)
-    comps += need.to(tl.int64)
-    fits = (tail - head) + F + B <= C  # false only if the contract was broken
-    overflow = (tail - head) + F + B > C
-    new_head = head - F
-    # A scalar bool as a lane mask (built from ints: the interpreter mistypes
-    # a 0-d bool broadcast in ``&``).
-    fits_lanes = (zero_like(lanes) + fits.to(tl.int32)) != 0
 
-    # Pass 2, back to front: P at the end of each entry's call (the smallest
-    # inclusive P at a call end at or after the entry); then a front-goer
-    # stands after the F - P(end) front-goers of later calls.
+@triton.jit
+def _push_place(ring_ptr, pos_ptr, blk_ptr, where_ptr, call_ptr, ws_ptr, E, N, CMASK, F, new_head, tail,
+                fits_lanes, HAS_CALL: tl.constexpr, TILE: tl.constexpr):
+    """Pass 2 of ``push``, back to front: P at the end of each entry's call
+    (the smallest inclusive P at a call end at or after the entry); then a
+    front-goer stands after the F - P(end) front-goers of later calls, from
+    ``new_head``, and a back-goer at its back rank from ``tail``. Each block
+    claims its ``pos`` from -1 (only where ``fits_lanes``) and is written to
+    the ring; returns the entries whose block was already queued."""
+    lanes = tl.arange(0, TILE)
+    zero = tl.full([], 0, tl.int64)
+    n_tiles = tl.cdiv(E, TILE)
     q_run = zero
     e_run = F
     n_dup = zero
@@ -425,7 +401,52 @@ def _push_kernel(
         n_dup += tl.sum((act & ~ok).to(tl.int64), 0)
         q_run += tl.sum(fi, 0)
         e_run = tl.minimum(e_run, tl.min(en, 0))
+    return n_dup
 
+
+@triton.jit(do_not_specialize=["E"])
+def _push_kernel(
+    ring_ptr,                # int32[C] the ring (written: the pushed blocks at their new positions)
+    pos_ptr,                 # int64[N] blocks' positions (claimed from -1 for each pushed block)
+    ctr_ptr,                 # int64[NUM_COUNTERS] the counters (all but LAST_POP updated)
+    blk_ptr,                 # int32[E] blocks to push, in the order a reference frees them
+    where_ptr,               # int8/uint8/int32[E] WHERE_BACK, WHERE_FRONT, anything else: skipped
+    call_ptr,                # int32/int64[E] call ids, a call a maximal run of equal ids (HAS_CALL; else unread)
+    ws_ptr,                  # int64[>= E] scratch: each entry's rank between the two passes
+    E,                       # entries
+    N,                       # blocks in the pool (ids 0..N-1)
+    C,                       # ring capacity (a power of two)
+    CMASK,                   # C - 1: absolute position p lives in slot p & CMASK
+    base,                    # BASE: where compaction re-bases head
+    HAS_CALL: tl.constexpr,  # whether call_ptr is read (else the entries are one call)
+    TILE: tl.constexpr,      # entries (and ring positions, compacting) per step (a power of two)
+):
+    """``push`` (one program): every entry's final position from prefix
+    sums, so the result is deterministic whatever the lanes' schedule
+    (``_push_ranks``, then ``_push_place``), after a compaction when the
+    window would overflow C. A block that is already queued (a broken
+    contract) keeps one copy and sets ``ERR_PRESENT``; a bad block id sets
+    ``ERR_BAD_BLOCK``; a push that cannot fit even compacted (a broken
+    contract) places nothing and sets ``ERR_SHORT``."""
+    F, B, n_bad = _push_ranks(blk_ptr, where_ptr, call_ptr, ws_ptr, E, N, HAS_CALL, TILE)
+    head = tl.load(ctr_ptr + HEAD)
+    tail = tl.load(ctr_ptr + TAIL)
+    nfree = tl.load(ctr_ptr + NUM_FREE)
+    ntomb = tl.load(ctr_ptr + NUM_TOMB)
+    err = tl.load(ctr_ptr + ERROR)
+    comps = tl.load(ctr_ptr + COMPACTIONS)
+    need = (tail - head) + F + B > C
+    head, tail = _compact_window(ring_ptr, pos_ptr, head, tail, need, CMASK, base, TILE)
+    ntomb = tl.where(need, 0, ntomb)
+    comps += need.to(tl.int64)
+    fits = (tail - head) + F + B <= C  # false only if the contract was broken
+    overflow = (tail - head) + F + B > C
+    new_head = head - F
+    # A scalar bool as a lane mask (built from ints: the interpreter mistypes
+    # a 0-d bool broadcast in ``&``).
+    fits_lanes = (zero_like(tl.arange(0, TILE)) + fits.to(tl.int32)) != 0
+    n_dup = _push_place(ring_ptr, pos_ptr, blk_ptr, where_ptr, call_ptr, ws_ptr, E, N, CMASK, F, new_head, tail,
+                        fits_lanes, HAS_CALL, TILE)
     err = tl.where(n_bad > 0, err | ERR_BAD_BLOCK, err)
     err = tl.where(n_dup > 0, err | ERR_PRESENT, err)
     err = tl.where(overflow & (F + B > 0), err | ERR_SHORT, err)

@@ -272,6 +272,42 @@ def _insert_seq_kernel(
     tl.store(counters_ptr + _D_NEXT_SEQ, base)
 
 
+@triton.jit
+def _insert_lanes(block_ptr, valid_ptr, perm_ptr, K, N, HAS_VALID: tl.constexpr, HAS_PERM: tl.constexpr,
+                  TILE: tl.constexpr):
+    """This program's lanes of an insert: the entry each handles (``perm``'s
+    with HAS_PERM), its block (0 where it is not inserted), whether it is to
+    be inserted, and whether its block id is out of range."""
+    lane = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    m = lane < K
+    if HAS_PERM:
+        idx = tl.load(perm_ptr + lane, mask=m, other=0)
+    else:
+        idx = lane
+    blk = tl.load(block_ptr + idx, mask=m, other=0)
+    if HAS_VALID:
+        v = m & (tl.load(valid_ptr + idx, mask=m, other=0) != 0)
+    else:
+        v = m
+    in_range = (blk >= 0) & (blk < N)
+    want = v & in_range
+    return idx, tl.where(want, blk, 0), want, v & (~in_range)
+
+
+@triton.jit
+def _count_inserts(counters_ptr, won, from_tomb, failed, dup, bad):
+    """LIVE, TOMBSTONES and the error bits (``ERR_FULL``, ``ERR_DOUBLE_INSERT``,
+    ``ERR_BAD_BLOCK``) updated atomically for one program's lanes."""
+    n_won = tl.sum(won.to(tl.int64), 0)
+    n_tomb = tl.sum(from_tomb.to(tl.int64), 0)
+    tl.atomic_add(counters_ptr + _D_LIVE, n_won, mask=n_won > 0)
+    tl.atomic_add(counters_ptr + _D_TOMBSTONES, -n_tomb, mask=n_tomb > 0)
+    err = (tl.max(failed.to(tl.int64), 0) * _D_ERR_FULL
+           | tl.max(dup.to(tl.int64), 0) * _D_ERR_DOUBLE_INSERT
+           | tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK)
+    tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
+
+
 @triton.jit(do_not_specialize=["K", "cap", "N"])
 def _insert_kernel(
     slot_lo_ptr, slot_hi_ptr,  # int64[cap] the slots' key lanes (written where a slot is claimed)
@@ -294,24 +330,8 @@ def _insert_kernel(
     HAS_PERM: tl.constexpr,    # whether perm_ptr is read
     TILE: tl.constexpr,        # entries per program (a power of two)
 ):
-    pid = tl.program_id(0)
-    lane = pid * TILE + tl.arange(0, TILE)
-    m = lane < K
-    if HAS_PERM:
-        idx = tl.load(perm_ptr + lane, mask=m, other=0)
-    else:
-        idx = lane
+    idx, blk, want, bad = _insert_lanes(block_ptr, valid_ptr, perm_ptr, K, N, HAS_VALID, HAS_PERM, TILE)
     i64 = idx.to(tl.int64)
-    blk = tl.load(block_ptr + idx, mask=m, other=0)
-    if HAS_VALID:
-        v = m & (tl.load(valid_ptr + idx, mask=m, other=0) != 0)
-    else:
-        v = m
-    in_range = (blk >= 0) & (blk < N)
-    bad = v & (~in_range)
-    want = v & in_range
-    blk = tl.where(want, blk, 0)
-
     # Claim the block itself: NO_SLOT -> CLAIMING. Catches a block that is
     # already cached, or given twice in this batch (only one claimant wins).
     old = tl.atomic_cas(block_slot_ptr + blk, tl.where(want, _D_NO_SLOT, _D_NEVER),
@@ -327,15 +347,7 @@ def _insert_kernel(
     slot, won, from_tomb, failed = _place(slot_lo_ptr, slot_hi_ptr, slot_group_ptr, slot_block_ptr, block_slot_ptr,
                                           lo, hi, g, blk, want, cap, TILE)
     tl.store(block_seq_ptr + blk, seq, mask=won)
-
-    n_won = tl.sum(won.to(tl.int64), 0)
-    n_tomb = tl.sum(from_tomb.to(tl.int64), 0)
-    tl.atomic_add(counters_ptr + _D_LIVE, n_won, mask=n_won > 0)
-    tl.atomic_add(counters_ptr + _D_TOMBSTONES, -n_tomb, mask=n_tomb > 0)
-    err = (tl.max(failed.to(tl.int64), 0) * _D_ERR_FULL
-           | tl.max(dup.to(tl.int64), 0) * _D_ERR_DOUBLE_INSERT
-           | tl.max(bad.to(tl.int64), 0) * _D_ERR_BAD_BLOCK)
-    tl.atomic_or(counters_ptr + _D_ERRORS, err, mask=err != 0)
+    _count_inserts(counters_ptr, won, from_tomb, failed, dup, bad)
 
 
 @triton.jit

@@ -16,6 +16,19 @@ Two kernels, run once per step over every new request of the step:
   semantics are sequential (a request's admission depends on the earlier
   ones'), so it runs over requests, not blocks.
 
+The admission's cost: sequential over the step's K new requests (a request's
+admission depends on the blocks the earlier ones took), parallel over each
+one's positions: ``K * P * G / TILE`` iterations per fixpoint pass (one pass
+for full attention, a few with windows), linear in the step's requests and
+positions, plus the pending chains, walked only at the positions where a
+group has no verified cached block (the reference looks for a pending hit
+only where the cache misses). A walk at (i, p) stops at the first earlier
+request that computes p's block and passes only earlier ones sharing it that
+do not (they hit p, or their chunk stops short of it): at most i. So a step
+whose requests all hit a cached shared prefix walks no chain (walking at
+every position made that O(K^2 * P) per pass), and the cost grows with the
+step, never with the pool.
+
 No host synchronisation: counts arrive and leave as device tensors.
 """
 
@@ -292,6 +305,189 @@ def _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, want, CMASK
     return reach, doomed
 
 
+@triton.jit
+def _request_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P, max_hit, skip, BS,
+                 G: tl.constexpr, TILE: tl.constexpr):
+    """Request ``i``'s hit (blocks): the longest every group can serve, at
+    most ``max_hit`` (0 where the request skips the cache). A fixpoint,
+    since a window group's run depends on the bound the other groups set:
+    one pass for full attention, a few with windows."""
+    hit = tl.where(skip != 0, 0, max_hit)
+    prev = hit + 1
+    while hit != prev:
+        prev = hit
+        for g in tl.static_range(G):
+            W = tl.load(win_ptr + g)
+            hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
+                                             hit, g, W, BS, G, TILE))
+    return hit
+
+
+@triton.jit
+def _first_touches(cache_ptr, win_ptr, ref_ptr, touched_ptr, qpos_ptr, stamp, i, P, hit, tail, G: tl.constexpr,
+                   TILE: tl.constexpr):
+    """Request ``i``'s first touches: its free cached hits (reference count
+    0) that no earlier request of this admission touched (``touched !=
+    stamp``; a window group holds real blocks only for its last W hit
+    positions). Returns their count and the front-most free-queue position
+    among them (``tail`` where none is queued)."""
+    lanes = tl.arange(0, TILE)
+    touches = tl.zeros((), tl.int64)
+    first_pos = tail
+    for p0 in range(0, P, TILE):
+        p = p0 + lanes
+        for g in tl.static_range(G):
+            c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
+            cs = tl.where(real, c, 0)
+            rc = tl.load(ref_ptr + cs, mask=real, other=1)
+            tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
+            first = real & (rc == 0) & (tt != stamp)
+            touches += tl.sum(first.to(tl.int64))
+            q = tl.load(qpos_ptr + cs, mask=first, other=-1)
+            first_pos = tl.minimum(first_pos, tl.min(tl.where(q >= 0, q, tail), 0))
+    return touches, first_pos
+
+
+@triton.jit
+def _hit_evicted(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total, first_pos, CMASK,
+                 TILE: tl.constexpr):
+    """Whether the earlier admitted requests' pops evict a first touch at
+    free-queue position ``first_pos``, and the new (``reach``, ``doomed``).
+    vLLM allocates (pops) for a request before it looks the next one up, so a
+    free cached block the earlier requests' pops take is no hit for a later
+    one. ``reach`` is just past the ``new_total``-th live entry from the head
+    that no admitted request touched; it is extended lazily, only for a
+    request with a queued first touch (``first_pos < tail``), so the scan is
+    bounded by the pops and the tombstones they pass, as ``pop``'s own."""
+    if first_pos < tail:
+        reach, doomed = _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total, CMASK, TILE)
+    return first_pos < reach, reach, doomed
+
+
+@triton.jit
+def _charge(comp_ptr, num_tokens_ptr, lookahead_ptr, i, hit, budget, budget_left, BS, G: tl.constexpr):
+    """Request ``i``'s chunk past its hit, as vLLM's waiting loop counts it:
+    ``new = min(num_tokens - hit * BS, comp, budget left)`` tokens (no
+    budget where ``budget < 0``); ``comp[i]`` is overwritten with ``hit * BS
+    + new`` (later requests' ``_pending`` read it: only the full blocks of
+    those tokens are ones they can hit before they are cached, as vLLM
+    caches them at allocation). Returns ``new`` and the blocks it allocates
+    over all groups, ``(ceil((hit * BS + new + lookahead) / BS) - hit) * G``."""
+    n_tok = tl.load(num_tokens_ptr + i).to(tl.int64)
+    comp = tl.load(comp_ptr + i).to(tl.int64)
+    lookahead = tl.load(lookahead_ptr + i).to(tl.int64)
+    hit64 = hit.to(tl.int64)
+    new = tl.minimum(n_tok - hit64 * BS, comp)
+    new = tl.where(budget >= 0, tl.minimum(new, budget_left), new)
+    comp = hit64 * BS + new
+    tl.store(comp_ptr + i, comp.to(tl.int32))
+    n_alloc = (comp + lookahead + BS - 1) // BS
+    return new, (n_alloc - hit64) * G
+
+
+@triton.jit
+def _count_lookup(requests, queries, hits, qtok, htok, num_blocks_ptr, num_tokens_ptr, i, skip, hit, BS):
+    """The step's lookup stats (requests, blocks asked, blocks hit, tokens
+    asked, tokens hit) with request ``i``'s lookup added; a request that
+    skips the cache asks nothing."""
+    n_blocks = tl.load(num_blocks_ptr + i).to(tl.int64)
+    n_tok = tl.load(num_tokens_ptr + i).to(tl.int64)
+    hit64 = hit.to(tl.int64)
+    return (requests + 1, queries + tl.where(skip != 0, 0, n_blocks), hits + hit64,
+            qtok + tl.where(skip != 0, 0, n_tok), htok + hit64 * BS)
+
+
+@triton.jit
+def _mark_admitted(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, resolved_ptr, touched_ptr,
+                   stamp, i, P, hit, BS, G: tl.constexpr, TILE: tl.constexpr):
+    """For admitted request ``i``: ``resolved[i, p]``, the earlier request
+    whose block a pending hit takes where a group has no cached block
+    (``_place_hits_kernel`` reads it only there), -1 elsewhere; and its
+    cached hit blocks marked touched by this admission (``stamp``)."""
+    lanes = tl.arange(0, TILE)
+    for p0 in range(0, P, TILE):
+        p = p0 + lanes
+        miss = false_like(p)
+        for g in tl.static_range(G):
+            cg = tl.load(cache_ptr + (i * P + p) * G + g, mask=p < hit, other=-1)
+            miss = miss | (cg < 0)
+        _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, (p < hit) & miss, BS)
+        tl.store(resolved_ptr + i * P + p, who, mask=p < P)
+        for g in tl.static_range(G):
+            c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
+            tl.store(touched_ptr + tl.where(real, c, 0), stamp + zero_like(c).to(tl.int64), mask=real)
+
+
+@triton.jit
+def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr, max_hit_ptr, num_blocks_ptr,
+                    num_tokens_ptr, comp_ptr, lookahead_ptr, skip_ptr, win_ptr, K, P, ref_ptr, touched_ptr, stamp,
+                    num_free, go, budget, hit_ptr, ring_ptr, qpos_ptr, reach, tail, CMASK, BS, G: tl.constexpr,
+                    TILE: tl.constexpr):
+    """vLLM's waiting loop over requests ``0..K-1`` (none with ``go ==
+    0``), in order: stop before a request when the budget is spent (it is
+    not looked up); else look it up (``_request_hit``); stop before it,
+    deferred (hit -1, nothing counted), when an earlier request's pops
+    evict one of its first touches (``_hit_evicted``); else charge its chunk
+    (``_charge``), count its lookup and store its hit, and admit it
+    (``start[i]``, ``_mark_admitted``) while its new blocks and first
+    touches fit the ``num_free`` free blocks; past the first refused or
+    deferred request, hit -1. Returns (deferred, admitted, blocks used,
+    the five lookup stats, new blocks popped)."""
+    used, new_total, admitted = tl.zeros((), tl.int64), tl.zeros((), tl.int64), tl.zeros((), tl.int64)
+    deferred, doomed, budget_left = tl.zeros((), tl.int64), tl.zeros((), tl.int64), budget
+    requests, queries, hits = tl.zeros((), tl.int64), tl.zeros((), tl.int64), tl.zeros((), tl.int64)
+    qtok, htok = tl.zeros((), tl.int64), tl.zeros((), tl.int64)
+    for i in range(0, K):
+        if (budget >= 0) & (budget_left <= 0):
+            go = zero_like(go)  # the budget is spent: vLLM's loop ends before this request
+        if go != 0:
+            skip = tl.load(skip_ptr + i)
+            hit = _request_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P,
+                               tl.load(max_hit_ptr + i), skip, BS, G, TILE)
+            touches, first_pos = _first_touches(cache_ptr, win_ptr, ref_ptr, touched_ptr, qpos_ptr, stamp, i, P,
+                                                hit, tail, G, TILE)
+            evicted, reach, doomed = _hit_evicted(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total,
+                                                  first_pos, CMASK, TILE)
+            if evicted:  # an earlier request's pop evicts this hit: vLLM would look it up after
+                go = zero_like(go)
+                deferred += 1
+                tl.store(hit_ptr + i, -1)
+            else:
+                new, n_new = _charge(comp_ptr, num_tokens_ptr, lookahead_ptr, i, hit, budget, budget_left, BS, G)
+                requests, queries, hits, qtok, htok = _count_lookup(requests, queries, hits, qtok, htok,
+                                                                    num_blocks_ptr, num_tokens_ptr, i, skip, hit, BS)
+                tl.store(hit_ptr + i, hit)
+                need = n_new + touches
+                if used + need <= num_free:
+                    tl.store(start_ptr + i, new_total.to(tl.int32))
+                    used += need
+                    new_total += n_new
+                    budget_left -= new
+                    admitted += 1
+                    _mark_admitted(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, resolved_ptr,
+                                   touched_ptr, stamp, i, P, hit, BS, G, TILE)
+                else:
+                    go = zero_like(go)
+                tl.debug_barrier()  # later requests read this request's hit (and touch marks)
+        else:  # not considered (an earlier one was refused or deferred): no hit
+            tl.store(hit_ptr + i, -1)
+    return deferred, admitted, used, requests, queries, hits, qtok, htok, new_total
+
+
+@triton.jit
+def _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total):
+    """The admission's counts into ``status`` (layout ``ST_*``)."""
+    tl.store(status_ptr + _ST_DEFERRED, deferred)
+    tl.store(status_ptr + _ST_ADMITTED, admitted)
+    tl.store(status_ptr + _ST_USED, used)
+    tl.store(status_ptr + _ST_REQUESTS, requests)
+    tl.store(status_ptr + _ST_QUERIES, queries)
+    tl.store(status_ptr + _ST_HITS, hits)
+    tl.store(status_ptr + _ST_QUERY_TOKENS, qtok)
+    tl.store(status_ptr + _ST_HIT_TOKENS, htok)
+    tl.store(status_ptr + _ST_NEW_BLOCKS, new_total)
+
+
 @triton.jit(do_not_specialize=["P", "CMASK"])
 def _admit_kernel(
     cache_ptr,          # int32[K, P, G] verified cached hit block per (request, position, group), or -1
@@ -326,164 +522,67 @@ def _admit_kernel(
     G: tl.constexpr,    # KV-cache groups
     TILE: tl.constexpr,  # positions per step (a power of two)
 ):
-    """Sequential admission (one program). ``cache[K, P, G]``: verified cache
-    hit block or -1; ``pend[K, P]`` with ``next``/``ok`` [K * P]: the chains of
-    requests of the step sharing a block (see ``_pending``); ``resolved[K, P]``
-    receives, for admitted requests, the earlier request whose block a pending
-    hit takes (-1: none), and ``start[K]`` the new blocks the admitted requests
-    before each take (where its own start in the step's pop order); ``win[G]``: blocks a
-    sliding-window group must see at a hit boundary, -1 for full attention.
-    ``num_blocks``/``num_tokens``: each request's prompt (for the stats);
-    ``comp``/``lookahead``: its chunk and lookahead slots. vLLM's waiting
-    loop, request by request: stop before a request when the budget is
-    spent (it is not looked up); else it computes ``new = min(num_tokens -
-    hit * BS, comp, budget left)`` tokens past its hit (``comp[i]`` is
-    overwritten with ``hit * BS + new``), allocates up to ``ceil((hit * BS +
-    new + lookahead) / BS)`` blocks, and is charged ``new`` when admitted;
-    only the full blocks of ``hit * BS + new`` are ones later requests of
-    the step can hit before they are cached (vLLM caches them at allocation,
-    before it looks the next request up).
-    Evictions, as vLLM's loop orders them: vLLM allocates (pops) for a
-    request before it looks the next one up, so a free cached block the
-    earlier requests' pops evict is no hit for a later one. The kernel
-    tracks how far those pops reach into the free queue (``reach``: just past
-    the ``new_total``-th live entry from the head that no admitted request
-    touched; extended lazily, only for a request with a free cached hit, so
-    the scan is bounded by the pops and the tombstones they pass, as
-    ``pop``'s own), and stops before a request with a first touch in front
-    of it: ``status[ST_DEFERRED] = 1``, its hit -1, nothing counted. The
-    caller looks the rest up again after this admission's pops (a new
-    round: ``DeviceManager._step``), which is vLLM's order exactly.
-    ``blocked[0] != 0`` (a running update failed) admits nothing and counts
-    nothing. ``nreq[0]``: the requests (K); ``stamp[0]``: this launch's mark
-    in ``touched`` (bumped at the end, so every admission has its own). Both
-    are read on the device, so the launch's arguments never change from step
-    to step (it can be replayed).
-
-    Cost: sequential over the step's K new requests (a request's admission
-    depends on the blocks the earlier ones took), parallel over each one's
-    positions: ``K * P * G / TILE`` iterations per fixpoint pass (one pass
-    for full attention, a few with windows), linear in the step's requests
-    and positions, plus the pending chains, walked only at the positions
-    where a group has no verified cached block (the reference looks for a
-    pending hit only where the cache misses). A walk at (i, p) stops at the
-    first earlier request that computes p's block and passes only earlier
-    ones sharing it that do not (they hit p, or their chunk stops short of
-    it): at most i. So a step whose requests all hit a cached shared prefix
-    walks no chain (walking at every position made that O(K^2 * P) per
-    pass), and the cost grows with the step, never with the pool."""
-    num_free = tl.load(free_ptr).to(tl.int64)
-    blocked = tl.load(blocked_ptr)
-    K = tl.load(nreq_ptr)
-    budget = tl.load(budget_ptr).to(tl.int64)
-    budget_left = budget
+    """Sequential admission: one program, so deterministic. vLLM's waiting
+    loop over the step's requests in order (``_admit_requests``), each one's
+    hit the first miss of every group (``cache[K, P, G]`` the verified
+    cached hits, ``pend``/``next``/``ok`` the chains of the step's requests
+    sharing a block, walked only where the cache misses), its first touches
+    evicted or not by the earlier pops in the free queue's order (then
+    ``status[ST_DEFERRED] = 1`` and the rest is looked up again after this
+    admission's pops: ``DeviceManager._step``), admitted while its blocks fit.
+    Writes ``hit`` (-1 past the first refused or deferred request, and for
+    every request with ``blocked[0] != 0``, which admits and counts
+    nothing), ``comp``, ``resolved``, ``start``, ``touched`` and ``status``.
+    ``nreq[0]`` (K) and ``stamp[0]`` (this launch's mark in ``touched``,
+    bumped at the end) are read on the device, so the launch's arguments
+    never change from step to step (it can be replayed). Cost: see the
+    module docstring."""
     stamp = tl.load(stamp_ptr)
-    used = tl.zeros((), tl.int64)
-    new_total = tl.zeros((), tl.int64)
-    admitted = tl.zeros((), tl.int64)
-    requests = tl.zeros((), tl.int64)
-    queries = tl.zeros((), tl.int64)
-    hits = tl.zeros((), tl.int64)
-    qtok = tl.zeros((), tl.int64)
-    htok = tl.zeros((), tl.int64)
-    go = (blocked == 0).to(tl.int32)
-    lanes = tl.arange(0, TILE)
-    # How far the admitted requests' pops reach into the free queue.
-    reach = tl.load(qctr_ptr + HEAD)
-    tail = tl.load(qctr_ptr + TAIL)
-    doomed = tl.zeros((), tl.int64)  # live untouched entries before ``reach``: the blocks those pops take
-    deferred = tl.zeros((), tl.int64)
-    for i in range(0, K):
-        if (budget >= 0) & (budget_left <= 0):
-            go = zero_like(go)  # the budget is spent: vLLM's loop ends before this request
-        if go != 0:
-            max_hit = tl.load(max_hit_ptr + i)
-            skip = tl.load(skip_ptr + i)
-            n_blocks = tl.load(num_blocks_ptr + i).to(tl.int64)
-            n_tok = tl.load(num_tokens_ptr + i).to(tl.int64)
-            comp = tl.load(comp_ptr + i).to(tl.int64)
-            lookahead = tl.load(lookahead_ptr + i).to(tl.int64)
-            # The hit every group can serve: a fixpoint, since a window group's
-            # run depends on the bound the other groups set.
-            hit = tl.where(skip != 0, 0, max_hit)
-            prev = hit + 1
-            while hit != prev:
-                prev = hit
-                for g in tl.static_range(G):
-                    W = tl.load(win_ptr + g)
-                    hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
-                                                     hit, g, W, BS, G, TILE))
-            # First touches: free cached hits no earlier admitted request touched
-            # (a window group holds real blocks only for its last W hit positions).
-            touches = tl.zeros((), tl.int64)
-            first_pos = tail  # the front-most free-queue position of its first touches
-            for p0 in range(0, P, TILE):
-                p = p0 + lanes
-                for g in tl.static_range(G):
-                    c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
-                    cs = tl.where(real, c, 0)
-                    rc = tl.load(ref_ptr + cs, mask=real, other=1)
-                    tt = tl.load(touched_ptr + cs, mask=real, other=stamp)
-                    first = real & (rc == 0) & (tt != stamp)
-                    touches += tl.sum(first.to(tl.int64))
-                    q = tl.load(qpos_ptr + cs, mask=first, other=-1)
-                    first_pos = tl.minimum(first_pos, tl.min(tl.where(q >= 0, q, tail), 0))
-            if first_pos < tail:
-                reach, doomed = _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total, CMASK,
-                                              TILE)
-            if first_pos < reach:  # an earlier request's pop evicts this hit: vLLM would look it up after
-                go = zero_like(go)
-                deferred += 1
-                tl.store(hit_ptr + i, -1)
-            else:
-                hit64 = hit.to(tl.int64)
-                new = tl.minimum(n_tok - hit64 * BS, comp)
-                new = tl.where(budget >= 0, tl.minimum(new, budget_left), new)
-                comp = hit64 * BS + new
-                tl.store(comp_ptr + i, comp.to(tl.int32))  # later requests' ``_pending`` read it
-                n_alloc = (comp + lookahead + BS - 1) // BS
-                need = (n_alloc - hit64) * G + touches
-                requests += 1
-                queries += tl.where(skip != 0, 0, n_blocks)
-                hits += hit64
-                qtok += tl.where(skip != 0, 0, n_tok)
-                htok += hit64 * BS
-                tl.store(hit_ptr + i, hit)
-                if used + need <= num_free:
-                    tl.store(start_ptr + i, new_total.to(tl.int32))
-                    used += need
-                    new_total += (n_alloc - hit64) * G
-                    budget_left -= new
-                    admitted += 1
-                    for p0 in range(0, P, TILE):
-                        p = p0 + lanes
-                        # A pending hit's request, where a group has no cached block
-                        # (``_place_hits_kernel`` reads it only there); -1 elsewhere.
-                        miss = false_like(p)
-                        for g in tl.static_range(G):
-                            cg = tl.load(cache_ptr + (i * P + p) * G + g, mask=p < hit, other=-1)
-                            miss = miss | (cg < 0)
-                        _, who = _pending(pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P, p, (p < hit) & miss, BS)
-                        tl.store(resolved_ptr + i * P + p, who, mask=p < P)
-                        for g in tl.static_range(G):
-                            c, real = _cached_hit(cache_ptr, win_ptr, i, P, p, hit, g, G)
-                            tl.store(touched_ptr + tl.where(real, c, 0), stamp + zero_like(c).to(tl.int64), mask=real)
-                else:
-                    go = zero_like(go)
-                # Later requests read this request's hit (and touch marks).
-                tl.debug_barrier()
-        else:  # not considered (an earlier one was refused or deferred): no hit
-            tl.store(hit_ptr + i, -1)
+    deferred, admitted, used, requests, queries, hits, qtok, htok, new_total = _admit_requests(
+        cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr,
+        comp_ptr, lookahead_ptr, skip_ptr, win_ptr, tl.load(nreq_ptr), P, ref_ptr, touched_ptr, stamp,
+        tl.load(free_ptr).to(tl.int64), (tl.load(blocked_ptr) == 0).to(tl.int32), tl.load(budget_ptr).to(tl.int64),
+        hit_ptr, ring_ptr, qpos_ptr, tl.load(qctr_ptr + HEAD), tl.load(qctr_ptr + TAIL), CMASK, BS, G, TILE)
     tl.store(stamp_ptr, stamp + 1)
-    tl.store(status_ptr + _ST_DEFERRED, deferred)
-    tl.store(status_ptr + _ST_ADMITTED, admitted)
-    tl.store(status_ptr + _ST_USED, used)
-    tl.store(status_ptr + _ST_REQUESTS, requests)
-    tl.store(status_ptr + _ST_QUERIES, queries)
-    tl.store(status_ptr + _ST_HITS, hits)
-    tl.store(status_ptr + _ST_QUERY_TOKENS, qtok)
-    tl.store(status_ptr + _ST_HIT_TOKENS, htok)
-    tl.store(status_ptr + _ST_NEW_BLOCKS, new_total)
+    _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total)
+
+
+def _direct_chains(pending: torch.Tensor, K: int, P: int, dev) -> tuple:
+    """``admit``'s chains where ``pending[K, P]`` names the earlier request
+    directly: a chain of one entry per position."""
+    check_tensor(pending, "pending", dtypes=INT32, ndim=2)
+    pos = torch.arange(P, dtype=torch.int32, device=dev)
+    return (torch.where(pending >= 0, pending * P + pos, torch.full_like(pending, -1)).to(torch.int32),
+            torch.full((K * P,), -1, dtype=torch.int32, device=dev),
+            torch.ones(K * P, dtype=torch.int32, device=dev))
+
+
+def _device_int(value, dtype, dev) -> torch.Tensor:
+    """``value`` as a 1-element device tensor (a tensor is kept as given)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.full((1,), int(value), dtype=dtype, device=dev)
+
+
+def _check_admit_tensors(int32: tuple, int64: tuple, num_free, blocked) -> None:
+    """``admit``'s dtype checks, in its argument order: ``(tensor, name)``
+    pairs of int32 and of int64 tensors, then the two counts."""
+    for t, name in int32:
+        check_tensor(t, name, dtypes=INT32)
+    for t, name in int64:
+        check_tensor(t, name, dtypes=INT64)
+    check_tensor(num_free, "num_free", dtypes=INDEX_DTYPES)
+    check_tensor(blocked, "blocked", dtypes=INDEX_DTYPES)
+
+
+def _queue_tensors(free_queue, num_blocks: int, dev) -> tuple:
+    """The free queue's ring, positions and counters; without a queue, an
+    empty one: no block is queued, so no pop evicts a hit."""
+    if free_queue is not None:
+        return free_queue.ring, free_queue.pos, free_queue.counters
+    return (torch.full((1,), -1, dtype=torch.int32, device=dev),
+            torch.full((num_blocks,), -1, dtype=torch.int64, device=dev),
+            torch.zeros(2, dtype=torch.int64, device=dev))
 
 
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp,
@@ -516,52 +615,29 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     dev = cache_hits.device
     if compute is None:
         compute = num_tokens.clone()  # (written: the tokens computed)
-    if not isinstance(token_budget, torch.Tensor):
-        token_budget = torch.full((1,), -1 if token_budget is None else int(token_budget), dtype=torch.int32,
-                                  device=dev)
+    token_budget = _device_int(-1 if token_budget is None else token_budget, torch.int32, dev)
     if lookahead is None:
         lookahead = torch.zeros_like(num_tokens)
     if window_blocks is None:
         window_blocks = torch.full((G,), -1, dtype=torch.int32, device=dev)
-    if chains is None:
-        # ``pending`` names requests directly: a chain of one entry per position.
-        check_tensor(pending, "pending", dtypes=INT32, ndim=2)
-        pos = torch.arange(P, dtype=torch.int32, device=dev)
-        chains = (torch.where(pending >= 0, pending * P + pos, torch.full_like(pending, -1)).to(torch.int32),
-                  torch.full((K * P,), -1, dtype=torch.int32, device=dev),
-                  torch.ones(K * P, dtype=torch.int32, device=dev))
-    head, nxt, ok = chains
+    head, nxt, ok = _direct_chains(pending, K, P, dev) if chains is None else chains
     if resolved is None:
         resolved = torch.empty((K, P), dtype=torch.int32, device=dev)
     if start is None:
         start = torch.empty(K, dtype=torch.int32, device=dev)
-    if not isinstance(stamp, torch.Tensor):
-        stamp = torch.full((1,), int(stamp), dtype=torch.int64, device=dev)
-    if not isinstance(num_requests, torch.Tensor):
-        num_requests = torch.full((1,), K if num_requests is None else int(num_requests), dtype=torch.int32,
-                                  device=dev)
-    for t, name in ((head, "chains[0]"), (nxt, "chains[1]"), (ok, "chains[2]"), (resolved, "resolved"),
-                    (start, "start"), (max_hit, "max_hit"), (num_blocks, "num_blocks"), (num_tokens, "num_tokens"),
-                    (compute, "compute"), (lookahead, "lookahead"), (token_budget, "token_budget"), (skip, "skip"),
-                    (window_blocks, "window_blocks"),
-                    (num_requests, "num_requests"), (ref_cnt, "ref_cnt"), (hit_out, "hit_out")):
-        check_tensor(t, name, dtypes=INT32)
-    for t, name in ((touched, "touched"), (stamp, "stamp"), (status, "status")):
-        check_tensor(t, name, dtypes=INT64)
-    check_tensor(num_free, "num_free", dtypes=INDEX_DTYPES)
-    check_tensor(blocked, "blocked", dtypes=INDEX_DTYPES)
-    if free_queue is None:  # an empty queue: no block is queued, so no pop evicts a hit
-        ring = torch.full((1,), -1, dtype=torch.int32, device=dev)
-        qpos = torch.full((ref_cnt.numel(),), -1, dtype=torch.int64, device=dev)
-        qctr = torch.zeros(2, dtype=torch.int64, device=dev)
-    else:
-        ring, qpos, qctr = free_queue.ring, free_queue.pos, free_queue.counters
+    stamp = _device_int(stamp, torch.int64, dev)
+    num_requests = _device_int(K if num_requests is None else num_requests, torch.int32, dev)
+    _check_admit_tensors(
+        ((head, "chains[0]"), (nxt, "chains[1]"), (ok, "chains[2]"), (resolved, "resolved"), (start, "start"),
+         (max_hit, "max_hit"), (num_blocks, "num_blocks"), (num_tokens, "num_tokens"), (compute, "compute"),
+         (lookahead, "lookahead"), (token_budget, "token_budget"), (skip, "skip"), (window_blocks, "window_blocks"),
+         (num_requests, "num_requests"), (ref_cnt, "ref_cnt"), (hit_out, "hit_out")),
+        ((touched, "touched"), (stamp, "stamp"), (status, "status")), num_free, blocked)
+    ring, qpos, qctr = _queue_tensors(free_queue, ref_cnt.numel(), dev)
     _admit_kernel[(1,)](
         cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, token_budget,
-        skip,
-        window_blocks, num_requests, P,
-        ref_cnt, touched, stamp, num_free, blocked, hit_out, status, ring, qpos, qctr, ring.numel() - 1,
-        block_size, G=G, TILE=tile,
+        skip, window_blocks, num_requests, P, ref_cnt, touched, stamp, num_free, blocked, hit_out, status, ring, qpos,
+        qctr, ring.numel() - 1, block_size, G=G, TILE=tile,
     )
 
 

@@ -196,6 +196,20 @@ def slot_mapping(
             ``group``, inputs on different devices or on a device the kernel
             cannot run on (CPU tensors need Triton's interpreter).
     """
+    block_table = _table_of_group(block_table, group, block_size)
+    B, device = _check_batch(block_table, query_start_loc, start_positions)
+    num_tokens = _num_tokens(num_tokens, query_start_loc, B)
+    query_start_loc = query_start_loc.contiguous()
+    start_positions = start_positions.contiguous()
+    if check:
+        _check_values(block_table, query_start_loc, start_positions, num_tokens, block_size)
+    slots, positions = _launch(block_table, query_start_loc, start_positions, num_tokens, block_size, with_positions)
+    return (slots, positions) if with_positions else slots
+
+
+def _table_of_group(block_table: torch.Tensor, group: int | None, block_size: int) -> torch.Tensor:
+    """``block_size`` checked, and the ``[B, M]`` block table to map: the
+    given one, or ``group``'s of a ``[G, B, M]`` one."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"slot_mapping: block_size must be a positive int, got {block_size!r}")
     _check_index(block_table, "block_table")
@@ -209,10 +223,15 @@ def slot_mapping(
     elif group is not None:
         raise ValueError(f"slot_mapping: group= goes with a [G, B, M] block_table; got a "
                          f"{block_table.dim()}-D one of shape {tuple(block_table.shape)}")
+    return block_table
+
+
+def _check_batch(block_table: torch.Tensor, query_start_loc: torch.Tensor, start_positions: torch.Tensor) -> tuple:
+    """The batch's shapes and devices checked; returns ``(B, device)``."""
     _check_index(block_table, "block_table", ndim=2)
     _check_index(query_start_loc, "query_start_loc", ndim=1)
     _check_index(start_positions, "start_positions", ndim=1)
-    B, M = block_table.shape
+    B = block_table.shape[0]
     if query_start_loc.shape[0] != B + 1:
         raise ValueError(f"slot_mapping: query_start_loc must have B + 1 = {B + 1} entries (block_table has "
                          f"B = {B} rows), got {query_start_loc.shape[0]}")
@@ -222,16 +241,26 @@ def slot_mapping(
     for name, t in (("query_start_loc", query_start_loc), ("start_positions", start_positions)):
         _check_index(t, name, device=device)
     check_device(device, _WHERE)
+    return B, device
+
+
+def _num_tokens(num_tokens: int | None, query_start_loc: torch.Tensor, B: int) -> int:
+    """The output length: ``num_tokens`` checked, or (None) the scheduled
+    tokens read from the device."""
     if num_tokens is None:
         num_tokens = int(query_start_loc[B].item())
     elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"slot_mapping: num_tokens must be an int, got {num_tokens!r}")
     if num_tokens < 0:
         raise ValueError(f"slot_mapping: num_tokens must be >= 0, got {num_tokens}")
-    query_start_loc = query_start_loc.contiguous()
-    start_positions = start_positions.contiguous()
-    if check:
-        _check_values(block_table, query_start_loc, start_positions, num_tokens, block_size)
+    return num_tokens
+
+
+def _launch(block_table, query_start_loc, start_positions, num_tokens: int, block_size: int,
+            with_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs, and the kernel's launch (none for zero tokens)."""
+    B, M = block_table.shape
+    device = block_table.device
     slots = torch.empty(num_tokens, dtype=torch.int64, device=device)
     positions = torch.empty(num_tokens if with_positions else 1, dtype=torch.int64, device=device)
     if num_tokens:
@@ -240,7 +269,7 @@ def slot_mapping(
             query_start_loc, start_positions, slots, positions, B, num_tokens,
             BLOCK_SIZE=block_size, WRITE_POS=bool(with_positions), TILE=_TILE,
         )
-    return (slots, positions) if with_positions else slots
+    return slots, positions
 
 
 from gpukv.kernels import _common  # noqa: E402

@@ -5,7 +5,7 @@ CUDA) accepts code the real compiler rejects, so these tests compile every
 kernel of ``gpukv.kernels`` ahead of time with Triton's real compiler for
 sm_80 and sm_90, in subprocesses with the interpreter off and a fresh, empty
 Triton cache, for the argument specialisations that real manager steps launch
-(recorded by ``gpukv.kernels._aot``, which holds all of the logic; see its
+(recorded by ``tests/kernels/aot.py``, which holds all of the logic; see its
 docstring). ``benchmarks/compile_table.py`` prints the registers, spills and
 shared memory of the same compiles.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import gpukv._runtime  # noqa: F401  (the interpreter on machines without CUDA)
-from gpukv.kernels import _aot
+from tests.kernels import aot
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
@@ -32,13 +32,13 @@ MAX_SIGNATURES_PER_KERNEL = 3
 
 @pytest.fixture(scope="module")
 def discovered():
-    return _aot.discover()
+    return aot.discover()
 
 
 @pytest.fixture(scope="module")
 def recording(discovered):
     kernels = discovered[0]
-    return _aot.record(kernels)
+    return aot.record(kernels)
 
 
 def _listing(sigs) -> str:
@@ -60,24 +60,24 @@ def test_every_kernel_is_launched_by_the_workloads(discovered, recording):
     kernels = discovered[0]
     unlaunched = sorted(set(kernels) - set(recording.per_kernel()))
     assert not unlaunched, (
-        f"kernels never launched by gpukv.kernels._aot.WORKLOADS, so never compiled here: {unlaunched}; "
+        f"kernels never launched by tests/kernels/aot.py's WORKLOADS, so never compiled here: {unlaunched}; "
         "extend manager_workload or direct_launches")
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(recording):
     sigs = recording.signatures()
-    results = _aot.compile_all(sigs)
+    results = aot.compile_all(sigs)
     failed = [r for r in results if not r.ok]
     assert not failed, "\n\n".join(
         f"{r.kernel} does not compile for {r.target}\n  signature: {r.signature}\n  {r.error}" for r in failed)
-    assert len(results) == len(sigs) * len(_aot.TARGETS)
+    assert len(results) == len(sigs) * len(aot.TARGETS)
     no_regs = [f"{r.kernel} {r.target}" for r in results if r.registers is None or r.spill_stores is None]
     assert not no_regs, f"no register/spill counts in ptxas's log for {no_regs}"
 
 
 def test_per_step_integers_are_not_specialised(discovered, recording):
     kernels = discovered[0]
-    labels = [label for label, _ in _aot.MANAGER_WORKLOADS]
+    labels = [label for label, _ in aot.MANAGER_WORKLOADS]
     by_kernel: dict = {}
     for sig in set().union(*(recording.by_workload[x] for x in labels)):
         by_kernel.setdefault(sig.kernel, []).append(sig)
@@ -87,10 +87,10 @@ def test_per_step_integers_are_not_specialised(discovered, recording):
         f"is a per-step int missing from its do_not_specialize?\n{_listing(v)}" for k, v in over.items())
     # The same kinds of steps with other counts, lengths and stamps need no new
     # compile: a GPU would stall inside a step for each new one.
-    again = _aot.record(kernels, workloads=(
-        ("full attention, other counts", lambda: _aot.manager_workload(windows=(None,), steps=4, seed=3)),
+    again = aot.record(kernels, workloads=(
+        ("full attention, other counts", lambda: aot.manager_workload(windows=(None,), steps=4, seed=3)),
         ("full + sliding window, other counts",
-         lambda: _aot.manager_workload(windows=(None, 40), uncached_first=False, steps=4, seed=5)),
+         lambda: aot.manager_workload(windows=(None, 40), uncached_first=False, steps=4, seed=5)),
     ))
     new = sorted(set(again.launches) - set(recording.launches), key=lambda s: s.kernel)
     assert not new, ("steps with other counts compiled new variants (a per-step int is specialised):\n"

@@ -221,8 +221,8 @@ def test_compiles_for_sm80_and_sm90_with_one_variant_per_layout():
     specialisations real launches get; batches of other sizes and token
     counts reuse them (per-step ints are not specialised)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    from gpukv.kernels import _aot
     from gpukv.kernels import slot_mapping as mod
+    from tests.kernels import aot
 
     kernels = {"slot_mapping._slot_mapping_kernel": mod._slot_mapping_kernel}
 
@@ -233,12 +233,12 @@ def test_compiles_for_sm80_and_sm90_with_one_variant_per_layout():
         slot_mapping(bt, qsl, starts, block_size=16, num_tokens=B * n + 3, with_positions=True)
         slot_mapping(bt, qsl, starts, block_size=16, num_tokens=B * n)
 
-    rec = _aot.record(kernels, workloads=(("two batches", lambda: (launches(2, 5), launches(3, 7))),))
+    rec = aot.record(kernels, workloads=(("two batches", lambda: (launches(2, 5), launches(3, 7))),))
     sigs = rec.signatures()
     assert len(sigs) == 2, [s.describe() for s in sigs]  # WRITE_POS on and off, nothing per step
-    again = _aot.record(kernels, workloads=(("other counts", lambda: launches(5, 9)),))
+    again = aot.record(kernels, workloads=(("other counts", lambda: launches(5, 9)),))
     assert set(again.launches) <= set(rec.launches), [s.describe() for s in again.signatures()]
-    results = _aot.compile_all(sigs)
+    results = aot.compile_all(sigs)
     failed = [f"{r.kernel} {r.target} {r.signature}\n{r.error}" for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
-    assert len(results) == len(sigs) * len(_aot.TARGETS)
+    assert len(results) == len(sigs) * len(aot.TARGETS)

@@ -1,6 +1,10 @@
 """Every Triton kernel of ``gpukv.kernels``, compiled ahead of time for NVIDIA
 GPUs, without one.
 
+A support module of the tests (not a test file), outside the package: its
+recorded workloads drive ``gpukv.manager.DeviceManager``, which stands above
+the kernels, and nothing in ``gpukv.kernels`` imports what stands above it.
+
 Triton's interpreter (what runs the kernels on a machine without CUDA) accepts
 code the real compiler rejects (a non-constexpr module global read in a
 kernel, for one), so the interpreter-run tests alone cannot show that a kernel
@@ -67,14 +71,10 @@ def _is_jit(obj) -> bool:
 
 
 def kernel_modules() -> list:
-    """Every module of ``gpukv.kernels`` (this one excepted), imported."""
+    """Every module of ``gpukv.kernels``, imported."""
     import gpukv.kernels as pkg
-    mods = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        if info.name == "_aot":
-            continue
-        mods.append(importlib.import_module(f"{pkg.__name__}.{info.name}"))
-    return mods
+    return [importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name)]
 
 
 def _short(module_name: str, qualname: str) -> str:
@@ -532,7 +532,7 @@ def _compile_one(job: dict, target) -> dict:
 
 
 def _worker() -> None:
-    """Worker process: ``python -c 'from gpukv.kernels._aot import _worker;
+    """Worker process: ``python -c 'from tests.kernels.aot import _worker;
     _worker()' JOBS.json OUT.json``."""
     jobs_path, out_path = sys.argv[1], sys.argv[2]
     with open(jobs_path) as f:
@@ -550,7 +550,7 @@ def _worker_env(cache_dir: str) -> dict:
     for var in ("TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP", "TRITON_ALWAYS_COMPILE",
                 "TRITON_ALLOW_NON_CONSTEXPR_GLOBALS"):  # the check must be as strict as a default GPU run
         env.pop(var, None)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/kernels/aot.py
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -577,7 +577,7 @@ def compile_all(signatures: Iterable[Signature], targets=TARGETS, *, jobs: int |
             jp, op = os.path.join(tmp, f"jobs{i}.json"), os.path.join(tmp, f"out{i}.json")
             with open(jp, "w") as f:
                 json.dump(chunk, f)
-            cmd = [sys.executable, "-c", "from gpukv.kernels._aot import _worker; _worker()", jp, op]
+            cmd = [sys.executable, "-c", "from tests.kernels.aot import _worker; _worker()", jp, op]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True), op, chunk))
         results: list[CompileResult] = []
