@@ -92,6 +92,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import os
 import platform
@@ -124,20 +125,74 @@ ADMIT_LEN, SHARED_LEN = 256, 128
 MAX_MODEL_LEN = 2048
 
 
-def _harness():
-    """``tests/test_vllm/harness.py``, or None with the reason printed (it
-    skips itself, pytest-style, where vLLM 0.8.5 is not importable)."""
+@dataclass(frozen=True)
+class Mode:
+    """One scheduler class of vLLM's measured against gpukv's two: the names
+    of vLLM's class in the harness and of gpukv's in the version's module."""
+
+    name: str  # vLLM's class, as the table names it
+    vllm: str
+    reference: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Version:
+    """What the benchmark runs under one vLLM line: its test harness (which
+    builds schedulers and requests as the engine does), gpukv's adapter
+    module, and the scheduler classes measured."""
+
+    prefix: str  # vllm.__version__ starts with it
+    harness: str
+    gpukv: str
+    modes: tuple[Mode, ...]
+    n: tuple[int, ...]  # the full run's Ns
+    device_n: tuple[int, ...]  # and where the device scheduler's honest twin is measured (without CUDA)
+
+
+SYNC = Mode("Scheduler", "VllmScheduler", "ReferenceScheduler", "DeviceScheduler")
+VERSIONS = (
+    Version("0.8.", "tests.test_vllm.harness", "gpukv.vllm", (SYNC,), (16, 64, 256, 1024), (16, 64, 256)),
+    # 0.33's engine runs AsyncScheduler by default (one batch in flight): both are measured.
+    Version("0.33.", "tests.test_vllm033.harness", "gpukv.vllm.v0_33",
+            (SYNC, Mode("AsyncScheduler", "VllmAsyncScheduler", "ReferenceAsyncScheduler", "DeviceAsyncScheduler")),
+            (1, 16, 64, 256, 1024), (1, 16, 64, 256)),
+)
+
+
+def installed_version() -> tuple[Version | None, str]:
+    """The entry of ``VERSIONS`` for the importable vLLM (None, with the
+    reason, for none or another line) and vLLM's version string."""
+    try:
+        import vllm
+    except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable vLLM here)
+        return None, f"vLLM is not importable ({type(exc).__name__}: {exc})"
+    for version in VERSIONS:
+        if vllm.__version__.startswith(version.prefix):
+            return version, vllm.__version__
+    lines = ", ".join(v.prefix + "x" for v in VERSIONS)
+    return None, f"vLLM {vllm.__version__} is installed; this benchmark follows {lines}"
+
+
+def _harness(version: Version | None = None):
+    """The version's test harness (by default the installed vLLM's), or None
+    with the reason printed (a harness skips itself, pytest-style, where its
+    vLLM is not importable)."""
+    if version is None:
+        version, why = installed_version()
+        if version is None:
+            print(f"note: {why}", file=sys.stderr)
+            return None
     try:
         import pytest
     except ImportError as exc:
-        print(f"note: pytest is needed for tests/test_vllm/harness.py ({exc})", file=sys.stderr)
+        print(f"note: pytest is needed for {version.harness} ({exc})", file=sys.stderr)
         return None
     try:
-        from tests.test_vllm import harness
+        return importlib.import_module(version.harness)
     except pytest.skip.Exception as exc:
         print(f"note: {exc}", file=sys.stderr)
         return None
-    return harness
 
 
 # ------------------------------------------------------------------ workloads
@@ -171,11 +226,19 @@ class Run:
     """One scheduler (``cls``) on one workload: ``setup()`` admits the N
     decoding requests, ``step()`` runs one engine step with the workload's
     arrivals and finishes. Two runs of the same workload see the same requests
-    and sampled tokens whenever they schedule alike."""
+    and sampled tokens whenever they schedule alike.
+
+    An ``AsyncScheduler`` (the harness's ``is_async``) runs as vLLM's engine
+    runs it (``EngineCore.step_with_batch_queue``; ``Engine`` in
+    ``tests/test_vllm033/harness.py``): one batch stays in flight, so a step
+    schedules batch k and then updates from batch k-1's output (the model's
+    answer to a batch is made when it is scheduled, as the GPU samples it)."""
 
     def __init__(self, h, cls: type, work: Workload, steps: int, config: dict | None = None) -> None:
         self.h, self.work = h, work  # (work may change between steps: its kind sets the arrivals)
         self.sched = h.make_scheduler(cls, **(config or work.config(steps)))
+        self.depth = 2 if getattr(h, "is_async", lambda _cls: False)(cls) else 1  # batches in flight, at most
+        self.in_flight: deque[tuple[Any, Any, set[str]]] = deque()  # (output, model answer, its finishing ids)
         self.rng = random.Random(f"{work.kind}/{work.n}")
         self.prefix = [self.rng.randrange(VOCAB) for _ in range(SHARED_LEN)]
         self.next_id = 0
@@ -215,10 +278,11 @@ class Run:
 
     def step(self, clock=None) -> tuple[float, float, Any]:
         """One engine step: (schedule ms, update_from_output ms, the
-        SchedulerOutput). ``clock``: a function returning seconds, by default
-        the thread's CPU time (``CLOCK_THREAD_CPUTIME_ID``: what the step costs
-        the host, free of the time other processes take on a shared machine;
-        the scheduler and both host managers never wait)."""
+        SchedulerOutput scheduled). ``clock``: a function returning seconds,
+        by default the thread's CPU time (``CLOCK_THREAD_CPUTIME_ID``: what the
+        step costs the host, free of the time other processes take on a shared
+        machine; the scheduler and both host managers never wait). An async
+        run's first step updates nothing (0 ms): no batch was in flight."""
         clock = clock or time.thread_time
         if self.ready:
             self._arrivals()
@@ -226,19 +290,22 @@ class Run:
         t0 = clock()
         out = s.schedule()
         t1 = clock()
-        answer = self.h.model_output(s, out, self._sample)
-        t2 = clock()
-        s.update_from_output(out, answer)
-        t3 = clock()
-        if any(c.resumed_from_preemption for c in out.scheduled_cached_reqs):
+        if _preempted(out):
             raise SystemExit(f"{self.work.kind} {self.work.n}: a request was preempted (the pool is too small)")
-        if self.ready:
-            missed = self.finish & {r.request_id for r in s.running}
+        self.in_flight.append((out, self.h.model_output(s, out, self._sample), self.finish))
+        update_ms = 0.0
+        if len(self.in_flight) == self.depth or not out.total_num_scheduled_tokens:
+            done, answer, finish = self.in_flight.popleft()
+            t2 = clock()
+            s.update_from_output(done, answer)
+            update_ms = (clock() - t2) * 1e3
+            missed = finish & {r.request_id for r in s.running}  # (empty before the set-up is done)
             if missed:
                 raise SystemExit(f"{self.work.kind} {self.work.n}: requests {sorted(missed)} did not finish")
-        elif not s.waiting and len(s.running) == self.work.n and all(r.num_output_tokens for r in s.running):
+        if not self.ready and not s.waiting and len(s.running) == self.work.n \
+                and all(r.num_output_tokens for r in s.running):
             self.ready = True
-        return (t1 - t0) * 1e3, (t3 - t2) * 1e3, out
+        return (t1 - t0) * 1e3, update_ms, out
 
     def setup(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
@@ -248,12 +315,38 @@ class Run:
         raise SystemExit(f"{self.work.kind} {self.work.n}: not all requests decoding after {max_steps} steps")
 
 
+def _preempted(out) -> bool:
+    """Whether a SchedulerOutput resumes or preempts a request (the
+    workloads are sized so that none is)."""
+    cached = out.scheduled_cached_reqs
+    if isinstance(cached, list):  # vLLM 0.8.x: one CachedRequestData per request
+        return any(c.resumed_from_preemption for c in cached)
+    return bool(cached.resumed_req_ids or out.preempted_req_ids)
+
+
+def _groups(ids) -> tuple | None:
+    """Block ids per KV-cache group as tuples (None: no new blocks)."""
+    return None if ids is None else tuple(tuple(group) for group in ids)
+
+
 def _digest(out) -> tuple:
-    """What a SchedulerOutput decides (the timing twin must decide the same)."""
+    """What a SchedulerOutput decides (the timing twin must decide the same):
+    tokens scheduled per request, new requests' blocks, running requests' new
+    blocks (and, under 0.33, their computed and output tokens), resumed,
+    finished and preempted requests, the common prefix."""
+    cached = out.scheduled_cached_reqs
+    if isinstance(cached, list):  # vLLM 0.8.x: one CachedRequestData per request, one group
+        return (tuple(out.num_scheduled_tokens.items()),
+                tuple((r.req_id, tuple(r.block_ids)) for r in out.scheduled_new_reqs),
+                tuple((c.req_id, tuple(c.new_block_ids), c.resumed_from_preemption) for c in cached),
+                tuple(sorted(out.finished_req_ids)), out.num_common_prefix_blocks)
+    # vLLM 0.33: one CachedRequestData of lists, block ids per group
     return (tuple(out.num_scheduled_tokens.items()),
-            tuple((r.req_id, tuple(r.block_ids)) for r in out.scheduled_new_reqs),
-            tuple((c.req_id, tuple(c.new_block_ids), c.resumed_from_preemption) for c in out.scheduled_cached_reqs),
-            tuple(sorted(out.finished_req_ids)), out.num_common_prefix_blocks)
+            tuple((r.req_id, _groups(r.block_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs),
+            tuple(zip(cached.req_ids, map(_groups, cached.new_block_ids), cached.num_computed_tokens,
+                      cached.num_output_tokens, strict=True)),
+            tuple(sorted(cached.resumed_req_ids)), tuple(sorted(out.finished_req_ids)),
+            tuple(sorted(out.preempted_req_ids or ())), tuple(out.num_common_prefix_blocks))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -524,10 +617,11 @@ def _device_summary(rows: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------ main
-def _args(argv: list[str] | None) -> argparse.Namespace:
+def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    full = dict(n=[16, 64, 256, 1024], admit=16, steps=30, warmup=3, repeats=3, device_n=[16, 64, 256],
+    full = dict(n=list(version.n), admit=16, steps=30, warmup=3, repeats=3, device_n=list(version.device_n),
                 device_steps=5, device_warmup=1, launch_samples=20)
+    names = [m.name for m in version.modes]
     quick = dict(n=[2], admit=2, steps=3, warmup=1, repeats=2, device_n=[2], device_steps=1, device_warmup=0,
                  launch_samples=3)
     p.add_argument("--n", type=int, nargs="+", help=f"requests decoding (default {full['n']})")
@@ -553,6 +647,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="on CUDA: also run with CUDA hidden (the honest twin) and print real / twin per row")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (options given still apply): " + ", ".join(f"{k}={v}" for k, v in quick.items()))
+    p.add_argument("--schedulers", nargs="+", choices=names, default=names,
+                   help=f"vLLM {version.prefix}x's scheduler classes to measure (default: {' '.join(names)})")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     for key, value in (quick if args.quick else full).items():
@@ -664,69 +760,97 @@ def _twin_check(argv: list[str], rows: list[dict]) -> None:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         subprocess.run(cmd, env=env, check=True)
         with open(out) as f:
-            twin = {(r["workload"], r["n"]): r.get("device") for r in json.load(f)["rows"]}
-    print("\n| workload | N | device wall p50 ms (GPU) | honest twin p50 ms (no GPU) | real / twin |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+            twin = {(r["scheduler"], r["workload"], r["n"]): r.get("device") for r in json.load(f)["rows"]}
+    print("\n| scheduler | workload | N | device wall p50 ms (GPU) | honest twin p50 ms (no GPU) | real / twin |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        t = twin.get((r["workload"], r["n"]))
+        t = twin.get((r["scheduler"], r["workload"], r["n"]))
         if r.get("device") and t and t.get("honest_ms"):
             real, est = r["device"]["wall_ms"]["p50"], t["honest_ms"]["p50"]
-            print(f"| {r['workload']} | {r['n']} | {real:.3f} | {est:.3f} | {real / est:.2f} |")
+            print(f"| {r['scheduler']} | {r['workload']} | {r['n']} | {real:.3f} | {est:.3f} | {real / est:.2f} |")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _args(argv)
-    h = _harness()
-    if h is None:
-        print("vLLM 0.8.5 is not importable: nothing measured", file=sys.stderr)
-        return 1
-    import vllm
-
-    from gpukv.vllm import DeviceScheduler, ReferenceScheduler
-
-    cuda = torch.cuda.is_available()
-    where = (torch.cuda.get_device_name() if cuda
-             else f"CPU ({platform.machine()}, {os.cpu_count()} cores), Triton interpreter")
-    classes = {"vllm": h.VllmScheduler, "reference": ReferenceScheduler}
+def _measure_mode(h, version: Version, mode: Mode, args: argparse.Namespace,
+                  cuda: bool) -> tuple[list[dict], str | None]:
+    """One scheduler class's rows (vLLM's, gpukv's reference, the device
+    scheduler or its honest twin), and why the launch path could not be
+    measured (None when it was, or was not asked for)."""
+    gk = importlib.import_module(version.gpukv)
+    classes = {"vllm": getattr(h, mode.vllm), "reference": getattr(gk, mode.reference)}
+    device_cls = getattr(gk, mode.device)
     twins: dict = {}
     why = None
     if not cuda and args.device_n:
-        launch_cost().install()  # before any manager prepares its launches (host stand-ins recordable)
-        twins, why = _device_twins(h, DeviceScheduler, args)
+        twins, why = _device_twins(h, device_cls, args)
     rows = []
     for kind in args.workloads:
         for n in args.n:
             t_row = time.perf_counter()
-            row = _measure_row(h, classes, kind, n, args, DeviceScheduler, cuda)
+            row = {"scheduler": mode.name, **_measure_row(h, classes, kind, n, args, device_cls, cuda)}
             if (kind, n) in twins:
                 row["device"] = _device_summary(twins[(kind, n)])
             rows.append(row)
-            print(f"  {kind} N={n}: vLLM {row['vllm']['p50_ms']:.3f} ms, reference "
+            print(f"  {mode.name} {kind} N={n}: vLLM {row['vllm']['p50_ms']:.3f} ms, reference "
                   f"{row['reference']['p50_ms']:.3f} ms, ratio {row['ratio_p50']:.2f}x "
                   f"({time.perf_counter() - t_row:.0f} s)", file=sys.stderr)
+    return rows, why
+
+
+def _step_note(mode: Mode) -> str:
+    if mode.name == "AsyncScheduler":
+        return (" (async scheduling: one batch in flight, so a step is schedule() of batch k then "
+                "update_from_output() of batch k-1, as vLLM's engine runs it)")
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    version, found = installed_version()
+    if version is None:
+        print(f"{found}: nothing measured", file=sys.stderr)
+        return 1
+    args = _args(argv, version)
+    h = _harness(version)
+    if h is None:
+        print(f"vLLM {found}'s test harness ({version.harness}) is not importable: nothing measured", file=sys.stderr)
+        return 1
+    cuda = torch.cuda.is_available()
+    where = (torch.cuda.get_device_name() if cuda
+             else f"CPU ({platform.machine()}, {os.cpu_count()} cores), Triton interpreter")
+    if not cuda and args.device_n:
+        launch_cost().install()  # before any manager prepares its launches (host stand-ins recordable)
+    modes = [m for m in version.modes if m.name in args.schedulers]
+    measured = [(mode, *_measure_mode(h, version, mode, args, cuda)) for mode in modes]
     try:
         load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     except OSError:
         load = "load average unknown"
-    print(f"Scheduling step (schedule() + update_from_output()) under vLLM's v1 Scheduler: {where}; "
-          f"gpukv {gpukv.__version__}, vLLM {vllm.__version__}, torch {torch.__version__}; {load} at the end. "
-          f"p50 (p99) ms over {args.repeats} x {args.steps} steps, vLLM and reference alternating per repeat.")
-    _print_table(rows, cuda)
+    print(f"Scheduling step (schedule() + update_from_output()) under vLLM {found}'s v1 "
+          f"{' and '.join(m.name for m in modes)}: {where}; gpukv {gpukv.__version__}, vLLM {found}, "
+          f"torch {torch.__version__}; {load} at the end. p50 (p99) ms over {args.repeats} x {args.steps} steps, "
+          "vLLM and reference alternating per repeat.")
+    for mode, rows, _ in measured:
+        if len(modes) > 1:
+            print(f"\nvLLM's {mode.name} against gpukv's {mode.reference} and {mode.device}{_step_note(mode)}:")
+        _print_table(rows, cuda)
+    whys = sorted({why for _, _, why in measured if why})
     if not cuda:
         print(f"\nNo CUDA here: the device scheduler is its honest twin (module docstring) over "
               f"{args.device_steps} timed step(s) after {args.device_warmup} warm-up, at N in {args.device_n}; "
               f"stated costs (us): {', '.join(f'{k}={v}' for k, v in vars(args.costs).items())}."
-              + (f" The launch path was not measured ({why}): no honest figure." if why else ""))
+              + (f" The launch path was not measured ({'; '.join(whys)}): no honest figure." if whys else ""))
     elif args.twin_check:
-        _twin_check([a for a in (argv or sys.argv[1:]) if a != "--twin-check"], rows)
+        _twin_check([a for a in (argv or sys.argv[1:]) if a != "--twin-check"], [r for _, rows, _ in measured
+                                                                                  for r in rows])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"where": where, "cuda": cuda, "gpukv": gpukv.__version__, "vllm": vllm.__version__,
+            json.dump({"where": where, "cuda": cuda, "gpukv": gpukv.__version__, "vllm": found,
                        "torch": torch.__version__, "python": sys.version.split()[0], "load": load,
+                       "schedulers": [m.name for m in modes],
                        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                        "device_n": None if cuda else args.device_n, "gpu_costs": vars(args.costs),
-                       "launch_path_unmeasured": why,
-                       "device_steps": args.steps if cuda else args.device_steps, "rows": rows}, f, indent=1)
+                       "launch_path_unmeasured": "; ".join(whys) or None,
+                       "device_steps": args.steps if cuda else args.device_steps,
+                       "rows": [r for _, rows, _ in measured for r in rows]}, f, indent=1)
     return 0
 
 

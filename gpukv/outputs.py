@@ -210,3 +210,35 @@ class StepGather:
             prefix = [None if w is not None else refs[a: a + prefix_blocks]
                       for a, w in zip(segment, windows, strict=True)]
         return running, admitted, prefix
+
+
+def step_gather(m: Any, run: Any, outputs: Any, new: list) -> StepGather:
+    """A device manager ``m``'s step output gather: the running rows' new
+    blocks (``run``: the step's ``RunningPhase``, or None), and
+    ``outputs.prefix_of``'s blocks up to the most it holds after (a new
+    request's: from its admission's own entries)."""
+    running = None if run is None else (run.rows, run.held_before, run.held_after)
+    prefix = prefix_new = None
+    if outputs.prefix_of is not None and outputs.prefix_of not in m._reqs:
+        prefix_new = next(i for i, r in enumerate(new) if r.request_id == outputs.prefix_of)
+    elif outputs.prefix_of is not None:
+        row = m._reqs[outputs.prefix_of]
+        n = int(m._rows.num_held[row])
+        at = np.flatnonzero(run.rows == row) if run is not None else np.zeros(0, np.int64)
+        if run is not None and len(at):
+            n = int(run.held_after[at[0]])  # (if it fits; the read says, and take_step_outputs cuts)
+        prefix = (row, n)
+    return StepGather(m._gather, running, prefix, outputs.block_ids, m.num_groups, prefix_new)
+
+
+def take_step_outputs(m: Any, result: Any, run: Any, outputs: Any, tail: StepGather) -> None:
+    """What a device manager ``m``'s step hands back (into ``result``, a
+    ``StepResult``), from its last read's gather."""
+    n_fit = 0 if run is None else run.size if result.running_failed_at is None else result.running_failed_at
+    row = None if outputs.prefix_of is None else m._reqs.get(outputs.prefix_of)
+    held = 0 if row is None else int(m._rows.num_held[row])
+    running, admitted, prefix = tail.finish(n_fit, held, m.sliding_windows)
+    if outputs.block_ids:
+        result.running_block_ids, result.admitted_block_ids = running, admitted
+    if row is not None:
+        result.prefix_ref_counts = prefix

@@ -22,29 +22,36 @@ Semantics (``docs/design.md`` says why each rule is what it is):
   extra-key digest must equal the request's.
 * A request hits its longest run of leading full cached blocks, never its last
   token.
+
+This module holds the pool (``BlockPool``, vLLM's: the blocks and their
+verbs) and the request-level API over it (``ReferenceManager``), which
+composes the parts in ``gpukv.reference_parts``, cut as the device
+manager's are: admission, running requests, releases, digests and rows.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
-from gpukv import hashing
 from gpukv.api import manager_args_from_config
 from gpukv.errors import (
     InvalidInputError,
     InvalidTypeError,
     NoFreeBlocksError,
 )
-from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEventBatch
+from gpukv.events import AllBlocksCleared, BlockRemoved, EventQueue, KVEventBatch
 from gpukv.failstop import FailStop, mutating, reading
 from gpukv.metrics import PrefixCacheStats, StepCounters
+from gpukv.reference_parts.admission import ReferenceAdmission
+from gpukv.reference_parts.digests import CachedBlockInfo, Digests, RequestState
+from gpukv.reference_parts.releases import ReferenceReleases
+from gpukv.reference_parts.rows import ReferenceRows
+from gpukv.reference_parts.running import ReferenceRunning
 from gpukv.request import (
     MAX_MODEL_LEN,
     MAX_NUM_BLOCKS,
@@ -57,7 +64,6 @@ from gpukv.request import (
     StepOutputs,
     StepResult,
     apply_allocate_args,
-    blocks_after_admission,
     check_block_spans,
     check_computed_for,
     check_count,
@@ -68,18 +74,14 @@ from gpukv.request import (
     check_step_outputs,
     check_token_budget,
     common_prefix_length,
-    new_tokens_at_admission,
     normalize_computed,
     normalize_step,
     normalize_token_ids,
     normalize_windows,
     request_id_type_error,
     resolve_key,
-    stale_computed_blocks,
-    token_array_for_host,
     unknown_request,
 )
-from gpukv.rows import RowAllocator
 from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
 from gpukv.windows import policies
 
@@ -91,17 +93,6 @@ __all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCa
 # Host bytes per block of a full reference pool (counts, free-queue links,
 # cached-block records and table entries), for the check before allocating.
 _HOST_BYTES_PER_BLOCK = 640
-
-
-@dataclass(frozen=True)
-class CachedBlockInfo:
-    """What a cached block was computed from: enough to verify a hit exactly."""
-
-    digest: bytes
-    group: int
-    parent: bytes
-    tokens: bytes  # the block's token ids as little-endian uint32, as hashed
-    extra: bytes
 
 
 def _host_device(device) -> torch.device:
@@ -117,25 +108,6 @@ def _host_device(device) -> torch.device:
         raise InvalidInputError(f"the reference manager lives on the host, got {dev}", argument="device",
                                 fix="pass device=None, or use gpukv.manager.DeviceManager on a GPU")
     return dev
-
-
-class _PopReach:
-    """The blocks a step's admitted requests pop, in vLLM's order: the front
-    of the free queue, passing over the blocks an admitted request touched
-    (vLLM takes those out before the next pops). Walked lazily, only as far
-    as a request with a free cached hit needs."""
-
-    def __init__(self, queue: Iterator[int], touched: set[int]) -> None:
-        self._queue, self._touched = queue, touched
-        self._popped: set[int] = set()
-
-    def any_of(self, blocks: set[int], num_popped: int) -> bool:
-        """Whether the first ``num_popped`` pops take any of ``blocks``."""
-        while len(self._popped) < num_popped:
-            b = next(self._queue)  # (the admitted requests fit: the queue holds their pops)
-            if b not in self._touched:
-                self._popped.add(b)
-        return not self._popped.isdisjoint(blocks)
 
 
 class BlockPool:
@@ -310,62 +282,10 @@ class BlockPool:
 # The request-level manager
 
 
-@dataclass
-class _RequestState:
-    request_id: str
-    tokens: np.ndarray | list[int]  # an array until the first append, then a list
-    lora_id: int | None
-    mm_items: tuple
-    cache_salt: str | None
-    skip_prefix_cache: bool
-    block_hashes: list[bytes] = field(default_factory=list)
-    extras: list[bytes] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    blocks: list[list[int]] = field(default_factory=list)
-    # per group: blocks at positions below this are cached (or null)
-    num_cached_blocks: list[int] = field(default_factory=list)
-    row: int = -1  # gpukv.rows: set at admission
-    # the admission's chunk (tokens beyond the hit; None: every token) and lookahead slots
-    chunk: int | None = None
-    lookahead: int = 0
-    preempted: bool = False  # a re-admission after a preemption (stats count it apart)
-
-    @property
-    def has_extra_keys(self) -> bool:
-        return self.lora_id is not None or bool(self.mm_items) or self.cache_salt is not None
-
-
-class _Available(Sequence):
-    """Whether each of the first ``n`` positions has a block, asked of
-    ``there(i)`` only when a policy reads position ``i``."""
-
-    def __init__(self, there: Callable[[int], bool], n: int) -> None:
-        self._there, self._n = there, n
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i):  # (a policy reads positions, never slices)
-        if not 0 <= i < self._n:
-            raise IndexError(i)
-        return self._there(i)
-
-
-@dataclass
-class _Plan:
-    """A new request's admission plan within one step."""
-
-    state: _RequestState
-    num_hit_blocks: int
-    # per group, per hit position: a block id, or (plan index, position) for a
-    # block an earlier new request of this step will compute and cache.
-    hits: Sequence[Sequence[int | tuple[int, int]]]
-    num_new_blocks: int
-    num_computed_tokens: int  # the hit plus the tokens it computes this step
-
-
 class ReferenceManager(FailStop):
-    """Request-level calls over one shared ``BlockPool``.
+    """Request-level calls over one shared ``BlockPool``, composed of the
+    parts in ``gpukv.reference_parts`` (admission, running, releases,
+    digests, rows), as the device manager is of ``gpukv.device``'s.
 
     ``sliding_windows`` has one entry per KV-cache group: None for full
     attention, else the window in tokens. All groups share the pool and the
@@ -410,37 +330,29 @@ class ReferenceManager(FailStop):
         self.enable_caching = bool(enable_caching)
         self._key = resolve_key(hash_key)
         self.pool = BlockPool(num_blocks, uncached_first=uncached_first, enable_caching=enable_caching)
-        # KV-cache events of the call under way (None: not kept), and the batches made.
-        self._event_log: list | None = [] if enable_kv_cache_events else None
-        self._event_queue = EventQueue()
-        if enable_kv_cache_events:
-            def log_eviction(info: CachedBlockInfo) -> None:
-                assert self._event_log is not None  # kept: take_events only swaps the list
-                self._event_log.append(BlockRemoved([info.digest], info.group))
-
-            self.pool.on_evict = log_eviction
         self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
-        self._root = hashing.root_digest(self._key)
-        self._requests: dict[str, _RequestState] = {}
-        self._rows = RowAllocator(max_num_reqs, on_grow=self._grow_rows)  # handed out as the device manager does
-        self._row_ids: dict[int, str] = {}
-        # Per row (as the device manager mirrors them): the request's state,
-        # its known and its computed tokens, so a batch addressed by rows is
-        # read with numpy (each count written where the request's changes).
-        self._row_state = np.empty(self._rows.capacity, dtype=object)
-        self._row_tokens = np.zeros(self._rows.capacity, dtype=np.int64)
-        self._row_computed = np.zeros(self._rows.capacity, dtype=np.int64)
+        self._init_events(enable_kv_cache_events)
+        self._requests: dict[str, RequestState] = {}
+        self._rows = ReferenceRows(max_num_reqs)  # handed out as the device manager does
         self.stats = PrefixCacheStats()
         # The device manager's per-step accounting, for the same API: always zero
         # here (no launches, uploads or device reads).
         self.counters = StepCounters()
-        # Digests this manager computed for requests that may come back (refused
-        # this step, looked up by get_computed_blocks, freed to be resumed):
-        # reused only for the same id, extra keys and leading tokens, so they
-        # are exactly what hashing again would give. LRU, bounded in digests.
-        self._digest_memo: OrderedDict[str, tuple] = OrderedDict()
-        self._memo_digests = 0
-        self._memo_limit = 2 * num_blocks + 1024
+        self._digests = Digests(self._key, self.block_size, self.num_groups, memo_limit=2 * num_blocks + 1024)
+        self._admission = ReferenceAdmission(self)
+        self._running = ReferenceRunning(self)
+        self._releases = ReferenceReleases(self)
+
+    def _init_events(self, enabled: bool) -> None:
+        """KV-cache events of the call under way (None: not kept), and the batches made."""
+        self._event_log: list | None = [] if enabled else None
+        self._event_queue = EventQueue()
+        if enabled:
+            self.pool.on_evict = self._log_eviction
+
+    def _log_eviction(self, info: CachedBlockInfo) -> None:
+        assert self._event_log is not None  # kept: take_events only swaps the list
+        self._event_log.append(BlockRemoved([info.digest], info.group))
 
     @classmethod
     def from_config(cls, config, **kwargs) -> ReferenceManager:
@@ -567,7 +479,7 @@ class ReferenceManager(FailStop):
         """The known and the computed tokens of the requests at ``rows``
         (host ints, each a running request's), as int64 arrays."""
         rows_np = normalize_rows(rows, self._rows.in_use, distinct=False)
-        return self._row_tokens[rows_np], self._row_computed[rows_np]
+        return self._rows.num_tokens[rows_np], self._rows.num_computed[rows_np]
 
     @reading
     def num_computed_tokens(self, request_id: str) -> int:
@@ -604,12 +516,7 @@ class ReferenceManager(FailStop):
         """Look a new request up (counts in the stats); changes nothing else."""
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         self._begin_changes()  # the lookup remembers digests and counts in the stats
-        plan = self._plan(self._new_state(request), [])
-        self._remember_digests(plan.state)
-        self._count_lookup(plan)
-        # No earlier plan in this call: every hit is a block id, none a pending (plan, position).
-        return ComputedBlocks(cast("list[list[int]]", [[b for b in g] for g in plan.hits]),
-                              plan.num_hit_blocks * self.block_size)
+        return self._admission.lookup(request)
 
     @mutating
     def allocate_slots(
@@ -651,12 +558,11 @@ class ReferenceManager(FailStop):
         (update,) = self._normalize((), [update], (), single=True).running
         num_before = [len(b) for b in self._state(request).blocks]
         self._begin_changes()
-        st = self._state(request)
-        self._release_skipped(st)
-        states, work = self._running_work([update])
+        self._releases.skipped(self._state(request))
+        states, work = self._running.work([update])
         if self._run_all(states, *work) is not None:
             return None
-        self._cache_running(states)
+        self._running.cache_running(states)
         return [self._state(request).blocks[g][num_before[g]:] for g in range(self.num_groups)]
 
     @mutating
@@ -734,30 +640,32 @@ class ReferenceManager(FailStop):
         if finished_rows:
             in_use = in_use.copy()
             in_use[list(finished_rows)] = False
-        return normalize_running(batch, in_use, self._row_tokens.__getitem__, self._row_computed.__getitem__,
+        return normalize_running(batch, in_use, self._rows.num_tokens.__getitem__, self._rows.num_computed.__getitem__,
                                  self._limits, None)
 
     def _step(self, finished, running, new, token_budget: int | None, outputs: StepOutputs) -> StepResult:
-        """A step on normalised arguments (``step``): nothing here refuses input."""
+        """A step on normalised arguments (``step``), its phases in order:
+        releases, the running requests, the admission; nothing here refuses
+        input."""
         for rid in finished:
             self._free_request(rid)
-        grown, work = self._running_work(running)
+        grown, work = self._running.work(running)
         if any(w is not None for w in self.sliding_windows):  # full attention releases nothing
             for st in grown:
-                self._release_skipped(st)
+                self._releases.skipped(st)
         held_before = [len(st.blocks[0]) for st in grown] if outputs.block_ids else []
-        filled: list[_RequestState] = []
+        filled: list[RequestState] = []
         failed_at = self._run_all(grown, *work, filled=filled)
-        self._cache_running(filled)
+        self._running.cache_running(filled)
         if failed_at is not None:
             result = StepResult(running_failed_at=failed_at)
         else:
-            result = self._admit_new(new, token_budget)
+            result = self._admission.admit_new(new, token_budget)
         if outputs.block_ids:
             fit = len(grown) if failed_at is None else failed_at
             result.running_block_ids = [[st.blocks[g][h:] for st, h in zip(grown[:fit], held_before, strict=False)]
                                         for g in range(self.num_groups)]
-            admitted = [self._requests[self._row_ids[r]] for r in result.rows]
+            admitted = [self._requests[self._rows.ids[r]] for r in result.rows]
             result.admitted_block_ids = [[list(st.blocks[g]) for st in admitted] for g in range(self.num_groups)]
         if outputs.prefix_of is not None and outputs.prefix_of in self._requests:
             st = self._requests[outputs.prefix_of]
@@ -766,51 +674,15 @@ class ReferenceManager(FailStop):
                                         for g, w in enumerate(self.sliding_windows)]
         return result
 
-    def _running_work(self, running) -> tuple[list[_RequestState], tuple[list, list, Any]]:
-        """The running requests' states and, per request, its new tokens (a
-        list), its chunk (None: all) and its lookahead slots, from
-        ``RunningUpdate``s or a normalised ``RunningBatch``."""
-        if isinstance(running, RunningRows):
-            states = self._row_state[running.rows].tolist()
-            tokens = running.tokens.tolist()
-            if running.counts is not None:
-                tokens = [t[:c] for t, c in zip(tokens, running.counts.tolist(), strict=True)]
-            chunks = [None] * len(states) if running.chunks is None else running.chunks.tolist()
-            la = running.lookahead
-            return states, (tokens, chunks, [la] * len(states) if isinstance(la, int) else la.tolist())
-        requests = self._requests
-        states = [requests[u.request_id] for u in running]
-        tokens = []
-        for u in running:
-            t: Any = u.new_token_ids  # normalised (gpukv.request): an int64 array or a tensor
-            tokens.append((t if type(t) is np.ndarray else token_array_for_host(t)).tolist())
-        return states, (tokens, [u.num_tokens_to_compute for u in running], [u.num_lookahead_tokens for u in running])
+    def _run_all(self, states: Sequence[RequestState], tokens: Sequence[list], chunks: Sequence[int | None],
+                 lookaheads: Sequence[int], filled: list[RequestState] | None = None) -> int | None:
+        """Phase 2 (``ReferenceRunning.run_all``): the index of the first
+        running request whose blocks do not fit, or None."""
+        return self._running.run_all(states, tokens, chunks, lookaheads, filled)
 
-    def _admit_new(self, new, token_budget: int | None) -> StepResult:
-        """Phases 3-5 for the step's new requests."""
-        # Each request is hashed when its lookup comes (in ``_plan``), so the
-        # requests after the first refused one are not hashed at all.
-        states = [self._new_state(r) for r in new]
-        plans: list[_Plan] = []
-        refused_hit: int | None = None
-        while True:  # a round per deferral (``_plan_admissions``): vLLM's order exactly
-            budget_left = None if token_budget is None else token_budget - sum(
-                p.num_computed_tokens - p.num_hit_blocks * self.block_size for p in plans)
-            admitted, deferred, refused_hit = self._plan_admissions(states[len(plans):], budget_left)
-            self._admit(admitted)
-            plans += admitted
-            if not deferred:
-                break
-        for st in states[len(plans):]:
-            self._remember_digests(st)
-        hit_tokens = [p.num_hit_blocks * self.block_size for p in plans]
-        return StepResult(
-            num_admitted=len(plans),
-            num_computed_tokens=hit_tokens,
-            rows=[p.state.row for p in plans],
-            num_new_tokens=[p.num_computed_tokens - h for p, h in zip(plans, hit_tokens, strict=True)],
-            refused_hit_tokens=refused_hit,
-        )
+    def _free_request(self, request_id: str) -> None:
+        """Phase 1, one request (``ReferenceReleases.request``)."""
+        self._releases.request(request_id)
 
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
                       num_lookahead_tokens: int | None) -> list[list[int]] | None:
@@ -822,58 +694,12 @@ class ReferenceManager(FailStop):
         check_computed_for(request, computed, self._limits)
         hit_tokens = computed.num_tokens if computed is not None else 0
         request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
-        state = self._new_state(request)
+        state = self._digests.new_state(request)
         hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
         num_hit = hit_tokens // self.block_size
-        self._check_computed(state, hits, num_hit)
-        self._begin_changes()  # (before it, only the digest memo was read: ``_new_state``)
-        plan = self._plan_for_hit(state, num_hit, hits)
-        need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0})
-        if need > self.pool.num_free_blocks:
-            self._remember_digests(state)
-            return None
-        before = [list(g) for g in hits]
-        self._admit([plan])
-        return [self._state(state.request_id).blocks[g][len(before[g]):] for g in range(self.num_groups)]
-
-    def _plan_admissions(self, states: list[_RequestState],
-                         token_budget: int | None = None) -> tuple[list[_Plan], bool, int | None]:
-        """Phases 3 and 4, interleaved: a request's lookup depends only on the
-        requests before it, so looking up stops at the first refused one, or
-        before the first one the budget has nothing left for (vLLM's
-        ``while token_budget > 0``). Returns the admitted requests' plans (a
-        prefix of ``states``); whether it stopped before a request to look it
-        up again once these are admitted (deferred: vLLM pops the earlier
-        requests' blocks before it looks the next one up, and those pops
-        evict a free cached block this one hits); and the hit, in tokens, of
-        the request it looked up and refused (None: none was)."""
-        num_free = self.pool.num_free_blocks
-        plans: list[_Plan] = []
-        used = new_blocks = 0
-        budget_left = token_budget
-        touched: set[int] = set()
-        evicted = _PopReach(self.pool.free_blocks_in_order(), touched)
-        for state in states:
-            if budget_left is not None and budget_left <= 0:
-                break
-            plan = self._plan(state, plans, budget_left)
-            first_touch = {
-                b for g in plan.hits for b in g
-                if isinstance(b, int) and b != NULL_BLOCK and self.pool.ref_cnt[b] == 0 and b not in touched
-            }
-            if first_touch and evicted.any_of(first_touch, new_blocks):
-                return plans, True, None
-            self._count_lookup(plan)
-            need = plan.num_new_blocks + len(first_touch)
-            if used + need > num_free:
-                return plans, False, plan.num_hit_blocks * self.block_size
-            plans.append(plan)
-            used += need
-            new_blocks += plan.num_new_blocks
-            touched |= first_touch
-            if budget_left is not None:
-                budget_left -= plan.num_computed_tokens - plan.num_hit_blocks * self.block_size
-        return plans, False, None
+        self._admission.check_computed(state, hits, num_hit)
+        self._begin_changes()  # (before it, only the digest memo was read: ``Digests.new_state``)
+        return self._admission.admit_with_hit(state, hits, num_hit)
 
     @mutating
     def decode(self, rows: Sequence[int], new_token_ids, *, num_new_tokens=None, num_tokens_to_compute=None,
@@ -920,13 +746,10 @@ class ReferenceManager(FailStop):
                     if b != NULL_BLOCK:
                         held[b] += 1
         assert held[1:] == self.pool.ref_cnt[1:], "reference counts disagree with the requests' block lists"
-        for st in self._requests.values():
-            assert self._row_state[st.row] is st, f"row {st.row} does not hold request {st.request_id!r}"
-            assert (self._row_tokens[st.row], self._row_computed[st.row]) == (len(st.tokens), st.num_computed_tokens), \
-                f"row {st.row}'s counts are not request {st.request_id!r}'s"
+        self._rows.check(self._requests.values())
 
     # ------------------------------------------------------------- checking
-    def _state(self, request_id: str) -> _RequestState:
+    def _state(self, request_id: str) -> RequestState:
         if type(request_id) is not str:
             raise request_id_type_error(request_id, "request_id")
         try:
@@ -940,330 +763,6 @@ class ReferenceManager(FailStop):
                               num_tokens=lambda rid: len(self._requests[rid].tokens),
                               num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single,
                               defer_admissible=defer_admissible, keep_device_tokens=False)
-
-    def _check_computed(self, state: _RequestState, hits, num_hit: int) -> None:
-        if len(hits) != self.num_groups or any(len(g) != num_hit for g in hits):
-            raise InvalidInputError("the computed blocks do not match this manager's groups", argument="computed",
-                                    fix="pass what get_computed_blocks returned for this request")
-        self._extend_hashes([state])  # incremental: a recalled shorter list is completed
-        for g, blocks in enumerate(hits):
-            for i, b in enumerate(blocks):
-                if b == NULL_BLOCK:
-                    continue
-                info = self.pool.cached_info(b)
-                if info is None or info.digest != state.block_hashes[i] or info.group != g:
-                    raise stale_computed_blocks()
-
-    # ------------------------------------------------------------- hashing
-    def _remember_digests(self, st: _RequestState) -> None:
-        if not st.block_hashes:
-            return
-        old = self._digest_memo.pop(st.request_id, None)
-        if old is not None:
-            self._memo_digests -= len(old[2])
-        n = len(st.block_hashes)
-        tokens = np.asarray(st.tokens[: n * self.block_size], dtype=np.int64)
-        self._digest_memo[st.request_id] = (tokens, (st.lora_id, st.mm_items, st.cache_salt),
-                                            list(st.block_hashes), list(st.extras[:n]))
-        self._memo_digests += n
-        while self._memo_digests > self._memo_limit and len(self._digest_memo) > 1:
-            _, (_, _, digests, _) = self._digest_memo.popitem(last=False)
-            self._memo_digests -= len(digests)
-
-    def _recall_digests(self, st: _RequestState) -> None:
-        entry = self._digest_memo.pop(st.request_id, None)
-        if entry is None:
-            return
-        tokens, extra_keys, digests, extras = entry
-        self._memo_digests -= len(digests)
-        if (extra_keys == (st.lora_id, st.mm_items, st.cache_salt) and len(st.tokens) >= len(tokens)
-                and np.array_equal(st.tokens[: len(tokens)], tokens)):
-            st.block_hashes, st.extras = digests, extras
-
-    def _new_state(self, r: NewRequest) -> _RequestState:
-        """A normalised new request's state. Its digests are always computed
-        by this manager, from its own tokens and extra keys (or recalled from
-        when it hashed the same id, extra keys and tokens before): what a
-        caller hands in as ``block_hashes`` decides nothing (``docs/design.md``)."""
-        st = _RequestState(
-            request_id=r.request_id,
-            tokens=token_array_for_host(r.token_ids),  # type: ignore[arg-type]  # normalised: an array or tensor
-            lora_id=r.lora_id,
-            mm_items=r.mm_items,
-            cache_salt=r.cache_salt,
-            skip_prefix_cache=r.skip_prefix_cache,
-            chunk=r.num_tokens_to_compute,
-            lookahead=r.num_lookahead_tokens,
-            preempted=r.num_preemptions > 0,
-            blocks=[[] for _ in range(self.num_groups)],
-            num_cached_blocks=[0] * self.num_groups,
-        )
-        self._recall_digests(st)
-        return st
-
-    def _extras(self, st: _RequestState, first: int, count: int) -> list[bytes]:
-        if not st.has_extra_keys:
-            return [hashing.NO_EXTRA] * count
-        return hashing.extra_key_digests(
-            self._key, count, self.block_size,
-            lora_id=st.lora_id, mm_items=st.mm_items, cache_salt=st.cache_salt, first_block=first,
-        )
-
-    def _extend_hashes(self, states: list[_RequestState]) -> None:
-        """Hash every full block not hashed yet, all requests at once
-        (``gpukv.hashing.extend_chains``, the one chain-hashing driver)."""
-        bs = self.block_size
-        work = []
-        for st in states:
-            start, stop = len(st.block_hashes), len(st.tokens) // bs
-            if stop > start:
-                st.extras.extend(self._extras(st, start, stop - start))
-                work.append((st, start, stop))
-        if not work:
-            return
-        chains = hashing.extend_chains(
-            self._key, [st.block_hashes[-1] if st.block_hashes else self._root for st, _, _ in work],
-            [np.asarray(st.tokens[s * bs:e * bs], dtype=np.int64) for st, s, e in work], bs,
-            [st.extras[s:e] for st, s, e in work])
-        for (st, _, _), digests in zip(work, chains, strict=True):
-            st.block_hashes.extend(digests)
-
-    def _token_bytes(self, st: _RequestState, i: int) -> bytes:
-        bs = self.block_size
-        return np.asarray(st.tokens[i * bs:(i + 1) * bs], dtype="<u4").tobytes()
-
-    def _parent(self, st: _RequestState, i: int) -> bytes:
-        return st.block_hashes[i - 1] if i > 0 else self._root
-
-    # ------------------------------------------------------------- lookups
-    def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _plan(self, st: _RequestState, plans: list[_Plan], budget_left: int | None = None) -> _Plan:
-        """Find the request's hit, against the cache and against the blocks the
-        earlier ``plans`` of this step will compute and cache; it computes
-        ``new_tokens_at_admission`` tokens past it (``budget_left``: what the
-        step's token budget has left, None for no budget)."""
-        self._extend_hashes([st])
-        bs = self.block_size
-        num_tokens = len(st.tokens)
-        max_hit = (num_tokens - 1) // bs
-        probe = {}
-
-        def block_at(i: int, g: int):
-            if (i, g) not in probe:
-                found = None
-                if self.enable_caching:
-                    found = self.pool.lookup(st.block_hashes[i], g)
-                    if found is not None and not self.pool.verify(
-                        found, self._parent(st, i), self._token_bytes(st, i), st.extras[i]
-                    ):
-                        found = None
-                    if found is None:
-                        found = self._pending_hit(st, i, plans)
-                probe[(i, g)] = found
-            return probe[(i, g)]
-
-        def has_block(i: int, g: int) -> bool:
-            return block_at(i, g) is not None
-
-        if st.skip_prefix_cache or not self.enable_caching:
-            hit = 0
-        else:
-            hit = max_hit
-            while True:
-                new_hit = hit
-                for g, policy in enumerate(self._policies):
-                    # (read lazily: full attention stops at its first miss)
-                    new_hit = policy.hit(_Available(functools.partial(has_block, g=g), new_hit))
-                if new_hit == hit:
-                    break
-                hit = new_hit
-        hits = []
-        for g, policy in enumerate(self._policies):
-            first_real = policy.first_real(hit)
-            hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
-        return self._plan_for_hit(st, hit, hits, budget_left)
-
-    def _plan_for_hit(self, st: _RequestState, hit: int, hits, budget_left: int | None = None) -> _Plan:
-        """The plan of admitting ``st`` with a hit of ``hit`` blocks (``hits``: per group, the blocks)."""
-        bs = self.block_size
-        new = new_tokens_at_admission(hit, len(st.tokens), st.chunk, bs, budget_left)
-        n_alloc = blocks_after_admission(hit, len(st.tokens), st.chunk, st.lookahead, bs, budget_left)
-        return _Plan(st, hit, hits, (n_alloc - hit) * self.num_groups, hit * bs + new)
-
-    def _pending_hit(self, st: _RequestState, i: int, plans: list[_Plan]):
-        """(plan index, i) for the first earlier request of the step that
-        computes a block with our digest at position ``i`` (one that did not
-        hit it: a window group may hit a position with the null block, so an
-        earlier request sharing the block need not hold it; and whose chunk
-        reaches past the block, so it caches it), if that block verifies
-        against ours; else None. As in vLLM, where each admission caches its
-        full computed blocks before the next request is looked up."""
-        digest = st.block_hashes[i]
-        bs = self.block_size
-        for j, plan in enumerate(plans):
-            other = plan.state
-            if (i < len(other.block_hashes) and other.block_hashes[i] == digest and plan.num_hit_blocks <= i
-                    and i < plan.num_computed_tokens // bs):
-                if (
-                    self._token_bytes(other, i) != self._token_bytes(st, i)
-                    or other.extras[i] != st.extras[i]
-                    or self._parent(other, i) != self._parent(st, i)
-                ):
-                    return None
-                return (j, i)
-        return None
-
-
-    def _count_lookup(self, plan: _Plan) -> None:
-        """The stats of one request's lookup (as the device's ``_count_lookups``)."""
-        st = plan.state
-        if st.skip_prefix_cache:
-            self.stats.record(num_tokens=0, num_hit_tokens=0, num_blocks=0, num_hit_blocks=0, preempted=st.preempted)
-            return
-        n_tok = len(st.tokens)
-        self.stats.record(num_tokens=n_tok, num_hit_tokens=plan.num_hit_blocks * self.block_size,
-                          num_blocks=self._num_blocks_for(n_tok), num_hit_blocks=plan.num_hit_blocks,
-                          preempted=st.preempted)
-
-    # ------------------------------------------------------------- changing
-    def _admit(self, plans: list[_Plan]) -> None:
-        for plan in plans:
-            self.pool.touch(b for g in plan.hits for b in g if isinstance(b, int))
-        for plan in plans:
-            st = plan.state
-            for g in range(self.num_groups):
-                resolved = []
-                for b in plan.hits[g]:
-                    if isinstance(b, tuple):
-                        j, pos = b
-                        b = plans[j].state.blocks[g][pos]
-                        self.pool.touch([b])
-                    resolved.append(b)
-                st.blocks[g] = resolved
-                st.num_cached_blocks[g] = plan.num_hit_blocks
-            for g in range(self.num_groups):
-                st.blocks[g].extend(self.pool.allocate(plan.num_new_blocks // self.num_groups))
-            st.num_computed_tokens = plan.num_computed_tokens
-            st.row = row = self._rows.take()
-            self._row_ids[row] = st.request_id
-            self._row_state[row] = st
-            self._row_tokens[row], self._row_computed[row] = len(st.tokens), st.num_computed_tokens
-            self._requests[st.request_id] = st
-        for plan in plans:
-            self._cache_full_blocks(plan.state)
-
-    def _release_skipped(self, st: _RequestState) -> None:
-        """Sliding-window groups give back the blocks no token computed from now
-        on can see (vLLM's ``remove_skipped_blocks``): freed tail first, one
-        free call per group, replaced by the null block. Done before the fit
-        check, as vLLM does; the blocks are useless to the request either way."""
-        for g, skip in enumerate(self._skipped_blocks(st)):
-            released = [b for b in st.blocks[g][:skip] if b != NULL_BLOCK]
-            if released:
-                self.pool.free(list(reversed(released)))
-                for i in range(skip):
-                    st.blocks[g][i] = NULL_BLOCK
-
-    def _run_all(self, states: Sequence[_RequestState], tokens: Sequence[list], chunks: Sequence[int | None],
-                 lookaheads: Sequence[int], filled: list[_RequestState] | None = None) -> int | None:
-        """Each running request in order (``states``) appends its ``tokens``
-        and gets blocks for the tokens it computes (``chunks``: None for all)
-        and its lookahead slots: the index of the first whose blocks do not
-        fit, it and the later ones left unchanged, or None when all fit.
-        ``filled`` gets the requests a block of whose filled up (known or
-        computed): the only ones with anything to hash or cache."""
-        bs = self.block_size
-        pool = self.pool
-        free = pool._free  # len(free) is pool.num_free_blocks
-        row_tokens, row_computed = self._row_tokens, self._row_computed
-        for k, (st, new_tokens, chunk, lookahead) in enumerate(zip(states, tokens, chunks, lookaheads, strict=True)):
-            known = st.tokens
-            num_before, computed_before = len(known), st.num_computed_tokens
-            num_tokens = num_before + len(new_tokens)
-            computed = num_tokens if chunk is None else computed_before + chunk
-            # Lookahead blocks from earlier steps are kept: a group never shrinks here.
-            n_total = max(-(-(computed + lookahead) // bs), len(st.blocks[0]))
-            need = 0
-            for blocks in st.blocks:
-                need += n_total - len(blocks)
-            if need > len(free):
-                return k
-            if isinstance(known, np.ndarray):  # a list from the first append on
-                known = st.tokens = known.tolist()
-            known.extend(new_tokens)
-            for blocks in st.blocks:
-                n = n_total - len(blocks)
-                if n:  # allocating none changes nothing
-                    blocks.extend(pool.allocate(n))
-            st.num_computed_tokens = computed
-            row_tokens[st.row], row_computed[st.row] = num_tokens, computed
-            if filled is not None and (num_tokens // bs > num_before // bs or computed // bs > computed_before // bs):
-                filled.append(st)
-        return None
-
-    def _cache_running(self, states: list[_RequestState]) -> None:
-        """Cache the blocks running requests filled, request by request; the
-        hashing is done first for all of them at once (it reads no pool state,
-        so doing it early changes nothing)."""
-        self._extend_hashes(states)
-        bs = self.block_size
-        for st in states:
-            # Every full block is hashed now, so only a group that has not
-            # cached all of them gives ``_cache_full_blocks`` anything to do.
-            num_full = st.num_computed_tokens // bs
-            for cached in st.num_cached_blocks:
-                if cached < num_full:
-                    self._cache_full_blocks(st)
-                    break
-
-    def _skipped_blocks(self, st: _RequestState) -> list[int]:
-        """Per group, how many leading blocks no token computed from now on can
-        see (vLLM: tokens before ``num_computed - window + 1``)."""
-        return [int(policy.skipped(st.num_computed_tokens)) for policy in self._policies]
-
-    def _cache_full_blocks(self, st: _RequestState) -> None:
-        if not self.enable_caching:
-            return
-        bs = self.block_size
-        num_full = st.num_computed_tokens // bs
-        if len(st.tokens) // bs <= len(st.block_hashes):  # nothing left to hash
-            for cached in st.num_cached_blocks:
-                if cached < num_full:
-                    break
-            else:  # and every group has cached its full blocks already
-                return
-        self._extend_hashes([st])
-        for g in range(self.num_groups):
-            for i in range(st.num_cached_blocks[g], num_full):
-                b = st.blocks[g][i]
-                if b == NULL_BLOCK or self.pool.cached_info(b) is not None:
-                    continue
-                self.pool.cache(b, CachedBlockInfo(
-                    st.block_hashes[i], g, self._parent(st, i), self._token_bytes(st, i), st.extras[i]
-                ))
-                if self._event_log is not None:
-                    self._event_log.append(BlockStored(
-                        [st.block_hashes[i]], st.block_hashes[i - 1] if i else None,
-                        [int(t) for t in st.tokens[i * bs:(i + 1) * bs]], bs, st.lora_id, g))
-            st.num_cached_blocks[g] = max(st.num_cached_blocks[g], num_full)
-
-    def _grow_rows(self, capacity: int) -> None:
-        for name in ("_row_state", "_row_tokens", "_row_computed"):
-            old = getattr(self, name)
-            grown = np.empty(capacity, dtype=object) if old.dtype == object else np.zeros(capacity, dtype=np.int64)
-            grown[: len(old)] = old
-            setattr(self, name, grown)
-
-    def _free_request(self, request_id: str) -> None:
-        st = self._requests.pop(request_id)
-        self._rows.give_back(st.row)
-        del self._row_ids[st.row]
-        self._row_state[st.row] = None
-        self._remember_digests(st)  # a preempted request comes back with the same prefix
-        for g in range(self.num_groups):
-            self.pool.free(list(reversed(st.blocks[g])))
 
 
 #: The name this class had before the two managers were told apart (kept for

@@ -154,6 +154,21 @@ class DeviceRows:
         for row in rows.tolist():
             self._allocator.give_back(row)
 
+    def check_against(self, pool, held_rows: dict[str, int]) -> None:
+        """Each block's reference count (``pool``, a ``DevicePool``; reads the
+        device) equals the number of block-table entries of the rows
+        ``held_rows`` names (request id -> row) that hold it, and no other row
+        is in use."""
+        held = np.zeros(pool.num_blocks, dtype=np.int64)
+        bt = self.block_table.cpu().numpy()
+        for row in held_rows.values():
+            for g in range(self.num_groups):
+                for b in bt[g, row, : int(self.num_held[row])]:
+                    if b:
+                        held[b] += 1
+        assert held[1:].tolist() == pool.ref_counts()[1:], "reference counts disagree with the block tables"
+        assert sorted(held_rows.values()) == sorted(np.flatnonzero(self.in_use).tolist()), "row leak"
+
     def _grow(self, capacity: int) -> None:
         if capacity <= self._capacity:
             return

@@ -30,3 +30,28 @@ def _program_order_from_env(request):
     order, seed = from_env(PROGRAM_ORDER)
     with program_order(order, seed):
         yield
+
+
+#: The suite's longest tests (seconds on this project's 2-core CI machine, from
+#: ``pytest --durations``), started first: pytest-xdist hands tests out in
+#: collection order, and one of these collected last kept a worker busy long
+#: after the other had run out of tests. Only the order changes. (tests/kernels/
+#: test_compile.py stays where it is: its module fixture costs a minute per worker.)
+LONGEST_FIRST = (
+    "tests/test_state_machine.py::test_fuzz_device_against_reference",  # 114 s, 73 s
+    "tests/test_replay.py::test_whole_mooncake_trace_hit_rate_with_512_token_blocks",  # 81 s
+    "tests/test_failstop.py::test_the_workload_launches_every_kernel_but_the_known_few",  # 61 s
+    "tests/test_vllm_chunked.py::test_random_chunked_sequences_match_vllm_on_the_device",  # 49 s
+    "tests/test_vllm/test_differential.py::test_same_scheduler_output_as_vllm_on_the_device_manager",  # 47 s, 22 s
+    "tests/test_manager.py::test_random_workloads_match_the_reference_step_by_step",  # 35 s
+    "tests/test_bench_scheduler.py::test_what_a_step_pays_does_not_grow_with_the_requests",  # 22 s
+    "tests/test_adversarial.py::test_no_false_hit_on_the_device",  # 22 s
+)
+
+
+def _rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: _rank(item.nodeid))  # stable: the rest keep their order

@@ -1,0 +1,330 @@
+"""The device manager's admission: a step's new requests (phases 3-5) in
+rounds, and the lookups that change nothing.
+
+One round: the new requests not admitted yet get candidate rows; the host
+plans their prompts (``gpukv.admission.plan_admission``: one upload into
+the bucket's fixed buffers, ``AdmissionBuffers``); the device writes the
+rows, hashes and looks the prompts up, and admits in order as vLLM's
+waiting loop does (``kernels/lookup.py``: the budget, the free blocks, a
+running update that did not fit), then takes the admitted requests' blocks.
+The round's status rides on the step's one read. When the device deferred
+(a request's hit would reuse a block an earlier admitted one just popped),
+vLLM looks the rest up after those pops: another round, one read more.
+
+Every launch of a bucket's parts is kept on its first round and replayed
+(``DeviceManager._replayed``), or replayed as a CUDA graph
+(``gpukv.graphs.AdmissionGraphs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpukv import hashing
+from gpukv.admission import AdmissionBuffers, plan_admission
+from gpukv.kernels import decode as decode_ops
+from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels import prefill as prefill_ops
+from gpukv.outputs import StepGather
+from gpukv.request import (
+    ComputedBlocks,
+    NewRequest,
+    StepResult,
+    apply_allocate_args,
+    check_computed_for,
+    normalize_computed,
+    stale_computed_blocks,
+)
+
+
+class Admission:
+    """The admission of one device manager (``manager``: its rows, pool,
+    requests, stats, reads, staging and the verbs shared with the decode),
+    with the per-bucket host plans and device buffers it reuses."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+        self.buffers: dict[tuple, AdmissionBuffers] = {}
+        self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
+
+    # ------------------------------------------------------------- rounds
+    def round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool, graphs=None,
+              lead: Sequence[torch.Tensor] = (), tail: StepGather | None = None) -> tuple[bool, list]:
+        """Admit the new requests after the ``result.num_admitted`` admitted
+        so far (all of them in the step's first round; after a deferral,
+        ``_admit_kernel``, the rest), with what the budget has left, in one
+        read that also carries ``lead`` (int64[1] tensors); ``result`` grows.
+        Returns whether it deferred again, and ``lead``'s values."""
+        m = self._m
+        done = result.num_admitted
+        rest = new[done:]
+        budget_left = None if token_budget is None else token_budget - sum(result.num_new_tokens)
+        rows = [m._rows.take() for _ in rest]
+        try:
+            status, hits, computed = self.admit(rest, rows, m._blocked, None if hit_caps is None else hit_caps[done:],
+                                                token_budget=budget_left, graphs=graphs)
+        except BaseException:
+            m._rows.give_back_unused(rows)  # no row leaks, whatever went wrong
+            raise
+        gathered = [] if tail is None else tail.parts((np.asarray(rows, dtype=np.int64), self.most_blocks(rest)),
+                                                      first=done)
+        host = m._reads.step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
+                                     computed.to(torch.int64), *gathered])
+        part = StepResult()
+        deferred = self.finish(rest, rows, host[len(lead):], part, count_stats)
+        if tail is not None:
+            adm = np.asarray(part.rows, dtype=np.int64)
+            tail.took(host[len(lead) + lookup_ops.NUM_STATUS + 2 * len(rest):], adm, m._rows.num_held[adm])
+        result.num_admitted += part.num_admitted
+        result.num_computed_tokens += part.num_computed_tokens
+        result.rows += part.rows
+        result.num_new_tokens += part.num_new_tokens
+        result.refused_hit_tokens = part.refused_hit_tokens
+        return deferred, host[: len(lead)]
+
+    def most_blocks(self, new: Sequence[NewRequest]) -> np.ndarray:
+        """The most block positions each new request can hold after its
+        admission (its whole prompt computed, and its lookahead)."""
+        bs = self._m.block_size
+        return np.fromiter((-(-(len(r.token_ids) + r.num_lookahead_tokens) // bs) for r in new), np.int64, len(new))
+
+    def finish(self, new, cand_rows: list[int], host: list, result: StepResult, count_stats: bool) -> bool:
+        """The admitted requests keep their rows; the others give theirs back.
+        Returns whether the admission deferred the rest (``ST_DEFERRED``)."""
+        m = self._m
+        K, S = len(new), lookup_ops.NUM_STATUS
+        stat, hits, comp = host[:S], host[S: S + K], host[S + K: S + 2 * K]
+        if count_stats:
+            self.count_lookups(new, hits)
+        admitted = int(stat[lookup_ops.ST_ADMITTED])
+        bs = m.block_size
+        result.num_admitted = admitted
+        if admitted < K and hits[admitted] >= 0:  # looked up, then refused
+            result.refused_hit_tokens = int(hits[admitted]) * bs
+        result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
+        result.num_new_tokens = [int(c) - int(h) * bs for c, h in zip(comp[:admitted], hits[:admitted], strict=True)]
+        result.rows = cand_rows[:admitted]
+        if admitted:
+            self._keep_rows(new[:admitted], result.rows, hits[:admitted], comp[:admitted])
+        m._rows.give_back_unused(cand_rows[admitted:])
+        return bool(stat[lookup_ops.ST_DEFERRED])
+
+    def _keep_rows(self, admitted: Sequence[NewRequest], rows: list[int], hits: list, comp: list) -> None:
+        """The host's mirror of the admitted requests' rows: their counts, the
+        window groups' null blocks before their hits, their ids."""
+        m = self._m
+        bs, rs = m.block_size, m._rows
+        adm = np.asarray(rows, dtype=np.int64)
+        h = np.asarray(hits, dtype=np.int64)
+        n = np.fromiter((len(r.token_ids) for r in admitted), np.int64, len(admitted))
+        lookahead = np.fromiter((r.num_lookahead_tokens for r in admitted), np.int64, len(admitted))
+        computed = np.asarray(comp, dtype=np.int64)  # the admission's (``_admit_kernel``)
+        rs.num_tokens[adm], rs.num_computed[adm] = n, computed
+        rs.num_held[adm] = -(-(computed + lookahead) // bs)
+        w = np.asarray(m._window_blocks, dtype=np.int64)
+        rs.null_until[adm] = np.where(w < 0, 0, np.maximum(0, h[:, None] - w))
+        for req, row in zip(admitted, rows, strict=True):
+            m._reqs[req.request_id] = row
+            m._row_ids[row] = req.request_id
+
+    def count_lookups(self, new, hits: list) -> None:
+        """Stats of the lookups the admission made: every request it looked
+        at (a hit >= 0; it stops after the first refused one)."""
+        m = self._m
+        bs = m.block_size
+        for req, h in zip(new, hits, strict=True):
+            if h < 0:
+                break
+            n = 0 if req.skip_prefix_cache else len(req.token_ids)
+            m._stats.record(num_tokens=n, num_hit_tokens=int(h) * bs, num_blocks=-(-n // bs), num_hit_blocks=int(h),
+                            preempted=req.num_preemptions > 0)
+
+    # ------------------------------------------------------------- lookups
+    def allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
+                     num_lookahead_tokens: int | None) -> list[list[int]] | None:
+        """``allocate_slots`` of a new request: admitted with the hit its
+        ``computed`` blocks give (still what a lookup finds now, else
+        refused), its new blocks per group, or None when they do not fit."""
+        m = self._m
+        (request,) = m._normalize((), (), [request], single=True, defer_admissible=True).new
+        computed = normalize_computed(computed, m._limits)
+        check_computed_for(request, computed, m._limits)
+        request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
+                                      num_lookahead_tokens, m._limits)
+        with m._counting():
+            cap = 0
+            if computed is not None:
+                # Checked before anything changes: the given hit must still be
+                # what a lookup capped at its length finds now (a longer hit
+                # would move a window group's null blocks).
+                cap = computed.num_tokens // m.block_size
+                now = self.lookup_only(request, count_stats=False, hit_cap=cap)
+                if now.num_tokens != computed.num_tokens or any(
+                        list(computed.block_ids[g]) != now.block_ids[g] for g in range(m.num_groups)):
+                    raise stale_computed_blocks()
+            # (the dry lookup above wrote only a free row and scratch buffers)
+            m._begin_changes()
+            res = m._step((), (), [request], count_stats=False, hit_caps=[cap])
+        if res.num_admitted == 0:
+            return None
+        got = res.num_computed_tokens[0]
+        return [g[got // m.block_size:] for g in m.get_block_ids(request.request_id)]
+
+    def lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
+        """The hit a step would give this request now (at most ``hit_cap``
+        blocks), changing no block."""
+        m = self._m
+        row = m._rows.take()
+        try:
+            blocked = torch.zeros(1, dtype=torch.int32, device=m.device)
+            caps = [0] if not m.enable_caching else None if hit_cap is None else [hit_cap]
+            _, hit, _, cache = self.admit([request], [row], blocked, caps, dry=True)
+            if isinstance(request.token_ids, torch.Tensor):  # checked on the device: the verdict rides with the hit
+                bad = self.device_tokens_bad([request.token_ids])
+                n, errors = m._read(torch.cat([hit.to(torch.int64), bad]))
+                m._reads.check_errors(errors, "request.token_ids")  # before any change: a refusal
+            else:
+                n = int(m._read(hit)[0])
+            if count_stats:
+                m._begin_changes()  # get_computed_blocks' point of first change
+                self.count_lookups([request], [n])
+            blocks = m._read(cache[0, :n].T) if n else [[] for _ in range(m.num_groups)]
+        finally:
+            m._rows.give_back_unused([row])
+        for g, w in enumerate(m._window_blocks):
+            if w >= 0:  # a window group holds the null block before its last W hit positions
+                blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
+        return ComputedBlocks(blocks, n * m.block_size)
+
+    def device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token
+        tensors (``step()``'s and lookups' tokens on the device, which the
+        host never reads) is outside ``[0, 2**32)``, else 0. A step ORs it
+        into the free queue's sticky error word, which its read raises; a
+        lookup reads it with the hit. A few torch operations per tensor, only
+        on this path (the batched decode checks in its kernel)."""
+        bad = torch.zeros(1, dtype=torch.int64, device=self._m.device)
+        for t in tensors:
+            out = (t < 0).any() if t.dtype == torch.int32 else (torch.bitwise_right_shift(t, 32) != 0).any()
+            bad.bitwise_or_(out.to(torch.int64) * decode_ops.ERR_BAD_TOKEN)
+        return bad
+
+    # ------------------------------------------------------------ launches
+    def admit(self, new, rows, blocked, hit_caps=None, dry: bool = False, token_budget: int | None = None,
+              graphs=None):
+        """Phases 3-5 of a step: the new requests into ``rows``, their
+        digests, lookups and admission, then (unless ``dry``) their blocks.
+        Planned on the host from the requests' lengths and uploaded once;
+        every entry after that is derived on the device
+        (``gpukv.kernels.prefill``), by launches prepared once per bucket and
+        replayed. Returns the admission's status, the hits (int32[K]) and the
+        tokens each request has computed after the step (int32[K]; and with
+        ``dry`` the cached hits, int32[KP, P, G])."""
+        m = self._m
+        plan = plan_admission(new, rows, m.block_size, hit_caps, self.plans, token_budget)
+        bufs = self.buffers.get(plan.bucket)
+        if bufs is None:
+            bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, m.num_groups, m.device)
+        m._staging.upload(plan.packed, out=bufs.plan)
+        if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``lookup_only``)
+            errors = m.pool.free_queue.counter("error")
+            errors.bitwise_or_(self.device_tokens_bad([t for _, t in plan.device_tokens]))
+        for off, t in plan.device_tokens:
+            bufs.views["tokens"][off: off + t.numel()].copy_(t)  # int64 ids wrap to their uint32 bits
+
+        def write_rows() -> None:
+            prefill_ops.write_rows(bufs.views, tokens=m._rows.tokens, extras=m._rows.extras)
+
+        if dry:  # (a lookup only: not worth a graph)
+            graphs = None
+        self._part(plan.bucket, bufs, "rows", write_rows, graphs)
+        self.write_extra_keys(new, rows)  # (host work, only for requests with extra keys)
+        if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
+            self._find_and_admit(bufs, blocked)
+            return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)], bufs.cache
+
+        def admit_and_take() -> None:
+            self._find_and_admit(bufs, blocked)
+            self._take_admitted_blocks(bufs)
+
+        self._part(plan.bucket, bufs, "admit", admit_and_take, graphs)
+        m._rebuild_if_due(plan.max_new_blocks * m.num_groups)
+        m._events.expect(bufs.alloc.shape[1] + bufs.record.shape[1])
+        return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
+
+    def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
+        """One fixed part of the admission's launches: a CUDA graph replay
+        (``graphs``: ``gpukv.graphs.AdmissionGraphs``; not with KV-cache
+        events), else its kept launches replayed (``_replayed``)."""
+        m = self._m
+        if graphs is not None and m._events.log is None:
+            graphs.run((bucket, part), launch)
+        else:
+            m._replayed(bufs.prepared, part, launch)
+
+    def _find_and_admit(self, bufs: AdmissionBuffers, blocked) -> None:
+        """The prompts' digests, their verified cached blocks, the chains of
+        the step's requests sharing a block, and the sequential admission."""
+        m = self._m
+        v, pool, bs = bufs.views, m.pool, m.block_size
+        m._hash_launch(v["rows"], bufs.zeros, v["nfull"])
+        rows = m._rows
+        shared = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras, root=m._root_lanes)
+        prefill_ops.lookup(v, bufs.cache, table=pool.table, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
+                           blk_extra=pool.blk_extra, **shared)
+        prefill_ops.chains(v, bufs.head, bufs.next, bufs.same, block_size=bs, **shared)
+        lookup_ops.admit(bufs.cache, None, v["max_hit"], v["nblocks"], v["ntok"], v["skip"], ref_cnt=pool.ref_cnt,
+                         touched=pool.touched, stamp=pool.stamp, num_free=pool.free_count, blocked=blocked,
+                         block_size=bs, hit_out=bufs.hit, status=bufs.status, window_blocks=m._win_dev,
+                         chains=(bufs.head, bufs.next, bufs.same), resolved=bufs.resolved, start=bufs.start,
+                         compute=v["comp"], lookahead=v["lookahead"], num_requests=v["num_requests"],
+                         token_budget=v["token_budget"], free_queue=pool.free_queue)
+
+    def _take_admitted_blocks(self, bufs: AdmissionBuffers) -> None:
+        """The admitted requests' blocks: first touches of their cached hits,
+        their new blocks, their hits into their block tables (a pending hit
+        takes a reference to the block an earlier request just got), and the
+        full blocks of their chunks cached, each in (request, group,
+        position) order."""
+        m = self._m
+        pool, table = m.pool, m._rows.block_table
+        prefill_ops.admission_entries(bufs.views, bufs.status, bufs.hit, bufs.start, bufs.cache, m._win_dev,
+                                      bufs.touch, bufs.alloc, bufs.record, block_size=m.block_size)
+        pool.touch(bufs.cache.view(-1), bufs.touch)
+        grp, row, pos, want, rank = bufs.alloc
+        count = bufs.status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
+        pool.allocate(count, want, grp, row, pos, block_table=table, rank=rank, popped=bufs.popped,
+                      on_popped=m._events.popped_hook())
+        prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, m._win_dev,
+                               bufs.hit_blocks, bufs.pending, block_table=table)
+        pool.touch(bufs.hit_blocks, bufs.pending)
+        m._cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
+
+    def write_extra_keys(self, new: Sequence[NewRequest], rows: list[int]) -> None:
+        """The extra-key digests of new requests that have extra keys (their
+        rows were zeroed by the admission's first launch): their prompt
+        blocks' (LoRA, multimodal items, salt) and, for every later block, the
+        LoRA-only digest (later tokens carry no multimodal item or salt), so
+        running steps and decodes never compute extra keys."""
+        m = self._m
+        up = m._staging.upload
+        if m._events.log is not None:  # the LoRA id each row's stored blocks report
+            lora = [(0, 0) if r.lora_id is None else (1, r.lora_id - 2**64 if r.lora_id >= 2**63 else r.lora_id)
+                    for r in new]
+            m._rows.lora[up(np.asarray(rows, dtype=np.int64))] = up(np.array(lora, dtype=np.int64).reshape(-1, 2))
+        bs, key = m.block_size, m._key
+        for r, row in zip(new, rows, strict=True):
+            if r.lora_id is None and not r.mm_items and r.cache_salt is None:
+                continue
+            nb = -(-len(r.token_ids) // bs)
+            ds = hashing.extra_key_digests(key, nb, bs, lora_id=r.lora_id, mm_items=r.mm_items,
+                                           cache_salt=r.cache_salt)
+            extras = m._rows.extras
+            extras[row, :nb] = up(np.asarray(hashing.digests_to_lanes(ds).view(np.int64), dtype=np.int64))
+            if r.lora_id is not None and nb < m._rows.max_blocks:
+                (later,) = hashing.extra_key_digests(key, 1, bs, lora_id=r.lora_id, first_block=max(nb, 1))
+                extras[row, nb:] = up(np.asarray(hashing.digests_to_lanes([later]).view(np.int64), dtype=np.int64))

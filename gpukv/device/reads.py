@@ -1,0 +1,134 @@
+"""The device manager's reads: every call that waits on the device.
+
+Each goes through ``DeviceManager._read`` (one counted device-to-host copy
+on the manager's stream, the one place a GPU's asynchronous errors surface),
+and takes the events drained so far along when it is a step's read, so a
+step reads the device at most once. What a read brings that the host must
+act on (the free queue's sticky error word) is raised here
+(``check_queue_errors``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpukv import hashing
+from gpukv.errors import InvalidInputError
+from gpukv.kernels import decode as decode_ops
+from gpukv.request import common_prefix_length
+
+
+def check_queue_errors(queue_errors: int, tokens_argument: str = "token_ids") -> None:
+    """Raise when the free queue's sticky error word (as a read brought it)
+    is set: ``ERR_BAD_TOKEN`` (token ids on the device out of range; an input
+    error, but found after the step changed state, so a fault) or a kernel's
+    broken contract."""
+    if queue_errors & decode_ops.ERR_BAD_TOKEN:
+        raise InvalidInputError(
+            "token ids handed over on the device were outside [0, 2**32) (negative, or past uint32), in this "
+            "step or an earlier one that read nothing; a step's read finds them only after the step changed "
+            "state, so the manager stops (no call returned a hit on them)", argument=tokens_argument,
+            fix="hand over only ids in [0, 2**32) (check the sampler's output, e.g. no -1 placeholders)")
+    if queue_errors:
+        raise RuntimeError(f"free-queue error flags {queue_errors:#x} set on the device: a kernel broke the "
+                           "queue's contract (a bug; the manager stops)")
+
+
+class DeviceReads:
+    """The reads of one device manager (``manager``: its ``_read``, pool,
+    rows, events and staging), on rows and arguments it has checked."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+
+    check_errors = staticmethod(check_queue_errors)
+
+    # ------------------------------------------------------------ the pool
+    def num_free_blocks(self) -> int:
+        """Free blocks now."""
+        return int(self._m._read(self._m.pool.free_count)[0])
+
+    def num_evictions(self) -> int:
+        """Cached blocks evicted so far."""
+        return int(self._m._read(self._m.pool.evictions)[0])
+
+    # ------------------------------------------------------------ requests
+    def block_ids(self, row: int) -> list[list[int]]:
+        """The row's block ids per group, position by position."""
+        rows = self._m._rows
+        return self._m._read(rows.block_table[:, row, : int(rows.num_held[row])])
+
+    def block_ids_at(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, group: int) -> list[list[int]]:
+        """Group ``group``'s block ids of each row at positions ``[start,
+        start + count)``, in one read (a gather planned on the host; none
+        when every span is empty)."""
+        if not counts.sum():
+            return [[] for _ in range(len(rows))]
+        at = np.repeat(rows, counts)
+        pos = np.repeat(starts, counts) + np.arange(len(at)) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows_t, pos_t = upload_packed(self._m._staging, at, pos)
+        ids = self._m._read(self._m._rows.block_table[group, rows_t.long(), pos_t.long()])
+        ends = np.cumsum(counts).tolist()
+        return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
+
+    def common_prefix_blocks(self, row: int, count: int, windows: list) -> list[int]:
+        """Per group, the leading blocks of the row whose reference count is
+        ``count`` (up to the first that is not); 0 for a window group."""
+        m = self._m
+        n = int(m._rows.num_held[row])
+        refs = m._read(m.pool.ref_cnt[m._rows.block_table[:, row, :n].long()])
+        return [0 if w is not None else common_prefix_length(r, count) for w, r in zip(windows, refs, strict=True)]
+
+    def block_hashes(self, row: int, block_size: int) -> list[bytes]:
+        """The digests of the row's full known blocks."""
+        rows = self._m._rows
+        n = int(rows.num_tokens[row]) // block_size
+        lanes = np.array(self._m._read(rows.digests[row, :n]), dtype=np.int64)
+        return hashing.lanes_to_digests(lanes.reshape(-1, 2))
+
+    # -------------------------------------------------------------- steps
+    def step_status(self, parts: list) -> list:
+        """Read a step's status ``parts`` (int64), the free count and the free
+        queue's sticky error word in one read (with the events drained so
+        far); raises when the error word is set, and sets the host's lower
+        bound of free blocks. Returns the parts' values."""
+        m = self._m
+        fq = m.pool.free_queue
+        parts = parts + [fq.counter("num_free"), fq.counter("error")]
+        main = sum(t.numel() for t in parts)
+        events = m._events.drain_parts()  # the events ride on the step's one read
+        host = m._read(torch.cat(parts + events))
+        if events:
+            m._events.drained(host[main:])
+        check_queue_errors(host[main - 1])
+        m._free_lower_bound = host[main - 2]
+        return host[: main - 2]
+
+    def status_and_events(self, status: torch.Tensor) -> list:
+        """A decode's status, read with the events drained so far."""
+        m = self._m
+        parts = m._events.drain_parts()
+        host = m._read(torch.cat([status, *parts]) if parts else status)
+        if parts:
+            m._events.drained(host[status.numel():])
+        return host
+
+    def events(self) -> None:
+        """The events written since the last drain, in one read of their own."""
+        m = self._m
+        m._events.drained(m._read(torch.cat(m._events.drain_parts())))
+
+
+def upload_packed(staging, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Int32 host arrays on the device in one upload: their views, each
+    starting 32-byte aligned (Triton specialises pointers on it)."""
+    sizes = [len(a) for a in arrays]
+    starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])])
+    packed = np.zeros(int(starts[-1]), dtype=np.int32)
+    for a, o, n in zip(arrays, starts.tolist(), sizes, strict=False):  # starts has one more
+        packed[o: o + n] = a
+    dev = staging.upload(packed)
+    return [dev[o: o + n] for o, n in zip(starts.tolist(), sizes, strict=False)]

@@ -1,0 +1,89 @@
+"""The device manager's releases: finished requests' blocks given back
+(vLLM's ``free``: tail first, group by group), in one upload and three kept
+launches per size bucket.
+
+The host lays the entries out from its own block counts (``entry_layout``)
+into fixed buffers of a bucket (entries padded to a power of two from 16,
+the padding masked off); the first release of a bucket runs the pool's
+``release`` and keeps its launches, later ones replay them: a free launched
+anew went through Triton's whole launch path three times, and its
+launchers' checks, every step that finished a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpukv.kernels._common import pow2_at_least
+from gpukv.rows import entry_layout
+
+
+@dataclass
+class ReleaseBuffers:
+    """Fixed device buffers of one release bucket: the uploaded entries
+    (int32[5, EP]: group, row, position, call, valid), the kernels' scratch,
+    and the kept launches."""
+
+    plan: torch.Tensor
+    scratch: torch.Tensor
+    workspace: torch.Tensor
+    prepared: dict = field(default_factory=dict)  # "release" -> (rows generation, replayable launches)
+
+    @classmethod
+    def create(cls, EP: int, device: torch.device) -> ReleaseBuffers:
+        return cls(plan=torch.zeros(5 * EP, dtype=torch.int32, device=device),
+                   scratch=torch.zeros((2, EP), dtype=torch.int32, device=device),
+                   workspace=torch.zeros(EP, dtype=torch.int64, device=device))
+
+
+class Releases:
+    """The releases of one device manager (``manager``: its requests, rows,
+    pool, staging and kept-launch replay), with the buffers of each bucket
+    (``buffers``, by padded entry count)."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+        self.buffers: dict[int, ReleaseBuffers] = {}
+
+    def requests(self, request_ids: Sequence[str]) -> None:
+        """Free whole requests: one free call per request and group, tail first; forget them."""
+        m = self._m
+        rows = np.array([m._reqs.pop(rid) for rid in request_ids], dtype=np.int64)
+        G = m.num_groups
+        nb = m._rows.num_held[rows]
+        idx, grp, ps, call = entry_layout(np.zeros((len(rows), G), dtype=np.int64), np.repeat(nb[:, None], G, 1),
+                                          reverse=True)
+        if len(idx):
+            self.entries(rows[idx], grp, ps, call)
+        for row in rows.tolist():
+            del m._row_ids[row]
+        m._rows.release(rows)
+
+    def entries(self, rows, grp, pos, call) -> None:
+        """Release the blocks at these block-table entries (``call``: the
+        free call each belongs to, never decreasing): one upload into the
+        bucket's buffers, its launches kept or replayed."""
+        m = self._m
+        E = len(grp)
+        EP = pow2_at_least(max(E, 16))
+        bufs = self.buffers.get(EP)
+        if bufs is None:
+            bufs = self.buffers[EP] = ReleaseBuffers.create(EP, m.device)
+        host = m._staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
+        host[:4, :E] = (grp, rows, pos, call)
+        host[4, :E] = 1
+        if E < EP:  # padding: no entry, and a call of its own after the last (calls never decrease)
+            host[3, E:] = int(call[-1]) + 1
+            host[4, E:] = 0
+        m._staging.upload_host(("release", EP), bufs.plan)
+        m._replayed(bufs.prepared, "release", lambda: self._launch(bufs))
+
+    def _launch(self, bufs: ReleaseBuffers) -> None:
+        grp, row, pos, call, valid = bufs.plan.view(5, -1)
+        self._m.pool.release(self._m._rows.block_table, grp, row, pos, call, valid=valid, scratch=bufs.scratch,
+                             workspace=bufs.workspace)

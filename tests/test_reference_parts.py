@@ -1,0 +1,60 @@
+"""``gpukv.reference_parts``: the reference's digests and rows on their own."""
+
+import numpy as np
+
+from gpukv import hashing
+from gpukv.reference_parts.digests import Digests
+from gpukv.reference_parts.rows import ReferenceRows
+from gpukv.request import NewRequest
+
+KEY = bytes(range(16))
+
+
+def _new(rid, tokens):
+    return NewRequest(rid, np.asarray(tokens, dtype=np.int64))
+
+
+def test_digests_chain_full_blocks_from_the_root():
+    d = Digests(KEY, 2, 1, memo_limit=100)
+    st = d.new_state(_new("a", [1, 2, 3, 4, 5]))
+    d.extend([st])
+    assert len(st.block_hashes) == 2 and st.extras == [hashing.NO_EXTRA] * 2
+    assert d.parent(st, 0) == hashing.root_digest(KEY) and d.parent(st, 1) == st.block_hashes[0]
+    assert d.token_bytes(st, 1) == np.array([3, 4], dtype="<u4").tobytes()
+    other = d.new_state(_new("b", [1, 2, 3, 4]))
+    d.extend([other])
+    assert other.block_hashes == st.block_hashes  # same tokens, same chain
+
+
+def test_remembered_digests_come_back_only_for_the_same_tokens():
+    d = Digests(KEY, 2, 1, memo_limit=100)
+    st = d.new_state(_new("a", [1, 2, 3, 4]))
+    d.extend([st])
+    d.remember(st)
+    again = d.new_state(_new("a", [1, 2, 3, 4, 9]))
+    assert again.block_hashes == st.block_hashes and again.block_hashes is not st.block_hashes
+    d.remember(st)
+    changed = d.new_state(_new("a", [1, 2, 7, 4]))
+    assert changed.block_hashes == []  # recalled entry dropped: the tokens differ
+
+
+def test_the_memo_drops_the_oldest_past_its_limit():
+    d = Digests(KEY, 2, 1, memo_limit=3)
+    for rid in ("a", "b"):
+        st = d.new_state(_new(rid, [1, 2, 3, 4]))
+        d.extend([st])
+        d.remember(st)
+    assert d.new_state(_new("a", [1, 2, 3, 4])).block_hashes == []  # 4 digests > 3: "a" went first
+    assert len(d.new_state(_new("b", [1, 2, 3, 4])).block_hashes) == 2
+
+
+def test_rows_are_handed_out_in_order_and_grow():
+    d = Digests(KEY, 2, 1, memo_limit=10)
+    rows = ReferenceRows(1)
+    a, b = d.new_state(_new("a", [1, 2, 3])), d.new_state(_new("b", [4]))
+    assert (rows.take(a), rows.take(b)) == (0, 1)
+    assert len(rows.state) >= 2 and rows.num_tokens[:2].tolist() == [3, 1]
+    assert rows.ids == {0: "a", 1: "b"} and rows.in_use[:2].tolist() == [True, True]
+    rows.check([a, b])
+    rows.give_back(a)
+    assert rows.ids == {1: "b"} and rows.state[0] is None and not rows.in_use[0]
