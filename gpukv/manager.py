@@ -50,16 +50,12 @@ Without CUDA there are no streams and nothing is done. The decode's parts
 """
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from gpukv import _runtime, hashing
-from gpukv.api import manager_args_from_config
 from gpukv.device.admission import Admission
 from gpukv.device.calls import CallContext
 from gpukv.device.decode import (
@@ -67,18 +63,16 @@ from gpukv.device.decode import (
     DecodeBuffers,
     DecodePath,
     DecodePlan,
-    RunningPhase,
 )
 from gpukv.device.events import DeviceEvents
+from gpukv.device.launches import SharedLaunches
 from gpukv.device.reads import DeviceReads
 from gpukv.device.releases import ReleaseBuffers, Releases
-from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import KVEventBatch
-from gpukv.failstop import FailStop, mutating, reading
-from gpukv.kernels import _common
+from gpukv.failstop import mutating, reading
 from gpukv.kernels._common import pow2_at_least
-from gpukv.kernels.block_hash import hash_rows, hash_rows_host, key_lanes
+from gpukv.kernels.block_hash import key_lanes
 from gpukv.metrics import PrefixCacheStats
 from gpukv.outputs import OutputGather, step_gather, take_step_outputs
 from gpukv.pool import DevicePool
@@ -103,29 +97,19 @@ from gpukv.request import (
     check_token_budget,
     normalize_device,
     normalize_step,
-    normalize_token_ids,
     normalize_windows,
     request_id_type_error,
     resolve_key,
     unknown_request,
 )
 from gpukv.rows import DeviceRows, entry_layout  # (entry_layout: imported from here by older code)
-from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
+from gpukv.running import RunningBatch
+from gpukv.shared_api import SharedManagerAPI
 from gpukv.staging import Staging, StepCounters
 from gpukv.windows import policies
 
 __all__ = ["DECODE_PHASES", "KV_EVENTS_CAPACITY", "DecodeBuffers", "DecodePlan", "DeviceManager",
            "KVCacheManager", "ReleaseBuffers", "device_bytes", "entry_layout"]
-
-# Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
-# kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
-# digests come from the same function on the host (the ``blake3`` package),
-# held bit-identical to the kernel by tests/kernels/test_block_hash.py.
-# GPUKV_HASH_KERNEL=1 forces the kernel (the compile and fault tests launch it).
-# (Read at each launch from this module: tests and ``kernels/_aot.py`` swap it.)
-_hash_rows = (hash_rows_host if _runtime.INTERPRETED and os.environ.get("GPUKV_HASH_KERNEL") != "1"
-              else hash_rows)
-
 
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -165,11 +149,6 @@ def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_nu
     return num_blocks, block_size, windows, max_model_len, max_num_reqs, dev, key
 
 
-def _warn_waiting_property(name: str) -> None:
-    warnings.warn(f"DeviceManager.{name} waits for the GPU (a device read hidden in an attribute); call "
-                  f"read_{name}() instead", DeprecationWarning, stacklevel=3)
-
-
 #: KV-cache events the device buffer holds between two reads (more are
 #: dropped and reported): about 9 MB with 16-token blocks.
 KV_EVENTS_CAPACITY = 65_536
@@ -179,7 +158,7 @@ KV_EVENTS_CAPACITY = 65_536
 _NO_OUTPUTS = StepOutputs()
 
 
-class DeviceManager(CallContext, FailStop):
+class DeviceManager(CallContext, SharedManagerAPI):
     """Device-resident manager with the reference's API (``gpukv.reference``),
     plus the batched ``decode(rows, new_token_ids)`` entry for serving loops:
     the request-level API over the parts the module docstring names.
@@ -188,6 +167,8 @@ class DeviceManager(CallContext, FailStop):
     another stream is current waits for that stream's work, runs on the
     manager's stream, and makes the caller's stream wait for its work (the
     module docstring, "Streams")."""
+
+    _PROPERTIES_WAIT = True  # (``num_free_blocks``, ``num_evictions``, ``usage``: deprecated here)
 
     def __init__(
         self,
@@ -206,6 +187,7 @@ class DeviceManager(CallContext, FailStop):
         num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key = _checked_args(
             num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key)
         self.device = device
+        self._batch_device = device  # a RunningBatch's tokens may be a tensor on it
         # The stream every call runs on (module docstring, "Streams"); None without CUDA.
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.block_size = block_size
@@ -254,19 +236,7 @@ class DeviceManager(CallContext, FailStop):
         self._admission = Admission(self)
         self._releases = Releases(self)
         self._gather = OutputGather(self)  # what a step hands back (``gpukv.outputs``)
-
-    # The parts' buffers, by the names tests and tools read them under.
-    @property
-    def _decode_bufs(self) -> dict[tuple, DecodeBuffers]:
-        return self._decode.buffers
-
-    @property
-    def _admission_bufs(self) -> dict:
-        return self._admission.buffers
-
-    @property
-    def _release_bufs(self) -> dict[int, ReleaseBuffers]:
-        return self._releases.buffers
+        self._launches = SharedLaunches(self)  # what more than one part launches
 
     @property
     def rows_generation(self) -> int:
@@ -274,52 +244,9 @@ class DeviceManager(CallContext, FailStop):
         prepared launches hold the old ones)."""
         return self._rows.generation
 
-    @classmethod
-    def from_config(cls, config, **kwargs) -> DeviceManager:
-        """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
-        one group per config group, ``kwargs`` as the constructor's."""
-        num_blocks, block_size, windows = manager_args_from_config(config)
-        return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
-
     def __repr__(self) -> str:  # never show the key
         return (f"DeviceManager(device={self.device}, num_blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, groups={self.sliding_windows})")
-
-    # ------------------------------------------------------------ properties
-    @property
-    def hash_key(self) -> bytes:
-        """The 16-byte key of the block hash (never printed by ``repr``)."""
-        return self._key
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool, the null block 0 included."""
-        return self.pool.num_blocks
-
-    @property
-    def limits(self) -> ManagerLimits:
-        """What every call is checked against (block size, pool size, windows,
-        ``max_model_len``): ``gpukv.request.min_blocks_to_admit(n, m.limits,
-        can_hit)`` is the bound past which a new request is refused up front."""
-        return self._limits
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Deprecated here (it waits for the GPU): ``read_num_free_blocks()``."""
-        _warn_waiting_property("num_free_blocks")
-        return self.read_num_free_blocks()
-
-    @property
-    def num_evictions(self) -> int:
-        """Deprecated here (it waits for the GPU): ``read_num_evictions()``."""
-        _warn_waiting_property("num_evictions")
-        return self.read_num_evictions()
-
-    @property
-    def usage(self) -> float:
-        """Deprecated here (it waits for the GPU): ``read_usage()``."""
-        _warn_waiting_property("usage")
-        return self.read_usage()
 
     # ----------------------------------------------------------------- reads
     # (``gpukv.device.reads``: each waits on the device.)
@@ -332,12 +259,6 @@ class DeviceManager(CallContext, FailStop):
     def read_num_evictions(self) -> int:
         """Cached blocks evicted so far; reads the device (waits for the GPU)."""
         return self._reads.num_evictions()
-
-    @reading
-    def read_usage(self) -> float:
-        """Fraction of the pool (null block excluded) that is referenced, as
-        vLLM's ``KVCacheManager.usage``; reads the device (waits for the GPU)."""
-        return 1.0 - self.read_num_free_blocks() / (self.num_blocks - 1)
 
     @reading
     def free_queue(self) -> list[int]:
@@ -416,13 +337,6 @@ class DeviceManager(CallContext, FailStop):
         return int(self._rows.num_held[self._state(request_id)])
 
     @reading
-    def row_token_counts(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
-        """The known and the computed tokens of the requests at ``rows``
-        (host ints, each a running request's), as int64 arrays; host only."""
-        rows_np = normalize_rows(rows, self._rows.in_use, distinct=False)
-        return self._rows.num_tokens[rows_np], self._rows.num_computed[rows_np]
-
-    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included (host only)."""
         return int(self._rows.num_computed[self._state(request_id)])
@@ -471,36 +385,18 @@ class DeviceManager(CallContext, FailStop):
         with self._counting():  # (the point of first change is in the lookup: counting it in the stats)
             return self._admission.lookup_only(request, count_stats=True)
 
-    @mutating
-    def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
-                       computed: ComputedBlocks | None = None, num_tokens: int | None = None,
-                       num_lookahead_tokens: int | None = None) -> list[list[int]] | None:
-        """vLLM's ``allocate_slots(request, num_tokens, new_computed_blocks,
-        num_lookahead_tokens)``, with the reference's arguments and results
-        (``gpukv.reference.ReferenceManager.allocate_slots``); reads the device
-        (the step's status, then the new block ids)."""
-        if isinstance(request, NewRequest):
-            if len(normalize_token_ids(new_token_ids, "new_token_ids")):
-                raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
-                                        argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
-            return self._admission.allocate_new(request, computed, num_tokens, num_lookahead_tokens)
-        if not isinstance(request, str):
-            raise InvalidTypeError(f"must be a NewRequest or a running request's id (str), got "
-                                   f"{type(request).__name__}", argument="request",
-                                   fix="pass a NewRequest to admit, or the id of a running request")
-        if computed is not None:
-            raise InvalidInputError("computed blocks are for new requests only", argument="computed",
-                                    fix="pass computed=None with a running request's id")
-        lookahead = 0 if num_lookahead_tokens is None else num_lookahead_tokens  # (checked next, not truth-tested)
-        update = RunningUpdate(request, new_token_ids, num_tokens, lookahead)
-        (update,) = self._normalize((), [update], (), single=True).running
-        before = int(self._rows.num_held[self._state(request)])
+    def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
+                      num_lookahead_tokens: int | None) -> list[list[int]] | None:
+        return self._admission.allocate_new(request, computed, num_tokens, num_lookahead_tokens)
+
+    def _allocate_running(self, update: RunningUpdate) -> list[list[int]] | None:
+        before = int(self._rows.num_held[self._state(update.request_id)])
         self._begin_changes()
         with self._counting():
             res = self._step((), [update], ())
         if not res.ok:
             return None
-        return [g[before:] for g in self.get_block_ids(request)]
+        return [g[before:] for g in self.get_block_ids(update.request_id)]
 
     @mutating
     def free(self, request_id: str) -> None:
@@ -617,7 +513,7 @@ class DeviceManager(CallContext, FailStop):
         step (none when nothing is unknown), one more per admission round
         after a deferral."""
         if finished:  # phase 1
-            self._release_requests(finished)
+            self._releases.requests(finished)
         run = self._decode.run_phase(running)  # phase 2
         lead = [run.n_ok] if run is not None and run.n_ok is not None else []  # (rides on the step's read)
         if not self.enable_caching:
@@ -633,25 +529,12 @@ class DeviceManager(CallContext, FailStop):
             if tail is not None:
                 tail.took(host[len(lead):])
         if run is not None:
-            self._finish_running(run, result, int(host[0]) if lead and host is not None else None)
+            self._decode.finish_phase(run, result, int(host[0]) if lead and host is not None else None)
         while new and deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
             deferred, _ = self._admission.round(new, result, hit_caps, token_budget, count_stats, graphs, (), tail)
         if tail is not None:
             take_step_outputs(self, result, run, outputs, tail)
         return result
-
-    def _release_requests(self, request_ids: Sequence[str]) -> None:
-        """Phase 1: free whole requests (``gpukv.device.releases``)."""
-        self._releases.requests(request_ids)
-
-    def _finish_running(self, run: RunningPhase, result: StepResult, n_ok: int | None) -> None:
-        """Phase 2's mirror, once the step's read said how many fit (None:
-        no read, every update fit, and the bound drops by what they took)."""
-        if n_ok is None:
-            n_ok = run.size
-            self._free_lower_bound -= run.total
-        self._decode.finish_running(run.plan, n_ok)
-        result.running_failed_at = None if n_ok == run.size else n_ok
 
     # ------------------------------------------------------------- checking
     def _state(self, request_id: str) -> int:
@@ -671,78 +554,8 @@ class DeviceManager(CallContext, FailStop):
                               num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]), single=single,
                               defer_admissible=defer_admissible)
 
-    def _normalize_step(self, finished, running, new) -> tuple[Step, RunningRows | None]:
-        """``step()``'s arguments checked; a ``RunningBatch`` apart."""
-        if not isinstance(running, RunningBatch):
-            return self._normalize(finished, running, new), None
-        step = self._normalize(finished, (), new)
-        return step, self._normalize_running(running, [self._reqs[rid] for rid in step.finished])
+    _row_of = _state  # (``SharedManagerAPI``'s hook: this manager's state of a request is its row)
 
-    def _normalize_running(self, batch: Any, finished_rows: Sequence[int] = ()) -> RunningRows:
-        """A ``RunningBatch`` checked (``gpukv.running.normalize_running``);
-        ``finished_rows``: rows the same step frees first (not running then)."""
-        rows = self._rows
-        in_use = rows.in_use
-        if finished_rows:
-            in_use = in_use.copy()
-            in_use[list(finished_rows)] = False
-        return normalize_running(batch, in_use, rows.num_tokens.__getitem__, rows.num_computed.__getitem__,
-                                 self._limits, self.device)
-
-    # ---------------------------------------------- what every part shares
-    # (with ``_read``, the stream ordering and the accounting: ``gpukv.device.calls``)
-    def _replayed(self, prepared: dict, part: str, launch) -> None:
-        """Run ``launch`` (a fixed sequence of launches on fixed buffers) the
-        first time, keeping its launches in ``prepared[part]``; later, replay
-        them, skipping the launchers' Python (the plan/run split). Not with
-        KV-cache events (their launches are not all Triton's), and anew once
-        the row tensors were reallocated."""
-        if self._events.log is not None:
-            launch()
-            return
-        kept = prepared.get(part)
-        generation = self._rows.generation
-        if kept is not None and kept[0] == generation:
-            _common.run_prepared(kept[1])
-            return
-        with _common.preparing() as launches:
-            launch()
-        prepared[part] = (generation, launches)
-
-    def _hash_launch(self, rows_t, starts_t, counts_t) -> None:
-        """Chained digests of blocks ``[start, start + count)`` of each row, on
-        the device, from the tokens and extra digests already there."""
-        args = (self._key_dev, rows_t, starts_t, counts_t)
-        rows = self._rows
-        kw: dict[str, Any] = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras,
-                                  root=self._root_lanes, block_size=self.block_size)
-        if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
-            _common.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
-        else:
-            _hash_rows(*args, **kw)
-
-    def _rebuild_if_due(self, max_popped: int) -> None:
-        """The hash table's rebuild, when the host's bound on its tombstones
-        says it is due (``DevicePool.rebuild_if_due``); a step calls it after
-        its pops and outside its prepared launches and graphs, which are the
-        same every step."""
-        if self.enable_caching and max_popped:  # (no cached block, no tombstone)
-            self.pool.rebuild_if_due(max_popped)
-
-    def _cache_blocks(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
-        """Cache the blocks at the valid (group, row, position) entries (the
-        pool's ``record``), with their stored-block events."""
-        if not self.enable_caching:
-            return
-        rows = self._rows
-        inserted = self.pool.record(grp, rw, ps, valid, block_table=rows.block_table, tokens=rows.tokens,
-                                    digests=rows.digests, extras=rows.extras, root=self._root_lanes, scratch=scratch,
-                                    seq=seq)
-        log = self._events.log
-        if log is not None and inserted is not None:
-            blk, ok, key = inserted
-            log.stores(ok, blk, key, grp, rw, ps, blk_parent=self.pool.blk_parent, blk_tokens=self.pool.blk_tokens,
-                       row_lora=rows.lora)
 
 
 #: The name this class had before the two managers were told apart (kept for

@@ -111,7 +111,7 @@ class OutputGather:
         EP = plan.bucket
         bufs = self._buffers(EP)
         m._staging.upload_host(("gather", EP), bufs.entries)
-        m._replayed(bufs.prepared, "gather", lambda: gather_ops.gather_blocks(
+        m._launches.replayed(bufs.prepared, "gather", lambda: gather_ops.gather_blocks(
             bufs.entries.view(3, EP), m._rows.block_table, m.pool.ref_cnt, bufs.out))
         return bufs.out[:, : plan.num_entries]
 

@@ -33,19 +33,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
-import numpy as np
 import torch
 
-from gpukv.api import manager_args_from_config
 from gpukv.errors import (
     InvalidInputError,
     InvalidTypeError,
     NoFreeBlocksError,
 )
 from gpukv.events import AllBlocksCleared, BlockRemoved, EventQueue, KVEventBatch
-from gpukv.failstop import FailStop, mutating, reading
+from gpukv.failstop import mutating, reading
 from gpukv.metrics import PrefixCacheStats, StepCounters
 from gpukv.reference_parts.admission import ReferenceAdmission
 from gpukv.reference_parts.digests import CachedBlockInfo, Digests, RequestState
@@ -76,13 +73,13 @@ from gpukv.request import (
     common_prefix_length,
     normalize_computed,
     normalize_step,
-    normalize_token_ids,
     normalize_windows,
     request_id_type_error,
     resolve_key,
     unknown_request,
 )
-from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
+from gpukv.running import RunningBatch
+from gpukv.shared_api import SharedManagerAPI
 from gpukv.windows import policies
 
 NULL_BLOCK = 0
@@ -282,7 +279,7 @@ class BlockPool:
 # The request-level manager
 
 
-class ReferenceManager(FailStop):
+class ReferenceManager(SharedManagerAPI):
     """Request-level calls over one shared ``BlockPool``, composed of the
     parts in ``gpukv.reference_parts`` (admission, running, releases,
     digests, rows), as the device manager is of ``gpukv.device``'s.
@@ -354,54 +351,15 @@ class ReferenceManager(FailStop):
         assert self._event_log is not None  # kept: take_events only swaps the list
         self._event_log.append(BlockRemoved([info.digest], info.group))
 
-    @classmethod
-    def from_config(cls, config, **kwargs) -> ReferenceManager:
-        """A manager for a ``KVCacheConfig`` (``gpukv.get_kv_cache_config``):
-        one group per config group, ``kwargs`` as the constructor's."""
-        num_blocks, block_size, windows = manager_args_from_config(config)
-        return cls(num_blocks, block_size, sliding_windows=windows, **kwargs)
-
     def __repr__(self) -> str:  # never show the key
         return (f"ReferenceManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, "
                 f"groups={self.sliding_windows})")
 
     # ------------------------------------------------------------ public API
-    @property
-    def hash_key(self) -> bytes:
-        """The 16-byte key of the block hash (never printed by ``repr``)."""
-        return self._key
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool, the null block 0 included."""
-        return self.pool.num_blocks
-
-    @property
-    def limits(self) -> ManagerLimits:
-        """What every call is checked against (block size, pool size, windows,
-        ``max_model_len``): ``gpukv.request.min_blocks_to_admit(n, m.limits,
-        can_hit)`` is the bound past which a new request is refused up front."""
-        return self._limits
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks now (``read_num_free_blocks``)."""
-        return self.read_num_free_blocks()
-
-    @property
-    def num_evictions(self) -> int:
-        """Cached blocks evicted so far (``read_num_evictions``)."""
-        return self.read_num_evictions()
-
     @reading
     def free_queue(self) -> list[int]:
         """Free block ids, front (reused first) to back."""
         return self.pool.free_queue()
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the pool (null block excluded) that is referenced."""
-        return self.read_usage()
 
     @reading
     def read_num_free_blocks(self) -> int:
@@ -412,12 +370,6 @@ class ReferenceManager(FailStop):
     def read_num_evictions(self) -> int:
         """Cached blocks evicted so far (the device manager's name)."""
         return self.pool.num_evictions
-
-    @reading
-    def read_usage(self) -> float:
-        """Fraction of the pool (null block excluded) that is referenced, as
-        vLLM's ``KVCacheManager.usage``."""
-        return 1.0 - self.pool.num_free_blocks / (self.pool.num_blocks - 1)
 
     @reading
     def block_table_for(self, request_ids: Sequence[str]) -> torch.Tensor:
@@ -475,13 +427,6 @@ class ReferenceManager(FailStop):
         return [self._requests[rid].blocks[group][start:end] for rid, start, end in spans]
 
     @reading
-    def row_token_counts(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
-        """The known and the computed tokens of the requests at ``rows``
-        (host ints, each a running request's), as int64 arrays."""
-        rows_np = normalize_rows(rows, self._rows.in_use, distinct=False)
-        return self._rows.num_tokens[rows_np], self._rows.num_computed[rows_np]
-
-    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included."""
         return self._state(request_id).num_computed_tokens
@@ -518,59 +463,23 @@ class ReferenceManager(FailStop):
         self._begin_changes()  # the lookup remembers digests and counts in the stats
         return self._admission.lookup(request)
 
-    @mutating
-    def allocate_slots(
-        self,
-        request: NewRequest | str,
-        new_token_ids: Sequence[int] = (),
-        computed: ComputedBlocks | None = None,
-        num_tokens: int | None = None,
-        num_lookahead_tokens: int | None = None,
-    ) -> list[list[int]] | None:
-        """Give a request the blocks for the tokens it computes now, as vLLM's
-        ``allocate_slots(request, num_tokens, new_computed_blocks,
-        num_lookahead_tokens)``.
-
-        A ``NewRequest`` (with the ``computed`` that ``get_computed_blocks``
-        returned for it, or none for no hit) is admitted; a request id is a
-        running request, ``new_token_ids`` appended first. ``num_tokens``:
-        tokens computed now beyond those computed (for a new request: beyond
-        the hit), None for all known tokens (or a new request's own
-        ``num_tokens_to_compute``); ``num_lookahead_tokens``: slots beyond
-        them, never cached (None: 0, or a new request's own). Returns the
-        newly allocated block ids per group, or None when they do not fit, in
-        which case nothing changed.
-        """
-        if isinstance(request, NewRequest):
-            if len(normalize_token_ids(new_token_ids, "new_token_ids")):
-                raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
-                                        argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
-            return self._allocate_new(request, computed, num_tokens, num_lookahead_tokens)
-        if not isinstance(request, str):
-            raise InvalidTypeError(f"must be a NewRequest or a running request's id (str), got "
-                                   f"{type(request).__name__}", argument="request",
-                                   fix="pass a NewRequest to admit, or the id of a running request")
-        if computed is not None:
-            raise InvalidInputError("computed blocks are for new requests only", argument="computed",
-                                    fix="pass computed=None with a running request's id")
-        lookahead = 0 if num_lookahead_tokens is None else num_lookahead_tokens  # (checked next, not truth-tested)
-        update = RunningUpdate(request, new_token_ids, num_tokens, lookahead)
-        (update,) = self._normalize((), [update], (), single=True).running
-        num_before = [len(b) for b in self._state(request).blocks]
+    def _allocate_running(self, update: RunningUpdate) -> list[list[int]] | None:
+        state = self._state(update.request_id)
+        num_before = [len(b) for b in state.blocks]
         self._begin_changes()
-        self._releases.skipped(self._state(request))
+        self._releases.skipped(state)
         states, work = self._running.work([update])
-        if self._run_all(states, *work) is not None:
+        if self._running.run_all(states, *work) is not None:
             return None
         self._running.cache_running(states)
-        return [self._state(request).blocks[g][num_before[g]:] for g in range(self.num_groups)]
+        return [state.blocks[g][num_before[g]:] for g in range(self.num_groups)]
 
     @mutating
     def free(self, request_id: str) -> None:
         """Give back a request's blocks (tail first, group by group) and forget it."""
         (request_id,) = self._normalize([request_id], (), (), single=True).finished
         self._begin_changes()
-        self._free_request(request_id)
+        self._releases.request(request_id)
 
     @mutating
     def step(
@@ -625,37 +534,19 @@ class ReferenceManager(FailStop):
         self._begin_changes()
         return self._step(step.finished, step.running if batch is None else batch, step.new, token_budget, outputs)
 
-    def _normalize_step(self, finished, running, new) -> tuple[Step, RunningRows | None]:
-        """``step()``'s arguments checked; a ``RunningBatch`` apart."""
-        if not isinstance(running, RunningBatch):
-            return self._normalize(finished, running, new), None
-        step = self._normalize(finished, (), new)
-        rows = [self._requests[rid].row for rid in step.finished]
-        return step, self._normalize_running(running, rows)
-
-    def _normalize_running(self, batch: Any, finished_rows: Sequence[int] = ()) -> RunningRows:
-        """A ``RunningBatch`` checked (``gpukv.running.normalize_running``);
-        ``finished_rows``: rows the same step frees first."""
-        in_use = self._rows.in_use
-        if finished_rows:
-            in_use = in_use.copy()
-            in_use[list(finished_rows)] = False
-        return normalize_running(batch, in_use, self._rows.num_tokens.__getitem__, self._rows.num_computed.__getitem__,
-                                 self._limits, None)
-
     def _step(self, finished, running, new, token_budget: int | None, outputs: StepOutputs) -> StepResult:
         """A step on normalised arguments (``step``), its phases in order:
         releases, the running requests, the admission; nothing here refuses
         input."""
         for rid in finished:
-            self._free_request(rid)
+            self._releases.request(rid)
         grown, work = self._running.work(running)
         if any(w is not None for w in self.sliding_windows):  # full attention releases nothing
             for st in grown:
                 self._releases.skipped(st)
         held_before = [len(st.blocks[0]) for st in grown] if outputs.block_ids else []
         filled: list[RequestState] = []
-        failed_at = self._run_all(grown, *work, filled=filled)
+        failed_at = self._running.run_all(grown, *work, filled)
         self._running.cache_running(filled)
         if failed_at is not None:
             result = StepResult(running_failed_at=failed_at)
@@ -673,16 +564,6 @@ class ReferenceManager(FailStop):
             result.prefix_ref_counts = [None if w is not None else [ref[b] for b in st.blocks[g]]
                                         for g, w in enumerate(self.sliding_windows)]
         return result
-
-    def _run_all(self, states: Sequence[RequestState], tokens: Sequence[list], chunks: Sequence[int | None],
-                 lookaheads: Sequence[int], filled: list[RequestState] | None = None) -> int | None:
-        """Phase 2 (``ReferenceRunning.run_all``): the index of the first
-        running request whose blocks do not fit, or None."""
-        return self._running.run_all(states, tokens, chunks, lookaheads, filled)
-
-    def _free_request(self, request_id: str) -> None:
-        """Phase 1, one request (``ReferenceReleases.request``)."""
-        self._releases.request(request_id)
 
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
                       num_lookahead_tokens: int | None) -> list[list[int]] | None:
@@ -756,6 +637,9 @@ class ReferenceManager(FailStop):
             return self._requests[request_id]
         except KeyError:
             raise unknown_request(request_id) from None
+
+    def _row_of(self, request_id: str) -> int:
+        return self._requests[request_id].row
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""

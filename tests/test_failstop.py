@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 
 from gpukv import NewRequest, RunningBatch, RunningUpdate
-from gpukv import manager as manager_module
+from gpukv.device import launches as launches_module
+from gpukv.device.releases import Releases
 from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import block_hash
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.reference_parts.releases import ReferenceReleases
+from gpukv.reference_parts.running import ReferenceRunning
 from tests.kernels import aot
 
 PREFIX = list(range(100, 108))
@@ -63,7 +66,7 @@ def _workload(m) -> None:
 @pytest.fixture(autouse=True)
 def _hash_on_the_device(monkeypatch):
     """Under the interpreter the manager hashes on the host; launch the kernel."""
-    monkeypatch.setattr(manager_module, "_hash_rows", block_hash.hash_rows)
+    monkeypatch.setattr(launches_module, "_hash_rows", block_hash.hash_rows)
 
 
 def _device() -> DeviceManager:
@@ -220,8 +223,8 @@ def test_an_input_error_or_warning_after_the_first_change_is_a_fault(make, exc, 
     manager whatever its class: an input error class or a warning may come
     from a half-applied step (before issue 18 both passed as refusals)."""
     m = _admitted(make())
-    monkeypatch.setattr(type(m), "_free_request" if isinstance(m, ReferenceManager) else "_release_requests",
-                        _raiser(exc))
+    owner, target = (ReferenceReleases, "request") if isinstance(m, ReferenceManager) else (Releases, "requests")
+    monkeypatch.setattr(owner, target, _raiser(exc))
     with pytest.raises(type(exc)):
         m.step(finished=["a"])
     monkeypatch.undo()
@@ -314,7 +317,7 @@ def test_every_mutating_call_marks_its_point_of_first_change(make, monkeypatch):
         call()
         assert marks, f"{name} changed state without marking where"
         called.add(name)
-    mutating = {name for name, f in vars(type(m)).items() if getattr(f, "mutates", False)}
+    mutating = {name for name in dir(type(m)) if getattr(getattr(type(m), name), "mutates", False)}  # (inherited too)
     assert called == mutating  # every mutating method was called above
 
 
@@ -322,8 +325,8 @@ def test_every_mutating_call_marks_its_point_of_first_change(make, monkeypatch):
 def test_a_fault_in_a_nested_call_stops_the_outer_one_too(make, monkeypatch):
     """The reference's decode runs its step: a fault inside the step is one of the decode."""
     m = _admitted(make())
-    target = "_run_all" if isinstance(m, ReferenceManager) else "launch_decode"
-    monkeypatch.setattr(type(m), target, _raiser(InvalidInputError("injected", argument="x", fix="y")))
+    owner, target = (ReferenceRunning, "run_all") if isinstance(m, ReferenceManager) else (type(m), "launch_decode")
+    monkeypatch.setattr(owner, target, _raiser(InvalidInputError("injected", argument="x", fix="y")))
     with pytest.raises(InvalidInputError):
         m.decode([m.row_of("a")], [3])
     monkeypatch.undo()

@@ -306,7 +306,7 @@ LAYOUTS = ["full", "window"] if ALL else ["full"]
 
 def _prepared(m: DeviceManager, what: str) -> dict:
     """id of each prepared launch list (of ``what``'s buffers) by (bucket, part)."""
-    bufs = m._decode_bufs if what == "decode" else m._admission_bufs
+    bufs = m._decode.buffers if what == "decode" else m._admission.buffers
     return {(b, part): id(kept[1]) for b, buf in bufs.items() for part, kept in buf.prepared.items()}
 
 

@@ -96,7 +96,7 @@ def test_a_free_replays_the_launches_its_size_buckets_first_free_kept():
         with _common.recording() as rec:
             m.free(f"r{i}")
         assert len(rec) == EXPECTED["full"]["finish"][0]
-        kept.append(m._release_bufs[16].prepared["release"][1])
+        kept.append(m._releases.buffers[16].prepared["release"][1])
         m.check_invariants()
     assert kept[0] is kept[1] is kept[2]  # prepared once, replayed since
     assert m.read_num_free_blocks() == 255 - 6  # only r3's 6 blocks are held

@@ -12,7 +12,7 @@ The round's status rides on the step's one read. When the device deferred
 vLLM looks the rest up after those pops: another round, one read more.
 
 Every launch of a bucket's parts is kept on its first round and replayed
-(``DeviceManager._replayed``), or replayed as a CUDA graph
+(``SharedLaunches.replayed``, ``gpukv.device.launches``), or replayed as a CUDA graph
 (``gpukv.graphs.AdmissionGraphs``).
 """
 
@@ -252,26 +252,26 @@ class Admission:
             self._take_admitted_blocks(bufs)
 
         self._part(plan.bucket, bufs, "admit", admit_and_take, graphs)
-        m._rebuild_if_due(plan.max_new_blocks * m.num_groups)
+        m._launches.rebuild_if_due(plan.max_new_blocks * m.num_groups)
         m._events.expect(bufs.alloc.shape[1] + bufs.record.shape[1])
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
 
     def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
         """One fixed part of the admission's launches: a CUDA graph replay
         (``graphs``: ``gpukv.graphs.AdmissionGraphs``; not with KV-cache
-        events), else its kept launches replayed (``_replayed``)."""
+        events), else its kept launches replayed (``SharedLaunches.replayed``)."""
         m = self._m
         if graphs is not None and m._events.log is None:
             graphs.run((bucket, part), launch)
         else:
-            m._replayed(bufs.prepared, part, launch)
+            m._launches.replayed(bufs.prepared, part, launch)
 
     def _find_and_admit(self, bufs: AdmissionBuffers, blocked) -> None:
         """The prompts' digests, their verified cached blocks, the chains of
         the step's requests sharing a block, and the sequential admission."""
         m = self._m
         v, pool, bs = bufs.views, m.pool, m.block_size
-        m._hash_launch(v["rows"], bufs.zeros, v["nfull"])
+        m._launches.hash_rows(v["rows"], bufs.zeros, v["nfull"])
         rows = m._rows
         shared = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras, root=m._root_lanes)
         prefill_ops.lookup(v, bufs.cache, table=pool.table, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
@@ -302,7 +302,7 @@ class Admission:
         prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, m._win_dev,
                                bufs.hit_blocks, bufs.pending, block_table=table)
         pool.touch(bufs.hit_blocks, bufs.pending)
-        m._cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
+        m._launches.cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def write_extra_keys(self, new: Sequence[NewRequest], rows: list[int]) -> None:
         """The extra-key digests of new requests that have extra keys (their

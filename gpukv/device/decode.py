@@ -332,7 +332,7 @@ class DecodePath:
         run = [p for p in DECODE_PHASES if p in key and (p != "release" or bucket[2])]  # (no window group: none)
         m = self._m
         for phase in run:
-            m._replayed(bufs.prepared, _DECODE_PART[phase], lambda p=phase: self._launch_phase(p, bufs))
+            m._launches.replayed(bufs.prepared, _DECODE_PART[phase], lambda p=phase: self._launch_phase(p, bufs))
         if self._events_off:
             bufs.runs[key] = (generation, [one for p in run for one in bufs.prepared[_DECODE_PART[p]][1]])
 
@@ -352,9 +352,9 @@ class DecodePath:
             pool.allocate(bufs.count, want, grp, row, pos, block_table=rows.block_table, rank=rank,
                           popped=bufs.popped, on_popped=m._events.popped_hook())
         elif phase == "hash":
-            m._hash_launch(v["rows"], v["h_start"], v["h_count"])
+            m._launches.hash_rows(v["rows"], v["h_start"], v["h_count"])
         else:
-            m._cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
+            m._launches.cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     # ---------------------------------------------------------------- finish
     def finish(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
@@ -381,7 +381,7 @@ class DecodePath:
         ``n_fit`` rows got their blocks (every row released behind its
         window), and the table's rebuild when what they popped makes it due
         (after the fit is known: rows that did not fit popped nothing)."""
-        self._m._rebuild_if_due(plan.blocks_popped(n_fit))
+        self._m._launches.rebuild_if_due(plan.blocks_popped(n_fit))
         rows, done = self._rows, plan.rows[:n_fit]
         rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
             plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
@@ -419,6 +419,15 @@ class DecodePath:
         read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
         n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
         return RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok, plan)
+
+    def finish_phase(self, run: RunningPhase, result: StepResult, n_ok: int | None) -> None:
+        """Phase 2's mirror, once the step's read said how many fit (None:
+        no read, every update fit, and the bound drops by what they took)."""
+        if n_ok is None:
+            n_ok = run.size
+            self._m._free_lower_bound -= run.total
+        self.finish_running(run.plan, n_ok)
+        result.running_failed_at = None if n_ok == run.size else n_ok
 
     def running_rows(self, running: Sequence[RunningUpdate]) -> RunningRows:
         """Normalised ``RunningUpdate``s as the batch they are: rows, their

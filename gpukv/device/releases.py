@@ -81,7 +81,7 @@ class Releases:
             host[3, E:] = int(call[-1]) + 1
             host[4, E:] = 0
         m._staging.upload_host(("release", EP), bufs.plan)
-        m._replayed(bufs.prepared, "release", lambda: self._launch(bufs))
+        m._launches.replayed(bufs.prepared, "release", lambda: self._launch(bufs))
 
     def _launch(self, bufs: ReleaseBuffers) -> None:
         grp, row, pos, call, valid = bufs.plan.view(5, -1)

@@ -3,7 +3,7 @@
 chains of requests of the step sharing a block, and every entry the later
 launches read, derived on the device from per-request counts.
 
-The host plans a step admitting K new requests (``DeviceManager._admit_new``)
+The host plans a step admitting K new requests (``gpukv.device.admission.Admission``)
 as int32 arrays of a bucket's fixed length ``KP`` (K padded to a power of
 two), uploaded once:
 

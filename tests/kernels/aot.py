@@ -281,17 +281,18 @@ def manager_workload(*, windows=(None,), block_size: int = 16, num_blocks: int =
     ``allocate_slots``, and a prefix-cache reset; after every step, the slot
     mapping an attention kernel would take. Counts vary every step."""
     from gpukv import manager as manager_module
+    from gpukv.device import launches as launches_module
     from gpukv.kernels.block_hash import hash_rows
     from gpukv.request import NewRequest, RunningUpdate
 
     # The manager hashes on the host under the interpreter; record the kernel.
-    host_hashing, manager_module._hash_rows = manager_module._hash_rows, hash_rows
+    host_hashing, launches_module._hash_rows = launches_module._hash_rows, hash_rows
     try:
         _manager_steps(manager_module.DeviceManager, NewRequest, RunningUpdate, windows=windows,
                        block_size=block_size, num_blocks=num_blocks, steps=steps, uncached_first=uncached_first,
                        seed=seed)
     finally:
-        manager_module._hash_rows = host_hashing
+        launches_module._hash_rows = host_hashing
 
 
 def _manager_steps(KVCacheManager, NewRequest, RunningUpdate, *, windows, block_size, num_blocks, steps,
