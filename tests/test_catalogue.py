@@ -570,7 +570,7 @@ def logical_state_of(m) -> tuple:
     by design, ``gpukv/pool.py``), and the contents of rows no request holds."""
     # (the device manager's parts that hold only per-bucket buffers and plans,
     # and the manager they belong to: ``gpukv.device``)
-    scratch = {"_admission", "_decode", "_releases", "_reads", "_gather", "_staging", "counters"}
+    scratch = {"_admission", "_decode", "_releases", "_reads", "_gather", "_staging", "_launches", "counters"}
     fields = {k: v for k, v in vars(m).items() if k not in scratch and k not in ("pool", "_rows")}
     out = [state_of(fields)]
     if isinstance(m, DeviceManager):
