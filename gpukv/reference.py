@@ -78,7 +78,7 @@ from gpukv.request import (
     resolve_key,
     unknown_request,
 )
-from gpukv.running import RunningBatch
+from gpukv.running import RunningBatch, RunningRows
 from gpukv.shared_api import SharedManagerAPI
 from gpukv.windows import policies
 
@@ -467,7 +467,7 @@ class ReferenceManager(SharedManagerAPI):
         state = self._state(update.request_id)
         num_before = [len(b) for b in state.blocks]
         self._begin_changes()
-        self._releases.skipped(state)
+        self._releases.skipped(state, update.num_processed_tokens)
         states, work = self._running.work([update])
         if self._running.run_all(states, *work) is not None:
             return None
@@ -542,8 +542,10 @@ class ReferenceManager(SharedManagerAPI):
             self._releases.request(rid)
         grown, work = self._running.work(running)
         if any(w is not None for w in self.sliding_windows):  # full attention releases nothing
-            for st in grown:
-                self._releases.skipped(st)
+            processed = ([None] * len(grown) if isinstance(running, RunningRows)
+                         else [u.num_processed_tokens for u in running])
+            for st, p in zip(grown, processed, strict=True):
+                self._releases.skipped(st, p)
         held_before = [len(st.blocks[0]) for st in grown] if outputs.block_ids else []
         filled: list[RequestState] = []
         failed_at = self._running.run_all(grown, *work, filled)

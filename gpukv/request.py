@@ -138,15 +138,21 @@ class RunningUpdate:
     ``num_lookahead_tokens`` extra slots (speculative decoding) get blocks
     too, beyond the computed tokens; they are never cached, and the request
     keeps them for the tokens that later fill them.
+    ``num_processed_tokens`` (tokens in flight: vLLM's async scheduling or
+    speculative decoding): sliding-window groups release the blocks behind
+    these tokens' window instead of behind the computed tokens before the
+    update (None), at most up to the blocks the request holds; between 0 and
+    its computed tokens after the update.
     """
 
     request_id: str
     new_token_ids: Sequence[int] = ()
     num_tokens_to_compute: int | None = None
     num_lookahead_tokens: int = 0
+    num_processed_tokens: int | None = None
 
     def __init__(self, request_id: str, new_token_ids: Sequence[int] = (), num_tokens_to_compute: int | None = None,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, num_processed_tokens: int | None = None) -> None:
         # What the generated frozen __init__ does (object.__setattr__ per
         # field), written straight into the instance's __dict__: a decode step
         # builds one update per running request.
@@ -155,6 +161,7 @@ class RunningUpdate:
         fields["new_token_ids"] = new_token_ids
         fields["num_tokens_to_compute"] = num_tokens_to_compute
         fields["num_lookahead_tokens"] = num_lookahead_tokens
+        fields["num_processed_tokens"] = num_processed_tokens
 
 
 @dataclass
@@ -860,7 +867,7 @@ class _SingleCallNames:
     ``allocate_slots``, ``get_computed_blocks``): its own parameters."""
 
     _RUNNING = {"new_token_ids": "new_token_ids", "num_tokens_to_compute": "num_tokens",
-                "num_lookahead_tokens": "num_lookahead_tokens"}
+                "num_lookahead_tokens": "num_lookahead_tokens", "num_processed_tokens": "num_processed_tokens"}
 
     def __call__(self, kind: str, i: int, attr: str = "") -> str:  # noqa: ARG002  (as _batch_name)
         if kind == "finished":
@@ -918,8 +925,29 @@ def _checked_updates(run: list, done: set[str], known: Container[str], limits: M
             chunk, lookahead = _check_running_chunk(u, rid, len(tokens), limits, num_tokens, num_computed,
                                                     name("running", i, "num_tokens_to_compute"),
                                                     name("running", i, "num_lookahead_tokens"))
-        updates.append(RunningUpdate(rid, tokens, chunk, lookahead))
+        processed = u.num_processed_tokens
+        if processed is not None:
+            processed = _check_processed(processed, rid, len(tokens), chunk, num_tokens, num_computed,
+                                         name("running", i, "num_processed_tokens"))
+        updates.append(RunningUpdate(rid, tokens, chunk, lookahead, processed))
     return updates
+
+
+def _check_processed(processed: Any, rid: str, num_new: int, chunk: int | None, num_tokens, num_computed,
+                     argument: str) -> int:
+    """A running update's ``num_processed_tokens``: an int from 0 to the
+    request's computed tokens after the update (its known tokens after the
+    append when ``chunk`` is None); the form only without manager state."""
+    processed = check_int(processed, argument, minimum=0, fix="pass None, or an int from 0 to the request's "
+                          "computed tokens after the update")
+    if num_tokens is None or num_computed is None:
+        return processed
+    after = num_tokens(rid) + num_new if chunk is None else num_computed(rid) + chunk
+    if processed > after:
+        raise InvalidInputError(f"must be <= {after}, the computed tokens of request {rid!r} after the update, "
+                                f"got {processed}", argument=argument,
+                                fix=f"pass at most {after} (tokens processed cannot outrun those computed)")
+    return processed
 
 
 def _update_tokens(tokens: Any, rid: str, name: Callable[..., str], i: int, keep_device: bool = True) -> Any:

@@ -58,7 +58,10 @@ class RunningRows:
     (int64 on the host, or a tensor on the manager's device); ``counts``
     int64[B] new tokens per row (row i's are ``tokens[i, :counts[i]]``), or
     None when every row has K; ``num_tokens`` the rows' known tokens before
-    the append; ``chunks`` None or int64[B]; ``lookahead`` an int or int64[B]."""
+    the append; ``chunks`` None or int64[B]; ``lookahead`` an int or int64[B];
+    ``processed`` None (window groups release behind the computed tokens) or
+    int64[B], the tokens they release behind (``RunningUpdate``s'
+    ``num_processed_tokens``; a ``RunningBatch`` has none)."""
 
     rows: np.ndarray
     tokens: Any
@@ -66,6 +69,7 @@ class RunningRows:
     num_tokens: np.ndarray
     chunks: np.ndarray | None
     lookahead: int | np.ndarray
+    processed: np.ndarray | None = None
 
     @property
     def num_new(self) -> int | np.ndarray:

@@ -127,7 +127,8 @@ class SharedManagerAPI(FailStop):
     @mutating
     def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
                        computed: ComputedBlocks | None = None, num_tokens: int | None = None,
-                       num_lookahead_tokens: int | None = None) -> list[list[int]] | None:
+                       num_lookahead_tokens: int | None = None, *,
+                       num_processed_tokens: int | None = None) -> list[list[int]] | None:
         """Give a request the blocks for the tokens it computes now, as vLLM's
         ``allocate_slots(request, num_tokens, new_computed_blocks,
         num_lookahead_tokens)``.
@@ -138,7 +139,13 @@ class SharedManagerAPI(FailStop):
         tokens computed now beyond those computed (for a new request: beyond
         the hit), None for all known tokens (or a new request's own
         ``num_tokens_to_compute``); ``num_lookahead_tokens``: slots beyond
-        them, never cached (None: 0, or a new request's own). Returns the
+        them, never cached (None: 0, or a new request's own).
+        ``num_processed_tokens`` (a running request with tokens in flight,
+        vLLM 0.33's ``num_computed_tokens - num_in_flight_tokens``):
+        sliding-window groups release the blocks behind these tokens' window
+        rather than behind the computed tokens before the call (None), never
+        past the blocks held; from 0 to the computed tokens after the call
+        (``RunningUpdate.num_processed_tokens``). Returns the
         newly allocated block ids per group, or None when they do not fit, in
         which case nothing changed. The device manager reads the device (the
         step's status, then the new block ids).
@@ -147,6 +154,9 @@ class SharedManagerAPI(FailStop):
             if len(normalize_token_ids(new_token_ids, "new_token_ids")):
                 raise InvalidInputError("a new request brings its tokens in NewRequest.token_ids",
                                         argument="new_token_ids", fix="pass new_token_ids=() with a NewRequest")
+            if num_processed_tokens is not None:  # (vLLM's admission releases nothing: its null prefix is the hit's)
+                raise InvalidInputError("a new request has no tokens in flight", argument="num_processed_tokens",
+                                        fix="pass num_processed_tokens=None with a NewRequest")
             return self._allocate_new(request, computed, num_tokens, num_lookahead_tokens)
         if not isinstance(request, str):
             raise InvalidTypeError(f"must be a NewRequest or a running request's id (str), got "
@@ -156,8 +166,8 @@ class SharedManagerAPI(FailStop):
             raise InvalidInputError("computed blocks are for new requests only", argument="computed",
                                     fix="pass computed=None with a running request's id")
         lookahead = 0 if num_lookahead_tokens is None else num_lookahead_tokens  # (checked next, not truth-tested)
-        (update,) = self._normalize((), [RunningUpdate(request, new_token_ids, num_tokens, lookahead)], (),
-                                    single=True).running
+        update = RunningUpdate(request, new_token_ids, num_tokens, lookahead, num_processed_tokens)
+        (update,) = self._normalize((), [update], (), single=True).running
         return self._allocate_running(update)
 
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,

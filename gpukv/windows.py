@@ -9,7 +9,10 @@ A group's policy answers three questions, in blocks of the pool's block size:
 * ``first_real(hit)``: where, in a hit of that length, the group starts to
   hold real blocks (before it: the null block, block 0);
 * ``skipped(num_computed)``: how many leading blocks no token computed from
-  now on can see (released, the null block held in their place).
+  now on can see (released, the null block held in their place);
+  ``released_until(num_processed, held)``: where a release behind
+  ``num_processed`` tokens stops in a request holding ``held`` blocks
+  (vLLM's ``remove_skipped_blocks``: the skipped blocks, at most those held).
 
 ``boundary_blocks`` is the same rule as a number for the device kernels: the
 blocks a group must see at a hit boundary, -1 for full attention
@@ -46,6 +49,9 @@ class FullAttention:
     def skipped(self, num_computed: int | np.ndarray) -> int | np.ndarray:
         return 0 * num_computed
 
+    def released_until(self, num_processed: int | np.ndarray, held: int | np.ndarray) -> int | np.ndarray:  # noqa: ARG002
+        return 0 * num_processed
+
     def blocks_held(self, hits: np.ndarray, num_alloc: np.ndarray) -> np.ndarray:
         """Pool blocks a request holds after a hit of ``hits`` blocks with
         ``num_alloc`` block positions in all: one per position."""
@@ -71,6 +77,13 @@ class SlidingWindow:
     def skipped(self, num_computed: int | np.ndarray) -> int | np.ndarray:
         """vLLM: the tokens before ``num_computed - window + 1`` are out of reach."""
         return np.maximum(0, num_computed - self.window + 1) // self.block_size
+
+    def released_until(self, num_processed: int | np.ndarray, held: int | np.ndarray) -> int | np.ndarray:
+        """vLLM's ``remove_skipped_blocks(request, num_processed)``: the
+        blocks skipped behind ``num_processed`` tokens, at most the ``held``
+        ones (a processed count ahead of the computed one can skip blocks not
+        allocated yet; a later release catches up, tail first)."""
+        return np.minimum(self.skipped(num_processed), held)
 
     def blocks_held(self, hits: np.ndarray, num_alloc: np.ndarray) -> np.ndarray:
         """The hit's last ``boundary_blocks`` real blocks (null before them)

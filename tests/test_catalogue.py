@@ -392,6 +392,30 @@ CASES = [
     ("allocate-int-request", lambda m: m.allocate_slots(5), InvalidTypeError, "request"),
     ("allocate-running-with-computed", lambda m: m.allocate_slots("a", [1], computed=ComputedBlocks([[], []], 0)),
      InvalidInputError, "computed"),
+    # --- issue 28: the processed tokens window groups release behind (vLLM
+    # 0.33 with tokens in flight): an int from 0 to the computed tokens after
+    # the call ("a" computes 6, 7 once it appends a token), for running requests only
+    ("allocate-processed-negative", lambda m: m.allocate_slots("a", [7], num_processed_tokens=-1),
+     InvalidInputError, "num_processed_tokens"),
+    ("allocate-processed-past-computed", lambda m: m.allocate_slots("a", [7], num_processed_tokens=8),
+     InvalidInputError, "num_processed_tokens"),
+    ("allocate-processed-past-chunk", lambda m: m.allocate_slots("a", [7, 8], num_tokens=1, num_processed_tokens=8),
+     InvalidInputError, "num_processed_tokens"),
+    ("allocate-processed-bool", lambda m: m.allocate_slots("a", [7], num_processed_tokens=True),
+     InvalidTypeError, "num_processed_tokens"),
+    ("allocate-processed-float", lambda m: m.allocate_slots("a", [7], num_processed_tokens=2.0),
+     InvalidTypeError, "num_processed_tokens"),
+    ("allocate-new-with-processed", lambda m: m.allocate_slots(NewRequest("n", [1, 2, 3]), num_processed_tokens=0),
+     InvalidInputError, "num_processed_tokens"),
+    ("running-processed-negative", lambda m: m.step(running=[RunningUpdate("a", [7], None, 0, -1)]),
+     InvalidInputError, "running[0].num_processed_tokens"),
+    ("running-processed-past-computed", lambda m: m.step(running=[RunningUpdate("a", [7], None, 0, 8)]),
+     InvalidInputError, "running[0].num_processed_tokens"),
+    ("running-processed-str", lambda m: m.step(running=[RunningUpdate("a", [7], None, 0, "3")]),
+     InvalidTypeError, "running[0].num_processed_tokens"),
+    ("running-second-processed-past-computed",
+     lambda m: m.step(running=[RunningUpdate("a", [7], None, 0, 7), RunningUpdate("b", [7], None, 0, 99)]),
+     InvalidInputError, "running[1].num_processed_tokens"),
     # --- issue 18: the decode entry checks host tokens as step() does (a host
     # tensor's 2**32 + 5 once hashed as 5 on the device: a false hit)
     ("decode-host-tensor-2**32+5", lambda m: m.decode([m.row_of("a")], torch.tensor([2**32 + 5])),

@@ -159,6 +159,53 @@ def test_a_sliding_window_releases_by_computed_tokens_while_a_prompt_is_half_com
 
 
 @BOTH
+def test_a_sliding_window_releases_behind_the_processed_tokens_it_is_given(kind):
+    # vLLM 0.33 with tokens in flight: allocate_slots releases behind
+    # num_computed_tokens - num_in_flight_tokens, handed in as
+    # num_processed_tokens (None: behind the computed tokens, as above).
+    m = make(kind, block_size=2, windows=(None, 4))
+    m.step(new=[NewRequest("a", PROMPT, num_tokens_to_compute=6)])
+    assert m.get_block_ids("a") == [[1, 2, 3], [4, 5, 6]]
+    # Nothing processed yet: nothing released (None would drop block 4).
+    assert m.allocate_slots("a", (), num_tokens=4, num_processed_tokens=0) == [[7, 8], [9, 10]]
+    assert m.get_block_ids("a") == [[1, 2, 3, 7, 8], [4, 5, 6, 9, 10]]
+    assert m.free_queue() == [11, 12, 13, 14, 15]
+    # 6 processed: (6 - 4 + 1) // 2 = 1 block released (block 4, to the
+    # queue's tail), before the fit check, and taken again by this call.
+    assert m.allocate_slots("a", [50], num_lookahead_tokens=3, num_processed_tokens=6) == [[11, 12, 13],
+                                                                                          [14, 15, 4]]
+    assert m.get_block_ids("a") == [[1, 2, 3, 7, 8, 11, 12, 13], [0, 5, 6, 9, 10, 14, 15, 4]]
+    assert m.free_queue() == [] and m.num_computed_tokens("a") == 13
+    # 13 processed: 5 blocks behind the window, tail first in one free call.
+    assert m.allocate_slots("a", (), num_processed_tokens=13) == [[], []]
+    assert m.get_block_ids("a") == [[1, 2, 3, 7, 8, 11, 12, 13], [0, 0, 0, 0, 0, 14, 15, 4]]
+    assert m.free_queue() == [10, 9, 6, 5]
+    # A step's RunningUpdate carries it too; nothing more to release.
+    assert m.step(running=[RunningUpdate("a", [7], None, 0, 13)]).ok
+    assert m.get_block_ids("a")[1] == [0, 0, 0, 0, 0, 14, 15, 4]
+    assert m.free_queue() == [10, 9, 6, 5] and m.num_computed_tokens("a") == 14
+    m.check_invariants()
+
+
+@BOTH
+def test_a_release_behind_processed_tokens_stops_at_the_blocks_held(kind):
+    # 12 processed tokens skip 4 blocks of the window group, which holds 2
+    # before the call: vLLM's remove_skipped_blocks releases those 2 (the
+    # skip is capped at the blocks held), and the blocks allocated now stay.
+    m = make(kind, block_size=2, windows=(None, 4))
+    m.step(new=[NewRequest("a", PROMPT, num_tokens_to_compute=4)])
+    assert m.get_block_ids("a") == [[1, 2], [3, 4]]
+    assert m.allocate_slots("a", (), num_tokens=8, num_processed_tokens=12) == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    assert m.get_block_ids("a") == [[1, 2, 5, 6, 7, 8], [0, 0, 9, 10, 11, 12]]
+    assert m.free_queue() == [13, 14, 15, 4, 3]
+    # The next release catches up behind the same 12 tokens: 9 and 10.
+    assert m.allocate_slots("a", [50], num_processed_tokens=12) == [[13], [14]]
+    assert m.get_block_ids("a") == [[1, 2, 5, 6, 7, 8, 13], [0, 0, 0, 0, 11, 12, 14]]
+    assert m.free_queue() == [15, 4, 3, 10, 9]
+    m.check_invariants()
+
+
+@BOTH
 def test_lookahead_blocks_are_never_cached(kind):
     m = make(kind)
     m.step(new=[NewRequest("a", PROMPT[:4], num_lookahead_tokens=4)])

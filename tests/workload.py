@@ -133,8 +133,10 @@ def check(step, managers, results) -> None:
 def chunked_session(seed: int, windows, steps: int = 20) -> None:
     """Random chunked admissions under token budgets, chunk continuations,
     decodes with lookahead and finishes under a small pool (24 blocks of 4
-    tokens), the device manager compared with the reference after every call:
-    results, block ids, computed counts, the free queue and the invariants."""
+    tokens), about a third of the running updates releasing behind a random
+    processed count (``num_processed_tokens``), the device manager compared
+    with the reference after every call: results, block ids, computed counts,
+    the free queue and the invariants."""
     rng = random.Random(seed)
     ref, dev = (cls(24, 4, sliding_windows=list(windows), hash_key=KEY, max_model_len=64)
                 for cls in (ReferenceManager, DeviceManager))
@@ -149,10 +151,14 @@ def chunked_session(seed: int, windows, steps: int = 20) -> None:
             known = len(ref._requests[rid].tokens)
             left = known - ref.num_computed_tokens(rid)
             lookahead = rng.choice([0, 0, 3])
+            chunk = rng.randint(1, left) if left else None
+            after = known + 1 if chunk is None else ref.num_computed_tokens(rid) + chunk
+            # vLLM 0.33's processed tokens, behind the computed ones (or capped at the blocks held)
+            processed = rng.randint(0, after) if rng.random() < 1 / 3 else None
             if left:
-                running.append(RunningUpdate(rid, (), rng.randint(1, left), lookahead))
+                running.append(RunningUpdate(rid, (), chunk, lookahead, processed))
             elif known < 50:
-                running.append(RunningUpdate(rid, [rng.randint(0, 2)], None, lookahead))
+                running.append(RunningUpdate(rid, [rng.randint(0, 2)], None, lookahead, processed))
         new = []
         for _ in range(rng.randint(0, 3)):
             n = rng.randint(1, 30)

@@ -187,7 +187,7 @@ class DecodePath:
     # ------------------------------------------------------------------ plan
     def plan(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None, *,
              chunks: np.ndarray | None = None, lookahead: int | np.ndarray = 0,
-             num_new: np.ndarray | None = None) -> DecodePlan:
+             num_new: np.ndarray | None = None, processed: np.ndarray | None = None) -> DecodePlan:
         """``DeviceManager.plan_decode``: the host plan of a decode of ``k``
         tokens for each of ``rows`` (``num_new``: fewer for some, at most
         ``k`` each; checked by ``decode``), written into this step's host
@@ -198,7 +198,8 @@ class DecodePath:
         request. ``num_tokens``: the rows' known token counts, when the caller
         has them already; ``chunks``: tokens each row computes (None: all it
         knows after the append); ``lookahead``: slots per row (or for every
-        row) beyond them."""
+        row) beyond them; ``processed``: the tokens window groups release
+        behind (None: the computed ones before the step)."""
         bs, G = self.block_size, self.num_groups
         B = len(rows)
         rs = self._rows
@@ -222,7 +223,7 @@ class DecodePath:
         L = most_released = 0
         if self._window_groups:
             starts = rs.null_until[rows]
-            stops = self._window_stops(comp0, starts)
+            stops = self._window_stops(comp0 if processed is None else processed, starts, held0)
             released = (stops - starts)[:, self._window_groups]
             most_released = int(released.max())
             L = pow2_at_least(max(1, most_released))
@@ -238,12 +239,13 @@ class DecodePath:
         return DecodePlan(rows, bucket, total, cum, held0, ntok1, comp1, held1, stops,
                           total <= self._m._free_lower_bound, phases)
 
-    def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Per (request, group): where the null blocks end once the window
-        groups release what ``num_tokens`` computed tokens no longer see."""
+        groups release what ``num_tokens`` processed tokens no longer see, in
+        the ``held`` blocks (``gpukv.windows``: ``released_until``)."""
         stops = starts.copy()
         for g in self._window_groups:
-            stops[:, g] = np.maximum(self._policies[g].skipped(num_tokens), starts[:, g])
+            stops[:, g] = np.maximum(self._policies[g].released_until(num_tokens, held), starts[:, g])
         return stops
 
     def _write_plan(self, bucket: tuple, rows: np.ndarray, counts: tuple, stops, released) -> None:
@@ -394,7 +396,7 @@ class DecodePath:
         launch through ``DeviceManager.launch_decode``, or ``graphs``); the
         host's mirror is brought up to date by ``finish``."""
         plan = self.plan(run.rows, run.tokens.shape[1], run.num_tokens, chunks=run.chunks, lookahead=run.lookahead,
-                         num_new=run.counts)
+                         num_new=run.counts, processed=run.processed)
         bufs = self.stage(plan, run.tokens)
         if graphs is not None:
             graphs.launch(plan.bucket, bufs)
@@ -432,7 +434,7 @@ class DecodePath:
     def running_rows(self, running: Sequence[RunningUpdate]) -> RunningRows:
         """Normalised ``RunningUpdate``s as the batch they are: rows, their
         tokens padded into ``[B, K]`` rows (a device tensor when any update's
-        are on the device), chunks and lookahead per row."""
+        are on the device), chunks, lookahead and processed tokens per row."""
         reqs = self._m._reqs
         rows = np.fromiter((reqs[u.request_id] for u in running), np.int64, len(running))
         adds = [u.new_token_ids for u in running]
@@ -451,5 +453,10 @@ class DecodePath:
         chunks = np.fromiter((r if u.num_tokens_to_compute is None else u.num_tokens_to_compute
                               for u, r in zip(running, remaining.tolist(), strict=True)), np.int64, len(running))
         lookahead = np.fromiter((u.num_lookahead_tokens for u in running), np.int64, len(running))
+        processed = None
+        if any(u.num_processed_tokens is not None for u in running):  # (None: the computed tokens)
+            computed = self._rows.num_computed[rows].tolist()
+            processed = np.fromiter((c if u.num_processed_tokens is None else u.num_processed_tokens
+                                     for u, c in zip(running, computed, strict=True)), np.int64, len(running))
         return RunningRows(rows, tokens, None if int(counts.min()) == width else counts, num_tokens, chunks,
-                           lookahead)
+                           lookahead, processed)

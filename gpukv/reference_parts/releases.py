@@ -28,14 +28,18 @@ class ReferenceReleases:
         for g in range(m.num_groups):
             m.pool.free(list(reversed(st.blocks[g])))
 
-    def skipped(self, st: RequestState) -> None:
+    def skipped(self, st: RequestState, num_processed: int | None = None) -> None:
         """Sliding-window groups give back the blocks no token computed from now
         on can see: freed tail first, one free call per group, replaced by the
         null block. Done before the fit check, as vLLM does; the blocks are
-        useless to the request either way."""
+        useless to the request either way. ``num_processed``: release behind
+        these tokens (vLLM's processed count, ``RunningUpdate``), None behind
+        the computed ones; never past the blocks held
+        (``gpukv.windows``: ``released_until``)."""
         m = self._m
+        n = st.num_computed_tokens if num_processed is None else num_processed
         for g, policy in enumerate(m._policies):
-            skip = int(policy.skipped(st.num_computed_tokens))  # (vLLM: tokens before num_computed - window + 1)
+            skip = int(policy.released_until(n, len(st.blocks[g])))  # (vLLM: tokens before n - window + 1)
             released = [b for b in st.blocks[g][:skip] if b != NULL_BLOCK]
             if released:
                 m.pool.free(list(reversed(released)))

@@ -337,10 +337,13 @@ def make_requests(
 
 # ---------------------------------------------------------------- the model runner's side
 
-Sampler = Callable[[Any], "int | Sequence[int]"]
+#: ``sample(request, drafts)``: ``drafts`` are the draft tokens scheduled for
+#: the request this step (``scheduled_spec_decode_tokens``; -1 placeholders
+#: under async scheduling), since ``schedule()`` has cleared its own.
+Sampler = Callable[[Any, Sequence[int]], "int | Sequence[int]"]
 
 
-def _constant_sampler(request: Any) -> int:  # noqa: ARG001
+def _constant_sampler(request: Any, drafts: Sequence[int]) -> int:  # noqa: ARG001
     return SAMPLED_TOKEN_ID
 
 
@@ -350,8 +353,9 @@ def model_output(scheduler: Any, out: Any, sample: Sampler | None = None, *,
     right after ``schedule()``. A request whose prefill this step does not
     finish (``is_prefill_chunk``) gets ``[]``, as the GPU model runner discards
     a partial prefill's sample; any other gets ``sampled[req_id]`` if given,
-    else ``sample(request)`` (a token, or a list: accepted drafts then the
-    bonus token), by default ``[SAMPLED_TOKEN_ID]``."""
+    else ``sample(request, drafts)`` (``drafts``: the step's scheduled drafts
+    for it; returns a token, or a list: accepted drafts then the bonus
+    token), by default ``[SAMPLED_TOKEN_ID]``."""
     sample = sample or _constant_sampler
     ids = list(out.num_scheduled_tokens)
     lists: list[list[int]] = []
@@ -362,7 +366,7 @@ def model_output(scheduler: Any, out: Any, sample: Sampler | None = None, *,
         elif sampled is not None and rid in sampled:
             lists.append(list(sampled[rid]))
         else:
-            got = sample(request)
+            got = sample(request, out.scheduled_spec_decode_tokens.get(rid, ()))
             lists.append([got] if isinstance(got, int) else list(got))
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                              sampled_token_ids=lists)

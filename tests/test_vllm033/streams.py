@@ -130,10 +130,12 @@ class _Model:
     def __init__(self, rng: random.Random, num_spec: int) -> None:
         self.rng, self.num_spec = rng, num_spec
 
-    def sample(self, request) -> list[int]:
-        drafts = [t for t in request.spec_token_ids if t >= 0]
+    def sample(self, request, drafts) -> list[int]:  # noqa: ARG002
+        """A random prefix of the step's drafts accepted (an async
+        scheduler's -1 placeholders stand for drafts the worker made: a token
+        of its own here), then the bonus token."""
         accepted = drafts[: self.rng.randrange(len(drafts) + 1)] if drafts else []
-        return [*accepted, 100 + self.rng.randrange(50)]
+        return [t if t >= 0 else 300 + self.rng.randrange(50) for t in accepted] + [100 + self.rng.randrange(50)]
 
     def drafts(self, request) -> list[int]:  # noqa: ARG002
         return [200 + self.rng.randrange(50) for _ in range(self.num_spec)]

@@ -102,7 +102,7 @@ def test_no_padding_without_speculative_decoding():
     assert out.scheduled_new_reqs[0].block_ids == ([1, 2, 3],)
 
 
-@pytest.mark.parametrize("cls", scheduler_params(async_=False))
+@pytest.mark.parametrize("cls", scheduler_params())
 def test_hybrid_events_are_one_per_group_with_the_group_kind(cls):
     scheduler = make_scheduler(cls, sliding_window=32, hybrid=True, enable_kv_cache_events=True)
     engine = Engine(scheduler)

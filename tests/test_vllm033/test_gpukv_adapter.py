@@ -12,7 +12,7 @@ import torch
 
 from gpukv.errors import InvalidInputError
 
-from .harness import Engine, gpukv033, is_async, make_requests, make_scheduler
+from .harness import Engine, KVView, VllmScheduler, gpukv033, is_async, make_requests, make_scheduler
 
 
 def test_gpukv_vllm_exports_the_033_classes_under_vllm_033():
@@ -41,14 +41,11 @@ def test_an_unsupported_vllm_version_is_a_clear_import_error(monkeypatch):
 
 @pytest.mark.parametrize("options", [dict(sliding_window=32), dict(sliding_window=32, hybrid=True)])
 @pytest.mark.parametrize("cls", [gpukv033.ReferenceAsyncScheduler, gpukv033.ReferenceScheduler])
-def test_sliding_windows_with_tokens_in_flight_are_refused_at_construction(cls, options):
-    """Windows run on the synchronous Scheduler without speculative decoding;
-    async scheduling or drafts put tokens in flight, whose window release
-    (by processed tokens) gpukv's managers cannot be told yet."""
+def test_sliding_windows_with_tokens_in_flight_are_accepted(cls, options):
+    """Async scheduling and drafts put tokens in flight; window blocks are
+    then released behind vLLM's processed tokens (``num_processed_tokens``)."""
     spec = {} if is_async(cls) else dict(num_speculative_tokens=2)
-    with pytest.raises(pytest.skip.Exception, match="releases window blocks by processed tokens"):
-        make_scheduler(cls, **options, **spec)
-    scheduler = make_scheduler(gpukv033.ReferenceScheduler, **options)
+    scheduler = make_scheduler(cls, **options, **spec)
     assert scheduler.kv_cache_manager.manager.sliding_windows == [None] * options.get("hybrid", False) + [32]
 
 
@@ -69,23 +66,33 @@ def test_window_configurations_gpukv_does_not_follow_are_refused():
         gpukv033.KVCacheManager(sparse, 64)
 
 
-def test_a_window_release_gpukv_would_make_differently_is_refused():
-    """A running window request with tokens in flight whose processed count
-    crosses a window block other than gpukv's computed count: refused, before
-    anything changes (the scheduler refuses such configurations up front)."""
-    scheduler = make_scheduler(gpukv033.ReferenceScheduler, sliding_window=32)
-    kvm = scheduler.kv_cache_manager
+@pytest.mark.parametrize("cls", [VllmScheduler, gpukv033.ReferenceScheduler, gpukv033.DeviceScheduler])
+def test_a_window_release_with_tokens_in_flight_is_behind_the_processed_tokens(cls):
+    """vLLM's numbers, worked by hand: a running window request with tokens in
+    flight releases behind ``num_computed_tokens - num_in_flight_tokens``,
+    at ``allocate_slots`` only (``cache_blocks`` releases nothing), and a
+    later call catches up, tail first."""
+    scheduler = make_scheduler(cls, sliding_window=32)
+    kvm, view = scheduler.kv_cache_manager, KVView(scheduler)
     engine = Engine(scheduler)
     engine.add(make_requests(1, 64, max_tokens=8, ignore_eos=True))
     engine.step()
     request = scheduler.requests["0"]
+    assert (request.num_computed_tokens, request.num_tokens) == (64, 65)
+    assert view.block_ids("0") == ([1, 2, 3, 4],)
     request.num_in_flight_tokens = 17  # as if the prefill's last 17 tokens were still running
-    free = kvm.num_free_blocks()
-    with pytest.raises(gpukv033.UnsupportedConfigError, match="releases window blocks by processed tokens"):
-        kvm.allocate_slots(request, 1)
-    assert kvm.num_free_blocks() == free
-    with pytest.raises(gpukv033.UnsupportedConfigError, match="releases window blocks by processed tokens"):
-        kvm.cache_blocks(request, 64)
+    # 47 processed: (47 - 31) // 16 = 1 block behind the window (64 computed: 2).
+    assert kvm.allocate_slots(request, 1).get_block_ids() == ([5],)
+    assert view.block_ids("0") == ([0, 2, 3, 4, 5],)
+    assert view.free_queue()[-1] == 1
+    kvm.cache_blocks(request, 64)  # a caching call releases nothing
+    assert view.block_ids("0") == ([0, 2, 3, 4, 5],)
+    request.num_in_flight_tokens = 0  # the 64 processed: the lagging release catches up
+    assert kvm.allocate_slots(request, 1).get_block_ids() == ([],)
+    assert view.block_ids("0") == ([0, 0, 3, 4, 5],)
+    assert view.free_queue()[-2:] == [1, 2]
+    if cls is not VllmScheduler:
+        kvm.manager.check_invariants()
 
 
 def test_the_engine_core_reads_the_coordinator_stand_in():

@@ -5,13 +5,16 @@ records: what makes a step-by-step comparison meaningful), that it exercises
 what it is for (hits, chunked prefill, preemption, speculative tokens, aborts,
 KV events), and every step's block tables and budgets. A gpukv class is held
 to vLLM by ``assert run_stream(gpukv_cls, config) == run_stream(VllmScheduler, config)``,
-on full attention and (the synchronous ``Scheduler`` without speculative
-decoding: what gpukv follows for windows) on sliding-window and hybrid groups.
+on full attention and on sliding-window and hybrid groups, synchronous and
+with tokens in flight (``AsyncScheduler``, speculative drafts: window blocks
+released behind vLLM's processed tokens).
 """
 
 from __future__ import annotations
 
 import pytest
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.request import RequestStatus
 
 from .harness import EXTRA_SCHEDULERS, VllmAsyncScheduler, VllmScheduler, gpukv033, is_async, scheduler_params
 from .streams import StreamConfig, coverage, run_stream
@@ -79,7 +82,7 @@ def test_gpukv_device_stream_is_vllms_step_by_step(cls):
     (the whole stream costs about 45 s under Triton's interpreter, hence not
     the whole suite: the reference runs that)."""
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
-    config = StreamConfig(seed=SEEDS[0], num_requests=12, arrival_steps=6)
+    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6)
     expected = run_stream(vllm_cls, config, check_tables=False)
     got = run_stream(cls, config)
     assert all(count > 0 for count in coverage(expected).values())  # the shorter stream still has them all
@@ -91,14 +94,17 @@ def test_gpukv_device_stream_is_vllms_step_by_step(cls):
 # ---------------------------------------------------------------- sliding windows and hybrid groups
 
 def window_streams(seed: int, **overrides) -> list:
-    """A window-only and two hybrid (full + window) streams, no speculative
-    decoding: a 32-token budget, so a 17-token window's admission cap (5
-    blocks: cdiv(16 + 32, 16) + 1) is below long prompts' blocks and decides
-    admissions; the hybrid ones preempt and see shared-prefix boundaries."""
+    """Two window-only and two hybrid (full + window) streams, no speculative
+    decoding unless ``overrides`` say so: a 32-token budget, so a 17-token
+    window's admission cap (5 blocks: cdiv(16 + 32, 16) + 1) is below long
+    prompts' blocks and decides admissions; the hybrid ones preempt and see
+    shared-prefix boundaries. A 17-token window's skip boundary (``w - 1``
+    tokens) falls on a block boundary; 20 and 24 do not, where a release
+    behind the processed tokens parts from one behind the computed ones."""
     shapes = [dict(sliding_window=17, num_blocks=12), dict(sliding_window=17, hybrid=True, num_blocks=20),
-              dict(sliding_window=20, hybrid=True, num_blocks=16)]
-    return [StreamConfig(seed=seed, num_speculative_tokens=0, max_num_batched_tokens=32, **shape, **overrides)
-            for shape in shapes]
+              dict(sliding_window=20, hybrid=True, num_blocks=16), dict(sliding_window=24, num_blocks=12)]
+    return [StreamConfig(**(dict(seed=seed, num_speculative_tokens=0, max_num_batched_tokens=32) | shape
+                            | overrides)) for shape in shapes]
 
 
 WINDOW_SEEDS = [0, 1]
@@ -142,6 +148,76 @@ def test_gpukv_device_window_stream_is_vllms_step_by_step():
     assert all(counts[name] > 0 for name in ("hits", "chunks", "preemptions", "stored_events", "removed_events"))
     assert any(b for r in expected for b in r.boundaries.values())
     assert any(b == 0 for r in expected for _, groups, _ in r.new for group in groups for b in group)
+    for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+        assert have == want, f"step {step} differs"
+    assert len(got) == len(expected)
+
+
+# ------------------------------------------- windows with tokens in flight (async scheduling, drafts)
+
+IN_FLIGHT = [pytest.param(gpukv033.ReferenceAsyncScheduler, VllmAsyncScheduler, 0, id="async"),
+             pytest.param(gpukv033.ReferenceAsyncScheduler, VllmAsyncScheduler, 2, id="async-drafts"),
+             pytest.param(gpukv033.ReferenceScheduler, VllmScheduler, 2, id="drafts")]
+
+
+def _count_parted_releases(monkeypatch) -> list[int]:
+    """Patch vLLM's ``allocate_slots`` to count the running requests' calls
+    where a window group's release behind the processed tokens
+    (``total_computed - num_in_flight_tokens``) stops elsewhere than one
+    behind the computed tokens would."""
+    parted = [0]
+    original = VllmKVCacheManager.allocate_slots
+
+    def allocate_slots(self, request, *args, **kwargs):
+        if request.status == RequestStatus.RUNNING:
+            computed = min(request.num_computed_tokens, self.max_model_len)
+            processed = max(0, computed - request.num_in_flight_tokens)
+            for manager in self.coordinator.single_type_managers:
+                bs = manager.block_size
+                if manager.get_num_skipped_tokens(processed) // bs != manager.get_num_skipped_tokens(computed) // bs:
+                    parted[0] += 1
+        return original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(VllmKVCacheManager, "allocate_slots", allocate_slots)
+    return parted
+
+
+@pytest.mark.parametrize("cls, vllm_cls, num_spec", IN_FLIGHT)
+@pytest.mark.parametrize("seed", WINDOW_SEEDS)
+def test_gpukv_window_streams_with_tokens_in_flight_are_vllms_step_by_step(cls, vllm_cls, num_spec, seed,
+                                                                          monkeypatch):
+    """Window-only and hybrid streams on the reference backend with tokens in
+    flight: async scheduling (the batch before still in flight), speculative
+    drafts (accepted ones put vLLM's computed tokens ahead of gpukv's until
+    they are appended), or both. Every step equals vLLM's; the async streams
+    make releases where the processed and the computed tokens part, and the
+    drafts streams accept drafts."""
+    parted = _count_parted_releases(monkeypatch)
+    accepted = 0
+    for config in window_streams(seed, num_speculative_tokens=num_spec):
+        expected = run_stream(vllm_cls, config, check_tables=False)
+        accepted += sum(r.spec[2] for r in expected if r.spec)
+        got = run_stream(cls, config)
+        for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+            assert have == want, f"{config}: step {step} differs"
+        assert len(got) == len(expected)
+    assert parted[0] > 0 or vllm_cls is VllmScheduler  # (synchronous: nothing in flight at allocate_slots)
+    assert accepted > 0 or not num_spec
+
+
+DEVICE_IN_FLIGHT = [pytest.param(gpukv033.DeviceAsyncScheduler, VllmAsyncScheduler, 0, id="device-async"),
+                    pytest.param(gpukv033.DeviceScheduler, VllmScheduler, 2, id="device-drafts")]
+
+
+@pytest.mark.parametrize("cls, vllm_cls, num_spec", DEVICE_IN_FLIGHT)
+def test_gpukv_device_window_stream_with_tokens_in_flight_is_vllms_step_by_step(cls, vllm_cls, num_spec):
+    """The device backend's host plan releasing behind the processed tokens:
+    one short hybrid stream (a 20-token window) under async scheduling, and
+    one with drafts."""
+    config = window_streams(1, num_requests=6, arrival_steps=3, max_output_tokens=12,
+                            num_speculative_tokens=num_spec)[2]
+    expected = run_stream(vllm_cls, config, check_tables=False)
+    got = run_stream(cls, config)
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"
     assert len(got) == len(expected)

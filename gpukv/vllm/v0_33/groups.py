@@ -12,10 +12,6 @@ themselves: ``gpukv.windows``):
   (``cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), block_size)
   + 1``; ``single_type_kv_cache_manager.py:215-227``,
   ``kv_cache_interface.py:918-944``);
-* window blocks are released by processed tokens, ``total_computed -
-  num_in_flight_tokens`` (``kv_cache_manager.py:555-568``), while gpukv
-  releases by its own computed tokens: ``releases_differ`` says when the two
-  part;
 * the hit lookup order of the hybrid coordinator (equal specs looked up
   together, full attention first; ``kv_cache_coordinator.py:718-775``),
   whose first group's lone hit is the shared-prefix boundary's
@@ -41,15 +37,6 @@ class UnsupportedConfigError(InvalidInputError):
 
 def refuse(what: str, fix: str, argument: str = "vllm_config") -> UnsupportedConfigError:
     return UnsupportedConfigError(f"gpukv's vLLM 0.33 adapter does not support {what}", argument=argument, fix=fix)
-
-
-WINDOWS_NEED_PROCESSED_RELEASE = (
-    "sliding-window groups with tokens in flight (async scheduling, two or more batches in flight, speculative "
-    "decoding): vLLM 0.33 releases window blocks by processed tokens (num_computed_tokens - num_in_flight_tokens), "
-    "gpukv's managers by the tokens they computed, and they cannot be told the processed count yet")
-"""Why window groups are refused with tokens in flight (the core change that
-lifts it: ``allocate_slots`` releasing window blocks by a processed-token
-count the caller gives, docs/design.md "Under vLLM 0.33")."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +76,6 @@ class KVGroups:
             required = min(per_group, cap) if capped and cap is not None else per_group
             total += max(required - num_hit_blocks, 0)
         return total
-
-    def releases_differ(self, num_processed: int, num_computed: int) -> bool:
-        """Whether a window group releases other blocks behind ``num_processed``
-        tokens (vLLM 0.33) than behind ``num_computed`` (gpukv)."""
-        return any(p.skipped(num_processed) != p.skipped(num_computed) for p in self.policies if p.window)
 
     def longest_single_group_hit(self, is_cached: Callable[[int, int], bool], max_blocks: int) -> int:
         """The hit, in blocks, of vLLM's first lookup group alone (its

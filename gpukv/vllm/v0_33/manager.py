@@ -25,10 +25,11 @@ Where a 0.33 rule lives (one home each):
   and ``reserved_blocks``: checked here before gpukv is called (``_fits``,
   the counts ``groups.KVGroups.blocks_to_admit``), since gpukv checks only
   the blocks it is about to take;
-* window release by processed tokens: gpukv releases by its computed tokens,
-  the same blocks whenever nothing is in flight; ``_grow`` refuses a call
-  where the two part (``groups.KVGroups.releases_differ``), and the
-  scheduler refuses the configurations that have tokens in flight;
+* window release by processed tokens (``total_computed -
+  num_in_flight_tokens``, ``kv_cache_manager.py:555-568``): ``_grow`` hands
+  vLLM's count to gpukv's ``allocate_slots(num_processed_tokens=...)``, and
+  the gpukv manager releases behind it (``gpukv.windows``:
+  ``released_until``); ``cache_blocks`` releases nothing, as vLLM's;
 * the shared-prefix boundary (``get_computed_blocks``' third value): vLLM's
   first lookup group's lone hit when longer than the hit, from the index of
   cached hashes per group that the event stream keeps (``events``);
@@ -46,9 +47,8 @@ delayed caching, ``evict_blocks``, ``pop_blocks_for_free``), the
 aux-output connector, Mamba, fine-grained partial hits (hash block size below
 the block size) and their copy-on-write, KV-cache zeroing, encoder-decoder
 models, EAGLE's block drop, hash lookahead, decode context parallelism,
-sliding-window groups with tokens in flight (async scheduling, speculative
-decoding: ``groups.WINDOWS_NEED_PROCESSED_RELEASE``), sparse retention and
-windows under 2 tokens, multimodal and prompt-embedding requests.
+sparse retention and windows under 2 tokens, multimodal and prompt-embedding
+requests.
 """
 
 from __future__ import annotations
@@ -60,12 +60,7 @@ from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
 from gpukv.vllm.v0_33.events import EventTranslator
-from gpukv.vllm.v0_33.groups import (
-    WINDOWS_NEED_PROCESSED_RELEASE,
-    UnsupportedConfigError,
-    check_kv_cache_config,
-    refuse,
-)
+from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.views import NULL_BLOCK, Block, CoordinatorView, InertHooks, NoBlockPool
 
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "make_backend"]
@@ -273,20 +268,20 @@ class KVCacheManager(InertHooks):
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_computed_tokens`` tokens
         (vLLM 0.33's ``update_from_output`` under async scheduling or
-        speculative decoding: blocks the verified tokens filled)."""
+        speculative decoding: blocks the verified tokens filled); releases
+        nothing, as vLLM's (``num_processed_tokens=0``: no window block is
+        released behind 0 tokens)."""
         rid = request.request_id
         if not self.enable_caching or rid not in self._requests:
             return
-        if self.groups.has_windows:  # (called only with tokens in flight, and gpukv would release here too)
-            raise refuse(WINDOWS_NEED_PROCESSED_RELEASE, "use the synchronous Scheduler without speculative "
-                         "decoding for sliding-window models, or vLLM's own scheduler", argument="cache_blocks")
         _check_count(num_computed_tokens, "num_computed_tokens", 0)
         (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self.manager.row_of(rid)]))
         target = min(num_computed_tokens, request.num_tokens)
         if target // self.block_size <= computed // self.block_size:
             return  # no block more is full: nothing to cache (nor to tell gpukv)
         chunk = None if target == request.num_tokens else target - computed
-        self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0)
+        self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
+                                    num_processed_tokens=0)
         self._drain(request)
 
     def free(self, request: Any) -> None:
@@ -408,17 +403,15 @@ class KVCacheManager(InertHooks):
     def _grow(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int) -> Any:
         """More blocks for a running request: gpukv appends what vLLM appended
         and computes (so caches) vLLM's cached tokens; the rest of vLLM's
-        slots (drafts, placeholders, lookahead) are gpukv lookahead slots."""
+        slots (drafts, placeholders, lookahead) are gpukv lookahead slots.
+        Window groups release behind vLLM's processed tokens, the computed
+        ones less those in flight (``kv_cache_manager.py:555-568``)."""
         rid = request.request_id
         (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self.manager.row_of(rid)]))
         total = min(request.num_computed_tokens, self.max_model_len)
         need_slot = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         target = max(min(total + num_new_tokens, request.num_tokens), computed)
-        # gpukv releases window blocks by its computed tokens, vLLM by the processed ones: the same blocks here?
-        if self.groups.has_windows and self.groups.releases_differ(max(0, total - request.num_in_flight_tokens),
-                                                                   computed):
-            raise refuse(WINDOWS_NEED_PROCESSED_RELEASE, "use the synchronous Scheduler without speculative "
-                         "decoding for sliding-window models, or vLLM's own scheduler", argument="request")
+        processed = max(0, total - request.num_in_flight_tokens)
         if reserved_blocks and not self._fits(self._blocks_to_grow(rid, need_slot), 0, reserved_blocks):
             return None
         chunk = None if target == request.num_tokens else target - computed
@@ -426,7 +419,7 @@ class KVCacheManager(InertHooks):
             raise AssertionError(f"request {rid!r}: vLLM schedules {num_new_tokens} tokens past "
                                  f"{request.num_computed_tokens} computed, none of them past gpukv's {computed}")
         new = self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk,
-                                          num_lookahead_tokens=need_slot - target)
+                                          num_lookahead_tokens=need_slot - target, num_processed_tokens=processed)
         if new is None:
             return None
         self._drain(request)

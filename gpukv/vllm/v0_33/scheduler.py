@@ -13,9 +13,9 @@ hence the two classes. gpukv's batched ``schedule()`` (vLLM 0.8.5's
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
 (``_refuse_unsupported``; ``gpukv/vllm/v0_33/manager.py`` lists them).
-Sliding-window and hybrid models run on ``Scheduler`` without speculative
-decoding; with tokens in flight (``AsyncScheduler``, async scheduling,
-drafts) they are refused (``groups.WINDOWS_NEED_PROCESSED_RELEASE`` says why).
+Sliding-window and hybrid models run on both, with or without speculative
+decoding: with tokens in flight, window blocks are released behind vLLM's
+processed tokens (``KVCacheManager._grow``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
-from gpukv.vllm.v0_33.groups import WINDOWS_NEED_PROCESSED_RELEASE, UnsupportedConfigError, check_kv_cache_config
+from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.manager import KVCacheManager
 
 
@@ -37,15 +37,7 @@ def _refuse_unsupported(scheduler: Any, kv_cache_config: Any) -> None:
         return UnsupportedConfigError(f"gpukv's vLLM 0.33 scheduler does not support {what}",
                                       argument="vllm_config", fix=fix)
 
-    groups = check_kv_cache_config(kv_cache_config)
-    config = scheduler.vllm_config
-    if groups.has_windows and (isinstance(scheduler, VllmAsyncScheduler) or config.scheduler_config.async_scheduling
-                               or config.max_concurrent_batches > 1 or scheduler.num_spec_tokens
-                               or scheduler.num_lookahead_tokens):
-        raise UnsupportedConfigError(f"gpukv's vLLM 0.33 scheduler does not support {WINDOWS_NEED_PROCESSED_RELEASE}",
-                                     argument="vllm_config",
-                                     fix="run a sliding-window model on gpukv.vllm.Scheduler (async_scheduling="
-                                         "False) without speculative decoding, or on vLLM's own scheduler")
+    check_kv_cache_config(kv_cache_config)
     if scheduler.connector is not None:
         raise refuse("a KV connector (kv_transfer_config)", "drop kv_transfer_config, or use vLLM's own scheduler")
     if scheduler.aux_output_connector is not None:
