@@ -187,7 +187,6 @@ class DeviceManager(CallContext, SharedManagerAPI):
         num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key = _checked_args(
             num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key)
         self.device = device
-        self._batch_device = device  # a RunningBatch's tokens may be a tensor on it
         # The stream every call runs on (module docstring, "Streams"); None without CUDA.
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.block_size = block_size
@@ -237,6 +236,9 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self._releases = Releases(self)
         self._gather = OutputGather(self)  # what a step hands back (``gpukv.outputs``)
         self._launches = SharedLaunches(self)  # what more than one part launches
+
+    def _batch_device(self) -> torch.device:
+        return self.device  # a RunningBatch's tokens may be a tensor on it (a model runner's sampled ids)
 
     @property
     def rows_generation(self) -> int:

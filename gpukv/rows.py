@@ -159,13 +159,10 @@ class DeviceRows:
         device) equals the number of block-table entries of the rows
         ``held_rows`` names (request id -> row) that hold it, and no other row
         is in use."""
-        held = np.zeros(pool.num_blocks, dtype=np.int64)
-        bt = self.block_table.cpu().numpy()
-        for row in held_rows.values():
-            for g in range(self.num_groups):
-                for b in bt[g, row, : int(self.num_held[row])]:
-                    if b:
-                        held[b] += 1
+        rows = np.fromiter(held_rows.values(), np.int64, len(held_rows))
+        tables = self.block_table.cpu().numpy()[:, rows]  # [G, R, M]
+        within = np.arange(tables.shape[2]) < self.num_held[rows][:, None]  # each row's first num_held positions
+        held = np.bincount(tables[:, within].ravel(), minlength=pool.num_blocks)  # (the null block 0 not compared)
         assert held[1:].tolist() == pool.ref_counts()[1:], "reference counts disagree with the block tables"
         assert sorted(held_rows.values()) == sorted(np.flatnonzero(self.in_use).tolist()), "row leak"
 

@@ -10,13 +10,13 @@ size, its limits), the reads that are arithmetic over other reads,
 
 Each manager sets ``_key``, ``_limits``, ``pool`` (with ``num_blocks``) and
 ``_rows`` (``in_use``, ``num_tokens``, ``num_computed``: one entry per row,
-``gpukv.rows``), and implements the hooks below that raise
-``NotImplementedError``.
+``gpukv.rows``), and implements the abstract hooks below.
 """
 
 from __future__ import annotations
 
 import warnings
+from abc import ABCMeta, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +37,7 @@ from gpukv.request import (
 from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
 
 
-class SharedManagerAPI(FailStop):
+class SharedManagerAPI(FailStop, metaclass=ABCMeta):
     """The part of the request-level API both managers share (the module
     docstring); a manager subclasses it and adds how it keeps its state."""
 
@@ -45,9 +45,6 @@ class SharedManagerAPI(FailStop):
     _limits: ManagerLimits
     pool: Any
     _rows: Any
-    #: Where a ``RunningBatch``'s token tensor may live besides the host
-    #: (``gpukv.running.normalize_running``): the device manager's device.
-    _batch_device: torch.device | None = None
     #: Whether the properties that read the pool wait for a GPU (then they
     #: are deprecated: ``gpukv.api``, "Naming rule").
     _PROPERTIES_WAIT = False
@@ -78,11 +75,13 @@ class SharedManagerAPI(FailStop):
         return self._limits
 
     # ----------------------------------------- the pool's counts, read
+    @abstractmethod
     def read_num_free_blocks(self) -> int:
-        raise NotImplementedError
+        """Free blocks now (the device manager reads the device)."""
 
+    @abstractmethod
     def read_num_evictions(self) -> int:
-        raise NotImplementedError
+        """Cached blocks evicted so far (the device manager reads the device)."""
 
     @reading
     def read_usage(self) -> float:
@@ -170,22 +169,23 @@ class SharedManagerAPI(FailStop):
         (update,) = self._normalize((), [update], (), single=True).running
         return self._allocate_running(update)
 
+    @abstractmethod
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
                       num_lookahead_tokens: int | None) -> list[list[int]] | None:
-        raise NotImplementedError
+        """``allocate_slots`` for a new request (its arguments not checked yet)."""
 
+    @abstractmethod
     def _allocate_running(self, update: RunningUpdate) -> list[list[int]] | None:
         """A checked running update's blocks, or None (nothing changed) when they do not fit."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------ checks
+    @abstractmethod
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
         """Every argument checked and normalised (``gpukv.request``), before anything changes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _row_of(self, request_id: str) -> int:
         """The row of a request the manager holds (its id checked)."""
-        raise NotImplementedError
 
     def _normalize_step(self, finished, running, new) -> tuple[Step, RunningRows | None]:
         """``step()``'s arguments checked; a ``RunningBatch`` apart."""
@@ -193,6 +193,11 @@ class SharedManagerAPI(FailStop):
             return self._normalize(finished, running, new), None
         step = self._normalize(finished, (), new)
         return step, self._normalize_running(running, [self._row_of(rid) for rid in step.finished])
+
+    def _batch_device(self) -> torch.device | None:
+        """Where a ``RunningBatch``'s token tensor may live besides the host
+        (``gpukv.running.normalize_running``): nowhere (the reference)."""
+        return None
 
     def _normalize_running(self, batch: Any, finished_rows: Sequence[int] = ()) -> RunningRows:
         """A ``RunningBatch`` checked (``gpukv.running.normalize_running``);
@@ -203,4 +208,4 @@ class SharedManagerAPI(FailStop):
             in_use = in_use.copy()
             in_use[list(finished_rows)] = False
         return normalize_running(batch, in_use, rows.num_tokens.__getitem__, rows.num_computed.__getitem__,
-                                 self._limits, self._batch_device)
+                                 self._limits, self._batch_device())

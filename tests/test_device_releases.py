@@ -1,5 +1,7 @@
 """``gpukv.device.releases``: a release's size buckets and kept launches."""
 
+import pytest
+
 from gpukv.kernels import _common
 from gpukv.manager import DeviceManager
 from gpukv.request import NewRequest
@@ -31,3 +33,19 @@ def test_a_release_frees_tail_first_and_forgets_the_request():
         m._releases.requests(["a"])
     assert m.free_queue() == [3, 2, 1, 4, 5, 6, 7]  # uncached blocks to the front, tail first
     assert m.request_ids() == [] and not m._rows.in_use.any() and m._row_ids == {}
+
+
+def test_the_rows_check_counts_every_held_entry_and_catches_a_wrong_one():
+    """``DeviceRows.check_against`` (``check_invariants``): a reference count
+    one off, or a row in use that no request holds, is caught."""
+    m = DeviceManager(16, 2, hash_key=KEY, max_model_len=32, max_num_reqs=4, device="cpu",
+                      sliding_windows=[None, 4])
+    m.step(new=[NewRequest("a", list(range(9))), NewRequest("b", list(range(9)))])  # b shares a's full blocks
+    m.check_invariants()
+    m.pool.ref_cnt[m.get_block_ids("a")[0][0]] += 1
+    with pytest.raises(AssertionError, match="reference counts disagree"):
+        m.check_invariants()
+    m.pool.ref_cnt[m.get_block_ids("a")[0][0]] -= 1
+    m._rows.in_use[3] = True
+    with pytest.raises(AssertionError, match="row leak"):
+        m.check_invariants()
