@@ -198,16 +198,14 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self._win_dev = torch.tensor(self._window_blocks, dtype=torch.int32, device=self.device)
         self.max_model_len = max_model_len
         self.uncached_first = bool(uncached_first)
-        # Without caching no lookup runs (every hit is 0, the stats still count
-        # the queries, as the reference's) and no block is ever recorded.
+        # Without caching no lookup runs (hits 0, queries still counted, as the reference's); no block is recorded.
         self.enable_caching = bool(enable_caching)
         self.pool = DevicePool(num_blocks, block_size, self.device, uncached_first=uncached_first)
         self._key = key
         self._limits = ManagerLimits(block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
         self._root_lanes = _lanes(hashing.root_digest(self._key))
         self._key_dev = key_lanes(self._key, self.device)
-        # Request rows: tokens, digests and block tables on the device, counts
-        # mirrored on the host (``gpukv.rows.DeviceRows``).
+        # Request rows: tokens, digests, block tables on the device, counts on the host (``gpukv.rows.DeviceRows``).
         self._rows = DeviceRows(max_num_reqs, num_groups=self.num_groups, max_model_len=max_model_len,
                                 block_size=block_size, device=self.device)
         self._reqs: dict[str, int] = {}  # request id -> row
@@ -242,8 +240,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
 
     @property
     def rows_generation(self) -> int:
-        """Bumped when the row tensors are reallocated (captured graphs and
-        prepared launches hold the old ones)."""
+        """Bumped when the row tensors are reallocated (captured graphs and prepared launches hold the old ones)."""
         return self._rows.generation
 
     def __repr__(self) -> str:  # never show the key
@@ -256,6 +253,11 @@ class DeviceManager(CallContext, SharedManagerAPI):
     def read_num_free_blocks(self) -> int:
         """Free blocks now; reads the device (waits for the GPU)."""
         return self._reads.num_free_blocks()
+
+    @reading
+    def free_blocks_lower_bound(self) -> int:
+        """Free blocks there are at least: the last read's count less what was taken since (host only, no read)."""
+        return int(self._free_lower_bound)
 
     @reading
     def read_num_evictions(self) -> int:
@@ -308,6 +310,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         block's count equals the number of block-table rows that hold it."""
         self.pool.check_invariants(self._key, verify_digests=verify_digests)
         self._rows.check_against(self.pool, self._reqs)
+        self._reads.check_free_lower_bound()
 
     # ------------------------------------------------------- host-only reads
     @reading
@@ -349,14 +352,12 @@ class DeviceManager(CallContext, SharedManagerAPI):
         """The prefix-cache stats since the last call (then zeroed); host only."""
         self._begin_changes()
         stats, self._stats = self._stats, PrefixCacheStats()
-        stats.reset = self._reset_flag
-        self._reset_flag = False
+        stats.reset, self._reset_flag = self._reset_flag, False
         return stats
 
     @mutating
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block, when no request holds a block (else
-        False, nothing changed); reads the device."""
+        """Forget every cached block, when no request holds a block (else False, nothing changed); reads the device."""
         self._begin_changes()
         if self.read_num_free_blocks() != self.num_blocks - 1:
             return False
@@ -455,9 +456,9 @@ class DeviceManager(CallContext, SharedManagerAPI):
         numpy, CPU tensors) is checked on the host, as ``step()``'s tokens
         are, before anything changes.
         ``num_tokens_to_compute``: None (each row computes every known token)
-        or one chunk per row; ``num_lookahead_tokens``: slots reserved beyond
-        the computed tokens (speculative decoding), one int or one per row,
-        never cached.
+        or one chunk per row (0 where none is left); ``num_lookahead_tokens``:
+        slots reserved beyond the computed tokens (speculative decoding), one
+        int or one per row, never cached.
 
         The host plans the step with numpy (no Python per request) into one
         int32 buffer, uploads it through pinned memory, and launches a fixed
@@ -540,8 +541,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
 
     # ------------------------------------------------------------- checking
     def _state(self, request_id: str) -> int:
-        """The row of a running request (InvalidTypeError for an id that is
-        not a plain str, UnknownRequestError for one not held)."""
+        """A running request's row (InvalidTypeError: an id not a plain str; UnknownRequestError: one not held)."""
         if type(request_id) is not str:
             raise request_id_type_error(request_id, "request_id")
         try:

@@ -367,6 +367,12 @@ class ReferenceManager(SharedManagerAPI):
         return self.pool.num_free_blocks
 
     @reading
+    def free_blocks_lower_bound(self) -> int:
+        """Free blocks there are at least (the device manager's host-only
+        bound): here, exactly the free blocks."""
+        return self.pool.num_free_blocks
+
+    @reading
     def read_num_evictions(self) -> int:
         """Cached blocks evicted so far (the device manager's name)."""
         return self.pool.num_evictions

@@ -41,7 +41,8 @@ class RunningBatch:
     or, with ``num_new_tokens`` (``[B]`` ints >= 0), all of them flat in row
     order (``sum(num_new_tokens)`` ids on the host: a ragged batch, e.g.
     decodes beside chunked prefills). ``num_tokens_to_compute``: None (each
-    computes every known token) or one chunk per row. ``num_lookahead_tokens``:
+    computes every known token) or one chunk per row (0 for a row with no
+    token left to compute). ``num_lookahead_tokens``:
     slots reserved beyond the computed tokens, never cached: one int for
     every row, or one per row."""
 
@@ -303,13 +304,16 @@ def _decode_token_rows(arr: np.ndarray, num_rows: int, fix: str, copy: bool = Tr
 def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndarray, lookahead: Any,
                             limits: ManagerLimits) -> tuple[np.ndarray | None, int | np.ndarray]:
     """A decode's ``num_tokens_to_compute`` (None, or one int per row, each
-    in ``[1, remaining]``) and ``num_lookahead_tokens`` (an int >= 0, or one
-    per row), checked in one vectorised pass: ``remaining`` are the rows'
-    known tokens not computed yet after the append, ``computed`` their
-    computed tokens."""
+    in ``[1, remaining]``, or 0 where ``remaining`` is 0: a row with nothing
+    to compute that only reserves lookahead slots, as an async scheduler's
+    row whose sampled token is still in flight) and ``num_lookahead_tokens``
+    (an int >= 0, or one per row), checked in one vectorised pass:
+    ``remaining`` are the rows' known tokens not computed yet after the
+    append, ``computed`` their computed tokens."""
     la = normalize_lookahead(lookahead, len(remaining))
     chunks = None
-    fix = "pass None to compute every known token, or one int per row from 1 to its tokens not computed yet"
+    fix = ("pass None to compute every known token, or one int per row from 1 to its tokens not computed yet "
+           "(0 for a row with none left)")
     if value is not None:
         if isinstance(value, torch.Tensor):
             if value.device.type != "cpu":
@@ -329,10 +333,10 @@ def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndar
             raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got {arr.dtype} of shape "
                                    f"{arr.shape}", argument="num_tokens_to_compute", fix=fix)
         chunks = arr.astype(np.int64)
-        bad = np.flatnonzero((chunks < 1) | (chunks > remaining))
+        bad = np.flatnonzero((chunks < np.minimum(remaining, 1)) | (chunks > remaining))
         if bad.size:
             i = int(bad[0])
-            what = ("has no token left to compute" if remaining[i] == 0
+            what = ("has no token left to compute (0 is its only chunk)" if remaining[i] == 0
                     else f"must compute 1 to {int(remaining[i])} tokens")
             raise InvalidInputError(f"rows[{i}] {what}, got num_tokens_to_compute[{i}] = {int(chunks[i])}",
                                     argument="num_tokens_to_compute", fix=fix)

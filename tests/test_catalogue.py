@@ -381,6 +381,8 @@ CASES = [
      CapacityError, "num_lookahead_tokens"),
     ("decode-chunk-nothing-left", lambda m: m.decode([m.row_of("a")], None, num_tokens_to_compute=[1]),
      InvalidInputError, "num_tokens_to_compute"),
+    ("decode-chunk-0-with-tokens-left", lambda m: m.decode([m.row_of("a")], [7], num_tokens_to_compute=[0]),
+     InvalidInputError, "num_tokens_to_compute"),
     ("decode-chunk-past-known", lambda m: m.decode([m.row_of("a")], [7], num_tokens_to_compute=[2]),
      InvalidInputError, "num_tokens_to_compute"),
     ("decode-chunks-wrong-length", lambda m: m.decode([m.row_of("a")], [7], num_tokens_to_compute=[1, 1]),

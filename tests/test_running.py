@@ -205,6 +205,33 @@ def test_a_known_block_that_fills_beyond_the_chunk_is_hashed_then():
         assert probe.num_tokens == 4
 
 
+def test_a_row_with_nothing_left_takes_a_chunk_of_0_and_its_lookahead_slots():
+    # An async scheduler's row whose sampled token is still in flight: nothing
+    # appended, every known token computed; it reserves 3 slots past its 6
+    # tokens (9: a third block) beside a row that decodes a token.
+    for m in managers():
+        res = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6]), NewRequest("b", [7, 8, 9, 10])], block_ids=True)
+        assert res.admitted_block_ids == [[[1, 2], [3]]]
+        out = m.step(running=RunningBatch(res.rows, [11], num_new_tokens=[0, 1], num_tokens_to_compute=[0, 1],
+                                          num_lookahead_tokens=[3, 0]), block_ids=True)
+        assert out.running_block_ids == [[[4], [5]]]
+        assert m.row_token_counts(res.rows)[1].tolist() == [6, 5]
+        m.check_invariants()
+
+
+def test_the_free_blocks_lower_bound_never_passes_the_free_blocks():
+    # The reference's is exact; the device's is what its last read said less
+    # what it has taken since (no read of its own).
+    for m in managers():
+        rows = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6]), NewRequest("b", [7, 8, 9, 10])]).rows
+        assert m.free_blocks_lower_bound() == m.read_num_free_blocks() == 12
+        m.decode(rows, [[11, 12, 13]] * 2)  # a: 9 tokens, 3 blocks; b: 7 tokens, 2 blocks
+        assert m.free_blocks_lower_bound() == 10 == m.read_num_free_blocks()
+        m.free("a")
+        assert m.free_blocks_lower_bound() <= m.read_num_free_blocks() == 13
+        m.check_invariants()
+
+
 def _held_state(m: DeviceManager) -> tuple:
     """What a step that gives a request nothing must leave as it was: the
     pool (reference counts, free queue, hash table, cached blocks' records)

@@ -48,8 +48,18 @@ class DeviceReads:
 
     # ------------------------------------------------------------ the pool
     def num_free_blocks(self) -> int:
-        """Free blocks now."""
-        return int(self._m._read(self._m.pool.free_count)[0])
+        """Free blocks now (also the host's lower bound from here on)."""
+        n = int(self._m._read(self._m.pool.free_count)[0])
+        self._m._free_lower_bound = n
+        return n
+
+    def check_free_lower_bound(self) -> None:
+        """The host's lower bound of free blocks is at most the free blocks
+        (``check_invariants``)."""
+        free = int(self._m._read(self._m.pool.free_count)[0])
+        if self._m._free_lower_bound > free:
+            raise AssertionError(f"the host's lower bound of free blocks {self._m._free_lower_bound} is above the "
+                                 f"{free} free blocks")
 
     def num_evictions(self) -> int:
         """Cached blocks evicted so far."""

@@ -18,7 +18,9 @@ Which vLLM is installed picks the adapter, at import:
 * vLLM 0.33.x: ``gpukv.vllm.v0_33``: ``KVCacheManager`` (0.33's interface),
   ``Scheduler`` and ``AsyncScheduler`` (vLLM 0.33's, on it; async is the
   engine's default), ``ReferenceScheduler``, ``ReferenceAsyncScheduler``,
-  ``DeviceScheduler``, ``DeviceAsyncScheduler``, ``UnsupportedConfigError``.
+  ``DeviceScheduler``, ``DeviceAsyncScheduler`` (the running loop's
+  allocations batched into one gpukv step), ``Unbatched*`` of the four (one
+  gpukv call per request), ``UnsupportedConfigError``.
 
 * Any other vLLM: an ImportError naming the supported versions.
 """
@@ -63,10 +65,16 @@ elif VLLM_VERSION.startswith("0.33."):
         ReferenceAsyncScheduler,
         ReferenceScheduler,
         Scheduler,
+        UnbatchedDeviceAsyncScheduler,
+        UnbatchedDeviceScheduler,
+        UnbatchedReferenceAsyncScheduler,
+        UnbatchedReferenceScheduler,
         UnsupportedConfigError,
     )
 
     __all__ = ["AsyncScheduler", "Block", "DeviceAsyncScheduler", "DeviceScheduler", "KVCacheManager",
-               "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnsupportedConfigError"]
+               "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnbatchedDeviceAsyncScheduler",
+               "UnbatchedDeviceScheduler", "UnbatchedReferenceAsyncScheduler", "UnbatchedReferenceScheduler",
+               "UnsupportedConfigError"]
 else:
     raise ImportError(f"gpukv.vllm supports vLLM {' and '.join(SUPPORTED)}; found vLLM {VLLM_VERSION}; {_INSTALL}")

@@ -41,6 +41,7 @@ class StreamConfig:
     sliding_window: int | None = None  # a sliding-window group of this many tokens (None: full attention only)
     hybrid: bool = False  # with sliding_window: a full-attention group, then the window group
     max_output_tokens: int = 47  # each request's output budget: 1..this many tokens
+    kv_events: bool = True  # False: no KV events (what gpukv's batched running loop needs)
 
 
 @dataclass
@@ -102,7 +103,8 @@ def record_results(record: StepRecord, results, scheduler) -> None:
             s = stats.spec_decoding_stats
             record.spec = None if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
             record.usage = round(stats.kv_cache_usage, 9)
-    record.events.extend(_event(e) for e in scheduler.kv_event_publisher.take())
+    if scheduler.enable_kv_cache_events:
+        record.events.extend(_event(e) for e in scheduler.kv_event_publisher.take())
 
 
 def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
@@ -153,7 +155,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
                                num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
-                               enable_kv_cache_events=True)
+                               enable_kv_cache_events=config.kv_events)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=BlockTables() if check_tables else None)

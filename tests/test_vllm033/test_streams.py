@@ -80,20 +80,23 @@ def test_gpukv_stream_is_vllms_step_by_step(cls, seed):
     assert len(got) == len(expected)  # (after the steps: the first that differs says more)
 
 
-DEVICE = [pytest.param(gpukv033.DeviceScheduler, id="gpukv-device"),
-          pytest.param(gpukv033.DeviceAsyncScheduler, id="gpukv-device-async")]
+DEVICE = [pytest.param(gpukv033.DeviceScheduler, True, id="gpukv-device"),
+          pytest.param(gpukv033.DeviceAsyncScheduler, False, id="gpukv-device-async-batched")]
 
 
-@pytest.mark.parametrize("cls", DEVICE)
-def test_gpukv_device_stream_is_vllms_step_by_step(cls):
+@pytest.mark.parametrize(("cls", "kv_events"), DEVICE)
+def test_gpukv_device_stream_is_vllms_step_by_step(cls, kv_events):
     """The device backend on one stream of half the requests, sync and async
     (the whole stream costs about 45 s under Triton's interpreter, hence not
-    the whole suite: the reference runs that)."""
+    the whole suite: the reference runs that); with KV events one gpukv call
+    per request, without them the batched running loop
+    (``test_batched.py``)."""
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
-    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6)
+    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6, kv_events=kv_events)
     expected = run_stream(vllm_cls, config, check_tables=False)
     got = run_stream(cls, config)
-    assert all(count > 0 for count in coverage(expected).values())  # the shorter stream still has them all
+    exercised = {name: count for name, count in coverage(expected).items() if kv_events or "events" not in name}
+    assert all(count > 0 for count in exercised.values()), exercised  # the shorter stream still has them all
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"
     assert len(got) == len(expected)

@@ -5,8 +5,10 @@
 * ``AsyncScheduler`` / ``Scheduler``: vLLM 0.33's ``AsyncScheduler`` (async
   scheduling, the engine's default) and ``Scheduler`` running on it,
   ``vllm serve MODEL --scheduler-cls gpukv.vllm.AsyncScheduler``;
-  ``Reference*`` and ``Device*`` pin the backend. vLLM's own scheduling loop
-  (no batched ``schedule()`` for 0.33).
+  ``Reference*`` and ``Device*`` pin the backend. vLLM's own scheduling
+  loop, its running requests' allocations batched into one gpukv step
+  (``gpukv.vllm.v0_33.pending``); ``Unbatched*`` make one gpukv call per
+  request.
 * ``UnsupportedConfigError``: what a refused configuration raises.
 """
 
@@ -20,7 +22,13 @@ from gpukv.vllm.v0_33.scheduler import (
     ReferenceAsyncScheduler,
     ReferenceScheduler,
     Scheduler,
+    UnbatchedDeviceAsyncScheduler,
+    UnbatchedDeviceScheduler,
+    UnbatchedReferenceAsyncScheduler,
+    UnbatchedReferenceScheduler,
 )
 
 __all__ = ["AsyncScheduler", "Block", "DeviceAsyncScheduler", "DeviceScheduler", "KVCacheManager",
-           "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnsupportedConfigError"]
+           "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnbatchedDeviceAsyncScheduler",
+           "UnbatchedDeviceScheduler", "UnbatchedReferenceAsyncScheduler", "UnbatchedReferenceScheduler",
+           "UnsupportedConfigError"]

@@ -53,17 +53,36 @@ requests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
 
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
-from gpukv.vllm.v0_33.views import NULL_BLOCK, Block, CoordinatorView, InertHooks, NoBlockPool
+from gpukv.vllm.v0_33.pending import PendingGrowth
+from gpukv.vllm.v0_33.views import Block, CoordinatorView, InertHooks, NoBlockPool, blocks_of
 
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "make_backend"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def flushing(method: F) -> F:
+    """A method that reads or changes gpukv's state: the running requests'
+    pending allocations are applied first (``gpukv.vllm.v0_33.pending``)."""
+
+    @functools.wraps(method)
+    def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        if self.pending.rows:
+            self.pending.flush()
+        return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
@@ -93,6 +112,12 @@ class KVCacheManager(InertHooks):
     ``max_model_len``, vLLM's default);
     ``backend`` ("auto", "reference", "device") picks the gpukv manager
     underneath (``.manager``), ``max_num_reqs`` its first request rows.
+
+    ``batching`` (set by ``gpukv.vllm.v0_33``'s schedulers for the span of a
+    ``schedule()``): running requests' allocations are answered on the host
+    and applied as one gpukv step (``gpukv.vllm.v0_33.pending``), when every
+    group is full attention and KV events are off; ``flush()`` applies them
+    (every method that reads or changes gpukv's state does so first).
     """
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, *, enable_caching: bool = True,
@@ -134,11 +159,24 @@ class KVCacheManager(InertHooks):
                                     max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
+        # Their rows and block positions per group, [row, held], for the batched path's host arithmetic.
+        self._held: dict[str, list[int]] = {}
+        # The last admission's (request id, block ids): vLLM's get_blocks right after it needs no read.
+        self._admitted: tuple[str, list[list[int]]] | None = None
         # Each request's last lookup, handed back by allocate_slots: (what vLLM got, gpukv's hit).
         self._looked_up: dict[str, tuple[Any, ComputedBlocks]] = {}
+        self.batching = False
+        # The batched path answers on the host only what host arithmetic decides (module docstring).
+        self.can_batch = not self.groups.has_windows and not self._events.active
+        self.pending = PendingGrowth(self)  # (the running loop's calls, answered, not yet applied)
 
     # ------------------------------------------------------------ reading
+    def flush(self) -> None:
+        """Apply the running requests' pending allocations (one gpukv step)."""
+        self.pending.flush()
+
     @property
+    @flushing
     def usage(self) -> float:
         """vLLM 0.33's ``1 - free / (num_blocks - 1)``: the null block is not
         part of the usable pool (reads the device)."""
@@ -165,15 +203,19 @@ class KVCacheManager(InertHooks):
         stats: Any = self.prefix_cache_stats  # (vLLM 0.33's; mypy may see 0.8.5's, without ``record``)
         stats.record(num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0)
 
+    @flushing
     def get_blocks(self, request_id: str) -> Any:
         """The request's blocks per group (the shared empty instance if it holds none)."""
         request = self._requests.get(request_id)
         if request is None:
             return self.empty_kv_cache_blocks
-        ids = self.manager.get_block_ids(request_id)
+        admitted, self._admitted = self._admitted, None
+        ids = admitted[1] if admitted is not None and admitted[0] == request_id else self.manager.get_block_ids(
+            request_id)
         cached = self._num_cached_blocks(request)
-        return self.create_kv_cache_blocks(tuple(self._blocks(request, group, 0, cached) for group in ids))
+        return self.create_kv_cache_blocks(tuple(blocks_of(request, group, cached, self.block_size) for group in ids))
 
+    @flushing
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (``([],) * groups`` for an unknown id)."""
         if request_id not in self._requests:
@@ -185,6 +227,7 @@ class KVCacheManager(InertHooks):
         n = -(-num_computed_tokens // self.block_size)
         return tuple(ids[:n] for ids in self.get_block_ids(request_id))
 
+    @flushing
     def estimate_cached_tokens(self, request: Any) -> int:
         """The tokens of the request's blocks that carry a hash (vLLM's
         estimate for the prefill stats): its cached blocks, in tokens."""
@@ -197,6 +240,7 @@ class KVCacheManager(InertHooks):
         every group is empty (vLLM's scheduler compares with it)."""
         return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
+    @flushing
     def take_events(self) -> list[Any]:
         """vLLM's KV events since the last call (``BlockStored`` annotated
         with its group's spec kind and window)."""
@@ -207,6 +251,7 @@ class KVCacheManager(InertHooks):
         self.coordinator.new_step_starts()
 
     # ------------------------------------------------------------ lookups and allocation
+    @flushing
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
         """The request's cache hit: ``(KVCacheBlocks, hit tokens, shared-prefix
         boundary)``. The hit covers at most ``max_cache_hit_length`` tokens
@@ -227,7 +272,7 @@ class KVCacheManager(InertHooks):
         if not computed.num_tokens:
             self._looked_up.pop(request.request_id, None)
             return self.empty_kv_cache_blocks, 0, boundary
-        blocks = self.create_kv_cache_blocks(tuple(self._blocks(request, ids, 0, len(ids))
+        blocks = self.create_kv_cache_blocks(tuple(blocks_of(request, ids, len(ids), self.block_size)
                                                    for ids in computed.block_ids))
         self._looked_up[request.request_id] = (blocks, computed)
         return blocks, computed.num_tokens, boundary
@@ -242,6 +287,7 @@ class KVCacheManager(InertHooks):
         (``KVCacheBlocks``, the empty instance when none are new), or None
         when they do not fit, nothing changed then. Caches the full blocks of
         ``min(computed + num_new_tokens, num_tokens)`` tokens, as vLLM does."""
+        self._admitted = None  # (get_blocks' shortcut: only right after the admission)
         if num_external_computed_tokens or delay_cache_blocks or skip_zeroing_group_ids:
             raise UnsupportedConfigError("external (KV-connector) tokens, delayed caching and zeroing are not "
                                          "followed by gpukv's adapter", argument="num_external_computed_tokens",
@@ -261,17 +307,23 @@ class KVCacheManager(InertHooks):
                 raise InvalidInputError(f"request {request.request_id!r} is running; computed blocks are for "
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
+            if self.batching and self.can_batch and not reserved_blocks:
+                return self.pending.add(request, self._held[request.request_id], num_new_tokens,
+                                         num_lookahead_tokens, self.max_model_len)
+            self.flush()
             return self._grow(request, num_new_tokens, num_lookahead_tokens, reserved_blocks)
+        self.flush()
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
 
+    @flushing
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_computed_tokens`` tokens
         (vLLM 0.33's ``update_from_output`` under async scheduling or
         speculative decoding: blocks the verified tokens filled); releases
         nothing, as vLLM's (``num_processed_tokens=0``: no window block is
         released behind 0 tokens)."""
-        rid = request.request_id
+        rid, self._admitted = request.request_id, None
         if not self.enable_caching or rid not in self._requests:
             return
         _check_count(num_computed_tokens, "num_computed_tokens", 0)
@@ -282,17 +334,21 @@ class KVCacheManager(InertHooks):
         chunk = None if target == request.num_tokens else target - computed
         self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
                                     num_processed_tokens=0)
+        self._note_held(rid)
         self._drain(request)
 
+    @flushing
     def free(self, request: Any) -> None:
         """Give back the request's blocks (tail first, group by group; vLLM
         0.33's free order is gpukv's ``uncached_first``). A request holding
         none (waiting, or preempted already) frees nothing."""
-        rid = request.request_id
+        rid, self._admitted = request.request_id, None
         self._looked_up.pop(rid, None)
+        self._held.pop(rid, None)
         if self._requests.pop(rid, None) is not None:
             self.manager.free(rid)
 
+    @flushing
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block when no request holds one (else False)."""
         ok = bool(self.manager.reset_prefix_cache())
@@ -302,19 +358,26 @@ class KVCacheManager(InertHooks):
         return ok
 
     # ------------------------------------------------------------ inspection (not vLLM's)
+    @flushing
     def num_free_blocks(self) -> int:
         """Free blocks, evictable cached ones included (reads the device)."""
         return self.manager.read_num_free_blocks()
 
+    @flushing
     def request_ids(self) -> list[str]:
         """Ids of the requests holding blocks."""
         return list(self._requests)
 
+    @flushing
     def check_invariants(self) -> None:
         """The manager's invariants, and the adapter holding what it holds."""
         self.manager.check_invariants()
         held = set(self.manager.request_ids())
-        if held != set(self._requests):
+        for rid, (row, positions) in self._held.items():
+            if (row, positions) != (self.manager.row_of(rid), self.manager.num_blocks_held(rid)):
+                raise AssertionError(f"request {rid!r}: the adapter's row and block positions {row, positions} are "
+                                     "not the manager's")
+        if held != set(self._requests) or held != set(self._held):
             raise AssertionError(f"the adapter's requests {sorted(self._requests)} are not the manager's "
                                  f"{sorted(held)}")
 
@@ -344,26 +407,6 @@ class KVCacheManager(InertHooks):
                                                        min(max_hit_blocks, len(hashes))) * self.block_size
         return longest if longest > num_hit_tokens else 0
 
-    def _computed_for(self, request: Any, num_new_computed_tokens: int, blocks: Any) -> ComputedBlocks | None:
-        """gpukv's hit for the computed blocks vLLM hands back: those of the
-        request's last lookup, or none."""
-        if not _has_blocks(blocks):
-            if num_new_computed_tokens:
-                raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} without computed blocks",
-                                        argument="new_computed_blocks", fix="pass what get_computed_blocks returned")
-            return None
-        looked_up = self._looked_up.get(request.request_id)
-        if looked_up is None or (blocks is not looked_up[0] and blocks.get_block_ids() != looked_up[0].get_block_ids()):
-            raise InvalidInputError(f"new_computed_blocks are not the hit of request {request.request_id!r}'s last "
-                                    "lookup", argument="new_computed_blocks",
-                                    fix="call get_computed_blocks(request) and pass its blocks unchanged")
-        computed = looked_up[1]
-        if num_new_computed_tokens != computed.num_tokens:
-            raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} is not the hit's "
-                                    f"{computed.num_tokens} tokens", argument="num_new_computed_tokens",
-                                    fix="pass the token count get_computed_blocks returned")
-        return computed
-
     def _admit(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int, blocks: Any,
                num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> Any:
@@ -374,12 +417,13 @@ class KVCacheManager(InertHooks):
             raise UnsupportedConfigError(f"request {request.request_id!r} comes with {request.num_computed_tokens} "
                                          "computed tokens but holds no blocks (a KV-connector path)",
                                          argument="request", fix="run without a KV connector")
-        computed = self._computed_for(request, num_new_computed_tokens, blocks)
+        computed = _handed_back_hit(self._looked_up.get(request.request_id), request, num_new_computed_tokens,
+                                    blocks)
         hit = computed.num_tokens if computed is not None else 0
         hit_ids = computed.block_ids if computed is not None else [[]] * self.num_kv_cache_groups
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in (
             RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
-        touched = self._num_evictable(hit_ids) if hit else 0
+        touched = _num_evictable(self.manager, hit_ids) if hit else 0
         need_slot = min(hit + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         target = min(hit + num_new_tokens, request.num_tokens)
         hit_blocks = hit // self.block_size
@@ -397,6 +441,9 @@ class KVCacheManager(InertHooks):
         if new is None:
             return None
         self._requests[request.request_id] = request
+        self._admitted = (request.request_id, [list(h) + g for h, g in zip(hit_ids, new, strict=True)])
+        self._held[request.request_id] = [self.manager.row_of(request.request_id), 0]
+        self._note_held(request.request_id)
         self._drain(request)
         return self._new_blocks(new)
 
@@ -412,7 +459,7 @@ class KVCacheManager(InertHooks):
         need_slot = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         target = max(min(total + num_new_tokens, request.num_tokens), computed)
         processed = max(0, total - request.num_in_flight_tokens)
-        if reserved_blocks and not self._fits(self._blocks_to_grow(rid, need_slot), 0, reserved_blocks):
+        if reserved_blocks and not self._fits(_blocks_to_grow(self.manager, rid, need_slot), 0, reserved_blocks):
             return None
         chunk = None if target == request.num_tokens else target - computed
         if chunk == 0:
@@ -422,28 +469,19 @@ class KVCacheManager(InertHooks):
                                           num_lookahead_tokens=need_slot - target, num_processed_tokens=processed)
         if new is None:
             return None
+        self._note_held(rid)
         self._drain(request)
         return self._new_blocks(new)
 
+    def _note_held(self, request_id: str) -> None:
+        self._held[request_id][1] = self.manager.num_blocks_held(request_id)
+
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
         """vLLM's fit check: the blocks to take plus the watermark within the
-        free blocks less ``reserved`` (reads the device)."""
-        return num_blocks + watermark <= self.manager.read_num_free_blocks() - reserved
-
-    def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
-        per_group = -(-num_tokens // self.block_size)
-        return sum(max(per_group - len(ids), 0) for ids in self.manager.get_block_ids(request_id))
-
-    def _num_evictable(self, hit_ids: Sequence[Sequence[int]]) -> int:
-        """Hit blocks no request holds: a hit takes them out of the free
-        queue, so they count as blocks to take (vLLM's fit check)."""
-        ids = sorted({b for group in hit_ids for b in group if b})
-        if not ids:
-            return 0
-        pool = self.manager.pool
-        if self.backend == "device":
-            return int((pool.ref_cnt[ids] == 0).sum().item())
-        return sum(1 for b in ids if pool.ref_cnt[b] == 0)
+        free blocks less ``reserved`` (reads the device past the manager's
+        host-only lower bound)."""
+        need = num_blocks + watermark + reserved
+        return need <= self.manager.free_blocks_lower_bound() or need <= self.manager.read_num_free_blocks()
 
     def _num_cached_blocks(self, request: Any) -> int:
         """Leading blocks of a held request that are cached: the full blocks
@@ -451,14 +489,6 @@ class KVCacheManager(InertHooks):
         if not self.enable_caching:
             return 0
         return min(self.manager.num_computed_tokens(request.request_id), request.num_tokens) // self.block_size
-
-    def _blocks(self, request: Any, ids: Sequence[int], start: int, num_cached: int) -> list[Block]:
-        """``Block``\\ s for ``ids`` at positions from ``start``: those before
-        ``num_cached`` carry the request's vLLM block hash, but the null block."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        return [NULL_BLOCK if not b else Block(b, hashes[i], (i + 1) * bs) if i < num_cached else Block(b)
-                for i, b in enumerate(ids, start)]
 
     def _new_blocks(self, new: list[list[int]]) -> Any:
         """The ``KVCacheBlocks`` of blocks an allocation just took: ids only,
@@ -491,6 +521,46 @@ def _check_request(request: Any, max_model_len: int) -> None:
         raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
                                      "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
                                      fix="send text prompts, or use vLLM's own scheduler")
+
+
+def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks] | None, request: Any, num_new_computed_tokens: int,
+                     blocks: Any) -> ComputedBlocks | None:
+    """gpukv's hit for the computed blocks vLLM hands back to ``allocate_slots``:
+    those of the request's last lookup (``looked_up``: what vLLM got, gpukv's
+    hit), or none."""
+    if not _has_blocks(blocks):
+        if num_new_computed_tokens:
+            raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} without computed blocks",
+                                    argument="new_computed_blocks", fix="pass what get_computed_blocks returned")
+        return None
+    if looked_up is None or (blocks is not looked_up[0] and blocks.get_block_ids() != looked_up[0].get_block_ids()):
+        raise InvalidInputError(f"new_computed_blocks are not the hit of request {request.request_id!r}'s last "
+                                "lookup", argument="new_computed_blocks",
+                                fix="call get_computed_blocks(request) and pass its blocks unchanged")
+    computed = looked_up[1]
+    if num_new_computed_tokens != computed.num_tokens:
+        raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} is not the hit's "
+                                f"{computed.num_tokens} tokens", argument="num_new_computed_tokens",
+                                fix="pass the token count get_computed_blocks returned")
+    return computed
+
+
+def _blocks_to_grow(manager: Any, request_id: str, num_tokens: int) -> int:
+    """The blocks a running request takes to hold ``num_tokens`` slots."""
+    per_group = -(-num_tokens // manager.block_size)
+    return sum(max(per_group - len(ids), 0) for ids in manager.get_block_ids(request_id))
+
+
+def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
+    """Hit blocks no request holds: a hit takes them out of the free queue,
+    so they count as blocks to take (vLLM's fit check)."""
+    ids = sorted({b for group in hit_ids for b in group if b})
+    if not ids:
+        return 0
+    ref_cnt = manager.pool.ref_cnt
+    if isinstance(ref_cnt, torch.Tensor):  # (the device manager's: one read)
+        return int((ref_cnt[ids] == 0).sum().item())
+    return sum(1 for b in ids if ref_cnt[b] == 0)
 
 
 def _has_blocks(blocks: Any) -> bool:

@@ -2,13 +2,19 @@
 ``--scheduler-cls gpukv.vllm.AsyncScheduler`` (async scheduling, vLLM
 0.33's default) or ``gpukv.vllm.Scheduler``.
 
-vLLM's own scheduling loop, unchanged (one block-manager call per request):
-after vLLM's ``__init__`` builds its ``KVCacheManager``, the mixin swaps in
-``gpukv.vllm.v0_33.KVCacheManager``, which answers every call as vLLM's
-manager does. A plain ``Scheduler`` subclass under async scheduling would run
-every other batch empty (the output placeholders are ``AsyncScheduler``'s),
-hence the two classes. gpukv's batched ``schedule()`` (vLLM 0.8.5's
-``gpukv.vllm.Scheduler.batched``) is not offered for 0.33.
+vLLM's own scheduling loop, unchanged: after vLLM's ``__init__`` builds its
+``KVCacheManager``, the mixin swaps in ``gpukv.vllm.v0_33.KVCacheManager``,
+which answers every call as vLLM's manager does. A plain ``Scheduler``
+subclass under async scheduling would run every other batch empty (the
+output placeholders are ``AsyncScheduler``'s), hence the two classes.
+
+The batched path (``batched``, the default): during ``schedule()`` the
+running requests' allocations are answered on the host and applied as one
+gpukv step (``gpukv.vllm.v0_33.pending``: one gpukv call and at most one
+device read for the whole running loop, not one of each per request); the
+waiting loop's lookups and admissions stay one call per request. Models with
+sliding-window groups and runs with KV events take the per-request path
+throughout; ``Unbatched*`` classes always do.
 
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
@@ -60,9 +66,12 @@ class _GpukvManagerMixin:
     """Swaps vLLM's ``KVCacheManager`` for gpukv's after vLLM's constructor.
 
     ``backend`` (class attribute): "auto" (the device manager on CUDA, the
-    reference elsewhere), "reference" or "device"."""
+    reference elsewhere), "reference" or "device". ``batched`` (class
+    attribute, or set on an instance): the running loop's allocations as one
+    gpukv step (True, the default) or one gpukv call each (False)."""
 
     backend = "auto"
+    batched = True
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)  # type: ignore[call-arg]
@@ -74,6 +83,17 @@ class _GpukvManagerMixin:
             watermark=me.scheduler_config.watermark, max_in_flight_tokens=me.vllm_config.max_in_flight_tokens,
             backend=self.backend,
             max_num_reqs=min(max(1, me.max_num_running_reqs), 64))  # (rows grow past it)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``schedule()``, the running loop's allocations batched
+        when ``batched`` (they are applied before it returns)."""
+        kv: Any = self.kv_cache_manager  # type: ignore[attr-defined]
+        kv.batching = bool(self.batched)
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            kv.batching = False
+            kv.flush()
 
 
 class Scheduler(_GpukvManagerMixin, VllmScheduler):
@@ -106,3 +126,27 @@ class DeviceAsyncScheduler(AsyncScheduler):
     """``AsyncScheduler`` on the device manager."""
 
     backend = "device"
+
+
+class UnbatchedReferenceScheduler(ReferenceScheduler):
+    """``ReferenceScheduler`` with one gpukv call per running request (vLLM's loop, no batched path)."""
+
+    batched = False
+
+
+class UnbatchedReferenceAsyncScheduler(ReferenceAsyncScheduler):
+    """``ReferenceAsyncScheduler`` with one gpukv call per running request."""
+
+    batched = False
+
+
+class UnbatchedDeviceScheduler(DeviceScheduler):
+    """``DeviceScheduler`` with one gpukv call per running request."""
+
+    batched = False
+
+
+class UnbatchedDeviceAsyncScheduler(DeviceAsyncScheduler):
+    """``DeviceAsyncScheduler`` with one gpukv call per running request."""
+
+    batched = False

@@ -30,6 +30,15 @@ class Block:
 NULL_BLOCK = Block(0)
 
 
+def blocks_of(request: Any, ids: Any, num_cached: int, block_size: int) -> list[Block]:
+    """``Block``\\ s for a request's block ids (from position 0): those
+    before ``num_cached`` carry the request's vLLM block hash, but the null
+    block."""
+    hashes = request.block_hashes
+    return [NULL_BLOCK if not b else Block(b, hashes[i], (i + 1) * block_size) if i < num_cached else Block(b)
+            for i, b in enumerate(ids)]
+
+
 @dataclass(frozen=True, slots=True)
 class SingleTypeView:
     """What the engine core and the scheduler read of one of vLLM's

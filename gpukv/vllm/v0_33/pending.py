@@ -1,0 +1,173 @@
+"""The running requests' allocations of one vLLM 0.33 ``schedule()``, as one
+gpukv step (the batched path under 0.33).
+
+vLLM's running loop asks for each running request's blocks in turn and
+needs only a yes or a no before its next call: the block ids are read later,
+when the ``SchedulerOutput`` is built. With full-attention groups only, the
+answer is host arithmetic: a request holds ``ceil(slots / block_size)``
+blocks per group, a call that needs more takes them from the free blocks,
+and it fits when they are there (``kv_cache_manager.py:570-588``, no
+watermark or reserve for a running request). So, inside ``schedule()``, the
+adapter answers each such call on the host and keeps its work here
+(``PendingGrowth.add``); the work is applied as one
+``step(running=RunningBatch)`` (``flush``) before anything reads or changes
+gpukv's state (a lookup, an admission, a free, block ids, events, usage) and
+when ``schedule()`` returns. gpukv's step runs the rows in order, each
+taking its blocks from the free queue's front as the calls one by one would,
+so the blocks, their order and what is cached are those of vLLM's calls; the
+step's ``running_failed_at`` must then be None, or the host's count was wrong
+(an ``AssertionError``, never a silent difference).
+
+The free blocks come from the manager's ``free_blocks_lower_bound()`` (no
+device read); only when a request needs more than that bound is the device
+read (``read_num_free_blocks``). A step costs one gpukv call and, when some
+request got a new block, the one read of its block ids, whatever the number
+of running requests.
+
+Window groups (vLLM releases their blocks between the calls) and KV events
+(their order within a step is vLLM's per call) keep the per-request path
+(``KVCacheManager.batching``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpukv.running import RunningBatch
+from gpukv.vllm.v0_33.views import Block
+
+_LAZY_CLASSES: dict[type, type] = {}
+
+
+def pending_blocks_class(blocks_cls: type) -> type:
+    """A subclass of vLLM's ``KVCacheBlocks`` whose ``blocks`` are filled by
+    the flush of the growth they belong to (reading them flushes it)."""
+    cls = _LAZY_CLASSES.get(blocks_cls)
+    if cls is None:
+        class PendingKVCacheBlocks(blocks_cls):  # type: ignore[misc,valid-type]
+            """New blocks of a running request whose allocation is pending."""
+
+            def __init__(self, pending: PendingGrowth) -> None:  # (not the dataclass's: blocks come later)
+                self._pending = pending
+                self._filled: tuple | None = None
+
+            @property
+            def blocks(self) -> tuple:  # type: ignore[override]
+                if self._filled is None:
+                    self._pending.flush()
+                if self._filled is None:
+                    raise AssertionError("a pending allocation's blocks were not filled by its flush")
+                return self._filled
+
+        cls = _LAZY_CLASSES[blocks_cls] = PendingKVCacheBlocks
+    return cls
+
+
+class PendingGrowth:
+    """Running requests' allocations answered on the host, applied as one
+    gpukv step: ``add`` a request's call (None when it does not fit, nothing
+    kept then), ``flush`` them all. ``adapter``: the
+    ``gpukv.vllm.v0_33.KVCacheManager`` (its ``manager``, ``block_size``,
+    ``num_kv_cache_groups``, ``empty_kv_cache_blocks``)."""
+
+    def __init__(self, adapter: Any) -> None:
+        self._adapter = adapter
+        self._lazy_cls = pending_blocks_class(adapter._blocks_cls)
+        self.num_calls = 0  # calls answered on the host, since construction
+        self.num_steps = 0  # gpukv steps they were applied in
+        self.num_reads = 0  # free counts read from the device (a call past the host's bound)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.rows: list[int] = []
+        self.requests: list[Any] = []
+        self.totals: list[int] = []  # vLLM's computed tokens at the call (capped at max_model_len)
+        self.num_new: list[int] = []
+        self.known: list[int] = []  # vLLM's known tokens at the call
+        self.slots: list[int] = []  # the slots the request needs after the call
+        self.lazy: list[Any] = []  # the blocks handed back, per call: None when no block is new
+        self.taken = 0  # blocks the calls so far take, per the host
+        self.spare: int | None = None  # free blocks known to be left for the next call
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, request: Any, held: list[int], num_new_tokens: int, num_lookahead_tokens: int,
+            max_model_len: int) -> Any:
+        """vLLM's ``allocate_slots(request, num_new_tokens,
+        num_lookahead_tokens=...)`` for a running request at row ``held[0]``
+        holding ``held[1]`` blocks per group (the adapter's record, which
+        this updates): its new blocks (the empty instance when none are new,
+        else blocks filled at the flush), or None when they do not fit."""
+        a = self._adapter
+        total = min(request.num_computed_tokens, max_model_len)
+        slots = min(total + num_new_tokens + num_lookahead_tokens, max_model_len)
+        new_per_group = max(-(-slots // a.block_size) - held[1], 0)
+        if new_per_group and not self._take(new_per_group * a.num_kv_cache_groups):
+            return None
+        held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
+        self.rows.append(held[0])
+        self.requests.append(request)
+        self.totals.append(total)
+        self.num_new.append(num_new_tokens)
+        self.known.append(request.num_tokens)
+        self.slots.append(slots)
+        self.num_calls += 1
+        blocks = self._lazy_cls(self) if new_per_group else None
+        self.lazy.append(blocks)
+        return a.empty_kv_cache_blocks if blocks is None else blocks
+
+    def _take(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` more fit after what the calls so far take
+        (the manager's lower bound first; a device read only past it)."""
+        m = self._adapter.manager
+        if self.spare is None:
+            self.spare = m.free_blocks_lower_bound() - self.taken
+        if num_blocks > self.spare:
+            self.num_reads += 1
+            self.spare = m.read_num_free_blocks() - self.taken
+            if num_blocks > self.spare:
+                return False
+        self.spare -= num_blocks
+        self.taken += num_blocks
+        return True
+
+    def flush(self) -> None:
+        """Apply the pending calls as one gpukv step, in call order, and fill
+        the blocks handed back."""
+        if not self.rows:
+            return
+        try:
+            batch = self._batch()
+            wants_ids = any(b is not None for b in self.lazy)
+            result = self._adapter.manager.step(running=batch, block_ids=wants_ids)
+            self.num_steps += 1
+            if result.running_failed_at is not None:
+                raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
+                                     "host counted as fitting: the host's block arithmetic is wrong")
+            if wants_ids:
+                for i, blocks in enumerate(self.lazy):
+                    if blocks is not None:
+                        blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
+        finally:
+            self._clear()
+
+    def _batch(self) -> RunningBatch:
+        """The pending calls as a ``RunningBatch``: each appends the tokens
+        vLLM knows past gpukv's, computes (so caches) up to vLLM's computed
+        tokens after the call, capped at its known ones (never below gpukv's
+        computed), and reserves the rest of its slots as lookahead (the
+        adapter's ``_grow``, per row)."""
+        m = self._adapter.manager
+        rows = np.array(self.rows, dtype=np.int64)
+        held, computed = m.row_token_counts(rows)
+        known = np.array(self.known, dtype=np.int64)
+        targets = np.maximum(np.minimum(np.array(self.totals) + np.array(self.num_new), known), computed)
+        counts = known - held
+        tokens: list[int] = []
+        for r, h, k in zip(self.requests, held.tolist(), known.tolist(), strict=True):
+            if k > h:
+                tokens.extend(r.all_token_ids[h:k])
+        return RunningBatch(rows, tokens, counts, targets - computed, np.array(self.slots) - targets)

@@ -1,0 +1,226 @@
+"""gpukv's batched running loop under vLLM 0.33 (``gpukv.vllm.v0_33.pending``).
+
+Inside ``schedule()`` the running requests' ``allocate_slots`` calls are
+answered on the host and applied as one gpukv step. Held to vLLM's own
+scheduler step by step on random streams (KV events off: with them on, and
+with sliding windows, the adapter keeps one call per request, which
+``test_streams.py`` holds to vLLM), with roomy and tight pools (preemption
+inside the running loop, after some calls are pending); counted (one gpukv
+step per ``schedule()``, flat in the running requests); and taken apart
+(the blocks handed back fill at the flush, a refusal keeps nothing, every
+reader flushes first, a host count gpukv disagrees with raises).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpukv.vllm.v0_33.pending import PendingGrowth
+
+from .harness import (
+    Engine,
+    VllmAsyncScheduler,
+    VllmScheduler,
+    gpukv033,
+    is_async,
+    make_requests,
+    make_scheduler,
+)
+from .streams import StreamConfig, coverage, run_stream
+
+SEEDS = [0, 1, 2, 3]
+REFERENCE = [pytest.param(gpukv033.ReferenceScheduler, id="ref"),
+             pytest.param(gpukv033.ReferenceAsyncScheduler, id="ref-async")]
+
+
+def _assert_same_steps(expected: list, got: list) -> None:
+    for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+        assert have == want, f"step {step} differs"
+    assert len(got) == len(expected)
+
+
+class _Counting:
+    """Every ``PendingGrowth`` made while it is on, for its counters."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.made: list[PendingGrowth] = []
+        init = PendingGrowth.__init__
+
+        def counting_init(pending: PendingGrowth, adapter: object) -> None:
+            init(pending, adapter)
+            self.made.append(pending)
+
+        monkeypatch.setattr(PendingGrowth, "__init__", counting_init)
+
+    def totals(self) -> tuple[int, int, int]:
+        return (sum(p.num_calls for p in self.made), sum(p.num_steps for p in self.made),
+                sum(p.num_reads for p in self.made))
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("num_spec", [0, 2])
+@pytest.mark.parametrize("num_blocks", [20, 13])
+def test_batched_streams_are_vllms_step_by_step(cls, num_spec, num_blocks, monkeypatch):
+    """Each step's ``SchedulerOutput``, tokens, stats and usage equal vLLM's
+    on four seeds; the batched path answered most running calls, and the
+    tight pool (13 blocks) made it read the device past its bound (the
+    preemptions inside the running loop)."""
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    preempted = 0
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=num_spec, num_blocks=num_blocks)
+        expected = run_stream(vllm_cls, config, check_tables=False)
+        _assert_same_steps(expected, run_stream(cls, config))
+        preempted += coverage(expected)["preemptions"]
+    calls, steps, reads = counting.totals()
+    assert calls > steps > 0
+    if num_blocks == 20:  # (max_num_seqs 6: several running requests a step, one gpukv step for them)
+        assert calls > 3 * steps
+    else:  # (a preemption flushes the calls before it: more steps)
+        assert preempted > 0 and reads > 0
+
+
+def test_unbatched_classes_make_one_call_per_request(monkeypatch):
+    counting = _Counting(monkeypatch)
+    config = StreamConfig(seed=0, kv_events=False)
+    expected = run_stream(VllmAsyncScheduler, config, check_tables=False)
+    _assert_same_steps(expected, run_stream(gpukv033.UnbatchedReferenceAsyncScheduler, config))
+    assert counting.totals() == (0, 0, 0)
+
+
+def test_events_and_windows_keep_the_per_request_path(monkeypatch):
+    counting = _Counting(monkeypatch)
+    run_stream(gpukv033.ReferenceScheduler, StreamConfig(seed=0))  # (KV events on)
+    run_stream(gpukv033.ReferenceScheduler, StreamConfig(seed=0, kv_events=False, sliding_window=17,
+                                                         num_speculative_tokens=0, max_num_batched_tokens=32,
+                                                         num_blocks=12))
+    assert counting.totals() == (0, 0, 0)
+
+
+# ---------------------------------------------------------------- counts
+
+def _decoding(cls: type, n: int) -> tuple[object, Engine]:
+    """A scheduler with ``n`` requests of 20 tokens decoding (prefilled)."""
+    scheduler = make_scheduler(cls, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=256, num_blocks=400)
+    engine = Engine(scheduler)
+    engine.add(make_requests(n, 20, max_tokens=200, ignore_eos=True, scheduler=scheduler))
+    for _ in range(3):
+        engine.step()
+    return scheduler, engine
+
+
+@pytest.mark.parametrize("n", [4, 24])
+def test_a_decode_step_is_one_gpukv_step_whatever_the_requests(n, monkeypatch):
+    """The reference, ``n`` running requests: ``schedule()`` makes one gpukv
+    ``step`` and no per-request ``allocate_slots``, then one more ``step``
+    when the decode fills a block (vLLM's block size 16: request tokens 20
+    -> 32 across the steps)."""
+    scheduler, engine = _decoding(gpukv033.ReferenceScheduler, n)
+    manager = scheduler.kv_cache_manager.manager
+    calls = {"step": 0, "allocate_slots": 0}
+    for name in calls:
+        real = getattr(manager, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(manager, name, counted)
+    for _ in range(14):
+        before = dict(calls)
+        out = engine.step()
+        assert len(out.num_scheduled_tokens) == n
+        assert calls["step"] - before["step"] == 1
+        assert calls["allocate_slots"] == before["allocate_slots"]
+
+
+def test_the_device_reads_at_most_once_a_decode_step():
+    """The device manager under the batched ``Scheduler``: at most one read
+    a step (the new blocks' ids, when a block fills), for 4 and 12 running
+    requests alike."""
+    for n in (4, 12):
+        scheduler, engine = _decoding(gpukv033.DeviceScheduler, n)
+        manager = scheduler.kv_cache_manager.manager
+        reads = []
+        real = manager._read
+
+        def counted(*args, _real=real, _reads=reads, **kwargs):
+            _reads.append(1)
+            return _real(*args, **kwargs)
+
+        manager._read = counted
+        per_step = []
+        for _ in range(13):
+            before = len(reads)
+            engine.schedule()
+            per_step.append(len(reads) - before)
+            engine.complete()
+        assert max(per_step) == 1 and min(per_step) == 0, (n, per_step)
+
+
+# ---------------------------------------------------------------- the parts
+
+def _adapter_with_running(n: int = 2, num_blocks: int = 400) -> tuple[object, object, list]:
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=8, max_num_batched_tokens=512,
+                               max_model_len=256, num_blocks=num_blocks)
+    engine = Engine(scheduler)
+    requests = make_requests(n, 16, max_tokens=100, ignore_eos=True, scheduler=scheduler)
+    engine.add(requests)
+    engine.step()
+    return scheduler.kv_cache_manager, engine, requests
+
+
+def test_blocks_handed_back_fill_at_the_flush_and_match_one_call_each():
+    kv, _, requests = _adapter_with_running()
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16  # (vLLM's count after the prefill; one new token needs a second block)
+    got = [kv.allocate_slots(r, 1) for r in requests]
+    assert len(kv.pending) == 2 and all(g._filled is None for g in got)
+    ids = [g.get_block_ids() for g in got]  # (reading one flushes all)
+    assert len(kv.pending) == 0
+    held = [kv.manager.get_block_ids(r.request_id) for r in requests]
+    assert ids == [([h[0][1]],) for h in held]
+    assert ids[0] != ids[1]
+    kv.batching = False
+    kv.check_invariants()
+
+
+def test_a_call_that_does_not_fit_keeps_nothing():
+    kv, _, requests = _adapter_with_running(num_blocks=4)  # null block + 2 prefills: one block free
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16
+    first = kv.allocate_slots(requests[0], 1)
+    assert kv.allocate_slots(requests[1], 1) is None
+    assert len(kv.pending) == 1
+    assert first.get_block_ids() == ([3],)
+    assert kv.manager.read_num_free_blocks() == 0
+    kv.check_invariants()
+
+
+def test_every_reader_flushes_first():
+    kv, _, requests = _adapter_with_running()
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16
+    kv.allocate_slots(requests[0], 1)
+    assert kv.manager.num_blocks_held(requests[0].request_id) == 1  # (pending)
+    assert kv.get_block_ids(requests[0].request_id)[0][1] > 0  # a reader: applied first
+    kv.allocate_slots(requests[1], 1)
+    kv.free(requests[1])
+    assert len(kv.pending) == 0 and requests[1].request_id not in kv.request_ids()
+
+
+def test_a_host_count_gpukv_refuses_raises():
+    kv, _, requests = _adapter_with_running(num_blocks=4)
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16
+    kv.pending.spare = 5  # (a wrong host count: one block is free)
+    kv.allocate_slots(requests[0], 1)
+    kv.allocate_slots(requests[1], 1)
+    with pytest.raises(AssertionError, match="host's block arithmetic"):
+        kv.flush()
+    assert len(kv.pending) == 0
