@@ -580,7 +580,11 @@ class BlockTables:
     def check(self, scheduler: Any) -> None:
         """Every running request's table equals the blocks its manager holds,
         a position the manager has released behind a sliding window (now the
-        null block, 0) excepted."""
+        null block, 0) excepted; and a gpukv reference adapter's invariants
+        (the device's cost a second under the interpreter: checked at the
+        end, ``KVView.assert_empty``)."""
+        if is_gpukv(scheduler) and scheduler.kv_cache_manager.backend == "reference":
+            scheduler.kv_cache_manager.check_invariants()
         view = KVView(scheduler)
         for request in scheduler.running:
             held = view.block_ids(request.request_id)

@@ -159,7 +159,8 @@ class KVCacheManager(InertHooks):
                                     max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
-        # Their rows and block positions per group, [row, held], for the batched path's host arithmetic.
+        # Their rows, block positions per group and gpukv's computed tokens, [row, positions, computed]: the
+        # batched path's host arithmetic and cache_blocks' early-out, with no call to the manager.
         self._held: dict[str, list[int]] = {}
         # The last admission's (request id, block ids): vLLM's get_blocks right after it needs no read.
         self._admitted: tuple[str, list[list[int]]] | None = None
@@ -327,10 +328,10 @@ class KVCacheManager(InertHooks):
         if not self.enable_caching or rid not in self._requests:
             return
         _check_count(num_computed_tokens, "num_computed_tokens", 0)
-        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self.manager.row_of(rid)]))
         target = min(num_computed_tokens, request.num_tokens)
-        if target // self.block_size <= computed // self.block_size:
+        if target // self.block_size <= self._held[rid][2] // self.block_size:
             return  # no block more is full: nothing to cache (nor to tell gpukv)
+        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self._held[rid][0]]))
         chunk = None if target == request.num_tokens else target - computed
         self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
                                     num_processed_tokens=0)
@@ -373,10 +374,11 @@ class KVCacheManager(InertHooks):
         """The manager's invariants, and the adapter holding what it holds."""
         self.manager.check_invariants()
         held = set(self.manager.request_ids())
-        for rid, (row, positions) in self._held.items():
-            if (row, positions) != (self.manager.row_of(rid), self.manager.num_blocks_held(rid)):
-                raise AssertionError(f"request {rid!r}: the adapter's row and block positions {row, positions} are "
-                                     "not the manager's")
+        m = self.manager
+        for rid, record in self._held.items():
+            if record != [m.row_of(rid), m.num_blocks_held(rid), m.num_computed_tokens(rid)]:
+                raise AssertionError(f"request {rid!r}: the adapter's row, block positions and computed tokens "
+                                     f"{record} are not the manager's")
         if held != set(self._requests) or held != set(self._held):
             raise AssertionError(f"the adapter's requests {sorted(self._requests)} are not the manager's "
                                  f"{sorted(held)}")
@@ -442,7 +444,7 @@ class KVCacheManager(InertHooks):
             return None
         self._requests[request.request_id] = request
         self._admitted = (request.request_id, [list(h) + g for h, g in zip(hit_ids, new, strict=True)])
-        self._held[request.request_id] = [self.manager.row_of(request.request_id), 0]
+        self._held[request.request_id] = [self.manager.row_of(request.request_id), 0, 0]
         self._note_held(request.request_id)
         self._drain(request)
         return self._new_blocks(new)
@@ -473,8 +475,8 @@ class KVCacheManager(InertHooks):
         self._drain(request)
         return self._new_blocks(new)
 
-    def _note_held(self, request_id: str) -> None:
-        self._held[request_id][1] = self.manager.num_blocks_held(request_id)
+    def _note_held(self, rid: str) -> None:
+        self._held[rid][1:] = self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)
 
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
         """vLLM's fit check: the blocks to take plus the watermark within the

@@ -98,9 +98,10 @@ class PendingGrowth:
             max_model_len: int) -> Any:
         """vLLM's ``allocate_slots(request, num_new_tokens,
         num_lookahead_tokens=...)`` for a running request at row ``held[0]``
-        holding ``held[1]`` blocks per group (the adapter's record, which
-        this updates): its new blocks (the empty instance when none are new,
-        else blocks filled at the flush), or None when they do not fit."""
+        holding ``held[1]`` blocks per group with ``held[2]`` tokens
+        computed in gpukv (the adapter's record, which this updates): its new
+        blocks (the empty instance when none are new, else blocks filled at
+        the flush), or None when they do not fit."""
         a = self._adapter
         total = min(request.num_computed_tokens, max_model_len)
         slots = min(total + num_new_tokens + num_lookahead_tokens, max_model_len)
@@ -108,6 +109,7 @@ class PendingGrowth:
         if new_per_group and not self._take(new_per_group * a.num_kv_cache_groups):
             return None
         held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
+        held[2] = max(min(total + num_new_tokens, request.num_tokens), held[2])  # (``_batch``'s target)
         self.rows.append(held[0])
         self.requests.append(request)
         self.totals.append(total)
