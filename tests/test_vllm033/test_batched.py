@@ -1,20 +1,25 @@
-"""gpukv's batched running loop under vLLM 0.33 (``gpukv.vllm.v0_33.pending``).
+"""gpukv's batched path under vLLM 0.33: the running loop
+(``gpukv.vllm.v0_33.pending``) and runs of the waiting loop
+(``gpukv.vllm.v0_33.admissions``).
 
 Inside ``schedule()`` the running requests' ``allocate_slots`` calls are
-answered on the host and applied as one gpukv step. Held to vLLM's own
-scheduler step by step on random streams (KV events off: with them on, and
-with sliding windows, the adapter keeps one call per request, which
-``test_streams.py`` holds to vLLM), with roomy and tight pools (preemption
-inside the running loop, after some calls are pending); counted (one gpukv
-step per ``schedule()``, flat in the running requests); and taken apart
-(the blocks handed back fill at the flush, a refusal keeps nothing, every
-reader flushes first, a host count gpukv disagrees with raises).
+answered on the host and applied as one gpukv step, and a run of plain
+waiting requests is admitted as one more, vLLM's calls answered from it.
+Held to vLLM's own scheduler step by step on random streams (KV events off:
+with them on, and with sliding windows, the adapter keeps one call per
+request, which ``test_streams.py`` holds to vLLM), with roomy and tight pools
+(preemption inside the running loop, after some calls are pending; runs
+refused part way); counted (one gpukv step per loop, flat in the requests);
+and taken apart (the blocks handed back fill at the flush, a refusal keeps
+nothing, every reader flushes first, a host count gpukv disagrees with
+raises, a call the run did not expect raises).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.pending import PendingGrowth
 
 from .harness import (
@@ -40,21 +45,25 @@ def _assert_same_steps(expected: list, got: list) -> None:
 
 
 class _Counting:
-    """Every ``PendingGrowth`` made while it is on, for its counters."""
+    """Every ``PendingGrowth`` and ``AdmittedRun`` made while it is on, for
+    their counters."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.made: list[PendingGrowth] = []
-        init = PendingGrowth.__init__
+        self.runs: list[AdmittedRun] = []
+        for cls, into in ((PendingGrowth, self.made), (AdmittedRun, self.runs)):
+            def counting_init(part: object, adapter: object, _init=cls.__init__, _into=into) -> None:
+                _init(part, adapter)
+                _into.append(part)
 
-        def counting_init(pending: PendingGrowth, adapter: object) -> None:
-            init(pending, adapter)
-            self.made.append(pending)
-
-        monkeypatch.setattr(PendingGrowth, "__init__", counting_init)
+            monkeypatch.setattr(cls, "__init__", counting_init)
 
     def totals(self) -> tuple[int, int, int]:
         return (sum(p.num_calls for p in self.made), sum(p.num_steps for p in self.made),
                 sum(p.num_reads for p in self.made))
+
+    def admitted(self) -> tuple[int, int]:
+        return sum(r.num_runs for r in self.runs), sum(r.num_admitted for r in self.runs)
 
 
 @pytest.mark.parametrize("cls", REFERENCE)
@@ -81,12 +90,30 @@ def test_batched_streams_are_vllms_step_by_step(cls, num_spec, num_blocks, monke
         assert preempted > 0 and reads > 0
 
 
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("num_blocks", [48, 24])
+def test_admission_runs_are_vllms_step_by_step(cls, num_blocks, monkeypatch):
+    """No speculative decoding and a budget that takes whole prompts: the
+    waiting loop admits runs of several requests as one gpukv step, some
+    refused part way in the tighter pool; every step equals vLLM's."""
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=num_blocks,
+                              max_num_batched_tokens=512, max_num_seqs=12, num_requests=32)
+        _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
+    runs, admitted = counting.admitted()
+    assert runs > 0 and admitted > 0, (runs, admitted)
+    if num_blocks == 48:  # (roomy: runs of several; the tight pool refuses many a run's head)
+        assert admitted > runs, (runs, admitted)
+
+
 def test_unbatched_classes_make_one_call_per_request(monkeypatch):
     counting = _Counting(monkeypatch)
     config = StreamConfig(seed=0, kv_events=False)
     expected = run_stream(VllmAsyncScheduler, config, check_tables=False)
     _assert_same_steps(expected, run_stream(gpukv033.UnbatchedReferenceAsyncScheduler, config))
-    assert counting.totals() == (0, 0, 0)
+    assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
 
 
 def test_events_and_windows_keep_the_per_request_path(monkeypatch):
@@ -95,7 +122,7 @@ def test_events_and_windows_keep_the_per_request_path(monkeypatch):
     run_stream(gpukv033.ReferenceScheduler, StreamConfig(seed=0, kv_events=False, sliding_window=17,
                                                          num_speculative_tokens=0, max_num_batched_tokens=32,
                                                          num_blocks=12))
-    assert counting.totals() == (0, 0, 0)
+    assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
 
 
 # ---------------------------------------------------------------- counts
@@ -133,6 +160,56 @@ def test_a_decode_step_is_one_gpukv_step_whatever_the_requests(n, monkeypatch):
         assert len(out.num_scheduled_tokens) == n
         assert calls["step"] - before["step"] == 1
         assert calls["allocate_slots"] == before["allocate_slots"]
+
+
+def test_a_run_of_admissions_is_one_gpukv_step(monkeypatch):
+    """Seven waiting requests (two sharing a 32-token prefix with a running
+    one) admitted in one ``schedule()`` beside its decode: one gpukv
+    ``step`` and no per-request lookup or allocation on the manager; the
+    block ids and hits are vLLM's."""
+    def prompts(i: int) -> list[int]:
+        return [7] * 32 + [i] * 8 if i < 3 else [100 + i] * 40
+
+    outputs = {}
+    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
+        scheduler = make_scheduler(cls, max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=256,
+                                   num_blocks=100)
+        engine = Engine(scheduler)
+        engine.add(make_requests(1, prompt=prompts, max_tokens=4, scheduler=scheduler))
+        engine.step()  # (the first request alone: its blocks cached)
+        engine.add(make_requests(7, prompt=lambda i: prompts(i + 1), first_id=1, max_tokens=4, scheduler=scheduler))
+        calls = {"step": 0, "allocate_slots": 0, "get_computed_blocks": 0}
+        if cls is not VllmScheduler:
+            manager = scheduler.kv_cache_manager.manager
+            for name in calls:
+                real = getattr(manager, name)
+
+                def counted(*args, _real=real, _name=name, _calls=calls, **kwargs):
+                    _calls[_name] += 1
+                    return _real(*args, **kwargs)
+
+                monkeypatch.setattr(manager, name, counted)
+        out = engine.step()
+        outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+                        out.scheduled_cached_reqs.new_block_ids)
+        if cls is not VllmScheduler:  # (the running request's decode and the run: one step)
+            assert calls == {"step": 1, "allocate_slots": 0, "get_computed_blocks": 0}
+    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
+    assert [hit for *_, hit in outputs[VllmScheduler][0]] == [32, 32, 0, 0, 0, 0, 0]
+
+
+def test_a_lookup_the_run_did_not_expect_raises():
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=16, max_num_batched_tokens=1024,
+                               max_model_len=256, num_blocks=100)
+    requests = make_requests(3, 20, scheduler=scheduler)
+    for r in requests:
+        scheduler.add_request(r)
+    kv = scheduler.kv_cache_manager
+    kv.batching = True
+    kv.waiting_run = lambda _tokens: list(scheduler.waiting)
+    kv.get_computed_blocks(requests[0])  # (the run of three admitted as one step)
+    with pytest.raises(AssertionError, match="where gpukv's batched run admitted '0' next"):
+        kv.get_computed_blocks(requests[2])
 
 
 def test_the_device_reads_at_most_once_a_decode_step():

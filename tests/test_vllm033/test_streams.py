@@ -84,18 +84,21 @@ DEVICE = [pytest.param(gpukv033.DeviceScheduler, True, id="gpukv-device"),
           pytest.param(gpukv033.DeviceAsyncScheduler, False, id="gpukv-device-async-batched")]
 
 
-@pytest.mark.parametrize(("cls", "kv_events"), DEVICE)
-def test_gpukv_device_stream_is_vllms_step_by_step(cls, kv_events):
+@pytest.mark.parametrize(("cls", "per_request"), DEVICE)
+def test_gpukv_device_stream_is_vllms_step_by_step(cls, per_request):
     """The device backend on one stream of half the requests, sync and async
     (the whole stream costs about 45 s under Triton's interpreter, hence not
-    the whole suite: the reference runs that); with KV events one gpukv call
-    per request, without them the batched running loop
-    (``test_batched.py``)."""
+    the whole suite: the reference runs that): with KV events and drafts,
+    one gpukv call per request; without them the batched path, the running
+    loop and runs of admissions (``test_batched.py``)."""
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
-    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6, kv_events=kv_events)
+    batched = {} if per_request else dict(max_num_batched_tokens=96, num_blocks=24)  # (runs of admissions)
+    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6, kv_events=per_request,
+                          num_speculative_tokens=2 if per_request else 0, **batched)
     expected = run_stream(vllm_cls, config, check_tables=False)
     got = run_stream(cls, config)
-    exercised = {name: count for name, count in coverage(expected).items() if kv_events or "events" not in name}
+    exercised = {name: count for name, count in coverage(expected).items()
+                 if per_request or ("events" not in name and name != "spec_steps")}
     assert all(count > 0 for count in exercised.values()), exercised  # the shorter stream still has them all
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"

@@ -62,10 +62,18 @@ import torch
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
+from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.pending import PendingGrowth
-from gpukv.vllm.v0_33.views import Block, CoordinatorView, InertHooks, NoBlockPool, blocks_of
+from gpukv.vllm.v0_33.views import (
+    Block,
+    CoordinatorView,
+    InertHooks,
+    NoBlockPool,
+    PrefixCacheStatsRules,
+    blocks_of,
+)
 
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "make_backend"]
 
@@ -102,7 +110,7 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
 
 
-class KVCacheManager(InertHooks):
+class KVCacheManager(PrefixCacheStatsRules, InertHooks):
     """vLLM 0.33's ``vllm.v1.core.kv_cache_manager.KVCacheManager``, on gpukv.
 
     Arguments: vLLM's ``kv_cache_config`` and ``max_model_len``, its
@@ -170,6 +178,9 @@ class KVCacheManager(InertHooks):
         # The batched path answers on the host only what host arithmetic decides (module docstring).
         self.can_batch = not self.groups.has_windows and not self._events.active
         self.pending = PendingGrowth(self)  # (the running loop's calls, answered, not yet applied)
+        self.admissions = AdmittedRun(self)  # (the waiting loop's run of admissions, answered from one step)
+        self.waiting_run: Any = None  # (set by the scheduler: the run of waiting requests to admit as one step)
+        self.num_scheduled_tokens = 0  # (the running loop's tokens this schedule(), for the waiting run's budget)
 
     # ------------------------------------------------------------ reading
     def flush(self) -> None:
@@ -182,27 +193,6 @@ class KVCacheManager(InertHooks):
         """vLLM 0.33's ``1 - free / (num_blocks - 1)``: the null block is not
         part of the usable pool (reads the device)."""
         return 1.0 - self.manager.read_num_free_blocks() / (self.num_gpu_blocks - 1)
-
-    def make_prefix_cache_stats(self) -> Any:
-        """The ``PrefixCacheStats`` since the last call (then a fresh one), or
-        None without ``log_stats``."""
-        if not self.log_stats:
-            return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
-        return stats
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        """Whether ``request`` is looked up: caching on and the request does
-        not skip the cache (prompt logprobs, pooling)."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        """An admission in the stats, in tokens (a re-admission after
-        preemption as ``preempted_*``); requests that skip the cache not at all."""
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        stats: Any = self.prefix_cache_stats  # (vLLM 0.33's; mypy may see 0.8.5's, without ``record``)
-        stats.record(num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0)
 
     @flushing
     def get_blocks(self, request_id: str) -> Any:
@@ -252,7 +242,6 @@ class KVCacheManager(InertHooks):
         self.coordinator.new_step_starts()
 
     # ------------------------------------------------------------ lookups and allocation
-    @flushing
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
         """The request's cache hit: ``(KVCacheBlocks, hit tokens, shared-prefix
         boundary)``. The hit covers at most ``max_cache_hit_length`` tokens
@@ -260,6 +249,10 @@ class KVCacheManager(InertHooks):
         window group's blocks before its window are the null block. The
         boundary: the hit of vLLM's first lookup group alone (full attention
         in a hybrid) when longer than the hit, else 0."""
+        entry = self.admissions.lookup(request) if self.batching and max_cache_hit_length is None else None
+        if entry is not None:
+            return entry.hit_blocks, entry.computed.num_tokens, 0
+        self.flush()  # (the per-request path)
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         _check_request(request, self.max_model_len)
@@ -309,11 +302,18 @@ class KVCacheManager(InertHooks):
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
             if self.batching and self.can_batch and not reserved_blocks:
-                return self.pending.add(request, self._held[request.request_id], num_new_tokens,
-                                         num_lookahead_tokens, self.max_model_len)
+                blocks = self.pending.add(request, self._held[request.request_id], num_new_tokens,
+                                          num_lookahead_tokens, self.max_model_len)
+                self.num_scheduled_tokens += 0 if blocks is None else num_new_tokens
+                return blocks
             self.flush()
             return self._grow(request, num_new_tokens, num_lookahead_tokens, reserved_blocks)
         self.flush()
+        entry = self.admissions.allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                         num_lookahead_tokens)
+        if entry is not None:
+            self._record_admission(request, entry.block_ids, entry.row)
+            return entry.new_blocks
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
 
@@ -442,10 +442,8 @@ class KVCacheManager(InertHooks):
         self._looked_up.pop(request.request_id, None)
         if new is None:
             return None
-        self._requests[request.request_id] = request
-        self._admitted = (request.request_id, [list(h) + g for h, g in zip(hit_ids, new, strict=True)])
-        self._held[request.request_id] = [self.manager.row_of(request.request_id), 0, 0]
-        self._note_held(request.request_id)
+        self._record_admission(request, [list(h) + g for h, g in zip(hit_ids, new, strict=True)],
+                               self.manager.row_of(request.request_id))
         self._drain(request)
         return self._new_blocks(new)
 
@@ -474,6 +472,13 @@ class KVCacheManager(InertHooks):
         self._note_held(rid)
         self._drain(request)
         return self._new_blocks(new)
+
+    def _record_admission(self, request: Any, block_ids: list[list[int]], row: int) -> None:
+        """The ledger of a request gpukv admitted (``block_ids``: all of its blocks, ``row`` its row)."""
+        rid = request.request_id
+        self._requests[rid] = request
+        self._admitted = (rid, block_ids)  # (vLLM's get_blocks comes next)
+        self._held[rid] = [row, len(block_ids[0]), self.manager.num_computed_tokens(rid)]
 
     def _note_held(self, rid: str) -> None:
         self._held[rid][1:] = self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)

@@ -31,10 +31,12 @@ Window groups (vLLM releases their blocks between the calls) and KV events
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from gpukv.request import NewRequest, StepResult
 from gpukv.running import RunningBatch
 from gpukv.vllm.v0_33.views import Block
 
@@ -136,15 +138,18 @@ class PendingGrowth:
         self.taken += num_blocks
         return True
 
-    def flush(self) -> None:
+    def flush(self, new: Sequence[NewRequest] = ()) -> StepResult | None:
         """Apply the pending calls as one gpukv step, in call order, and fill
-        the blocks handed back."""
+        the blocks handed back; ``new`` (a run of admissions,
+        ``gpukv.vllm.v0_33.admissions``) are admitted in the same step, after
+        them, as vLLM's waiting loop comes after its running loop. Returns
+        the step's result (None when there was nothing to do)."""
         if not self.rows:
-            return
+            return self._adapter.manager.step(new=new, block_ids=True) if new else None
         try:
             batch = self._batch()
-            wants_ids = any(b is not None for b in self.lazy)
-            result = self._adapter.manager.step(running=batch, block_ids=wants_ids)
+            wants_ids = bool(new) or any(b is not None for b in self.lazy)
+            result = self._adapter.manager.step(running=batch, new=new, block_ids=wants_ids)
             self.num_steps += 1
             if result.running_failed_at is not None:
                 raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
@@ -153,6 +158,7 @@ class PendingGrowth:
                 for i, blocks in enumerate(self.lazy):
                     if blocks is not None:
                         blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
+            return result
         finally:
             self._clear()
 

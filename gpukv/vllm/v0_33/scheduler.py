@@ -31,6 +31,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
+from gpukv.vllm.v0_33.admissions import plain_run
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.manager import KVCacheManager
 
@@ -84,16 +85,23 @@ class _GpukvManagerMixin:
             backend=self.backend,
             max_num_reqs=min(max(1, me.max_num_running_reqs), 64))  # (rows grow past it)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule()``, the running loop's allocations batched
-        when ``batched`` (they are applied before it returns)."""
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        """vLLM's ``schedule()``; when ``batched``, the running loop's
+        allocations as one gpukv step (applied before it returns) and a run
+        of plain waiting requests admitted as one more
+        (``gpukv.vllm.v0_33.admissions``)."""
         kv: Any = self.kv_cache_manager  # type: ignore[attr-defined]
         kv.batching = bool(self.batched)
+        kv.num_scheduled_tokens = 0
+        kv.admissions.reset()
+        if kv.batching:
+            kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills)
         try:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
-            kv.batching = False
+            kv.batching, kv.waiting_run = False, None
             kv.flush()
+            kv.admissions.check_taken()
 
 
 class Scheduler(_GpukvManagerMixin, VllmScheduler):

@@ -84,6 +84,39 @@ class NoBlockPool:
             fix="run without a KV connector and with hash_block_size == block_size, or use vLLM's own scheduler")
 
 
+class PrefixCacheStatsRules:
+    """vLLM 0.33's prefix-cache stats rules: counted in tokens at admission
+    (a re-admission after preemption as ``preempted_*``), never for a request
+    that skips the cache. Needs ``log_stats``, ``enable_caching``,
+    ``prefix_cache_stats`` and ``_stats_cls`` (the manager's)."""
+
+    log_stats: bool
+    enable_caching: bool
+    prefix_cache_stats: Any
+    _stats_cls: Any
+
+    def make_prefix_cache_stats(self) -> Any:
+        """The ``PrefixCacheStats`` since the last call (then a fresh one), or
+        None without ``log_stats``."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Whether ``request`` is looked up: caching on and the request does
+        not skip the cache (prompt logprobs, pooling)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """An admission in the stats, in tokens (a re-admission after
+        preemption as ``preempted_*``); requests that skip the cache not at all."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        stats: Any = self.prefix_cache_stats  # (vLLM 0.33's; mypy may see 0.8.5's, without ``record``)
+        stats.record(num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0)
+
+
 class InertHooks:
     """vLLM 0.33 manager hooks with nothing to report for the configurations
     the adapter follows (zeroing, copy-on-write, Mamba and cascade attention

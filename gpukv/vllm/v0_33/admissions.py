@@ -1,0 +1,175 @@
+"""A run of vLLM 0.33's waiting loop admitted as one gpukv step (the batched
+path's second half; the first is ``gpukv.vllm.v0_33.pending``).
+
+vLLM's waiting loop looks each waiting request up, then admits it, one
+request at a time; each answer depends on the calls before it. gpukv's
+``step(new=[...])`` makes the same decisions for a whole run of new
+requests at once (each looked up against the cache and against the blocks
+the earlier ones will cache, admitted in order until one does not fit),
+so a run whose every vLLM decision besides the hit and the fit is known in
+advance can be made as one step and vLLM's calls answered from it.
+
+``plain_run`` picks that run when the waiting loop's first lookup comes: the
+head of the waiting queue (first come, first served), as long as each
+request is one vLLM admits whole whatever its hit (no chunk: its tokens fit
+the token budget left, counted without hits, and the long-prefill
+threshold; a plain waiting or preempted request: no LoRA, multimodal
+input, pooling, computed tokens, stale output, streaming) and a model-runner
+slot is free; and only in a step with nothing else that bends vLLM's loop
+(no speculative decoding, no watermark, no pause, no held-KV queue, no prefill
+throttling, no priority policy, no replayed windows). In such a run vLLM's
+only per-request decisions are the hit and the fit, which are gpukv's
+step's: the full prompt's blocks are at most those the step allocates (its
+tokens plus lookahead slots), so vLLM's whole-prompt check adds nothing.
+
+``AdmittedRun`` answers vLLM's calls in order: ``lookup`` for
+``get_computed_blocks``, ``allocate`` for ``allocate_slots``. A call that is
+not the next one the run expects, or a run vLLM does not take to its end, is
+an ``AssertionError`` (never a silent difference). The request the step
+refused goes to the per-request path (vLLM looks it up and is refused the
+same way), as does everything after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpukv.request import ComputedBlocks
+from gpukv.vllm.v0_33.views import Block, blocks_of
+
+
+def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_prefills: bool) -> list[Any]:
+    """The waiting requests vLLM's loop will look up and admit whole, in
+    order, after the running loop scheduled ``num_scheduled_tokens``
+    (module docstring); empty when the step may bend the loop."""
+    from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    s = scheduler
+    if (s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
+            or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
+            or s.vllm_config.speculative_config is not None or s.num_lookahead_tokens or s.prefix_replay_tokens
+            or adapter.watermark_blocks or not adapter.can_batch or adapter._events.index
+            or s.connector is not None or s.ec_connector is not None):
+        return []
+    budget = min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens) - num_scheduled_tokens
+    slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
+    threshold = s.scheduler_config.long_prefill_token_threshold
+    run: list[Any] = []
+    for request in s.waiting:
+        n = request.num_tokens
+        if len(run) == slots or n > budget or (threshold and n > threshold) or n > adapter.max_model_len \
+                or not _plain(request):
+            break
+        run.append(request)
+        budget -= n
+    return run
+
+
+def _plain(request: Any) -> bool:
+    """A waiting request vLLM's loop looks up and admits with no decision of
+    its own besides the hit and the fit."""
+    from vllm.v1.request import RequestStatus
+
+    return (request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and request.num_computed_tokens == 0
+            and not (request.num_stale_output_tokens and not request.drop_stale_output)
+            and request.lora_request is None and not request.mm_features and request.prompt_embeds is None
+            and request.pooling_params is None and not request.resumable)
+
+
+@dataclass
+class Admission:
+    """One request of the run: what vLLM's calls get back."""
+
+    request: Any
+    row: int  # its gpukv row
+    computed: ComputedBlocks  # gpukv's hit
+    hit_blocks: Any  # the KVCacheBlocks get_computed_blocks returns
+    new_blocks: Any  # the KVCacheBlocks allocate_slots returns
+    block_ids: list[list[int]]  # all its blocks, per group
+    looked_up: bool = False
+
+
+class AdmittedRun:
+    """The admissions of one gpukv step, answering vLLM's calls in order.
+    ``adapter``: the ``gpukv.vllm.v0_33.KVCacheManager``."""
+
+    def __init__(self, adapter: Any) -> None:
+        self._adapter = adapter
+        self.num_runs = 0  # steps that admitted a run, since construction
+        self.num_admitted = 0  # requests they admitted
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step's run (a new ``schedule()``)."""
+        self.started = False
+        self.entries: list[Admission] = []
+        self.cursor = 0
+
+    def check_taken(self) -> None:
+        """After ``schedule()``: vLLM admitted every request of the run."""
+        left = self.entries[self.cursor:]
+        self.reset()
+        if left:
+            raise AssertionError(f"gpukv admitted {[e.request.request_id for e in left]} in a batched run that "
+                                 "vLLM's waiting loop did not reach")
+
+    def start(self, request: Any, run: list[Any]) -> None:
+        """Admit ``run`` (whose head vLLM looks up now) as one gpukv step,
+        with the running loop's pending calls (``PendingGrowth.flush``)."""
+        self.started = True
+        if len(run) < 2 or run[0] is not request:
+            return
+        a = self._adapter
+        result = a.pending.flush(new=[a._new_request(r, r.all_token_ids[:]) for r in run])
+        self.num_runs += 1
+        self.num_admitted += result.num_admitted
+        for i in range(result.num_admitted):
+            self.entries.append(self._admission(run[i], result.rows[i], result.num_computed_tokens[i],
+                                                [group[i] for group in result.admitted_block_ids]))
+
+    def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]]) -> Admission:
+        a = self._adapter
+        num_hit = hit // a.block_size
+        hit_ids = [ids[:num_hit] for ids in block_ids]
+        computed = ComputedBlocks(hit_ids, hit)
+        hit_blocks = (a.create_kv_cache_blocks(tuple(blocks_of(request, ids, num_hit, a.block_size)
+                                                     for ids in hit_ids)) if hit else a.empty_kv_cache_blocks)
+        new_ids = [ids[num_hit:] for ids in block_ids]
+        new_blocks = (a._blocks_cls(tuple([Block(b) for b in ids] for ids in new_ids)) if any(new_ids)
+                      else a.empty_kv_cache_blocks)
+        return Admission(request, row, computed, hit_blocks, new_blocks, block_ids)
+
+    def lookup(self, request: Any) -> Admission | None:
+        """The run's answer to ``get_computed_blocks(request)`` (the run is
+        made at the step's first lookup, from the adapter's ``waiting_run``),
+        or None when there is none or it is over (the per-request path
+        answers)."""
+        a = self._adapter
+        if not self.started and a.waiting_run is not None:
+            self.start(request, a.waiting_run(a.num_scheduled_tokens))
+        if self.cursor == len(self.entries):
+            return None
+        entry = self.entries[self.cursor]
+        if entry.request is not request or entry.looked_up:
+            raise AssertionError(f"vLLM looked up {request.request_id!r} where gpukv's batched run admitted "
+                                 f"{entry.request.request_id!r} next")
+        entry.looked_up = True
+        return entry
+
+    def allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int, blocks: Any,
+                 num_lookahead_tokens: int) -> Admission | None:
+        """The run's answer to ``allocate_slots`` for the request it looked up
+        last, checked against what the step did; None when the run is over."""
+        if self.cursor == len(self.entries) or self.entries[self.cursor].request is not request:
+            return None
+        entry = self.entries[self.cursor]
+        expected = (request.num_tokens - entry.computed.num_tokens, entry.computed.num_tokens, 0)
+        if not entry.looked_up or blocks is not entry.hit_blocks and entry.computed.num_tokens or (
+                num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) != expected:
+            raise AssertionError(f"vLLM allocates for {request.request_id!r} (new {num_new_tokens}, computed "
+                                 f"{num_new_computed_tokens}, lookahead {num_lookahead_tokens}) not as gpukv's "
+                                 f"batched run admitted it {expected}")
+        self.cursor += 1
+        return entry
