@@ -11,10 +11,12 @@ output placeholders are ``AsyncScheduler``'s), hence the two classes.
 The batched path (``batched``, the default): during ``schedule()`` the
 running requests' allocations are answered on the host and applied as one
 gpukv step (``gpukv.vllm.v0_33.pending``: one gpukv call and at most one
-device read for the whole running loop, not one of each per request); the
-waiting loop's lookups and admissions stay one call per request. Models with
-sliding-window groups and runs with KV events take the per-request path
-throughout; ``Unbatched*`` classes always do.
+device read for the whole running loop, not one of each per request), and
+a run of plain waiting requests is admitted in that same step, vLLM's
+calls for them answered from it (``gpukv.vllm.v0_33.admissions``); other
+admissions make one call each. Models with sliding-window groups and runs
+with KV events take the per-request path throughout; ``Unbatched*`` classes
+always do.
 
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
@@ -97,11 +99,12 @@ class _GpukvManagerMixin:
         if kv.batching:
             kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills)
         try:
-            return super().schedule(throttle_prefills)  # type: ignore[misc]
+            out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             kv.batching, kv.waiting_run = False, None
             kv.flush()
-            kv.admissions.check_taken()
+        kv.admissions.check_taken()  # (not over an exception vLLM raised: that one says more)
+        return out
 
 
 class Scheduler(_GpukvManagerMixin, VllmScheduler):
