@@ -119,7 +119,7 @@ class AdmittedRun:
         """Admit ``run`` (whose head vLLM looks up now) as one gpukv step,
         with the running loop's pending calls (``PendingGrowth.flush``)."""
         self.started = True
-        if len(run) < 2 or run[0] is not request:
+        if not run or run[0] is not request:
             return
         a = self._adapter
         result = a.pending.flush(new=[a._new_request(r, r.all_token_ids[:]) for r in run])
