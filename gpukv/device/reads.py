@@ -55,8 +55,9 @@ class DeviceReads:
 
     def check_free_lower_bound(self) -> None:
         """The host's lower bound of free blocks is at most the free blocks
-        (``check_invariants``)."""
-        free = int(self._m._read(self._m.pool.free_count)[0])
+        (``check_invariants``: read as the pool's checks read, not counted as
+        a step's read)."""
+        free = int(self._m.pool.free_count.cpu()[0])
         if self._m._free_lower_bound > free:
             raise AssertionError(f"the host's lower bound of free blocks {self._m._free_lower_bound} is above the "
                                  f"{free} free blocks")

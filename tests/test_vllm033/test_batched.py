@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpukv.vllm.v0_33.admissions import AdmittedRun
-from gpukv.vllm.v0_33.pending import PendingGrowth
-
+# (vLLM's and gpukv's 0.33 names through the harness, which skips this module where vLLM 0.33 is not importable)
 from .harness import (
     Engine,
     VllmAsyncScheduler,
@@ -32,6 +30,9 @@ from .harness import (
     make_scheduler,
 )
 from .streams import StreamConfig, coverage, run_stream
+
+AdmittedRun = gpukv033.admissions.AdmittedRun
+PendingGrowth = gpukv033.pending.PendingGrowth
 
 SEEDS = [0, 1, 2, 3]
 REFERENCE = [pytest.param(gpukv033.ReferenceScheduler, id="ref"),
@@ -49,8 +50,8 @@ class _Counting:
     their counters."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.made: list[PendingGrowth] = []
-        self.runs: list[AdmittedRun] = []
+        self.made: list = []  # PendingGrowth
+        self.runs: list = []  # AdmittedRun
         for cls, into in ((PendingGrowth, self.made), (AdmittedRun, self.runs)):
             def counting_init(part: object, adapter: object, _init=cls.__init__, _into=into) -> None:
                 _init(part, adapter)
@@ -238,7 +239,7 @@ def test_the_device_reads_at_most_once_a_decode_step():
 
 # ---------------------------------------------------------------- the parts
 
-def _adapter_with_running(n: int = 2, num_blocks: int = 400) -> tuple[object, object, list]:
+def _adapter_with_running(n: int = 2, num_blocks: int = 400) -> tuple:
     scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=8, max_num_batched_tokens=512,
                                max_model_len=256, num_blocks=num_blocks)
     engine = Engine(scheduler)
