@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpukv.request import ComputedBlocks
-from gpukv.vllm.v0_33.views import Block, blocks_of
+from gpukv.vllm.v0_33.views import blocks_of
 
 
 def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_prefills: bool) -> list[Any]:
@@ -136,9 +136,7 @@ class AdmittedRun:
         computed = ComputedBlocks(hit_ids, hit)
         hit_blocks = (a.create_kv_cache_blocks(tuple(blocks_of(request, ids, num_hit, a.block_size)
                                                      for ids in hit_ids)) if hit else a.empty_kv_cache_blocks)
-        new_ids = [ids[num_hit:] for ids in block_ids]
-        new_blocks = (a._blocks_cls(tuple([Block(b) for b in ids] for ids in new_ids)) if any(new_ids)
-                      else a.empty_kv_cache_blocks)
+        new_blocks = a._new_blocks([ids[num_hit:] for ids in block_ids])
         return Admission(request, row, computed, hit_blocks, new_blocks, block_ids)
 
     def lookup(self, request: Any) -> Admission | None:

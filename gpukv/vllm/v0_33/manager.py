@@ -65,7 +65,7 @@ from gpukv.vllm.manager import resolve_backend
 from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
-from gpukv.vllm.v0_33.pending import PendingGrowth
+from gpukv.vllm.v0_33.pending import PendingGrowth, growth
 from gpukv.vllm.v0_33.views import (
     Block,
     CoordinatorView,
@@ -454,10 +454,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         Window groups release behind vLLM's processed tokens, the computed
         ones less those in flight (``kv_cache_manager.py:555-568``)."""
         rid = request.request_id
-        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self.manager.row_of(rid)]))
-        total = min(request.num_computed_tokens, self.max_model_len)
-        need_slot = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        target = max(min(total + num_new_tokens, request.num_tokens), computed)
+        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self._held[rid][0]]))
+        total, need_slot, target = growth(request, computed, num_new_tokens, num_lookahead_tokens, self.max_model_len)
         processed = max(0, total - request.num_in_flight_tokens)
         if reserved_blocks and not self._fits(_blocks_to_grow(self.manager, rid, need_slot), 0, reserved_blocks):
             return None
@@ -495,7 +493,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         of gpukv's computed tokens (gpukv caches exactly those)."""
         if not self.enable_caching:
             return 0
-        return min(self.manager.num_computed_tokens(request.request_id), request.num_tokens) // self.block_size
+        return min(self._held[request.request_id][2], request.num_tokens) // self.block_size
 
     def _new_blocks(self, new: list[list[int]]) -> Any:
         """The ``KVCacheBlocks`` of blocks an allocation just took: ids only,

@@ -43,6 +43,19 @@ from gpukv.vllm.v0_33.views import Block
 _LAZY_CLASSES: dict[type, type] = {}
 
 
+def growth(request: Any, computed: int, num_new_tokens: int, num_lookahead_tokens: int,
+           max_model_len: int) -> tuple[int, int, int]:
+    """A running request's ``allocate_slots(request, num_new_tokens,
+    num_lookahead_tokens=...)`` in gpukv's terms: ``(total, slots, target)``,
+    vLLM's computed tokens before the call, the slots it needs after it, and
+    the tokens gpukv computes (so caches): vLLM's computed after the call,
+    capped at its known tokens, never below gpukv's ``computed``. The one
+    home of the rule for both paths (``KVCacheManager._grow``, ``add``)."""
+    total = min(request.num_computed_tokens, max_model_len)
+    slots = min(total + num_new_tokens + num_lookahead_tokens, max_model_len)
+    return total, slots, max(min(total + num_new_tokens, request.num_tokens), computed)
+
+
 def pending_blocks_class(blocks_cls: type) -> type:
     """A subclass of vLLM's ``KVCacheBlocks`` whose ``blocks`` are filled by
     the flush of the growth they belong to (reading them flushes it)."""
@@ -85,9 +98,9 @@ class PendingGrowth:
     def _clear(self) -> None:
         self.rows: list[int] = []
         self.requests: list[Any] = []
-        self.totals: list[int] = []  # vLLM's computed tokens at the call (capped at max_model_len)
-        self.num_new: list[int] = []
         self.known: list[int] = []  # vLLM's known tokens at the call
+        self.computed: list[int] = []  # gpukv's computed tokens before the call
+        self.targets: list[int] = []  # and after it (``growth``)
         self.slots: list[int] = []  # the slots the request needs after the call
         self.lazy: list[Any] = []  # the blocks handed back, per call: None when no block is new
         self.taken = 0  # blocks the calls so far take, per the host
@@ -105,18 +118,17 @@ class PendingGrowth:
         blocks (the empty instance when none are new, else blocks filled at
         the flush), or None when they do not fit."""
         a = self._adapter
-        total = min(request.num_computed_tokens, max_model_len)
-        slots = min(total + num_new_tokens + num_lookahead_tokens, max_model_len)
+        _, slots, target = growth(request, held[2], num_new_tokens, num_lookahead_tokens, max_model_len)
         new_per_group = max(-(-slots // a.block_size) - held[1], 0)
         if new_per_group and not self._take(new_per_group * a.num_kv_cache_groups):
             return None
-        held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
-        held[2] = max(min(total + num_new_tokens, request.num_tokens), held[2])  # (``_batch``'s target)
         self.rows.append(held[0])
         self.requests.append(request)
-        self.totals.append(total)
-        self.num_new.append(num_new_tokens)
         self.known.append(request.num_tokens)
+        self.computed.append(held[2])
+        self.targets.append(target)
+        held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
+        held[2] = target
         self.slots.append(slots)
         self.num_calls += 1
         blocks = self._lazy_cls(self) if new_per_group else None
@@ -164,18 +176,15 @@ class PendingGrowth:
 
     def _batch(self) -> RunningBatch:
         """The pending calls as a ``RunningBatch``: each appends the tokens
-        vLLM knows past gpukv's, computes (so caches) up to vLLM's computed
-        tokens after the call, capped at its known ones (never below gpukv's
-        computed), and reserves the rest of its slots as lookahead (the
-        adapter's ``_grow``, per row)."""
-        m = self._adapter.manager
+        vLLM knows past gpukv's, computes (so caches) up to its ``growth``
+        target, and reserves the rest of its slots as lookahead."""
         rows = np.array(self.rows, dtype=np.int64)
-        held, computed = m.row_token_counts(rows)
+        held, _ = self._adapter.manager.row_token_counts(rows)
         known = np.array(self.known, dtype=np.int64)
-        targets = np.maximum(np.minimum(np.array(self.totals) + np.array(self.num_new), known), computed)
+        targets = np.array(self.targets, dtype=np.int64)
         counts = known - held
         tokens: list[int] = []
         for r, h, k in zip(self.requests, held.tolist(), known.tolist(), strict=True):
             if k > h:
                 tokens.extend(r.all_token_ids[h:k])
-        return RunningBatch(rows, tokens, counts, targets - computed, np.array(self.slots) - targets)
+        return RunningBatch(rows, tokens, counts, targets - np.array(self.computed), np.array(self.slots) - targets)
