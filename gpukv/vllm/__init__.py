@@ -1,8 +1,8 @@
-"""gpukv under vLLM's v1 engine (the ``vllm`` extra: ``pip install 'gpukv[vllm]'``).
+"""gpukv under vLLM's v1 engine (``--scheduler-cls gpukv.vllm.AsyncScheduler``).
 
 Which vLLM is installed picks the adapter, at import:
 
-* vLLM 0.8.x (0.8.5, the ``vllm`` extra): ``gpukv.vllm.manager`` and
+* vLLM 0.8.5 (no ``AsyncScheduler``; the ``vllm085`` extra): ``gpukv.vllm.manager`` and
   ``gpukv.vllm.scheduler``.
 
   * ``KVCacheManager``: vLLM 0.8.5's ``KVCacheManager`` interface on a gpukv
@@ -15,48 +15,50 @@ Which vLLM is installed picks the adapter, at import:
     batched ``schedule()``, the default (``BatchedReferenceScheduler`` is
     ``ReferenceScheduler``'s old name for it).
 
-* vLLM 0.33.x: ``gpukv.vllm.v0_33``: ``KVCacheManager`` (0.33's interface),
-  ``Scheduler`` and ``AsyncScheduler`` (vLLM 0.33's, on it; async is the
-  engine's default), ``ReferenceScheduler``, ``ReferenceAsyncScheduler``,
-  ``DeviceScheduler``, ``DeviceAsyncScheduler`` (the running loop's
-  allocations batched into one gpukv step), ``Unbatched*`` of the four (one
-  gpukv call per request), ``UnsupportedConfigError``.
+* vLLM 0.33 and 0.34 (one API generation: vLLM's ``AsyncScheduler``
+  exists): ``gpukv.vllm.v0_33``: ``KVCacheManager`` (the generation's
+  interface; where a release changed a rule the adapter follows what the
+  installed vLLM offers, ``gpukv.vllm.v0_33.features``), ``Scheduler`` and
+  ``AsyncScheduler`` (vLLM's, on it; async is the engine's default),
+  ``ReferenceScheduler``, ``ReferenceAsyncScheduler``, ``DeviceScheduler``,
+  ``DeviceAsyncScheduler`` (the running loop's allocations batched into one
+  gpukv step), ``Unbatched*`` of the four (one gpukv call per request),
+  ``UnsupportedConfigError``.
 
-* Any other vLLM: an ImportError naming the supported versions.
+The adapter is picked by what the installed vLLM offers, not by its version
+string. The version is checked against the tested releases
+(``gpukv.vllm_plugin.TESTED_VLLM``): another is refused with an
+``UntestedVllmError`` saying what to install, unless
+``GPUKV_ALLOW_UNTESTED_VLLM=1``; either way the 0.33 generation's
+conformance check (``gpukv.vllm.v0_33.conformance``) then refuses a vLLM
+whose manager interface or ``Request`` the adapter does not cover.
 """
 
 from __future__ import annotations
 
 from gpukv import _runtime  # noqa: F401  (Triton's interpreter without CUDA, set before vLLM imports triton)
-
-SUPPORTED = ("0.8.x (0.8.5)", "0.33.x (0.33.0)")
-_INSTALL = ("install one: pip install 'gpukv[vllm]' (vLLM 0.8.5), or vLLM 0.33.0 "
-            "(tests/test_vllm033/requirements-vllm033.txt has the recipe)")
+from gpukv.vllm_plugin import TESTED_VLLM, UntestedVllmError, check_vllm_version, install_hint
 
 try:
     import vllm as _vllm
     import vllm.v1.core.sched.scheduler  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"gpukv.vllm needs vLLM {' or '.join(SUPPORTED)}, and vLLM is not importable ({exc}); "
-                      f"{_INSTALL}") from exc
+    raise UntestedVllmError(f"gpukv.vllm needs vLLM (tested: {', '.join(TESTED_VLLM)}), and vLLM is not importable "
+                            f"({exc})", argument="vllm", fix=install_hint()) from exc
 
 VLLM_VERSION: str = _vllm.__version__
+check_vllm_version(VLLM_VERSION)
 
-if VLLM_VERSION.startswith("0.8."):
-    from gpukv.vllm.manager import Block, KVCacheManager
-    from gpukv.vllm.scheduler import (
-        BatchedReferenceScheduler,
-        DeviceScheduler,
-        ReferenceScheduler,
-        Scheduler,
-        UnbatchedDeviceScheduler,
-        UnbatchedReferenceScheduler,
-    )
 
-    __all__ = ["BatchedReferenceScheduler", "Block", "DeviceScheduler", "KVCacheManager", "ReferenceScheduler",
-               "Scheduler", "UnbatchedDeviceScheduler", "UnbatchedReferenceScheduler"]
-elif VLLM_VERSION.startswith("0.33."):
-    from gpukv.vllm.v0_33 import (  # type: ignore[assignment]
+def _has_async_scheduler() -> bool:
+    """vLLM's API generation from 0.33 on: its ``AsyncScheduler`` exists."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") is not None
+
+
+if _has_async_scheduler():
+    from gpukv.vllm.v0_33 import (
         AsyncScheduler,
         Block,
         DeviceAsyncScheduler,
@@ -71,10 +73,23 @@ elif VLLM_VERSION.startswith("0.33."):
         UnbatchedReferenceScheduler,
         UnsupportedConfigError,
     )
+    from gpukv.vllm.v0_33.conformance import check_conformance
 
+    check_conformance()
     __all__ = ["AsyncScheduler", "Block", "DeviceAsyncScheduler", "DeviceScheduler", "KVCacheManager",
                "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnbatchedDeviceAsyncScheduler",
                "UnbatchedDeviceScheduler", "UnbatchedReferenceAsyncScheduler", "UnbatchedReferenceScheduler",
                "UnsupportedConfigError"]
 else:
-    raise ImportError(f"gpukv.vllm supports vLLM {' and '.join(SUPPORTED)}; found vLLM {VLLM_VERSION}; {_INSTALL}")
+    from gpukv.vllm.manager import Block, KVCacheManager  # type: ignore[assignment]
+    from gpukv.vllm.scheduler import (  # type: ignore[assignment]
+        BatchedReferenceScheduler,
+        DeviceScheduler,
+        ReferenceScheduler,
+        Scheduler,
+        UnbatchedDeviceScheduler,
+        UnbatchedReferenceScheduler,
+    )
+
+    __all__ = ["BatchedReferenceScheduler", "Block", "DeviceScheduler", "KVCacheManager", "ReferenceScheduler",
+               "Scheduler", "UnbatchedDeviceScheduler", "UnbatchedReferenceScheduler"]

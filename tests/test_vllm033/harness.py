@@ -41,7 +41,6 @@ import pytest
 
 import gpukv._runtime  # noqa: F401  (before vLLM imports triton: the interpreter switch without CUDA)
 
-VLLM_VERSION_PREFIX = "0.33."
 INSTALL_HINT = (
     "build a second venv: `pip install torch==2.13.0`, `pip install --no-deps vllm==0.33.0`, the pure-Python "
     "packages its scheduler imports (tests/test_vllm033/requirements-vllm033.txt; tests/test_vllm033/NOTES.md), "
@@ -56,9 +55,15 @@ try:
 except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable vLLM here)
     pytest.skip(f"vLLM is not importable ({type(exc).__name__}: {exc}); {INSTALL_HINT}", allow_module_level=True)
 
-if not vllm.__version__.startswith(VLLM_VERSION_PREFIX):
-    pytest.skip(f"these tests follow vLLM {VLLM_VERSION_PREFIX}x's scheduler, found vLLM {vllm.__version__}; "
-                f"{INSTALL_HINT}", allow_module_level=True)
+def _has_async_scheduler() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") is not None
+
+
+if not _has_async_scheduler():
+    pytest.skip(f"these tests follow vLLM's scheduler from 0.33 on (its AsyncScheduler), found vLLM "
+                f"{vllm.__version__}; {INSTALL_HINT}", allow_module_level=True)
 
 try:
     import torch
@@ -87,7 +92,8 @@ __all__ = [
     "DraftTokenIds", "Engine", "EngineCoreOutputs", "EventRecorder", "KVCacheBlocks", "KVView", "ModelRunnerOutput",
     "PrefixCacheStats", "Request", "RequestStatus", "SamplingParams", "SchedulerOutput", "VllmAsyncScheduler",
     "VllmKVCacheManager", "VllmScheduler", "coordinator_name", "is_async", "is_gpukv", "make_requests",
-    "gpukv033", "make_scheduler", "scheduler_params",
+    "gpukv033", "make_scheduler", "scheduler_params", "HAS_V1_MODEL_RUNNER", "HAS_COMMON_PREFIX_BLOCKS", "HIT_LIMIT",
+    "HAS_CACHE_AWARE_ADMISSION", "vllm_version",
 ]
 
 EOS_TOKEN_ID = 50256
@@ -181,14 +187,14 @@ def kv_cache_groups(block_size: int, sliding_window: int | None, hybrid: bool) -
 def make_vllm_config(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                      enable_prefix_caching: bool, long_prefill_token_threshold: int, block_size: int,
                      num_speculative_tokens: int | None, async_scheduling: bool,
-                     enable_kv_cache_events: bool, hash_algo: str) -> Any:
+                     enable_kv_cache_events: bool, hash_algo: str, scheduler_options: Mapping[str, Any]) -> Any:
     """A ``VllmConfig`` as the engine has it after start-up, on a CPU device,
     with :class:`FakeModelConfig` set after construction (``__post_init__``
     would otherwise verify a real model config against the others)."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=True,
-        is_encoder_decoder=False, watermark=0.0, async_scheduling=async_scheduling)
+        is_encoder_decoder=False, watermark=0.0, async_scheduling=async_scheduling, **scheduler_options)
     cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=enable_prefix_caching, prefix_caching_hash_algo=hash_algo)
     speculative_config = None
@@ -222,6 +228,8 @@ def make_scheduler(
     model_runner_v2: bool = True,
     log_stats: bool = True,
     include_finished_set: bool = False,
+    cache_aware_window: int = 0,
+    cache_aware_threshold: float = 0.0,
 ) -> Any:
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
@@ -236,13 +244,22 @@ def make_scheduler(
     * ``model_runner_v2``: the model runner the scheduler writes for (vLLM's
       default on CUDA with Triton: V2, which gets resumed requests as new ones).
     * async scheduling is on exactly when ``cls`` is an ``AsyncScheduler``.
+    * ``cache_aware_window`` (vLLM 0.34 on; skipped before): the scheduler
+      config's ``cache_aware_admission_window``, engaging from
+      ``cache_aware_threshold`` usage.
     """
+    scheduler_options: dict[str, Any] = {}
+    if cache_aware_window:
+        if not HAS_CACHE_AWARE_ADMISSION:
+            pytest.skip(f"vLLM {vllm.__version__} has no cache-aware admission")
+        scheduler_options = dict(cache_aware_admission_window=cache_aware_window,
+                                 cache_aware_admission_threshold=cache_aware_threshold)
     max_model_len = max_num_batched_tokens if max_model_len is None else max_model_len
     vllm_config = make_vllm_config(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
         block_size=block_size, num_speculative_tokens=num_speculative_tokens, async_scheduling=is_async(cls),
-        enable_kv_cache_events=enable_kv_cache_events, hash_algo=hash_algo)
+        enable_kv_cache_events=enable_kv_cache_events, hash_algo=hash_algo, scheduler_options=scheduler_options)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid))
     vllm_config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory
@@ -254,7 +271,10 @@ def make_scheduler(
         pytest.skip(f"{cls.__name__} refuses this configuration: {exc}")
     if enable_kv_cache_events:
         scheduler.kv_event_publisher = EventRecorder()  # what a subscriber to the ZMQ publisher receives
-    scheduler.use_v2_model_runner = model_runner_v2  # as vLLM's own tests set it, after construction
+    if HAS_V1_MODEL_RUNNER:
+        scheduler.use_v2_model_runner = model_runner_v2  # as vLLM's own tests set it, after construction
+    elif not model_runner_v2:
+        pytest.skip(f"vLLM {vllm.__version__} has no V1 model runner (Model Runner V2 is its only one)")
     scheduler.harness_block_size = block_size  # make_requests hashes at the scheduler's block size
     scheduler.harness_hash_algo = hash_algo
     return scheduler
@@ -308,6 +328,7 @@ def make_requests(
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] | None = None,
     prompt_logprobs: int | None = None,
+    prompt_logprob_start: int | None = None,
     block_size: int = 16,
     hash_algo: str = "sha256",
     scheduler: Any = None,
@@ -327,8 +348,11 @@ def make_requests(
     for i in range(num_requests):
         rid = first_id + i
         tokens = list(prompt(i)) if prompt is not None else [rid] * num_tokens
+        # (0.34: scoring from a start reads the cache before it only when asked to, as vLLM's docs say)
+        start = {} if prompt_logprob_start is None else {"prompt_logprob_start": prompt_logprob_start,
+                                                          "skip_reading_prefix_cache": False}
         params = SamplingParams(ignore_eos=ignore_eos, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs,
-                                stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else None)
+                                stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else None, **start)
         params.update_from_generation_config({}, EOS_TOKEN_ID)
         requests.append(Request(request_id=str(rid), prompt_token_ids=tokens, sampling_params=params,
                                 pooling_params=None, arrival_time=0.0, block_hasher=hasher))
@@ -368,8 +392,28 @@ def model_output(scheduler: Any, out: Any, sample: Sampler | None = None, *,
         else:
             got = sample(request, out.scheduled_spec_decode_tokens.get(rid, ()))
             lists.append([got] if isinstance(got, int) else list(got))
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                             sampled_token_ids=lists)
+    extra = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if _RUNNER_OUTPUT_HAS_INDEX else {}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=lists, **extra)
+
+
+HAS_V1_MODEL_RUNNER = hasattr(VllmConfig, "use_v2_model_runner")
+"""vLLM 0.33 still writes for Model Runner V1 when asked (``use_v2_model_runner``); 0.34 has V2 alone."""
+
+def vllm_version() -> str:
+    return vllm.__version__
+
+
+HAS_COMMON_PREFIX_BLOCKS = hasattr(VllmKVCacheManager, "get_num_common_prefix_blocks")
+"""vLLM 0.33 keeps the deprecated cascade-attention call (always 0s); 0.34 removed it."""
+
+HIT_LIMIT = hasattr(Request, "get_max_cache_hit_length")
+"""vLLM 0.34 bounds a request's hits (``prefix_cache_hit_limit``, ``prompt_logprob_start``); 0.33 has a skip flag."""
+
+HAS_CACHE_AWARE_ADMISSION = "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
+"""vLLM 0.34's waiting queue reordered by cached prefix (``cache_aware_admission_window``)."""
+
+_RUNNER_OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in __import__("dataclasses").fields(ModelRunnerOutput)}
+"""vLLM 0.33's ``ModelRunnerOutput`` maps ids to rows; 0.34's follows ``req_ids``' order alone."""
 
 
 @dataclass
@@ -571,7 +615,7 @@ class BlockTables:
             self.tables[new.req_id] = [list(group) for group in new.block_ids]
         cached = out.scheduled_cached_reqs
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if rid in cached.resumed_req_ids:
+            if rid in getattr(cached, "resumed_req_ids", ()):  # (a V1 model runner's; 0.34 re-sends them as new)
                 self.tables[rid] = [list(group) for group in new_ids or ()]
             elif new_ids is not None:
                 for table, group in zip(self.tables[rid], new_ids, strict=True):

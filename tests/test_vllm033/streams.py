@@ -42,6 +42,9 @@ class StreamConfig:
     hybrid: bool = False  # with sliding_window: a full-attention group, then the window group
     max_output_tokens: int = 47  # each request's output budget: 1..this many tokens
     kv_events: bool = True  # False: no KV events (what gpukv's batched running loop needs)
+    # vLLM 0.34 on: prompt-logprob requests start scoring at a random prompt token (their hits bounded there)
+    bounded_hits: bool = False
+    cache_aware_window: int = 0  # vLLM 0.34 on: cache-aware admission over the first N waiting requests
 
 
 @dataclass
@@ -71,9 +74,10 @@ def _groups(block_ids):
 def record_output(out) -> StepRecord:
     """A ``SchedulerOutput`` as a :class:`StepRecord` (the model's side filled in later)."""
     c = out.scheduled_cached_reqs
+    resumed = getattr(c, "resumed_req_ids", ())  # (a V1 model runner's; vLLM 0.34 re-sends them as new)
     return StepRecord(
         new=[(n.req_id, _groups(n.block_ids), n.num_computed_tokens) for n in out.scheduled_new_reqs],
-        cached=[(rid, rid in c.resumed_req_ids, _groups(ids), computed, outputs) for rid, ids, computed, outputs
+        cached=[(rid, rid in resumed, _groups(ids), computed, outputs) for rid, ids, computed, outputs
                 in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, c.num_output_tokens, strict=True)],
         num_scheduled_tokens=dict(out.num_scheduled_tokens),
         spec_decode_tokens={rid: tuple(t) for rid, t in out.scheduled_spec_decode_tokens.items()},
@@ -118,10 +122,13 @@ def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _request(rng: random.Random, i: int, prompt: list[int], max_output_tokens: int) -> Any:
-    max_tokens = rng.randrange(1, max_output_tokens + 1)
+def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig) -> Any:
+    max_tokens = rng.randrange(1, config.max_output_tokens + 1)
+    logprobs = 1 if rng.random() < (0.3 if config.bounded_hits else 0.1) else None
+    # (within the shared prefixes' three blocks, where hits are: a start past them would bound nothing)
+    start = rng.randrange(1, min(len(prompt), 3 * BLOCK_SIZE) + 1) if logprobs and config.bounded_hits else None
     (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=max_tokens,
-                               ignore_eos=True, prompt_logprobs=1 if rng.random() < 0.1 else None,
+                               ignore_eos=True, prompt_logprobs=logprobs, prompt_logprob_start=start,
                                block_size=BLOCK_SIZE)
     return request
 
@@ -155,7 +162,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
                                num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
-                               enable_kv_cache_events=config.kv_events)
+                               enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=BlockTables() if check_tables else None)
@@ -166,7 +173,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
     for step in range(max_steps):
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            scheduler.add_request(_request(rng, i, prompts[i], config.max_output_tokens))
+            scheduler.add_request(_request(rng, i, prompts[i], config))
         aborted = _maybe_abort(rng, scheduler, config.abort_rate)
         if not pending and not scheduler.has_requests() and not engine.in_flight:
             break

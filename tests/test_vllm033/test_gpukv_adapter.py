@@ -4,39 +4,12 @@ other module here: ``harness.EXTRA_SCHEDULERS``.)"""
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 
 from gpukv.errors import InvalidInputError
 
 from .harness import Engine, KVView, VllmScheduler, gpukv033, is_async, make_requests, make_scheduler
-
-
-def test_gpukv_vllm_exports_the_033_classes_under_vllm_033():
-    import gpukv.vllm
-
-    assert gpukv.vllm.Scheduler is gpukv033.Scheduler
-    assert gpukv.vllm.AsyncScheduler is gpukv033.AsyncScheduler
-    assert gpukv.vllm.KVCacheManager is gpukv033.KVCacheManager
-    assert gpukv.vllm.VLLM_VERSION.startswith("0.33.")
-
-
-def test_an_unsupported_vllm_version_is_a_clear_import_error(monkeypatch):
-    import vllm
-
-    import gpukv.vllm
-
-    monkeypatch.setattr(vllm, "__version__", "0.9.1")
-    saved = sys.modules.pop("gpukv.vllm")
-    try:
-        with pytest.raises(ImportError, match=r"supports vLLM 0\.8\.x .* and 0\.33\.x .*found vLLM 0\.9\.1"):
-            importlib.import_module("gpukv.vllm")
-    finally:
-        sys.modules["gpukv.vllm"] = saved
-    assert gpukv.vllm.Scheduler is gpukv033.Scheduler
 
 
 @pytest.mark.parametrize("options", [dict(sliding_window=32), dict(sliding_window=32, hybrid=True)])

@@ -19,6 +19,7 @@ import pickle
 import pytest
 
 from .harness import (
+    HAS_COMMON_PREFIX_BLOCKS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -297,7 +298,8 @@ def test_kv_cache_blocks_and_block_id_queries(cls):
     assert (blocks + blocks).get_block_ids() == ([1, 2, 3, 1, 2, 3],)
     assert kvm.get_block_ids("nobody") == ([],)
     assert kvm.get_blocks("nobody") is kvm.empty_kv_cache_blocks
-    assert kvm.get_num_common_prefix_blocks("0") == [0]  # deprecated: cascade attention is gone
+    if HAS_COMMON_PREFIX_BLOCKS:
+        assert kvm.get_num_common_prefix_blocks("0") == [0]  # deprecated in 0.33 (cascade attention is gone)
     assert kvm.get_block_ids_for_computed_tokens("0", 17) == ([1, 2],)
     assert kvm.estimate_cached_tokens(scheduler.requests["0"]) == 32
 

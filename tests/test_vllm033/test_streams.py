@@ -17,6 +17,8 @@ import pytest
 # (vLLM's names through the harness, which skips this module where vLLM 0.33 is not importable)
 from .harness import (
     EXTRA_SCHEDULERS,
+    HIT_LIMIT,
+    Request,
     RequestStatus,
     VllmAsyncScheduler,
     VllmKVCacheManager,
@@ -24,6 +26,7 @@ from .harness import (
     gpukv033,
     is_async,
     scheduler_params,
+    vllm_version,
 )
 from .streams import StreamConfig, coverage, run_stream
 
@@ -78,6 +81,48 @@ def test_gpukv_stream_is_vllms_step_by_step(cls, seed):
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"
     assert len(got) == len(expected)  # (after the steps: the first that differs says more)
+
+
+FEATURE_STREAMS = [pytest.param(dict(bounded_hits=True), id="bounded-hits"),
+                   pytest.param(dict(cache_aware_window=4), id="cache-aware"),
+                   pytest.param(dict(bounded_hits=True, cache_aware_window=8, kv_events=False,
+                                     num_speculative_tokens=0), id="both-batched")]
+
+
+@pytest.mark.parametrize("cls", GPUKV)
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("options", FEATURE_STREAMS)
+def test_gpukv_streams_with_bounded_hits_and_cache_aware_admission_are_vllms(cls, seed, options):
+    """vLLM 0.34's prompt-logprob requests whose hits stop at their first
+    scored token, and its waiting queue reordered by cached prefix (a window
+    over the first waiting requests, from any usage): the same step by step.
+    Skipped where vLLM has neither (0.33)."""
+    if options.get("bounded_hits") and not HIT_LIMIT:
+        pytest.skip(f"vLLM {vllm_version()} has no prefix-cache hit limit")
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    config = StreamConfig(seed=seed, **options)
+    expected = run_stream(vllm_cls, config, check_tables=False)
+    got = run_stream(cls, config)
+    for step, (want, have) in enumerate(zip(expected, got, strict=False)):
+        assert have == want, f"step {step} differs"
+    assert len(got) == len(expected)
+
+
+def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
+    """On vLLM's own scheduler: the cache-aware window changes some decision
+    (the stream differs from plain FCFS), and so do the hit bounds (the
+    stream differs from one whose requests' own limits are ignored)."""
+    plain = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0]), check_tables=False)
+    reordered = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], cache_aware_window=4), check_tables=False)
+    assert reordered != plain
+    if not HIT_LIMIT:
+        pytest.skip(f"vLLM {vllm_version()} has no prefix-cache hit limit")
+    configs = [StreamConfig(seed=seed, bounded_hits=True) for seed in SEEDS]
+    bounded = [run_stream(VllmScheduler, config, check_tables=False) for config in configs]
+    monkeypatch.setattr(Request, "get_max_cache_hit_length",  # (the request's own limit ignored)
+                        lambda self, bound=None: min(self.num_tokens - 1, self.num_tokens if bound is None else bound))
+    unbounded = [run_stream(VllmScheduler, config, check_tables=False) for config in configs]
+    assert sum(b != u for b, u in zip(bounded, unbounded, strict=True)) >= 2
 
 
 DEVICE = [pytest.param(gpukv033.DeviceScheduler, True, id="gpukv-device"),

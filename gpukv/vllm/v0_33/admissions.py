@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpukv.request import ComputedBlocks
+from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.views import blocks_of
 
 
@@ -51,7 +52,7 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
             or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
             or s.vllm_config.speculative_config is not None or s.num_lookahead_tokens or s.prefix_replay_tokens
             or adapter.watermark_blocks or not adapter.can_batch or adapter._events.index
-            or s.connector is not None or s.ec_connector is not None):
+            or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None)):
         return []
     budget = min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens) - num_scheduled_tokens
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
@@ -75,7 +76,7 @@ def _plain(request: Any) -> bool:
     return (request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and request.num_computed_tokens == 0
             and not (request.num_stale_output_tokens and not request.drop_stale_output)
             and request.lora_request is None and not request.mm_features and request.prompt_embeds is None
-            and request.pooling_params is None and not request.resumable)
+            and request.pooling_params is None and not request.resumable and not features.hit_bounded(request))
 
 
 @dataclass

@@ -62,6 +62,7 @@ import torch
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
+from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
@@ -256,10 +257,11 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         _check_request(request, self.max_model_len)
-        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise InvalidInputError(f"max_cache_hit_length must be None or an int >= 0, got {limit!r}",
+        bound = max_cache_hit_length
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise InvalidInputError(f"max_cache_hit_length must be None or an int >= 0, got {bound!r}",
                                     argument="max_cache_hit_length", fix="pass None for num_tokens - 1")
+        limit = features.max_cache_hit_length(request, bound)
         max_hit_blocks = min(limit, request.num_tokens - 1) // self.block_size
         computed = self._lookup(request, max_hit_blocks)
         boundary = self._shared_prefix_boundary(request, max_hit_blocks, computed.num_tokens)
@@ -270,6 +272,18 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
                                                    for ids in computed.block_ids))
         self._looked_up[request.request_id] = (blocks, computed)
         return blocks, computed.num_tokens, boundary
+
+    @flushing
+    def get_num_cached_tokens(self, request: Any) -> int:
+        """The request's tokens already in the prefix cache, as a probe (vLLM
+        0.34's cache-aware admission): no reference taken, nothing allocated,
+        no event, no lookup remembered for ``allocate_slots``. Like vLLM's, the
+        last token never counts and the request's own hit limit does not
+        bound it (only a limit of 0, no lookup, gives 0)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        _check_request(request, self.max_model_len)
+        return self._lookup(request, (request.num_tokens - 1) // self.block_size).num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
@@ -387,7 +401,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
     def _new_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
         lora = request.lora_request
         return NewRequest(request.request_id, tokens, lora_id=lora.adapter_id if lora else None,
-                          cache_salt=request.cache_salt, skip_prefix_cache=request.skip_reading_prefix_cache,
+                          cache_salt=request.cache_salt, skip_prefix_cache=features.skips_cache(request),
                           num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)
 
     def _lookup(self, request: Any, max_hit_blocks: int) -> ComputedBlocks:

@@ -34,6 +34,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncSchedu
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
 from gpukv.vllm.v0_33.admissions import plain_run
+from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.manager import KVCacheManager
 
@@ -77,8 +78,10 @@ class _GpukvManagerMixin:
     batched = True
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        check_conformance()  # (the installed vLLM asks of its manager only what gpukv answers)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)  # type: ignore[call-arg]
         me: Any = self
+        check_scheduler(me)
         _refuse_unsupported(me, kv_cache_config)
         me.kv_cache_manager = KVCacheManager(
             kv_cache_config, me.max_model_len, enable_caching=bool(me.cache_config.enable_prefix_caching),

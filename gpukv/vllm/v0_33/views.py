@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 
 
@@ -106,7 +107,7 @@ class PrefixCacheStatsRules:
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
         """Whether ``request`` is looked up: caching on and the request does
         not skip the cache (prompt logprobs, pooling)."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        return self.enable_caching and not features.skips_cache(request)
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         """An admission in the stats, in tokens (a re-admission after

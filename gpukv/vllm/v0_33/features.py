@@ -1,0 +1,49 @@
+"""What the installed vLLM of this API generation (0.33, 0.34) offers, read
+from vLLM itself rather than from its version string.
+
+One adapter serves the generation; where a release changed a rule, the rule
+is chosen here, once, by the feature vLLM has:
+
+* the prefix-cache read limit: ``Request.prefix_cache_hit_limit`` (0.34: 0
+  skips the lookup, None is unbounded, N > 0 bounds a hit to N tokens, read
+  through ``Request.get_max_cache_hit_length``) or
+  ``Request.skip_reading_prefix_cache`` (0.33: a flag);
+* ``KVCacheManager.get_num_cached_tokens`` (0.34's cache-aware admission
+  probes the cache with it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _request_cls() -> Any:
+    from vllm.v1.request import Request
+
+    return Request
+
+
+HIT_LIMIT = hasattr(_request_cls(), "get_max_cache_hit_length")
+"""vLLM's ``Request`` bounds hits by ``prefix_cache_hit_limit`` (0.34 on)."""
+
+
+def skips_cache(request: Any) -> bool:
+    """Whether ``request`` never reads the prefix cache (prompt logprobs or
+    pooling asked so)."""
+    if HIT_LIMIT:
+        return request.prefix_cache_hit_limit == 0
+    return bool(request.skip_reading_prefix_cache)
+
+
+def hit_bounded(request: Any) -> bool:
+    """Whether ``request``'s hits are bounded below ``num_tokens - 1`` by the
+    request itself (0.34's prompt-logprob start), so no batched run may take it."""
+    return HIT_LIMIT and request.prefix_cache_hit_limit is not None
+
+
+def max_cache_hit_length(request: Any, bound: int | None) -> int:
+    """The longest hit vLLM allows ``request``: ``num_tokens - 1``, the
+    request's own limit (0.34) and ``bound`` (None: none), the least of them."""
+    if HIT_LIMIT:
+        return int(request.get_max_cache_hit_length(bound))
+    return request.num_tokens - 1 if bound is None else bound
