@@ -60,14 +60,27 @@ indexer does. ``published_hash="sha256_cbor"`` (a publisher option) makes
 hashes, which a router can compute from token ids alone
 (``sha256_cbor_block_hashes``): NONE_HASH from ``PYTHONHASHSEED`` if set,
 else ``"vllm-none-hash"``, as vLLM seeds it. They are computed without
-extra keys: a LoRA block (``lora_id`` set) is refused (vLLM's hash covers
-the adapter's name and path, which gpukv does not have), and a block whose
-request had a ``cache_salt`` or multimodal items gets its plain-text hash
-(the events do not say which blocks had them). The publisher then maps each
-gpukv digest to its hash and so must see every batch of its manager from the
-first (a parent or removal it never saw is refused). These hashes are for
-routers only: the manager's hit stays decided by its own keyed digests of
-the request's tokens.
+extra keys: a block whose request had a ``cache_salt`` or multimodal items
+gets its plain-text hash (the events do not say which blocks had them). The
+publisher maps each gpukv digest to its hash and so must see every batch of
+its manager from the first (a parent or removal it never saw is refused).
+These hashes are for routers only: the manager's hit stays decided by its
+own keyed digests of the request's tokens.
+
+LoRA blocks under ``sha256_cbor``. vLLM's hash of a LoRA block covers the
+adapter's name and path, which gpukv does not have, so a ``BlockStored``
+with a ``lora_id`` is left out of its batch, and so is every block chained
+to one (its children) and every removal of such a block; the rest of the
+batch and every later batch are published as usual (a batch left empty is
+still sent). Each publish that leaves blocks out warns
+(``UnpublishedBlocksWarning``) and adds them to the publisher's
+``unpublished_blocks``. Why left out rather than published with gpukv's
+digest and a marker: a router that ignores the marker (Dynamo's indexer
+keys blocks by their tokens) would then match a request without the
+adapter, which the manager does not hit; a block a router never sees only
+costs a LoRA request its predicted hit, and never makes a wrong one. A
+deployment that routes LoRA requests by cache publishes
+``published_hash="gpukv"`` (LoRA blocks carry their ``lora_id`` there).
 
 Every input is checked, and a refusal is a typed error from ``gpukv.errors``
 (``argument: problem; fix``) that leaves the publisher as it was: endpoints
@@ -75,7 +88,15 @@ Every input is checked, and a refusal is a typed error from ``gpukv.errors``
 path of at most 107 bytes), the sizes (at most ``MAX_BUFFER_STEPS`` and
 ``MAX_HWM``, what ZMQ's int options hold), the topic (text that is UTF-8),
 every ``KVEventsConfig`` field, and every batch of a ``publish``, which is
-all or nothing. An address another socket holds is refused
+all or nothing: each event's fields as a manager makes them (digests of 16
+bytes, or vLLM's int form below ``2**64``; at least one per event;
+``block_size`` >= 1 and ``block_size`` tokens per digest; token ids by the
+managers' one rule, ``gpukv.request``'s: ints, not bools, in ``[0, 2**32)``;
+a LoRA id in ``[0, 2**64)`` or None; a group >= 0), and, under
+``sha256_cbor``, a digest stored again as another block. A refused publish
+queues nothing and leaves the chain's map as it was, so it never stands in
+the way of the next one. ``sha256_cbor_block_hashes`` checks its token ids
+by the same rule. An address another socket holds is refused
 (``AddressInUseError``), an ipc path included: ZMQ itself would unlink the
 path and bind anew, so subscribers connecting afterwards would reach the new
 publisher and never the old one (``ZmqEventPublisher``).
@@ -98,7 +119,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -726,7 +747,6 @@ def _check_timeout(timeout: Any) -> None:
                                 fix="pass seconds as a finite number >= 0")
 
 
-_EVENT_TYPES = (gk.BlockStored, gk.BlockRemoved, gk.AllBlocksCleared)
 _BATCH_FIX = "pass a KVEventBatch or a list of them (manager.take_events())"
 _EVENT_FIX = "publish the batches a manager hands out (take_events()), or build events as a manager does"
 #: The largest int digest: vLLM's int form is 64 bits.
@@ -778,7 +798,7 @@ def _checked_event(event: Any, where: str) -> gk.KVCacheEvent:
     a LoRA id in ``[0, 2**64)`` or None, a group >= 0."""
     if isinstance(event, gk.AllBlocksCleared):
         return event
-    if not isinstance(event, _EVENT_TYPES):
+    if not isinstance(event, (gk.BlockStored, gk.BlockRemoved)):
         raise InvalidTypeError(f"must be a gpukv.events event, got {type(event).__name__}", argument=where,
                                fix=_EVENT_FIX)
     digests = _checked_digests(event.block_hashes, f"{where}.block_hashes")
