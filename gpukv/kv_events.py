@@ -60,14 +60,27 @@ indexer does. ``published_hash="sha256_cbor"`` (a publisher option) makes
 hashes, which a router can compute from token ids alone
 (``sha256_cbor_block_hashes``): NONE_HASH from ``PYTHONHASHSEED`` if set,
 else ``"vllm-none-hash"``, as vLLM seeds it. They are computed without
-extra keys: a LoRA block (``lora_id`` set) is refused (vLLM's hash covers
-the adapter's name and path, which gpukv does not have), and a block whose
-request had a ``cache_salt`` or multimodal items gets its plain-text hash
-(the events do not say which blocks had them). The publisher then maps each
-gpukv digest to its hash and so must see every batch of its manager from the
-first (a parent or removal it never saw is refused). These hashes are for
-routers only: the manager's hit stays decided by its own keyed digests of
-the request's tokens.
+extra keys: a block whose request had a ``cache_salt`` or multimodal items
+gets its plain-text hash (the events do not say which blocks had them). The
+publisher maps each gpukv digest to its hash and so must see every batch of
+its manager from the first (a parent or removal it never saw is refused).
+These hashes are for routers only: the manager's hit stays decided by its
+own keyed digests of the request's tokens.
+
+LoRA blocks under ``sha256_cbor``. vLLM's hash of a LoRA block covers the
+adapter's name and path, which gpukv does not have, so a ``BlockStored``
+with a ``lora_id`` is left out of its batch, and so is every block chained
+to one (its children) and every removal of such a block; the rest of the
+batch and every later batch are published as usual (a batch left empty is
+still sent). Each publish that leaves blocks out warns
+(``UnpublishedBlocksWarning``) and adds them to the publisher's
+``unpublished_blocks``. Why left out rather than published with gpukv's
+digest and a marker: a router that ignores the marker (Dynamo's indexer
+keys blocks by their tokens) would then match a request without the
+adapter, which the manager does not hit; a block a router never sees only
+costs a LoRA request its predicted hit, and never makes a wrong one. A
+deployment that routes LoRA requests by cache publishes
+``published_hash="gpukv"`` (LoRA blocks carry their ``lora_id`` there).
 
 Every input is checked, and a refusal is a typed error from ``gpukv.errors``
 (``argument: problem; fix``) that leaves the publisher as it was: endpoints
@@ -75,7 +88,15 @@ Every input is checked, and a refusal is a typed error from ``gpukv.errors``
 path of at most 107 bytes), the sizes (at most ``MAX_BUFFER_STEPS`` and
 ``MAX_HWM``, what ZMQ's int options hold), the topic (text that is UTF-8),
 every ``KVEventsConfig`` field, and every batch of a ``publish``, which is
-all or nothing. An address another socket holds is refused
+all or nothing: each event's fields as a manager makes them (digests of 16
+bytes, or vLLM's int form below ``2**64``; at least one per event;
+``block_size`` >= 1 and ``block_size`` tokens per digest; token ids by the
+managers' one rule, ``gpukv.request``'s: ints, not bools, in ``[0, 2**32)``;
+a LoRA id in ``[0, 2**64)`` or None; a group >= 0), and, under
+``sha256_cbor``, a digest stored again as another block. A refused publish
+queues nothing and leaves the chain's map as it was, so it never stands in
+the way of the next one. ``sha256_cbor_block_hashes`` checks its token ids
+by the same rule. An address another socket holds is refused
 (``AddressInUseError``), an ipc path included: ZMQ itself would unlink the
 path and bind anew, so subscribers connecting afterwards would reach the new
 publisher and never the old one (``ZmqEventPublisher``).
@@ -98,7 +119,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +142,7 @@ __all__ = [
     "VLLM_VERSION", "MEDIUM_GPU", "EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
     "KVEventBatch", "KVEventsConfig", "EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "make_publisher",
     "to_wire", "from_wire", "encode", "decode", "END_SEQ", "MAX_BUFFER_STEPS", "MAX_HWM",
-    "PUBLISHED_HASHES", "VLLM_NONE_HASH_SEED", "sha256_cbor_block_hashes",
+    "PUBLISHED_HASHES", "VLLM_NONE_HASH_SEED", "sha256_cbor_block_hashes", "UnpublishedBlocksWarning",
 ]
 
 logger = logging.getLogger(__name__)
@@ -362,20 +383,23 @@ def _check_windows(sliding_windows: Any) -> list[int | None] | None:
 # CBOR of the seed (PYTHONHASHSEED if set, else "vllm-none-hash"). gpukv writes
 # that small shape itself (canonical CBOR: shortest heads, definite lengths).
 
+_SHA256_BYTES = 32
+
+
 def _cbor_head(major: int, n: int) -> bytes:
     if n < 24:
         return bytes([major << 5 | n])
     for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
         if n < 1 << (8 * size):
             return bytes([major << 5 | extra]) + n.to_bytes(size, "big")
-    raise OverflowError(f"{n} does not fit CBOR's 64-bit head")
+    raise OverflowError(f"{n} does not fit CBOR's 64-bit head")  # unreachable: lengths and tokens are checked
 
 
-def _cbor_block(parent: bytes, tokens: Iterable[int]) -> bytes:
-    """Canonical CBOR of ``[parent, [tokens...], None]`` (no extra keys)."""
-    toks = [int(t) for t in tokens]
-    out = [_cbor_head(4, 3), _cbor_head(2, len(parent)), parent, _cbor_head(4, len(toks))]
-    out += [_cbor_head(0, t) if t >= 0 else _cbor_head(1, -1 - t) for t in toks]
+def _cbor_block(parent: bytes, tokens: list[int]) -> bytes:
+    """Canonical CBOR of ``[parent, [tokens...], None]`` (no extra keys);
+    ``tokens`` are checked ids (``_checked_tokens``), CBOR unsigned ints."""
+    out = [_cbor_head(4, 3), _cbor_head(2, len(parent)), parent, _cbor_head(4, len(tokens))]
+    out += [_cbor_head(0, t) for t in tokens]
     out.append(b"\xf6")
     return b"".join(out)
 
@@ -395,9 +419,19 @@ def sha256_cbor_block_hashes(token_ids: Iterable[int], block_size: int, parent: 
     blocks of ``token_ids`` without extra keys, chained from ``parent`` (None:
     the start of a request, NONE_HASH from ``seed``, by default vLLM's:
     ``PYTHONHASHSEED`` if set, else ``"vllm-none-hash"``). What
-    ``published_hash="sha256_cbor"`` publishes (as ints: ``int_block_hash``)."""
+    ``published_hash="sha256_cbor"`` publishes (as ints: ``int_block_hash``).
+
+    The token ids are checked as the managers check theirs (``gpukv.request``:
+    ints, not bools, each in ``[0, 2**32)``; a list, tuple, 1-D integer array
+    or tensor); ``parent`` is a 32-byte hash this function returned, not a
+    published int; anything else raises ``InvalidTypeError`` or
+    ``InvalidInputError`` naming the argument."""
+    toks = _checked_tokens(token_ids, "token_ids")
     _check_int("block_size", block_size, 1, MAX_HWM)
-    toks = list(token_ids)
+    if parent is not None:
+        _check_sha256("parent", parent)
+    if seed is not None:
+        _check_text("seed", seed, "pass the PYTHONHASHSEED the vLLM deployment runs with, or None for its default")
     h = parent if parent is not None else _none_hash(_none_hash_seed() if seed is None else seed)
     out = []
     for i in range(len(toks) // block_size):
@@ -406,42 +440,67 @@ def sha256_cbor_block_hashes(token_ids: Iterable[int], block_size: int, parent: 
     return out
 
 
+def _check_sha256(argument: str, value: Any) -> None:
+    fix = ("pass the 32-byte hash sha256_cbor_block_hashes returned for the block before (a published int "
+           "is only its last 8 bytes), or None at a request's start")
+    if not isinstance(value, bytes):
+        raise InvalidTypeError(f"must be bytes, got {type(value).__name__} {value!r}", argument=argument, fix=fix)
+    if len(value) != _SHA256_BYTES:
+        raise InvalidInputError(f"is {len(value)} bytes, not {_SHA256_BYTES}", argument=argument, fix=fix)
+
+
+class UnpublishedBlocksWarning(RuntimeWarning):
+    """``published_hash="sha256_cbor"`` left stored blocks out of a publish:
+    blocks of LoRA requests, whose vLLM hash covers the adapter's name and
+    path (which gpukv does not have), and any block chained to one. The
+    publisher counts them (``unpublished_blocks``)."""
+
+
 class _Sha256CborChain:
     """The publisher's map from gpukv's digests to vLLM's ``sha256_cbor``
     hashes: a stored block's hash chains from its parent's (looked up by the
     parent's gpukv digest), so the publisher must see every batch of its
-    manager from the first. ``rehash`` translates batches without changing
-    the map and returns a commit, so a refused publish changes nothing."""
+    manager from the first. A block it cannot hash (LoRA, or a child of one)
+    is kept with hash None: left out of what is published, and so are its
+    removals and children. ``rehash`` translates batches without changing
+    the map; its ``_ChainUpdate.commit`` applies them, so a refused publish
+    changes nothing."""
 
     def __init__(self, seed: str) -> None:
         self.none_hash = _none_hash(seed)
-        self.live: dict[bytes, tuple[bytes, int]] = {}  # gpukv digest -> (sha, stored blocks)
-        self.retired: OrderedDict[bytes, bytes] = OrderedDict()
+        self.live: dict[bytes, tuple[bytes | None, int]] = {}  # gpukv digest -> (sha or None, stored blocks)
+        self.retired: OrderedDict[bytes, bytes | None] = OrderedDict()
 
-    def rehash(self, items: list[gk.KVEventBatch]) -> tuple[list[gk.KVEventBatch], Callable[[], None]]:
-        """``items`` with vLLM's hashes in place of gpukv's digests, and the
-        commit that makes the map what publishing them leaves."""
+    def rehash(self, items: list[gk.KVEventBatch]) -> tuple[list[gk.KVEventBatch], _ChainUpdate]:
+        """``items`` with vLLM's hashes in place of gpukv's digests (the
+        events it cannot hash left out), and the update that makes the map
+        what publishing them leaves."""
         pending = _ChainUpdate(self)
-        out = [gk.KVEventBatch(batch.seq, [pending.translate(e, f"batches[{i}].events[{j}]")
-                                           for j, e in enumerate(batch.events)], ts=batch.ts, dropped=batch.dropped)
-               for i, batch in enumerate(items)]
-        return out, pending.commit
+        out = []
+        for i, batch in enumerate(items):
+            events = [pending.translate(e, f"batches[{i}].events[{j}]") for j, e in enumerate(batch.events)]
+            out.append(gk.KVEventBatch(batch.seq, [e for e in events if e is not None], ts=batch.ts,
+                                       dropped=batch.dropped))
+        return out, pending
 
 
 class _ChainUpdate:
     """One ``rehash``'s changes to a ``_Sha256CborChain``, kept apart from it
     until ``commit``: digests stored or removed (``over``: the new entry, None
     once removed), digests whose last stored block went (``retire``: their
-    hash, still a parent's), and whether the batches cleared everything."""
+    hash, still a parent's), whether the batches cleared everything, and the
+    stored blocks left out (``unpublished``)."""
 
     def __init__(self, chain: _Sha256CborChain) -> None:
         self.chain = chain
-        self.over: dict[bytes, tuple[bytes, int] | None] = {}
-        self.retire: dict[bytes, bytes] = {}
+        self.over: dict[bytes, tuple[bytes | None, int] | None] = {}
+        self.retire: dict[bytes, bytes | None] = {}
         self.cleared = False
+        self.unpublished = 0
 
-    def translate(self, event: gk.KVCacheEvent, where: str) -> gk.KVCacheEvent:
-        """``event`` (at ``where`` in the publish) with vLLM's hashes."""
+    def translate(self, event: gk.KVCacheEvent, where: str) -> gk.KVCacheEvent | None:
+        """``event`` (at ``where`` in the publish) with vLLM's hashes; None
+        when none of its blocks is published."""
         if isinstance(event, gk.AllBlocksCleared):
             self.cleared, self.over = True, {}
             return event
@@ -449,45 +508,58 @@ class _ChainUpdate:
             return self._stored(event, where)
         return self._removed(event, where)
 
-    def _live(self, d: bytes) -> tuple[bytes, int] | None:
+    def _live(self, d: bytes) -> tuple[bytes | None, int] | None:
         """``d``'s entry as this update leaves it so far."""
         if d in self.over:
             return self.over[d]
         return None if self.cleared else self.chain.live.get(d)
 
-    def _stored(self, e: gk.BlockStored, where: str) -> gk.BlockStored:
-        """Each stored block's hash, chained from its parent's."""
-        if e.lora_id is not None:
-            raise InvalidInputError(
-                f"is a LoRA block (lora_id {e.lora_id}): vLLM's sha256_cbor hash covers the adapter's "
-                "name and path, which gpukv does not have", argument=where,
-                fix="publish LoRA deployments with published_hash='gpukv' (the default)")
-        parent_sha = None if e.parent_block_hash is None else self._parent_sha(e.parent_block_hash, where)
-        h = self.chain.none_hash if parent_sha is None else parent_sha
+    def _stored(self, e: gk.BlockStored, where: str) -> gk.BlockStored | None:
+        """Each stored block's hash, chained from its parent's; a LoRA
+        block, or one whose parent was left out, is left out too."""
+        h = self.chain.none_hash if e.parent_block_hash is None else self._parent_sha(e.parent_block_hash, where)
+        parent_sha = None if e.parent_block_hash is None else h
+        publish = h is not None and e.lora_id is None
         shas: list[gk.BlockHash] = []
         for k, d in enumerate(e.block_hashes):
-            d = _manager_digest(d, f"{where}.block_hashes[{k}]")
-            h = hashlib.sha256(_cbor_block(h, e.token_ids[k * e.block_size:(k + 1) * e.block_size])).digest()
-            entry = self._live(d)
-            self.over[d] = (h, 1 if entry is None else entry[1] + 1)
-            shas.append(h)
+            if publish:
+                assert h is not None
+                h = hashlib.sha256(_cbor_block(h, e.token_ids[k * e.block_size:(k + 1) * e.block_size])).digest()
+                shas.append(h)
+            self._store(_manager_digest(d, f"{where}.block_hashes[{k}]"), h if publish else None,
+                        f"{where}.block_hashes[{k}]")
+        if not publish:
+            self.unpublished += len(e.block_hashes)
+            return None
         return gk.BlockStored(shas, parent_sha, list(e.token_ids), e.block_size, e.lora_id, e.group)
 
-    def _parent_sha(self, parent: Any, where: str) -> bytes:
-        """The hash of a stored block's parent: live, retired in this update,
-        or retired before (a parent outlives its blocks in the map)."""
+    def _store(self, d: bytes, sha: bytes | None, where: str) -> None:
+        """One more stored block of digest ``d``, whose hash is ``sha``."""
+        entry = self._live(d)
+        if entry is not None and entry[0] != sha:
+            raise InvalidInputError("is stored already as another block (other tokens, parent or LoRA id)",
+                                    argument=where, fix="publish the batches a manager hands out (take_events())")
+        self.over[d] = (sha, 1 if entry is None else entry[1] + 1)
+
+    def _parent_sha(self, parent: Any, where: str) -> bytes | None:
+        """The hash of a stored block's parent (None: the parent was left
+        out): live, retired in this update, or retired before (a parent
+        outlives its blocks in the map)."""
         p = _manager_digest(parent, f"{where}.parent_block_hash")
         entry = self._live(p)
-        found = entry[0] if entry is not None else self.retire.get(p, self.chain.retired.get(p))
-        if found is None:
-            raise InvalidInputError(
-                "has a parent this publisher never published", argument=where,
-                fix="with published_hash='sha256_cbor' publish every batch of the manager from "
-                    "its first (make the publisher with the manager)")
-        return found
+        if entry is not None:
+            return entry[0]
+        for retired in (self.retire, self.chain.retired):
+            if p in retired:
+                return retired[p]
+        raise InvalidInputError(
+            "has a parent this publisher never published", argument=where,
+            fix="with published_hash='sha256_cbor' publish every batch of the manager from "
+                "its first (make the publisher with the manager)")
 
-    def _removed(self, e: gk.BlockRemoved, where: str) -> gk.BlockRemoved:
-        """Each removed block's hash; a digest whose last block goes retires."""
+    def _removed(self, e: gk.BlockRemoved, where: str) -> gk.BlockRemoved | None:
+        """Each removed block's hash (those left out when stored are left
+        out again); a digest whose last block goes retires."""
         shas: list[gk.BlockHash] = []
         for k, d in enumerate(e.block_hashes):
             d = _manager_digest(d, f"{where}.block_hashes[{k}]")
@@ -500,8 +572,9 @@ class _ChainUpdate:
             self.over[d] = (entry[0], entry[1] - 1) if entry[1] > 1 else None
             if entry[1] == 1:
                 self.retire[d] = entry[0]
-            shas.append(entry[0])
-        return gk.BlockRemoved(shas, e.group)
+            if entry[0] is not None:
+                shas.append(entry[0])
+        return gk.BlockRemoved(shas, e.group) if shas else None
 
     def commit(self) -> None:
         """The chain's map as publishing the translated batches leaves it
@@ -674,40 +747,109 @@ def _check_timeout(timeout: Any) -> None:
                                 fix="pass seconds as a finite number >= 0")
 
 
-_EVENT_TYPES = (gk.BlockStored, gk.BlockRemoved, gk.AllBlocksCleared)
+_BATCH_FIX = "pass a KVEventBatch or a list of them (manager.take_events())"
+_EVENT_FIX = "publish the batches a manager hands out (take_events()), or build events as a manager does"
+#: The largest int digest: vLLM's int form is 64 bits.
+_MAX_INT_DIGEST = 2**64 - 1
+_DIGEST_BYTES = 16  # a manager's digest
+_MAX_GROUP = 2**31 - 1  # a KV-cache group index is an int32 on the device
 
 
 def _batch_list(batches: Any) -> list[gk.KVEventBatch]:
-    """``publish``'s argument as a list of batches, each of the right kinds."""
-    fix = "pass a KVEventBatch or a list of them (manager.take_events())"
+    """``publish``'s argument as a list of checked batches: fresh copies
+    whose events hold lists of plain ints and digests (``_checked_event``),
+    so what is published is what was checked."""
     if isinstance(batches, gk.KVEventBatch):
-        return [batches]
-    if isinstance(batches, (str, bytes, dict)) or not isinstance(batches, Iterable):
+        items = [batches]
+    elif isinstance(batches, (str, bytes, dict)) or not isinstance(batches, Iterable):
         raise InvalidTypeError(f"must be a KVEventBatch or a list of them, got {type(batches).__name__}",
-                               argument="batches", fix=fix)
-    try:
-        items = list(batches)
-    except Exception as err:  # a caller's iterator that failed
-        raise InvalidInputError(f"raised while read ({type(err).__name__}: {err})", argument="batches",
-                                fix=fix) from err
-    for i, batch in enumerate(items):
-        if not isinstance(batch, gk.KVEventBatch):
-            raise InvalidTypeError(f"must be a KVEventBatch, got {type(batch).__name__}", argument=f"batches[{i}]",
-                                   fix=fix)
-        if not isinstance(batch.events, list):
-            raise InvalidTypeError(f"must be a list, got {type(batch.events).__name__}",
-                                   argument=f"batches[{i}].events", fix=fix)
-        for j, event in enumerate(batch.events):
-            if not isinstance(event, _EVENT_TYPES):
-                raise InvalidTypeError(f"must be a gpukv.events event, got {type(event).__name__}",
-                                       argument=f"batches[{i}].events[{j}]", fix=fix)
-        if isinstance(batch.ts, bool) or not isinstance(batch.ts, (int, float)) or not math.isfinite(batch.ts):
-            raise InvalidInputError(f"must be a finite number of seconds, got {batch.ts!r}",
-                                    argument=f"batches[{i}].ts", fix=fix)
-        if isinstance(batch.dropped, bool) or not isinstance(batch.dropped, int) or batch.dropped < 0:
-            raise InvalidInputError(f"must be an int >= 0, got {batch.dropped!r}", argument=f"batches[{i}].dropped",
-                                    fix=fix)
-    return items
+                               argument="batches", fix=_BATCH_FIX)
+    else:
+        try:
+            items = list(batches)
+        except Exception as err:  # a caller's iterator that failed
+            raise InvalidInputError(f"raised while read ({type(err).__name__}: {err})", argument="batches",
+                                    fix=_BATCH_FIX) from err
+    return [_checked_batch(batch, f"batches[{i}]") for i, batch in enumerate(items)]
+
+
+def _checked_batch(batch: Any, where: str) -> gk.KVEventBatch:
+    if not isinstance(batch, gk.KVEventBatch):
+        raise InvalidTypeError(f"must be a KVEventBatch, got {type(batch).__name__}", argument=where, fix=_BATCH_FIX)
+    if not isinstance(batch.events, list):
+        raise InvalidTypeError(f"must be a list, got {type(batch.events).__name__}", argument=f"{where}.events",
+                               fix=_BATCH_FIX)
+    events = [_checked_event(e, f"{where}.events[{j}]") for j, e in enumerate(batch.events)]
+    if isinstance(batch.ts, bool) or not isinstance(batch.ts, (int, float)) or not math.isfinite(batch.ts):
+        raise InvalidInputError(f"must be a finite number of seconds, got {batch.ts!r}", argument=f"{where}.ts",
+                                fix=_BATCH_FIX)
+    if isinstance(batch.dropped, bool) or not isinstance(batch.dropped, int) or batch.dropped < 0:
+        raise InvalidInputError(f"must be an int >= 0, got {batch.dropped!r}", argument=f"{where}.dropped",
+                                fix=_BATCH_FIX)
+    if isinstance(batch.seq, bool) or not isinstance(batch.seq, int) or batch.seq < 0:
+        raise InvalidInputError(f"must be an int >= 0, got {batch.seq!r}", argument=f"{where}.seq", fix=_BATCH_FIX)
+    return gk.KVEventBatch(batch.seq, events, ts=batch.ts, dropped=batch.dropped)
+
+
+def _checked_event(event: Any, where: str) -> gk.KVCacheEvent:
+    """A copy of ``event`` with every field checked as a manager makes it:
+    digests 16 bytes (or an int of vLLM's 64-bit form), ``block_size`` >= 1,
+    ``block_size`` tokens per digest, each in the managers' token range,
+    a LoRA id in ``[0, 2**64)`` or None, a group >= 0."""
+    if isinstance(event, gk.AllBlocksCleared):
+        return event
+    if not isinstance(event, (gk.BlockStored, gk.BlockRemoved)):
+        raise InvalidTypeError(f"must be a gpukv.events event, got {type(event).__name__}", argument=where,
+                               fix=_EVENT_FIX)
+    digests = _checked_digests(event.block_hashes, f"{where}.block_hashes")
+    _check_int(f"{where}.group", event.group, 0, _MAX_GROUP)
+    if isinstance(event, gk.BlockRemoved):
+        return gk.BlockRemoved(digests, event.group)
+    parent = event.parent_block_hash
+    if parent is not None:
+        parent = _checked_digest(parent, f"{where}.parent_block_hash")
+    _check_int(f"{where}.block_size", event.block_size, 1, MAX_HWM)
+    tokens = _checked_tokens(event.token_ids, f"{where}.token_ids")
+    if len(tokens) != len(digests) * event.block_size:
+        raise InvalidInputError(
+            f"has {len(tokens)} tokens for {len(digests)} digests of block_size {event.block_size} "
+            f"(needs {len(digests) * event.block_size})", argument=f"{where}.token_ids",
+            fix="give block_size tokens per digest, the blocks' tokens one block after another")
+    if event.lora_id is not None:
+        _check_int(f"{where}.lora_id", event.lora_id, 0, _MAX_INT_DIGEST)
+    return gk.BlockStored(digests, parent, tokens, event.block_size, event.lora_id, event.group)
+
+
+def _checked_digests(value: Any, argument: str) -> list[gk.BlockHash]:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidTypeError(f"must be a list of digests, got {type(value).__name__}", argument=argument,
+                               fix=_EVENT_FIX)
+    if not value:
+        raise InvalidInputError("is empty: an event names at least one block", argument=argument,
+                                fix="leave out an event that stores or removes no block")
+    return [_checked_digest(d, f"{argument}[{k}]") for k, d in enumerate(value)]
+
+
+def _checked_digest(d: Any, argument: str) -> gk.BlockHash:
+    """A manager's 16-byte digest, or an int of vLLM's 64-bit form (what ``from_wire`` gives)."""
+    fix = f"pass a manager's digest ({_DIGEST_BYTES} bytes) or vLLM's int form (0 to 2**64 - 1)"
+    if isinstance(d, bytes):
+        if len(d) != _DIGEST_BYTES:
+            raise InvalidInputError(f"is {len(d)} bytes, not {_DIGEST_BYTES}", argument=argument, fix=fix)
+        return bytes(d)
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise InvalidTypeError(f"must be bytes or an int, got {type(d).__name__} {d!r}", argument=argument, fix=fix)
+    if not 0 <= d <= _MAX_INT_DIGEST:
+        raise InvalidInputError(f"must be from 0 to 2**64 - 1, got {d}", argument=argument, fix=fix)
+    return int(d)
+
+
+def _checked_tokens(value: Any, argument: str) -> list[int]:
+    """Token ids checked by the managers' one rule (``gpukv.request``: ints,
+    not bools, each in ``[0, 2**32)``), as a list of plain ints."""
+    from gpukv.request import normalize_token_ids  # torch: imported when first needed, so importing this is cheap
+
+    return normalize_token_ids(value, argument, keep_device=False).tolist()
 
 
 # --------------------------------------------------------------- publishers
@@ -795,6 +937,7 @@ class ZmqEventPublisher(EventPublisher):
         self.medium = medium
         self.published_hash = published_hash
         self._chain = _Sha256CborChain(_none_hash_seed()) if published_hash == "sha256_cbor" else None
+        self.unpublished_blocks = 0  # stored blocks left out by sha256_cbor (LoRA blocks and their children)
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -861,12 +1004,13 @@ class ZmqEventPublisher(EventPublisher):
         if self._closed:
             raise PublisherClosedError("the publisher is closed", fix="make a new publisher to publish more")
         items = _batch_list(batches)
-        commit = None
+        update = None
         if self._chain is not None:
-            items, commit = self._chain.rehash(items)
+            items, update = self._chain.rehash(items)
         payloads = [self._encode(batch, f"batches[{i}]") for i, batch in enumerate(items)]
-        if commit is not None:
-            commit()
+        if update is not None:
+            update.commit()
+            self._count_unpublished(update.unpublished)
         for batch in items:
             if batch.dropped:
                 warnings.warn(f"KV-cache batch {batch.seq} follows {batch.dropped} dropped events, and the wire "
@@ -875,6 +1019,17 @@ class ZmqEventPublisher(EventPublisher):
         for payload in payloads:
             self._queue.put(payload)
             self._queued += 1
+
+    def _count_unpublished(self, blocks: int) -> None:
+        """Count and announce stored blocks ``sha256_cbor`` left out."""
+        if not blocks:
+            return
+        self.unpublished_blocks += blocks
+        warnings.warn(f"published_hash='sha256_cbor' left {blocks} stored blocks of LoRA requests out of the "
+                      f"batches ({self.unpublished_blocks} so far): vLLM's hash of a LoRA block covers the "
+                      "adapter's name and path, which gpukv does not have. Routers see none of them and predict "
+                      "no hit for them, never a wrong one; publish with published_hash='gpukv' to route LoRA "
+                      "requests by their cache", UnpublishedBlocksWarning, stacklevel=3)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every batch queued so far is sent (False on timeout)."""

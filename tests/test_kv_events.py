@@ -446,7 +446,8 @@ def test_a_publish_is_all_or_nothing(sockdir):
         with pytest.raises(InvalidInputError) as info:  # a token id msgpack cannot carry: refused, not lost
             publisher.publish([KVEventBatch(0, [], ts=1.5),
                                KVEventBatch(0, [gk.BlockStored([KEY], None, [2**64, 1], 2, None)], ts=1.75)])
-        assert str(info.value).startswith("batches[1]: cannot be sent in vLLM's schema (")
+        assert str(info.value) == ("batches[1].events[0].token_ids: token id at position 0 is 18446744073709551616, "
+                                   "outside [0, 2**32); pass a 1-D sequence of int token ids in [0, 2**32)")
         publisher.publish(KVEventBatch(0, [gk.AllBlocksCleared()], ts=2.0))
         assert publisher.flush()
         assert [(seq, DECODER.decode(p).ts) for seq, p in _replayed(ctx, publisher.replay_endpoint)] == [(0, 2.0)]
@@ -468,3 +469,127 @@ def test_the_wording_says_which_release_was_tested():
     assert kv_events.VLLM_VERSION == "0.33.0"
     doc = kv_events.__doc__
     assert "current" not in doc and "tested with 0.33.0 only" in doc
+
+
+# ------------------------------------------ hand-built events (issue 37)
+
+D0, D1, D2 = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
+RANGE = "pass a whole number from {} to {}"
+DIGEST_FIX = "pass a manager's digest (16 bytes) or vLLM's int form (0 to 2**64 - 1)"
+TOKEN_FIX = "pass a 1-D sequence of int token ids in [0, 2**32)"
+E0 = "batches[0].events[0]"
+MALFORMED = [
+    # (name, batch, class, message): each was published (as hashes of empty or partial token lists,
+    # or with a negative group) or raised an untyped error
+    ("block-size-0", KVEventBatch(0, [gk.BlockStored([D1], D0, [], 0, None)]), InvalidInputError,
+     f"{E0}.block_size: must be from 1 to 2147483647, got 0; " + RANGE.format(1, 2147483647)),
+    ("block-size--2", KVEventBatch(0, [gk.BlockStored([D1], D0, [1, 2], -2, None)]), InvalidInputError,
+     f"{E0}.block_size: must be from 1 to 2147483647, got -2; " + RANGE.format(1, 2147483647)),
+    ("block-size-bool", KVEventBatch(0, [gk.BlockStored([D1], D0, [1], True, None)]), InvalidTypeError,
+     f"{E0}.block_size: must be an int, got bool True; " + RANGE.format(1, 2147483647)),
+    ("fewer-tokens", KVEventBatch(0, [gk.BlockStored([D1, D2], D0, [1, 2], 2, None)]), InvalidInputError,
+     f"{E0}.token_ids: has 2 tokens for 2 digests of block_size 2 (needs 4); give block_size tokens per digest, "
+     "the blocks' tokens one block after another"),
+    ("more-tokens", KVEventBatch(0, [gk.BlockStored([D1], D0, [1, 2, 3], 2, None)]), InvalidInputError,
+     f"{E0}.token_ids: has 3 tokens for 1 digests of block_size 2 (needs 2); give block_size tokens per digest, "
+     "the blocks' tokens one block after another"),
+    ("stored-group--1", KVEventBatch(0, [gk.BlockStored([D1], D0, [1, 2], 2, None, -1)]), InvalidInputError,
+     f"{E0}.group: must be from 0 to 2147483647, got -1; " + RANGE.format(0, 2147483647)),
+    ("removed-group--1", KVEventBatch(0, [gk.BlockRemoved([D0], -1)]), InvalidInputError,
+     f"{E0}.group: must be from 0 to 2147483647, got -1; " + RANGE.format(0, 2147483647)),
+    ("no-digests", KVEventBatch(0, [gk.BlockRemoved([])]), InvalidInputError,
+     f"{E0}.block_hashes: is empty: an event names at least one block; leave out an event that stores or "
+     "removes no block"),
+    ("short-digest", KVEventBatch(0, [gk.BlockStored([D1[:15]], D0, [1, 2], 2, None)]), InvalidInputError,
+     f"{E0}.block_hashes[0]: is 15 bytes, not 16; {DIGEST_FIX}"),
+    ("int-digest-2**64", KVEventBatch(0, [gk.BlockRemoved([2**64])]), InvalidInputError,
+     f"{E0}.block_hashes[0]: must be from 0 to 2**64 - 1, got 18446744073709551616; {DIGEST_FIX}"),
+    ("parent-str", KVEventBatch(0, [gk.BlockStored([D1], "D0", [1, 2], 2, None)]), InvalidTypeError,
+     f"{E0}.parent_block_hash: must be bytes or an int, got str 'D0'; {DIGEST_FIX}"),
+    ("token-float", KVEventBatch(0, [gk.BlockStored([D1], D0, [1.5, 2], 2, None)]), InvalidTypeError,
+     f"{E0}.token_ids: token id at position 0 is 1.5 (float); token ids must be ints; {TOKEN_FIX}"),
+    ("token-none", KVEventBatch(0, [gk.BlockStored([D1], D0, [1, None], 2, None)]), InvalidTypeError,
+     f"{E0}.token_ids: token id at position 1 is None (NoneType); token ids must be ints; {TOKEN_FIX}"),
+    ("token-2**64", KVEventBatch(0, [gk.BlockStored([D1], D0, [1, 2**64], 2, None)]), InvalidInputError,
+     f"{E0}.token_ids: token id at position 1 is 18446744073709551616, outside [0, 2**32); {TOKEN_FIX}"),
+    ("lora--1", KVEventBatch(0, [gk.BlockStored([D1], D0, [1, 2], 2, -1)]), InvalidInputError,
+     f"{E0}.lora_id: must be from 0 to 18446744073709551615, got -1; " + RANGE.format(0, 18446744073709551615)),
+    ("seq--1", KVEventBatch(-1, []), InvalidInputError,
+     "batches[0].seq: must be an int >= 0, got -1; pass a KVEventBatch or a list of them (manager.take_events())"),
+]
+
+
+def _state(publisher) -> tuple:
+    """What a publish may change: batches queued, the chain's map, what it left out."""
+    chain = publisher._chain
+    maps = None if chain is None else (dict(chain.live), list(chain.retired.items()))
+    return publisher._queued, maps, publisher.unpublished_blocks
+
+
+@pytest.mark.parametrize("published_hash", ["gpukv", "sha256_cbor"])
+def test_malformed_events_are_refused_and_change_nothing(sockdir, published_hash):
+    """Each case alone in a publish, then after a good batch in the same
+    publish: refused with its argument named, nothing queued, the chain as it
+    was; a good child of the first batch's block is then published."""
+    ctx = zmq.Context()
+    publisher = kv_events.ZmqEventPublisher(f"ipc://{sockdir}/pub", f"ipc://{sockdir}/replay",
+                                            published_hash=published_hash, int_block_hashes=False)
+    null = kv_events.NullEventPublisher()
+    try:
+        publisher.publish(KVEventBatch(0, [gk.BlockStored([D0], None, [7, 8], 2, None)]))
+        for name, bad, cls, message in MALFORMED:
+            before = _state(publisher)
+            for batches, where in ((bad, "batches[0]"), ([KVEventBatch(0, [gk.BlockRemoved([D0])]), bad],
+                                                         "batches[1]")):
+                for pub in (publisher, null):
+                    with pytest.raises(cls) as info:
+                        pub.publish(batches)
+                    assert str(info.value) == message.replace("batches[0]", where, 1), name
+                assert _state(publisher) == before, name
+        publisher.publish(KVEventBatch(1, [gk.BlockStored([D1], D0, [9, 10], 2, None)]))
+        assert publisher.flush()
+        events = [DECODER.decode(p).events for _, p in _replayed(ctx, publisher.replay_endpoint)]
+        chain = [D0, D1] if published_hash == "gpukv" else kv_events.sha256_cbor_block_hashes([7, 8, 9, 10], 2)
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for [e] in events] == [
+            ([chain[0]], None, [7, 8]), ([chain[1]], chain[0], [9, 10])]
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_lora_block_and_its_children_are_left_out_of_sha256_cbor(sockdir):
+    """A LoRA block, a child of it without a LoRA id, and their removals are
+    left out; the plain block beside them and its removal are published, and
+    the count says how many stored blocks were left out."""
+    ctx = zmq.Context()
+    publisher = kv_events.ZmqEventPublisher(f"ipc://{sockdir}/pub", f"ipc://{sockdir}/replay",
+                                            published_hash="sha256_cbor", int_block_hashes=False)
+    try:
+        batch = KVEventBatch(0, [gk.BlockStored([D0], None, [1, 2], 2, 5), gk.BlockStored([D1], D0, [3, 4], 2, None),
+                                 gk.BlockStored([D2], None, [1, 2], 2, None), gk.BlockRemoved([D0, D2, D1])])
+        with pytest.warns(kv_events.UnpublishedBlocksWarning) as record:
+            publisher.publish(batch)
+        assert str(record[0].message) == (
+            "published_hash='sha256_cbor' left 2 stored blocks of LoRA requests out of the batches (2 so far): "
+            "vLLM's hash of a LoRA block covers the adapter's name and path, which gpukv does not have. Routers "
+            "see none of them and predict no hit for them, never a wrong one; publish with published_hash='gpukv' "
+            "to route LoRA requests by their cache")
+        assert publisher.unpublished_blocks == 2
+        # A live digest stored again as another block (here a LoRA one): refused, nothing changed.
+        before = _state(publisher)
+        with pytest.raises(InvalidInputError) as info:
+            publisher.publish(KVEventBatch(1, [gk.BlockStored([D2], None, [1, 2], 2, None),
+                                               gk.BlockStored([D2], None, [1, 2], 2, 5)]))
+        assert str(info.value) == ("batches[0].events[1].block_hashes[0]: is stored already as another block "
+                                   "(other tokens, parent or LoRA id); publish the batches a manager hands out "
+                                   "(take_events())")
+        assert _state(publisher) == before
+        assert publisher.flush()
+        [(_, payload)] = _replayed(ctx, publisher.replay_endpoint)
+        [h] = kv_events.sha256_cbor_block_hashes([1, 2], 2)
+        assert DECODER.decode(payload).events == [
+            BlockStored([h], None, [1, 2], 2, None, "GPU", None, group_idx=0),
+            BlockRemoved([h], "GPU", group_idx=0)]
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)

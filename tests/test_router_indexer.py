@@ -33,7 +33,7 @@ import zmq
 from gpukv import kv_events
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.reference import KVCacheManager as ReferenceManager
-from gpukv.request import NewRequest
+from gpukv.request import NewRequest, RunningUpdate
 
 BS = 4
 KEY = bytes(range(16))
@@ -364,11 +364,46 @@ def test_published_sha256_cbor_hashes_are_vllms_from_the_tokens(ctx, tmp):
 
 
 def test_the_module_helper_is_the_same_chain():
-    tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 7, 8, 9]
+    tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**31, 7, 8, 9]  # CBOR heads of 0, 1, 2 and 4 bytes
     assert kv_events.sha256_cbor_block_hashes(tokens, BS) == vllm_chain(tokens)
     if "PYTHONHASHSEED" not in os.environ:  # vLLM 0.33.0's own digest of these blocks (checked once against it)
         assert vllm_chain(list(range(8)))[1].hex() == (
             "9d0a7c928c548f9aeea31ae98471cf515045a206851732ac14cb3083c18d40f9")
+
+
+TOKEN_FIX = "pass a 1-D sequence of int token ids in [0, 2**32)"
+PARENT_FIX = ("pass the 32-byte hash sha256_cbor_block_hashes returned for the block before (a published int is "
+              "only its last 8 bytes), or None at a request's start")
+HELPER_REFUSALS = [
+    # (token_ids, block_size, parent, class, message): the managers' token rule, and the parent's form
+    ([1.5, 2, 3, 4], BS, None, InvalidTypeError,
+     f"token_ids: token id at position 0 is 1.5 (float); token ids must be ints; {TOKEN_FIX}"),
+    ("12", 1, None, InvalidTypeError, "token_ids: token ids must be a sequence of ints, got str; pass a list, tuple, "
+                                      "1-D array or tensor of int token ids"),
+    ([0, 1, 2, 2**64], BS, None, InvalidInputError,
+     f"token_ids: token id at position 3 is 18446744073709551616, outside [0, 2**32); {TOKEN_FIX}"),
+    ([0, 1, 2, 2**32], BS, None, InvalidInputError,
+     f"token_ids: token id at position 3 is 4294967296, outside [0, 2**32); {TOKEN_FIX}"),
+    ([0, -1, 2, 3], BS, None, InvalidInputError,
+     f"token_ids: token id at position 1 is -1, outside [0, 2**32); {TOKEN_FIX}"),
+    ([0, None, 2, 3], BS, None, InvalidTypeError,
+     f"token_ids: token id at position 1 is None (NoneType); token ids must be ints; {TOKEN_FIX}"),
+    ([0, True, 2, 3], BS, None, InvalidTypeError,
+     f"token_ids: token id at position 1 is True (bool); token ids must be ints; {TOKEN_FIX}"),
+    (None, BS, None, InvalidTypeError, "token_ids: token ids must be a sequence of ints, got NoneType; pass a list, "
+                                       "tuple, 1-D array or tensor of int token ids"),
+    ([0, 1, 2, 3], BS, 12345, InvalidTypeError, f"parent: must be bytes, got int 12345; {PARENT_FIX}"),
+    ([0, 1, 2, 3], BS, b"\0" * 8, InvalidInputError, f"parent: is 8 bytes, not 32; {PARENT_FIX}"),
+]
+
+
+@pytest.mark.parametrize("tokens, block_size, parent, cls, message", HELPER_REFUSALS)
+def test_the_module_helper_refuses_what_is_not_token_ids(tokens, block_size, parent, cls, message):
+    """``1.5`` was hashed as 1, ``"12"`` as tokens 1 and 2; ``2**64`` and
+    ``None`` raised OverflowError and TypeError."""
+    with pytest.raises(cls) as info:
+        kv_events.sha256_cbor_block_hashes(tokens, block_size, parent)
+    assert str(info.value) == message
 
 
 def test_vllm_033_hashes_the_same_when_installed():
@@ -398,13 +433,6 @@ def test_sha256_cbor_refusals_change_nothing(ctx, tmp):
     feed = Feed(ctx, tmp, published_hash="sha256_cbor")
     try:
         m = feed.manager
-        m.step(new=[NewRequest("lora", A, lora_id=3)])
-        lora_batches = m.take_events()
-        with pytest.raises(InvalidInputError, match="LoRA"):
-            feed.publisher.publish(lora_batches)
-        m.step(finished=["lora"])
-        m.reset_prefix_cache()
-        m.take_events()
         # A child whose parent this publisher never saw: refused, and nothing queued.
         m.step(new=[NewRequest("a", A[:8])])
         early = m.take_events()
@@ -436,5 +464,37 @@ def test_a_child_whose_parent_was_evicted_first_still_chains(ctx, tmp):
         indexer = VllmHashIndexer()
         feed.sync(indexer)
         assert list(indexer.count) == [as_int(vllm_chain(A)[1])]
+    finally:
+        feed.close()
+
+
+def test_a_lora_request_is_left_out_and_later_batches_index_exactly(ctx, tmp):
+    """vLLM's sha256_cbor hash of a LoRA block covers the adapter's name and
+    path, which gpukv does not have: its blocks, and the blocks chained to
+    them, are left out (a counted warning), their evictions too, and every
+    later batch is published, so the router's index stays exact: it never
+    predicts a hit for the LoRA blocks (the plain-token hash would match a
+    request without the adapter, which the manager does not hit)."""
+    feed = Feed(ctx, tmp, published_hash="sha256_cbor", int_block_hashes=True)
+    try:
+        m, indexer = feed.manager, VllmHashIndexer()
+        m.step(new=[NewRequest("lora", A, lora_id=3)])
+        with pytest.warns(kv_events.UnpublishedBlocksWarning, match=r"left 3 stored blocks .* \(3 so far\)"):
+            feed.sync(indexer)
+        m.step(running=[RunningUpdate("lora", [14, 15])])  # a fourth block: a child of a LoRA block
+        with pytest.warns(kv_events.UnpublishedBlocksWarning, match=r"left 1 stored blocks .* \(4 so far\)"):
+            feed.sync(indexer)
+        assert feed.publisher.unpublished_blocks == 4
+        assert [DECODER.decode(p).events for p in feed.payloads] == [[], []]  # both batches sent, empty
+        assert m.get_computed_blocks(NewRequest("probe", A + [1], lora_id=3)).num_tokens == 12
+        assert indexer.match(A) == 0 == manager_hit(m, A)
+        m.step(finished=["lora"])
+        assert run_steps(feed, indexer) == EXPECTED  # each step: the router's matches are the manager's hits
+        assert feed.publisher.unpublished_blocks == 4
+        assert list(feed.publisher._chain.retired.values())[:4] == [None] * 4  # LoRA blocks evicted, unpublished
+        dynamo = DynamoIndexer()  # the same wire, read by token hashes: parents and removals all resolve
+        for payload in feed.payloads:
+            dynamo.apply(DECODER.decode(payload))
+        assert {name: dynamo.match(t) for name, t in PROBES.items()} == EXPECTED[4]
     finally:
         feed.close()
