@@ -83,7 +83,7 @@ no GPU was lent to the session that wrote it.)
 
     PYTHONPATH=. /work/vllm085/venv/bin/python benchmarks/bench_scheduler.py [--quick] [--json PATH]
 
-(vLLM 0.8.5 must be importable: ``pip install 'gpukv[vllm]'``, or a venv from
+(vLLM 0.8.5 must be importable: ``pip install -e '.[vllm085]'`` from a clone, or a venv from
 ``../shared/tools/vllm085/setup.sh DIR``.)
 """
 

@@ -1,5 +1,5 @@
 """KV-cache events on the wire, in vLLM's format (the ``events`` extra:
-``pip install 'gpukv[events]'``, pyzmq and msgspec).
+``pip install -e '.[events]'`` in a clone: pyzmq and msgspec).
 
 The format follows vLLM 0.33.0's (``vllm/distributed/kv_events.py`` and
 ``vllm/config/kv_events.py`` of that release; tested with 0.33.0 only, not
@@ -135,8 +135,8 @@ from gpukv.errors import (
 try:
     import msgspec
 except ImportError:
-    raise ImportError("gpukv.kv_events needs the 'events' extra: pip install 'gpukv[events]' "
-                      "(pyzmq and msgspec)") from None
+    raise ImportError("gpukv.kv_events needs the 'events' extra: pip install pyzmq msgspec "
+                      "(or pip install -e '.[events]' in a gpukv clone)") from None
 
 __all__ = [
     "VLLM_VERSION", "MEDIUM_GPU", "EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
@@ -919,8 +919,8 @@ class ZmqEventPublisher(EventPublisher):
         try:
             import zmq
         except ImportError:
-            raise ImportError("ZmqEventPublisher needs the 'events' extra: pip install 'gpukv[events]' "
-                              "(pyzmq and msgspec)") from None
+            raise ImportError("ZmqEventPublisher needs the 'events' extra: pip install pyzmq msgspec "
+                              "(or pip install -e '.[events]' in a gpukv clone)") from None
         KVEventsConfig(True, "zmq", endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic)  # checks
         _check_int("data_parallel_rank", data_parallel_rank, 0, _MAX_PORT)
         _check_bool("int_block_hashes", int_block_hashes, optional=True)

@@ -37,7 +37,7 @@ from typing import Any
 from gpukv.errors import AddressError, AddressInUseError, InvalidInputError, InvalidTypeError
 from gpukv.metrics import PrefixCacheStats
 
-EXTRA_HINT = "pip install 'gpukv[metrics]' (prometheus-client)"
+EXTRA_HINT = "pip install prometheus-client (or pip install -e '.[metrics]' in a gpukv clone)"
 
 # Bucket edges of the manager's time per step, in seconds: 10 us to 1 s.
 STEP_SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)

@@ -86,7 +86,7 @@ def blocks(path: Path) -> list[Block]:
                                  "write <!-- snippet: skip (the reason) --> or <!-- snippet: needs vllm -->")
         reason = skip["reason"].strip() if skip else None
         if needs_vllm and not HAVE_VLLM:
-            reason = "needs vLLM 0.8.5 (pip install 'gpukv[vllm]'), not installed here"
+            reason = "needs vLLM 0.8.5 (pip install -e '.[vllm085]' from a clone), not installed here"
         found.append(Block(path, start + 1, m["lang"].lower(), "\n".join(body) + "\n", reason))
         i += 1
     return found

@@ -46,7 +46,7 @@ import pytest
 import gpukv._runtime  # before vLLM imports triton: the interpreter switch on a machine without CUDA
 
 INSTALL_HINT = (
-    "install it with `pip install 'gpukv[vllm]'`, or build a venv with "
+    "install it with `pip install -e '.[vllm085]'` from a clone, or build a venv with "
     "`bash ../shared/tools/vllm085/setup.sh DIR` and run the tests with "
     "`PYTHONPATH=. DIR/venv/bin/python -m pytest -q tests/test_vllm`"
 )
