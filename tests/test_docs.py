@@ -242,7 +242,7 @@ def test_files_named_in_shell_blocks_exist():
 
 
 def test_extras_and_scheduler_classes_in_shell_blocks_exist():
-    """``pip install 'gpukv[X]'`` names an extra of pyproject.toml, and
+    """``pip install 'gpukv[X]'`` or ``pip install -e '.[X]'`` names an extra of pyproject.toml, and
     ``--scheduler-cls gpukv.vllm.NAME`` a class one of the vLLM adapters
     exports (read from ``gpukv/vllm/__init__.py``: each vLLM version's
     ``__all__``; importing it here would need that vLLM)."""
@@ -253,7 +253,7 @@ def test_extras_and_scheduler_classes_in_shell_blocks_exist():
                                                                 (ROOT / "gpukv/vllm/__init__.py").read_text()))))
     wrong, extras_seen, classes_seen = [], 0, 0
     for where, text in _shell_texts():
-        for extra in re.findall(r"gpukv\[([\w,-]+)\]", text):
+        for extra in re.findall(r"(?:gpukv|'\.)\[([\w,-]+)\]", text):  # (gpukv[X], or '.[X]' in a clone)
             extras_seen += 1
             wrong += [f"{where}: no extra {e!r} in pyproject.toml" for e in extra.split(",") if e not in extras]
         for name in re.findall(r"--scheduler-cls gpukv\.vllm\.(\w+)", text):

@@ -140,3 +140,20 @@ def test_get_num_cached_tokens_probes_without_taking_anything():
         counts.append(scheduler.kv_cache_manager.get_num_cached_tokens(probe))
         assert KVView(scheduler).free_queue() == before  # no block taken out of the free queue
     assert counts == [32, 32]  # blocks [0..16) and [16..32) are cached; [32..48) was never full
+
+
+def test_the_vllm_example_runs_as_readme_shows_it():
+    """``python examples/vllm_scheduler.py`` (README, "Use with vLLM"): vLLM's
+    AsyncScheduler on gpukv built as vLLM builds it, the second request's hit,
+    and the same decisions as vLLM's own scheduler."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(root / "examples" / "vllm_scheduler.py")], capture_output=True,
+                         text=True, env=env, timeout=300, check=True).stdout.splitlines()
+    assert out == ["request a: blocks [1, 2, 3], 0 tokens from the prefix cache",
+                   "request b: blocks [1, 2, 3], 32 tokens from the prefix cache",
+                   "gpukv's block manager (ReferenceManager) made vLLM's own decisions: True"]
