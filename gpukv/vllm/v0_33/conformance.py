@@ -38,7 +38,7 @@ from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 REQUEST_FIELDS = (
     "request_id", "num_tokens", "all_token_ids", "num_computed_tokens", "num_in_flight_tokens", "lora_request",
     "cache_salt", "block_hashes", "mm_features", "prompt_embeds", "status", "is_finished", "num_preemptions",
-    "pooling_params", "num_stale_output_tokens", "drop_stale_output", "resumable",
+    "pooling_params", "num_stale_output_tokens", "drop_stale_output", "resumable", "prompt_token_ids",
 )
 """The ``Request`` fields the adapter reads (besides the read limit)."""
 
@@ -48,9 +48,10 @@ SCHEDULER_FIELDS = (
     "cache_config", "log_stats", "enable_kv_cache_events", "scheduler_config", "vllm_config", "max_num_running_reqs",
     "policy", "_pause_state", "kv_holding_waiting", "local_prefill_interval", "lora_config", "num_lookahead_tokens",
     "prefix_replay_tokens", "ec_connector", "max_num_scheduled_tokens", "max_num_active_reqs", "running",
-    "num_waiting_for_streaming_input", "waiting",
+    "num_waiting_for_streaming_input", "waiting", "requests", "grammar_compile_error_reqs",
 )
-"""The scheduler attributes the adapter reads (``scheduler._refuse_unsupported``, ``admissions.plain_run``)."""
+"""The scheduler attributes the adapter reads (``scheduler._refuse_unsupported``, ``admissions.plain_run``,
+``screening``)."""
 
 _READERS = ("vllm.v1.core.sched.scheduler", "vllm.v1.core.sched.async_scheduler", "vllm.v1.engine.core")
 """vLLM's modules whose reads of ``kv_cache_manager.NAME`` the adapter must answer."""

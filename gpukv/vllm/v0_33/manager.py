@@ -76,7 +76,8 @@ from gpukv.vllm.v0_33.views import (
     blocks_of,
 )
 
-__all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "make_backend"]
+__all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "check_request",
+           "make_backend"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -182,6 +183,9 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self.admissions = AdmittedRun(self)  # (the waiting loop's run of admissions, answered from one step)
         self.waiting_run: Any = None  # (set by the scheduler: the run of waiting requests to admit as one step)
         self.num_scheduled_tokens = 0  # (the running loop's tokens this schedule(), for the waiting run's budget)
+        # Requests the scheduler refused after a sampled token gpukv cannot hold: finished in this update, never
+        # handed to gpukv again (``gpukv.vllm.v0_33.screening``).
+        self.refused: dict[str, str] = {}
 
     # ------------------------------------------------------------ reading
     def flush(self) -> None:
@@ -256,7 +260,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self.flush()  # (the per-request path)
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        _check_request(request, self.max_model_len)
+        check_request(request, self.max_model_len)
         bound = max_cache_hit_length
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise InvalidInputError(f"max_cache_hit_length must be None or an int >= 0, got {bound!r}",
@@ -282,7 +286,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         bound it (only a limit of 0, no lookup, gives 0)."""
         if not self.prefix_cache_lookup_enabled(request):
             return 0
-        _check_request(request, self.max_model_len)
+        check_request(request, self.max_model_len)
         return self._lookup(request, (request.num_tokens - 1) // self.block_size).num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -306,7 +310,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         _check_count(num_new_tokens, "num_new_tokens", 1 if not num_new_computed_tokens else 0)
         _check_count(num_lookahead_tokens, "num_lookahead_tokens", 0)
         _check_count(reserved_blocks, "reserved_blocks", 0)
-        _check_request(request, self.max_model_len)
+        check_request(request, self.max_model_len)
         if request.is_finished():
             raise InvalidInputError(f"request {request.request_id!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
@@ -339,7 +343,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         nothing, as vLLM's (``num_processed_tokens=0``: no window block is
         released behind 0 tokens)."""
         rid, self._admitted = request.request_id, None
-        if not self.enable_caching or rid not in self._requests:
+        if not self.enable_caching or rid not in self._requests or rid in self.refused:
             return
         _check_count(num_computed_tokens, "num_computed_tokens", 0)
         target = min(num_computed_tokens, request.num_tokens)
@@ -360,6 +364,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         rid, self._admitted = request.request_id, None
         self._looked_up.pop(rid, None)
         self._held.pop(rid, None)
+        self.refused.pop(rid, None)
         if self._requests.pop(rid, None) is not None:
             self.manager.free(rid)
 
@@ -521,7 +526,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
             self._events.drain(self.manager, request)
 
 
-def _check_request(request: Any, max_model_len: int) -> None:
+def check_request(request: Any, max_model_len: int) -> None:
     """A request the adapter can follow: some tokens, within
     ``max_model_len``, no multimodal inputs or prompt embeddings (whose
     extra keys gpukv does not derive as vLLM 0.33 does)."""

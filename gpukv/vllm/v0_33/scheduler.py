@@ -36,7 +36,8 @@ from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from gpukv.vllm.v0_33.admissions import plain_run
 from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
-from gpukv.vllm.v0_33.manager import KVCacheManager
+from gpukv.vllm.v0_33.manager import KVCacheManager, check_request
+from gpukv.vllm.v0_33.screening import prompt_refusal, refuse_at_arrival, refuse_sampled, sampled_refusals
 
 
 def _refuse_unsupported(scheduler: Any, kv_cache_config: Any) -> None:
@@ -89,6 +90,27 @@ class _GpukvManagerMixin:
             watermark=me.scheduler_config.watermark, max_in_flight_tokens=me.vllm_config.max_in_flight_tokens,
             backend=self.backend,
             max_num_reqs=min(max(1, me.max_num_running_reqs), 64))  # (rows grow past it)
+
+    def add_request(self, request: Any) -> None:
+        """vLLM's ``add_request``; a request the adapter cannot serve is
+        refused here, never inside ``schedule()``: finished as an error at
+        the next ``update_from_output`` (``gpukv.vllm.v0_33.screening``)."""
+        me: Any = self
+        if request.request_id not in me.requests:  # (a streaming session's next chunk is the session's)
+            error = prompt_refusal(request, me.kv_cache_manager.max_model_len, check_request)
+            if error is not None:
+                refuse_at_arrival(me, request, error)
+        super().add_request(request)  # type: ignore[misc]
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's ``update_from_output``; a request given a token gpukv
+        cannot hold is finished as an error in it, before gpukv sees it."""
+        refused = sampled_refusals(model_runner_output)
+        if refused:
+            me: Any = self
+            me.kv_cache_manager.refused.update(refused)
+            refuse_sampled(me, refused)
+        return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
         """vLLM's ``schedule()``; when ``batched``, the running loop's

@@ -1,0 +1,68 @@
+"""Requests gpukv's adapter cannot serve, refused before they reach gpukv,
+the way vLLM refuses a request it cannot start.
+
+A request the adapter cannot follow (no prompt tokens, more than
+``max_model_len``, multimodal inputs or prompt embeddings, a prompt token
+outside ``[0, 2**32)``; a sampled token outside that range later) must not
+be refused inside ``schedule()``: by then the step's running requests may
+already have blocks in gpukv that vLLM never reports (an exception from
+``schedule()`` discards its output), and vLLM's engine core stops on it. So
+the scheduler screens a request when it arrives (``add_request``) and each
+sampled token when it comes back (``update_from_output``), and a refused
+request takes vLLM's own route for a request it cannot start, a structured-
+output grammar that failed to compile: it waits without being scheduled
+(``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, with no grammar to wait for) and
+the next ``update_from_output`` finishes it as ``FINISHED_ERROR`` with a
+``RequestError`` (``grammar_compile_error_reqs``) saying what and what to do.
+It never reaches gpukv, so no other request's blocks, tokens or events change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpukv.errors import GpukvInputError
+from gpukv.request import MAX_TOKEN_ID, normalize_token_ids
+
+
+def prompt_refusal(request: Any, max_model_len: int, check: Any) -> GpukvInputError | None:
+    """Why the adapter cannot serve ``request`` (the error ``check(request,
+    max_model_len)`` raises, or one for a prompt token out of range), or None."""
+    try:
+        check(request, max_model_len)
+        if request.prompt_token_ids is not None:
+            normalize_token_ids(request.prompt_token_ids, "request.prompt_token_ids", request.request_id)
+    except GpukvInputError as err:
+        return err
+    return None
+
+
+def refuse_at_arrival(scheduler: Any, request: Any, error: GpukvInputError) -> None:
+    """Keep ``request`` from being scheduled, and have the next
+    ``update_from_output`` finish it as an error (before vLLM enqueues it)."""
+    from vllm.outputs import RequestError  # type: ignore[attr-defined,unused-ignore]  # (0.33 on)
+    from vllm.v1.request import RequestStatus
+
+    request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR  # type: ignore[attr-defined,unused-ignore]
+    scheduler.grammar_compile_error_reqs[request.request_id] = RequestError(
+        code="validation_error", message=f"gpukv's block manager cannot serve this request: {error}")
+
+
+def sampled_refusals(model_runner_output: Any) -> dict[str, str]:
+    """The requests a model output gives a token outside ``[0, 2**32)``, with why."""
+    refused = {}
+    for rid, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False):
+        if len(tokens) and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+            bad = next(t for t in tokens if not 0 <= t <= MAX_TOKEN_ID)
+            refused[rid] = f"the model sampled token {bad}, outside [0, 2**32)"
+    return refused
+
+
+def refuse_sampled(scheduler: Any, refused: dict[str, str]) -> None:
+    """Have this ``update_from_output`` finish each refused request as an
+    error (vLLM appends the token, then finishes it; gpukv never sees it)."""
+    from vllm.outputs import RequestError  # type: ignore[attr-defined,unused-ignore]  # (0.33 on)
+
+    for rid, why in refused.items():
+        scheduler.grammar_compile_error_reqs[rid] = RequestError(
+            code="validation_error", message=f"gpukv's block manager cannot serve this request: {why}")
