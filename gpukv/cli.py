@@ -19,7 +19,6 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
-import lzma
 import math
 import os
 import sys
@@ -45,7 +44,16 @@ from gpukv.defaults import (
     PLAIN_INTERVAL_S,
 )
 from gpukv.errors import GpukvError
-from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace, open_trace, trace_suffix
+from gpukv.traces import (
+    DECOMPRESS_ERRORS,
+    MAX_SIZE,
+    Trace,
+    TraceError,
+    builtin_trace_path,
+    load_trace,
+    open_trace,
+    trace_suffix,
+)
 
 if TYPE_CHECKING:
     from gpukv.replay import ReplayOptions
@@ -189,9 +197,11 @@ _budget_option.allowed = (0, MAX_SIZE)  # type: ignore[attr-defined]
 def _list_option(parse_one):
     """A comma-separated list of values, each parsed by ``parse_one``."""
     def parse(text: str) -> list:
-        items = [t for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {_short(text)}")
+        items = text.split(",")
+        if not text.strip() or any(not t.strip() for t in items):
+            # '4,,8' or '4,8,' is a slip of the keyboard: refuse it rather than guess.
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of values with nothing empty "
+                                             f"between the commas (such as 4096,8192), got {_short(text)}")
         return [parse_one(t) for t in items]
 
     parse.item = parse_one  # type: ignore[attr-defined]  # the tests read each item's range through it
@@ -260,7 +270,7 @@ def sweep_main(args) -> int:
     if "--plot" in outputs:
         _check_plot(args.plot)
     args.arrival = args.arrival or DEFAULT_ARRIVAL
-    trace = _load_trace_or_fail(path, "mooncake", max_requests, args.arrival, args.step_ms)
+    trace = _load_trace_or_fail(path, "mooncake", max_requests, args.arrival, args.step_ms, command="sweep")
     bs = args.block_size
     model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
     blocks, unit, capacities = _sweep_sizes(args, trace, model)
@@ -844,13 +854,15 @@ def _load_replay_trace(args, path, max_requests: int | None) -> Trace:
     return trace
 
 
-def _load_trace_or_fail(path, fmt: str, max_requests: int | None, arrival: str, step_ms: float) -> Trace:
+def _load_trace_or_fail(path, fmt: str, max_requests: int | None, arrival: str, step_ms: float,
+                        command: str = "replay") -> Trace:
     """``load_trace``, any problem a CliError; one that comes from reading the
-    file in the wrong format says which formats there are and which this looks like."""
+    file in the wrong format says which formats there are and which this looks
+    like (``command``: the one that reads it, whose options the hint names)."""
     try:
         return load_trace(path, fmt, max_requests=max_requests, arrival=arrival, step_ms=step_ms)
     except TraceError as e:
-        raise CliError(f"{e}{_format_hint(path, fmt)}") from None
+        raise CliError(f"{e}{_format_hint(path, fmt, command)}") from None
     except FileNotFoundError as e:
         raise CliError(f"cannot read the trace: {_os_problem(e)}; TRACE is a Mooncake .jsonl (or .jsonl.xz, "
                        ".jsonl.gz) or a step-trace .json (docs/traces.md), and with no TRACE the built-in workload "
@@ -865,7 +877,7 @@ FORMATS_HELP = ("gpukv reads two formats (docs/traces.md): mooncake, JSON Lines,
                 "file is taken for), and step, one JSON document with 'config' and 'steps' (any other extension)")
 
 
-def _format_hint(path, fmt: str) -> str:
+def _format_hint(path, fmt: str, command: str = "replay") -> str:
     """After a trace error: '; it looks like ...' when the file is recognisably
     another format (or a convertible one), else nothing."""
     looks = _sniff_format(path)
@@ -874,6 +886,9 @@ def _format_hint(path, fmt: str) -> str:
     resolved = fmt if fmt != "auto" else ("mooncake" if trace_suffix(path) == ".jsonl" else "step")
     if looks == resolved:
         return ""  # the right format, with a problem of its own: the message says which
+    if command == "sweep" and looks == "step":  # sweep has no --format: it reads Mooncake traces alone
+        return (f"; this file looks like a step trace, and gpukv sweep replays Mooncake traces only: "
+                f"gpukv replay {path} replays a step trace, at one size")
     if looks in ("mooncake", "step"):
         return (f"; this file looks like a {looks} trace, read as {resolved}"
                 f"{' (by its extension)' if fmt == 'auto' else ''}: pass --format {looks}. {FORMATS_HELP}")
@@ -891,7 +906,7 @@ def _sniff_format(path) -> str | None:
     try:
         with open_trace(path) as f:
             head = f.read(1 << 20).decode("utf-8", errors="replace")
-    except (OSError, EOFError, lzma.LZMAError):  # gzip's BadGzipFile is an OSError
+    except (OSError, *DECOMPRESS_ERRORS):
         return None
     first = next((line.strip() for line in head.splitlines() if line.strip()), "")
     with contextlib.suppress(ValueError, RecursionError):

@@ -97,6 +97,7 @@ BAD_MOONCAKE = {
     "output_length null": ([line(output_length=None)], 1, ["'output_length' must be an integer, got null"]),
     "output_length negative": ([line(output_length=-1)], 1, ["'output_length' must be >= 0"]),
     "not JSON": ([line(), '{"timestamp": 0,'], 2, ["not JSON"]),
+    "a line cut short": ([line(), '{"timestamp": 0, "input_length": 6'], 2, ["not JSON", "(column 35)"]),
     "an integer of 5000 digits": ([line(), '{"timestamp": ' + "9" * 5000 + "}"], 2, ["not JSON"]),
 }
 
@@ -325,6 +326,23 @@ def test_a_damaged_compressed_trace_is_one_error_line(tmp_path, capsys):
     assert (status, out) == (2, "")
     assert re.fullmatch(re.escape(f"gpukv replay: {path}:") + r"\d+: cannot decompress it \(EOFError: .*\): a "
                         r"damaged or truncated compressed file\n", err), err
+
+
+def test_a_corrupted_gzip_trace_is_one_error_line_not_an_internal_error(tmp_path, capsys):
+    import gzip
+
+    packed = bytearray(gzip.compress(("".join(line(timestamp=i) + "\n" for i in range(500))).encode()))
+    for i in range(30, 60):  # the header intact, the deflate stream damaged: zlib's error, not gzip's
+        packed[i] ^= 0xFF
+    path = write(tmp_path, "t.jsonl.gz", bytes(packed))
+    for command in (["replay", "--backend", "reference"], ["sweep", "--num-blocks", "64"]):
+        with pytest.raises(SystemExit) as info:
+            main([*command, "-q", path])
+        out, err = capsys.readouterr()
+        assert (info.value.code, out) == (2, "")
+        assert re.fullmatch(re.escape(f"gpukv {command[0]}: {path}:1: cannot decompress it (zlib.error: Error -3 "
+                                      "while decompressing data: ") + r"[^()]+\): a damaged or truncated compressed "
+                            r"file\n", err), err
 
 
 def test_an_unknown_option_is_one_error_line(capsys):
@@ -813,6 +831,20 @@ def test_the_lazy_names_are_all_and_the_type_checkers_see_them():
     assert len(set(gpukv.__all__)) == len(gpukv.__all__)
 
 
+def test_dir_lists_the_public_names_and_not_the_packages_own_imports():
+    import gpukv
+
+    listed = {n for n in dir(gpukv) if not n.startswith("__")}
+    assert not listed & {"Any", "TYPE_CHECKING", "annotations", "importlib"}
+    assert not [n for n in listed if n.startswith("_")]
+    # Every public name and submodule, and nothing else but submodules loaded since.
+    submodules = {"config", "distributed", "errors", "hashing", "metrics", "request", "running", "spec", "windows"}
+    assert set(gpukv.__all__) | submodules <= listed
+    others = listed - set(gpukv.__all__) - submodules
+    assert others and all(type(getattr(gpukv, n)).__name__ == "module" for n in others), others  # cli, at least
+    assert "__version__" in dir(gpukv)
+
+
 def _imports_at_import_time(body: list) -> list[tuple[int, list[str]]]:
     """(line, modules) of each import a module runs when imported: its top
     level and the blocks there (try, if), not functions or TYPE_CHECKING."""
@@ -1098,6 +1130,28 @@ def test_a_sweep_size_no_pool_can_have_is_one_error_line(argv, message, capsys):
         main(["sweep", "--max-requests", "1", "-q", *argv])
     assert info.value.code == 2
     assert capsys.readouterr() == ("", f"gpukv sweep: {message}\n")
+
+
+@pytest.mark.parametrize("option", ["--num-blocks", "--tokens", "--gib"])
+@pytest.mark.parametrize("text", ["4096,,8192", "4096,8192,", ",4096", "4096, ,8192", ",", " "])
+def test_a_sweep_list_with_an_empty_item_is_one_error_line(option, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "--max-requests", "1", "-q", option, text])
+    assert info.value.code == 2
+    assert capsys.readouterr() == ("", f"gpukv sweep: argument {option}: expected a comma-separated list of values "
+                                       f"with nothing empty between the commas (such as 4096,8192), got {text!r} "
+                                       "(see 'gpukv sweep --help')\n")
+
+
+def test_a_step_trace_given_to_sweep_names_the_command_that_replays_it(tmp_path, capsys):
+    path = write(tmp_path, "steps.json", doc_text())
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "-q", path])
+    out, err = capsys.readouterr()
+    assert (info.value.code, out) == (2, "")
+    assert err.endswith(f"; this file looks like a step trace, and gpukv sweep replays Mooncake traces only: gpukv "
+                        f"replay {path} replays a step trace, at one size\n"), err
+    assert "--format" not in err  # sweep has no such option
 
 
 def test_a_sweep_size_the_manager_refuses_is_one_error_line(capsys, monkeypatch):
