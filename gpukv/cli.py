@@ -2,7 +2,9 @@
 
 Exit status: 0 done; 2 a bad trace, option, environment variable or output
 path (one line on stderr, ``gpukv replay: FILE:LINE: problem`` for a trace,
-checked before the replay starts wherever it can be); 1 an internal error (one
+checked before the replay starts wherever it can be); 3 the replay ran and its
+report is out, but it rejected requests, so its hit rate covers fewer requests
+than its ceiling (``--allow-rejected`` makes that 0); 1 an internal error (one
 line; ``GPUKV_DEBUG=1`` shows the traceback); 130 interrupted (Ctrl-C); 141 the
 reader of stdout went away (``gpukv replay | head``).
 
@@ -72,6 +74,7 @@ _main_started = time.perf_counter()
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
+EXIT_REJECTED = 3  # the report is out, but its rate covers fewer requests than the trace
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `cat` in the same spot
 
@@ -376,8 +379,8 @@ def _print_sweep(result: dict) -> None:
         print(f"{cap:>18}  {p['num_blocks']:>9,}  {p['prefix_cache_hit_rate']:>8.4f}  "
               f"{p['first_admission_hit_rate']:>10.4f}  {p['evictions']:>10,}  {p['preemptions']:>9,}  "
               f"{recomputed:>10}  {p['rejected']:>8,}{mark}")
-    print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, re-admissions after a "
-          "preemption apart); first adm.: each request's first admission; recomputed: share of the tokens computed "
+    print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, a preempted request's "
+          "returns apart); first adm.: each request's first admission; recomputed: share of the tokens computed "
           "that a preempted request had computed before; ceiling: a cache that never evicts (one pass over the trace); "
           "blocks: the pool, the null block included, so it holds blocks - 1 blocks of tokens")
     if flagged:
@@ -391,7 +394,9 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
         help="run a serving loop over a trace and report hit rates, evictions, preemptions and manager time",
         description="Replay a trace through the block manager. With no TRACE, replays the built-in workload "
         f"(the first {BUILTIN_REQUESTS} requests of the Mooncake conversation trace). Exit status: 0 done, "
-        "2 a bad trace, option or output path (one line on stderr), 1 an internal error, 130 interrupted. "
+        "2 a bad trace, option or output path (one line on stderr), 3 done but requests were rejected (the hit "
+        "rate then covers fewer requests than its ceiling; --allow-rejected: 0), 1 an internal error, "
+        "130 interrupted. "
         "Results go to stdout; notes and progress to stderr.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl or a step-trace .json (default: built-in workload)")
@@ -461,6 +466,10 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not "
                    "count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
+    p.add_argument("--allow-rejected", action="store_true",
+                   help="exit 0 even when the replay rejected requests it can never run (too long for "
+                   "--max-model-len, or for the pool); without it such a replay exits 3, as its hit rate then covers "
+                   "fewer requests than its ceiling")
     _add_arrival_options(p)
 
 
@@ -543,7 +552,7 @@ def _print_summary(report: dict, file=None) -> None:
         ("trace", f"{c['trace_kind']}, {_plural(s['requests'], 'request')} ({_outcomes(s, c)}), {steps}"),
         ("pool", f"{_plural(c['num_blocks'], 'block')} of {c['block_size']} tokens, block 0 the null block, so "
                  f"{c['num_blocks'] - 1:,} hold {s['pool_tokens']:,} tokens; max {c['max_num_seqs']} running, "
-                 f"admission {c['admission']}"),
+                 f"{_ADMISSION[c['admission']]}"),
         ("scheduling", _scheduling(c)),
         ("prefix cache hit rate", _headline(s)),
         ("  first admission", f"{s['first_admission_hit_rate']:.4f}  (each request once, at its first admission)"),
@@ -552,9 +561,9 @@ def _print_summary(report: dict, file=None) -> None:
                                f"{_plural(s['preempted_lookup_requests'], 'lookup')} of preempted requests, "
                                "counted apart as vLLM does)"),
         ("  every admission", f"{s['every_admission_hit_rate']:.4f}  ({s['cached_tokens']:,} of "
-                              f"{s['prompt_tokens']:,} prompt tokens, re-admissions included)"),
-        ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks asked, "
-                           "lookups as in the prefix cache hit rate)"),
+                              f"{s['prompt_tokens']:,} prompt tokens, a preempted request's returns included)"),
+        ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks looked "
+                           "up in the same lookups, a prompt's partial last block included, which never hits)"),
         ("pool pressure", _pressure(s, arrival if c["trace_kind"] == "mooncake" else None)),
         ("recomputation", _recomputation(s)),
         ("blocks in use", f"max {s['max_blocks_in_use']:,}, mean {s['mean_blocks_in_use']:,.0f}"),
@@ -615,16 +624,48 @@ def _process_seconds() -> float:
 
 
 def _headline(s: dict) -> str:
-    """vLLM's prefix cache hit rate, beside what the trace allows."""
+    """vLLM's prefix cache hit rate, beside what the trace allows; where the
+    two do not cover the same requests (the replay rejected some the ceiling
+    counts), it says so instead of setting one beside the other."""
     rate = f"{s['prefix_cache_hit_rate']:.4f}"
     ceiling = s.get("prefix_cache_hit_rate_ceiling")
-    if ceiling is not None:
+    if s["rejected"]:
+        rate += _rejected_text(s, ceiling)
+    elif ceiling is not None:
         rate += f" of a possible {ceiling:.4f}"
-    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up, "
-            f"{_plural(s['lookup_requests'], 'lookup')}, re-admissions after preemption apart")
+    if ceiling is not None and s["prefix_cache_hit_rate"] > ceiling and _same_requests(s):
+        rate += (f", above it as vLLM counts every try of a request waiting for room "
+                 f"({_plural(s['lookup_requests'], 'lookup')} of {_plural(_served(s), 'request')}) and the "
+                 "possible rate each request once")
+    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up in "
+            f"{_plural(s['lookup_requests'], 'lookup')}, one each time a waiting request was tried; a preempted "
+            "request's return is counted apart, below")
     if ceiling is not None:
         text += "; possible: the same trace in a cache that never evicts"
     return text + ")"
+
+
+def _served(s: dict) -> int:
+    return s["requests"] - s["rejected"]
+
+
+def _same_requests(s: dict) -> bool:
+    """Whether the rate and its ceiling cover the same requests: the ceiling
+    leaves out those longer than max_model_len, which the replay rejects too."""
+    return s.get("prefix_cache_hit_rate_ceiling_requests", s["requests"]) == _served(s)
+
+
+def _rejected_text(s: dict, ceiling: float | None) -> str:
+    """What a replay that rejected requests can say of its rate."""
+    rejected = f"{s['rejected']:,} of {_plural(s['requests'], 'request')} were rejected"
+    if ceiling is None:
+        return f", over the {_served(s):,} served alone ({rejected})"
+    if _same_requests(s):  # the rejected ones are in neither
+        return f" of a possible {ceiling:.4f}, both over the {_served(s):,} requests served ({rejected})"
+    counted = s.get("prefix_cache_hit_rate_ceiling_requests", s["requests"])
+    covered = f"all {counted:,}" if counted == s["requests"] else f"the {counted:,} within max_model_len"
+    return (f", NOT COMPARABLE: {rejected}, so it covers the {_served(s):,} served, and the possible "
+            f"{ceiling:.4f} {covered}")
 
 
 def _pressure(s: dict, arrival: str | None) -> str:
@@ -643,11 +684,17 @@ def _pressure(s: dict, arrival: str | None) -> str:
 
 
 def _evictions(s: dict) -> str:
+    """How many cached blocks were reclaimed, and what that says (and does
+    not say) about the hits lost: only a reclaimed block asked for again
+    would have hit, and most are never asked for again."""
     text = f"{s['evictions']:,}"
     ceiling = s.get("prefix_cache_hit_rate_ceiling")
-    if s["evictions"] and ceiling is not None and s["prefix_cache_hit_rate"] < ceiling:
-        text += ("  (cached blocks reclaimed for new ones: the hits a larger pool would keep, up to the possible "
-                 "rate; gpukv sweep measures it)")
+    if s["evictions"] and ceiling is not None and _same_requests(s):
+        text += ("  (cached blocks reclaimed for new ones; not lost hits: only one asked for again would have hit, "
+                 f"and a pool that never evicts reaches just the possible {ceiling:.4f}; gpukv sweep measures the "
+                 "sizes between)")
+    elif s["evictions"]:
+        text += "  (cached blocks reclaimed for new ones)"
     return text
 
 
@@ -679,14 +726,23 @@ def _manager_time(s: dict, c: dict) -> str:
     return text
 
 
+# How the waiting requests were admitted, by --admission, in words.
+_ADMISSION = {"batch": "waiting requests admitted in one call a step (--admission batch)",
+              "one": "waiting requests admitted one call each, as vLLM calls its manager (--admission one)"}
+
+
 def _scheduling(config: dict) -> str:
     """The token budget and chunk cap a replay ran with, in words."""
     if config["trace_kind"] == "step":
         return "a step trace runs as written (no token budget, whole prompts)"
     budget = config["max_num_batched_tokens"]
     cap = config["long_prefill_token_threshold"]
-    text = f"token budget {budget:,} per step" if budget is not None else "no token budget"
-    text += f", prefill chunks of at most {cap:,} tokens" if cap else ", no chunk cap"
+    if budget is None:
+        text = "no token budget: each prompt computed whole in its admission step"
+    else:
+        text = f"token budget {budget:,} per step: a longer prompt is computed in pieces over several steps"
+    if cap:
+        text += f", at most {cap:,} tokens of a prompt a step (--long-prefill-token-threshold)"
     return text
 
 
@@ -815,7 +871,19 @@ def replay_main(args) -> int:
     _deliver_report(args, report, ref, outputs, json_to_stdout)
     if metrics is not None and args.metrics_linger:
         _linger(args.metrics_linger)
-    return 0
+    return _rejected_status(report["summary"], args.allow_rejected)
+
+
+def _rejected_status(s: dict, allowed: bool) -> int:
+    """0, or EXIT_REJECTED with a line on stderr when the replay rejected
+    requests and ``--allow-rejected`` was not given: the report is out, but
+    its rate is not the trace's."""
+    if not s["rejected"] or allowed:
+        return 0
+    _fail(f"{PROG} replay", f"{s['rejected']:,} of {_plural(s['requests'], 'request')} were rejected (the notes and "
+          "--json say why), so the prefix cache hit rate covers only the requests served; a larger --num-blocks or "
+          "--max-model-len serves them, and --allow-rejected exits 0")
+    return EXIT_REJECTED
 
 
 def _linger(seconds: float) -> None:

@@ -234,7 +234,7 @@ def test_one_of_a_kind_is_counted_in_the_singular(capsys):
     assert status == 0
     assert ("mooncake, 1 request (0 finished, 0 rejected, 1 still running and 0 waiting when the replay stopped), "
             "1 step, arrivals by timestamp") in out
-    assert "1 lookup, re-admissions after preemption apart" in out
+    assert "tokens looked up in 1 lookup, one each time" in out
     assert "(0 of 0 tokens, 0 lookups of preempted requests, counted apart as vLLM does)" in out
 
 
@@ -258,7 +258,7 @@ def test_the_pool_is_counted_one_way(capsys):
     status, out, _ = run_cli(["--max-requests", "1", "--prompt-only", "--num-blocks", "3000"], capsys)
     assert status == 0
     assert ("pool                   3,000 blocks of 16 tokens, block 0 the null block, so 2,999 hold 47,984 tokens; "
-            "max 64 running, admission batch\n") in out
+            "max 64 running, waiting requests admitted in one call a step (--admission batch)\n") in out
     assert "of 47,984 tokens)" in out  # pool pressure: the same tokens
 
 
@@ -607,8 +607,9 @@ def test_token_budget_option(argv, budget, given, capsys):
     assert report["config"]["max_num_batched_tokens"] == budget
     assert report["arguments"]["max_num_batched_tokens"] == given
     assert report["config"]["long_prefill_token_threshold"] == 0
-    words = f"token budget {budget:,} per step" if budget else "no token budget"
-    assert re.search(rf"scheduling +{words}, no chunk cap", err)
+    words = (f"token budget {budget:,} per step: a longer prompt is computed in pieces over several steps" if budget
+             else "no token budget: each prompt computed whole in its admission step")
+    assert re.search(rf"scheduling +{words}\n", err)
     assert re.search(r"  first admission +0\.0364  \(each request once, at its first admission\)", err)  # 512 of 14,080
 
 
@@ -618,7 +619,8 @@ def test_long_prefill_threshold_option(capsys):
     assert status == 0, err
     report = json.loads(out)
     assert report["config"]["long_prefill_token_threshold"] == 1000
-    assert "token budget 8,192 per step, prefill chunks of at most 1,000 tokens" in err
+    assert ("token budget 8,192 per step: a longer prompt is computed in pieces over several steps, at most 1,000 "
+            "tokens of a prompt a step (--long-prefill-token-threshold)\n") in err
     # The first request's 6758 tokens take 7 steps of 1000 at most.
     assert report["requests"]["r0"]["prefill_done_step"] == 6
 
@@ -959,6 +961,49 @@ def test_an_oversubscribed_pool_says_so_and_what_preemptions_cost(capsys):
                      rf"\({share:.0%}\) were computed again after {s['preemptions']:,} preemptions", out)
 
 
+def _mixed(tmp_path) -> str:
+    """Two requests of 600 tokens and, between them, one of 1000 that shares their first block."""
+    return write(tmp_path, "mixed.jsonl", line() + "\n" + line(timestamp=10, input_length=1000) + "\n"
+                 + line(timestamp=20, hash_ids=[1, 3]) + "\n")
+
+
+REJECTED_LINE = ("gpukv replay: 1 of 3 requests were rejected (the notes and --json say why), so the prefix cache hit "
+                 "rate covers only the requests served; a larger --num-blocks or --max-model-len serves them, and "
+                 "--allow-rejected exits 0\n")
+
+
+def test_a_replay_that_rejected_requests_says_its_rate_is_not_comparable_and_exits_3(tmp_path, capsys):
+    # A pool of 50 blocks cannot hold the 1000-token request: the rate covers
+    # the two served, the ceiling all three (the third would have hit).
+    path, report = _mixed(tmp_path), tmp_path / "report.json"
+    status, out, err = run_cli([path, "--prompt-only", "--num-blocks", "50", "--json", str(report), "-q"], capsys)
+    assert status == cli.EXIT_REJECTED == 3
+    assert err == REJECTED_LINE
+    assert ("prefix cache hit rate  0.4267, NOT COMPARABLE: 1 of 3 requests were rejected, so it covers the 2 served, "
+            "and the possible 0.5018 all 3  (vLLM's: 512 of 1,200 tokens looked up in 2 lookups,") in out
+    assert " of a possible" not in out
+    s = json.loads(report.read_text())["summary"]  # the report is out all the same
+    assert (s["rejected"], s["prefix_cache_hit_rate_ceiling_requests"]) == (1, 3)
+    status, out, err = run_cli([path, "--prompt-only", "--num-blocks", "50", "-q", "--allow-rejected"], capsys)
+    assert (status, err) == (0, "") and "NOT COMPARABLE: 1 of 3 requests were rejected" in out
+
+
+def test_requests_too_long_for_max_model_len_are_in_neither_rate(tmp_path, capsys):
+    # The ceiling leaves out what max_model_len rejects: both cover the same two requests.
+    status, out, err = run_cli([_mixed(tmp_path), "--prompt-only", "--max-model-len", "800", "-q"], capsys)
+    assert (status, err) == (3, REJECTED_LINE)
+    assert ("prefix cache hit rate  0.4267 of a possible 0.4267, both over the 2 requests served (1 of 3 requests "
+            "were rejected)  (vLLM's:") in out
+
+
+def test_a_rate_above_its_ceiling_says_why():
+    s = {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ceiling": 0.1, "prefix_cache_hit_rate_ceiling_requests": 4,
+         "requests": 4, "rejected": 0, "hits": 10, "queries": 50, "lookup_requests": 9}
+    assert cli._headline(s).startswith("0.2000 of a possible 0.1000, above it as vLLM counts every try of a request "
+                                       "waiting for room (9 lookups of 4 requests) and the possible rate each "
+                                       "request once  (vLLM's: 10 of 50 tokens looked up in 9 lookups,")
+
+
 def test_interpreted_kernel_times_are_labelled_as_such(tmp_path, capsys):
     from gpukv import _runtime
 
@@ -989,10 +1034,10 @@ def test_quiet_leaves_results_and_errors(tmp_path, capsys):
 
 def test_verbose_shows_every_note(tmp_path, capsys):
     path = write(tmp_path, "long.jsonl", "".join(line(input_length=1000, hash_ids=[1, 2]) + "\n" for _ in range(12)))
-    status, out, err = run_cli([path, "--max-model-len", "500"], capsys)
+    status, out, err = run_cli([path, "--max-model-len", "500", "--allow-rejected"], capsys)
     assert status == 0 and err.count("rejected: prompt of 1000 tokens") == 10
     assert "note: ... and 2 more (--verbose shows them, --json keeps them)" in err
-    status, out, err = run_cli([path, "--max-model-len", "500", "--verbose"], capsys)
+    status, out, err = run_cli([path, "--max-model-len", "500", "--verbose", "--allow-rejected"], capsys)
     assert status == 0 and err.count("rejected: prompt of 1000 tokens") == 12 and "more" not in err
 
 
