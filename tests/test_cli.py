@@ -997,8 +997,9 @@ def test_requests_too_long_for_max_model_len_are_in_neither_rate(tmp_path, capsy
 
 
 def test_a_rate_above_its_ceiling_says_why():
-    s = {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ceiling": 0.1, "prefix_cache_hit_rate_ceiling_requests": 4,
-         "requests": 4, "rejected": 0, "hits": 10, "queries": 50, "lookup_requests": 9}
+    s = {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ceiling": 0.1,
+         "prefix_cache_hit_rate_ceiling_requests": 4, "requests": 4, "rejected": 0, "hits": 10,
+         "queries": 50, "lookup_requests": 9}
     assert cli._headline(s).startswith("0.2000 of a possible 0.1000, above it as vLLM counts every try of a request "
                                        "waiting for room (9 lookups of 4 requests) and the possible rate each "
                                        "request once  (vLLM's: 10 of 50 tokens looked up in 9 lookups,")
