@@ -139,4 +139,10 @@ if not TYPE_CHECKING:  # hidden from type checkers, which would take any name as
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_SUBMODULES})
+    """The public names, the submodules and the module's own dunders; not what
+    this file imports for itself (``importlib``, ``Any``, ``TYPE_CHECKING``,
+    ``annotations``) nor its private helpers."""
+    loaded = {name for name, value in globals().items()
+              if getattr(value, "__name__", "").startswith(f"{__name__}.") and not name.startswith("_")}
+    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
+    return sorted({*dunders, *__all__, *(m for m in _SUBMODULES if not m.startswith("_")), *loaded})

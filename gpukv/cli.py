@@ -2,7 +2,9 @@
 
 Exit status: 0 done; 2 a bad trace, option, environment variable or output
 path (one line on stderr, ``gpukv replay: FILE:LINE: problem`` for a trace,
-checked before the replay starts wherever it can be); 1 an internal error (one
+checked before the replay starts wherever it can be); 3 the replay ran and its
+report is out, but it rejected requests, so its hit rate covers fewer requests
+than its ceiling (``--allow-rejected`` makes that 0); 1 an internal error (one
 line; ``GPUKV_DEBUG=1`` shows the traceback); 130 interrupted (Ctrl-C); 141 the
 reader of stdout went away (``gpukv replay | head``).
 
@@ -19,7 +21,6 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
-import lzma
 import math
 import os
 import sys
@@ -45,7 +46,16 @@ from gpukv.defaults import (
     PLAIN_INTERVAL_S,
 )
 from gpukv.errors import GpukvError
-from gpukv.traces import MAX_SIZE, Trace, TraceError, builtin_trace_path, load_trace, open_trace, trace_suffix
+from gpukv.traces import (
+    DECOMPRESS_ERRORS,
+    MAX_SIZE,
+    Trace,
+    TraceError,
+    builtin_trace_path,
+    load_trace,
+    open_trace,
+    trace_suffix,
+)
 
 if TYPE_CHECKING:
     from gpukv.replay import ReplayOptions
@@ -64,6 +74,7 @@ _main_started = time.perf_counter()
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
+EXIT_REJECTED = 3  # the report is out, but its rate covers fewer requests than the trace
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `cat` in the same spot
 
@@ -189,9 +200,11 @@ _budget_option.allowed = (0, MAX_SIZE)  # type: ignore[attr-defined]
 def _list_option(parse_one):
     """A comma-separated list of values, each parsed by ``parse_one``."""
     def parse(text: str) -> list:
-        items = [t for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {_short(text)}")
+        items = text.split(",")
+        if not text.strip() or any(not t.strip() for t in items):
+            # '4,,8' or '4,8,' is a slip of the keyboard: refuse it rather than guess.
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of values with nothing empty "
+                                             f"between the commas (such as 4096,8192), got {_short(text)}")
         return [parse_one(t) for t in items]
 
     parse.item = parse_one  # type: ignore[attr-defined]  # the tests read each item's range through it
@@ -260,7 +273,7 @@ def sweep_main(args) -> int:
     if "--plot" in outputs:
         _check_plot(args.plot)
     args.arrival = args.arrival or DEFAULT_ARRIVAL
-    trace = _load_trace_or_fail(path, "mooncake", max_requests, args.arrival, args.step_ms)
+    trace = _load_trace_or_fail(path, "mooncake", max_requests, args.arrival, args.step_ms, command="sweep")
     bs = args.block_size
     model = sweep.ModelShape(args.layers, args.kv_heads, args.head_size, args.dtype)
     blocks, unit, capacities = _sweep_sizes(args, trace, model)
@@ -366,8 +379,8 @@ def _print_sweep(result: dict) -> None:
         print(f"{cap:>18}  {p['num_blocks']:>9,}  {p['prefix_cache_hit_rate']:>8.4f}  "
               f"{p['first_admission_hit_rate']:>10.4f}  {p['evictions']:>10,}  {p['preemptions']:>9,}  "
               f"{recomputed:>10}  {p['rejected']:>8,}{mark}")
-    print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, re-admissions after a "
-          "preemption apart); first adm.: each request's first admission; recomputed: share of the tokens computed "
+    print("hit rate: vLLM's prefix cache hit rate (tokens hit over tokens looked up, a preempted request's "
+          "returns apart); first adm.: each request's first admission; recomputed: share of the tokens computed "
           "that a preempted request had computed before; ceiling: a cache that never evicts (one pass over the trace); "
           "blocks: the pool, the null block included, so it holds blocks - 1 blocks of tokens")
     if flagged:
@@ -381,7 +394,9 @@ def _replay_parser(sub) -> argparse.ArgumentParser:
         help="run a serving loop over a trace and report hit rates, evictions, preemptions and manager time",
         description="Replay a trace through the block manager. With no TRACE, replays the built-in workload "
         f"(the first {BUILTIN_REQUESTS} requests of the Mooncake conversation trace). Exit status: 0 done, "
-        "2 a bad trace, option or output path (one line on stderr), 1 an internal error, 130 interrupted. "
+        "2 a bad trace, option or output path (one line on stderr), 3 done but requests were rejected (the hit "
+        "rate then covers fewer requests than its ceiling; --allow-rejected: 0), 1 an internal error, "
+        "130 interrupted. "
         "Results go to stdout; notes and progress to stderr.",
     )
     p.add_argument("trace", nargs="?", help="a Mooncake .jsonl or a step-trace .json (default: built-in workload)")
@@ -451,6 +466,10 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="stop after this many steps have run (idle steps skipped under --arrival timestamp do not "
                    "count)")
     p.add_argument("--prompt-only", action="store_true", help="each request finishes right after its prefill")
+    p.add_argument("--allow-rejected", action="store_true",
+                   help="exit 0 even when the replay rejected requests it can never run (too long for "
+                   "--max-model-len, or for the pool); without it such a replay exits 3, as its hit rate then covers "
+                   "fewer requests than its ceiling")
     _add_arrival_options(p)
 
 
@@ -533,7 +552,7 @@ def _print_summary(report: dict, file=None) -> None:
         ("trace", f"{c['trace_kind']}, {_plural(s['requests'], 'request')} ({_outcomes(s, c)}), {steps}"),
         ("pool", f"{_plural(c['num_blocks'], 'block')} of {c['block_size']} tokens, block 0 the null block, so "
                  f"{c['num_blocks'] - 1:,} hold {s['pool_tokens']:,} tokens; max {c['max_num_seqs']} running, "
-                 f"admission {c['admission']}"),
+                 f"{_ADMISSION[c['admission']]}"),
         ("scheduling", _scheduling(c)),
         ("prefix cache hit rate", _headline(s)),
         ("  first admission", f"{s['first_admission_hit_rate']:.4f}  (each request once, at its first admission)"),
@@ -542,9 +561,9 @@ def _print_summary(report: dict, file=None) -> None:
                                f"{_plural(s['preempted_lookup_requests'], 'lookup')} of preempted requests, "
                                "counted apart as vLLM does)"),
         ("  every admission", f"{s['every_admission_hit_rate']:.4f}  ({s['cached_tokens']:,} of "
-                              f"{s['prompt_tokens']:,} prompt tokens, re-admissions included)"),
-        ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks asked, "
-                           "lookups as in the prefix cache hit rate)"),
+                              f"{s['prompt_tokens']:,} prompt tokens, a preempted request's returns included)"),
+        ("block hit rate", f"{s['block_hit_rate']:.4f}  ({s['hit_blocks']:,} of {s['query_blocks']:,} blocks looked "
+                           "up in the same lookups, a prompt's partial last block included, which never hits)"),
         ("pool pressure", _pressure(s, arrival if c["trace_kind"] == "mooncake" else None)),
         ("recomputation", _recomputation(s)),
         ("blocks in use", f"max {s['max_blocks_in_use']:,}, mean {s['mean_blocks_in_use']:,.0f}"),
@@ -605,16 +624,48 @@ def _process_seconds() -> float:
 
 
 def _headline(s: dict) -> str:
-    """vLLM's prefix cache hit rate, beside what the trace allows."""
+    """vLLM's prefix cache hit rate, beside what the trace allows; where the
+    two do not cover the same requests (the replay rejected some the ceiling
+    counts), it says so instead of setting one beside the other."""
     rate = f"{s['prefix_cache_hit_rate']:.4f}"
     ceiling = s.get("prefix_cache_hit_rate_ceiling")
-    if ceiling is not None:
+    if s["rejected"]:
+        rate += _rejected_text(s, ceiling)
+    elif ceiling is not None:
         rate += f" of a possible {ceiling:.4f}"
-    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up, "
-            f"{_plural(s['lookup_requests'], 'lookup')}, re-admissions after preemption apart")
+    if ceiling is not None and s["prefix_cache_hit_rate"] > ceiling and _same_requests(s):
+        rate += (f", above it as vLLM counts every try of a request waiting for room "
+                 f"({_plural(s['lookup_requests'], 'lookup')} of {_plural(_served(s), 'request')}) and the "
+                 "possible rate each request once")
+    text = (f"{rate}  (vLLM's: {s['hits']:,} of {s['queries']:,} tokens looked up in "
+            f"{_plural(s['lookup_requests'], 'lookup')}, one each time a waiting request was tried; a preempted "
+            "request's return is counted apart, below")
     if ceiling is not None:
         text += "; possible: the same trace in a cache that never evicts"
     return text + ")"
+
+
+def _served(s: dict) -> int:
+    return s["requests"] - s["rejected"]
+
+
+def _same_requests(s: dict) -> bool:
+    """Whether the rate and its ceiling cover the same requests: the ceiling
+    leaves out those longer than max_model_len, which the replay rejects too."""
+    return s.get("prefix_cache_hit_rate_ceiling_requests", s["requests"]) == _served(s)
+
+
+def _rejected_text(s: dict, ceiling: float | None) -> str:
+    """What a replay that rejected requests can say of its rate."""
+    rejected = f"{s['rejected']:,} of {_plural(s['requests'], 'request')} were rejected"
+    if ceiling is None:
+        return f", over the {_served(s):,} served alone ({rejected})"
+    if _same_requests(s):  # the rejected ones are in neither
+        return f" of a possible {ceiling:.4f}, both over the {_served(s):,} requests served ({rejected})"
+    counted = s.get("prefix_cache_hit_rate_ceiling_requests", s["requests"])
+    covered = f"all {counted:,}" if counted == s["requests"] else f"the {counted:,} within max_model_len"
+    return (f", NOT COMPARABLE: {rejected}, so it covers the {_served(s):,} served, and the possible "
+            f"{ceiling:.4f} {covered}")
 
 
 def _pressure(s: dict, arrival: str | None) -> str:
@@ -633,11 +684,17 @@ def _pressure(s: dict, arrival: str | None) -> str:
 
 
 def _evictions(s: dict) -> str:
+    """How many cached blocks were reclaimed, and what that says (and does
+    not say) about the hits lost: only a reclaimed block asked for again
+    would have hit, and most are never asked for again."""
     text = f"{s['evictions']:,}"
     ceiling = s.get("prefix_cache_hit_rate_ceiling")
-    if s["evictions"] and ceiling is not None and s["prefix_cache_hit_rate"] < ceiling:
-        text += ("  (cached blocks reclaimed for new ones: the hits a larger pool would keep, up to the possible "
-                 "rate; gpukv sweep measures it)")
+    if s["evictions"] and ceiling is not None and _same_requests(s):
+        text += ("  (cached blocks reclaimed for new ones; not lost hits: only one asked for again would have hit, "
+                 f"and a pool that never evicts reaches just the possible {ceiling:.4f}; gpukv sweep measures the "
+                 "sizes between)")
+    elif s["evictions"]:
+        text += "  (cached blocks reclaimed for new ones)"
     return text
 
 
@@ -669,14 +726,23 @@ def _manager_time(s: dict, c: dict) -> str:
     return text
 
 
+# How the waiting requests were admitted, by --admission, in words.
+_ADMISSION = {"batch": "waiting requests admitted in one call a step (--admission batch)",
+              "one": "waiting requests admitted one call each, as vLLM calls its manager (--admission one)"}
+
+
 def _scheduling(config: dict) -> str:
     """The token budget and chunk cap a replay ran with, in words."""
     if config["trace_kind"] == "step":
         return "a step trace runs as written (no token budget, whole prompts)"
     budget = config["max_num_batched_tokens"]
     cap = config["long_prefill_token_threshold"]
-    text = f"token budget {budget:,} per step" if budget is not None else "no token budget"
-    text += f", prefill chunks of at most {cap:,} tokens" if cap else ", no chunk cap"
+    if budget is None:
+        text = "no token budget: each prompt computed whole in its admission step"
+    else:
+        text = f"token budget {budget:,} per step: a longer prompt is computed in pieces over several steps"
+    if cap:
+        text += f", at most {cap:,} tokens of a prompt a step (--long-prefill-token-threshold)"
     return text
 
 
@@ -805,7 +871,19 @@ def replay_main(args) -> int:
     _deliver_report(args, report, ref, outputs, json_to_stdout)
     if metrics is not None and args.metrics_linger:
         _linger(args.metrics_linger)
-    return 0
+    return _rejected_status(report["summary"], args.allow_rejected)
+
+
+def _rejected_status(s: dict, allowed: bool) -> int:
+    """0, or EXIT_REJECTED with a line on stderr when the replay rejected
+    requests and ``--allow-rejected`` was not given: the report is out, but
+    its rate is not the trace's."""
+    if not s["rejected"] or allowed:
+        return 0
+    _fail(f"{PROG} replay", f"{s['rejected']:,} of {_plural(s['requests'], 'request')} were rejected (the notes and "
+          "--json say why), so the prefix cache hit rate covers only the requests served; a larger --num-blocks or "
+          "--max-model-len serves them, and --allow-rejected exits 0")
+    return EXIT_REJECTED
 
 
 def _linger(seconds: float) -> None:
@@ -844,13 +922,15 @@ def _load_replay_trace(args, path, max_requests: int | None) -> Trace:
     return trace
 
 
-def _load_trace_or_fail(path, fmt: str, max_requests: int | None, arrival: str, step_ms: float) -> Trace:
+def _load_trace_or_fail(path, fmt: str, max_requests: int | None, arrival: str, step_ms: float,
+                        command: str = "replay") -> Trace:
     """``load_trace``, any problem a CliError; one that comes from reading the
-    file in the wrong format says which formats there are and which this looks like."""
+    file in the wrong format says which formats there are and which this looks
+    like (``command``: the one that reads it, whose options the hint names)."""
     try:
         return load_trace(path, fmt, max_requests=max_requests, arrival=arrival, step_ms=step_ms)
     except TraceError as e:
-        raise CliError(f"{e}{_format_hint(path, fmt)}") from None
+        raise CliError(f"{e}{_format_hint(path, fmt, command)}") from None
     except FileNotFoundError as e:
         raise CliError(f"cannot read the trace: {_os_problem(e)}; TRACE is a Mooncake .jsonl (or .jsonl.xz, "
                        ".jsonl.gz) or a step-trace .json (docs/traces.md), and with no TRACE the built-in workload "
@@ -865,7 +945,7 @@ FORMATS_HELP = ("gpukv reads two formats (docs/traces.md): mooncake, JSON Lines,
                 "file is taken for), and step, one JSON document with 'config' and 'steps' (any other extension)")
 
 
-def _format_hint(path, fmt: str) -> str:
+def _format_hint(path, fmt: str, command: str = "replay") -> str:
     """After a trace error: '; it looks like ...' when the file is recognisably
     another format (or a convertible one), else nothing."""
     looks = _sniff_format(path)
@@ -874,6 +954,9 @@ def _format_hint(path, fmt: str) -> str:
     resolved = fmt if fmt != "auto" else ("mooncake" if trace_suffix(path) == ".jsonl" else "step")
     if looks == resolved:
         return ""  # the right format, with a problem of its own: the message says which
+    if command == "sweep" and looks == "step":  # sweep has no --format: it reads Mooncake traces alone
+        return (f"; this file looks like a step trace, and gpukv sweep replays Mooncake traces only: "
+                f"gpukv replay {path} replays a step trace, at one size")
     if looks in ("mooncake", "step"):
         return (f"; this file looks like a {looks} trace, read as {resolved}"
                 f"{' (by its extension)' if fmt == 'auto' else ''}: pass --format {looks}. {FORMATS_HELP}")
@@ -891,7 +974,7 @@ def _sniff_format(path) -> str | None:
     try:
         with open_trace(path) as f:
             head = f.read(1 << 20).decode("utf-8", errors="replace")
-    except (OSError, EOFError, lzma.LZMAError):  # gzip's BadGzipFile is an OSError
+    except (OSError, *DECOMPRESS_ERRORS):
         return None
     first = next((line.strip() for line in head.splitlines() if line.strip()), "")
     with contextlib.suppress(ValueError, RecursionError):

@@ -59,9 +59,7 @@ def _summary(replay: Replay, num_steps: int, wall_s: float) -> dict:
         # vLLM's prefix cache hit rate (the one the text summary, the plot
         # and the docs call so), its ceiling, and the counts behind it.
         **_lookup_stats(replay.stats),
-        "prefix_cache_hit_rate_ceiling": (no_eviction_hit_rate(replay.trace, replay.opts.block_size,
-                                                               replay.opts.max_model_len)
-                                          if replay.opts.ceiling else None),
+        **_ceiling(replay),
         # Other rates, by other names: each request's first admission
         # alone, and every admission (a re-admission after a preemption,
         # which mostly hits its own blocks, counted again).
@@ -92,6 +90,17 @@ def _summary(replay: Replay, num_steps: int, wall_s: float) -> dict:
         # (`gpukv replay` prints the whole process's time beside it).
         "wall_s": wall_s,
     }
+
+
+def _ceiling(replay: Replay) -> dict:
+    """The ceiling and how many requests it covers: every request of the
+    trace but those longer than max_model_len, whether or not the replay
+    served them (a replay that rejected others covers fewer)."""
+    if not replay.opts.ceiling or replay.trace.kind != "mooncake":
+        return {"prefix_cache_hit_rate_ceiling": None, "prefix_cache_hit_rate_ceiling_requests": None}
+    hits, queries, requests = no_eviction_counts(replay.trace, replay.opts.block_size, replay.opts.max_model_len)
+    return {"prefix_cache_hit_rate_ceiling": hits / queries if queries else 0.0,
+            "prefix_cache_hit_rate_ceiling_requests": requests}
 
 
 def _first_admission_hit_rate(live: dict[str, _Live]) -> float:
@@ -168,8 +177,15 @@ def no_eviction_hit_rate(trace: Trace, block_size: int, max_model_len: int | Non
     ``max_model_len`` are left out, as the replay rejects them."""
     if trace.kind != "mooncake":
         return None
+    hits, queries, _ = no_eviction_counts(trace, block_size, max_model_len)
+    return hits / queries if queries else 0.0
+
+
+def no_eviction_counts(trace: Trace, block_size: int, max_model_len: int | None = None) -> tuple[int, int, int]:
+    """``no_eviction_hit_rate``'s counts, of a Mooncake trace: the tokens hit,
+    the tokens looked up and the requests looked up (those within ``max_model_len``)."""
     ids: dict[tuple[int, bytes], int] = {}  # (parent block's id, tokens) -> block id: exact, no digests
-    hits = queries = 0
+    hits = queries = requests = 0
     block = np.dtype((np.void, 4 * block_size))
     for r in trace.requests:
         if max_model_len is not None and r.input_length > max_model_len:
@@ -188,5 +204,6 @@ def no_eviction_hit_rate(trace: Trace, block_size: int, max_model_len: int | Non
             parents = [parent, *range(start, start + len(new) - 1)]
             ids.update(zip(zip(parents, new, strict=True), range(start, start + len(new)), strict=True))
         queries += n
+        requests += 1
         hits += min(i, (n - 1) // block_size) * block_size
-    return hits / queries if queries else 0.0
+    return hits, queries, requests

@@ -40,6 +40,7 @@ import json.scanner
 import lzma
 import math
 import re
+import zlib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -198,6 +199,10 @@ def conversation_trace_path() -> Path:
 
 # The endings of compressed traces, read through lzma and gzip.
 _COMPRESSED = (".xz", ".gz")
+#: What reading a damaged compressed trace raises: lzma's and gzip's own
+#: errors, EOFError for a cut-off stream, and zlib's for a corrupted deflate
+#: stream inside a gzip file (which gzip lets through as it is).
+DECOMPRESS_ERRORS = (lzma.LZMAError, gzip.BadGzipFile, EOFError, zlib.error)
 
 
 def trace_suffix(path: str | Path) -> str:
@@ -223,7 +228,8 @@ def open_trace(path: str | Path) -> io.BufferedIOBase:
 
 def _read_problem(e: Exception) -> str:
     """What went wrong decompressing a trace, in words."""
-    return f"cannot decompress it ({type(e).__name__}: {e}): a damaged or truncated compressed file"
+    name = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__  # zlib's is plain "error"
+    return f"cannot decompress it ({name}: {e}): a damaged or truncated compressed file"
 
 
 def load_trace(path: str | Path, fmt: str = "auto", *, max_requests: int | None = None,
@@ -334,7 +340,7 @@ def load_mooncake(path: Path, *, max_requests: int | None = None, arrival: str =
                 step = 0 if arrival == "back-to-back" else int(ts // step_ms)
                 idx = len(requests)
                 requests.append(TraceRequest(f"r{idx}", step, n_in, hash_ids=ids, output_length=n_out, index=idx))
-    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+    except DECOMPRESS_ERRORS as e:
         # The line after the last one read is where the damage starts.
         raise TraceError(path, lineno + 1, _read_problem(e)) from None
     if not requests:
@@ -357,7 +363,9 @@ def _json_line(raw: bytes, path: Path, lineno: int) -> Any:
     if not text.strip():
         return _BLANK
     try:
-        return json.loads(text)
+        # Without its line ending: a line cut short is reported where it
+        # stops, not at column 1 of the next line.
+        return json.loads(text.rstrip("\r\n"))
     except (ValueError, RecursionError) as e:
         raise TraceError(path, lineno, _json_problem(e)) from None
 
@@ -446,7 +454,7 @@ def load_step_trace(path: Path, *, max_requests: int | None = None) -> Trace:
     try:
         with open_trace(path) as f:
             data = f.read()
-    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+    except DECOMPRESS_ERRORS as e:
         raise TraceError(path, None, _read_problem(e)) from None
     try:
         text = data.decode("utf-8")

@@ -99,6 +99,7 @@ def _decode(budget: str, cap: str | None = None) -> Source:
 BUDGETS = ("unlimited", "16384", "8192", "2048")
 SOURCES = {s.id: s for s in [
     Source("replay-builtin", "README.md", "gpukv replay", cheap=True),
+    Source("replay-rejecting", "README.md", "gpukv replay --num-blocks 100 --allow-rejected", cheap=True),
     Source("sweep-builtin", "README.md", "gpukv sweep --plot docs/sweep_builtin.svg"),
     Source("back-to-back-256", "docs/chunked_prefill.md", "gpukv replay --arrival back-to-back --max-num-seqs 256"),
     Source("back-to-back-256-unlimited", "docs/chunked_prefill.md",
@@ -198,6 +199,16 @@ def _readme_replay(rec: dict) -> list[str]:
     ]
 
 
+def _readme_rejecting(rec: dict) -> list[str]:
+    """The rate's line of a replay whose pool rejects most requests, as README quotes it."""
+    s = rec["summary"]
+    served = s["requests"] - s["rejected"]
+    return [f"`prefix cache hit rate  {s['prefix_cache_hit_rate']:.4f}, NOT COMPARABLE: {s['rejected']:,} of "
+            f"{s['requests']:,} requests were rejected, so it covers the {served:,} served, and the possible "
+            f"{s['prefix_cache_hit_rate_ceiling']:.4f} all {s['prefix_cache_hit_rate_ceiling_requests']:,}` (the "
+            f"{served:,} short requests, looked up {s['lookup_requests']:,} times while they waited for room)"]
+
+
 def _help_replay(rec: dict) -> list[str]:
     del rec
     t = _builtin_trace_figures()
@@ -274,6 +285,7 @@ def _chunked_back_to_back(records: dict) -> list[str]:
 RENDERERS: list[tuple[str, tuple[str, ...], Callable[..., list[str]]]] = [
     ("README.md", ("replay-builtin",), lambda r: _readme_replay(r["replay-builtin"])),
     ("help:replay", ("replay-builtin",), lambda r: _help_replay(r["replay-builtin"])),
+    ("README.md", ("replay-rejecting",), lambda r: _readme_rejecting(r["replay-rejecting"])),
     ("README.md", ("sweep-builtin",), lambda r: _readme_sweep(r["sweep-builtin"])),
     ("docs/sweep_builtin.svg", ("sweep-builtin",), lambda r: _svg_sweep(r["sweep-builtin"])),
     ("docs/chunked_prefill.md", tuple(i for i in SOURCES if i.startswith(("prompt-only-", "decode-"))),

@@ -97,6 +97,7 @@ BAD_MOONCAKE = {
     "output_length null": ([line(output_length=None)], 1, ["'output_length' must be an integer, got null"]),
     "output_length negative": ([line(output_length=-1)], 1, ["'output_length' must be >= 0"]),
     "not JSON": ([line(), '{"timestamp": 0,'], 2, ["not JSON"]),
+    "a line cut short": ([line(), '{"timestamp": 0, "input_length": 6'], 2, ["not JSON", "(column 35)"]),
     "an integer of 5000 digits": ([line(), '{"timestamp": ' + "9" * 5000 + "}"], 2, ["not JSON"]),
 }
 
@@ -233,7 +234,7 @@ def test_one_of_a_kind_is_counted_in_the_singular(capsys):
     assert status == 0
     assert ("mooncake, 1 request (0 finished, 0 rejected, 1 still running and 0 waiting when the replay stopped), "
             "1 step, arrivals by timestamp") in out
-    assert "1 lookup, re-admissions after preemption apart" in out
+    assert "tokens looked up in 1 lookup, one each time" in out
     assert "(0 of 0 tokens, 0 lookups of preempted requests, counted apart as vLLM does)" in out
 
 
@@ -257,7 +258,7 @@ def test_the_pool_is_counted_one_way(capsys):
     status, out, _ = run_cli(["--max-requests", "1", "--prompt-only", "--num-blocks", "3000"], capsys)
     assert status == 0
     assert ("pool                   3,000 blocks of 16 tokens, block 0 the null block, so 2,999 hold 47,984 tokens; "
-            "max 64 running, admission batch\n") in out
+            "max 64 running, waiting requests admitted in one call a step (--admission batch)\n") in out
     assert "of 47,984 tokens)" in out  # pool pressure: the same tokens
 
 
@@ -325,6 +326,23 @@ def test_a_damaged_compressed_trace_is_one_error_line(tmp_path, capsys):
     assert (status, out) == (2, "")
     assert re.fullmatch(re.escape(f"gpukv replay: {path}:") + r"\d+: cannot decompress it \(EOFError: .*\): a "
                         r"damaged or truncated compressed file\n", err), err
+
+
+def test_a_corrupted_gzip_trace_is_one_error_line_not_an_internal_error(tmp_path, capsys):
+    import gzip
+
+    packed = bytearray(gzip.compress(("".join(line(timestamp=i) + "\n" for i in range(500))).encode()))
+    for i in range(30, 60):  # the header intact, the deflate stream damaged: zlib's error, not gzip's
+        packed[i] ^= 0xFF
+    path = write(tmp_path, "t.jsonl.gz", bytes(packed))
+    for command in (["replay", "--backend", "reference"], ["sweep", "--num-blocks", "64"]):
+        with pytest.raises(SystemExit) as info:
+            main([*command, "-q", path])
+        out, err = capsys.readouterr()
+        assert (info.value.code, out) == (2, "")
+        assert re.fullmatch(re.escape(f"gpukv {command[0]}: {path}:1: cannot decompress it (zlib.error: Error -3 "
+                                      "while decompressing data: ") + r"[^()]+\): a damaged or truncated compressed "
+                            r"file\n", err), err
 
 
 def test_an_unknown_option_is_one_error_line(capsys):
@@ -589,8 +607,9 @@ def test_token_budget_option(argv, budget, given, capsys):
     assert report["config"]["max_num_batched_tokens"] == budget
     assert report["arguments"]["max_num_batched_tokens"] == given
     assert report["config"]["long_prefill_token_threshold"] == 0
-    words = f"token budget {budget:,} per step" if budget else "no token budget"
-    assert re.search(rf"scheduling +{words}, no chunk cap", err)
+    words = (f"token budget {budget:,} per step: a longer prompt is computed in pieces over several steps" if budget
+             else "no token budget: each prompt computed whole in its admission step")
+    assert re.search(rf"scheduling +{words}\n", err)
     assert re.search(r"  first admission +0\.0364  \(each request once, at its first admission\)", err)  # 512 of 14,080
 
 
@@ -600,7 +619,8 @@ def test_long_prefill_threshold_option(capsys):
     assert status == 0, err
     report = json.loads(out)
     assert report["config"]["long_prefill_token_threshold"] == 1000
-    assert "token budget 8,192 per step, prefill chunks of at most 1,000 tokens" in err
+    assert ("token budget 8,192 per step: a longer prompt is computed in pieces over several steps, at most 1,000 "
+            "tokens of a prompt a step (--long-prefill-token-threshold)\n") in err
     # The first request's 6758 tokens take 7 steps of 1000 at most.
     assert report["requests"]["r0"]["prefill_done_step"] == 6
 
@@ -813,6 +833,20 @@ def test_the_lazy_names_are_all_and_the_type_checkers_see_them():
     assert len(set(gpukv.__all__)) == len(gpukv.__all__)
 
 
+def test_dir_lists_the_public_names_and_not_the_packages_own_imports():
+    import gpukv
+
+    listed = {n for n in dir(gpukv) if not n.startswith("__")}
+    assert not listed & {"Any", "TYPE_CHECKING", "annotations", "importlib"}
+    assert not [n for n in listed if n.startswith("_")]
+    # Every public name and submodule, and nothing else but submodules loaded since.
+    submodules = {"config", "distributed", "errors", "hashing", "metrics", "request", "running", "spec", "windows"}
+    assert set(gpukv.__all__) | submodules <= listed
+    others = listed - set(gpukv.__all__) - submodules
+    assert others and all(type(getattr(gpukv, n)).__name__ == "module" for n in others), others  # cli, at least
+    assert "__version__" in dir(gpukv)
+
+
 def _imports_at_import_time(body: list) -> list[tuple[int, list[str]]]:
     """(line, modules) of each import a module runs when imported: its top
     level and the blocks there (try, if), not functions or TYPE_CHECKING."""
@@ -927,6 +961,50 @@ def test_an_oversubscribed_pool_says_so_and_what_preemptions_cost(capsys):
                      rf"\({share:.0%}\) were computed again after {s['preemptions']:,} preemptions", out)
 
 
+def _mixed(tmp_path) -> str:
+    """Two requests of 600 tokens and, between them, one of 1000 that shares their first block."""
+    return write(tmp_path, "mixed.jsonl", line() + "\n" + line(timestamp=10, input_length=1000) + "\n"
+                 + line(timestamp=20, hash_ids=[1, 3]) + "\n")
+
+
+REJECTED_LINE = ("gpukv replay: 1 of 3 requests were rejected (the notes and --json say why), so the prefix cache hit "
+                 "rate covers only the requests served; a larger --num-blocks or --max-model-len serves them, and "
+                 "--allow-rejected exits 0\n")
+
+
+def test_a_replay_that_rejected_requests_says_its_rate_is_not_comparable_and_exits_3(tmp_path, capsys):
+    # A pool of 50 blocks cannot hold the 1000-token request: the rate covers
+    # the two served, the ceiling all three (the third would have hit).
+    path, report = _mixed(tmp_path), tmp_path / "report.json"
+    status, out, err = run_cli([path, "--prompt-only", "--num-blocks", "50", "--json", str(report), "-q"], capsys)
+    assert status == cli.EXIT_REJECTED == 3
+    assert err == REJECTED_LINE
+    assert ("prefix cache hit rate  0.4267, NOT COMPARABLE: 1 of 3 requests were rejected, so it covers the 2 served, "
+            "and the possible 0.5018 all 3  (vLLM's: 512 of 1,200 tokens looked up in 2 lookups,") in out
+    assert " of a possible" not in out
+    s = json.loads(report.read_text())["summary"]  # the report is out all the same
+    assert (s["rejected"], s["prefix_cache_hit_rate_ceiling_requests"]) == (1, 3)
+    status, out, err = run_cli([path, "--prompt-only", "--num-blocks", "50", "-q", "--allow-rejected"], capsys)
+    assert (status, err) == (0, "") and "NOT COMPARABLE: 1 of 3 requests were rejected" in out
+
+
+def test_requests_too_long_for_max_model_len_are_in_neither_rate(tmp_path, capsys):
+    # The ceiling leaves out what max_model_len rejects: both cover the same two requests.
+    status, out, err = run_cli([_mixed(tmp_path), "--prompt-only", "--max-model-len", "800", "-q"], capsys)
+    assert (status, err) == (3, REJECTED_LINE)
+    assert ("prefix cache hit rate  0.4267 of a possible 0.4267, both over the 2 requests served (1 of 3 requests "
+            "were rejected)  (vLLM's:") in out
+
+
+def test_a_rate_above_its_ceiling_says_why():
+    s = {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ceiling": 0.1,
+         "prefix_cache_hit_rate_ceiling_requests": 4, "requests": 4, "rejected": 0, "hits": 10,
+         "queries": 50, "lookup_requests": 9}
+    assert cli._headline(s).startswith("0.2000 of a possible 0.1000, above it as vLLM counts every try of a request "
+                                       "waiting for room (9 lookups of 4 requests) and the possible rate each "
+                                       "request once  (vLLM's: 10 of 50 tokens looked up in 9 lookups,")
+
+
 def test_interpreted_kernel_times_are_labelled_as_such(tmp_path, capsys):
     from gpukv import _runtime
 
@@ -957,10 +1035,10 @@ def test_quiet_leaves_results_and_errors(tmp_path, capsys):
 
 def test_verbose_shows_every_note(tmp_path, capsys):
     path = write(tmp_path, "long.jsonl", "".join(line(input_length=1000, hash_ids=[1, 2]) + "\n" for _ in range(12)))
-    status, out, err = run_cli([path, "--max-model-len", "500"], capsys)
+    status, out, err = run_cli([path, "--max-model-len", "500", "--allow-rejected"], capsys)
     assert status == 0 and err.count("rejected: prompt of 1000 tokens") == 10
     assert "note: ... and 2 more (--verbose shows them, --json keeps them)" in err
-    status, out, err = run_cli([path, "--max-model-len", "500", "--verbose"], capsys)
+    status, out, err = run_cli([path, "--max-model-len", "500", "--verbose", "--allow-rejected"], capsys)
     assert status == 0 and err.count("rejected: prompt of 1000 tokens") == 12 and "more" not in err
 
 
@@ -1098,6 +1176,28 @@ def test_a_sweep_size_no_pool_can_have_is_one_error_line(argv, message, capsys):
         main(["sweep", "--max-requests", "1", "-q", *argv])
     assert info.value.code == 2
     assert capsys.readouterr() == ("", f"gpukv sweep: {message}\n")
+
+
+@pytest.mark.parametrize("option", ["--num-blocks", "--tokens", "--gib"])
+@pytest.mark.parametrize("text", ["4096,,8192", "4096,8192,", ",4096", "4096, ,8192", ",", " "])
+def test_a_sweep_list_with_an_empty_item_is_one_error_line(option, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "--max-requests", "1", "-q", option, text])
+    assert info.value.code == 2
+    assert capsys.readouterr() == ("", f"gpukv sweep: argument {option}: expected a comma-separated list of values "
+                                       f"with nothing empty between the commas (such as 4096,8192), got {text!r} "
+                                       "(see 'gpukv sweep --help')\n")
+
+
+def test_a_step_trace_given_to_sweep_names_the_command_that_replays_it(tmp_path, capsys):
+    path = write(tmp_path, "steps.json", doc_text())
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "-q", path])
+    out, err = capsys.readouterr()
+    assert (info.value.code, out) == (2, "")
+    assert err.endswith(f"; this file looks like a step trace, and gpukv sweep replays Mooncake traces only: gpukv "
+                        f"replay {path} replays a step trace, at one size\n"), err
+    assert "--format" not in err  # sweep has no such option
 
 
 def test_a_sweep_size_the_manager_refuses_is_one_error_line(capsys, monkeypatch):

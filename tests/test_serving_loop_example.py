@@ -114,3 +114,17 @@ def test_layer_inputs_depend_on_the_whole_prefix(example):
 def test_bad_arguments_exit_2(example):
     assert example.main(["--small", "--large"]) == 2
     assert example.main(["--small", "--pad-to", "0"]) == 2
+
+
+def test_readme_using_the_manager_names_the_example_and_the_command_that_runs_it():
+    """A reader of "Using the manager" finds the end-to-end example and the
+    command that runs it, the one the tests above run (``--small``)."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Using the manager\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [shlex.split(line.split("#", 1)[0]) for b in blocks for line in b.splitlines() if line.strip()]
+    assert ["python", "examples/serving_loop.py", "--small"] in commands
+    assert ["python", "examples/serving_loop.py", "--small", "--backend", "reference"] in commands

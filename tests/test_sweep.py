@@ -110,10 +110,11 @@ def test_gib_ticks_read_as_given(tmp_path):
 
     point = {"prefix_cache_hit_rate": 0.1, "first_admission_hit_rate": 0.1, "rejected": 0, "num_blocks": 1}
     result = {"points": [dict(point, capacity=c) for c in (8, 16, 32)], "capacity_unit": "GiB",
-              "ceiling": {"prefix_cache_hit_rate": 0.2}, "trace": "t", "num_requests": 1, "block_size": 16}
+              "ceiling": {"prefix_cache_hit_rate": 0.2, "capacity": 64}, "trace": "t", "num_requests": 1,
+              "block_size": 16}
     plot.sweep_figure(result, tmp_path / "s.svg")
     text = "".join(ET.parse(tmp_path / "s.svg").getroot().itertext())
-    assert all(t in text for t in ("8", "16", "32", "KV-cache capacity (GiB)")) and "2^" not in text
+    assert all(t in text for t in ("8", "16", "32", "64", "KV-cache capacity (GiB)")) and "2^" not in text
     assert "10^" not in text and "\u2212" not in text  # no powers, no negative exponents
 
 
@@ -209,6 +210,66 @@ def test_replay_plot_draws_three_panels(tmp_path):
                  "--plot", str(out)]) == 0
     text = "".join(ET.parse(out).getroot().itertext())
     for label in ("prefix cache hit rate so far (vLLM's)", "ceiling, a cache that never evicts", "blocks in use",
-                  "the pool: 65,536 blocks, the null block included (65,535 for tokens)", "manager time per step (ms)",
-                  "step"):
+                  "the pool, 65,536 blocks, is off this scale: at most ", "manager time per step (ms)", "step"):
         assert label in text, label
+
+
+def _panel(blocks, num_blocks):
+    from gpukv import plot
+
+    plt = plot.require()
+    fig, ax = plt.subplots(figsize=(8, 3), constrained_layout=True)
+    plot._blocks_panel(ax, blocks, num_blocks)
+    fig.canvas.draw()
+    return plt, fig, ax
+
+
+def test_a_pool_far_above_the_blocks_in_use_is_named_not_drawn():
+    # 65,535 blocks for tokens, at most 600 in use: drawn to scale the curve
+    # would be a flat line at 0.
+    plt, fig, ax = _panel([0, 300, 600, 100], 65536)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["blocks in use", "the pool, 65,536 blocks, is off this scale: at most 0.9% in use"]
+    assert 600 < ax.get_ylim()[1] < 1000
+    plt.close(fig)
+    plt, fig, ax = _panel([0, 30, 60, 10], 101)  # 100 for tokens, 60 in use: the pool drawn, to scale
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["blocks in use", "the pool: 101 blocks, the null block included (100 for tokens)"]
+    assert ax.get_ylim()[1] >= 100
+    plt.close(fig)
+
+
+def test_a_panels_legend_sits_above_it_off_the_curve():
+    plt, fig, ax = _panel([0, 100, 100, 0], 101)  # a curve that reaches the top right corner
+    legend, area = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.y0 >= area.y1 - 1  # wholly above the plotting area
+    plt.close(fig)
+
+
+def test_a_replay_plot_of_a_rejecting_replay_says_its_rate_is_not_comparable():
+    from gpukv import plot
+
+    s = {"backend": "reference", "prefix_cache_hit_rate": 0.4449, "prefix_cache_hit_rate_ceiling": 0.081,
+         "prefix_cache_hit_rate_ceiling_requests": 300, "requests": 300, "rejected": 261, "preemptions": 0}
+    assert plot._replay_title(s) == ("gpukv replay (reference): prefix cache hit rate 0.4449\n261 of 300 requests "
+                                     "rejected: the rate covers the 39 served,\nNOT COMPARABLE with the possible "
+                                     "0.0810, which covers 300")
+    s["rejected"], s["prefix_cache_hit_rate_ceiling_requests"] = 0, 300
+    assert plot._replay_title(s) == "gpukv replay (reference): prefix cache hit rate 0.4449 of a possible 0.0810"
+
+
+def test_the_sweep_plot_shows_the_ceilings_size_and_the_preemptions(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from gpukv import plot
+
+    point = {"first_admission_hit_rate": 0.1, "rejected": 0, "num_blocks": 1}
+    result = {"points": [dict(point, capacity=20_000, prefix_cache_hit_rate=0.05, preemptions=34),
+                         dict(point, capacity=600_000, prefix_cache_hit_rate=0.1, preemptions=0)],
+              "capacity_unit": "tokens", "ceiling": {"prefix_cache_hit_rate": 0.12, "capacity": 1_562_240},
+              "trace": "t", "num_requests": 1, "block_size": 16}
+    plot.sweep_figure(result, tmp_path / "s.svg")
+    text = "".join(ET.parse(tmp_path / "s.svg").getroot().itertext())
+    assert "1.56M" in text and "a cache that never evicts holds 1.56M tokens" in text
+    assert "34 preempted" in text and "preempted at that size: the pool oversubscribed" in text
+    assert "0 preempted" not in text.replace("34 preempted", "")

@@ -174,3 +174,36 @@ def test_a_damaged_compressed_trace_is_one_line_naming_the_line(tmp_path, suffix
     path.write_bytes(b"not compressed at all")
     with pytest.raises(TraceError, match="^" + re.escape(f"{path}:1: cannot decompress it (")):
         load_trace(path)
+
+
+def _corrupted_gzip(text: bytes) -> bytes:
+    """A gzip file whose header is intact and whose deflate stream is damaged:
+    zlib, not gzip, is the one that finds out."""
+    import gzip
+
+    packed = bytearray(gzip.compress(text))
+    for i in range(30, 60):
+        packed[i] ^= 0xFF
+    return bytes(packed)
+
+
+@pytest.mark.parametrize("name", ["t.jsonl.gz", "s.json.gz"])
+def test_a_corrupted_gzip_stream_is_a_trace_error_naming_the_file(tmp_path, name):
+    text = "".join(json.dumps(rec(ts=i)) + "\n" for i in range(500)).encode()
+    path = tmp_path / name
+    path.write_bytes(_corrupted_gzip(text))
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    assert e.value.path == str(path)
+    assert e.value.problem.startswith("cannot decompress it (zlib.error: Error -3 while decompressing data: ")
+    assert e.value.problem.endswith("): a damaged or truncated compressed file")
+
+
+@pytest.mark.parametrize("cut, column", [('{"timestamp": 0,', 17), ('{"timestamp": 0, "input_le', 18)])
+@pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
+def test_a_line_cut_short_is_reported_where_it_stops(tmp_path, cut, column, ending):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((json.dumps(rec()) + "\n" + cut + ending).encode())
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    assert (e.value.line, e.value.problem.endswith(f"(column {column})")) == (2, True), str(e.value)
