@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-EXTRA_HINT = "pip install 'gpukv[plot]' (matplotlib)"
+EXTRA_HINT = "pip install matplotlib (or pip install -e '.[plot]' in a gpukv clone)"
 FORMATS = (".png", ".svg", ".pdf")
 
 
