@@ -1,4 +1,4 @@
-"""The replay's defaults, in a module that imports nothing.
+"""The replay's defaults, in a module that imports nothing but ``gpukv.limits``.
 
 ``gpukv replay`` shows them in its ``--help`` and starts its metrics server
 before it imports torch (issue 19); ``gpukv.replay``, which imports torch,
@@ -6,6 +6,8 @@ re-exports them, and is where they apply.
 """
 
 from __future__ import annotations
+
+from gpukv.limits import MAX_NUM_BLOCKS  # noqa: F401  (re-exported: the command line reads it here)
 
 # vLLM 0.8.5 (engine/arg_utils.py, _set_default_args_v1): the OpenAI server's
 # max_num_batched_tokens on GPUs with at least 70 GiB; 2048 on smaller ones.
@@ -39,11 +41,8 @@ PLAIN_DELAY_S = 5.0
 # The command line's ranges (issue 29: a size a manager cannot take is a
 # usage error, exit 2, caught while parsing, never an internal error later);
 # token counts, requests and steps go up to gpukv.traces.MAX_SIZE (2**31 - 1,
-# int32 on the device).
-#: Blocks in a pool, the null block included: gpukv.request.MAX_NUM_BLOCKS,
-#: the managers' own limit (the device hash table's int32 slots hold two per
-#: block); repeated here because gpukv.request imports torch. A test holds the two equal.
-MAX_NUM_BLOCKS = 2**29
+# int32 on the device). Blocks in a pool: the managers' own limit, from
+# their one table (gpukv.limits, which imports nothing either).
 #: Tokens per block: vLLM's largest is 128 and Mooncake's traces count in
 #: 512; a block past this would only make every array the replay keeps per
 #: block (the ceiling's keys, the device pool's tokens) huge for nothing.

@@ -28,7 +28,9 @@ One thread at a time: every call first takes the manager's call lock (an
 ``RLock``, so a call nested in another of the same thread goes on) without
 waiting; a call from a second thread while one is under way is refused at
 once with :class:`gpukv.errors.ConcurrentCallError`, before it reads or
-changes anything, and stops nothing. Reads and diagnostics are calls too:
+changes anything, and stops nothing; so is a call made from a caller's hook
+that a call runs (a ``graphs`` object's launch: the step is half way there).
+Reads and diagnostics are calls too:
 after a fault, every call, reads, properties and ``check_invariants``
 included, raises ``ManagerFailedError``; only ``failed`` and ``failure``
 (what stopped it) still answer, with a manager's configuration
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -61,6 +62,8 @@ class FailStop:
     _fault: BaseException | None = None
     #: Whether the running call passed its point of first change (``_begin_changes``).
     _changing: bool = False
+    #: Whether the running call is inside a caller's hook (``_hook``).
+    _in_hook: bool = False
 
     @property
     def failed(self) -> bool:
@@ -91,7 +94,19 @@ class FailStop:
             raise ConcurrentCallError(f"another thread's call of this {type(self).__name__} is under way",
                                       argument=name, fix="call a manager from one thread at a time (hold a lock "
                                                          "around its calls), or give each thread its own manager")
+        if self._in_hook:
+            lock.release()
+            raise ConcurrentCallError(f"a call of this {type(self).__name__} is under way, and this one comes from "
+                                      "the hook it runs (its graphs)", argument=name,
+                                      fix="call the manager after the call that runs the hook returns")
         return lock
+
+    def _hook(self) -> _InHook:
+        """A context for running a caller's code inside a call (a
+        ``graphs`` object's ``launch`` or ``run``): the manager's own calls
+        made from it are refused, as another thread's are (the state is
+        mid-step there: a decode staged and not launched)."""
+        return _InHook(self)
 
     def _begin_changes(self) -> None:
         """Mark the running call's point of first change: its arguments are
@@ -121,6 +136,21 @@ class FailStop:
             ) from fault
 
 
+class _InHook:
+    """``FailStop._hook``'s context (a plain class: it wraps every graph replay)."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, manager: FailStop) -> None:
+        self.m = manager
+
+    def __enter__(self) -> None:
+        self.m._in_hook = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.m._in_hook = False
+
+
 def _is_call_mistake(exc: BaseException) -> bool:
     """Whether ``exc`` is Python's ``TypeError`` for a call that does not fit
     the method's signature: raised while binding the arguments, before the
@@ -129,23 +159,67 @@ def _is_call_mistake(exc: BaseException) -> bool:
     return type(exc) is TypeError and tb is not None and tb.tb_next is None
 
 
-_QUOTED_NAME = re.compile(r"'(\w+)'")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+_EMPTY = inspect.Parameter.empty
 
 
-def _call_mistake(method: Callable[..., Any], exc: TypeError) -> InvalidTypeError:
-    """Python's wrong-signature ``TypeError`` as an ``InvalidTypeError``
-    naming the argument (the method's name when no one argument is at
-    fault, e.g. too many positional arguments); the same text for both
-    managers (the class name is left out)."""
+def _public_signature(method: Callable[..., Any]) -> inspect.Signature:
+    """The signature a caller is told to use: the one ``gpukv.api.BlockManager``
+    declares when the method is part of it (so both managers say the same;
+    the device's extra ``graphs=`` stays out), else the method's own."""
+    from gpukv.api import BlockManager  # (gpukv.api imports what imports this module)
+
+    declared = BlockManager.__dict__.get(method.__name__)
+    return inspect.signature(declared if callable(declared) else method)
+
+
+def _signature_text(name: str, params: list[inspect.Parameter]) -> str:
+    """``name(a, b=(), *, c=None)``: the parameters with their defaults."""
+    parts, star = [], False
+    for p in params:
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        parts.append(p.name if p.default is _EMPTY else f"{p.name}={p.default!r}")
+    return f"{name}({', '.join(parts)})"
+
+
+def _mistake(name: str, params: list[inspect.Parameter], args: tuple, kwargs: dict) -> tuple[str, str]:
+    """(argument, problem) of a call that does not fit ``params``, in the
+    order Python checks them: too many positional arguments, one given
+    twice or unknown, one missing."""
+    kinds = {p.kind for p in params}
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    by_position = {p.name for p in positional[: len(args)]}
+    names = {p.name for p in params if p.kind not in _VARIADIC and p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    if len(args) > len(positional) and inspect.Parameter.VAR_POSITIONAL not in kinds:
+        most = {0: "no positional argument", 1: "1 positional argument"}.get(len(positional),
+                                                                         f"{len(positional)} positional arguments")
+        return name, f"{name}() takes {most}, got {len(args)}"
+    for key in kwargs:
+        if key in by_position:
+            return key, f"{name}() got {key!r} twice, by position and by keyword"
+        if key not in names and inspect.Parameter.VAR_KEYWORD not in kinds:
+            return key, f"{name}() has no argument {key!r}"
+    for p in params:
+        if p.default is _EMPTY and p.kind not in _VARIADIC and p.name not in by_position | set(kwargs):
+            return p.name, f"{name}() needs {p.name!r}, which was not given"
+    return name, f"{name}() was called with arguments it does not take"
+
+
+def _call_mistake(method: Callable[..., Any], args: tuple, kwargs: dict) -> InvalidTypeError:
+    """A call that does not fit the method's signature (Python's
+    ``TypeError``, kept as ``__cause__``) as an ``InvalidTypeError`` in
+    gpukv's own words: the argument at fault (the method's name when no one
+    argument is, e.g. too many positional arguments), what is wrong, and the
+    signature to call; the same text for both managers."""
     name = method.__name__
-    text = str(exc).replace(f"{method.__qualname__}()", f"{name}()", 1)
-    quoted = _QUOTED_NAME.search(text)
-    params = list(inspect.signature(method).parameters.values())[1:]  # without self
-    positional = ", ".join(p.name for p in params if p.kind in _POSITIONAL)
-    more = ", *, ..." if any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params) else ""
-    return InvalidTypeError(text, argument=quoted.group(1) if quoted else name,
-                            fix=f"call {name}({positional}{more}) (see its docstring)")
+    own = list(inspect.signature(method).parameters.values())[1:]  # without self
+    argument, problem = _mistake(name, own, args, kwargs)
+    public = list(_public_signature(method).parameters.values())[1:]
+    return InvalidTypeError(problem, argument=argument,
+                            fix=f"call {_signature_text(name, public)} (see its docstring)")
 
 
 def mutating(method: F) -> F:
@@ -186,7 +260,7 @@ def _mutating_call(self: FailStop, method: Callable[..., Any], args: tuple, kwar
             if isinstance(exc, (GpukvInputError, Warning)):
                 raise  # refused before anything changed
             if _is_call_mistake(exc):
-                raise _call_mistake(method, exc) from exc  # type: ignore[arg-type]
+                raise _call_mistake(method, args, kwargs) from exc  # type: ignore[arg-type]
         self._fault = exc
         raise
     finally:
@@ -213,7 +287,7 @@ def reading(method: F) -> F:
             except TypeError as exc:
                 out = None
                 if _is_call_mistake(exc):
-                    raise _call_mistake(method, exc) from exc
+                    raise _call_mistake(method, args, kwargs) from exc
                 raise
             finally:
                 if entered is not None:

@@ -92,7 +92,7 @@ class DecodeGraphs(_BucketGraphs):
 
     def launch(self, bucket: tuple, bufs: Any) -> None:
         """Called by ``manager.decode`` with the plan staged in ``bufs``: every phase."""
-        self.run(bucket, lambda: self.manager.launch_decode(bucket, bufs))
+        self.run(bucket, lambda: self.manager._launch_decode(bucket, bufs))
 
 
 class AdmissionGraphs(_BucketGraphs):

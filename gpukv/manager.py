@@ -45,8 +45,8 @@ marked used on the caller's stream (``record_stream``). Two calls made from
 two streams are thus both ordered on the manager's stream, in call order. A
 call on the manager's own stream costs one ``current_stream`` query more.
 Without CUDA there are no streams and nothing is done. The decode's parts
-(``plan_decode`` ... ``finish_decode``) are run by ``decode`` (and
-``gpukv.graphs``) inside its ordering, not on their own.
+(plan, stage, launch, finish) run only inside one ``decode`` (or step) call,
+under its call lock and its ordering (``_launch_decode``: why).
 """
 from __future__ import annotations
 
@@ -478,34 +478,20 @@ class DeviceManager(CallContext, SharedManagerAPI):
             plan, bufs = decode.launch_running(run, graphs)
             return decode.finish(plan, bufs)
 
-    # --------------------------------------------------------- decode, in parts
-    # ``decode`` is these four (``gpukv.device.decode.DecodePath``);
-    # ``gpukv.graphs`` runs the same plan, stage and finish around a captured
-    # ``launch_decode``. Each refuses after a fault, as any call.
-    def plan_decode(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None, *,
-                    chunks: np.ndarray | None = None, lookahead: int | np.ndarray = 0,
-                    num_new: np.ndarray | None = None) -> DecodePlan:
-        """The host plan of a decode of ``k`` tokens for each of ``rows``
-        (``DecodePath.plan``: the arguments, and what the plan holds)."""
-        self._raise_if_failed()
-        return self._decode.plan(rows, k, num_tokens, chunks=chunks, lookahead=lookahead, num_new=num_new)
-
-    def stage_decode(self, plan: DecodePlan, tokens) -> DecodeBuffers:
-        """The plan and the new tokens into the bucket's fixed buffers (``DecodePath.stage``)."""
-        self._raise_if_failed()
-        return self._decode.stage(plan, tokens)
-
-    def launch_decode(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
-        """The decode step's kernels: a fixed sequence per bucket, every
-        phase with ``phases`` None (what a CUDA graph captures; ``DecodePath.launch``)."""
-        self._raise_if_failed()
-        self._decode.launch(bucket, bufs, phases)
-
-    def finish_decode(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
-        """The host's mirror up to date; reads the device only when the host
-        could not tell the whole batch fits (``DecodePath.finish``)."""
-        self._raise_if_failed()
-        return self._decode.finish(plan, bufs)
+    # ------------------------------------------------- decode's launch hook
+    # A decode's four parts (``gpukv.device.decode.DecodePath``: plan ->
+    # stage -> launch -> finish) run inside one ``decode`` call, under its
+    # call lock: they share each bucket's host plan and device buffers, so
+    # parts run apart (another thread's, or this one's, stage between a
+    # stage and its launch) would launch one plan's kernels on another's
+    # tokens and leave the host's mirror behind the device. The launch is
+    # the one part a caller's ``graphs`` (``gpukv.graphs.DecodeGraphs``)
+    # runs, from inside that call, on the buffers the call just staged.
+    def _launch_decode(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
+        """The decode step's kernels on the buffers the running ``decode``
+        staged: a fixed sequence per bucket, every phase with ``phases`` None
+        (what a CUDA graph captures; ``DecodePath.launch``)."""
+        self._decode.launch_staged(bucket, bufs, phases)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,

@@ -66,18 +66,17 @@ from gpukv.errors import (
     UnknownRequestError,
 )
 from gpukv.hashing import MMItem
+from gpukv.limits import (  # noqa: F401  (the one table is gpukv.limits; its names are also read from here)
+    MAX_COUNT,
+    MAX_LOOKAHEAD,
+    MAX_LORA_ID,
+    MAX_MODEL_LEN,
+    MAX_NUM_BLOCKS,
+    MAX_NUM_REQS,
+    MAX_TOKEN_BUDGET,
+    MAX_TOKEN_ID,
+)
 from gpukv.windows import policies
-
-MAX_TOKEN_ID = 2**32 - 1
-MAX_LORA_ID = 2**64 - 1
-# The device hash table holds at most 2**30 slots, two per block; both
-# managers take the same sizes, so the reference has the same bound.
-MAX_NUM_BLOCKS = 2**29
-# Token positions, request rows and counts of requests are int32 on the
-# device; both managers refuse more (docs/design.md, "Limits").
-MAX_MODEL_LEN = 2**31 - 1
-MAX_NUM_REQS = 2**31 - 1
-MAX_COUNT = 2**31 - 1
 
 _INTS = (int, np.integer)
 _BOOLS = (bool, np.bool_)
@@ -643,14 +642,15 @@ def check_token_budget(value: Any) -> int | None:
     as its waiting loop starts, after the running requests took theirs)."""
     if value is None:
         return None
-    return check_int(value, "token_budget", minimum=0,
-                     fix="pass the tokens left for new requests this step (0: admit none), or None for no budget")
+    return check_int(value, "token_budget", minimum=0, maximum=MAX_TOKEN_BUDGET,
+                     fix=f"pass the tokens left for new requests this step, from 0 (admit none) to "
+                         f"{MAX_TOKEN_BUDGET}, or None for no budget")
 
 
 def check_lookahead(value: Any, argument: str) -> int:
-    """A lookahead slot count: an int >= 0."""
-    return check_int(value, argument, minimum=0,
-                     fix="pass how many speculative tokens to reserve slots for, 0 for none")
+    """A lookahead slot count: an int from 0 to ``MAX_LOOKAHEAD``."""
+    return check_int(value, argument, minimum=0, maximum=MAX_LOOKAHEAD,
+                     fix=f"pass how many speculative tokens to reserve slots for, from 0 (none) to {MAX_LOOKAHEAD}")
 
 
 def check_computed_length(computed: int, lookahead: int, limits: ManagerLimits, argument: str, rid: str,

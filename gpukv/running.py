@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError
+from gpukv.limits import MAX_LOOKAHEAD, MAX_NEW_TOKENS
 from gpukv.request import (
     ManagerLimits,
     _checked_int_array,
@@ -28,6 +29,10 @@ from gpukv.request import (
     as_list,
     check_lookahead,
 )
+
+#: The largest element of a non-empty array (the ufunc's reduce, without
+#: ``ndarray.max``'s Python wrapper: a decode's rows take one).
+_max = np.maximum.reduce
 
 
 @dataclass(frozen=True)
@@ -90,15 +95,16 @@ def normalize_running(batch: Any, in_use: np.ndarray, num_tokens_of, computed_of
                                f"{type(batch).__name__}", argument="running",
                                fix="pass [RunningUpdate(...), ...] or gpukv.RunningBatch(rows, new_token_ids)")
     rows = normalize_rows(batch.rows, in_use)
+    num_tokens = num_tokens_of(rows)
     counts = None
     if batch.num_new_tokens is None:
         tokens = normalize_decode_tokens(batch.new_token_ids, len(rows), device)
+        k = tokens.shape[1]
+        check_decode_lengths(num_tokens, k, limits)
     else:
-        counts = normalize_new_token_counts(batch.num_new_tokens, len(rows))
+        counts = k = normalize_new_token_counts(batch.num_new_tokens, len(rows))
+        check_decode_lengths(num_tokens, counts, limits)  # (before the padded rows are sized by the counts)
         tokens = ragged_token_rows(batch.new_token_ids, counts)
-    num_tokens = num_tokens_of(rows)
-    k = tokens.shape[1] if counts is None else counts
-    check_decode_lengths(num_tokens, k, limits)
     chunks, lookahead = None, batch.num_lookahead_tokens
     if batch.num_tokens_to_compute is not None or type(lookahead) is not int or lookahead != 0:
         computed = computed_of(rows)
@@ -109,15 +115,27 @@ def normalize_running(batch: Any, in_use: np.ndarray, num_tokens_of, computed_of
 
 def normalize_new_token_counts(value: Any, num_rows: int) -> np.ndarray:
     """``num_new_tokens``: ``num_rows`` host ints >= 0, as a fresh int64 array."""
-    fix = f"pass {num_rows} ints >= 0: how many of the flat new_token_ids each row appends, in row order"
+    fix = (f"pass {num_rows} ints from 0 to {MAX_NEW_TOKENS}: how many of the flat new_token_ids each row "
+           "appends, in row order")
     arr = _host_int_array(value, "num_new_tokens", fix)
     if arr.shape != (num_rows,):
         raise InvalidTypeError(f"must be {num_rows} ints, got shape {arr.shape}", argument="num_new_tokens", fix=fix)
-    if arr.size and int(arr.min()) < 0:
-        i = int(np.argmin(arr))
-        raise InvalidInputError(f"num_new_tokens[{i}] = {int(arr[i])} is negative", argument="num_new_tokens",
-                                fix=fix)
+    _check_each_in_range(arr, "num_new_tokens", MAX_NEW_TOKENS, fix)
     return arr
+
+
+def _check_each_in_range(arr: np.ndarray, argument: str, most: int, fix: str) -> None:
+    """Refuse an int64 array holding a value below 0 (``InvalidInputError``)
+    or above ``most`` (``CapacityError``, the limit from ``gpukv.limits``):
+    checked before any sum or size is taken of it, which numpy would wrap."""
+    if not arr.size:
+        return
+    if int(arr.min()) < 0:
+        i = int(np.argmin(arr))
+        raise InvalidInputError(f"{argument}[{i}] = {int(arr[i])} is negative", argument=argument, fix=fix)
+    if int(arr.max()) > most:
+        i = int(np.argmax(arr))
+        raise CapacityError(f"{argument}[{i}] = {int(arr[i])} is more than {most}", argument=argument, fix=fix)
 
 
 def _host_int_array(value: Any, argument: str, fix: str) -> np.ndarray:
@@ -134,10 +152,15 @@ def _host_int_array(value: Any, argument: str, fix: str) -> np.ndarray:
             raise InvalidTypeError("must be ints", argument=argument, fix=fix)
         try:
             value = np.array(items, dtype=np.int64).reshape(-1)
-        except OverflowError:
-            raise InvalidInputError("holds an int beyond int64", argument=argument, fix=fix) from None
+        except OverflowError:  # (only on this error path: find it)
+            i = next(i for i, x in enumerate(items) if not -2**63 <= int(x) < 2**63)
+            cls = InvalidInputError if items[i] < 0 else CapacityError
+            raise cls(f"{argument}[{i}] = {int(items[i])} is beyond int64", argument=argument, fix=fix) from None
     if value.dtype.kind not in "iu":
         raise InvalidTypeError(f"must be ints, got {value.dtype}", argument=argument, fix=fix)
+    if value.dtype == np.uint64 and value.size and int(value.max()) >= 2**63:  # (as int64 it would wrap negative)
+        i = int(np.argmax(value))
+        raise CapacityError(f"{argument}[{i}] = {int(value[i])} is beyond int64", argument=argument, fix=fix)
     return np.array(value, dtype=np.int64)
 
 
@@ -174,15 +197,12 @@ def normalize_lookahead(value: Any, num_rows: int) -> int | np.ndarray:
     """``num_lookahead_tokens``: an int >= 0 for every row, or ``num_rows``
     of them (a list, numpy array or CPU tensor) as an int64 array."""
     if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
-        fix = f"pass one int >= 0, or {num_rows} of them (one per row)"
+        fix = f"pass one int from 0 to {MAX_LOOKAHEAD}, or {num_rows} of them (one per row)"
         arr = _host_int_array(value, "num_lookahead_tokens", fix)
         if arr.shape != (num_rows,):
             raise InvalidTypeError(f"must be {num_rows} ints, got shape {arr.shape}",
                                    argument="num_lookahead_tokens", fix=fix)
-        if arr.size and int(arr.min()) < 0:
-            i = int(np.argmin(arr))
-            raise InvalidInputError(f"num_lookahead_tokens[{i}] = {int(arr[i])} is negative",
-                                    argument="num_lookahead_tokens", fix=fix)
+        _check_each_in_range(arr, "num_lookahead_tokens", MAX_LOOKAHEAD, fix)
         return arr
     return check_lookahead(value, "num_lookahead_tokens")
 
@@ -201,6 +221,10 @@ def normalize_rows(value: Any, in_use: np.ndarray, *, distinct: bool = True) -> 
         if value.dtype.kind not in "iu" or value.ndim != 1:
             raise InvalidTypeError(f"rows must be a 1-D integer array, got {value.dtype} of shape {value.shape}",
                                    argument="rows", fix=fix)
+        if value.dtype == np.uint64 and value.size and int(value.max()) >= 2**63:  # (as int64: wrapped negative)
+            i = int(np.argmax(value))
+            raise InvalidInputError(f"rows[{i}] = {int(value[i])} is not the row of a running request",
+                                    argument="rows", fix=fix)
         rows = np.array(value, dtype=np.int64)
     else:
         items = as_list(value, "rows", "rows")
@@ -213,17 +237,18 @@ def normalize_rows(value: Any, in_use: np.ndarray, *, distinct: bool = True) -> 
             raise InvalidInputError(f"rows[{i}] = {int(items[i])} is not the row of a running request",
                                     argument="rows", fix=fix) from None
     if rows.size:
-        # The common case in one count: each row at most once, and only where
-        # a request is held (a count of 1 where in_use is 0, or of 2, fails;
-        # a row past the end makes the count longer, a negative one makes
-        # bincount refuse); the slow path only finds what to report.
-        try:
+        # Every row inside the manager's rows first, in one reduction (read
+        # as unsigned, a negative row is past the end): bincount sizes its
+        # output by the largest row, so a hostile one (2**40, 2**63 - 1)
+        # would ask for terabytes, or overflow and write out of bounds.
+        # Then the common case in one count: each row at most once, and only
+        # where a request is held (a count of 1 where in_use is 0, or of 2,
+        # fails); the slow path only finds what to report.
+        inside = int(_max(rows.view(np.uint64))) < len(in_use)
+        if inside:
             counts = np.bincount(rows, minlength=len(in_use))
-        except ValueError:
-            counts = None
-        if counts is not None and len(counts) == len(in_use) and (
-                np.less_equal(counts, in_use).all() if distinct else not counts[~in_use].any()):
-            return rows
+            if np.less_equal(counts, in_use).all() if distinct else not counts[~in_use].any():
+                return rows
         bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
         if bad.size == 0:
             bad = np.flatnonzero(~in_use[rows])

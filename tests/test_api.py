@@ -17,10 +17,10 @@ from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
 MANAGERS = [ReferenceManager, DeviceManager]
-# Members only the device manager has: the batched decode in parts, which
-# gpukv.graphs runs around a captured launch, and the row tensors'
-# generation, which tells it when to capture anew.
-DEVICE_ONLY = {"plan_decode", "stage_decode", "launch_decode", "finish_decode", "rows_generation"}
+# Members only the device manager has: the row tensors' generation, which
+# tells gpukv.graphs when to capture anew (the decode's parts are private:
+# one decode call runs them, under its call lock).
+DEVICE_ONLY = {"rows_generation"}
 
 
 def public(cls) -> set[str]:

@@ -564,6 +564,65 @@ CASES = [
     ("step-prefix-of-int", lambda m: m.step(prefix_of=3), InvalidTypeError, "prefix_of"),
     ("step-prefix-of-finished", lambda m: m.step(finished=["a"], prefix_of="a"), InvalidInputError, "prefix_of"),
     ("row-counts-unknown-row", lambda m: m.row_token_counts([m.row_of("a"), 99]), InvalidInputError, "rows"),
+    # --- issue 37: hostile integers, range-checked before numpy sees them
+    # (a row of 2**63 - 1 once overflowed np.bincount and corrupted the
+    # heap; 2**40 raised a MemoryError that stopped the manager)
+    *[(f"{where}-row-{label}", call, exc, "rows")
+      for label, row, exc in (("2**63-1", 2**63 - 1, InvalidInputError), ("2**40", 2**40, InvalidInputError),
+                              ("2**31", 2**31, InvalidInputError), ("-1", -1, InvalidInputError),
+                              ("-2**63", -2**63, InvalidInputError), ("bool", True, InvalidTypeError),
+                              ("float", 0.0, InvalidTypeError))
+      for where, call in (("decode", lambda m, r=row: m.decode([r], [8])),
+                          ("batch", lambda m, r=row: m.step(running=RunningBatch([r], [8]))),
+                          ("row-counts", lambda m, r=row: m.row_token_counts([r])))],
+    ("decode-row-uint64-2**64-1", lambda m: m.decode(np.array([2**64 - 1], dtype=np.uint64), [8]),
+     InvalidInputError, "rows"),
+    ("decode-row-after-a-good-one-2**63-1", lambda m: m.decode([m.row_of("a"), 2**63 - 1], [8, 9]),
+     InvalidInputError, "rows"),
+    *[(f"decode-counts-{label}", lambda m, c=count: m.decode([m.row_of("a")], [8], num_new_tokens=[c]), exc,
+       "num_new_tokens")
+      for label, count, exc in (("2**63-1", 2**63 - 1, CapacityError), ("2**40", 2**40, CapacityError),
+                                ("2**31", 2**31, CapacityError), ("2**64", 2**64, CapacityError),
+                                ("-2**64", -2**64, InvalidInputError), ("bool", True, InvalidTypeError),
+                                ("float", 1.0, InvalidTypeError))],
+    ("decode-counts-uint64-2**64-1",
+     lambda m: m.decode([m.row_of("a")], [8], num_new_tokens=np.array([2**64 - 1], dtype=np.uint64)),
+     CapacityError, "num_new_tokens"),
+    # (their int64 sum wraps to 0, what the flat tokens hold: once taken, then a 2**62-wide array)
+    ("decode-counts-summing-past-int64",
+     lambda m: m.decode([m.row_of("a"), m.row_of("b")], [], num_new_tokens=[2**62, 2**62 * 3]),
+     CapacityError, "num_new_tokens"),
+    *[(f"decode-lookahead-{label}", lambda m, la=la: m.decode([m.row_of("a")], [8], num_lookahead_tokens=la), exc,
+       "num_lookahead_tokens")
+      for label, la, exc in (("2**63-1", 2**63 - 1, CapacityError), ("2**40", 2**40, CapacityError),
+                             ("list-2**63-1", [2**63 - 1], CapacityError), ("list-2**40", [2**40], CapacityError),
+                             ("list-bool", [True], InvalidTypeError), ("float", 1.0, InvalidTypeError),
+                             ("-1", -1, InvalidInputError))],
+    ("running-lookahead-2**63-1", lambda m: m.step(running=[RunningUpdate("a", [8], None, 2**63 - 1)]),
+     CapacityError, "running[0].num_lookahead_tokens"),
+    ("new-lookahead-2**40", new(num_lookahead_tokens=2**40), CapacityError, "new[0].num_lookahead_tokens"),
+    ("allocate-lookahead-2**63-1", lambda m: m.allocate_slots("a", [8], num_lookahead_tokens=2**63 - 1),
+     CapacityError, "num_lookahead_tokens"),
+    *[(f"decode-chunk-{label}", lambda m, c=c: m.decode([m.row_of("a")], [8], num_tokens_to_compute=[c]), exc,
+       "num_tokens_to_compute")
+      for label, c, exc in (("2**63-1", 2**63 - 1, InvalidInputError), ("2**40", 2**40, InvalidInputError),
+                            ("-1", -1, InvalidInputError), ("bool", True, InvalidTypeError),
+                            ("float", 1.0, InvalidTypeError))],
+    *[(f"budget-{label}", lambda m, b=b: m.step(new=[NewRequest("n", [1, 2, 3])], token_budget=b), CapacityError,
+       "token_budget")
+      for label, b in (("2**63", 2**63), ("2**63-1", 2**63 - 1), ("2**40", 2**40), ("2**31", 2**31))],
+    ("budget-2**63-on-a-graphless-step-of-nothing", lambda m: m.step(token_budget=2**63), CapacityError,
+     "token_budget"),
+    ("common-prefix-count-2**63-1", lambda m: m.get_num_common_prefix_blocks("a", 2**63 - 1), CapacityError,
+     "num_running_requests"),
+    ("read-block-ids-end-2**63-1", lambda m: m.read_block_ids([("a", 0, 2**63 - 1)]), InvalidInputError, "spans"),
+    ("read-block-ids-group-2**40", lambda m: m.read_block_ids([("a", 0, 1)], 2**40), InvalidInputError, "group"),
+    ("new-chunk-2**63-1", new(num_tokens_to_compute=2**63 - 1), InvalidInputError, "new[0].num_tokens_to_compute"),
+    # --- issue 37: signature mistakes, in gpukv's own words
+    ("lower-bound-argument", lambda m: m.free_blocks_lower_bound(1), InvalidTypeError, "free_blocks_lower_bound"),
+    ("row-counts-no-argument", lambda m: m.row_token_counts(), InvalidTypeError, "rows"),
+    ("decode-rows-twice", lambda m: m.decode([0], [8], rows=[0]), InvalidTypeError, "rows"),
+    ("decode-unknown-keyword", lambda m: m.decode([0], [8], lookahead=1), InvalidTypeError, "lookahead"),
 ]
 
 
@@ -662,6 +721,35 @@ def test_a_refusal_keeps_what_went_wrong_as_its_cause(scenario):
         assert isinstance(call.value, TypeError)  # except TypeError still catches it
         assert not m.failed
     scenario.good_step()
+
+
+def test_signature_mistakes_read_in_gpukvs_own_words(scenario):
+    # Issue 37: they were typed, but carried Python's wording ("takes 1
+    # positional argument but 2 were given"); now the argument, what is
+    # wrong, and the signature of gpukv.api.BlockManager (the device's extra
+    # graphs= left out, so both say the same).
+    expected = {
+        lambda m: m.free_blocks_lower_bound(1):
+            "free_blocks_lower_bound: free_blocks_lower_bound() takes no positional argument, got 1; call "
+            "free_blocks_lower_bound() (see its docstring)",
+        lambda m: m.step(bogus=1):
+            "bogus: step() has no argument 'bogus'; call step(finished=(), running=(), new=(), *, token_budget=None, "
+            "block_ids=False, prefix_of=None) (see its docstring)",
+        lambda m: m.step((), finished=()):
+            "finished: step() got 'finished' twice, by position and by keyword; call step(finished=(), running=(), "
+            "new=(), *, token_budget=None, block_ids=False, prefix_of=None) (see its docstring)",
+        lambda m: m.decode([0]):
+            "new_token_ids: decode() needs 'new_token_ids', which was not given; call decode(rows, new_token_ids, *, "
+            "num_new_tokens=None, num_tokens_to_compute=None, num_lookahead_tokens=0) (see its docstring)",
+        lambda m: m.row_of("a", "b"):
+            "row_of: row_of() takes 1 positional argument, got 2; call row_of(request_id) (see its docstring)",
+    }
+    for call, message in expected.items():
+        for m in scenario.managers():
+            with pytest.raises(InvalidTypeError) as info:
+                call(m)
+            assert str(info.value) == message
+            assert type(info.value.__cause__) is TypeError and not m.failed
 
 
 def test_counts_and_id_lists_are_answered_alike(scenario):

@@ -133,7 +133,7 @@ def test_bad_decode_input_is_refused_alike_and_changes_nothing(case):
 
 class GraphLaunches:
     """What ``gpukv.graphs.DecodeGraphs`` captures, on the CPU: ``decode``
-    hands it the staged bucket and it runs ``launch_decode(bucket, bufs)``,
+    hands it the staged bucket and it runs ``_launch_decode(bucket, bufs)``,
     every phase, recording the launches."""
 
     def __init__(self, manager) -> None:
@@ -141,7 +141,7 @@ class GraphLaunches:
 
     def launch(self, bucket, bufs) -> None:
         with _common.recording() as rec:
-            self.manager.launch_decode(bucket, bufs)
+            self.manager._launch_decode(bucket, bufs)
         self.records.append((bucket, rec))
 
 

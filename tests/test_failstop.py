@@ -12,11 +12,11 @@ from __future__ import annotations
 import importlib
 import warnings
 
-import numpy as np
 import pytest
 
 from gpukv import NewRequest, RunningBatch, RunningUpdate
 from gpukv.device import launches as launches_module
+from gpukv.device.decode import DecodePath
 from gpukv.device.releases import Releases
 from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import block_hash
@@ -116,8 +116,6 @@ def _every_call_after_a_fault(m) -> list:
         lambda: m.check_invariants(),
         lambda: m.take_events(),
     ]
-    if isinstance(m, DeviceManager):
-        calls.append(lambda: m.plan_decode(np.zeros(0, dtype=np.int64), 1))
     return calls
 
 
@@ -325,7 +323,7 @@ def test_every_mutating_call_marks_its_point_of_first_change(make, monkeypatch):
 def test_a_fault_in_a_nested_call_stops_the_outer_one_too(make, monkeypatch):
     """The reference's decode runs its step: a fault inside the step is one of the decode."""
     m = _admitted(make())
-    owner, target = (ReferenceRunning, "run_all") if isinstance(m, ReferenceManager) else (type(m), "launch_decode")
+    owner, target = (ReferenceRunning, "run_all") if isinstance(m, ReferenceManager) else (DecodePath, "launch")
     monkeypatch.setattr(owner, target, _raiser(InvalidInputError("injected", argument="x", fix="y")))
     with pytest.raises(InvalidInputError):
         m.decode([m.row_of("a")], [3])

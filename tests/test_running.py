@@ -237,10 +237,7 @@ def _held_state(m: DeviceManager) -> tuple:
     pool (reference counts, free queue, hash table, cached blocks' records)
     and every request row (tokens, digests, extra keys, block tables, the
     host's counts)."""
-    from gpukv.kernels import free_queue
-
-    rows, counters = m._rows, m.pool.free_queue.counters.clone()
-    counters[int(free_queue.LAST_POP)] = 0  # (the last pop's count: a launch's output, 0 when nothing fit)
+    rows, counters = m._rows, m.pool.free_queue.counters  # (all of them, the last pop's count included)
     return (state_of(m.pool.ref_cnt), state_of(counters), m.free_queue(), m.pool.table_entries(),
             [state_of(getattr(m.pool.table, f)) for f in ("slot_lo", "slot_hi", "slot_group", "slot_block",
                                                            "block_slot", "block_seq", "counters")],

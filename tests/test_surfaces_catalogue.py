@@ -556,3 +556,86 @@ def test_the_new_errors_pickle_and_read_as_their_builtins():
         assert type(back) is type(err) and str(back) == str(err) and back.argument == err.argument
         assert isinstance(back, builtin)
     assert AddressInUseError.__mro__[1:4] == (AddressError, GpukvInputError, GpukvError)
+
+
+# ------------------------------------------ a manager's own hook (issue 37)
+# The one caller code that runs inside a device manager's call is its
+# ``graphs`` hook (``gpukv.graphs.DecodeGraphs``' launch, between the
+# decode's stage and its launch). A call of the manager made from there
+# once went through the call lock (the same thread) and ran mid-step: a
+# decode staged over the running one's buffers and the device cached a
+# block under tokens its KV was not computed for. Each is refused now with
+# a ``ConcurrentCallError`` naming the call; the decode goes on as if the
+# hook had made none (its tokens, hashes and pool as the reference's).
+
+HOOK_CASES = [
+    ("decode", lambda m: m.decode([0], [9])),  # ("x"'s row: row_of would be refused first)
+    ("step", lambda m: m.step(new=[gk_new("h", [3, 4])])),
+    ("free", lambda m: m.free("x")),
+    ("allocate_slots", lambda m: m.allocate_slots("x", [9])),
+    ("get_computed_blocks", lambda m: m.get_computed_blocks(gk_new("h", [1, 2, 3]))),
+    ("reset_prefix_cache", lambda m: m.reset_prefix_cache()),
+    ("make_prefix_cache_stats", lambda m: m.make_prefix_cache_stats()),
+    ("take_events", lambda m: m.take_events()),
+    ("read_num_free_blocks", lambda m: m.read_num_free_blocks()),
+    ("get_block_ids", lambda m: m.get_block_ids("x")),
+    ("row_token_counts", lambda m: m.row_token_counts([0])),
+    ("check_invariants", lambda m: m.check_invariants()),
+]
+
+
+def gk_new(rid, tokens):
+    from gpukv.request import NewRequest
+
+    return NewRequest(rid, tokens)
+
+
+class _CallingHook:
+    """A ``graphs`` hook that makes one call of the manager, then launches."""
+
+    def __init__(self, m, call) -> None:
+        self.m, self.call, self.info = m, call, None
+
+    def launch(self, bucket, bufs) -> None:
+        with pytest.raises(GpukvError) as self.info:
+            self.call(self.m)
+        self.m._launch_decode(bucket, bufs)
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    from gpukv.manager import DeviceManager
+    from gpukv.reference import ReferenceManager
+
+    key = bytes(range(16))
+    ref = ReferenceManager(32, 2, hash_key=key, max_model_len=64)
+    dev = DeviceManager(32, 2, hash_key=key, max_model_len=64, max_num_reqs=4)
+    for m in (ref, dev):
+        assert m.step(new=[gk_new("x", [1, 2, 3, 4, 5])]).rows == [0]
+    return ref, dev
+
+
+def test_the_hook_catalogue_names_every_mutating_call():
+    from gpukv.manager import DeviceManager
+
+    mutating = {n for n in dir(DeviceManager) if getattr(getattr(DeviceManager, n), "mutates", False)}
+    assert mutating <= {c[0] for c in HOOK_CASES}
+    assert len({c[0] for c in HOOK_CASES}) == len(HOOK_CASES) == 12
+
+
+@pytest.mark.parametrize("name, call", HOOK_CASES, ids=[c[0] for c in HOOK_CASES])
+def test_a_call_from_the_managers_own_hook_is_refused(hooked, name, call):
+    from gpukv.errors import ConcurrentCallError
+
+    ref, dev = hooked
+    token = 10 + len(ref.get_block_ids("x")[0])  # (a new token each case)
+    ref.decode([ref.row_of("x")], [token])
+    hook = _CallingHook(dev, call)
+    assert dev.decode([dev.row_of("x")], [token], graphs=hook).ok
+    check_refusal(hook.info, ConcurrentCallError, name)
+    assert "comes from the hook it runs" in str(hook.info.value)
+    assert not dev.failed
+    assert dev.get_block_ids("x") == ref.get_block_ids("x")
+    assert dev.block_hashes("x") == ref.block_hashes("x")
+    assert dev.free_queue() == ref.free_queue()
+    dev.check_invariants()

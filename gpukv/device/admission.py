@@ -262,7 +262,8 @@ class Admission:
         events), else its kept launches replayed (``SharedLaunches.replayed``)."""
         m = self._m
         if graphs is not None and m._events.log is None:
-            graphs.run((bucket, part), launch)
+            with m._hook():  # (the caller's code: the manager's own calls refused there)
+                graphs.run((bucket, part), launch)
         else:
             m._launches.replayed(bufs.prepared, part, launch)
 

@@ -8,9 +8,11 @@ first step and replayed, or captured as a CUDA graph by ``gpukv.graphs``),
 and finishes by bringing the host's mirror of the rows up to date, reading
 the device only when the host could not prove the batch fits.
 
-``DeviceManager.decode`` runs the four parts; a step's phase 2 (running
-requests) runs the same ones (``run_phase``), its fit riding on the step's
-read. The kernels and the plan's layout: ``gpukv/kernels/decode.py``.
+``DeviceManager.decode`` runs the four parts in one call, under its call
+lock (they share each bucket's host plan and buffers: run apart, one plan's
+kernels would run on another's tokens); a step's phase 2 (running requests)
+runs the same ones (``run_phase``), its fit riding on the step's read. The
+kernels and the plan's layout: ``gpukv/kernels/decode.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpukv.errors import InvalidInputError
 from gpukv.kernels import _common
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels._common import pow2_at_least
@@ -182,13 +185,14 @@ class DecodePath:
         self._window_groups = [g for g, w in enumerate(manager.sliding_windows) if w is not None]
         self._events_off = manager._events.log is None
         self.buffers: dict[tuple, DecodeBuffers] = {}
+        self.staged: DecodeBuffers | None = None  # the buffers the running decode staged, until it launched
         self.host_plans: dict[tuple, dict] = {}  # (bucket, staging parity) -> views
 
     # ------------------------------------------------------------------ plan
     def plan(self, rows: np.ndarray, k: int, num_tokens: np.ndarray | None = None, *,
              chunks: np.ndarray | None = None, lookahead: int | np.ndarray = 0,
              num_new: np.ndarray | None = None, processed: np.ndarray | None = None) -> DecodePlan:
-        """``DeviceManager.plan_decode``: the host plan of a decode of ``k``
+        """The host plan of a decode of ``k``
         tokens for each of ``rows`` (``num_new``: fewer for some, at most
         ``k`` each; checked by ``decode``), written into this step's host
         array: per row its token counts (known, computed before and after),
@@ -301,7 +305,7 @@ class DecodePath:
 
     # ----------------------------------------------------------------- stage
     def stage(self, plan: DecodePlan, tokens) -> DecodeBuffers:
-        """``DeviceManager.stage_decode``: the plan and the new tokens into
+        """The plan and the new tokens into
         the bucket's fixed buffers (pinned, non-blocking; tokens already on
         the device are copied there)."""
         bufs = self.buffers.get(plan.bucket)
@@ -318,7 +322,7 @@ class DecodePath:
 
     # ---------------------------------------------------------------- launch
     def launch(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
-        """``DeviceManager.launch_decode``: for a bucket, a fixed sequence
+        """For a bucket, a fixed sequence
         reading only its fixed buffers and the pool (what a CUDA graph
         captures: ``phases`` None, every phase). An eager step passes its
         plan's ``phases`` and launches nothing for a phase with no work (a
@@ -360,7 +364,7 @@ class DecodePath:
 
     # ---------------------------------------------------------------- finish
     def finish(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
-        """``DeviceManager.finish_decode``: the host's mirror up to date;
+        """The host's mirror up to date;
         reads the device only when the host could not tell the batch fits.
         (Also the table's rebuild when due: decided on the host, never part
         of a graph.)"""
@@ -393,16 +397,33 @@ class DecodePath:
     # ------------------------------------------------- the four, for a batch
     def launch_running(self, run: RunningRows, graphs=None) -> tuple[DecodePlan, DecodeBuffers]:
         """Plan, stage and launch a running batch (``decode``'s kernels; the
-        launch through ``DeviceManager.launch_decode``, or ``graphs``); the
+        launch here, or ``graphs`` through ``DeviceManager._launch_decode``); the
         host's mirror is brought up to date by ``finish``."""
         plan = self.plan(run.rows, run.tokens.shape[1], run.num_tokens, chunks=run.chunks, lookahead=run.lookahead,
                          num_new=run.counts, processed=run.processed)
         bufs = self.stage(plan, run.tokens)
-        if graphs is not None:
-            graphs.launch(plan.bucket, bufs)
-        else:
-            self._m.launch_decode(plan.bucket, bufs, plan.phases)
+        if graphs is None:
+            self.launch(plan.bucket, bufs, plan.phases)
+            return plan, bufs
+        self.staged = bufs  # (the one launch ``launch_staged`` takes: these buffers, from this call)
+        try:
+            with self._m._hook():  # (the caller's code: the manager's own calls refused there)
+                graphs.launch(plan.bucket, bufs)
+        finally:
+            self.staged = None
         return plan, bufs
+
+    def launch_staged(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
+        """``launch`` of the buffers the running decode just staged (what
+        ``DeviceManager._launch_decode``, and so a caller's ``graphs``,
+        runs); any other buffers, or a launch outside a decode, are refused:
+        they would run kernels on a plan and tokens this call did not stage."""
+        if bufs is not self.staged or bucket not in self.buffers or self.buffers[bucket] is not bufs:
+            raise InvalidInputError("only the decode running now may launch its kernels, on the buffers it "
+                                    "staged", argument="bufs",
+                                    fix="call decode(rows, new_token_ids, graphs=...): it plans, stages, launches "
+                                        "and finishes in one call")
+        self.launch(bucket, bufs, phases)
 
     def run_phase(self, running) -> RunningPhase | None:
         """A step's phase 2 launched, as the batched decode runs it: a

@@ -17,7 +17,8 @@ State (all on one device, sized once; see ``FreeQueue``):
   ``NUM_FREE``: live entries in the window (= queue length);
   ``NUM_TOMB``: tombstones in the window (``tail - head = NUM_FREE + NUM_TOMB``);
   ``ERROR``: sticky error bits (``ERR_*``), set when a caller broke a contract;
-  ``LAST_POP``: how many blocks the last ``pop`` returned;
+  ``LAST_POP``: how many blocks the last ``pop`` asked for any returned (a
+  pop of none, a step whose blocks did not fit, changes no counter);
   ``COMPACTIONS``: how many compactions ran (statistics);
   slot 7 is reserved.
 
@@ -313,7 +314,9 @@ def _pop_kernel(
     tl.store(ctr_ptr + NUM_FREE, nfree - found)
     tl.store(ctr_ptr + NUM_TOMB, ntomb - ((cur - head) - found))
     tl.store(ctr_ptr + ERROR, err)
-    tl.store(ctr_ptr + LAST_POP, found)
+    # A pop of none (a step reported as not fitting pops 0) leaves it as it
+    # was: a refused step changes no state, this counter included.
+    tl.store(ctr_ptr + LAST_POP, found, mask=req > 0)
 
 
 @triton.jit
@@ -657,7 +660,8 @@ def pop(fq: FreeQueue, count: torch.Tensor | int, out: torch.Tensor | None = Non
     ``out[:count]`` holds the blocks in queue order and ``out[count:] = -1``.
     Contract: ``count <= num_free`` and ``count <= M``; otherwise
     ``ERR_SHORT`` is set and only what there is (at most M) is popped.
-    ``counters[LAST_POP]`` says how many were popped. One program (a pop
+    ``counters[LAST_POP]`` says how many were popped (unchanged by a pop of
+    ``count`` 0, which changes nothing). One program (a pop
     takes the first ``count`` live entries in order, a scan): it walks tiles
     from ``head`` until it has them, so its cost is ``(count + the tombstones
     among them) / TILE`` iterations; tombstones come from ``remove`` and are
