@@ -159,3 +159,14 @@ def test_the_vllm_example_runs_as_readme_shows_it():
     assert out == ["request a: blocks [1, 2, 3], 0 tokens from the prefix cache",
                    "request b: blocks [1, 2, 3], 32 tokens from the prefix cache",
                    "gpukv's block manager (ReferenceManager) made vLLM's own decisions: True"]
+
+
+def test_vllm_finds_gpukvs_start_up_check_among_its_general_plugins():
+    """The entry point an install registers is what vLLM loads at start-up
+    (``load_general_plugins`` runs every plugin of this group)."""
+    from vllm.plugins import load_plugins_by_group
+
+    from gpukv import vllm_plugin
+
+    plugins = load_plugins_by_group("vllm.general_plugins")
+    assert plugins["gpukv"] is vllm_plugin.plugin
