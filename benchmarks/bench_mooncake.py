@@ -1,0 +1,503 @@
+"""Cost of an engine step on real traffic: the Mooncake conversation trace
+under vLLM 0.33+'s v1 schedulers, vLLM's own block manager against gpukv's
+reference manager.
+
+The traffic. The requests of ``gpukv/data/mooncake_conversation_trace.jsonl.xz``
+(``gpukv.traces``; ``docs/traces.md``) in the trace's order, which is arrival
+(timestamp) order. Their prompts are materialised as ``gpukv replay`` does:
+hash id ``h`` names a 512-token block holding the tokens ``h * 512 + k``, so
+equal ids give equal tokens and requests share prefixes exactly as in the
+trace (a Mooncake block is 32 blocks of 16); the prompt is cut to
+``input_length`` (its last block partial). Each request generates
+``output_length`` tokens (``max_tokens``; the sampled tokens are ids of
+``2**31`` and above, a function of the request and the position, never EOS).
+
+The running count. Arrivals are not replayed by time: before each step, the
+next requests of the trace are added while the scheduler holds fewer than
+``target`` unfinished requests (running and waiting), and ``max_num_seqs`` is
+``target``. So once the first ``target`` requests are in, a request arrives
+whenever one finishes, and the running count stays at the target (the table
+gives its mean over the timed steps). The rows are ``--targets`` (40 and 200:
+the issue's "about 40" and "about 200 running").
+
+The engine. Block size 16, one full-attention group, prefix caching on
+(vLLM's default hash, sha256), chunked prefill on, token budget 8192
+(``max_num_batched_tokens``), ``max_model_len`` the longest request loaded
+(prompt and output). The pool: one null block, plus the blocks of the
+``target`` largest requests loaded (prompt and output together) and 64 more,
+so that the running set always fits (no preemption: a run that preempts stops
+with an error) while finished requests' cached blocks are evicted as the
+pool fills, as on a server.
+
+A step is what vLLM's engine does with the scheduler, timed as thread CPU
+time (``time.thread_time``; the scheduler and both host managers never wait,
+so other processes on a shared machine do not count), with
+``torch.set_num_threads(1)``:
+
+* arrivals: each new ``Request`` built with the engine's block hasher (the
+  request hashes its full prompt blocks as it is built:
+  ``Request.__init__`` calls ``update_block_hashes``) and
+  ``scheduler.add_request``. (vLLM 0.34 also takes hashes a frontend
+  computed, ``EngineCoreRequest.block_hashes``; measured here is the engine
+  hashing the prompt itself, which it does when none are handed over.) The
+  engine builds the request for gpukv's scheduler too, so both pay this;
+* ``schedule()``;
+* ``update_from_output()`` (which appends the sampled tokens, and so hashes
+  the blocks they fill). Under ``AsyncScheduler`` one batch stays in flight
+  (``EngineCore.step_with_batch_queue``): a step schedules batch k and
+  updates from batch k-1's output, as ``benchmarks/bench_scheduler.py``'s
+  ``Run`` does.
+
+The model runner's answer is built between them, untimed
+(``tests/test_vllm033/harness.py``'s ``model_output``).
+
+Each row alternates vLLM's scheduler and gpukv's (``ReferenceScheduler``,
+``ReferenceAsyncScheduler``: the reference manager, gpukv's backend without
+CUDA) over ``--repeats`` fresh runs in one process (vLLM first in even
+repeats) on the same requests and sampled tokens. A run steps until the
+running count first reaches the target (or ``--fill-steps`` pass), then
+``--warmup`` untimed steps, then ``--steps`` timed ones. Equal work is
+checked, not assumed: every run must give each request the same prefix-cache
+hit (tokens, at its first scheduling) and schedule the same tokens per
+request every step as vLLM's run; if not, the benchmark exits with status 1.
+p50 and p99 are over every timed step of every repeat; the ratio is gpukv /
+vLLM at p50, with the range of the per-repeat p50 ratios.
+
+Per admission (``--admissions``): one more pair of runs per target, vLLM's
+``Scheduler`` against gpukv's ``UnbatchedReferenceScheduler``, with the
+manager's calls timed per request: for vLLM, its hashing of the prompt when
+the request is built (the block hasher's call in ``Request.__init__``) plus
+``get_computed_blocks`` and ``allocate_slots`` up to and including the
+allocation that admits it (its first chunk); for gpukv, the same two calls,
+which hash the prompt themselves (gpukv keys its cache by its own digests).
+The unbatched class because gpukv's batched path admits a run of waiting
+requests as one gpukv step inside the run's first lookup, a cost no single
+admission owns. Admissions are bucketed by prompt length in blocks of 16
+(1-63, 64-255, 256-1023, 1024 and more); the table gives p50 per bucket and
+the ratio of the p50s. This pass times each call through a wrapper, so its
+figures are not the step table's.
+
+The device manager is not measured here: its honest twin
+(``benchmarks/bench_scheduler.py``) is built around that benchmark's own
+synthetic workloads and vLLM 0.8.5's and 0.33's version table, and under
+Triton's interpreter it pays about a second per admitted request, which the
+Mooncake prompts (12,000 tokens on average) multiply.
+
+    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--json PATH]
+
+(VENV: one with vLLM 0.33 or later: ``tests/test_vllm033/harness.py``'s
+``INSTALL_HINT``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import gpukv  # noqa: E402
+from bench_scheduler import _preempted, pct  # noqa: E402
+from gpukv.traces import conversation_trace_path, load_trace, mooncake_tokens  # noqa: E402
+
+BS = 16
+BUDGET = 8192
+HASH_ALGO = "sha256"  # vLLM's default prefix_caching_hash_algo
+OUTPUT_BASE = 2**31  # sampled tokens live above every prompt token (as in gpukv replay)
+#: Prompt-length buckets, in blocks of 16: [low, high) (None: no upper bound).
+BUCKETS = ((1, 64), (64, 256), (256, 1024), (1024, None))
+HARNESS = "tests.test_vllm033.harness"
+
+
+def load_harness():
+    """vLLM 0.33+'s test harness, or None with the reason printed (it skips
+    itself, pytest-style, without vLLM or without vLLM's AsyncScheduler)."""
+    try:
+        import pytest
+    except ImportError as exc:
+        print(f"note: pytest is needed for {HARNESS} ({exc})", file=sys.stderr)
+        return None
+    try:
+        return importlib.import_module(HARNESS)
+    except pytest.skip.Exception as exc:
+        print(f"note: {exc}", file=sys.stderr)
+        return None
+
+
+# ------------------------------------------------------------------ the traffic
+@dataclass(frozen=True)
+class Prompt:
+    """One trace request: its index (and request id), hash ids, prompt and output lengths."""
+
+    index: int
+    hash_ids: Any
+    input_length: int
+    max_tokens: int
+
+    @property
+    def blocks(self) -> int:
+        """Prompt length in blocks of 16 (the last one partial)."""
+        return -(-self.input_length // BS)
+
+    def tokens(self) -> list[int]:
+        return mooncake_tokens(self.hash_ids, self.input_length).tolist()
+
+
+def load_prompts(max_requests: int) -> list[Prompt]:
+    trace = load_trace(conversation_trace_path(), max_requests=max_requests)
+    return [Prompt(r.index, r.hash_ids, r.input_length, max(1, int(r.output_length or 0))) for r in trace.requests]
+
+
+def bucket_of(blocks: int) -> str:
+    for low, high in BUCKETS:
+        if blocks >= low and (high is None or blocks < high):
+            return f"{low}-{high - 1}" if high else f"{low}+"
+    raise ValueError(f"a prompt of {blocks} blocks")
+
+
+def config(prompts: list[Prompt], target: int) -> dict:
+    """make_scheduler's options (module docstring: the engine)."""
+    sizes = sorted((-(-(p.input_length + p.max_tokens) // BS) for p in prompts), reverse=True)
+    longest = max(p.input_length + p.max_tokens for p in prompts)
+    return dict(max_num_seqs=target, max_num_batched_tokens=BUDGET, max_model_len=-(-longest // BS) * BS,
+                enable_prefix_caching=True, num_blocks=1 + sum(sizes[:target]) + 64, block_size=BS,
+                hash_algo=HASH_ALGO)
+
+
+# ------------------------------------------------------------------ one run
+class TraceRun:
+    """One scheduler of class ``cls`` on the trace at ``target`` running
+    requests; ``step()`` is one engine step (module docstring). ``hits``: each
+    request's prefix-cache hit in tokens at its first scheduling;
+    ``decisions``: tokens scheduled per request, step by step."""
+
+    def __init__(self, h, cls: type, prompts: list[Prompt], target: int, options: dict, hasher=None) -> None:
+        self.h, self.prompts, self.target = h, prompts, target
+        self.sched = h.make_scheduler(cls, **options)
+        self.depth = 2 if h.is_async(cls) else 1
+        self.hasher = hasher or h.block_hasher(BS, HASH_ALGO)
+        self.next = 0
+        self.in_flight: deque[tuple[Any, Any]] = deque()
+        self.hits: dict[str, int] = {}
+        self.decisions: list[tuple] = []
+
+    def _arrivals(self, clock) -> float:
+        """Add trace requests while fewer than ``target`` are unfinished: ms
+        to build them (the engine's hashing) and add them."""
+        s, h = self.sched, self.h
+        made = []
+        while len(s.requests) + len(made) < self.target and self.next < len(self.prompts):
+            p = self.prompts[self.next]
+            self.next += 1
+            params = h.SamplingParams(max_tokens=p.max_tokens)
+            params.update_from_generation_config({}, h.EOS_TOKEN_ID)
+            made.append((str(p.index), p.tokens(), params))
+        t0 = clock()
+        for rid, tokens, params in made:
+            s.add_request(h.Request(request_id=rid, prompt_token_ids=tokens, sampling_params=params,
+                                    pooling_params=None, arrival_time=0.0, block_hasher=self.hasher))
+        return (clock() - t0) * 1e3
+
+    @staticmethod
+    def _sample(request, drafts=()) -> int:  # noqa: ARG004  (the harness hands the step's drafts too)
+        return OUTPUT_BASE + (int(request.request_id) * 1_000_003 + request.num_output_tokens * 7919) % OUTPUT_BASE
+
+    def step(self, clock=time.thread_time) -> float:
+        """One engine step; returns its ms (arrivals + schedule + update)."""
+        arrive_ms = self._arrivals(clock)
+        s = self.sched
+        t0 = clock()
+        out = s.schedule()
+        schedule_ms = (clock() - t0) * 1e3
+        if _preempted(out):
+            raise SystemExit(f"{type(s).__name__} at {self.target}: a request was preempted (the pool is too small)")
+        for new in out.scheduled_new_reqs:
+            self.hits.setdefault(new.req_id, new.num_computed_tokens)
+        self.decisions.append(tuple(out.num_scheduled_tokens.items()))
+        self.in_flight.append((out, self.h.model_output(s, out, self._sample)))
+        update_ms = 0.0
+        if len(self.in_flight) == self.depth or not out.total_num_scheduled_tokens:
+            done, answer = self.in_flight.popleft()
+            t1 = clock()
+            s.update_from_output(done, answer)
+            update_ms = (clock() - t1) * 1e3
+        return arrive_ms + schedule_ms + update_ms
+
+    def run(self, fill: int, warmup: int, steps: int) -> tuple[list[float], list[int]]:
+        """Fill (until ``target`` run, at most ``fill`` steps), warm up, then
+        ``steps`` timed steps: their ms and running counts."""
+        for _ in range(fill):
+            if len(self.sched.running) >= self.target:
+                break
+            self.step()
+        for _ in range(warmup):
+            self.step()
+        times, running = [], []
+        for _ in range(steps):
+            times.append(self.step())
+            running.append(len(self.sched.running))
+        return times, running
+
+
+def same_work(label: str, ref: TraceRun, got: TraceRun) -> None:
+    """Exit with status 1 unless ``got`` hit and scheduled as ``ref`` did."""
+    if got.hits != ref.hits:
+        diff = sorted(r for r in set(ref.hits) | set(got.hits) if ref.hits.get(r) != got.hits.get(r))
+        print(f"{label}: prefix-cache hits differ from vLLM's for requests {diff[:10]} "
+              f"(vLLM {[ref.hits.get(r) for r in diff[:10]]}, gpukv {[got.hits.get(r) for r in diff[:10]]})",
+              file=sys.stderr)
+        raise SystemExit(1)
+    if got.decisions != ref.decisions:
+        first = next(i for i, (a, b) in enumerate(zip(ref.decisions, got.decisions)) if a != b) \
+            if any(a != b for a, b in zip(ref.decisions, got.decisions)) else min(len(ref.decisions),
+                                                                                  len(got.decisions))
+        print(f"{label}: the tokens scheduled differ from vLLM's at step {first}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+# ------------------------------------------------------------------ the step table
+def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argparse.Namespace) -> dict:
+    """vLLM and gpukv alternating over repeats at one target: one row."""
+    options = config(prompts, target)
+    times: dict[str, list[float]] = {"vllm": [], "gpukv": []}
+    running: list[int] = []
+    per_repeat: list[float] = []
+    first: TraceRun | None = None
+    hits = 0
+    for rep in range(args.repeats):
+        order = ["vllm", "gpukv"] if rep % 2 == 0 else ["gpukv", "vllm"]
+        got: dict[str, tuple[TraceRun, list[float]]] = {}
+        for name in order:
+            gc.collect()
+            run = TraceRun(h, classes[name], prompts, target, options)
+            ts, rs = run.run(args.fill_steps, args.warmup, args.steps)
+            got[name] = (run, ts)
+            if name == "vllm":
+                running += rs
+        first = first or got["vllm"][0]
+        for name in order:
+            same_work(f"{classes[name].__name__} at {target}, repeat {rep}", first, got[name][0])
+            times[name] += got[name][1]
+        per_repeat.append(pct(got["gpukv"][1], 50) / pct(got["vllm"][1], 50))
+        hits = len(got["vllm"][0].hits)
+        del got
+    assert first is not None
+    row: dict[str, Any] = {"target": target, "running_mean": sum(running) / len(running),
+                           "running_min": min(running), "running_max": max(running),
+                           "requests_scheduled": hits, "num_blocks": options["num_blocks"],
+                           "max_model_len": options["max_model_len"],
+                           "hit_tokens": sum(first.hits.values())}
+    for name, ts in times.items():
+        row[name] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
+    row["ratio_p50"] = row["gpukv"]["p50_ms"] / row["vllm"]["p50_ms"]
+    row["ratio_p50_per_repeat"] = per_repeat
+    return row
+
+
+# ------------------------------------------------------------------ per admission
+class AdmissionTimer:
+    """Times, per request, a scheduler's admission calls (module docstring:
+    per admission), through wrappers on its manager and the block hasher."""
+
+    def __init__(self, h, run: TraceRun) -> None:
+        self.hash_ms: dict[str, float] = defaultdict(float)
+        self.calls_ms: dict[str, float] = defaultdict(float)
+        self.samples: dict[str, tuple[float, float]] = {}  # request id: (hash ms, lookup + allocate ms)
+        kvm = run.sched.kv_cache_manager
+        running = h.RequestStatus.RUNNING
+        real_lookup, real_allocate, real_hasher = kvm.get_computed_blocks, kvm.allocate_slots, run.hasher
+
+        def lookup(request, *args, **kwargs):
+            t0 = time.thread_time()
+            out = real_lookup(request, *args, **kwargs)
+            self.calls_ms[request.request_id] += (time.thread_time() - t0) * 1e3
+            return out
+
+        def allocate(request, *args, **kwargs):
+            admitting = request.status != running and request.request_id not in self.samples
+            t0 = time.thread_time()
+            out = real_allocate(request, *args, **kwargs)
+            if admitting:
+                rid = request.request_id
+                self.calls_ms[rid] += (time.thread_time() - t0) * 1e3
+                if out is not None:
+                    self.samples[rid] = (self.hash_ms.pop(rid, 0.0), self.calls_ms.pop(rid))
+            return out
+
+        def hasher(request):
+            t0 = time.thread_time()
+            out = real_hasher(request)
+            if not request.num_output_tokens:  # (the prompt, as the request is built)
+                self.hash_ms[request.request_id] += (time.thread_time() - t0) * 1e3
+            return out
+
+        kvm.get_computed_blocks, kvm.allocate_slots, run.hasher = lookup, allocate, hasher
+
+
+def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[int],
+                       args: argparse.Namespace) -> list[dict]:
+    """vLLM's and gpukv's per-admission costs by prompt bucket, over one run
+    of each per target (the same requests admitted, checked)."""
+    blocks = {str(p.index): p.blocks for p in prompts}
+    samples: dict[str, list[tuple[str, float, float]]] = {"vllm": [], "gpukv": []}
+    for target in targets:
+        options = config(prompts, target)
+        runs = {}
+        for name in ("vllm", "gpukv"):
+            gc.collect()
+            run = TraceRun(h, classes[name], prompts, target, options)
+            timer = AdmissionTimer(h, run)
+            run.run(args.fill_steps, args.warmup, args.steps)
+            runs[name] = run
+            samples[name] += [(bucket_of(blocks[rid]), hash_ms, calls_ms)
+                              for rid, (hash_ms, calls_ms) in timer.samples.items()]
+        same_work(f"per admission, {classes['gpukv'].__name__} at {target}", runs["vllm"], runs["gpukv"])
+    rows = []
+    for low, high in BUCKETS:
+        name = bucket_of(low)
+        v = [(hs, cs) for b, hs, cs in samples["vllm"] if b == name]
+        g = [cs for b, _, cs in samples["gpukv"] if b == name]
+        row: dict[str, Any] = {"bucket": name, "admissions": len(v)}
+        if v and g:
+            row.update(vllm_hash_p50_ms=pct([hs for hs, _ in v], 50), vllm_calls_p50_ms=pct([cs for _, cs in v], 50),
+                       vllm_p50_ms=pct([hs + cs for hs, cs in v], 50), gpukv_p50_ms=pct(g, 50))
+            row["ratio_p50"] = row["gpukv_p50_ms"] / row["vllm_p50_ms"]
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ output
+def print_step_table(rows: list[dict]) -> None:
+    print("| target | running (mean, min-max) | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms "
+          "| ratio gpukv/vLLM p50 [per repeat] |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        v, g = r["vllm"], r["gpukv"]
+        lo, hi = min(r["ratio_p50_per_repeat"]), max(r["ratio_p50_per_repeat"])
+        print(f"| {r['target']} | {r['running_mean']:.1f} ({r['running_min']}-{r['running_max']}) "
+              f"| {v['p50_ms']:.3f} ({v['p99_ms']:.3f}) | {g['p50_ms']:.3f} ({g['p99_ms']:.3f}) "
+              f"| {r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}] |")
+
+
+def print_admission_table(rows: list[dict]) -> None:
+    print("| prompt blocks of 16 | admissions | vLLM hashing p50 ms | vLLM lookup + allocate p50 ms "
+          "| vLLM total p50 ms | gpukv lookup + allocate p50 ms | ratio gpukv/vLLM p50 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "ratio_p50" not in r:
+            print(f"| {r['bucket']} | {r['admissions']} | - | - | - | - | - |")
+            continue
+        print(f"| {r['bucket']} | {r['admissions']} | {r['vllm_hash_p50_ms']:.3f} | {r['vllm_calls_p50_ms']:.3f} "
+              f"| {r['vllm_p50_ms']:.3f} | {r['gpukv_p50_ms']:.3f} | {r['ratio_p50']:.2f}x |")
+
+
+MODES = (("Scheduler", "VllmScheduler", "ReferenceScheduler"),
+         ("AsyncScheduler", "VllmAsyncScheduler", "ReferenceAsyncScheduler"))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    full = dict(targets=[40, 200], max_requests=600, fill_steps=400, warmup=20, steps=150, repeats=3)
+    quick = dict(targets=[4, 8], max_requests=30, fill_steps=20, warmup=2, steps=5, repeats=2)
+    p.add_argument("--targets", type=int, nargs="+", help=f"running requests to hold (default {full['targets']})")
+    p.add_argument("--max-requests", type=int, help=f"trace requests loaded, the first ones ({full['max_requests']})")
+    p.add_argument("--fill-steps", type=int, help=f"at most this many steps to reach the target ({full['fill_steps']})")
+    p.add_argument("--warmup", type=int, help=f"untimed steps after the fill ({full['warmup']})")
+    p.add_argument("--steps", type=int, help=f"timed steps per run ({full['steps']})")
+    p.add_argument("--repeats", type=int, help=f"runs of each, vLLM and gpukv alternating ({full['repeats']})")
+    p.add_argument("--schedulers", nargs="+", choices=[m[0] for m in MODES], default=[m[0] for m in MODES])
+    p.add_argument("--no-admissions", dest="admissions", action="store_false",
+                   help="skip the per-admission pass")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (options given still apply): " + ", ".join(f"{k}={v}" for k, v in quick.items()))
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("max_requests", "steps", "repeats"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be at least 1")
+    if min(args.targets) < 1:
+        p.error("--targets must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    h = load_harness()
+    if h is None:
+        print(f"vLLM 0.33 or later's test harness ({HARNESS}) is not importable: nothing measured", file=sys.stderr)
+        return 1
+    torch.set_num_threads(1)
+    gk = importlib.import_module("gpukv.vllm.v0_33")
+    prompts = load_prompts(args.max_requests)
+    t_all = time.perf_counter()
+    tables = []
+    for name, vllm_cls, gpukv_cls in MODES:
+        if name not in args.schedulers:
+            continue
+        classes = {"vllm": getattr(h, vllm_cls), "gpukv": getattr(gk, gpukv_cls)}
+        rows = []
+        for target in args.targets:
+            t0 = time.perf_counter()
+            rows.append(measure_row(h, classes, prompts, target, args))
+            print(f"  {name} at {target}: ratio {rows[-1]['ratio_p50']:.2f}x ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr)
+        tables.append({"scheduler": name, "gpukv": gpukv_cls, "rows": rows})
+    admissions = []
+    if args.admissions:
+        t0 = time.perf_counter()
+        admissions = measure_admissions(h, {"vllm": h.VllmScheduler, "gpukv": gk.UnbatchedReferenceScheduler},
+                                        prompts, args.targets, args)
+        print(f"  per admission: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    report(h, args, tables, admissions, time.perf_counter() - t_all)
+    return 0
+
+
+def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dict], seconds: float) -> None:
+    try:
+        load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:
+        load = "load average unknown"
+    where = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    version = h.vllm_version()
+    print(f"Engine step (arrivals' hashing + schedule() + update_from_output()) on the Mooncake conversation "
+          f"trace (first {args.max_requests} requests) under vLLM {version}: {where}; gpukv {gpukv.__version__}, "
+          f"torch {torch.__version__}; {load} at the end; {seconds:.0f} s. Thread CPU ms, p50 (p99) over "
+          f"{args.repeats} x {args.steps} steps, vLLM and gpukv alternating per repeat; prefix-cache hits and "
+          "scheduled tokens equal request by request.")
+    for t in tables:
+        print(f"\nvLLM's {t['scheduler']} against gpukv's {t['gpukv']}:")
+        print_step_table(t["rows"])
+    if admissions:
+        print("\nPer admission (vLLM's Scheduler against gpukv's UnbatchedReferenceScheduler; calls timed through "
+              "wrappers):")
+        print_admission_table(admissions)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"where": where, "vllm": version, "gpukv": gpukv.__version__, "torch": torch.__version__,
+                       "python": sys.version.split()[0], "load": load, "seconds": seconds,
+                       "max_requests": args.max_requests, "targets": args.targets, "fill_steps": args.fill_steps,
+                       "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+                       "hits_equal": True, "tables": tables, "admissions": admissions}, f, indent=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
