@@ -252,10 +252,22 @@ class TraceRun:
         for _ in range(steps):
             times.append(self.step())
             running.append(len(self.sched.running))
+        if self.next == len(self.prompts) and len(self.sched.requests) < self.target:
+            raise SystemExit(f"the {len(self.prompts)} trace requests loaded ran out before the timed steps ended "
+                             f"(target {self.target}): raise --max-requests")
         return times, running
 
 
-def same_work(label: str, ref: TraceRun, got: TraceRun) -> None:
+@dataclass(frozen=True)
+class Work:
+    """What a run decided (``TraceRun.hits`` and ``decisions``): runs doing
+    equal work decide alike."""
+
+    hits: dict[str, int]
+    decisions: list[tuple]
+
+
+def same_work(label: str, ref: Work | TraceRun, got: TraceRun) -> None:
     """Exit with status 1 unless ``got`` hit and scheduled as ``ref`` did."""
     if got.hits != ref.hits:
         diff = sorted(r for r in set(ref.hits) | set(got.hits) if ref.hits.get(r) != got.hits.get(r))
@@ -264,9 +276,8 @@ def same_work(label: str, ref: TraceRun, got: TraceRun) -> None:
               file=sys.stderr)
         raise SystemExit(1)
     if got.decisions != ref.decisions:
-        first = next(i for i, (a, b) in enumerate(zip(ref.decisions, got.decisions)) if a != b) \
-            if any(a != b for a, b in zip(ref.decisions, got.decisions)) else min(len(ref.decisions),
-                                                                                  len(got.decisions))
+        n = min(len(ref.decisions), len(got.decisions))
+        first = next((i for i in range(n) if ref.decisions[i] != got.decisions[i]), n)
         print(f"{label}: the tokens scheduled differ from vLLM's at step {first}", file=sys.stderr)
         raise SystemExit(1)
 
@@ -278,8 +289,7 @@ def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argp
     times: dict[str, list[float]] = {"vllm": [], "gpukv": []}
     running: list[int] = []
     per_repeat: list[float] = []
-    first: TraceRun | None = None
-    hits = 0
+    first: Work | None = None
     for rep in range(args.repeats):
         order = ["vllm", "gpukv"] if rep % 2 == 0 else ["gpukv", "vllm"]
         got: dict[str, tuple[TraceRun, list[float]]] = {}
@@ -290,19 +300,19 @@ def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argp
             got[name] = (run, ts)
             if name == "vllm":
                 running += rs
-        first = first or got["vllm"][0]
+        first = first or Work(got["vllm"][0].hits, got["vllm"][0].decisions)
         for name in order:
             same_work(f"{classes[name].__name__} at {target}, repeat {rep}", first, got[name][0])
             times[name] += got[name][1]
         per_repeat.append(pct(got["gpukv"][1], 50) / pct(got["vllm"][1], 50))
-        hits = len(got["vllm"][0].hits)
         del got
     assert first is not None
     row: dict[str, Any] = {"target": target, "running_mean": sum(running) / len(running),
                            "running_min": min(running), "running_max": max(running),
-                           "requests_scheduled": hits, "num_blocks": options["num_blocks"],
+                           "requests_scheduled": len(first.hits), "num_blocks": options["num_blocks"],
                            "max_model_len": options["max_model_len"],
-                           "hit_tokens": sum(first.hits.values())}
+                           "hit_tokens": sum(first.hits.values()),
+                           "prompt_tokens": sum(p.input_length for p in prompts if str(p.index) in first.hits)}
     for name, ts in times.items():
         row[name] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
     row["ratio_p50"] = row["gpukv"]["p50_ms"] / row["vllm"]["p50_ms"]
@@ -369,7 +379,7 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
                               for rid, (hash_ms, calls_ms) in timer.samples.items()]
         same_work(f"per admission, {classes['gpukv'].__name__} at {target}", runs["vllm"], runs["gpukv"])
     rows = []
-    for low, high in BUCKETS:
+    for low, _ in BUCKETS:
         name = bucket_of(low)
         v = [(hs, cs) for b, hs, cs in samples["vllm"] if b == name]
         g = [cs for b, _, cs in samples["gpukv"] if b == name]
@@ -384,13 +394,14 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
 
 # ------------------------------------------------------------------ output
 def print_step_table(rows: list[dict]) -> None:
-    print("| target | running (mean, min-max) | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms "
+    print("| target | running (mean, min-max) | prefix hits | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms "
           "| ratio gpukv/vLLM p50 [per repeat] |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         v, g = r["vllm"], r["gpukv"]
         lo, hi = min(r["ratio_p50_per_repeat"]), max(r["ratio_p50_per_repeat"])
         print(f"| {r['target']} | {r['running_mean']:.1f} ({r['running_min']}-{r['running_max']}) "
+              f"| {100 * r['hit_tokens'] / r['prompt_tokens']:.0f}% of {r['requests_scheduled']} prompts "
               f"| {v['p50_ms']:.3f} ({v['p99_ms']:.3f}) | {g['p50_ms']:.3f} ({g['p99_ms']:.3f}) "
               f"| {r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}] |")
 

@@ -1,0 +1,81 @@
+"""``benchmarks/bench_mooncake.py --quick`` runs, in process, on the first
+requests of the Mooncake trace, so the benchmark cannot rot: its structure
+(tables, JSON) and its check of equal work, not its speed. Skipped, as
+``tests/test_vllm033/`` is, where vLLM 0.33 or later is not importable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+import tests.test_vllm033.harness  # noqa: F401  (skips this module without vLLM 0.33+)
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_mooncake.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_mooncake", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_structure(tmp_path, capsys):
+    bench = _load()
+    out = tmp_path / "mooncake.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["hits_equal"] is True and result["targets"] == [4, 8]
+    assert [(t["scheduler"], t["gpukv"]) for t in result["tables"]] == [
+        ("Scheduler", "ReferenceScheduler"), ("AsyncScheduler", "ReferenceAsyncScheduler")]
+    for table in result["tables"]:
+        # (request 4 generates 3 tokens: at 8 it finishes and request 8 takes its place)
+        assert [(r["target"], r["requests_scheduled"]) for r in table["rows"]] == [(4, 4), (8, 9)]
+        for r in table["rows"]:
+            assert r["running_max"] == r["target"]
+            for name in ("vllm", "gpukv"):
+                assert r[name]["steps"] == result["repeats"] * result["steps"] == 10
+                assert 0 < r[name]["p50_ms"] <= r[name]["p99_ms"]
+            assert r["ratio_p50"] > 0 and len(r["ratio_p50_per_repeat"]) == 2
+    buckets = [a["bucket"] for a in result["admissions"]]
+    assert buckets == ["1-63", "64-255", "256-1023", "1024+"]
+    assert sum(a["admissions"] for a in result["admissions"]) == 4 + 9  # (every request the two runs admitted)
+
+    lines = capsys.readouterr().out.splitlines()
+    tables = [i for i, line in enumerate(lines) if line.startswith("| target |")]
+    assert len(tables) == 2
+    assert [line.split(" | ")[0] for line in lines[tables[0] + 2:tables[0] + 4]] == ["| 4", "| 8"]
+    assert any(line.startswith("| prompt blocks of 16 | admissions |") for line in lines)
+
+
+def test_materialised_prompts_share_the_trace_prefixes():
+    """Equal hash ids give equal tokens, block for block, and a request's last
+    block is cut at its input length."""
+    bench = _load()
+    first, second = bench.load_prompts(2)  # hash ids 0..13 and 0, 14..27
+    assert (first.index, first.input_length, first.max_tokens, first.blocks) == (0, 6758, 500, 423)
+    assert (second.index, second.input_length, second.max_tokens, second.blocks) == (1, 7322, 490, 458)
+    a, b = first.tokens(), second.tokens()
+    assert a == list(range(6758))  # (ids 0..13 in order: block h holds h*512 .. h*512+511; cut at 6758)
+    assert b[:512] == a[:512] and b[512:1024] == list(range(14 * 512, 15 * 512)) and len(b) == 7322
+    assert [bench.bucket_of(n) for n in (1, 63, 64, 255, 256, 1023, 1024, 8000)] == [
+        "1-63", "1-63", "64-255", "64-255", "256-1023", "256-1023", "1024+", "1024+"]
+
+
+def test_unequal_work_exits_nonzero():
+    """A gpukv run whose hits differ from vLLM's ends the benchmark with status 1."""
+    bench = _load()
+    ref = bench.Work({"0": 32, "1": 0}, [(("0", 16), ("1", 16))])
+    got = bench.Work({"0": 16, "1": 0}, [(("0", 16), ("1", 16))])
+    with pytest.raises(SystemExit) as exc:
+        bench.same_work("test", ref, got)
+    assert exc.value.code == 1
+    with pytest.raises(SystemExit) as exc:
+        bench.same_work("test", ref, bench.Work(dict(ref.hits), [(("0", 16), ("1", 8))]))
+    assert exc.value.code == 1
+    bench.same_work("test", ref, bench.Work(dict(ref.hits), list(ref.decisions)))  # equal: no exit
