@@ -9,8 +9,9 @@ hash id ``h`` names a 512-token block holding the tokens ``h * 512 + k``, so
 equal ids give equal tokens and requests share prefixes exactly as in the
 trace (a Mooncake block is 32 blocks of 16); the prompt is cut to
 ``input_length`` (its last block partial). Each request generates
-``output_length`` tokens (``max_tokens``; the sampled tokens are ids of
-``2**31`` and above, a function of the request and the position, never EOS).
+``output_length`` tokens (``max_tokens``; the sampled tokens are a function
+of the request and the position, below ``2**31`` since vLLM 0.34 keeps token
+ids as int32, never EOS).
 
 The running count. Arrivals are not replayed by time: before each step, the
 next requests of the trace are added while the scheduler holds fewer than
@@ -113,13 +114,13 @@ import torch  # noqa: E402
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import gpukv  # noqa: E402
-from bench_scheduler import _preempted, pct  # noqa: E402
+from bench_scheduler import pct  # noqa: E402
 from gpukv.traces import conversation_trace_path, load_trace, mooncake_tokens  # noqa: E402
 
 BS = 16
 BUDGET = 8192
 HASH_ALGO = "sha256"  # vLLM's default prefix_caching_hash_algo
-OUTPUT_BASE = 2**31  # sampled tokens live above every prompt token (as in gpukv replay)
+TOKEN_IDS = 2**31  # vLLM 0.34 keeps a request's token ids as int32
 #: Prompt-length buckets, in blocks of 16: [low, high) (None: no upper bound).
 BUCKETS = ((1, 64), (64, 256), (256, 1024), (1024, None))
 HARNESS = "tests.test_vllm033.harness"
@@ -181,6 +182,12 @@ def config(prompts: list[Prompt], target: int) -> dict:
 
 
 # ------------------------------------------------------------------ one run
+def preempted(out) -> bool:
+    """Whether a SchedulerOutput preempts or resumes a request (vLLM 0.34
+    re-sends a resumed request as a new one: its preemption shows)."""
+    return bool(out.preempted_req_ids or getattr(out.scheduled_cached_reqs, "resumed_req_ids", ()))
+
+
 class TraceRun:
     """One scheduler of class ``cls`` on the trace at ``target`` running
     requests; ``step()`` is one engine step (module docstring). ``hits``: each
@@ -214,9 +221,9 @@ class TraceRun:
                                     pooling_params=None, arrival_time=0.0, block_hasher=self.hasher))
         return (clock() - t0) * 1e3
 
-    @staticmethod
-    def _sample(request, drafts=()) -> int:  # noqa: ARG004  (the harness hands the step's drafts too)
-        return OUTPUT_BASE + (int(request.request_id) * 1_000_003 + request.num_output_tokens * 7919) % OUTPUT_BASE
+    def _sample(self, request, drafts=()) -> int:  # noqa: ARG002  (the harness hands the step's drafts too)
+        token = (int(request.request_id) * 1_000_003 + request.num_output_tokens * 7919) % TOKEN_IDS
+        return token + 1 if token == self.h.EOS_TOKEN_ID else token
 
     def step(self, clock=time.thread_time) -> float:
         """One engine step; returns its ms (arrivals + schedule + update)."""
@@ -225,7 +232,7 @@ class TraceRun:
         t0 = clock()
         out = s.schedule()
         schedule_ms = (clock() - t0) * 1e3
-        if _preempted(out):
+        if preempted(out):
             raise SystemExit(f"{type(s).__name__} at {self.target}: a request was preempted (the pool is too small)")
         for new in out.scheduled_new_reqs:
             self.hits.setdefault(new.req_id, new.num_computed_tokens)
@@ -424,7 +431,7 @@ MODES = (("Scheduler", "VllmScheduler", "ReferenceScheduler"),
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    full = dict(targets=[40, 200], max_requests=600, fill_steps=400, warmup=20, steps=150, repeats=3)
+    full = dict(targets=[40, 200], max_requests=600, fill_steps=400, warmup=20, steps=300, repeats=3)
     quick = dict(targets=[4, 8], max_requests=30, fill_steps=20, warmup=2, steps=5, repeats=2)
     p.add_argument("--targets", type=int, nargs="+", help=f"running requests to hold (default {full['targets']})")
     p.add_argument("--max-requests", type=int, help=f"trace requests loaded, the first ones ({full['max_requests']})")
