@@ -82,7 +82,7 @@ The device manager is not measured here: its honest twin
 (``benchmarks/bench_scheduler.py``) is built around that benchmark's own
 synthetic workloads and vLLM 0.8.5's and 0.33's version table, and under
 Triton's interpreter it pays about a second per admitted request, which the
-Mooncake prompts (12,000 tokens on average) multiply.
+Mooncake prompts (12,035 tokens on average over the trace) multiply.
 
     PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--json PATH]
 
