@@ -142,7 +142,7 @@ class Version:
     builds schedulers and requests as the engine does), gpukv's adapter
     module, and the scheduler classes measured."""
 
-    prefix: str  # vllm.__version__ starts with it
+    prefix: str  # vLLM's API generation: "0.8." (no AsyncScheduler) or "0.33." (0.33 and 0.34, read by feature)
     harness: str
     gpukv: str
     modes: tuple[Mode, ...]
@@ -167,11 +167,11 @@ def installed_version() -> tuple[Version | None, str]:
         import vllm
     except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable vLLM here)
         return None, f"vLLM is not importable ({type(exc).__name__}: {exc})"
-    for version in VERSIONS:
-        if vllm.__version__.startswith(version.prefix):
-            return version, vllm.__version__
-    lines = ", ".join(v.prefix + "x" for v in VERSIONS)
-    return None, f"vLLM {vllm.__version__} is installed; this benchmark follows {lines}"
+    import importlib.util
+
+    # (the generation by what vLLM offers, as gpukv.vllm picks its adapter: 0.33 and 0.34 are one)
+    generation = "0.33." if importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") else "0.8."
+    return next(v for v in VERSIONS if v.prefix == generation), vllm.__version__
 
 
 def _harness(version: Version | None = None):
@@ -321,7 +321,7 @@ def _preempted(out) -> bool:
     cached = out.scheduled_cached_reqs
     if isinstance(cached, list):  # vLLM 0.8.x: one CachedRequestData per request
         return any(c.resumed_from_preemption for c in cached)
-    return bool(cached.resumed_req_ids or out.preempted_req_ids)
+    return bool(getattr(cached, "resumed_req_ids", ()) or out.preempted_req_ids)  # (0.34 re-sends them as new)
 
 
 def _groups(ids) -> tuple | None:
@@ -345,8 +345,8 @@ def _digest(out) -> tuple:
             tuple((r.req_id, _groups(r.block_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs),
             tuple(zip(cached.req_ids, map(_groups, cached.new_block_ids), cached.num_computed_tokens,
                       cached.num_output_tokens, strict=True)),
-            tuple(sorted(cached.resumed_req_ids)), tuple(sorted(out.finished_req_ids)),
-            tuple(sorted(out.preempted_req_ids or ())), tuple(out.num_common_prefix_blocks))
+            tuple(sorted(getattr(cached, "resumed_req_ids", ()))), tuple(sorted(out.finished_req_ids)),
+            tuple(sorted(out.preempted_req_ids or ())), tuple(getattr(out, "num_common_prefix_blocks", ())))
 
 
 def pct(xs: list[float], q: float) -> float:
