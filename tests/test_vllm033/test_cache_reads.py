@@ -60,3 +60,47 @@ def test_cache_aware_admission_takes_the_cached_prompt_first(cls):
     out = engine.step()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs][0] == ("2", 48)
     assert out.num_scheduled_tokens["2"] == 3
+
+
+def _resident(cls, window: int, num_blocks: int = 5, threshold: float = 0.0):
+    """vLLM 0.34's own set-up for its cache-aware tests, written anew: a
+    48-token prompt ran and was aborted, so its 3 blocks are cached; a 5-block
+    pool (4 usable) cannot hold it and a cold 48-token prompt both."""
+    if not HAS_CACHE_AWARE_ADMISSION:
+        pytest.skip(f"vLLM {vllm_version()} has no cache-aware admission")
+    scheduler = make_scheduler(cls, num_blocks=num_blocks, cache_aware_window=window,
+                               cache_aware_threshold=threshold)
+    engine = Engine(scheduler)
+    engine.add(make_requests(1, prompt=lambda _: PREFIX, max_tokens=1))
+    engine.run_until_idle()
+    (warm,) = make_requests(1, prompt=lambda _: PREFIX, first_id=2, max_tokens=1)
+    (cold,) = make_requests(1, prompt=lambda _: list(range(7000, 7048)), first_id=1, max_tokens=1)
+    return scheduler, engine, warm, cold
+
+
+@pytest.mark.parametrize("cls", scheduler_params())
+@pytest.mark.parametrize("window", [0, 4])
+def test_cache_aware_admission_keeps_the_resident_prefix_from_eviction(cls, window):
+    """Window 4: the warm prompt goes first, on its 32 cached tokens (all but
+    its last block's, as the last token is always computed); window 0 (the
+    control): arrival order, the cold prompt first, and the warm one's prefix
+    is evicted under it."""
+    scheduler, engine, warm, cold = _resident(cls, window)
+    assert scheduler.kv_cache_manager.get_num_cached_tokens(warm) == 32
+    engine.add([cold, warm])
+    out = engine.step()
+    if window:
+        assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs][0] == ("2", 32)
+        assert out.num_scheduled_tokens["2"] == 16
+    else:
+        assert [n.req_id for n in out.scheduled_new_reqs][0] == "1"
+        assert scheduler.kv_cache_manager.get_num_cached_tokens(warm) < 32
+
+
+@pytest.mark.parametrize("cls", scheduler_params())
+@pytest.mark.parametrize(("window", "threshold"), [(1, 0.0), (4, 0.9)])
+def test_cache_aware_admission_keeps_arrival_order_past_its_window_or_below_its_threshold(cls, window, threshold):
+    scheduler, engine, warm, cold = _resident(cls, window, num_blocks=24, threshold=threshold)
+    engine.add([cold, warm])
+    out = engine.step()
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["1", "2"]
