@@ -564,7 +564,7 @@ CASES = [
     ("step-prefix-of-int", lambda m: m.step(prefix_of=3), InvalidTypeError, "prefix_of"),
     ("step-prefix-of-finished", lambda m: m.step(finished=["a"], prefix_of="a"), InvalidInputError, "prefix_of"),
     ("row-counts-unknown-row", lambda m: m.row_token_counts([m.row_of("a"), 99]), InvalidInputError, "rows"),
-    # --- issue 37: hostile integers, range-checked before numpy sees them
+    # --- hostile integers, range-checked before numpy sees them
     # (a row of 2**63 - 1 once overflowed np.bincount and corrupted the
     # heap; 2**40 raised a MemoryError that stopped the manager)
     *[(f"{where}-row-{label}", call, exc, "rows")
@@ -618,7 +618,7 @@ CASES = [
     ("read-block-ids-end-2**63-1", lambda m: m.read_block_ids([("a", 0, 2**63 - 1)]), InvalidInputError, "spans"),
     ("read-block-ids-group-2**40", lambda m: m.read_block_ids([("a", 0, 1)], 2**40), InvalidInputError, "group"),
     ("new-chunk-2**63-1", new(num_tokens_to_compute=2**63 - 1), InvalidInputError, "new[0].num_tokens_to_compute"),
-    # --- issue 37: signature mistakes, in gpukv's own words
+    # --- signature mistakes, in gpukv's own words
     ("lower-bound-argument", lambda m: m.free_blocks_lower_bound(1), InvalidTypeError, "free_blocks_lower_bound"),
     ("row-counts-no-argument", lambda m: m.row_token_counts(), InvalidTypeError, "rows"),
     ("decode-rows-twice", lambda m: m.decode([0], [8], rows=[0]), InvalidTypeError, "rows"),
@@ -724,10 +724,10 @@ def test_a_refusal_keeps_what_went_wrong_as_its_cause(scenario):
 
 
 def test_signature_mistakes_read_in_gpukvs_own_words(scenario):
-    # Issue 37: they were typed, but carried Python's wording ("takes 1
-    # positional argument but 2 were given"); now the argument, what is
-    # wrong, and the signature of gpukv.api.BlockManager (the device's extra
-    # graphs= left out, so both say the same).
+    # Typed, and in gpukv's words rather than Python's ("takes 1 positional
+    # argument but 2 were given"): the argument, what is wrong, and the
+    # signature of gpukv.api.BlockManager (the device's extra graphs= left
+    # out, so both say the same).
     expected = {
         lambda m: m.free_blocks_lower_bound(1):
             "free_blocks_lower_bound: free_blocks_lower_bound() takes no positional argument, got 1; call "

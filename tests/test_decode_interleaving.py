@@ -1,4 +1,4 @@
-"""A decode's parts run in one locked call (issue 37, item 4).
+"""A decode's parts run in one locked call.
 
 The device manager's decode is plan -> stage -> launch -> finish over each
 bucket's shared host plan and device buffers. Once the parts were public

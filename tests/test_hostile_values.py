@@ -1,4 +1,4 @@
-"""Hostile integers never reach numpy unchecked (issue 37, item 3).
+"""Hostile integers never reach numpy unchecked.
 
 ``decode([2**63 - 1], [8])``, ``step(running=RunningBatch([2**63 - 1], [8]))``
 and ``row_token_counts([2**63 - 1])`` once reached ``np.bincount``, which

@@ -471,7 +471,7 @@ def test_the_wording_says_which_release_was_tested():
     assert "current" not in doc and "tested with 0.33.0 only" in doc
 
 
-# ------------------------------------------ hand-built events (issue 37)
+# ------------------------------------------ hand-built events
 
 D0, D1, D2 = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
 RANGE = "pass a whole number from {} to {}"

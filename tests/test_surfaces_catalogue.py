@@ -558,7 +558,7 @@ def test_the_new_errors_pickle_and_read_as_their_builtins():
     assert AddressInUseError.__mro__[1:4] == (AddressError, GpukvInputError, GpukvError)
 
 
-# ------------------------------------------ a manager's own hook (issue 37)
+# ------------------------------------------ a manager's own hook
 # The one caller code that runs inside a device manager's call is its
 # ``graphs`` hook (``gpukv.graphs.DecodeGraphs``' launch, between the
 # decode's stage and its launch). A call of the manager made from there
