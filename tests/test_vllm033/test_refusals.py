@@ -23,6 +23,7 @@ from .harness import (
     make_requests,
     make_scheduler,
     model_output,
+    vllm_version,
 )
 from .streams import record_output, record_results
 
@@ -47,6 +48,8 @@ BAD = {
     "prompt-embeds": (_embeds_request, "prompt embeddings"),
     "over-max-model-len": (lambda: _token_request(list(range(70))), "more than max_model_len=64"),
     "negative-token": (lambda: _token_request([1, 2, -1, 4]), "outside [0, 2**32)"),
+    "token-2**32": (lambda: _token_request([1, 2**32, 3]), "is 4294967296, outside [0, 2**32)"),
+    "empty-prompt": (lambda: _token_request([]), "has no tokens"),
 }
 
 
@@ -82,9 +85,13 @@ def _without(records: list, rid: str) -> list:
                          + [pytest.param(c.values[0], "prompt-embeds", id=f"{c.id}-prompt-embeds") for c in DEVICE])
 def test_a_refused_request_is_finished_as_an_error_and_others_keep_vllms_decisions(cls, kind):
     make_bad, why = BAD[kind]
+    try:
+        bad = make_bad()
+    except OverflowError:  # (vLLM 0.34 keeps token ids as int32: such a request never reaches a scheduler)
+        pytest.skip(f"vLLM {vllm_version()}'s Request cannot hold it")
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
     expected, _, _ = _run(vllm_cls, None)
-    got, results, engine = _run(cls, make_bad())
+    got, results, engine = _run(cls, bad)
     outputs = [o for result in results for eco in result.values() for o in eco.outputs if o.request_id == "E"]
     assert len(outputs) == 1 and outputs[0].finish_reason.name == "ERROR", outputs
     assert outputs[0].new_token_ids == []
