@@ -167,10 +167,10 @@ def installed_version() -> tuple[Version | None, str]:
         import vllm
     except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable vLLM here)
         return None, f"vLLM is not importable ({type(exc).__name__}: {exc})"
-    import importlib.util
+    from gpukv.vllm_plugin import has_async_scheduler
 
     # (the generation by what vLLM offers, as gpukv.vllm picks its adapter: 0.33 and 0.34 are one)
-    generation = "0.33." if importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") else "0.8."
+    generation = "0.33." if has_async_scheduler() else "0.8."
     return next(v for v in VERSIONS if v.prefix == generation), vllm.__version__
 
 

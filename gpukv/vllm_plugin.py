@@ -69,6 +69,15 @@ def check_vllm_version(version: str, environ: Mapping[str, str] = os.environ) ->
             "at start-up, any manager call, parameter or request field it does not know)")
 
 
+def has_async_scheduler() -> bool:
+    """The installed vLLM's API generation, read from what it offers: from 0.33
+    on (0.33, 0.34) it has an ``AsyncScheduler``; 0.8.5 has not. (Finding the
+    module imports vLLM's package, not the scheduler.)"""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") is not None
+
+
 def names_gpukv_scheduler(argv: Sequence[str]) -> bool:
     """Whether a vLLM command line names one of gpukv's scheduler classes."""
     for i, arg in enumerate(argv):

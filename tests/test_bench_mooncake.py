@@ -5,28 +5,16 @@ requests of the Mooncake trace, so the benchmark cannot rot: its structure
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
 import tests.test_vllm033.harness  # noqa: F401  (skips this module without vLLM 0.33+)
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_mooncake.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_mooncake", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_module import load_benchmark
 
 
 def test_quick_run_structure(tmp_path, capsys):
-    bench = _load()
+    bench = load_benchmark("bench_mooncake")
     out = tmp_path / "mooncake.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -56,7 +44,7 @@ def test_quick_run_structure(tmp_path, capsys):
 def test_materialised_prompts_share_the_trace_prefixes():
     """Equal hash ids give equal tokens, block for block, and a request's last
     block is cut at its input length."""
-    bench = _load()
+    bench = load_benchmark("bench_mooncake")
     first, second = bench.load_prompts(2)  # hash ids 0..13 and 0, 14..27
     assert (first.index, first.input_length, first.max_tokens, first.blocks) == (0, 6758, 500, 423)
     assert (second.index, second.input_length, second.max_tokens, second.blocks) == (1, 7322, 490, 458)
@@ -69,7 +57,7 @@ def test_materialised_prompts_share_the_trace_prefixes():
 
 def test_unequal_work_exits_nonzero():
     """A gpukv run whose hits differ from vLLM's ends the benchmark with status 1."""
-    bench = _load()
+    bench = load_benchmark("bench_mooncake")
     ref = bench.Work({"0": 32, "1": 0}, [(("0", 16), ("1", 16))])
     got = bench.Work({"0": 16, "1": 0}, [(("0", 16), ("1", 16))])
     with pytest.raises(SystemExit) as exc:

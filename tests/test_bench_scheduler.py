@@ -4,26 +4,14 @@ Skipped, as ``tests/test_vllm/`` is, where vLLM 0.8.5 is not importable."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import tests.test_vllm.harness  # noqa: F401  (skips this module without vLLM 0.8.5)
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduler.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_scheduler", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_module import load_benchmark
 
 
 def test_quick_run_structure(tmp_path, capsys):
-    bench = _load()
+    bench = load_benchmark("bench_scheduler")
     out = tmp_path / "sched.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -71,7 +59,7 @@ def test_what_a_step_pays_does_not_grow_with_the_requests():
     decoders' prompts are 100 to 115 tokens, so from N=16 on a row fills a
     block every step; with fewer, a step may fill none, and the decode then
     skips its phases with no work: fewer launches, never more.)"""
-    bench = _load()
+    bench = load_benchmark("bench_scheduler")
     bench.launch_cost().install()  # (host stand-ins recorded as the launches they stand for)
     small, large = _counts_per_step(bench, 16), _counts_per_step(bench, 32)
     for kind in small:

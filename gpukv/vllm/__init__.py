@@ -37,7 +37,7 @@ whose manager interface or ``Request`` the adapter does not cover.
 from __future__ import annotations
 
 from gpukv import _runtime  # noqa: F401  (Triton's interpreter without CUDA, set before vLLM imports triton)
-from gpukv.vllm_plugin import TESTED_VLLM, UntestedVllmError, check_vllm_version, install_hint
+from gpukv.vllm_plugin import TESTED_VLLM, UntestedVllmError, check_vllm_version, has_async_scheduler, install_hint
 
 try:
     import vllm as _vllm
@@ -50,14 +50,7 @@ VLLM_VERSION: str = _vllm.__version__
 check_vllm_version(VLLM_VERSION)
 
 
-def _has_async_scheduler() -> bool:
-    """vLLM's API generation from 0.33 on: its ``AsyncScheduler`` exists."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") is not None
-
-
-if _has_async_scheduler():
+if has_async_scheduler():
     from gpukv.vllm.v0_33 import (
         AsyncScheduler,
         Block,

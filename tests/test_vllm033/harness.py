@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 
 import gpukv._runtime  # noqa: F401  (before vLLM imports triton: the interpreter switch without CUDA)
+from gpukv.vllm_plugin import has_async_scheduler
 
 INSTALL_HINT = (
     "build a second venv: `pip install torch==2.13.0`, `pip install --no-deps vllm==0.33.0`, the pure-Python "
@@ -55,13 +56,7 @@ try:
 except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable vLLM here)
     pytest.skip(f"vLLM is not importable ({type(exc).__name__}: {exc}); {INSTALL_HINT}", allow_module_level=True)
 
-def _has_async_scheduler() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm.v1.core.sched.async_scheduler") is not None
-
-
-if not _has_async_scheduler():
+if not has_async_scheduler():
     pytest.skip(f"these tests follow vLLM's scheduler from 0.33 on (its AsyncScheduler), found vLLM "
                 f"{vllm.__version__}; {INSTALL_HINT}", allow_module_level=True)
 
@@ -412,7 +407,7 @@ HIT_LIMIT = hasattr(Request, "get_max_cache_hit_length")
 HAS_CACHE_AWARE_ADMISSION = "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
 """vLLM 0.34's waiting queue reordered by cached prefix (``cache_aware_admission_window``)."""
 
-_RUNNER_OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in __import__("dataclasses").fields(ModelRunnerOutput)}
+_RUNNER_OUTPUT_HAS_INDEX = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
 """vLLM 0.33's ``ModelRunnerOutput`` maps ids to rows; 0.34's follows ``req_ids``' order alone."""
 
 

@@ -66,14 +66,16 @@ def _refuse(misses: list[str]) -> UnsupportedConfigError:
         fix="install a vLLM release gpukv is tested with (gpukv.vllm_plugin.TESTED_VLLM), or use vLLM's own scheduler")
 
 
-def _assigned_attributes(function: Any) -> set[str]:
+@functools.cache
+def _assigned_attributes(function: Any) -> frozenset[str]:
     """The ``self.NAME`` a function assigns (from its source)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError):
-        return set()
-    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-            and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+        return frozenset()
+    return frozenset(node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                     and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                     and node.value.id == "self")
 
 
 def manager_reads() -> set[str]:
@@ -100,8 +102,8 @@ def manager_misses(vllm_cls: Any, gpukv_cls: Any) -> list[str]:
         ours, theirs = getattr(gpukv_cls, name, None), getattr(vllm_cls, name, None)
         if not (inspect.isfunction(ours) and inspect.isfunction(theirs)):
             continue
-        known = set(inspect.signature(ours).parameters)
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in inspect.signature(ours).parameters.values()):
+        known = inspect.signature(ours).parameters
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in known.values()):
             continue  # (a refusing stand-in takes anything)
         unknown = [p for p in inspect.signature(theirs).parameters if p not in known]
         misses += [f"KVCacheManager.{name}({p}=...)" for p in unknown]

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from gpukv.errors import GpukvInputError
 from gpukv.request import NewRequest, StepResult
 from gpukv.running import RunningBatch
 from gpukv.vllm.v0_33.views import Block
@@ -103,7 +104,6 @@ class PendingGrowth:
         self.targets: list[int] = []  # and after it (``growth``)
         self.slots: list[int] = []  # the slots the request needs after the call
         self.lazy: list[Any] = []  # the blocks handed back, per call: None when no block is new
-        self.undo: list[tuple[list[int], int, int]] = []  # per call: the adapter's record and its values before
         self.taken = 0  # blocks the calls so far take, per the host
         self.spare: int | None = None  # free blocks known to be left for the next call
 
@@ -128,7 +128,6 @@ class PendingGrowth:
         self.known.append(request.num_tokens)
         self.computed.append(held[2])
         self.targets.append(target)
-        self.undo.append((held, held[1], held[2]))
         held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
         held[2] = target
         self.slots.append(slots)
@@ -173,17 +172,17 @@ class PendingGrowth:
                     if blocks is not None:
                         blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
             return result
-        except BaseException:
-            self._restore()
+        except GpukvInputError:
+            self._reread()
             raise
         finally:
             self._clear()
 
-    def _restore(self) -> None:
-        """The adapter's records as before the calls, when gpukv refused their
-        step (gpukv changed nothing then): the record changes only with gpukv."""
-        for held, positions, computed in reversed(self.undo):
-            held[1], held[2] = positions, computed
+    def _reread(self) -> None:
+        """gpukv refused the step and changed nothing: the adapter's records,
+        which ``add`` moved ahead, read back from the manager (host only)."""
+        for request in self.requests:
+            self._adapter._note_held(request.request_id)
 
     def _batch(self) -> RunningBatch:
         """The pending calls as a ``RunningBatch``: each appends the tokens

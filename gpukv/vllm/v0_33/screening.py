@@ -19,7 +19,11 @@ It never reaches gpukv, so no other request's blocks, tokens or events change.
 
 from __future__ import annotations
 
+from array import array
+from itertools import chain
 from typing import Any
+
+import numpy as np
 
 from gpukv.errors import GpukvInputError
 from gpukv.request import MAX_TOKEN_ID, normalize_token_ids
@@ -30,11 +34,22 @@ def prompt_refusal(request: Any, max_model_len: int, check: Any) -> GpukvInputEr
     max_model_len)`` raises, or one for a prompt token out of range), or None."""
     try:
         check(request, max_model_len)
-        if request.prompt_token_ids is not None:
-            normalize_token_ids(request.prompt_token_ids, "request.prompt_token_ids", request.request_id)
+        tokens = request.prompt_token_ids
+        if tokens is not None and not _int32_in_range(tokens):
+            normalize_token_ids(tokens, "request.prompt_token_ids", request.request_id)  # (raises, naming it)
     except GpukvInputError as err:
         return err
     return None
+
+
+def _int32_in_range(tokens: Any) -> bool:
+    """Whether ``tokens`` are vLLM 0.34's int32 ``TokenBuffer`` (an
+    ``array('i')``) holding no negative id: one pass in C, no Python int per
+    token (an int32 is below 2**32 by its type). False for anything else, which
+    the managers' rule then checks."""
+    if not isinstance(tokens, array) or tokens.typecode != "i":
+        return False
+    return not len(tokens) or int(np.frombuffer(tokens, dtype=np.int32).min()) >= 0
 
 
 def refuse_at_arrival(scheduler: Any, request: Any, error: GpukvInputError) -> None:
@@ -50,10 +65,14 @@ def refuse_at_arrival(scheduler: Any, request: Any, error: GpukvInputError) -> N
 
 def sampled_refusals(model_runner_output: Any) -> dict[str, str]:
     """The requests a model output gives a token outside ``[0, 2**32)``, with why."""
+    sampled = model_runner_output.sampled_token_ids
+    every = list(chain.from_iterable(sampled))  # (one pass over the step's tokens; a loop only past a bad one)
+    if not every or (min(every) >= 0 and max(every) <= MAX_TOKEN_ID):
+        return {}
     refused = {}
-    for rid, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False):
-        if len(tokens) and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
-            bad = next(t for t in tokens if not 0 <= t <= MAX_TOKEN_ID)
+    for rid, tokens in zip(model_runner_output.req_ids, sampled, strict=False):
+        bad = next((t for t in tokens if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
             refused[rid] = f"the model sampled token {bad}, outside [0, 2**32)"
     return refused
 
