@@ -99,3 +99,25 @@ def test_importing_the_plugin_loads_neither_torch_nor_vllm():
     code = "import sys, gpukv.vllm_plugin; print(sorted({'torch', 'vllm'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("version", ["", "0.34", "0.34.0rc1", "v0.34.0", "0.34.0 ", "junk+cu130"])
+def test_a_version_string_that_is_not_exactly_a_tested_release_is_refused(version):
+    with pytest.raises(UntestedVllmError, match="found vLLM"):
+        check_vllm_version(version, environ={})
+
+
+@pytest.mark.parametrize("value", ["", "0", "true", "yes", " 1"])
+def test_only_the_documented_opt_in_value_opts_in(value):
+    with pytest.raises(UntestedVllmError):
+        check_vllm_version("0.35.1", environ={"GPUKV_ALLOW_UNTESTED_VLLM": value})
+
+
+@pytest.mark.parametrize("argv", [
+    ["vllm", "serve", "m", "--scheduler-cls="],
+    ["vllm", "serve", "m", "--scheduler-cls", ""],
+    ["vllm", "serve", "m", "--scheduler-clsx", "gpukv.vllm.AsyncScheduler"],
+    ["vllm", "serve", "m", "--scheduler-cls", "gpukvx.Scheduler"],
+])
+def test_malformed_command_lines_name_no_gpukv_scheduler(argv):
+    assert not names_gpukv_scheduler(argv)
