@@ -40,8 +40,10 @@ so other processes on a shared machine do not count), with
   ``Request.__init__`` calls ``update_block_hashes``) and
   ``scheduler.add_request``. (vLLM 0.34 also takes hashes a frontend
   computed, ``EngineCoreRequest.block_hashes``; measured here is the engine
-  hashing the prompt itself, which it does when none are handed over.) The
-  engine builds the request for gpukv's scheduler too, so both pay this;
+  hashing the prompt itself, which it does when none are handed over.) For
+  gpukv's scheduler the engine builds no hasher (gpukv hashes the tokens
+  itself, once: ``gpukv.vllm.v0_33.engine_hashing``), so its requests are
+  built without;
 * ``schedule()``;
 * ``update_from_output()`` (which appends the sampled tokens, and so hashes
   the blocks they fill). Under ``AsyncScheduler`` one batch stays in flight
@@ -70,7 +72,8 @@ manager's calls timed per request: for vLLM, its hashing of the prompt when
 the request is built (the block hasher's call in ``Request.__init__``) plus
 ``get_computed_blocks`` and ``allocate_slots`` up to and including the
 allocation that admits it (its first chunk); for gpukv, the same two calls,
-which hash the prompt themselves (gpukv keys its cache by its own digests).
+which hash the prompt themselves (gpukv keys its cache by its own digests;
+the engine hashes nothing for it).
 The unbatched class because gpukv's batched path admits a run of waiting
 requests as one gpukv step inside the run's first lookup, a cost no single
 admission owns. Admissions are bucketed by prompt length in blocks of 16
@@ -194,11 +197,11 @@ class TraceRun:
     request's prefix-cache hit in tokens at its first scheduling;
     ``decisions``: tokens scheduled per request, step by step."""
 
-    def __init__(self, h, cls: type, prompts: list[Prompt], target: int, options: dict, hasher=None) -> None:
+    def __init__(self, h, cls: type, prompts: list[Prompt], target: int, options: dict) -> None:
         self.h, self.prompts, self.target = h, prompts, target
         self.sched = h.make_scheduler(cls, **options)
         self.depth = 2 if h.is_async(cls) else 1
-        self.hasher = hasher or h.block_hasher(BS, HASH_ALGO)
+        self.hasher = self.sched.harness_hasher  # (the engine's: none for gpukv's scheduler, which hashes itself)
         self.next = 0
         self.in_flight: deque[tuple[Any, Any]] = deque()
         self.hits: dict[str, int] = {}
@@ -364,7 +367,9 @@ class AdmissionTimer:
                 self.hash_ms[request.request_id] += (time.thread_time() - t0) * 1e3
             return out
 
-        kvm.get_computed_blocks, kvm.allocate_slots, run.hasher = lookup, allocate, hasher
+        kvm.get_computed_blocks, kvm.allocate_slots = lookup, allocate
+        if real_hasher is not None:
+            run.hasher = hasher
 
 
 def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[int],

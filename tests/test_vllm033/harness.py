@@ -272,6 +272,10 @@ def make_scheduler(
         pytest.skip(f"vLLM {vllm.__version__} has no V1 model runner (Model Runner V2 is its only one)")
     scheduler.harness_block_size = block_size  # make_requests hashes at the scheduler's block size
     scheduler.harness_hash_algo = hash_algo
+    # EngineCore.__init__ next: a request block hasher only if the flag is still set after the scheduler's build
+    # (gpukv's scheduler clears it until its first add_request: gpukv.vllm.v0_33.engine_hashing).
+    scheduler.harness_hasher = (block_hasher(block_size, hash_algo) if vllm_config.cache_config.enable_prefix_caching
+                                else None)
     return scheduler
 
 
@@ -334,11 +338,10 @@ def make_requests(
     token ``first_id + i`` (no two requests share a block). Each stops on
     ``EOS_TOKEN_ID`` unless ``ignore_eos`` (set as the engine does, through
     ``update_from_generation_config``). Block hashes at ``block_size`` with
-    ``hash_algo``, or the scheduler's when ``scheduler`` is given.
+    ``hash_algo``; with ``scheduler``, those its engine would compute (none
+    when gpukv's scheduler took the hashing over).
     """
-    if scheduler is not None:
-        block_size, hash_algo = scheduler.harness_block_size, scheduler.harness_hash_algo
-    hasher = block_hasher(block_size, hash_algo)
+    hasher = scheduler.harness_hasher if scheduler is not None else block_hasher(block_size, hash_algo)
     requests = []
     for i in range(num_requests):
         rid = first_id + i

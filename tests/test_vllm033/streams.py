@@ -122,14 +122,14 @@ def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig) -> Any:
+def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig, scheduler: Any) -> Any:
     max_tokens = rng.randrange(1, config.max_output_tokens + 1)
     logprobs = 1 if rng.random() < (0.3 if config.bounded_hits else 0.1) else None
     # (within the shared prefixes' three blocks, where hits are: a start past them would bound nothing)
     start = rng.randrange(1, min(len(prompt), 3 * BLOCK_SIZE) + 1) if logprobs and config.bounded_hits else None
     (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=max_tokens,
                                ignore_eos=True, prompt_logprobs=logprobs, prompt_logprob_start=start,
-                               block_size=BLOCK_SIZE)
+                               scheduler=scheduler)  # (hashed as the scheduler's engine would: gpukv's needs none)
     return request
 
 
@@ -173,7 +173,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
     for step in range(max_steps):
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            scheduler.add_request(_request(rng, i, prompts[i], config))
+            scheduler.add_request(_request(rng, i, prompts[i], config, scheduler))
         aborted = _maybe_abort(rng, scheduler, config.abort_rate)
         if not pending and not scheduler.has_requests() and not engine.in_flight:
             break

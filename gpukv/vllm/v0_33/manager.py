@@ -187,6 +187,14 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         # handed to gpukv again (``gpukv.vllm.v0_33.screening``).
         self.refused: dict[str, str] = {}
 
+    @property
+    def reads_vllm_hashes(self) -> bool:
+        """Whether the adapter reads vLLM's request block hashes: for KV
+        events (vLLM's hashes in ``BlockStored``) and for the shared-prefix
+        boundary's index (more than one lookup group). Else vLLM's engine
+        need not hash (``gpukv.vllm.v0_33.engine_hashing``)."""
+        return self._events.active
+
     # ------------------------------------------------------------ reading
     def flush(self) -> None:
         """Apply the running requests' pending allocations (one gpukv step)."""

@@ -33,6 +33,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
+from gpukv.vllm.v0_33 import engine_hashing
 from gpukv.vllm.v0_33.admissions import plain_run
 from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
@@ -77,6 +78,11 @@ class _GpukvManagerMixin:
 
     backend = "auto"
     batched = True
+    engine_hashes_blocks = True
+    """Whether vLLM's engine builds its request block hasher for this
+    scheduler: False when gpukv took the hashing over
+    (``gpukv.vllm.v0_33.engine_hashing``) or prefix caching is off."""
+    _flag_to_restore = False
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         check_conformance()  # (the installed vLLM asks of its manager only what gpukv answers)
@@ -90,12 +96,18 @@ class _GpukvManagerMixin:
             watermark=me.scheduler_config.watermark, max_in_flight_tokens=me.vllm_config.max_in_flight_tokens,
             backend=self.backend,
             max_num_reqs=min(max(1, me.max_num_running_reqs), 64))  # (rows grow past it)
+        # gpukv hashes every token itself: the engine, built on after this, needs no block hasher.
+        self._flag_to_restore = engine_hashing.hand_over(me, me.kv_cache_manager.reads_vllm_hashes)
+        self.engine_hashes_blocks = bool(me.cache_config.enable_prefix_caching)
 
     def add_request(self, request: Any) -> None:
         """vLLM's ``add_request``; a request the adapter cannot serve is
         refused here, never inside ``schedule()``: finished as an error at
         the next ``update_from_output`` (``gpukv.vllm.v0_33.screening``)."""
         me: Any = self
+        if self._flag_to_restore:  # (the engine's construction is over)
+            engine_hashing.take_back(me)
+            self._flag_to_restore = False
         if request.request_id not in me.requests:  # (a streaming session's next chunk is the session's)
             error = prompt_refusal(request, me.kv_cache_manager.max_model_len, check_request)
             if error is not None:

@@ -34,8 +34,10 @@ NULL_BLOCK = Block(0)
 def blocks_of(request: Any, ids: Any, num_cached: int, block_size: int) -> list[Block]:
     """``Block``\\ s for a request's block ids (from position 0): those
     before ``num_cached`` carry the request's vLLM block hash, but the null
-    block."""
+    block. A request vLLM's engine did not hash (``engine_hashing``) has
+    none to carry."""
     hashes = request.block_hashes
+    num_cached = min(num_cached, len(hashes))
     return [NULL_BLOCK if not b else Block(b, hashes[i], (i + 1) * block_size) if i < num_cached else Block(b)
             for i, b in enumerate(ids)]
 
