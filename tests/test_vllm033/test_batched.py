@@ -199,6 +199,49 @@ def test_a_run_of_admissions_is_one_gpukv_step(monkeypatch):
     assert [hit for *_, hit in outputs[VllmScheduler][0]] == [32, 32, 0, 0, 0, 0, 0]
 
 
+
+@pytest.mark.parametrize(("num_blocks", "batched_tail", "scheduled"),
+                         [(100, True, {"1": 8, "2": 56}), (7, False, {"1": 8})])
+def test_a_run_ends_with_a_chunked_admission_in_the_same_step(num_blocks, batched_tail, scheduled, monkeypatch):
+    """A budget of 64 tokens, two waiting prompts of 40 (the first hits 32 of
+    them) and 60: vLLM admits the first whole (8 tokens past its hit) and
+    chunks the second at the 56 left. gpukv's run takes both, the second
+    chunked by its step's budget, in one step. With 7 blocks (6 usable) the
+    host cannot prove vLLM's whole-prompt check passes for the 60-token
+    prompt (4 blocks, where 6 less the first's 3 are left): the second takes
+    the per-request path, and vLLM's check refuses it there (the first's hit
+    blocks were evictable: taken too); every decision is vLLM's."""
+    prompts = {0: [7] * 32 + [1] * 8, 1: [7] * 32 + [2] * 8, 2: [9] * 60}
+    outputs = {}
+    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
+        scheduler = make_scheduler(cls, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                                   num_blocks=num_blocks)
+        engine = Engine(scheduler)
+        engine.add(make_requests(1, prompt=lambda i: prompts[i], max_tokens=1, scheduler=scheduler))
+        engine.run_until_idle()  # (its 32-token prefix cached)
+        engine.add(make_requests(2, prompt=lambda i: prompts[i + 1], first_id=1, max_tokens=1, scheduler=scheduler))
+        calls = {"get_computed_blocks": 0, "allocate_slots": 0}
+        if cls is not VllmScheduler:
+            manager = scheduler.kv_cache_manager.manager
+            for name in calls:
+                real = getattr(manager, name)
+
+                def counted(*args, _real=real, _name=name, _calls=calls, **kwargs):
+                    _calls[_name] += 1
+                    return _real(*args, **kwargs)
+
+                monkeypatch.setattr(manager, name, counted)
+        out = engine.step()
+        outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+                        dict(out.num_scheduled_tokens))
+        if cls is not VllmScheduler:
+            # (unbatched, the adapter's own whole-prompt check refuses before the manager allocates)
+            per_request = {"get_computed_blocks": 0, "allocate_slots": 0} if batched_tail else \
+                {"get_computed_blocks": 1, "allocate_slots": 0}
+            assert calls == per_request
+    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
+    assert outputs[VllmScheduler][1] == scheduled
+
 def test_a_lookup_the_run_did_not_expect_raises():
     scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=16, max_num_batched_tokens=1024,
                                max_model_len=256, num_blocks=100)
@@ -207,7 +250,7 @@ def test_a_lookup_the_run_did_not_expect_raises():
         scheduler.add_request(r)
     kv = scheduler.kv_cache_manager
     kv.batching = True
-    kv.waiting_run = lambda _tokens: list(scheduler.waiting)
+    kv.waiting_run = lambda _tokens: (list(scheduler.waiting), None)
     kv.get_computed_blocks(requests[0])  # (the run of three admitted as one step)
     with pytest.raises(AssertionError, match="where gpukv's batched run admitted '0' next"):
         kv.get_computed_blocks(requests[2])

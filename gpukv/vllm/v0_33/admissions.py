@@ -15,7 +15,14 @@ request is one vLLM admits whole whatever its hit (no chunk: its tokens fit
 the token budget left, counted without hits, and the long-prefill
 threshold; a plain waiting or preempted request: no LoRA, multimodal
 input, pooling, computed tokens, stale output, streaming) and a model-runner
-slot is free; and only in a step with nothing else that bends vLLM's loop
+slot is free. The run's last request may instead be one vLLM chunks by the
+budget left (chunked prefill on, no long-prefill threshold, and, under
+vLLM's whole-prompt check ``scheduler_reserve_full_isl``, its prompt
+provably fitting on the host): gpukv's step then takes the budget and chunks
+it by vLLM's rule (``gpukv.request.new_tokens_at_admission``: ``min(tokens
+past the hit, budget left)``, hits charged as vLLM charges them); should its
+hit leave it whole, vLLM's loop goes on past the run on the per-request
+path. All this only in a step with nothing else that bends vLLM's loop
 (no speculative decoding, no watermark, no pause, no held-KV queue, no prefill
 throttling, no priority policy, no replayed windows). In such a run vLLM's
 only per-request decisions are the hit and the fit, which are gpukv's
@@ -40,10 +47,13 @@ from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.views import blocks_of
 
 
-def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_prefills: bool) -> list[Any]:
-    """The waiting requests vLLM's loop will look up and admit whole, in
-    order, after the running loop scheduled ``num_scheduled_tokens``
-    (module docstring); empty when the step may bend the loop."""
+def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int,
+              throttle_prefills: bool) -> tuple[list[Any], int | None]:
+    """The waiting requests vLLM's loop will look up and admit, in order,
+    after the running loop scheduled ``num_scheduled_tokens`` (module
+    docstring), and the token budget gpukv's step takes for them: None when
+    each is admitted whole, the budget left when the last one may be
+    chunked. Empty when the step may bend the loop."""
     from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
     from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
@@ -53,19 +63,39 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
             or s.vllm_config.speculative_config is not None or s.num_lookahead_tokens or s.prefix_replay_tokens
             or adapter.watermark_blocks or not adapter.can_batch or adapter._events.index
             or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None)):
-        return []
-    budget = min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens) - num_scheduled_tokens
+        return [], None
+    budget = start_budget = min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens) \
+        - num_scheduled_tokens
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
     threshold = s.scheduler_config.long_prefill_token_threshold
     run: list[Any] = []
     for request in s.waiting:
         n = request.num_tokens
-        if len(run) == slots or n > budget or (threshold and n > threshold) or n > adapter.max_model_len \
-                or not _plain(request):
+        if len(run) == slots or (threshold and n > threshold) or n > adapter.max_model_len or not _plain(request):
+            break
+        if n > budget:
+            if budget > 0 and not threshold and s.scheduler_config.enable_chunked_prefill \
+                    and _full_prompt_fits(s, adapter, run, n):
+                return [*run, request], start_budget
             break
         run.append(request)
         budget -= n
-    return run
+    return run, None
+
+
+def _full_prompt_fits(scheduler: Any, adapter: Any, run: list[Any], num_tokens: int) -> bool:
+    """Whether vLLM's whole-prompt check (``scheduler_reserve_full_isl``,
+    on by default) passes for a request of ``num_tokens`` admitted chunked
+    after ``run``, provably on the host: its blocks with no hit (a hit only
+    lowers them) within the free blocks' lower bound less what the running
+    loop's calls and ``run`` may take. gpukv's step checks only the chunk's
+    blocks, fewer: so both then admit it. Unproved, the request keeps the
+    per-request path."""
+    if not scheduler.scheduler_reserve_full_isl:
+        return True
+    bs, groups = adapter.block_size, adapter.num_kv_cache_groups
+    taken = adapter.pending.taken + groups * sum(-(-r.num_tokens // bs) for r in run)
+    return adapter.manager.free_blocks_lower_bound() - taken >= groups * -(-num_tokens // bs)
 
 
 def _plain(request: Any) -> bool:
@@ -89,6 +119,7 @@ class Admission:
     hit_blocks: Any  # the KVCacheBlocks get_computed_blocks returns
     new_blocks: Any  # the KVCacheBlocks allocate_slots returns
     block_ids: list[list[int]]  # all its blocks, per group
+    num_new_tokens: int  # the tokens it computes past the hit (all of them, or the run's last one's chunk)
     looked_up: bool = False
 
 
@@ -116,21 +147,24 @@ class AdmittedRun:
             raise AssertionError(f"gpukv admitted {[e.request.request_id for e in left]} in a batched run that "
                                  "vLLM's waiting loop did not reach")
 
-    def start(self, request: Any, run: list[Any]) -> None:
+    def start(self, request: Any, waiting_run: tuple[list[Any], int | None]) -> None:
         """Admit ``run`` (whose head vLLM looks up now) as one gpukv step,
         with the running loop's pending calls (``PendingGrowth.flush``)."""
         self.started = True
+        run, token_budget = waiting_run
         if not run or run[0] is not request:
             return
         a = self._adapter
-        result = a.pending.flush(new=[a._new_request(r, r.all_token_ids[:]) for r in run])
+        result = a.pending.flush(new=[a._new_request(r, r.all_token_ids[:]) for r in run], token_budget=token_budget)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
         for i in range(result.num_admitted):
             self.entries.append(self._admission(run[i], result.rows[i], result.num_computed_tokens[i],
-                                                [group[i] for group in result.admitted_block_ids]))
+                                                [group[i] for group in result.admitted_block_ids],
+                                                result.num_new_tokens[i]))
 
-    def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]]) -> Admission:
+    def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]],
+                   num_new_tokens: int) -> Admission:
         a = self._adapter
         num_hit = hit // a.block_size
         hit_ids = [ids[:num_hit] for ids in block_ids]
@@ -138,7 +172,7 @@ class AdmittedRun:
         hit_blocks = (a.create_kv_cache_blocks(tuple(blocks_of(request, ids, num_hit, a.block_size)
                                                      for ids in hit_ids)) if hit else a.empty_kv_cache_blocks)
         new_blocks = a._new_blocks([ids[num_hit:] for ids in block_ids])
-        return Admission(request, row, computed, hit_blocks, new_blocks, block_ids)
+        return Admission(request, row, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
 
     def lookup(self, request: Any) -> Admission | None:
         """The run's answer to ``get_computed_blocks(request)`` (the run is
@@ -164,7 +198,7 @@ class AdmittedRun:
         if self.cursor == len(self.entries) or self.entries[self.cursor].request is not request:
             return None
         entry = self.entries[self.cursor]
-        expected = (request.num_tokens - entry.computed.num_tokens, entry.computed.num_tokens, 0)
+        expected = (entry.num_new_tokens, entry.computed.num_tokens, 0)
         if not entry.looked_up or blocks is not entry.hit_blocks and entry.computed.num_tokens or (
                 num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) != expected:
             raise AssertionError(f"vLLM allocates for {request.request_id!r} (new {num_new_tokens}, computed "

@@ -151,18 +151,19 @@ class PendingGrowth:
         self.taken += num_blocks
         return True
 
-    def flush(self, new: Sequence[NewRequest] = ()) -> StepResult | None:
+    def flush(self, new: Sequence[NewRequest] = (), token_budget: int | None = None) -> StepResult | None:
         """Apply the pending calls as one gpukv step, in call order, and fill
         the blocks handed back; ``new`` (a run of admissions,
         ``gpukv.vllm.v0_33.admissions``) are admitted in the same step, after
-        them, as vLLM's waiting loop comes after its running loop. Returns
+        them, as vLLM's waiting loop comes after its running loop, within
+        ``token_budget`` tokens (None: each whole). Returns
         the step's result (None when there was nothing to do)."""
         if not self.rows:
-            return self._adapter.manager.step(new=new, block_ids=True) if new else None
+            return self._adapter.manager.step(new=new, token_budget=token_budget, block_ids=True) if new else None
         try:
             batch = self._batch()
             wants_ids = bool(new) or any(b is not None for b in self.lazy)
-            result = self._adapter.manager.step(running=batch, new=new, block_ids=wants_ids)
+            result = self._adapter.manager.step(running=batch, new=new, token_budget=token_budget, block_ids=wants_ids)
             self.num_steps += 1
             if result.running_failed_at is not None:
                 raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
