@@ -49,13 +49,13 @@ the call returns is marked used on the caller's stream (``record_stream``).
 Two calls made from two streams are thus both ordered on the manager's
 stream, in call order. The figures a serving loop asks each step (the free
 count: vLLM's ``usage``) come from a host mirror each step refreshes
-without waiting (``gpukv.device.reads.FreeCountMirror``). Without CUDA there are no streams and nothing is done. The decode's parts
+without waiting (``gpukv.device.reads.FreeCountMirror``). Without CUDA
+there are no streams and nothing is done. The decode's parts
 (plan, stage, launch, finish) run only inside one ``decode`` (or step) call,
 under its call lock and its ordering (``_launch_decode``: why).
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -63,7 +63,7 @@ import torch
 
 from gpukv import _runtime, hashing
 from gpukv.device.admission import Admission
-from gpukv.device.calls import CallContext
+from gpukv.device.calls import CallContext, OwnStream
 from gpukv.device.decode import (
     DECODE_PHASES,
     DecodeBuffers,
@@ -160,11 +160,6 @@ def _checked_args(num_blocks, block_size, sliding_windows, max_model_len, max_nu
 KV_EVENTS_CAPACITY = 65_536
 
 
-def _on_device(values: list) -> list[torch.Tensor]:
-    """The CUDA tensors among ``values`` (tokens a caller left on its device)."""
-    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
-
-
 #: A step that hands back nothing beyond its decisions.
 _NO_OUTPUTS = StepOutputs()
 
@@ -200,15 +195,12 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self.device = device
         # The manager's own stream, every call runs on it (module docstring, "Streams"); None without CUDA.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with contextlib.nullcontext() if self._stream is None else torch.cuda.stream(self._stream):
+        with OwnStream(self._stream, device):
             self._build(num_blocks, block_size, windows, max_model_len, max_num_reqs, key, enable_caching,
                         uncached_first, enable_kv_cache_events)
-        if self._stream is not None:  # (the constructing stream may read the tables: after their zeroing)
-            torch.cuda.current_stream(device).wait_stream(self._stream)
 
     def _build(self, num_blocks: int, block_size: int, windows: list, max_model_len: int, max_num_reqs: int,
                key: bytes, enable_caching: bool, uncached_first: bool, enable_kv_cache_events: bool) -> None:
-        """The state (on the manager's stream, ``__init__``)."""
         self.block_size = block_size
         self.sliding_windows = windows
         self.num_groups = len(windows)
@@ -232,7 +224,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self._row_ids: dict[int, str] = {}
         # KV-cache events (``gpukv.events``): written on the device as the cache
         # changes, drained by the reads the host makes (``gpukv.device.events``).
-        self._events = DeviceEvents(DeviceEventLog(KV_EVENTS_CAPACITY, block_size, device)
+        self._events = DeviceEvents(DeviceEventLog(KV_EVENTS_CAPACITY, block_size, self.device)
                                     if enable_kv_cache_events else None, self.pool.table)
         # Counted on the host from the hits each step reads anyway (no read of its own).
         self._stats = PrefixCacheStats()
@@ -272,9 +264,8 @@ class DeviceManager(CallContext, SharedManagerAPI):
     # (``gpukv.device.reads``: each waits on the device.)
     @reading
     def read_num_free_blocks(self) -> int:
-        """Free blocks now: from the host mirror the last step refreshed (it
-        waits for that step's work on the manager's stream only), or one
-        device read when the pool changed outside a step since."""
+        """Free blocks now: the host mirror the last step refreshed, or a device
+        read if the pool changed outside a step (``FreeCountMirror``)."""
         return self._reads.num_free_blocks()
 
     @reading
@@ -563,25 +554,11 @@ class DeviceManager(CallContext, SharedManagerAPI):
             raise unknown_request(request_id) from None
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
-        """Every argument checked and normalised (``gpukv.request``), before
-        anything changes; tokens left on the caller's device are ordered
-        after the caller's stream (module docstring, "Streams")."""
-        step = normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
-                              num_tokens=lambda rid: int(self._rows.num_tokens[self._reqs[rid]]),
-                              num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]), single=single,
-                              defer_admissible=defer_admissible)
-        if self._caller_stream is not None:
-            self._wait_for_caller(_on_device([r.token_ids for r in step.new]
-                                             + [u.new_token_ids for u in step.running]))
-        return step
-
-    def _normalize_running(self, batch, finished_rows=()):
-        """A ``RunningBatch`` checked (``SharedManagerAPI``'s); its tokens, when
-        left on the caller's device, ordered after the caller's stream."""
-        run = super()._normalize_running(batch, finished_rows)
-        if self._caller_stream is not None:
-            self._wait_for_caller(_on_device([run.tokens]))
-        return run
+        """Every argument checked and normalised (``gpukv.request``), before anything changes (and ordered)."""
+        return self._ordered(normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
+                             num_tokens=lambda rid: int(self._rows.num_tokens[self._reqs[rid]]),
+                             num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]),
+                             single=single, defer_admissible=defer_admissible))
 
     _row_of = _state  # (``SharedManagerAPI``'s hook: this manager's state of a request is its row)
 

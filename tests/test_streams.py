@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gpukv._runtime  # noqa: F401
-import gpukv.manager
+import gpukv.device.calls
 from gpukv.errors import UnknownRequestError
 from gpukv.manager import DeviceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -128,7 +128,7 @@ def test_tokens_on_the_callers_device_make_the_manager_wait_for_the_caller_first
     s = bound(manager, monkeypatch)
     s.current = s.other
     # (CPU tokens stand for device ones: every token container the call takes is one the caller wrote)
-    monkeypatch.setattr(gpukv.manager, "_on_device",
+    monkeypatch.setattr(gpukv.device.calls, "on_device",
                         lambda values: [FakeDeviceTokens(s.log) for v in values if v is not None and len(v)])
     if call == "decode":
         manager.decode([row], [7])

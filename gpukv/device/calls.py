@@ -22,6 +22,11 @@ from gpukv.kernels import _common
 from gpukv.staging import TorchOpCounter
 
 
+def on_device(values: list) -> list[torch.Tensor]:
+    """The CUDA tensors among ``values`` (tokens a caller left on its device)."""
+    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
+
+
 class StepAccounting:
     """``CallContext._counting``'s context: a plain class, not a generator
     (it wraps every step, and a generator-based context manager costs a few
@@ -62,6 +67,28 @@ class StepAccounting:
         m._staging.end_step()
         if refresh:
             m._mirror.event = m._staging.last_event
+
+
+class OwnStream:
+    """The manager's construction on its own stream (``stream``; None
+    without CUDA: nothing is done): its state is allocated and zeroed there,
+    and the constructing stream then waits for that work (on the device), as
+    it may read the tables before any call."""
+
+    __slots__ = ("stream", "device", "switch")
+
+    def __init__(self, stream: Any, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            self.switch = torch.cuda.stream(self.stream)
+            self.switch.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None:
+            self.switch.__exit__(*exc)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 class CallContext:
@@ -114,20 +141,37 @@ class CallContext:
         self._caller_stream = caller
         return caller, switch
 
-    def _wait_for_caller(self, tensors: list) -> None:
-        """Device tensors a call takes from its caller (tokens a model
-        runner sampled): the manager's stream waits on an event recorded on
-        the caller's stream now (its work queued so far, not what it queues
-        later), and each tensor is marked used on the manager's stream (the
-        allocator then keeps its memory until the manager's kernels read it).
-        Nothing when the call runs on the manager's own stream."""
+    def _wait_for_caller(self, values: list) -> None:
+        """The CUDA tensors among ``values``, token containers a call takes
+        from its caller (tokens a model runner sampled): the manager's stream
+        waits on an event recorded on the caller's stream now (its work
+        queued so far, not what it queues later), and each tensor is marked
+        used on the manager's stream (the allocator then keeps its memory
+        until the manager's kernels read it). Nothing when the call runs on
+        the manager's own stream, or takes no such tensor."""
         caller = self._caller_stream
-        if caller is None or not tensors:
+        tensors = on_device(values) if caller is not None else ()
+        if not tensors:
             return
         own = self._stream
         own.wait_stream(caller)
         for t in tensors:
             t.record_stream(own)
+
+    def _ordered(self, step: Any) -> Any:
+        """A normalised ``Step`` whose tokens, when left on the caller's
+        device, are ordered after the caller's stream (``_wait_for_caller``)."""
+        if self._caller_stream is not None:
+            self._wait_for_caller([r.token_ids for r in step.new] + [u.new_token_ids for u in step.running])
+        return step
+
+    def _normalize_running(self, batch: Any, finished_rows: Any = ()) -> Any:
+        """A ``RunningBatch`` checked (``SharedManagerAPI``'s); its tokens,
+        when left on the caller's device, ordered after the caller's stream."""
+        run = super()._normalize_running(batch, finished_rows)  # type: ignore[misc]
+        if self._caller_stream is not None:
+            self._wait_for_caller([run.tokens])
+        return run
 
     def _leave_stream(self, entered: tuple, out: Any) -> None:
         """Back on the caller's stream, which waits for the manager's work (a
