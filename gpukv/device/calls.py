@@ -99,6 +99,7 @@ class CallContext:
     _stream: Any
     device: torch.device
     counters: Any
+    _reads: Any
     #: The stream of the call under way when it came from another stream than the manager's (else None).
     _caller_stream: Any = None
 
@@ -122,6 +123,10 @@ class CallContext:
         finally:
             if entered is not None:
                 self._leave_stream(entered, None)
+
+    def _num_unheld(self, block_ids: list[int]) -> int:
+        """``read_num_unheld``'s one read (``gpukv.shared_api``'s hook)."""
+        return self._reads.num_unheld(block_ids)
 
     def _enter_stream(self) -> tuple | None:
         """Run a call made on another stream than the manager's on the

@@ -131,6 +131,12 @@ class DeviceReads:
         ends = np.cumsum(counts).tolist()
         return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
 
+    def num_unheld(self, block_ids: list[int]) -> int:
+        """How many of these (distinct, checked) blocks have reference count 0."""
+        m = self._m
+        ids = m._staging.upload(np.array(block_ids, dtype=np.int64))
+        return int(m._read((m.pool.ref_cnt[ids] == 0).sum().view(1))[0])
+
     def common_prefix_blocks(self, row: int, count: int, windows: list) -> list[int]:
         """Per group, the leading blocks of the row whose reference count is
         ``count`` (up to the first that is not); 0 for a window group."""
