@@ -31,20 +31,26 @@ first change (``gpukv.failstop``), runs a step's phases in order
 one read (``_read``) and the verbs both the decode and the admission launch
 (hashing, caching, the kept-launch replay).
 
-Streams: a manager is bound to the CUDA stream current when it was built
-(``torch.cuda.current_stream(device)``); every launch, upload, staging event
-and read of its calls runs on that stream. A call made while another stream
-is current is ordered, in one place (``DeviceManager._enter_stream``, run by
-the ``gpukv.failstop`` wrappers of every public call, and by ``_read``): the
-manager's stream first waits for the caller's (so tokens a model runner
-sampled there are written before the manager reads them), the call runs on
-the manager's stream, and the caller's stream then waits for the manager's
-(so an attention kernel launched there after ``block_table_for`` or
-``decode`` reads the tables they wrote); a device tensor the call returns is
-marked used on the caller's stream (``record_stream``). Two calls made from
-two streams are thus both ordered on the manager's stream, in call order. A
-call on the manager's own stream costs one ``current_stream`` query more.
-Without CUDA there are no streams and nothing is done. The decode's parts
+Streams: on CUDA a manager runs on a stream of its own, made at
+construction (its state is built there too); every launch, upload, staging
+event and read of its calls runs on that stream, so a read (``.cpu()``)
+waits for the manager's own work, never for a model's forward queued on
+another stream. It is ordered against the caller's stream only where data is
+shared, in one place (``gpukv.device.calls.CallContext``: ``_enter_stream``,
+run by the ``gpukv.failstop`` wrappers of every public call and by ``_read``;
+``_leave_stream``; ``_wait_for_caller``): a call runs on the manager's stream
+without waiting for the caller's; device tensors it takes from the caller
+(tokens a model runner sampled there) make the manager's stream wait on an
+event recorded on the caller's stream at the call (``_normalize``); when the
+call returns, the caller's stream waits for the manager's (on the device: an
+attention kernel launched there after ``block_table_for`` or ``decode``
+reads the tables they wrote, the host does not wait), and a device tensor
+the call returns is marked used on the caller's stream (``record_stream``).
+Two calls made from two streams are thus both ordered on the manager's
+stream, in call order. The figures a serving loop asks each step (the free
+count: vLLM's ``usage``) come from a host mirror each step refreshes
+without waiting (``gpukv.device.reads.FreeCountMirror``). Without CUDA
+there are no streams and nothing is done. The decode's parts
 (plan, stage, launch, finish) run only inside one ``decode`` (or step) call,
 under its call lock and its ordering (``_launch_decode``: why).
 """
@@ -57,7 +63,7 @@ import torch
 
 from gpukv import _runtime, hashing
 from gpukv.device.admission import Admission
-from gpukv.device.calls import CallContext
+from gpukv.device.calls import CallContext, OwnStream
 from gpukv.device.decode import (
     DECODE_PHASES,
     DecodeBuffers,
@@ -66,7 +72,7 @@ from gpukv.device.decode import (
 )
 from gpukv.device.events import DeviceEvents
 from gpukv.device.launches import SharedLaunches
-from gpukv.device.reads import DeviceReads
+from gpukv.device.reads import DeviceReads, FreeCountMirror
 from gpukv.device.releases import ReleaseBuffers, Releases
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import KVEventBatch
@@ -163,10 +169,10 @@ class DeviceManager(CallContext, SharedManagerAPI):
     plus the batched ``decode(rows, new_token_ids)`` entry for serving loops:
     the request-level API over the parts the module docstring names.
 
-    Bound to the CUDA stream current at construction: a call made while
-    another stream is current waits for that stream's work, runs on the
-    manager's stream, and makes the caller's stream wait for its work (the
-    module docstring, "Streams")."""
+    On CUDA it runs on a stream of its own: a call made on another stream
+    does not wait for that stream's work (only for device tensors it takes
+    from it), runs on the manager's stream, and makes the caller's stream
+    wait for its work (the module docstring, "Streams")."""
 
     _PROPERTIES_WAIT = True  # (``num_free_blocks``, ``num_evictions``, ``usage``: deprecated here)
 
@@ -187,8 +193,14 @@ class DeviceManager(CallContext, SharedManagerAPI):
         num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key = _checked_args(
             num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key)
         self.device = device
-        # The stream every call runs on (module docstring, "Streams"); None without CUDA.
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        # The manager's own stream, every call runs on it (module docstring, "Streams"); None without CUDA.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with OwnStream(self._stream, device):
+            self._build(num_blocks, block_size, windows, max_model_len, max_num_reqs, key, enable_caching,
+                        uncached_first, enable_kv_cache_events)
+
+    def _build(self, num_blocks: int, block_size: int, windows: list, max_model_len: int, max_num_reqs: int,
+               key: bytes, enable_caching: bool, uncached_first: bool, enable_kv_cache_events: bool) -> None:
         self.block_size = block_size
         self.sliding_windows = windows
         self.num_groups = len(windows)
@@ -212,7 +224,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self._row_ids: dict[int, str] = {}
         # KV-cache events (``gpukv.events``): written on the device as the cache
         # changes, drained by the reads the host makes (``gpukv.device.events``).
-        self._events = DeviceEvents(DeviceEventLog(KV_EVENTS_CAPACITY, block_size, device)
+        self._events = DeviceEvents(DeviceEventLog(KV_EVENTS_CAPACITY, block_size, self.device)
                                     if enable_kv_cache_events else None, self.pool.table)
         # Counted on the host from the hits each step reads anyway (no read of its own).
         self._stats = PrefixCacheStats()
@@ -228,6 +240,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self._staging = Staging(self.device, self.counters)
         self._counting_depth = 0
         self._blocked = torch.zeros(1, dtype=torch.int32, device=self.device)  # a running update did not fit
+        self._mirror = FreeCountMirror(self.pool.free_queue, self.device)  # the free count, host side
         self._reads = DeviceReads(self)
         self._decode = DecodePath(self)
         self._admission = Admission(self)
@@ -251,7 +264,8 @@ class DeviceManager(CallContext, SharedManagerAPI):
     # (``gpukv.device.reads``: each waits on the device.)
     @reading
     def read_num_free_blocks(self) -> int:
-        """Free blocks now; reads the device (waits for the GPU)."""
+        """Free blocks now: the host mirror the last step refreshed, or a device
+        read if the pool changed outside a step (``FreeCountMirror``)."""
         return self._reads.num_free_blocks()
 
     @reading
@@ -359,6 +373,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, when no request holds a block (else False, nothing changed); reads the device."""
         self._begin_changes()
+        self._mirror.fresh = False  # (the pool changes outside a step: the next free count is read)
         if self.read_num_free_blocks() != self.num_blocks - 1:
             return False
         if self._events.log is not None:
@@ -393,12 +408,15 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return self._admission.allocate_new(request, computed, num_tokens, num_lookahead_tokens)
 
     def _allocate_running(self, update: RunningUpdate) -> list[list[int]] | None:
-        before = int(self._rows.num_held[self._state(update.request_id)])
+        row = self._state(update.request_id)
+        before = int(self._rows.num_held[row])
         self._begin_changes()
         with self._counting():
             res = self._step((), [update], ())
         if not res.ok:
             return None
+        if int(self._rows.num_held[row]) == before:  # no new position: nothing to read
+            return [[] for _ in range(self.num_groups)]
         return [g[before:] for g in self.get_block_ids(update.request_id)]
 
     @mutating
@@ -536,11 +554,11 @@ class DeviceManager(CallContext, SharedManagerAPI):
             raise unknown_request(request_id) from None
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
-        """Every argument checked and normalised (``gpukv.request``), before anything changes."""
-        return normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
-                              num_tokens=lambda rid: int(self._rows.num_tokens[self._reqs[rid]]),
-                              num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]), single=single,
-                              defer_admissible=defer_admissible)
+        """Every argument checked and normalised (``gpukv.request``), before anything changes (and ordered)."""
+        return self._ordered(normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
+                             num_tokens=lambda rid: int(self._rows.num_tokens[self._reqs[rid]]),
+                             num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]),
+                             single=single, defer_admissible=defer_admissible))
 
     _row_of = _state  # (``SharedManagerAPI``'s hook: this manager's state of a request is its row)
 

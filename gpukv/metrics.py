@@ -105,7 +105,8 @@ class StepCounters:
     device-to-host reads (the device manager's ``read_*`` paths), and torch
     kernels (only while ``count_torch_ops`` is True: a dispatch hook that
     costs host time itself, so benchmarks switch it on in a separate counting
-    pass). ``steps`` counts the device manager's steps since construction.
+    pass). ``steps`` counts the device manager's steps since construction,
+    ``reads`` its device reads since construction.
     The reference manager has one too, always zero: it launches, uploads and
     reads nothing."""
 
@@ -114,6 +115,8 @@ class StepCounters:
     d2h: int = 0
     torch_ops: int = 0
     steps: int = 0
+    #: Device-to-host reads since construction (``d2h`` is the last step's).
+    reads: int = 0
     count_torch_ops: bool = False
 
     @property

@@ -646,6 +646,9 @@ class ReferenceManager(SharedManagerAPI):
         except KeyError:
             raise unknown_request(request_id) from None
 
+    def _num_unheld(self, block_ids: list[int]) -> int:
+        return sum(1 for b in block_ids if self.pool.ref_cnt[b] == 0)
+
     def _row_of(self, request_id: str) -> int:
         return self._requests[request_id].row
 

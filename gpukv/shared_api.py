@@ -37,6 +37,18 @@ from gpukv.request import (
 from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
 
 
+def _block_ids(value: Any, num_blocks: int) -> list[int]:
+    """A sequence of block ids, each an int in ``[0, num_blocks)``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidTypeError(f"block_ids must be a sequence of ints, got {type(value).__name__}",
+                               argument="block_ids", fix="pass a list of block ids")
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < num_blocks:
+            raise InvalidInputError(f"block_ids holds {b!r}, not a block id in [0, {num_blocks})",
+                                    argument="block_ids", fix="pass the ids of blocks of this manager's pool")
+    return [int(b) for b in value]
+
+
 class SharedManagerAPI(FailStop, metaclass=ABCMeta):
     """The part of the request-level API both managers share (the module
     docstring); a manager subclasses it and adds how it keeps its state."""
@@ -86,9 +98,22 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
     @reading
     def read_usage(self) -> float:
         """Fraction of the pool (null block excluded) that is referenced, as
-        vLLM's ``KVCacheManager.usage`` (on the device manager it reads the
-        device: waits for the GPU)."""
+        vLLM's ``KVCacheManager.usage`` (on the device manager from the host
+        mirror of the last step's free count: ``read_num_free_blocks``)."""
         return 1.0 - self.read_num_free_blocks() / (self.num_blocks - 1)
+
+    @reading
+    def read_num_unheld(self, block_ids: Sequence[int]) -> int:
+        """How many of the distinct blocks ``block_ids`` (host ints; the
+        null block 0 skipped) no request holds: the hit blocks an admission
+        takes out of the free queue, which vLLM's fit check counts as blocks
+        to take. One read on the device manager (none for no block)."""
+        ids = sorted({b for b in _block_ids(block_ids, self.num_blocks) if b})
+        return self._num_unheld(ids) if ids else 0
+
+    @abstractmethod
+    def _num_unheld(self, block_ids: list[int]) -> int:
+        """``read_num_unheld`` on checked, distinct, non-null block ids."""
 
     @property
     def num_free_blocks(self) -> int:

@@ -76,6 +76,11 @@ class Staging:
             event.record()
             self._events[self._cur] = event
 
+    @property
+    def last_event(self) -> torch.cuda.Event | None:
+        """The event recorded after the last step's copies (None without CUDA)."""
+        return self._events[self._cur]
+
     def upload(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """``array`` on the device (into ``out`` when given: a fixed buffer
         of the same dtype and at least as many elements). Outside a step, the

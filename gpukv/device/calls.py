@@ -6,8 +6,10 @@ methods are the ``gpukv.failstop`` hooks every public call runs
 (``_enter_stream`` / ``_leave_stream``), and they stay one attribute lookup
 away, as they were, on the decode's host budget. Streams (the manager
 module's docstring, "Streams"): a call made on another CUDA stream than the
-manager's waits for the caller's work, runs on the manager's stream, and the
-caller's stream then waits for the manager's; without CUDA nothing is done.
+manager's own runs on the manager's stream without waiting for the caller's
+work, except for device tensors the caller hands over (``_wait_for_caller``);
+the caller's stream then waits for the manager's (the tables it reads);
+without CUDA nothing is done.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import torch
 
 from gpukv.kernels import _common
 from gpukv.staging import TorchOpCounter
+
+
+def on_device(values: list) -> list[torch.Tensor]:
+    """The CUDA tensors among ``values`` (tokens a caller left on its device)."""
+    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
 
 
 class StepAccounting:
@@ -37,6 +44,7 @@ class StepAccounting:
             return
         c = m.counters
         c.h2d = c.d2h = c.torch_ops = 0
+        m._mirror.fresh = False  # the step may change the free count
         self.base = _common.launches()
         m._staging.begin_step()
         self.torch_ops = TorchOpCounter(c) if c.count_torch_ops else None
@@ -53,7 +61,34 @@ class StepAccounting:
         c = m.counters
         c.launches = _common.launches() - self.base
         c.steps += 1
+        refresh = exc[0] is None
+        if refresh:
+            m._mirror.refresh()  # (before end_step: the step's event covers the copy)
         m._staging.end_step()
+        if refresh:
+            m._mirror.event = m._staging.last_event
+
+
+class OwnStream:
+    """The manager's construction on its own stream (``stream``; None
+    without CUDA: nothing is done): its state is allocated and zeroed there,
+    and the constructing stream then waits for that work (on the device), as
+    it may read the tables before any call."""
+
+    __slots__ = ("stream", "device", "switch")
+
+    def __init__(self, stream: Any, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            self.switch = torch.cuda.stream(self.stream)
+            self.switch.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None:
+            self.switch.__exit__(*exc)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 class CallContext:
@@ -64,6 +99,9 @@ class CallContext:
     _stream: Any
     device: torch.device
     counters: Any
+    _reads: Any
+    #: The stream of the call under way when it came from another stream than the manager's (else None).
+    _caller_stream: Any = None
 
     def _counting(self) -> StepAccounting:
         """One step's accounting (``counters``) and staging buffer; nested
@@ -71,10 +109,14 @@ class CallContext:
         return StepAccounting(self)
 
     def _read(self, t: torch.Tensor) -> list:
-        """A device-to-host read (counted): the host waits for the GPU (on the
-        manager's stream: ``read_num_free_blocks`` and the like are not
-        wrapped calls). Every read of the parts comes here."""
-        self.counters.d2h += 1
+        """A device-to-host read (counted: ``counters.d2h`` in the step,
+        ``counters.reads`` since construction), on the manager's stream: the
+        host waits for the manager's own work, never for the caller's
+        (``read_num_free_blocks`` and the like are not wrapped calls). Every
+        read of the parts comes here."""
+        counters = self.counters
+        counters.d2h += 1
+        counters.reads += 1
         entered = self._enter_stream()
         try:
             return t.cpu().tolist()
@@ -82,29 +124,69 @@ class CallContext:
             if entered is not None:
                 self._leave_stream(entered, None)
 
+    def _num_unheld(self, block_ids: list[int]) -> int:
+        """``read_num_unheld``'s one read (``gpukv.shared_api``'s hook)."""
+        return self._reads.num_unheld(block_ids)
+
     def _enter_stream(self) -> tuple | None:
-        """Order a call made on another stream than the manager's: the
-        manager's stream waits for the caller's, and the call runs on the
-        manager's. None (nothing to undo) without CUDA, or when the caller is
-        on the manager's stream (a nested call always is)."""
+        """Run a call made on another stream than the manager's on the
+        manager's, without waiting for the caller's work (its model's
+        forward): only the device tensors the call takes from the caller are
+        waited for (``_wait_for_caller``). None (nothing to undo) without
+        CUDA, or when the caller is on the manager's stream (a nested call
+        always is)."""
         own = self._stream
         if own is None:
             return None
         caller = torch.cuda.current_stream(self.device)
         if caller == own:
             return None
-        own.wait_stream(caller)
         switch = torch.cuda.stream(own)
         switch.__enter__()
+        self._caller_stream = caller
         return caller, switch
 
+    def _wait_for_caller(self, values: list) -> None:
+        """The CUDA tensors among ``values``, token containers a call takes
+        from its caller (tokens a model runner sampled): the manager's stream
+        waits on an event recorded on the caller's stream now (its work
+        queued so far, not what it queues later), and each tensor is marked
+        used on the manager's stream (the allocator then keeps its memory
+        until the manager's kernels read it). Nothing when the call runs on
+        the manager's own stream, or takes no such tensor."""
+        caller = self._caller_stream
+        tensors = on_device(values) if caller is not None else ()
+        if not tensors:
+            return
+        own = self._stream
+        own.wait_stream(caller)
+        for t in tensors:
+            t.record_stream(own)
+
+    def _ordered(self, step: Any) -> Any:
+        """A normalised ``Step`` whose tokens, when left on the caller's
+        device, are ordered after the caller's stream (``_wait_for_caller``)."""
+        if self._caller_stream is not None:
+            self._wait_for_caller([r.token_ids for r in step.new] + [u.new_token_ids for u in step.running])
+        return step
+
+    def _normalize_running(self, batch: Any, finished_rows: Any = ()) -> Any:
+        """A ``RunningBatch`` checked (``SharedManagerAPI``'s); its tokens,
+        when left on the caller's device, ordered after the caller's stream."""
+        run = super()._normalize_running(batch, finished_rows)  # type: ignore[misc]
+        if self._caller_stream is not None:
+            self._wait_for_caller([run.tokens])
+        return run
+
     def _leave_stream(self, entered: tuple, out: Any) -> None:
-        """Back on the caller's stream, which waits for the manager's; a
-        device tensor the call returns is marked used there (the allocator
-        then does not hand its memory to the manager's stream while the
-        caller's kernels may still read it)."""
+        """Back on the caller's stream, which waits for the manager's work (a
+        wait on the device, not on the host: the caller's next kernels read
+        the block tables the call wrote); a device tensor the call returns is
+        marked used there (the allocator then does not hand its memory to
+        the manager's stream while the caller's kernels may still read it)."""
         caller, switch = entered
         switch.__exit__(None, None, None)
+        self._caller_stream = None
         caller.wait_stream(self._stream)
         if isinstance(out, torch.Tensor) and out.device.type == "cuda":
             out.record_stream(caller)

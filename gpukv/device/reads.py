@@ -18,6 +18,7 @@ import torch
 from gpukv import hashing
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import decode as decode_ops
+from gpukv.kernels import free_queue as fq_ops
 from gpukv.request import common_prefix_length
 
 
@@ -37,6 +38,45 @@ def check_queue_errors(queue_errors: int, tokens_argument: str = "token_ids") ->
                            "queue's contract (a bug; the manager stops)")
 
 
+class FreeCountMirror:
+    """The free count and the free queue's sticky error word as the last
+    step left them, in (pinned) host memory: each step ends with a
+    non-blocking copy of them on the manager's stream, covered by the step's
+    staging event (``event``). ``read`` waits on that event only, so it
+    waits for the manager's own work and never for a model's on another
+    stream, and costs no copy of its own. ``fresh``: no step began since the
+    copy (``StepAccounting`` clears it at a step's start, ``reset_prefix_cache``
+    when it changes the pool outside a step); a stale mirror is not read."""
+
+    _FIRST = fq_ops.COUNTER_SLOTS["num_free"]
+    _LAST = fq_ops.COUNTER_SLOTS["error"]
+
+    def __init__(self, free_queue: Any, device: torch.device) -> None:
+        if self._LAST < self._FIRST:
+            raise AssertionError("the free queue's error word precedes its free count: the mirror copies a span")
+        self._queue = free_queue
+        self._host = torch.zeros(self._LAST - self._FIRST + 1, dtype=torch.int64,
+                                 pin_memory=device.type == "cuda")
+        self.event: Any = None
+        self.fresh = False
+        self.reads = 0  # reads answered from the mirror, since construction
+
+    def refresh(self) -> None:
+        """Copy the counters, without waiting (the caller's step event covers it)."""
+        self._host.copy_(self._queue.counters[self._FIRST: self._LAST + 1], non_blocking=True)
+        self.fresh = True
+
+    def read(self) -> int:
+        """The free count the last step left (raises on the error word, as a
+        step's read does); waits only for that step's copy."""
+        if self.event is not None:
+            self.event.synchronize()
+        self.reads += 1
+        values = self._host.tolist()
+        check_queue_errors(values[-1])
+        return int(values[0])
+
+
 class DeviceReads:
     """The reads of one device manager (``manager``: its ``_read``, pool,
     rows, events and staging), on rows and arguments it has checked."""
@@ -48,8 +88,11 @@ class DeviceReads:
 
     # ------------------------------------------------------------ the pool
     def num_free_blocks(self) -> int:
-        """Free blocks now (also the host's lower bound from here on)."""
-        n = int(self._m._read(self._m.pool.free_count)[0])
+        """Free blocks now (also the host's lower bound from here on): from
+        the mirror the last step refreshed when no step began since (no
+        device read), else one read."""
+        mirror = self._m._mirror
+        n = mirror.read() if mirror.fresh else int(self._m._read(self._m.pool.free_count)[0])
         self._m._free_lower_bound = n
         return n
 
@@ -61,6 +104,9 @@ class DeviceReads:
         if self._m._free_lower_bound > free:
             raise AssertionError(f"the host's lower bound of free blocks {self._m._free_lower_bound} is above the "
                                  f"{free} free blocks")
+        mirror = self._m._mirror
+        if mirror.fresh and mirror.read() != free:
+            raise AssertionError(f"the host mirror's free count {mirror.read()} is not the {free} free blocks")
 
     def num_evictions(self) -> int:
         """Cached blocks evicted so far."""
@@ -84,6 +130,12 @@ class DeviceReads:
         ids = self._m._read(self._m._rows.block_table[group, rows_t.long(), pos_t.long()])
         ends = np.cumsum(counts).tolist()
         return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
+
+    def num_unheld(self, block_ids: list[int]) -> int:
+        """How many of these (distinct, checked) blocks have reference count 0."""
+        m = self._m
+        ids = m._staging.upload(np.array(block_ids, dtype=np.int64))
+        return int(m._read((m.pool.ref_cnt[ids] == 0).sum().view(1))[0])
 
     def common_prefix_blocks(self, row: int, count: int, windows: list) -> list[int]:
         """Per group, the leading blocks of the row whose reference count is

@@ -57,8 +57,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import torch
-
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
@@ -204,7 +202,9 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
     @flushing
     def usage(self) -> float:
         """vLLM 0.33's ``1 - free / (num_blocks - 1)``: the null block is not
-        part of the usable pool (reads the device)."""
+        part of the usable pool. The device manager answers from its host
+        mirror of the last step's free count: no device read, and a wait for
+        gpukv's own work only, never the model's."""
         return 1.0 - self.manager.read_num_free_blocks() / (self.num_gpu_blocks - 1)
 
     @flushing
@@ -357,7 +357,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         target = min(num_computed_tokens, request.num_tokens)
         if target // self.block_size <= self._held[rid][2] // self.block_size:
             return  # no block more is full: nothing to cache (nor to tell gpukv)
-        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self._held[rid][0]]))
+        row, _, computed = self._held[rid]
+        held = int(self.manager.row_token_counts([row])[0][0])  # (host only: the tokens gpukv knows)
         chunk = None if target == request.num_tokens else target - computed
         self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
                                     num_processed_tokens=0)
@@ -481,10 +482,12 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         Window groups release behind vLLM's processed tokens, the computed
         ones less those in flight (``kv_cache_manager.py:555-568``)."""
         rid = request.request_id
-        (held,), (computed,) = (a.tolist() for a in self.manager.row_token_counts([self._held[rid][0]]))
+        row, num_held, computed = self._held[rid]
+        held = int(self.manager.row_token_counts([row])[0][0])  # (host only: the tokens gpukv knows)
         total, need_slot, target = growth(request, computed, num_new_tokens, num_lookahead_tokens, self.max_model_len)
         processed = max(0, total - request.num_in_flight_tokens)
-        if reserved_blocks and not self._fits(_blocks_to_grow(self.manager, rid, need_slot), 0, reserved_blocks):
+        to_take = self.num_kv_cache_groups * max(-(-need_slot // self.block_size) - num_held, 0)
+        if reserved_blocks and not self._fits(to_take, 0, reserved_blocks):
             return None
         chunk = None if target == request.num_tokens else target - computed
         if chunk == 0:
@@ -510,8 +513,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
 
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
         """vLLM's fit check: the blocks to take plus the watermark within the
-        free blocks less ``reserved`` (reads the device past the manager's
-        host-only lower bound)."""
+        free blocks less ``reserved`` (past the manager's lower bound, its free
+        count: the device manager's host mirror, no device read)."""
         need = num_blocks + watermark + reserved
         return need <= self.manager.free_blocks_lower_bound() or need <= self.manager.read_num_free_blocks()
 
@@ -577,22 +580,10 @@ def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks] | None, request: Any,
     return computed
 
 
-def _blocks_to_grow(manager: Any, request_id: str, num_tokens: int) -> int:
-    """The blocks a running request takes to hold ``num_tokens`` slots."""
-    per_group = -(-num_tokens // manager.block_size)
-    return sum(max(per_group - len(ids), 0) for ids in manager.get_block_ids(request_id))
-
-
 def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
     """Hit blocks no request holds: a hit takes them out of the free queue,
-    so they count as blocks to take (vLLM's fit check)."""
-    ids = sorted({b for group in hit_ids for b in group if b})
-    if not ids:
-        return 0
-    ref_cnt = manager.pool.ref_cnt
-    if isinstance(ref_cnt, torch.Tensor):  # (the device manager's: one read)
-        return int((ref_cnt[ids] == 0).sum().item())
-    return sum(1 for b in ids if ref_cnt[b] == 0)
+    so they count as blocks to take (vLLM's fit check); one device read."""
+    return manager.read_num_unheld([b for group in hit_ids for b in group])
 
 
 def _has_blocks(blocks: Any) -> bool:
