@@ -182,14 +182,15 @@ def kv_cache_groups(block_size: int, sliding_window: int | None, hybrid: bool) -
 def make_vllm_config(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                      enable_prefix_caching: bool, long_prefill_token_threshold: int, block_size: int,
                      num_speculative_tokens: int | None, async_scheduling: bool,
-                     enable_kv_cache_events: bool, hash_algo: str, scheduler_options: Mapping[str, Any]) -> Any:
+                     enable_kv_cache_events: bool, hash_algo: str, scheduler_options: Mapping[str, Any],
+                     watermark: float = 0.0) -> Any:
     """A ``VllmConfig`` as the engine has it after start-up, on a CPU device,
     with :class:`FakeModelConfig` set after construction (``__post_init__``
     would otherwise verify a real model config against the others)."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=True,
-        is_encoder_decoder=False, watermark=0.0, async_scheduling=async_scheduling, **scheduler_options)
+        is_encoder_decoder=False, watermark=watermark, async_scheduling=async_scheduling, **scheduler_options)
     cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=enable_prefix_caching, prefix_caching_hash_algo=hash_algo)
     speculative_config = None
@@ -225,6 +226,7 @@ def make_scheduler(
     include_finished_set: bool = False,
     cache_aware_window: int = 0,
     cache_aware_threshold: float = 0.0,
+    watermark: float = 0.0,
 ) -> Any:
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
@@ -239,6 +241,8 @@ def make_scheduler(
     * ``model_runner_v2``: the model runner the scheduler writes for (vLLM's
       default on CUDA with Triton: V2, which gets resumed requests as new ones).
     * async scheduling is on exactly when ``cls`` is an ``AsyncScheduler``.
+    * ``watermark``: the scheduler config's (the fraction of the pool an
+      admission leaves free).
     * ``cache_aware_window`` (vLLM 0.34 on; skipped before): the scheduler
       config's ``cache_aware_admission_window``, engaging from
       ``cache_aware_threshold`` usage.
@@ -254,7 +258,8 @@ def make_scheduler(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
         block_size=block_size, num_speculative_tokens=num_speculative_tokens, async_scheduling=is_async(cls),
-        enable_kv_cache_events=enable_kv_cache_events, hash_algo=hash_algo, scheduler_options=scheduler_options)
+        enable_kv_cache_events=enable_kv_cache_events, hash_algo=hash_algo, scheduler_options=scheduler_options,
+        watermark=watermark)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid))
     vllm_config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory

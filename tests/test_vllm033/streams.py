@@ -45,6 +45,7 @@ class StreamConfig:
     # vLLM 0.34 on: prompt-logprob requests start scoring at a random prompt token (their hits bounded there)
     bounded_hits: bool = False
     cache_aware_window: int = 0  # vLLM 0.34 on: cache-aware admission over the first N waiting requests
+    watermark: float = 0.0  # the scheduler config's watermark (fraction of the pool kept free at admission)
 
 
 @dataclass
@@ -162,7 +163,8 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
                                num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
-                               enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window)
+                               enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
+                               watermark=config.watermark)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=BlockTables() if check_tables else None)

@@ -66,6 +66,9 @@ class _Counting:
     def admitted(self) -> tuple[int, int]:
         return sum(r.num_runs for r in self.runs), sum(r.num_admitted for r in self.runs)
 
+    def chunked(self) -> int:
+        return sum(r.num_chunked for r in self.runs)
+
 
 @pytest.mark.parametrize("cls", REFERENCE)
 @pytest.mark.parametrize("num_spec", [0, 2])
@@ -107,6 +110,25 @@ def test_admission_runs_are_vllms_step_by_step(cls, num_blocks, monkeypatch):
     assert runs > 0 and admitted > 0, (runs, admitted)
     if num_blocks == 48:  # (roomy: runs of several; the tight pool refuses many a run's head)
         assert admitted > runs, (runs, admitted)
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize(("budget", "watermark"), [(48, 0.0), (512, 0.15), (48, 0.15)],
+                         ids=["chunked", "watermark", "chunked-watermark"])
+def test_chunked_and_watermarked_runs_are_vllms_step_by_step(cls, budget, watermark, monkeypatch):
+    """A budget that chunks most prompts (runs end with a chunked admission)
+    and a watermark (each request of a run proved on the host to pass it):
+    every step equals vLLM's, and runs did form (with chunked last requests
+    where the budget chunks)."""
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=48,
+                              max_num_batched_tokens=budget, max_num_seqs=12, num_requests=32, watermark=watermark)
+        _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
+    runs, admitted = counting.admitted()
+    assert runs > 0 and admitted > 0, (runs, admitted)
+    assert (counting.chunked() > 0) == (budget == 48), counting.chunked()
 
 
 def test_unbatched_classes_make_one_call_per_request(monkeypatch):

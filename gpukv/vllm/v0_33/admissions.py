@@ -18,16 +18,18 @@ input, pooling, computed tokens, stale output, streaming) and a model-runner
 slot is free. The run's last request may instead be one vLLM chunks by the
 budget left (chunked prefill on, no long-prefill threshold, and, under
 vLLM's whole-prompt check ``scheduler_reserve_full_isl``, its prompt
-provably fitting on the host): gpukv's step then takes the budget and chunks
+provably fitting on the host, ``HostFitProof``): gpukv's step then takes the budget and chunks
 it by vLLM's rule (``gpukv.request.new_tokens_at_admission``: ``min(tokens
 past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
-(no speculative decoding, no watermark, no pause, no held-KV queue, no prefill
+(no speculative decoding, no pause, no held-KV queue, no prefill
 throttling, no priority policy, no replayed windows). In such a run vLLM's
 only per-request decisions are the hit and the fit, which are gpukv's
 step's: the full prompt's blocks are at most those the step allocates (its
-tokens plus lookahead slots), so vLLM's whole-prompt check adds nothing.
+tokens plus lookahead slots), so vLLM's whole-prompt check adds nothing. With
+a watermark, each request joins the run only when the host proves vLLM's
+watermark check passes (``HostFitProof``).
 
 ``AdmittedRun`` answers vLLM's calls in order: ``lookup`` for
 ``get_computed_blocks``, ``allocate`` for ``allocate_slots``. A call that is
@@ -61,7 +63,7 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int,
     if (s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
             or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
             or s.vllm_config.speculative_config is not None or s.num_lookahead_tokens or s.prefix_replay_tokens
-            or adapter.watermark_blocks or not adapter.can_batch or adapter._events.index
+            or not adapter.can_batch or adapter._events.index
             or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None)):
         return [], None
     budget = start_budget = min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens) \
@@ -69,33 +71,53 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int,
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
     threshold = s.scheduler_config.long_prefill_token_threshold
     run: list[Any] = []
+    proof = HostFitProof(adapter)
     for request in s.waiting:
         n = request.num_tokens
         if len(run) == slots or (threshold and n > threshold) or n > adapter.max_model_len or not _plain(request):
             break
         if n > budget:
-            if budget > 0 and not threshold and s.scheduler_config.enable_chunked_prefill \
-                    and _full_prompt_fits(s, adapter, run, n):
+            if budget > 0 and not threshold and s.scheduler_config.enable_chunked_prefill and \
+                    proof.fits(n, adapter.watermark_blocks, needed=bool(s.scheduler_reserve_full_isl)):
                 return [*run, request], start_budget
+            break
+        if not proof.fits(n, adapter.watermark_blocks, needed=False):
             break
         run.append(request)
         budget -= n
     return run, None
 
 
-def _full_prompt_fits(scheduler: Any, adapter: Any, run: list[Any], num_tokens: int) -> bool:
-    """Whether vLLM's whole-prompt check (``scheduler_reserve_full_isl``,
-    on by default) passes for a request of ``num_tokens`` admitted chunked
-    after ``run``, provably on the host: its blocks with no hit (a hit only
-    lowers them) within the free blocks' lower bound less what the running
-    loop's calls and ``run`` may take. gpukv's step checks only the chunk's
-    blocks, fewer: so both then admit it. Unproved, the request keeps the
-    per-request path."""
-    if not scheduler.scheduler_reserve_full_isl:
+class HostFitProof:
+    """vLLM's admission checks that are stricter than gpukv's fit (the
+    watermark, and the whole prompt under ``scheduler_reserve_full_isl``
+    for a chunked admission), proved on the host for each request of a run
+    in turn: its prompt's blocks with no hit (a hit only lowers what vLLM
+    counts: the hit's evictable blocks plus the new ones) and the watermark
+    within the manager's free-block lower bound, less what the running
+    loop's calls (``pending.taken``) and the run's earlier requests may take.
+    Proved, vLLM's check passes and so does gpukv's (it takes no more); not
+    proved, the run ends there and vLLM's loop goes on per request, where
+    the adapter makes vLLM's check itself."""
+
+    def __init__(self, adapter: Any) -> None:
+        self._adapter = adapter
+        self._taken = adapter.pending.taken
+        self._bound: int | None = None  # (read once, on the first check that needs it)
+
+    def fits(self, num_tokens: int, watermark: int, *, needed: bool) -> bool:
+        """Whether a request of ``num_tokens`` passes (always when neither
+        the watermark nor ``needed`` asks for a check); counts its blocks
+        as taken when it does."""
+        a = self._adapter
+        blocks = a.num_kv_cache_groups * -(-num_tokens // a.block_size)
+        if watermark or needed:
+            if self._bound is None:
+                self._bound = a.manager.free_blocks_lower_bound()
+            if self._bound - self._taken < blocks + watermark:
+                return False
+        self._taken += blocks
         return True
-    bs, groups = adapter.block_size, adapter.num_kv_cache_groups
-    taken = adapter.pending.taken + groups * sum(-(-r.num_tokens // bs) for r in run)
-    return adapter.manager.free_blocks_lower_bound() - taken >= groups * -(-num_tokens // bs)
 
 
 def _plain(request: Any) -> bool:
@@ -131,6 +153,7 @@ class AdmittedRun:
         self._adapter = adapter
         self.num_runs = 0  # steps that admitted a run, since construction
         self.num_admitted = 0  # requests they admitted
+        self.num_chunked = 0  # of those, admitted with a chunk of their prompt
         self.reset()
 
     def reset(self) -> None:
@@ -158,6 +181,8 @@ class AdmittedRun:
         result = a.pending.flush(new=[a._new_request(r, r.all_token_ids[:]) for r in run], token_budget=token_budget)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
+        self.num_chunked += sum(1 for i in range(result.num_admitted)
+                                if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
         for i in range(result.num_admitted):
             self.entries.append(self._admission(run[i], result.rows[i], result.num_computed_tokens[i],
                                                 [group[i] for group in result.admitted_block_ids],
