@@ -39,7 +39,7 @@ def shimmed() -> Iterator[Any]:
         mp.setattr(torch_utils, "PIN_MEMORY", False)
         for name in ("vllm.v1.worker.gpu.buffer_utils", "vllm.v1.worker.gpu.block_table"):
             module = sys.modules.get(name)
-            if module is not None and not hasattr(getattr(module, "triton", None), "Config"):
+            if module is not None and getattr(module, "triton", None) is not triton:
                 importlib.reload(module)  # (imported before the shim, with placeholder kernels)
         from vllm.v1.worker.gpu import block_table, buffer_utils
 
