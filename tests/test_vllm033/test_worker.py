@@ -43,7 +43,7 @@ class Runner:
     def __init__(self, ours, theirs, max_num_reqs: int) -> None:
         self.ours, self.theirs = ours, theirs
         self.index: dict[str, int] = {}
-        self.free = list(range(max_num_reqs - 1, -1, -1))
+        self.free = list(range(max_num_reqs))  # (highest first: vLLM's indices are not gpukv's rows)
         self.computed = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.steps = 0
 
