@@ -24,7 +24,7 @@ import gpukv.vllm as gpukv033
 from gpukv.vllm.v0_33.binding import BINDING, TablesMovedError
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 from gpukv.vllm.v0_33.ordering import TableOrdering
-from gpukv.vllm.v0_33.worker import check_worker_config
+from gpukv.vllm.v0_33.worker_config import check_worker_config
 
 from .harness import BlockTables as HarnessTables
 from .runner_shims import shimmed

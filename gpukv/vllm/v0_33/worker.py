@@ -30,29 +30,9 @@ from typing import Any
 
 from vllm.v1.worker.gpu_worker import Worker as VllmWorker
 
-from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+from gpukv.vllm.v0_33.worker_config import check_worker_config
 
 __all__ = ["Worker", "check_worker_config"]
-
-
-def check_worker_config(vllm_config: Any) -> None:
-    """Refuse what the gpukv worker cannot serve (module docstring)."""
-    def refuse(what: str, fix: str) -> UnsupportedConfigError:
-        return UnsupportedConfigError(f"gpukv's worker does not support {what}", argument="vllm_config", fix=fix)
-
-    parallel = vllm_config.parallel_config
-    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if tp * pp != 1:
-        raise refuse(f"tensor parallel size {tp} with pipeline parallel size {pp} (the runner reads gpukv's tables "
-                     "in the scheduler's process)", "drop --worker-cls: vLLM's worker runs gpukv's scheduler")
-    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
-        raise refuse("decode context parallelism", "drop --worker-cls gpukv.vllm.Worker")
-    if not getattr(vllm_config, "use_v2_model_runner", True):
-        raise refuse("Model Runner V1", "use Model Runner V2 (vLLM's default)")
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.method not in ("ngram", "suffix"):
-        raise refuse(f"speculative method {spec.method!r} (its drafter reads the tables)",
-                     "use n-gram or suffix decoding, or drop --worker-cls gpukv.vllm.Worker")
 
 
 class Worker(VllmWorker):
