@@ -23,7 +23,9 @@ Which vLLM is installed picks the adapter, at import:
   ``ReferenceScheduler``, ``ReferenceAsyncScheduler``, ``DeviceScheduler``,
   ``DeviceAsyncScheduler`` (the running loop's allocations batched into one
   gpukv step), ``Unbatched*`` of the four (one gpukv call per request),
-  ``UnsupportedConfigError``.
+  ``UnsupportedConfigError``; ``Worker`` (``--worker-cls gpukv.vllm.Worker``):
+  vLLM's GPU worker whose model runner reads gpukv's device block tables
+  (``gpukv.vllm.v0_33.worker``; one GPU).
 
 The adapter is picked by what the installed vLLM offers, not by its version
 string. The version is checked against the tested releases
@@ -69,6 +71,15 @@ if has_async_scheduler():
     from gpukv.vllm.v0_33.conformance import check_conformance
 
     check_conformance()
+
+    def __getattr__(name: str) -> object:
+        """``Worker`` (``--worker-cls gpukv.vllm.Worker``), imported on first use: vLLM's worker module is heavy."""
+        if name == "Worker":
+            from gpukv.vllm.v0_33.worker import Worker
+
+            return Worker
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
     __all__ = ["AsyncScheduler", "Block", "DeviceAsyncScheduler", "DeviceScheduler", "KVCacheManager",
                "ReferenceAsyncScheduler", "ReferenceScheduler", "Scheduler", "UnbatchedDeviceAsyncScheduler",
                "UnbatchedDeviceScheduler", "UnbatchedReferenceAsyncScheduler", "UnbatchedReferenceScheduler",

@@ -151,13 +151,15 @@ class _Model:
         return [200 + self.rng.randrange(50) for _ in range(self.num_spec)]
 
 
-def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, max_steps: int = 400):
+def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, max_steps: int = 400,
+               tables: BlockTables | None = None):
     """Run ``config``'s stream on a ``cls`` scheduler; returns its step records.
 
     Everything random comes from ``config.seed`` and the requests' own state,
     so two classes making the same decisions see the same stream. With
     ``check_tables`` each step also checks the block tables rebuilt from the
-    outputs against the manager (``harness.BlockTables``)."""
+    outputs against the manager (``harness.BlockTables``, or ``tables``: a
+    subclass of it that also looks at each step)."""
     rng = random.Random(config.seed)
     scheduler = make_scheduler(cls, num_blocks=config.num_blocks, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
@@ -167,7 +169,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                watermark=config.watermark)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
-                    tables=BlockTables() if check_tables else None)
+                    tables=tables or (BlockTables() if check_tables else None))
     prompts = make_prompts(rng, config.num_requests)
     arrivals = sorted(rng.randrange(config.arrival_steps) for _ in prompts)
     records: list[StepRecord] = []

@@ -97,14 +97,20 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
                  max_model_len: int, enable_caching: bool, enable_kv_cache_events: bool, max_num_reqs: int) -> Any:
     """The gpukv manager under the adapter (device on CUDA or when asked,
     else the reference), one group per window (None: full attention), with
-    vLLM 0.33's free order (``uncached_first``)."""
+    vLLM 0.33's free order (``uncached_first``). Under ``gpukv.vllm.Worker``
+    the device manager is sized to the model runner's tables and published
+    to it (``gpukv.vllm.v0_33.binding``)."""
+    from gpukv.vllm.v0_33.binding import BINDING
+
+    resolved = resolve_backend(backend)
+    max_num_reqs, max_model_len = BINDING.sized(resolved, block_size, len(windows), max_num_reqs, max_model_len)
     kwargs = dict(sliding_windows=list(windows), enable_caching=enable_caching, uncached_first=True,
                   max_model_len=max_model_len, max_num_reqs=max_num_reqs,
                   enable_kv_cache_events=enable_kv_cache_events)
-    if resolve_backend(backend) == "device":
+    if resolved == "device":
         from gpukv.manager import DeviceManager
 
-        return DeviceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
+        return BINDING.publish(DeviceManager(num_blocks, block_size, **kwargs))  # type: ignore[arg-type]
     from gpukv.reference import ReferenceManager
 
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,264 @@
+"""gpukv's worker (``gpukv.vllm.Worker``): Model Runner V2's block tables on
+gpukv's device tables, against vLLM's own.
+
+The differential: a random stream (admissions with hits, chunked prefill,
+decode, preemption and resumption, aborts) on gpukv's device scheduler, and
+at every step two copies of vLLM's ``BlockTables``, run as the model runner
+runs them: vLLM's own, fed the step's ``SchedulerOutput`` (new requests'
+block ids, running ones' new ids appended), and the gpukv worker's (adopted:
+no id written, gpukv's table read by gpukv's rows). The gathered
+``input_block_tables`` (the whole persistent buffers) and ``slot_mappings``
+must be identical every step, from vLLM's own kernels under Triton's
+interpreter (``runner_shims``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import gpukv.vllm as gpukv033
+from gpukv.vllm.v0_33.binding import BINDING, TablesMovedError
+from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+from gpukv.vllm.v0_33.ordering import TableOrdering
+from gpukv.vllm.v0_33.worker_config import check_worker_config
+
+from .harness import BlockTables as HarnessTables
+from .runner_shims import shimmed
+from .streams import BLOCK_SIZE, StreamConfig, coverage, run_stream
+
+MAX_MODEL_LEN = 512  # (run_stream's)
+WIDTH = MAX_MODEL_LEN // BLOCK_SIZE  # vLLM's table width at that length (already 128-token aligned)
+
+
+class Runner:
+    """Model Runner V2's use of ``BlockTables`` over one step: request
+    indices handed out and taken back, ``add_requests`` /
+    ``update_requests`` / ``apply_staged_writes``, then ``prepare_attn``'s
+    gather and slot mapping; both tables get the same calls."""
+
+    def __init__(self, ours, theirs, max_num_reqs: int) -> None:
+        self.ours, self.theirs = ours, theirs
+        self.index: dict[str, int] = {}
+        self.free = list(range(max_num_reqs))  # (highest first: vLLM's indices are not gpukv's rows)
+        self.computed = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self.steps = 0
+
+    def step(self, out) -> None:
+        for rid in sorted(out.finished_req_ids | (out.preempted_req_ids or set())):
+            if rid in self.index:
+                self.free.append(self.index.pop(rid))
+        for new in out.scheduled_new_reqs:
+            i = self.index[new.req_id] = self.free.pop()
+            self.computed[i] = new.num_computed_tokens
+            self.theirs.append_block_ids(i, new.block_ids, overwrite=True)
+            self.ours.append_block_ids(i, new.block_ids, overwrite=True)
+            self.ours.set_row(i, new.req_id)  # (GpukvModelRunner.add_requests)
+        cached = out.scheduled_cached_reqs
+        for rid, computed, new_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids,
+                                          strict=True):
+            self.computed[self.index[rid]] = computed
+            if new_ids is not None:
+                self.theirs.append_block_ids(self.index[rid], new_ids, overwrite=False)
+        self.theirs.apply_staged_writes()
+        self.ours.apply_staged_writes()
+        if out.total_num_scheduled_tokens:
+            self.prepare_attn(out)
+
+    def prepare_attn(self, out) -> None:
+        ids = list(out.num_scheduled_tokens)
+        idx = torch.tensor([self.index[r] for r in ids], dtype=torch.int64)
+        counts = [out.num_scheduled_tokens[r] for r in ids]
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+        positions = torch.tensor(np.concatenate([np.arange(int(self.computed[i]), int(self.computed[i]) + n)
+                                                 for i, n in zip(idx.tolist(), counts, strict=True)]))
+        padded = min(len(ids) + 1, len(self.computed))  # (a padded batch, as CUDA graphs run it)
+        theirs = self.theirs.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
+        ours = self.ours.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
+        for a, b in zip(theirs, ours, strict=True):
+            assert torch.equal(a, b), (out, a, b)
+        for a, b in zip(self.theirs.input_block_tables, self.ours.input_block_tables, strict=True):
+            assert torch.equal(a, b)  # (the whole persistent buffers, stale rows included)
+        tokens = int(qsl[-1]) + 3
+        a = self.theirs.compute_slot_mappings(idx, qsl, positions, tokens)
+        b = self.ours.compute_slot_mappings(idx, qsl, positions, tokens)
+        assert torch.equal(a, b), (out, a, b)
+        assert torch.equal(self.theirs.slot_mappings, self.ours.slot_mappings)
+        self.steps += 1
+
+
+class DifferentialTables(HarnessTables):
+    """The harness's table check, and the two ``BlockTables`` after each ``schedule()``."""
+
+    def __init__(self, runner: Runner) -> None:
+        super().__init__()
+        self.runner = runner
+        self.last = None
+
+    def update(self, out) -> None:
+        super().update(out)
+        self.last = out
+
+    def check(self, scheduler) -> None:
+        super().check(scheduler)
+        self.runner.step(self.last)
+
+
+def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
+    with shimmed() as VllmBlockTables:
+        from gpukv.vllm.v0_33.tables import adopt
+
+        def tables():
+            return VllmBlockTables([BLOCK_SIZE], config.max_num_seqs, config.max_num_batched_tokens, [WIDTH],
+                                   torch.device("cpu"))
+
+        ours = adopt(tables())  # (before the scheduler: the runner is built first)
+        runner = Runner(ours, tables(), config.max_num_seqs)
+        try:
+            records = run_stream(cls, config, tables=DifferentialTables(runner))
+            assert BINDING.manager is not None and BINDING.manager.rows_generation == BINDING._generation
+        finally:
+            BINDING.reset()
+    return runner, records
+
+
+STREAM = StreamConfig(seed=1, num_requests=10, arrival_steps=6, num_blocks=12, max_num_batched_tokens=48,
+                      max_num_seqs=4, num_speculative_tokens=0, abort_rate=0.02, max_output_tokens=40,
+                      kv_events=False)
+
+
+@pytest.mark.parametrize("cls", [gpukv033.DeviceScheduler, gpukv033.DeviceAsyncScheduler],
+                         ids=["sync", "async"])
+def test_gathered_tables_and_slot_mappings_are_vllms_every_step(cls):
+    runner, records = run_differential(cls, STREAM)
+    seen = coverage(records)
+    assert runner.steps == sum(1 for r in records if r.num_scheduled_tokens)
+    assert runner.steps >= 10
+    assert seen["hits"] >= 1 and seen["chunks"] >= 1 and seen["preemptions"] >= 1, seen
+    assert seen["aborts"] >= 1, seen
+
+
+def test_unbound_runner_refuses_before_reading():
+    with shimmed() as VllmBlockTables:
+        from gpukv.vllm.v0_33.tables import adopt
+
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], torch.device("cpu")))
+        try:
+            with pytest.raises(UnsupportedConfigError, match="no gpukv scheduler in its process"):
+                ours.apply_staged_writes()
+        finally:
+            BINDING.reset()
+
+
+def test_reallocated_tables_are_refused():
+    with shimmed() as VllmBlockTables:
+        from gpukv.vllm.v0_33.tables import adopt
+
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], torch.device("cpu")))
+        try:
+            from gpukv.vllm.v0_33.manager import make_backend
+
+            manager = make_backend("device", num_blocks=20, block_size=BLOCK_SIZE, windows=(None,),
+                                   max_model_len=MAX_MODEL_LEN, enable_caching=True, enable_kv_cache_events=False,
+                                   max_num_reqs=2)
+            assert manager._rows.block_table.shape == (1, 4, WIDTH)  # (sized to the runner's rows)
+            ours.apply_staged_writes()
+            manager._rows._grow(8)  # (as a step needing more rows would)
+            with pytest.raises(TablesMovedError, match="reallocated"):
+                ours.apply_staged_writes()
+        finally:
+            BINDING.reset()
+
+
+def test_reference_backend_refused_under_the_worker():
+    BINDING.expect(max_num_reqs=4, widths=[WIDTH], block_sizes=[BLOCK_SIZE])
+    try:
+        with pytest.raises(UnsupportedConfigError, match="reference backend"):
+            BINDING.sized("reference", BLOCK_SIZE, 1, 4, MAX_MODEL_LEN)
+        assert BINDING.sized("device", BLOCK_SIZE, 1, 2, 500) == (4, WIDTH * BLOCK_SIZE)
+    finally:
+        BINDING.reset()
+    assert BINDING.sized("reference", BLOCK_SIZE, 1, 2, 500) == (2, 500)  # (no worker: as before)
+
+
+@dataclasses.dataclass
+class _Parallel:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+
+
+@dataclasses.dataclass
+class _Spec:
+    method: str
+
+
+@dataclasses.dataclass
+class _Config:
+    parallel_config: _Parallel
+    speculative_config: _Spec | None = None
+
+
+@pytest.mark.parametrize("config, what", [
+    (_Config(_Parallel(tensor_parallel_size=2)), "tensor parallel size 2"),
+    (_Config(_Parallel(pipeline_parallel_size=2)), "pipeline parallel size 2"),
+    (_Config(_Parallel(decode_context_parallel_size=2)), "decode context parallelism"),
+    (_Config(_Parallel(), _Spec("eagle")), "speculative method 'eagle'"),
+])
+def test_worker_refuses_what_it_cannot_serve(config, what):
+    with pytest.raises(UnsupportedConfigError, match=what):
+        check_worker_config(config)
+    check_worker_config(_Config(_Parallel(), _Spec("ngram")))  # (n-gram reads no table)
+
+
+class _Log:
+    """Recorded stream calls: streams and events as names."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self.n = 0
+
+    def current_stream(self):
+        return _Stream("runner", self)
+
+    def new_event(self):
+        self.n += 1
+        return _Event(f"e{self.n}", self)
+
+
+@dataclasses.dataclass
+class _Stream:
+    name: str
+    log: _Log
+
+    def wait_event(self, event) -> None:
+        self.log.calls.append(("wait", self.name, event.name))
+
+
+@dataclasses.dataclass
+class _Event:
+    name: str
+    log: _Log
+
+    def record(self, stream) -> None:
+        self.log.calls.append(("record", stream.name, self.name))
+
+
+def test_ordering_reads_after_gpukv_writes_and_gpukv_writes_after_reads():
+    """Each read waits for gpukv's writes so far; gpukv's stream then waits
+    for the read, so its later writes (rows freed at update N, handed out
+    at schedule N+1) run after it."""
+    log = _Log()
+    ordering = TableOrdering(_Stream("gpukv", log), log)  # type: ignore[arg-type]
+    ordering.before_read()
+    log.calls.append(("read",))
+    ordering.after_read()
+    assert log.calls == [("record", "gpukv", "e1"), ("wait", "runner", "e1"), ("read",),
+                         ("record", "runner", "e2"), ("wait", "gpukv", "e2")]
+    nothing = _Log()
+    TableOrdering(None, nothing).before_read()  # type: ignore[arg-type]
+    TableOrdering(None, nothing).after_read()  # type: ignore[arg-type]
+    assert nothing.calls == []  # (no streams without CUDA)
