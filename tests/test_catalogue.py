@@ -652,10 +652,13 @@ def logical_state_of(m) -> tuple:
     """A manager's state without what a call may use as scratch: the step
     buffers and plans of each bucket, the staging buffers, the step counters,
     the pool's per-step stamps (``last_seen``, ``touched``, ``stamp``: scratch
-    by design, ``gpukv/pool.py``), and the contents of rows no request holds."""
+    by design, ``gpukv/pool.py``), the host mirror of the free count (a cache
+    of the device's: a refused step marks it stale, and the next read reads
+    the device), and the contents of rows no request holds."""
     # (the device manager's parts that hold only per-bucket buffers and plans,
     # and the manager they belong to: ``gpukv.device``)
-    scratch = {"_admission", "_decode", "_releases", "_reads", "_gather", "_launches", "_staging", "counters"}
+    scratch = {"_admission", "_decode", "_releases", "_reads", "_gather", "_launches", "_staging", "counters",
+               "_mirror"}
     fields = {k: v for k, v in vars(m).items() if k not in scratch and k not in ("pool", "_rows")}
     out = [state_of(fields)]
     if isinstance(m, DeviceManager):
