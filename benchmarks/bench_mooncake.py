@@ -81,13 +81,20 @@ admission owns. Admissions are bucketed by prompt length in blocks of 16
 the ratio of the p50s. This pass times each call through a wrapper, so its
 figures are not the step table's.
 
-The device manager is not measured here: its honest twin
-(``benchmarks/bench_scheduler.py``) is built around that benchmark's own
-synthetic workloads and vLLM 0.8.5's and 0.33's version table, and under
-Triton's interpreter it pays about a second per admitted request, which the
-Mooncake prompts (12,035 tokens on average over the trace) multiply.
+The device manager (``--device``, off by default): gpukv's
+``DeviceScheduler`` and ``DeviceAsyncScheduler`` run once per row on the plan
+vLLM's runs followed (fill, warm-up, timed steps) and are checked to do
+vLLM's work (hits and tokens scheduled, as above). Without CUDA their
+kernels run under Triton's interpreter (seconds per admitted request of
+this length), so the column is the honest twin of
+``benchmarks/device_twin.py`` (host time of a twin with the kernels out,
+Triton's launch path measured, stated GPU costs per counted operation); a
+second table gives its counts, each stated cost beside its count, and the
+first timed step beside the others' p50 (a first-time cost timed would
+show there). Keep it small: ``--targets 40 --steps 20``. Not measured per
+admission (the buckets are the reference's).
 
-    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--json PATH]
+    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device] [--json PATH]
 
 (VENV: one with vLLM 0.33 or later: ``tests/test_vllm033/harness.py``'s
 ``INSTALL_HINT``.)
