@@ -81,13 +81,20 @@ admission owns. Admissions are bucketed by prompt length in blocks of 16
 the ratio of the p50s. This pass times each call through a wrapper, so its
 figures are not the step table's.
 
-The device manager is not measured here: its honest twin
-(``benchmarks/bench_scheduler.py``) is built around that benchmark's own
-synthetic workloads and vLLM 0.8.5's and 0.33's version table, and under
-Triton's interpreter it pays about a second per admitted request, which the
-Mooncake prompts (12,035 tokens on average over the trace) multiply.
+The device manager (``--device``, off by default): gpukv's
+``DeviceScheduler`` and ``DeviceAsyncScheduler`` run once per row on the plan
+vLLM's runs followed (fill, warm-up, timed steps) and are checked to do
+vLLM's work (hits and tokens scheduled, as above). Without CUDA their
+kernels run under Triton's interpreter (seconds per admitted request of
+this length), so the column is the honest twin of
+``benchmarks/device_twin.py`` (host time of a twin with the kernels out,
+Triton's launch path measured, stated GPU costs per counted operation); a
+second table gives its counts, each stated cost beside its count, and the
+first timed step beside the others' p50 (a first-time cost timed would
+show there). Keep it small: ``--targets 40 --steps 20``. Not measured per
+admission (the buckets are the reference's).
 
-    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--json PATH]
+    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device] [--json PATH]
 
 (VENV: one with vLLM 0.33 or later: ``tests/test_vllm033/harness.py``'s
 ``INSTALL_HINT``.)
@@ -117,7 +124,17 @@ import torch  # noqa: E402
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import gpukv  # noqa: E402
-from bench_scheduler import pct  # noqa: E402
+from device_twin import (  # noqa: E402  (the honest twin, shared with bench_scheduler.py)
+    DeviceTwin,
+    GpuCosts,
+    add_launch_path,
+    device_summary,
+    digest,
+    launch_cost,
+    pct,
+    twin_cells,
+    twin_head,
+)
 from gpukv.traces import conversation_trace_path, load_trace, mooncake_tokens  # noqa: E402
 
 BS = 16
@@ -230,6 +247,10 @@ class TraceRun:
 
     def step(self, clock=time.thread_time) -> float:
         """One engine step; returns its ms (arrivals + schedule + update)."""
+        return self.step_out(clock)[0]
+
+    def step_out(self, clock=time.thread_time) -> tuple[float, Any]:
+        """One engine step: its ms and the SchedulerOutput it scheduled."""
         arrive_ms = self._arrivals(clock)
         s = self.sched
         t0 = clock()
@@ -247,20 +268,22 @@ class TraceRun:
             t1 = clock()
             s.update_from_output(done, answer)
             update_ms = (clock() - t1) * 1e3
-        return arrive_ms + schedule_ms + update_ms
+        return arrive_ms + schedule_ms + update_ms, out
 
-    def run(self, fill: int, warmup: int, steps: int) -> tuple[list[float], list[int]]:
+    def run(self, fill: int, warmup: int, steps: int, step=None) -> tuple[list, list[int]]:
         """Fill (until ``target`` run, at most ``fill`` steps), warm up, then
-        ``steps`` timed steps: their ms and running counts."""
+        ``steps`` timed steps: what ``step(timed)`` returned for them (by
+        default ``self.step()``'s ms) and their running counts."""
+        step = step or (lambda _timed: self.step())
         for _ in range(fill):
             if len(self.sched.running) >= self.target:
                 break
-            self.step()
+            step(False)
         for _ in range(warmup):
-            self.step()
+            step(False)
         times, running = [], []
         for _ in range(steps):
-            times.append(self.step())
+            times.append(step(True))
             running.append(len(self.sched.running))
         if self.next == len(self.prompts) and len(self.sched.requests) < self.target:
             raise SystemExit(f"the {len(self.prompts)} trace requests loaded ran out before the timed steps ended "
@@ -327,7 +350,43 @@ def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argp
         row[name] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
     row["ratio_p50"] = row["gpukv"]["p50_ms"] / row["vllm"]["p50_ms"]
     row["ratio_p50_per_repeat"] = per_repeat
+    if "device" in classes:
+        t0 = time.perf_counter()
+        row["device"], row["launch_path_unmeasured"] = measure_device(h, classes["device"], prompts, target,
+                                                                      options, args, first)
+        print(f"  device scheduler at {target}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return row
+
+
+def _step_out(run: TraceRun, clock) -> tuple[float, Any]:
+    return run.step_out(clock)
+
+
+def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
+                   ref: Work) -> tuple[dict, str | None]:
+    """The device scheduler on the plan vLLM's runs followed (fill, warm-up,
+    timed steps), checked to do vLLM's work; without CUDA its honest twin
+    (``benchmarks/device_twin.py``): the summary of its timed steps, and why
+    the launch path could not be measured (None when it was)."""
+    gc.collect()
+    real = TraceRun(h, cls, prompts, target, options)
+    cuda = real.sched.kv_cache_manager.manager.device.type == "cuda"
+    device = DeviceTwin(real, None if cuda else TraceRun(h, cls, prompts, target, options), _step_out, digest)
+    rows: list[tuple[bool, dict]] = []
+
+    def step(timed: bool) -> None:
+        rows.append((timed, device.real_step(timed)))
+
+    real.run(args.fill_steps, args.warmup, args.steps, step)
+    same_work(f"{cls.__name__} at {target}", ref, real)
+    if device.twin is not None:
+        device.twin_steps([row for _, row in rows])
+    timed = [row for t, row in rows if t]
+    for _, row in rows:
+        row.pop("recorded_reads", None)
+        row.pop("digest")
+    why = None if cuda else add_launch_path({"device": timed}, args.costs, args.launch_samples)
+    return device_summary(timed), why
 
 
 # ------------------------------------------------------------------ per admission
@@ -405,17 +464,39 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
 
 
 # ------------------------------------------------------------------ output
+def _device_figure(d: dict) -> dict | None:
+    """The device column's figure: the honest twin's, or on CUDA the wall time (None: not measured)."""
+    return d.get("honest_ms") or d.get("wall_ms")
+
+
 def print_step_table(rows: list[dict]) -> None:
+    device = any("device" in r for r in rows)
     print("| target | running (mean, min-max) | prefix hits | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms "
-          "| ratio gpukv/vLLM p50 [per repeat] |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| ratio gpukv/vLLM p50 [per repeat] |" + (" gpukv device p50 (p99) ms | ratio device/vLLM p50 |"
+                                                   if device else ""))
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if device else ""))
     for r in rows:
         v, g = r["vllm"], r["gpukv"]
         lo, hi = min(r["ratio_p50_per_repeat"]), max(r["ratio_p50_per_repeat"])
-        print(f"| {r['target']} | {r['running_mean']:.1f} ({r['running_min']}-{r['running_max']}) "
-              f"| {100 * r['hit_tokens'] / r['prompt_tokens']:.0f}% of {r['requests_scheduled']} prompts "
-              f"| {v['p50_ms']:.3f} ({v['p99_ms']:.3f}) | {g['p50_ms']:.3f} ({g['p99_ms']:.3f}) "
-              f"| {r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}] |")
+        line = (f"| {r['target']} | {r['running_mean']:.1f} ({r['running_min']}-{r['running_max']}) "
+                f"| {100 * r['hit_tokens'] / r['prompt_tokens']:.0f}% of {r['requests_scheduled']} prompts "
+                f"| {v['p50_ms']:.3f} ({v['p99_ms']:.3f}) | {g['p50_ms']:.3f} ({g['p99_ms']:.3f}) "
+                f"| {r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}] |")
+        if device:
+            f = _device_figure(r.get("device", {}))
+            line += f" {f['p50']:.3f} ({f['p99']:.3f}) | {f['p50'] / v['p50_ms']:.2f}x |" if f else " - | - |"
+        print(line)
+
+
+def print_device_table(rows: list[dict], costs: GpuCosts) -> None:
+    """The honest twin's counts and parts per step, each stated cost beside its count."""
+    print(f"| target | {twin_head(costs)} | first timed step / others' p50 host ms |")
+    print("| ---: |" + " ---: |" * 11)
+    for r in rows:
+        d = r["device"]
+        first = d.get("first_host_ms")
+        print(f"| {r['target']} | " + " | ".join(twin_cells(d))
+              + (f" | {first['first']:.3f} / {first['p50_others']:.3f} |" if first else " | - |"))
 
 
 def print_admission_table(rows: list[dict]) -> None:
@@ -430,8 +511,8 @@ def print_admission_table(rows: list[dict]) -> None:
               f"| {r['vllm_p50_ms']:.3f} | {r['gpukv_p50_ms']:.3f} | {r['ratio_p50']:.2f}x |")
 
 
-MODES = (("Scheduler", "VllmScheduler", "ReferenceScheduler"),
-         ("AsyncScheduler", "VllmAsyncScheduler", "ReferenceAsyncScheduler"))
+MODES = (("Scheduler", "VllmScheduler", "ReferenceScheduler", "DeviceScheduler"),
+         ("AsyncScheduler", "VllmAsyncScheduler", "ReferenceAsyncScheduler", "DeviceAsyncScheduler"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -447,6 +528,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedulers", nargs="+", choices=[m[0] for m in MODES], default=[m[0] for m in MODES])
     p.add_argument("--no-admissions", dest="admissions", action="store_false",
                    help="skip the per-admission pass")
+    p.add_argument("--device", action="store_true",
+                   help="also gpukv's DeviceScheduler / DeviceAsyncScheduler, once per row on the plan vLLM's runs "
+                        "follow: without CUDA its honest twin (benchmarks/device_twin.py; its kernels run under "
+                        "Triton's interpreter, seconds per admitted request: use a small --targets and few "
+                        "--steps)")
+    p.add_argument("--launch-samples", type=int, default=5,
+                   help="--device without CUDA: samples of each step's launch path (5)")
+    p.add_argument("--gpu-costs", help="--device without CUDA: the stated costs, us, as name=us,... over the "
+                                       f"defaults ({', '.join(f'{k}={v}' for k, v in vars(GpuCosts()).items())})")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (options given still apply): " + ", ".join(f"{k}={v}" for k, v in quick.items()))
     p.add_argument("--json", help="write the results here")
@@ -459,6 +549,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be at least 1")
     if min(args.targets) < 1:
         p.error("--targets must be at least 1")
+    args.costs = GpuCosts.parse(args.gpu_costs)
     return args
 
 
@@ -469,21 +560,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vLLM 0.33 or later's test harness ({HARNESS}) is not importable: nothing measured", file=sys.stderr)
         return 1
     torch.set_num_threads(1)
+    if args.device and not torch.cuda.is_available():
+        launch_cost().install()  # before any manager prepares its launches (host stand-ins recordable)
     gk = importlib.import_module("gpukv.vllm.v0_33")
     prompts = load_prompts(args.max_requests)
     t_all = time.perf_counter()
     tables = []
-    for name, vllm_cls, gpukv_cls in MODES:
+    for name, vllm_cls, gpukv_cls, device_cls in MODES:
         if name not in args.schedulers:
             continue
         classes = {"vllm": getattr(h, vllm_cls), "gpukv": getattr(gk, gpukv_cls)}
+        if args.device:
+            classes["device"] = getattr(gk, device_cls)
         rows = []
         for target in args.targets:
             t0 = time.perf_counter()
             rows.append(measure_row(h, classes, prompts, target, args))
             print(f"  {name} at {target}: ratio {rows[-1]['ratio_p50']:.2f}x ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr)
-        tables.append({"scheduler": name, "gpukv": gpukv_cls, "rows": rows})
+        tables.append({"scheduler": name, "gpukv": gpukv_cls, "device": device_cls if args.device else None,
+                       "rows": rows})
     admissions = []
     if args.admissions:
         t0 = time.perf_counter()
@@ -506,9 +602,17 @@ def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dic
           f"torch {torch.__version__}; {load} at the end; {seconds:.0f} s. Thread CPU ms, p50 (p99) over "
           f"{args.repeats} x {args.steps} steps, vLLM and gpukv alternating per repeat; prefix-cache hits and "
           "scheduled tokens equal request by request.")
+    cuda = torch.cuda.is_available()
     for t in tables:
-        print(f"\nvLLM's {t['scheduler']} against gpukv's {t['gpukv']}:")
+        device = f" and {t['device']}" + ("" if cuda else " (its honest twin: host time + stated GPU costs)")
+        print(f"\nvLLM's {t['scheduler']} against gpukv's {t['gpukv']}{device if t['device'] else ''}:")
         print_step_table(t["rows"])
+        if t["device"] and not cuda:
+            print(f"\n{t['device']}'s honest twin, per timed step (one run on vLLM's plan):")
+            print_device_table(t["rows"], args.costs)
+            whys = sorted({r["launch_path_unmeasured"] for r in t["rows"] if r.get("launch_path_unmeasured")})
+            if whys:
+                print(f"The launch path was not measured ({'; '.join(whys)}): no honest figure.")
     if admissions:
         print("\nPer admission (vLLM's Scheduler against gpukv's UnbatchedReferenceScheduler; calls timed through "
               "wrappers):")
@@ -519,7 +623,9 @@ def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dic
                        "python": sys.version.split()[0], "load": load, "seconds": seconds,
                        "max_requests": args.max_requests, "targets": args.targets, "fill_steps": args.fill_steps,
                        "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-                       "hits_equal": True, "tables": tables, "admissions": admissions}, f, indent=1)
+                       "hits_equal": True, "device": args.device, "cuda": cuda,
+                       "gpu_costs": vars(args.costs) if args.device else None,
+                       "tables": tables, "admissions": admissions}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,39 +38,18 @@ the interpreter (on the host, about a second of CPU per admitted request),
 so its wall time is not its host cost. Its columns give, at each
 ``--device-n`` (both workloads one after the other on one scheduler, so the
 set-up is paid once), what one engine step costs the host on a GPU, counted
-honestly (issue 27): an *honest twin*.
-
-1. The host's own work: a second ``DeviceScheduler`` gets the same requests
-   and runs each step right after the real one, with the kernel bodies
-   skipped (``gpukv.kernels._common.kernel_bodies_skipped``: each launch
-   still goes through the launch hooks) and its device reads (``_read``)
-   answered from the real one's record. The host learns the device's state
-   only through those reads, so the twin does the real step's host work;
-   every step the benchmark checks that both emit the same
-   ``SchedulerOutput``, launch as many kernels, and that the twin consumed
-   every recorded read. Its time is thread CPU time less the interpreter's
-   own launch path (``kernel_seconds``). Torch operations, uploads and
-   reads run there on CPU tensors, so their dispatch is in this figure.
-2. Triton's launch path for every launch of the step, measured: the real
-   step's launches are recorded (``launch_cost.capturing``) and replayed in
-   a child process through Triton's real launcher against a stub CUDA
-   driver (``benchmarks/launch_cost.py``): a launch the manager replays
-   through its compiled launcher, any other through ``JITFunction.run``.
-3. What a GPU adds to each other operation, counted in the real step and
-   charged at a stated cost (``GpuCosts``, microseconds, each beyond what the
-   twin already ran on the CPU; ``--gpu-costs`` changes them): a torch
-   operation's kernel launch (5: the CUDA runtime's launch and the
-   backend's set-up over the CPU dispatch the twin ran; published
-   breakdowns put a small CUDA op's whole CPU path at 5-25 us), an upload
-   (4: ``cudaMemcpyAsync`` from pinned memory), a CUDA event recorded (2)
-   or waited on (1: already complete two steps later), a device read (15: a
-   synchronising copy of a few hundred bytes, the wait for the GPU's queued
-   work not counted) and a stream query (0.5: ``torch.cuda.current_stream``
-   in each call's stream ordering).
+honestly (issue 27): an *honest twin* (``benchmarks/device_twin.py`` has
+the method): the host's own work, measured by a twin scheduler with the
+kernel bodies skipped and the real one's device reads replayed (torch on one
+thread, its uploads through the pinned path's Python); Triton's launch path
+for every launch of the step, measured through Triton's real launcher
+against a stub driver; and what a GPU adds to each other operation, counted
+and charged at a stated cost (``GpuCosts``; ``--gpu-costs`` changes them),
+each printed beside its count in the table's header.
 
 The table gives the counts per step (launches, of which replayed; torch
 ops, uploads, events, reads, stream queries), the twin's own time, and the
-honest figure, 1 + 2 + 3, with its ratio to vLLM's step measured in the same
+honest figure (the three together), with its ratio to vLLM's step measured in the same
 run. ``tests/test_bench_scheduler.py`` holds the counts flat in N.
 
 With CUDA (``torch.cuda.is_available()``) the device scheduler runs with real
@@ -90,7 +69,6 @@ no GPU was lent to the session that wrote it.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import json
@@ -103,8 +81,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (ROOT, os.path.join(ROOT, "benchmarks")):  # (gpukv and tests; launch_cost beside this file)
     if _path not in sys.path:
@@ -116,7 +92,19 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (vLLM logs each config
 
 import gpukv  # noqa: E402
 import gpukv._runtime  # noqa: E402,F401  (before vLLM imports Triton: the interpreter without CUDA)
-from gpukv.kernels import _common  # noqa: E402
+from device_twin import (  # noqa: E402  (the honest twin, shared with bench_mooncake.py)
+    COUNTED,  # noqa: F401  (read by tests/test_bench_scheduler.py)
+    DeviceTwin,
+    GpuCosts,
+    add_launch_path,
+    count_cell,
+    device_summary,
+    digest,
+    launch_cost,
+    pct,
+    twin_cells,
+    twin_head,
+)
 
 BS = 16
 VOCAB = 32000
@@ -324,33 +312,10 @@ def _preempted(out) -> bool:
     return bool(getattr(cached, "resumed_req_ids", ()) or out.preempted_req_ids)  # (0.34 re-sends them as new)
 
 
-def _groups(ids) -> tuple | None:
-    """Block ids per KV-cache group as tuples (None: no new blocks)."""
-    return None if ids is None else tuple(tuple(group) for group in ids)
-
-
-def _digest(out) -> tuple:
-    """What a SchedulerOutput decides (the timing twin must decide the same):
-    tokens scheduled per request, new requests' blocks, running requests' new
-    blocks (and, under 0.33, their computed and output tokens), resumed,
-    finished and preempted requests, the common prefix."""
-    cached = out.scheduled_cached_reqs
-    if isinstance(cached, list):  # vLLM 0.8.x: one CachedRequestData per request, one group
-        return (tuple(out.num_scheduled_tokens.items()),
-                tuple((r.req_id, tuple(r.block_ids)) for r in out.scheduled_new_reqs),
-                tuple((c.req_id, tuple(c.new_block_ids), c.resumed_from_preemption) for c in cached),
-                tuple(sorted(out.finished_req_ids)), out.num_common_prefix_blocks)
-    # vLLM 0.33: one CachedRequestData of lists, block ids per group
-    return (tuple(out.num_scheduled_tokens.items()),
-            tuple((r.req_id, _groups(r.block_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs),
-            tuple(zip(cached.req_ids, map(_groups, cached.new_block_ids), cached.num_computed_tokens,
-                      cached.num_output_tokens, strict=True)),
-            tuple(sorted(getattr(cached, "resumed_req_ids", ()))), tuple(sorted(out.finished_req_ids)),
-            tuple(sorted(out.preempted_req_ids or ())), tuple(getattr(out, "num_common_prefix_blocks", ())))
-
-
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q))
+def _run_step(run: Run, clock) -> tuple[float, Any]:
+    """``DeviceTwin``'s step: one engine step's ms by ``clock`` and its output."""
+    ts, tu, out = run.step(clock)
+    return ts + tu, out
 
 
 # ------------------------------------------------------------------ vLLM and the reference
@@ -371,89 +336,6 @@ def timed_run(h, cls: type, work: Workload, warmup: int, steps: int) -> list[flo
 
 
 # ------------------------------------------------------------------ the device manager
-class _ThreadClock:
-    """Stands in for the ``time`` module of ``gpukv.kernels._common`` while the
-    timing twin runs: its ``kernel_seconds()`` then counts thread CPU time."""
-
-    perf_counter = staticmethod(time.thread_time)
-
-
-@dataclass(frozen=True)
-class GpuCosts:
-    """What a GPU adds to each operation a step makes, in microseconds of
-    host time beyond what the twin ran on CPU tensors (module docstring, 3)."""
-
-    torch_op: float = 5.0
-    upload: float = 4.0
-    event_record: float = 2.0
-    event_wait: float = 1.0
-    read: float = 15.0
-    stream_query: float = 0.5
-
-    @classmethod
-    def parse(cls, text: str | None) -> GpuCosts:
-        """``name=us,name=us`` (the field names) over the defaults."""
-        if not text:
-            return cls()
-        values = {}
-        for item in text.split(","):
-            name, _, us = item.partition("=")
-            if name.strip() not in cls.__dataclass_fields__:
-                raise SystemExit(f"--gpu-costs: unknown operation {name!r}; use {', '.join(cls.__dataclass_fields__)}")
-            values[name.strip()] = float(us)
-        return cls(**values)
-
-    def us(self, counts: dict) -> float:
-        """The stated cost of a step's counted operations."""
-        return sum(getattr(self, k) * counts.get(k, 0) for k in self.__dataclass_fields__)
-
-
-#: The operations counted per step besides launches (``GpuCosts``' fields).
-COUNTED = tuple(GpuCosts.__dataclass_fields__)
-
-
-class _Counting:
-    """Counts, while ``on`` and only for ``manager``, what a GPU step pays
-    for besides launches: torch operations (``gpukv.staging.TorchOpCounter``
-    around the step), uploads, the staging's CUDA events, device reads and
-    stream queries (each call's ``_enter_stream``), by wrapping the methods
-    that make them. Installed once per real scheduler."""
-
-    def __init__(self, manager: Any) -> None:
-        self.manager, self.on, self.counts = manager, False, dict.fromkeys(COUNTED, 0)
-        staging = manager._staging
-        self._wrap(staging, "upload", "upload")
-        self._wrap(staging, "upload_host", "upload")
-        self._wrap(staging, "begin_step", "event_wait")
-        self._wrap(staging, "end_step", "event_record")
-        self._wrap(manager, "_enter_stream", "stream_query")
-
-    def _wrap(self, obj: Any, name: str, what: str) -> None:
-        real = getattr(obj, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.on:
-                self.counts[what] += 1
-            return real(*args, **kwargs)
-
-        setattr(obj, name, counted)
-
-    def start(self) -> None:
-        from gpukv.metrics import StepCounters
-        from gpukv.staging import TorchOpCounter
-
-        self.counts = dict.fromkeys(COUNTED, 0)
-        self._ops = StepCounters()
-        self._torch = TorchOpCounter(self._ops)
-        self._torch.__enter__()
-        self.on = True
-
-    def stop(self, reads: int) -> dict:
-        self.on = False
-        self._torch.__exit__(None, None, None)
-        return dict(self.counts, torch_op=self._ops.torch_ops, read=reads)
-
-
 class DeviceCounts:
     """Launches, reads and the other counted operations per step of a
     DeviceScheduler run; on the interpreter, its timing twin (module
@@ -466,81 +348,10 @@ class DeviceCounts:
         config = {k: max(c[k] for c in configs) for k in configs[0]}
         config["num_blocks"] = sum(c["num_blocks"] for c in configs)
         self.works = works
-        self.real = Run(h, cls, works[0], steps, config)
-        self.cuda = self.real.sched.kv_cache_manager.manager.device.type == "cuda"
-        self.twin = None if self.cuda else Run(h, cls, works[0], steps, config)
-        self.reads: list = []
-        self.num_reads = 0
-        m = self.real.sched.kv_cache_manager.manager
-        self.counting = _Counting(m)
-        real_read = m._read
-
-        def recording(t, _read=real_read):
-            out = _read(t)
-            self.num_reads += 1
-            if self.twin is not None:
-                self.reads.append(out)
-            return out
-
-        m._read = recording
-        if self.twin is not None:
-            tm = self.twin.sched.kv_cache_manager.manager
-
-            def replaying(_t):  # stands in for _read(t): the answer comes from the record
-                tm.counters.d2h += 1
-                if not self.reads:
-                    raise SystemExit("the timing twin read more than the real scheduler")
-                return self.reads.pop(0)
-
-            tm._read = replaying
-
-    def _real_step(self, measured: bool) -> dict:
-        """One step of the real scheduler: launches (and, when ``measured``
-        on the interpreter, the launches themselves, to time their launch
-        path), the counted operations, its reads (for the twin), and on CUDA
-        the wall time and the GPU time of the step."""
-        self.num_reads, self.reads = 0, []
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        l0 = _common.launches()
-        self.counting.start()
-        capture = launch_cost().capturing() if measured and not self.cuda else contextlib.nullcontext([])
-        with capture as recorded:
-            ts, tu, out = self.real.step(time.perf_counter if self.cuda else None)
-        counts = self.counting.stop(self.num_reads)
-        row = {"launches": _common.launches() - l0, "reads": self.num_reads, "counts": counts,
-               "replayed": sum(ln.replayed for ln in recorded), "launch_list": list(recorded),
-               "digest": _digest(out), "recorded_reads": self.reads}
-        if self.cuda:
-            end.record()
-            end.synchronize()
-            row.update(wall_ms=ts + tu, gpu_ms=start.elapsed_time(end))
-        return row
-
-    def _twin_step(self, row: dict) -> None:
-        """The twin's run of the step ``row`` recorded: its host time with the
-        kernels out (the thread's CPU time less what the interpreter spends in
-        the skipped launches; while the twin runs, ``kernel_seconds()`` reads
-        the thread's CPU clock too, not the wall clock, which on a shared
-        machine includes other processes' time)."""
-        self.reads = list(row.pop("recorded_reads"))
-        clock = lambda: time.thread_time() - _common.kernel_seconds()  # noqa: E731
-        wall_clock = _common.time
-        _common.time = _ThreadClock
-        try:
-            with _common.kernel_bodies_skipped():
-                l0 = _common.launches()
-                ts, tu, twin_out = self.twin.step(clock)
-                twin_launches = _common.launches() - l0
-        finally:
-            _common.time = wall_clock
-        if _digest(twin_out) != row["digest"] or twin_launches != row["launches"] or self.reads:
-            raise SystemExit(f"the timing twin diverged ({self.twin.work}): launches {twin_launches} vs "
-                             f"{row['launches']}, {len(self.reads)} reads left, same output: "
-                             f"{_digest(twin_out) == row['digest']}")
-        row["host_ms"] = ts + tu
+        real = Run(h, cls, works[0], steps, config)
+        cuda = real.sched.kv_cache_manager.manager.device.type == "cuda"
+        self.device = DeviceTwin(real, None if cuda else Run(h, cls, works[0], steps, config), _run_step, digest)
+        self.real, self.twin, self.cuda = real, self.device.twin, cuda
 
     def run(self, warmup: int, steps: int, max_setup: int = 1000) -> dict[str, list[dict]]:
         """The set-up, then each workload in turn: ``warmup`` untimed steps and
@@ -552,16 +363,19 @@ class DeviceCounts:
         for _ in range(max_setup):
             if self.real.ready:
                 break
-            plan.append((self.works[0], False, self._real_step(False)))
+            plan.append((self.works[0], False, self.device.real_step(False)))
         else:
             raise SystemExit(f"{self.real.work}: not all requests decoding after {max_setup} steps")
         for work in self.works:
             self.real.work = work
-            plan += [(work, i >= warmup, self._real_step(i >= warmup)) for i in range(warmup + steps)]
+            plan += [(work, i >= warmup, self.device.real_step(i >= warmup)) for i in range(warmup + steps)]
         if self.twin is not None:
-            for work, _, row in plan:
-                self.twin.work = work
-                self._twin_step(row)
+            twin = self.twin
+
+            def before(i: int) -> None:
+                twin.work = plan[i][0]
+
+            self.device.twin_steps([row for _, _, row in plan], before)
             if not self.twin.ready:
                 raise SystemExit("the timing twin is not ready when the real scheduler is")
         out: dict[str, list[dict]] = {w.kind: [] for w in self.works}
@@ -573,56 +387,13 @@ class DeviceCounts:
         return out
 
 
-def launch_cost():
-    """``benchmarks/launch_cost.py`` (the launch path's measurement)."""
-    import launch_cost as module
-
-    return module
-
-
-def add_launch_path(rows_by_key: dict[str, list[dict]], costs: GpuCosts, samples: int) -> str | None:
-    """Each interpreter row's honest figure (module docstring): the twin's
-    host time, the launch path of its recorded launches (timed in a child
-    process, ``launch_cost.measure``) and the counted operations at
-    ``costs``. Returns why the launch path could not be measured, or None."""
-    jobs = {key: [r["launch_list"] for r in rows] for key, rows in rows_by_key.items() if rows}
-    why = None
-    try:
-        timed = launch_cost().measure(jobs, samples=samples)["jobs"] if jobs else {}
-    except (launch_cost().Unavailable, RuntimeError) as e:
-        timed, why = {}, str(e).splitlines()[0]
-    for key, rows in rows_by_key.items():
-        for i, r in enumerate(rows):
-            launch_us = float(np.median(timed[key]["step_us"][i])) if key in timed else 0.0
-            r["launch_path_ms"] = launch_us / 1e3 if key in timed else None
-            r["stated_ms"] = costs.us(r["counts"]) / 1e3
-            r["honest_ms"] = r["host_ms"] + r["stated_ms"] + launch_us / 1e3 if key in timed else None
-            del r["launch_list"]
-    return why
-
-
-def _device_summary(rows: list[dict]) -> dict:
-    out: dict[str, Any] = {"steps": len(rows)}
-    for key in ("launches", "replayed", "reads"):
-        xs = [r[key] for r in rows]
-        out[key] = {"mean": float(np.mean(xs)), "min": min(xs), "max": max(xs)}
-    out["counts"] = {k: {"mean": float(np.mean([r["counts"][k] for r in rows])),
-                         "min": min(r["counts"][k] for r in rows), "max": max(r["counts"][k] for r in rows)}
-                     for k in COUNTED}
-    for key in ("host_ms", "launch_path_ms", "stated_ms", "honest_ms", "wall_ms", "gpu_ms"):
-        xs = [r[key] for r in rows if r.get(key) is not None]
-        if xs:
-            out[key] = {"p50": pct(xs, 50), "p99": pct(xs, 99), "max": max(xs), "min": min(xs)}
-    return out
-
-
 # ------------------------------------------------------------------ main
 def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     full = dict(n=list(version.n), admit=16, steps=30, warmup=3, repeats=3, device_n=list(version.device_n),
-                device_steps=5, device_warmup=1, launch_samples=20)
+                device_steps=5, device_warmup=2, launch_samples=20)
     names = [m.name for m in version.modes]
-    quick = dict(n=[2], admit=2, steps=3, warmup=1, repeats=2, device_n=[2], device_steps=1, device_warmup=0,
+    quick = dict(n=[2], admit=2, steps=3, warmup=1, repeats=2, device_n=[2], device_steps=1, device_warmup=1,
                  launch_samples=3)
     p.add_argument("--n", type=int, nargs="+", help=f"requests decoding (default {full['n']})")
     p.add_argument("--workloads", nargs="+", default=["decode-heavy", "admission-heavy"],
@@ -670,6 +441,10 @@ def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | N
             args.device_warmup, args.device_steps)
         for kind, r in got.items():
             rows[(kind, n)] = r
+            first = device_summary(r).get("first_host_ms")
+            if first:  # (a first-time cost timed would show here: raise --device-warmup)
+                print(f"  device twin {kind} N={n}: first timed step {first['first']:.3f} ms, the others' p50 "
+                      f"{first['p50_others']:.3f} ms", file=sys.stderr)
         print(f"  device scheduler at N={n}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     why = add_launch_path({f"{k}/{n}": r for (k, n), r in rows.items()}, args.costs, args.launch_samples)
     return rows, why
@@ -700,24 +475,17 @@ def _measure_row(h, classes: dict, kind: str, n: int, args: argparse.Namespace, 
     row["ratio_p99"] = row["reference"]["p99_ms"] / row["vllm"]["p99_ms"]
     row["ratio_p50_per_repeat"] = per_repeat
     if device:
-        row["device"] = _device_summary(device)
+        row["device"] = device_summary(device)
     return row
 
 
-def _count_cell(d: dict, key: str) -> str:
-    c = d[key]
-    return f"{c['mean']:.1f}" + (f" ({c['min']}-{c['max']})" if c["min"] != c["max"] else "")
-
-
-def _print_table(rows: list[dict], cuda: bool) -> None:
+def _print_table(rows: list[dict], cuda: bool, costs: GpuCosts) -> None:
     if cuda:
         dev_head = ("device wall p50 (p99) ms | device GPU p50 (p99) ms | ratio device wall/vLLM | launches/step "
                     "| reads/step")
         ndev = 5
     else:
-        dev_head = ("launches/step | torch ops | uploads | events recorded, waited | reads | stream "
-                    "queries | twin host ms | launch path ms | stated ms | honest p50 ms [min-max] "
-                    "| ratio honest/vLLM p50")
+        dev_head = twin_head(costs) + " | ratio honest/vLLM p50"
         ndev = 11
     print(f"| workload | N | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms | ratio reference/vLLM p50 "
           f"[per repeat] | {dev_head} |")
@@ -733,17 +501,10 @@ def _print_table(rows: list[dict], cuda: bool) -> None:
         elif cuda:
             cells += [f"{d['wall_ms']['p50']:.3f} ({d['wall_ms']['p99']:.3f})",
                       f"{d['gpu_ms']['p50']:.3f} ({d['gpu_ms']['p99']:.3f})",
-                      f"{d['wall_ms']['p50'] / v['p50_ms']:.2f}x", _count_cell(d, "launches"), _count_cell(d, "reads")]
+                      f"{d['wall_ms']['p50'] / v['p50_ms']:.2f}x", count_cell(d, "launches"), count_cell(d, "reads")]
         else:
-            c = d["counts"]
             honest = d.get("honest_ms")
-            cells += [f"{_count_cell(d, 'launches')}, {d['replayed']['mean']:.1f} replayed", _count_cell(c, "torch_op"),
-                      _count_cell(c, "upload"), f"{c['event_record']['mean']:.1f}, {c['event_wait']['mean']:.1f}",
-                      _count_cell(c, "read"), _count_cell(c, "stream_query"), f"{d['host_ms']['p50']:.3f}",
-                      f"{d['launch_path_ms']['p50']:.3f}" if "launch_path_ms" in d else "-",
-                      f"{d['stated_ms']['p50']:.3f}",
-                      f"{honest['p50']:.3f} [{honest['min']:.3f}-{honest['max']:.3f}]" if honest else "-",
-                      f"{honest['p50'] / v['p50_ms']:.2f}x" if honest else "-"]
+            cells += [*twin_cells(d), f"{honest['p50'] / v['p50_ms']:.2f}x" if honest else "-"]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -788,7 +549,7 @@ def _measure_mode(h, version: Version, mode: Mode, args: argparse.Namespace,
             t_row = time.perf_counter()
             row = {"scheduler": mode.name, **_measure_row(h, classes, kind, n, args, device_cls, cuda)}
             if (kind, n) in twins:
-                row["device"] = _device_summary(twins[(kind, n)])
+                row["device"] = device_summary(twins[(kind, n)])
             rows.append(row)
             print(f"  {mode.name} {kind} N={n}: vLLM {row['vllm']['p50_ms']:.3f} ms, reference "
                   f"{row['reference']['p50_ms']:.3f} ms, ratio {row['ratio_p50']:.2f}x "
@@ -831,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, rows, _ in measured:
         if len(modes) > 1:
             print(f"\nvLLM's {mode.name} against gpukv's {mode.reference} and {mode.device}{_step_note(mode)}:")
-        _print_table(rows, cuda)
+        _print_table(rows, cuda, args.costs)
     whys = sorted({why for _, _, why in measured if why})
     if not cuda:
         print(f"\nNo CUDA here: the device scheduler is its honest twin (module docstring) over "

@@ -67,3 +67,33 @@ def test_unequal_work_exits_nonzero():
         bench.same_work("test", ref, bench.Work(dict(ref.hits), [(("0", 16), ("1", 8))]))
     assert exc.value.code == 1
     bench.same_work("test", ref, bench.Work(dict(ref.hits), list(ref.decisions)))  # equal: no exit
+
+
+def test_quick_run_with_the_device_twin(tmp_path, capsys):
+    """``--device``: the device scheduler on vLLM's plan (its work checked
+    equal), a third column beside vLLM and the reference, and without CUDA
+    its honest twin's table, each stated cost beside its count."""
+    bench = load_benchmark("bench_mooncake")
+    out = tmp_path / "mooncake.json"
+    assert bench.main(["--quick", "--device", "--targets", "4", "--no-admissions", "--schedulers", "Scheduler",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] is True and result["admissions"] == []
+    (table,) = result["tables"]
+    assert (table["scheduler"], table["gpukv"], table["device"]) == ("Scheduler", "ReferenceScheduler",
+                                                                     "DeviceScheduler")
+    (row,) = table["rows"]
+    device = row["device"]
+    assert device["steps"] == result["steps"] == 5
+    assert device["launches"]["min"] > 0 and device["reads"]["min"] > 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[lines.index("vLLM's Scheduler against gpukv's ReferenceScheduler and DeviceScheduler"
+                             + ("" if result["cuda"] else " (its honest twin: host time + stated GPU costs)")
+                             + ":") + 1].endswith("| gpukv device p50 (p99) ms | ratio device/vLLM p50 |")
+    if result["cuda"]:
+        return
+    assert set(device["counts"]) == {"torch_op", "upload", "event_record", "event_wait", "read", "stream_query"}
+    assert set(device["first_host_ms"]) == {"first", "p50_others"}
+    assert any(line.startswith("| target | launches/step | torch ops (x 5 us) | uploads (x 4 us) |") for line in lines)
+    if row["launch_path_unmeasured"] is None:
+        assert device["honest_ms"]["p50"] > device["host_ms"]["p50"]
