@@ -46,7 +46,7 @@ from typing import Any
 
 from gpukv.request import ComputedBlocks
 from gpukv.vllm.v0_33 import features
-from gpukv.vllm.v0_33.views import blocks_of
+from gpukv.vllm.v0_33.views import token_ids
 
 
 def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int,
@@ -178,7 +178,7 @@ class AdmittedRun:
         if not run or run[0] is not request:
             return
         a = self._adapter
-        result = a.pending.flush(new=[a._new_request(r, r.all_token_ids[:]) for r in run], token_budget=token_budget)
+        result = a.pending.flush(new=[a._new_request(r, token_ids(r)) for r in run], token_budget=token_budget)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
         self.num_chunked += sum(1 for i in range(result.num_admitted)
@@ -194,8 +194,7 @@ class AdmittedRun:
         num_hit = hit // a.block_size
         hit_ids = [ids[:num_hit] for ids in block_ids]
         computed = ComputedBlocks(hit_ids, hit)
-        hit_blocks = (a.create_kv_cache_blocks(tuple(blocks_of(request, ids, num_hit, a.block_size)
-                                                     for ids in hit_ids)) if hit else a.empty_kv_cache_blocks)
+        hit_blocks = a.id_blocks(tuple(hit_ids), request, num_hit)
         new_blocks = a._new_blocks([ids[num_hit:] for ids in block_ids])
         return Admission(request, row, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
 

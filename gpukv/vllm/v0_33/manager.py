@@ -71,7 +71,9 @@ from gpukv.vllm.v0_33.views import (
     InertHooks,
     NoBlockPool,
     PrefixCacheStatsRules,
-    blocks_of,
+    has_blocks,
+    id_blocks_class,
+    token_ids,
 )
 
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "check_request",
@@ -158,6 +160,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self._stats_cls = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._blocks_cls = KVCacheBlocks
+        self._id_blocks_cls = id_blocks_class(KVCacheBlocks)  # (the Block objects built only when read)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self.coordinator = CoordinatorView(kv_cache_config, self.enable_caching)
         self.block_pool = NoBlockPool()
@@ -222,8 +225,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         admitted, self._admitted = self._admitted, None
         ids = admitted[1] if admitted is not None and admitted[0] == request_id else self.manager.get_block_ids(
             request_id)
-        cached = self._num_cached_blocks(request)
-        return self.create_kv_cache_blocks(tuple(blocks_of(request, group, cached, self.block_size) for group in ids))
+        return self.id_blocks(tuple(ids), request, self._num_cached_blocks(request))
 
     @flushing
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -249,6 +251,15 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         """``KVCacheBlocks`` of ``blocks``, or the shared empty instance when
         every group is empty (vLLM's scheduler compares with it)."""
         return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def id_blocks(self, ids: tuple[Any, ...], request: Any = None, num_cached: int = 0) -> Any:
+        """``KVCacheBlocks`` of block ids per group (lists or int arrays), its
+        ``Block`` objects built only if something reads ``blocks`` (the first
+        ``num_cached`` of each group carrying ``request``'s block hashes), or
+        the shared empty instance when every group is empty."""
+        if not any(len(group) for group in ids):
+            return self.empty_kv_cache_blocks
+        return self._id_blocks_cls(ids, request, num_cached, self.block_size)
 
     @flushing
     def take_events(self) -> list[Any]:
@@ -286,8 +297,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         if not computed.num_tokens:
             self._looked_up.pop(request.request_id, None)
             return self.empty_kv_cache_blocks, 0, boundary
-        blocks = self.create_kv_cache_blocks(tuple(blocks_of(request, ids, len(ids), self.block_size)
-                                                   for ids in computed.block_ids))
+        blocks = self.id_blocks(tuple(computed.block_ids), request, computed.num_tokens // self.block_size)
         self._looked_up[request.request_id] = (blocks, computed)
         return blocks, computed.num_tokens, boundary
 
@@ -329,7 +339,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
             raise InvalidInputError(f"request {request.request_id!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
         if request.request_id in self._requests:
-            if num_new_computed_tokens or _has_blocks(new_computed_blocks):
+            if num_new_computed_tokens or has_blocks(new_computed_blocks):
                 raise InvalidInputError(f"request {request.request_id!r} is running; computed blocks are for "
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
@@ -430,7 +440,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         if max_hit_blocks <= 0:
             return ComputedBlocks([[] for _ in range(self.num_kv_cache_groups)], 0)
         end = max_hit_blocks * self.block_size + 1
-        return self.manager.get_computed_blocks(self._new_request(request, request.all_token_ids[:end]))
+        return self.manager.get_computed_blocks(self._new_request(request, token_ids(request, end)))
 
     def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
         """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup
@@ -471,7 +481,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
                 self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False) + touched, watermark,
                 reserved_blocks):
             return None
-        new = self.manager.allocate_slots(self._new_request(request, request.all_token_ids[:]), computed=computed,
+        new = self.manager.allocate_slots(self._new_request(request, token_ids(request)), computed=computed,
                                           num_tokens=target - hit, num_lookahead_tokens=need_slot - target)
         self._looked_up.pop(request.request_id, None)
         if new is None:
@@ -531,12 +541,10 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
             return 0
         return min(self._held[request.request_id][2], request.num_tokens) // self.block_size
 
-    def _new_blocks(self, new: list[list[int]]) -> Any:
+    def _new_blocks(self, new: Sequence[Sequence[int]]) -> Any:
         """The ``KVCacheBlocks`` of blocks an allocation just took: ids only,
         all vLLM's scheduler reads of them (``get_blocks`` gives hashes)."""
-        if not any(new):
-            return self.empty_kv_cache_blocks
-        return self._blocks_cls(tuple([Block(b) for b in group] for group in new))
+        return self.id_blocks(tuple(new))
 
     def _drain(self, request: Any | None) -> None:
         if self._events.active:
@@ -569,7 +577,7 @@ def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks] | None, request: Any,
     """gpukv's hit for the computed blocks vLLM hands back to ``allocate_slots``:
     those of the request's last lookup (``looked_up``: what vLLM got, gpukv's
     hit), or none."""
-    if not _has_blocks(blocks):
+    if not has_blocks(blocks):
         if num_new_computed_tokens:
             raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} without computed blocks",
                                     argument="new_computed_blocks", fix="pass what get_computed_blocks returned")
@@ -590,10 +598,6 @@ def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
     """Hit blocks no request holds: a hit takes them out of the free queue,
     so they count as blocks to take (vLLM's fit check); one device read."""
     return manager.read_num_unheld([b for group in hit_ids for b in group])
-
-
-def _has_blocks(blocks: Any) -> bool:
-    return blocks is not None and any(blocks.blocks)
 
 
 def _check_count(value: Any, argument: str, minimum: int) -> None:

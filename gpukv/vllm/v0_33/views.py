@@ -4,8 +4,11 @@ beyond the calls: blocks, the coordinator's single-type managers, the pool
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
@@ -35,11 +38,94 @@ def blocks_of(request: Any, ids: Any, num_cached: int, block_size: int) -> list[
     """``Block``\\ s for a request's block ids (from position 0): those
     before ``num_cached`` carry the request's vLLM block hash, but the null
     block. A request vLLM's engine did not hash (``engine_hashing``) has
-    none to carry."""
-    hashes = request.block_hashes
+    none to carry (``request`` is read only when ``num_cached`` is not 0)."""
+    hashes = request.block_hashes if num_cached else ()
     num_cached = min(num_cached, len(hashes))
     return [NULL_BLOCK if not b else Block(b, hashes[i], (i + 1) * block_size) if i < num_cached else Block(b)
             for i, b in enumerate(ids)]
+
+
+def token_ids(request: Any, end: int | None = None) -> Any:
+    """The first ``end`` (None: all) of a vLLM request's known tokens, as the
+    adapter hands them to gpukv, with no Python int per token: vLLM 0.34
+    keeps them in an int32 ``TokenBuffer`` (an ``array('i')``), read here in
+    one copy of its buffer; a slice of it would build a list of Python ints
+    (7.8 ms for 128k tokens, against 42 us this way, the manager's checks
+    included). The copy, not a view: a view exports the buffer, and while
+    one lived (a traceback keeping the manager's frame, say) vLLM could not
+    append a sampled token to the request (``BufferError``). vLLM 0.33's list
+    is sliced, which the manager converts in one C-level pass."""
+    buffer = getattr(request, "_all_token_ids", None)
+    if isinstance(buffer, array) and buffer.typecode == "i":
+        count = len(buffer) if end is None else min(max(end, 0), len(buffer))
+        return np.frombuffer(buffer, np.int32, count=count).copy()
+    return request.all_token_ids[:end]
+
+
+class IdBlocks:
+    """What a subclass of vLLM's ``KVCacheBlocks`` made by ``id_blocks_class``
+    holds: block ids per group (lists or int arrays, from the manager), and
+    ``Block`` objects built from them only when something reads ``blocks``.
+    vLLM's scheduler reads only ``get_block_ids()`` of what the manager hands
+    it (for the ``SchedulerOutput``), which copies the ids, one list per
+    group, with no Python call per block; its connectors and copy-on-write
+    paths (refused by the adapter) read ``blocks``. ``request``,
+    ``num_cached``, ``block_size``: as ``blocks_of``."""
+
+    def __init__(self, ids: tuple[Any, ...], request: Any = None, num_cached: int = 0, block_size: int = 0) -> None:
+        # (not the dataclass's __init__: ``blocks`` is built on first read)
+        self._ids = ids
+        self._request, self._num_cached, self._block_size = request, num_cached, block_size
+        self._built: tuple[list[Block], ...] | None = None
+
+    @property
+    def blocks(self) -> tuple[list[Block], ...]:
+        if self._built is None:
+            self._built = tuple(blocks_of(self._request, ids, self._num_cached, self._block_size)
+                                for ids in self._ids)
+        return self._built
+
+    @blocks.setter
+    def blocks(self, value: tuple[Any, ...]) -> None:
+        self._built = tuple(value)
+        self._ids = tuple([block.block_id for block in group] for group in self._built)
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Any = None) -> tuple[list[int], ...] | None:
+        """vLLM's ``KVCacheBlocks.get_block_ids``: fresh lists of the ids per
+        group (those of ``group_ids``; all: None), or None with
+        ``allow_none`` when every one is empty."""
+        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
+        if allow_none and not any(len(ids) for ids in groups):
+            return None
+        return tuple(ids.tolist() if isinstance(ids, np.ndarray) else list(ids) for ids in groups)
+
+    def num_blocks(self) -> int:
+        """Blocks in every group together (``blocks`` not built)."""
+        return sum(len(ids) for ids in self._ids)
+
+
+_ID_BLOCKS_CLASSES: dict[type, type] = {}
+
+
+def id_blocks_class(blocks_cls: type) -> type:
+    """vLLM's ``KVCacheBlocks`` class ``blocks_cls`` with ``IdBlocks``' ids
+    and ``blocks`` built on first read (one subclass per vLLM class)."""
+    cls = _ID_BLOCKS_CLASSES.get(blocks_cls)
+    if cls is None:
+        cls = _ID_BLOCKS_CLASSES[blocks_cls] = type("IdKVCacheBlocks", (IdBlocks, blocks_cls), {
+            "__doc__": "vLLM's ``KVCacheBlocks`` holding block ids, its ``Block`` objects built on first read.",
+            "__module__": __name__})
+    return cls
+
+
+def has_blocks(blocks: Any) -> bool:
+    """Whether a ``KVCacheBlocks`` (or None) holds a block in some group,
+    without building an ``IdBlocks``' ``Block`` objects."""
+    if blocks is None:
+        return False
+    if isinstance(blocks, IdBlocks):
+        return blocks.num_blocks() > 0
+    return any(blocks.blocks)
 
 
 @dataclass(frozen=True, slots=True)
