@@ -85,7 +85,7 @@ def test_quick_run_with_the_device_twin(tmp_path, capsys):
     (row,) = table["rows"]
     device = row["device"]
     assert device["steps"] == result["steps"] == 5
-    assert device["launches"]["min"] > 0 and device["reads"]["min"] > 0
+    assert device["launches"]["min"] > 0 and device["reads"]["max"] > 0  # (a decode step may read nothing)
     lines = capsys.readouterr().out.splitlines()
     assert lines[lines.index("vLLM's Scheduler against gpukv's ReferenceScheduler and DeviceScheduler"
                              + ("" if result["cuda"] else " (its honest twin: host time + stated GPU costs)")
