@@ -4,9 +4,11 @@ gpukv's device tables, against vLLM's own.
 The differential: a random stream (admissions with hits, chunked prefill,
 decode, preemption and resumption, aborts) on gpukv's device scheduler, and
 at every step two copies of vLLM's ``BlockTables``, run as the model runner
-runs them: vLLM's own, fed the step's ``SchedulerOutput`` (new requests'
-block ids, running ones' new ids appended), and the gpukv worker's (adopted:
-no id written, gpukv's table read by gpukv's rows). The gathered
+runs them: vLLM's own, fed the block ids of vLLM's own scheduler on the same
+stream (new requests' block ids, running ones' new ids appended), and the
+gpukv worker's (adopted: no id written, gpukv's table read by gpukv's rows).
+gpukv's ``SchedulerOutput`` carries no block id at all (they stay on the
+device): checked every step. The gathered
 ``input_block_tables`` (the whole persistent buffers) and ``slot_mappings``
 must be identical every step, from vLLM's own kernels under Triton's
 interpreter (``runner_shims``).
@@ -27,6 +29,7 @@ from gpukv.vllm.v0_33.ordering import TableOrdering
 from gpukv.vllm.v0_33.worker_config import check_worker_config
 
 from .harness import BlockTables as HarnessTables
+from .harness import VllmAsyncScheduler, VllmScheduler, is_async
 from .runner_shims import shimmed
 from .streams import BLOCK_SIZE, StreamConfig, coverage, run_stream
 
@@ -90,15 +93,37 @@ class Runner:
         self.steps += 1
 
 
-class DifferentialTables(HarnessTables):
-    """The harness's table check, and the two ``BlockTables`` after each ``schedule()``."""
+def with_vllms_ids(out, want):
+    """gpukv's ``SchedulerOutput`` carrying the block ids of vLLM's own
+    scheduler at the same step (``want``, its ``StepRecord``): gpukv's output
+    carries none under the worker (the ids stay on the device), and vLLM's
+    own ``BlockTables`` must be fed as vLLM's runner would be."""
+    new_ids = {rid: [list(g) for g in ids] for rid, ids, _ in want.new}
+    cached_ids = {rid: None if ids is None else [list(g) for g in ids] for rid, _, ids, *_ in want.cached}
+    assert [n.req_id for n in out.scheduled_new_reqs] == [rid for rid, *_ in want.new]
+    assert list(out.scheduled_cached_reqs.req_ids) == [rid for rid, *_ in want.cached]
+    cached = dataclasses.replace(out.scheduled_cached_reqs,
+                                 new_block_ids=[cached_ids[r] for r in out.scheduled_cached_reqs.req_ids])
+    return dataclasses.replace(out, scheduled_new_reqs=[dataclasses.replace(n, block_ids=tuple(new_ids[n.req_id]))
+                                                        for n in out.scheduled_new_reqs],
+                               scheduled_cached_reqs=cached)
 
-    def __init__(self, runner: Runner) -> None:
+
+class DifferentialTables(HarnessTables):
+    """The harness's table check, and the two ``BlockTables`` after each
+    ``schedule()``, fed the block ids of vLLM's own scheduler on the same
+    stream (``vllm_records``): gpukv's output must carry none."""
+
+    def __init__(self, runner: Runner, vllm_records: list) -> None:
         super().__init__()
         self.runner = runner
         self.last = None
+        self.vllm_records = iter(vllm_records)
 
     def update(self, out) -> None:
+        assert not any(any(n.block_ids) for n in out.scheduled_new_reqs), "a block id reached the host"
+        assert all(not ids for ids in out.scheduled_cached_reqs.new_block_ids), "a block id reached the host"
+        out = with_vllms_ids(out, next(self.vllm_records))
         super().update(out)
         self.last = out
 
@@ -108,6 +133,7 @@ class DifferentialTables(HarnessTables):
 
 
 def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
+    expected = run_stream(VllmAsyncScheduler if is_async(cls) else VllmScheduler, config, check_tables=False)
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
@@ -118,7 +144,7 @@ def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
         ours = adopt(tables())  # (before the scheduler: the runner is built first)
         runner = Runner(ours, tables(), config.max_num_seqs)
         try:
-            records = run_stream(cls, config, tables=DifferentialTables(runner))
+            records = run_stream(cls, config, tables=DifferentialTables(runner, expected))
             assert BINDING.manager is not None and BINDING.manager.rows_generation == BINDING._generation
         finally:
             BINDING.reset()

@@ -140,7 +140,7 @@ class Admission:
     computed: ComputedBlocks  # gpukv's hit
     hit_blocks: Any  # the KVCacheBlocks get_computed_blocks returns
     new_blocks: Any  # the KVCacheBlocks allocate_slots returns
-    block_ids: list[list[int]]  # all its blocks, per group
+    block_ids: list[list[int]] | None  # all its blocks, per group (None: they stay on the device)
     num_new_tokens: int  # the tokens it computes past the hit (all of them, or the run's last one's chunk)
     looked_up: bool = False
 
@@ -183,15 +183,22 @@ class AdmittedRun:
         self.num_admitted += result.num_admitted
         self.num_chunked += sum(1 for i in range(result.num_admitted)
                                 if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
+        ids = result.admitted_block_ids
         for i in range(result.num_admitted):
             self.entries.append(self._admission(run[i], result.rows[i], result.num_computed_tokens[i],
-                                                [group[i] for group in result.admitted_block_ids],
+                                                None if ids is None else [group[i] for group in ids],
                                                 result.num_new_tokens[i]))
 
-    def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]],
+    def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]] | None,
                    num_new_tokens: int) -> Admission:
         a = self._adapter
         num_hit = hit // a.block_size
+        if block_ids is None:  # (the ids stay on the device: vLLM's output carries none, ``ids_on_device``)
+            computed = ComputedBlocks([[] for _ in range(a.num_kv_cache_groups)], hit)
+            # (a hit's blocks are an instance of their own: vLLM hands them back to allocate_slots)
+            hit_blocks = a._blocks_cls(tuple([] for _ in range(a.num_kv_cache_groups))) if hit \
+                else a.empty_kv_cache_blocks
+            return Admission(request, row, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
         hit_ids = [ids[:num_hit] for ids in block_ids]
         computed = ComputedBlocks(hit_ids, hit)
         hit_blocks = a.id_blocks(tuple(hit_ids), request, num_hit)

@@ -62,6 +62,7 @@ from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.admissions import AdmittedRun
+from gpukv.vllm.v0_33.binding import BINDING
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.pending import PendingGrowth, growth
@@ -102,7 +103,6 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
     vLLM 0.33's free order (``uncached_first``). Under ``gpukv.vllm.Worker``
     the device manager is sized to the model runner's tables and published
     to it (``gpukv.vllm.v0_33.binding``)."""
-    from gpukv.vllm.v0_33.binding import BINDING
 
     resolved = resolve_backend(backend)
     max_num_reqs, max_model_len = BINDING.sized(resolved, block_size, len(windows), max_num_reqs, max_model_len)
@@ -193,6 +193,9 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         # Requests the scheduler refused after a sampled token gpukv cannot hold: finished in this update, never
         # handed to gpukv again (``gpukv.vllm.v0_33.screening``).
         self.refused: dict[str, str] = {}
+        # A gpukv worker's model runner reads gpukv's device tables (``binding``): vLLM's SchedulerOutput then
+        # carries no block ids, and the batched path reads none back.
+        self.ids_on_device = BINDING.reads_block_ids_on_device and self.backend == "device"
 
     @property
     def reads_vllm_hashes(self) -> bool:
@@ -218,9 +221,10 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
 
     @flushing
     def get_blocks(self, request_id: str) -> Any:
-        """The request's blocks per group (the shared empty instance if it holds none)."""
+        """The request's blocks per group (the shared empty instance if it
+        holds none, or when its ids stay on the device: ``ids_on_device``)."""
         request = self._requests.get(request_id)
-        if request is None:
+        if request is None or self.ids_on_device:
             return self.empty_kv_cache_blocks
         admitted, self._admitted = self._admitted, None
         ids = admitted[1] if admitted is not None and admitted[0] == request_id else self.manager.get_block_ids(
@@ -517,12 +521,13 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self._drain(request)
         return self._new_blocks(new)
 
-    def _record_admission(self, request: Any, block_ids: list[list[int]], row: int) -> None:
-        """The ledger of a request gpukv admitted (``block_ids``: all of its blocks, ``row`` its row)."""
+    def _record_admission(self, request: Any, block_ids: list[list[int]] | None, row: int) -> None:
+        """The ledger of a request gpukv admitted (``block_ids``: all of its
+        blocks, None where they stay on the device; ``row`` its row)."""
         rid = request.request_id
         self._requests[rid] = request
-        self._admitted = (rid, block_ids)  # (vLLM's get_blocks comes next)
-        self._held[rid] = [row, len(block_ids[0]), self.manager.num_computed_tokens(rid)]
+        self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
+        self._held[rid] = [row, self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)]
 
     def _note_held(self, rid: str) -> None:
         self._held[rid][1:] = self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)
@@ -544,6 +549,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
     def _new_blocks(self, new: Sequence[Sequence[int]]) -> Any:
         """The ``KVCacheBlocks`` of blocks an allocation just took: ids only,
         all vLLM's scheduler reads of them (``get_blocks`` gives hashes)."""
+        if self.ids_on_device:
+            return self.empty_kv_cache_blocks
         return self.id_blocks(tuple(new))
 
     def _drain(self, request: Any | None) -> None:

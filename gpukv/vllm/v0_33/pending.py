@@ -132,7 +132,7 @@ class PendingGrowth:
         held[2] = target
         self.slots.append(slots)
         self.num_calls += 1
-        blocks = self._lazy_cls(self) if new_per_group else None
+        blocks = self._lazy_cls(self) if new_per_group and not a.ids_on_device else None
         self.lazy.append(blocks)
         return a.empty_kv_cache_blocks if blocks is None else blocks
 
@@ -158,11 +158,12 @@ class PendingGrowth:
         them, as vLLM's waiting loop comes after its running loop, within
         ``token_budget`` tokens (None: each whole). Returns
         the step's result (None when there was nothing to do)."""
+        ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
         if not self.rows:
-            return self._adapter.manager.step(new=new, token_budget=token_budget, block_ids=True) if new else None
+            return self._adapter.manager.step(new=new, token_budget=token_budget, block_ids=ids) if new else None
         try:
             batch = self._batch()
-            wants_ids = bool(new) or any(b is not None for b in self.lazy)
+            wants_ids = ids and (bool(new) or any(b is not None for b in self.lazy))
             result = self._adapter.manager.step(running=batch, new=new, token_budget=token_budget, block_ids=wants_ids)
             self.num_steps += 1
             if result.running_failed_at is not None:
