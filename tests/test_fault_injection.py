@@ -347,16 +347,19 @@ def _template(name: str, layout: str) -> Template:
 
 
 def _state(m: DeviceManager) -> Any:
-    """``state_of(m)`` but for the bytes of the staging buffers: uninitialised
-    memory on the CPU, where uploads do not go through them (a clone and a
-    rebuilt scenario differ there)."""
-    staging = m._staging
-    bufs = staging._bufs
+    """``state_of(m)`` but for the bytes of the staging buffers (uninitialised
+    memory on the CPU, where uploads do not go through them) and the free
+    count mirror's tally of the reads it answered (a count of calls, not
+    state: the template's preparation asks the free count once more): a
+    clone and a rebuilt scenario differ there."""
+    staging, mirror = m._staging, m._mirror
+    bufs, reads = staging._bufs, mirror.reads
     staging._bufs = [("buffer", str(b.dtype), tuple(b.shape)) for b in bufs]  # type: ignore[misc]
+    mirror.reads = 0
     try:
         return state_of(m)
     finally:
-        staging._bufs = bufs
+        staging._bufs, mirror.reads = bufs, reads
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
