@@ -131,7 +131,7 @@ class _GpukvManagerMixin:
         (``gpukv.vllm.v0_33.admissions``)."""
         kv: Any = self.kv_cache_manager  # type: ignore[attr-defined]
         kv.batching = bool(self.batched)
-        kv.num_scheduled_tokens = 0
+        kv.num_scheduled_tokens = kv.num_scheduled_requests = 0
         kv.admissions.reset()
         if kv.batching:
             kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills)
