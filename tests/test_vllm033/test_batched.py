@@ -200,6 +200,28 @@ def test_speculative_admission_runs_are_vllms_step_by_step(cls, kv_events, shape
     assert (counting.chunked() > 0) == (budget < 512), counting.chunked()  # (64 and 48 chunk long prompts)
 
 
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize(("draft_slots", "lookahead"), [(1, 1), (3, 2)])
+def test_speculative_runs_with_draft_slots_and_lookahead_are_vllms(cls, draft_slots, lookahead, monkeypatch):
+    """A speculative method whose drafts take input rows and lookahead KV
+    slots (n-gram takes neither; set on vLLM's own configs for both
+    schedulers alike): each admission's budget less its draft slots, its
+    lookahead slots allocated, every step vLLM's."""
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(lambda _self: draft_slots))
+    monkeypatch.setattr(VllmConfig, "num_lookahead_tokens",
+                        property(lambda self: lookahead if self.speculative_config is not None else 0))
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, num_speculative_tokens=2, num_blocks=48, max_num_batched_tokens=48,
+                              max_num_seqs=12, num_requests=32)
+        _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
+    runs, admitted = counting.admitted()
+    assert runs > 0 and admitted > 0 and counting.chunked() > 0, (runs, admitted, counting.chunked())
+
+
 def test_a_prompt_vllm_may_pad_ends_a_speculative_run():
     """Under speculative decoding vLLM pads an admission that computes one
     token (a 17-token prompt whose first block hits, a 1-token prompt) to

@@ -23,8 +23,13 @@ it by vLLM's rule (``gpukv.request.new_tokens_at_admission``: ``min(tokens
 past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
-(no speculative decoding, no pause, no held-KV queue, no prefill
-throttling, no priority policy, no replayed windows). In such a run vLLM's
+(no pause, no held-KV queue, no prefill throttling, no priority policy, no
+replayed windows). Under speculative decoding the budget is vLLM's
+``min(token_budget, input_budget - draft_slots)`` (each scheduled request
+takes its draft slots from ``input_budget``), each admission asks for
+``num_lookahead_tokens`` slots more, and a prompt vLLM may pad to ``1 +
+num_spec_tokens`` tokens (one that can compute a single token: its padding
+depends on the hit and the running loop) ends the run. In such a run vLLM's
 only per-request decisions are the hit and the fit, which are gpukv's
 step's: the full prompt's blocks are at most those the step allocates (its
 tokens plus lookahead slots), so vLLM's whole-prompt check adds nothing. With
