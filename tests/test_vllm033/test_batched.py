@@ -5,11 +5,12 @@
 Inside ``schedule()`` the running requests' ``allocate_slots`` calls are
 answered on the host and applied as one gpukv step, and a run of plain
 waiting requests is admitted as one more, vLLM's calls answered from it.
-Held to vLLM's own scheduler step by step on random streams (KV events off:
-with them on, and with sliding windows, the adapter keeps one call per
-request, which ``test_streams.py`` holds to vLLM), with roomy and tight pools
-(preemption inside the running loop, after some calls are pending; runs
-refused part way); counted (one gpukv step per loop, flat in the requests);
+Held to vLLM's own scheduler step by step on random streams, with KV
+events (a step's events regrouped into vLLM's per-call order) and without,
+with and without speculative decoding (n-gram drafts), with roomy and tight
+pools (preemption inside the running loop, after some calls are pending;
+runs refused part way); sliding windows keep one call per request;
+counted (one gpukv step per loop, flat in the requests);
 and taken apart (the blocks handed back fill at the flush, a refusal keeps
 nothing, every reader flushes first, a host count gpukv disagrees with
 raises, a call the run did not expect raises).
@@ -139,13 +140,102 @@ def test_unbatched_classes_make_one_call_per_request(monkeypatch):
     assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
 
 
-def test_events_and_windows_keep_the_per_request_path(monkeypatch):
+def test_windows_keep_the_per_request_path(monkeypatch):
     counting = _Counting(monkeypatch)
-    run_stream(gpukv033.ReferenceScheduler, StreamConfig(seed=0))  # (KV events on)
     run_stream(gpukv033.ReferenceScheduler, StreamConfig(seed=0, kv_events=False, sliding_window=17,
                                                          num_speculative_tokens=0, max_num_batched_tokens=32,
                                                          num_blocks=12))
     assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
+
+
+STREAM_SHAPES = [pytest.param(dict(num_blocks=20), id="running"),
+                 pytest.param(dict(num_blocks=13), id="tight"),
+                 pytest.param(dict(num_blocks=48, max_num_batched_tokens=512, max_num_seqs=12, num_requests=32),
+                              id="runs"),
+                 pytest.param(dict(num_blocks=48, max_num_batched_tokens=48, max_num_seqs=12, num_requests=32),
+                              id="chunked-runs")]
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("shape", STREAM_SHAPES)
+def test_batched_streams_with_kv_events_are_vllms_step_by_step(cls, shape, monkeypatch):
+    """KV events on, no drafts: each step's events (and all else) equal
+    vLLM's, with the running loop and runs of admissions batched and blocks
+    evicted inside a batched step (removals each given to the call whose
+    pop evicted it)."""
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    removed = 0
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=True, num_speculative_tokens=0, **shape)
+        expected = run_stream(vllm_cls, config, check_tables=False)
+        _assert_same_steps(expected, run_stream(cls, config))
+        removed += coverage(expected)["removed_events"]
+    calls, steps, _ = counting.totals()
+    runs, admitted = counting.admitted()
+    assert removed > 0 and calls > steps > 0 and runs > 0 and admitted > 0, (removed, calls, steps, runs, admitted)
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("kv_events", [False, True], ids=["no-events", "events"])
+@pytest.mark.parametrize("shape", STREAM_SHAPES[1:])
+def test_speculative_admission_runs_are_vllms_step_by_step(cls, kv_events, shape, monkeypatch):
+    """An n-gram speculative config (two drafts a step): runs of admissions
+    (whole prompts, and a chunked last one where the budget chunks) as one
+    gpukv step beside the running loop's, every step vLLM's; drafts were
+    scheduled."""
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    spec_steps = 0
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=kv_events, num_speculative_tokens=2, **shape)
+        expected = run_stream(vllm_cls, config, check_tables=False)
+        _assert_same_steps(expected, run_stream(cls, config))
+        spec_steps += coverage(expected)["spec_steps"]
+    runs, admitted = counting.admitted()
+    assert spec_steps > 0 and runs > 0 and admitted > 0, (spec_steps, runs, admitted)
+    budget = shape.get("max_num_batched_tokens", 64)
+    if budget == 512:  # (roomy: runs of several; the tight pool refuses many a run's head)
+        assert admitted > runs, (runs, admitted)
+    assert (counting.chunked() > 0) == (budget < 512), counting.chunked()  # (64 and 48 chunk long prompts)
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize(("draft_slots", "lookahead"), [(1, 1), (3, 2)])
+def test_speculative_runs_with_draft_slots_and_lookahead_are_vllms(cls, draft_slots, lookahead, monkeypatch):
+    """A speculative method whose drafts take input rows and lookahead KV
+    slots (n-gram takes neither; set on vLLM's own configs for both
+    schedulers alike): each admission's budget less its draft slots, its
+    lookahead slots allocated, every step vLLM's."""
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(lambda _self: draft_slots))
+    monkeypatch.setattr(VllmConfig, "num_lookahead_tokens",
+                        property(lambda self: lookahead if self.speculative_config is not None else 0))
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, num_speculative_tokens=2, num_blocks=48, max_num_batched_tokens=48,
+                              max_num_seqs=12, num_requests=32)
+        _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
+    runs, admitted = counting.admitted()
+    assert runs > 0 and admitted > 0 and counting.chunked() > 0, (runs, admitted, counting.chunked())
+
+
+def test_a_prompt_vllm_may_pad_ends_a_speculative_run():
+    """Under speculative decoding vLLM pads an admission that computes one
+    token (a 17-token prompt whose first block hits, a 1-token prompt) to
+    ``1 + num_spec_tokens`` tokens, by what the running loop scheduled: the
+    run stops before such a prompt (length 1 mod the block size), and the
+    ones before it join."""
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=16, max_num_batched_tokens=1024,
+                               max_model_len=256, num_blocks=100, num_speculative_tokens=2)
+    lengths = [20, 40, 17, 20]
+    for r in make_requests(4, prompt=lambda i: [i + 1] * lengths[i], scheduler=scheduler):
+        scheduler.add_request(r)
+    kv = scheduler.kv_cache_manager
+    run = gpukv033.admissions.plain_run(scheduler, kv, 0, False)
+    assert [r.request_id for r in run.requests] == ["0", "1"] and run.token_budget is None and run.lookahead == 0
 
 
 # ---------------------------------------------------------------- counts

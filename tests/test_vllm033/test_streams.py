@@ -125,29 +125,36 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     assert sum(b != u for b, u in zip(bounded, unbounded, strict=True)) >= 2
 
 
-DEVICE = [pytest.param(gpukv033.DeviceScheduler, True, id="gpukv-device"),
-          pytest.param(gpukv033.DeviceAsyncScheduler, False, id="gpukv-device-async-batched")]
+DEVICE = [pytest.param(gpukv033.DeviceScheduler, {}, id="gpukv-device"),
+          pytest.param(gpukv033.DeviceAsyncScheduler, dict(max_num_batched_tokens=96, num_blocks=20),
+                       id="gpukv-device-async-runs")]
 
 
-@pytest.mark.parametrize(("cls", "per_request"), DEVICE)
-def test_gpukv_device_stream_is_vllms_step_by_step(cls, per_request):
+@pytest.mark.parametrize(("cls", "shape"), DEVICE)
+def test_gpukv_device_stream_is_vllms_step_by_step(cls, shape, monkeypatch):
     """The device backend on one stream of half the requests, sync and async
     (the whole stream costs about 45 s under Triton's interpreter, hence not
-    the whole suite: the reference runs that): with KV events and drafts,
-    one gpukv call per request; without them the batched path, the running
-    loop and runs of admissions (``test_batched.py``)."""
+    the whole suite: the reference runs that), with KV events and drafts, on
+    the batched path: the running loop as one gpukv step, and (the larger
+    budget) runs of admissions (``test_batched.py``)."""
+    made: list = []
+    init = gpukv033.admissions.AdmittedRun.__init__
+
+    def counting_init(run: object, adapter: object) -> None:
+        init(run, adapter)
+        made.append(run)
+
+    monkeypatch.setattr(gpukv033.admissions.AdmittedRun, "__init__", counting_init)
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
-    batched = {} if per_request else dict(max_num_batched_tokens=96, num_blocks=24)  # (runs of admissions)
-    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6, kv_events=per_request,
-                          num_speculative_tokens=2 if per_request else 0, **batched)
+    config = StreamConfig(seed=SEEDS[3], num_requests=12, arrival_steps=6, **shape)
     expected = run_stream(vllm_cls, config, check_tables=False)
     got = run_stream(cls, config)
-    exercised = {name: count for name, count in coverage(expected).items()
-                 if per_request or ("events" not in name and name != "spec_steps")}
+    exercised = coverage(expected)
     assert all(count > 0 for count in exercised.values()), exercised  # the shorter stream still has them all
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"
     assert len(got) == len(expected)
+    assert sum(run.num_admitted for run in made) > 0
 
 
 # ---------------------------------------------------------------- sliding windows and hybrid groups

@@ -23,8 +23,13 @@ it by vLLM's rule (``gpukv.request.new_tokens_at_admission``: ``min(tokens
 past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
-(no speculative decoding, no pause, no held-KV queue, no prefill
-throttling, no priority policy, no replayed windows). In such a run vLLM's
+(no pause, no held-KV queue, no prefill throttling, no priority policy, no
+replayed windows). Under speculative decoding the budget is vLLM's
+``min(token_budget, input_budget - draft_slots)`` (each scheduled request
+takes its draft slots from ``input_budget``), each admission asks for
+``num_lookahead_tokens`` slots more, and a prompt vLLM may pad to ``1 +
+num_spec_tokens`` tokens (one that can compute a single token: its padding
+depends on the hit and the running loop) ends the run. In such a run vLLM's
 only per-request decisions are the hit and the fit, which are gpukv's
 step's: the full prompt's blocks are at most those the step allocates (its
 tokens plus lookahead slots), so vLLM's whole-prompt check adds nothing. With
@@ -42,50 +47,86 @@ same way), as does everything after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpukv.request import ComputedBlocks
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.views import token_ids
 
 
-def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int,
-              throttle_prefills: bool) -> tuple[list[Any], int | None]:
-    """The waiting requests vLLM's loop will look up and admit, in order,
-    after the running loop scheduled ``num_scheduled_tokens`` (module
-    docstring), and the token budget gpukv's step takes for them: None when
-    each is admitted whole, the budget left when the last one may be
-    chunked. Empty when the step may bend the loop."""
-    from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
-    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+class WaitingRun(NamedTuple):
+    """What ``plain_run`` predicts: the requests, in order; the token budget
+    gpukv's step takes for them (None: each admitted whole); the lookahead
+    slots vLLM's waiting loop asks for each (``num_lookahead_tokens``)."""
 
+    requests: list[Any]
+    token_budget: int | None
+    lookahead: int = 0
+
+
+def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_prefills: bool) -> WaitingRun:
+    """The waiting requests vLLM's loop will look up and admit, in order,
+    after the running loop scheduled ``num_scheduled_tokens`` tokens for
+    ``adapter.num_scheduled_requests`` requests (module docstring). Empty
+    when the step may bend the loop."""
     s = scheduler
-    if (s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
-            or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
-            or s.vllm_config.speculative_config is not None or s.num_lookahead_tokens or s.prefix_replay_tokens
-            or not adapter.can_batch or adapter._events.index
-            or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None)):
-        return [], None
-    budget = start_budget = min(s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens) \
-        - num_scheduled_tokens
+    lookahead = s.num_lookahead_tokens
+    if _bends_the_loop(s, adapter, throttle_prefills):
+        return WaitingRun([], None, lookahead)
+    draft_slots = _draft_slots(s)
+    tokens = s.max_num_scheduled_tokens - num_scheduled_tokens  # (vLLM's token_budget and input_budget left)
+    inputs = s.scheduler_config.max_num_batched_tokens - num_scheduled_tokens \
+        - draft_slots * adapter.num_scheduled_requests
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
     threshold = s.scheduler_config.long_prefill_token_threshold
+    padded = _pads_one_token_admissions(s)
     run: list[Any] = []
+    taken = 0  # (the run's tokens so far, none hit)
     proof = HostFitProof(adapter)
     for request in s.waiting:
         n = request.num_tokens
-        if len(run) == slots or (threshold and n > threshold) or n > adapter.max_model_len or not _plain(request):
+        budget = min(tokens, inputs - draft_slots)  # (vLLM's request_token_budget; its loop stops at <= 0)
+        if len(run) == slots or budget <= 0 or (threshold and n > threshold) or not _plain(request) or \
+                n + lookahead > adapter.max_model_len or (padded and (n - 1) % adapter.block_size == 0):
             break
+        slots_needed = n + lookahead
         if n > budget:
-            if budget > 0 and not threshold and s.scheduler_config.enable_chunked_prefill and \
-                    proof.fits(n, adapter.watermark_blocks, needed=bool(s.scheduler_reserve_full_isl)):
-                return [*run, request], start_budget
+            if not threshold and s.scheduler_config.enable_chunked_prefill and \
+                    proof.fits(slots_needed, adapter.watermark_blocks, needed=bool(s.scheduler_reserve_full_isl)):
+                return WaitingRun([*run, request], budget + taken, lookahead)
             break
-        if not proof.fits(n, adapter.watermark_blocks, needed=False):
+        if not proof.fits(slots_needed, adapter.watermark_blocks, needed=False):
             break
         run.append(request)
-        budget -= n
-    return run, None
+        tokens, inputs, taken = tokens - n, inputs - n - draft_slots, taken + n
+    return WaitingRun(run, None, lookahead)
+
+
+def _bends_the_loop(s: Any, adapter: Any, throttle_prefills: bool) -> bool:
+    """Whether vLLM's waiting loop may decide something this step besides
+    each request's hit and fit (then no run is predicted)."""
+    from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    return bool(s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
+                or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
+                or s.prefix_replay_tokens or not adapter.can_batch or adapter._events.index
+                or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None))
+
+
+def _draft_slots(s: Any) -> int:
+    """vLLM's ``draft_slots``: input rows each scheduled request takes
+    beyond its tokens when drafting (0 without speculative decoding)."""
+    spec = s.vllm_config.speculative_config
+    return spec.max_num_new_slots_for_drafting if spec is not None else 0
+
+
+def _pads_one_token_admissions(s: Any) -> bool:
+    """Whether vLLM's waiting loop may pad an admission that computes one
+    token to ``1 + num_spec_tokens`` (uniform speculative decode): it does
+    by its hit (all but the last token) and by what the running loop
+    scheduled, which the host does not know, so such a request ends a run."""
+    return bool(s.num_spec_tokens > 0 and s.num_sampled_tokens_per_step > 0)
 
 
 class HostFitProof:
@@ -159,6 +200,7 @@ class AdmittedRun:
     def reset(self) -> None:
         """Forget the step's run (a new ``schedule()``)."""
         self.started = False
+        self.lookahead = 0  # (the slots vLLM asks past each admission's tokens)
         self.entries: list[Admission] = []
         self.cursor = 0
 
@@ -170,15 +212,17 @@ class AdmittedRun:
             raise AssertionError(f"gpukv admitted {[e.request.request_id for e in left]} in a batched run that "
                                  "vLLM's waiting loop did not reach")
 
-    def start(self, request: Any, waiting_run: tuple[list[Any], int | None]) -> None:
-        """Admit ``run`` (whose head vLLM looks up now) as one gpukv step,
-        with the running loop's pending calls (``PendingGrowth.flush``)."""
+    def start(self, request: Any, waiting_run: tuple) -> None:
+        """Admit the run (a ``WaitingRun``, whose head vLLM looks up now) as
+        one gpukv step, with the running loop's pending calls
+        (``PendingGrowth.flush``)."""
         self.started = True
-        run, token_budget = waiting_run
+        run, token_budget, self.lookahead = WaitingRun(*waiting_run)
         if not run or run[0] is not request:
             return
         a = self._adapter
-        result = a.pending.flush(new=[a._new_request(r, token_ids(r)) for r in run], token_budget=token_budget)
+        result = a.pending.flush(new=[a._new_request(r, token_ids(r), lookahead=self.lookahead) for r in run],
+                                 token_budget=token_budget, admitting=run)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
         self.num_chunked += sum(1 for i in range(result.num_admitted)
@@ -229,7 +273,7 @@ class AdmittedRun:
         if self.cursor == len(self.entries) or self.entries[self.cursor].request is not request:
             return None
         entry = self.entries[self.cursor]
-        expected = (entry.num_new_tokens, entry.computed.num_tokens, 0)
+        expected = (entry.num_new_tokens, entry.computed.num_tokens, self.lookahead)
         if not entry.looked_up or blocks is not entry.hit_blocks and entry.computed.num_tokens or (
                 num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) != expected:
             raise AssertionError(f"vLLM allocates for {request.request_id!r} (new {num_new_tokens}, computed "

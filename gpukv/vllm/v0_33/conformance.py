@@ -49,7 +49,7 @@ SCHEDULER_FIELDS = (
     "policy", "_pause_state", "kv_holding_waiting", "local_prefill_interval", "lora_config", "num_lookahead_tokens",
     "prefix_replay_tokens", "ec_connector", "max_num_scheduled_tokens", "max_num_active_reqs", "running",
     "num_waiting_for_streaming_input", "waiting", "requests", "grammar_compile_error_reqs",
-    "scheduler_reserve_full_isl",
+    "scheduler_reserve_full_isl", "num_spec_tokens", "num_sampled_tokens_per_step",
 )
 """The scheduler attributes the adapter reads (``scheduler._refuse_unsupported``, ``admissions.plain_run``,
 ``screening``)."""

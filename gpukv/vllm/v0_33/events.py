@@ -9,6 +9,20 @@ for one group are one run; their positions in the request give vLLM's hashes.
 A digest's vLLM hash is remembered while a block is cached under it, for its
 ``BlockRemoved``.
 
+A batched step (``gpukv.vllm.v0_33.pending``: the running loop's calls and a
+run of admissions as one gpukv step) logs its phases' order: every removal
+(the running rows' pops, then the admissions'), every store. vLLM's order is
+per call: the call's removals, then its stores (``drain_step`` regroups
+them). The stores are the calls' own, in call order, so a count per call
+cuts them. A removal carries a digest and a group, not the pop that evicted
+it, but the free order says which pops evict: with uncached blocks freed to
+the front and cached ones to the tail (vLLM 0.33's order, gpukv's
+``uncached_first``), the free queue is its uncached blocks, then its cached
+ones, and a step's pops, all from the front, evict exactly its last ``E``
+(``E`` removals; a hit touched between the pops takes a cached block from
+the middle and changes neither part). Each removal's group is checked against
+the pop it is matched with.
+
 The same stream keeps, when asked (``index=True``), which of vLLM's block
 hashes each group has cached: what the shared-prefix boundary needs (the
 hit of one group alone, which gpukv's lookup, every group at once, does not
@@ -18,7 +32,20 @@ report).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One vLLM ``allocate_slots`` call applied in a batched gpukv step: its
+    request, the blocks it popped from the free queue (all groups, group by
+    group) and the blocks it cached (all groups)."""
+
+    request: Any
+    num_popped: int
+    num_stored: int
 
 
 class EventTranslator:
@@ -52,28 +79,65 @@ class EventTranslator:
 
     def drain(self, manager: Any, request: Any | None) -> None:
         """Translate what ``manager`` logged since the last drain (one call)."""
+        self._translate(manager, [e for batch in manager.take_events() for e in batch.events], request)
+
+    def drain_step(self, manager: Any, calls: Sequence[StepCall], num_groups: int) -> None:
+        """Translate what one batched step logged as vLLM's ``calls`` would
+        have, one after another (module docstring): each call's removals,
+        then its stores."""
+        from gpukv import events as gk
+
+        removed: list[Any] = []
+        stored: list[Any] = []
+        for batch in manager.take_events():
+            for event in batch.events:
+                if isinstance(event, gk.BlockRemoved):
+                    removed += [gk.BlockRemoved([d], event.group) for d in event.block_hashes]
+                elif isinstance(event, gk.BlockStored):
+                    stored += _one_per_block(event)
+                else:
+                    raise AssertionError("a batched step cleared the prefix cache")
+        first_evicting = sum(c.num_popped for c in calls) - len(removed)
+        if first_evicting < 0 or sum(c.num_stored for c in calls) != len(stored):
+            raise AssertionError(f"a batched step logged {len(removed)} removals and {len(stored)} stores, more "
+                                 "than its calls popped or other than they cached")
+        popped = cached = 0
+        for call in calls:
+            own = removed[max(popped, first_evicting) - first_evicting:
+                          max(popped + call.num_popped, first_evicting) - first_evicting]
+            per_group = call.num_popped // num_groups
+            for i, event in enumerate(own, start=max(first_evicting - popped, 0)):
+                if event.group != i // per_group:
+                    raise AssertionError(f"a removal of group {event.group} matched with a pop of group "
+                                         f"{i // per_group}: the free queue is not uncached blocks, then cached")
+            self._translate(manager, own + stored[cached:cached + call.num_stored], call.request)
+            popped += call.num_popped
+            cached += call.num_stored
+
+    def _translate(self, manager: Any, events: list[Any], request: Any | None) -> None:
+        """vLLM's events of one call's gpukv ``events``, in order: gpukv's
+        stores merged per chain and group."""
         from gpukv import events as gk
 
         run: list[Any] = []
         positions: dict[bytes, int] | None = None
-        for batch in manager.take_events():
-            for event in batch.events:
-                if isinstance(event, gk.BlockStored):
-                    if run and (run[-1].group != event.group or run[-1].block_hashes[-1] != event.parent_block_hash):
-                        self._stored(run, request, positions)
-                        run = []
-                    if positions is None:
-                        assert request is not None, "blocks were stored by a call without a request"
-                        positions = {d: i for i, d in enumerate(manager.block_hashes(request.request_id))}
-                    run.append(event)
-                    continue
-                if run:
+        for event in events:
+            if isinstance(event, gk.BlockStored):
+                if run and (run[-1].group != event.group or run[-1].block_hashes[-1] != event.parent_block_hash):
                     self._stored(run, request, positions)
                     run = []
-                if isinstance(event, gk.BlockRemoved):
-                    self._removed(event)
-                else:
-                    self._cleared()
+                if positions is None:
+                    assert request is not None, "blocks were stored by a call without a request"
+                    positions = {d: i for i, d in enumerate(manager.block_hashes(request.request_id))}
+                run.append(event)
+                continue
+            if run:
+                self._stored(run, request, positions)
+                run = []
+            if isinstance(event, gk.BlockRemoved):
+                self._removed(event)
+            else:
+                self._cleared()
         if run:
             self._stored(run, request, positions)
 
@@ -146,3 +210,16 @@ class EventTranslator:
     def take(self) -> list[Any]:
         events, self.events = self.events, []
         return events
+
+
+def _one_per_block(event: Any) -> list[Any]:
+    """A gpukv ``BlockStored`` of several blocks as one event per block, each
+    parented on the one before (a step's merged runs may span calls)."""
+    from gpukv import events as gk
+
+    bs, parent, out = event.block_size, event.parent_block_hash, []
+    for i, digest in enumerate(event.block_hashes):
+        out.append(gk.BlockStored([digest], parent, event.token_ids[i * bs:(i + 1) * bs], bs, event.lora_id,
+                                  event.group))
+        parent = digest
+    return out

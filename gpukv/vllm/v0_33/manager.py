@@ -132,7 +132,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
     ``batching`` (set by ``gpukv.vllm.v0_33``'s schedulers for the span of a
     ``schedule()``): running requests' allocations are answered on the host
     and applied as one gpukv step (``gpukv.vllm.v0_33.pending``), when every
-    group is full attention and KV events are off; ``flush()`` applies them
+    group is full attention (KV events regrouped into vLLM's per-call order:
+    ``events``); ``flush()`` applies them
     (every method that reads or changes gpukv's state does so first).
     """
 
@@ -185,11 +186,12 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self._looked_up: dict[str, tuple[Any, ComputedBlocks]] = {}
         self.batching = False
         # The batched path answers on the host only what host arithmetic decides (module docstring).
-        self.can_batch = not self.groups.has_windows and not self._events.active
+        self.can_batch = not self.groups.has_windows
         self.pending = PendingGrowth(self)  # (the running loop's calls, answered, not yet applied)
         self.admissions = AdmittedRun(self)  # (the waiting loop's run of admissions, answered from one step)
         self.waiting_run: Any = None  # (set by the scheduler: the run of waiting requests to admit as one step)
         self.num_scheduled_tokens = 0  # (the running loop's tokens this schedule(), for the waiting run's budget)
+        self.num_scheduled_requests = 0  # (and the requests they are for: each takes vLLM's draft slots)
         # Requests the scheduler refused after a sampled token gpukv cannot hold: finished in this update, never
         # handed to gpukv again (``gpukv.vllm.v0_33.screening``).
         self.refused: dict[str, str] = {}
@@ -350,7 +352,9 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
             if self.batching and self.can_batch and not reserved_blocks:
                 blocks = self.pending.add(request, self._held[request.request_id], num_new_tokens,
                                           num_lookahead_tokens, self.max_model_len)
-                self.num_scheduled_tokens += 0 if blocks is None else num_new_tokens
+                if blocks is not None:
+                    self.num_scheduled_tokens += num_new_tokens
+                    self.num_scheduled_requests += 1
                 return blocks
             self.flush()
             return self._grow(request, num_new_tokens, num_lookahead_tokens, reserved_blocks)

@@ -24,8 +24,9 @@ read (``read_num_free_blocks``). A step costs one gpukv call and, when some
 request got a new block, the one read of its block ids, whatever the number
 of running requests.
 
-Window groups (vLLM releases their blocks between the calls) and KV events
-(their order within a step is vLLM's per call) keep the per-request path
+With KV events on, the step's events are regrouped into vLLM's per-call
+order after it (``gpukv.vllm.v0_33.events``: ``drain_step``). Window groups
+(vLLM releases their blocks between the calls) keep the per-request path
 (``KVCacheManager.batching``).
 """
 
@@ -39,6 +40,7 @@ import numpy as np
 from gpukv.errors import GpukvInputError
 from gpukv.request import NewRequest, StepResult
 from gpukv.running import RunningBatch
+from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block
 
 _LAZY_CLASSES: dict[type, type] = {}
@@ -103,6 +105,7 @@ class PendingGrowth:
         self.computed: list[int] = []  # gpukv's computed tokens before the call
         self.targets: list[int] = []  # and after it (``growth``)
         self.slots: list[int] = []  # the slots the request needs after the call
+        self.popped: list[int] = []  # the blocks the call takes from the free queue (all groups)
         self.lazy: list[Any] = []  # the blocks handed back, per call: None when no block is new
         self.taken = 0  # blocks the calls so far take, per the host
         self.spare: int | None = None  # free blocks known to be left for the next call
@@ -131,6 +134,7 @@ class PendingGrowth:
         held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
         held[2] = target
         self.slots.append(slots)
+        self.popped.append(new_per_group * a.num_kv_cache_groups)
         self.num_calls += 1
         blocks = self._lazy_cls(self) if new_per_group and not a.ids_on_device else None
         self.lazy.append(blocks)
@@ -151,21 +155,24 @@ class PendingGrowth:
         self.taken += num_blocks
         return True
 
-    def flush(self, new: Sequence[NewRequest] = (), token_budget: int | None = None) -> StepResult | None:
+    def flush(self, new: Sequence[NewRequest] = (), token_budget: int | None = None,
+              admitting: Sequence[Any] = ()) -> StepResult | None:
         """Apply the pending calls as one gpukv step, in call order, and fill
         the blocks handed back; ``new`` (a run of admissions,
-        ``gpukv.vllm.v0_33.admissions``) are admitted in the same step, after
-        them, as vLLM's waiting loop comes after its running loop, within
-        ``token_budget`` tokens (None: each whole). Returns
-        the step's result (None when there was nothing to do)."""
+        ``gpukv.vllm.v0_33.admissions``; ``admitting``: their vLLM requests)
+        are admitted in the same step, after them, as vLLM's waiting loop
+        comes after its running loop, within ``token_budget`` tokens (None:
+        each whole). Returns the step's result (None when there was nothing
+        to do)."""
+        if not self.rows and not new:
+            return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
-        if not self.rows:
-            return self._adapter.manager.step(new=new, token_budget=token_budget, block_ids=ids) if new else None
         try:
-            batch = self._batch()
             wants_ids = ids and (bool(new) or any(b is not None for b in self.lazy))
-            result = self._adapter.manager.step(running=batch, new=new, token_budget=token_budget, block_ids=wants_ids)
-            self.num_steps += 1
+            running = self._batch() if self.rows else ()
+            result = self._adapter.manager.step(running=running, new=new, token_budget=token_budget,
+                                                block_ids=wants_ids)
+            self.num_steps += bool(self.rows)
             if result.running_failed_at is not None:
                 raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
                                      "host counted as fitting: the host's block arithmetic is wrong")
@@ -173,12 +180,28 @@ class PendingGrowth:
                 for i, blocks in enumerate(self.lazy):
                     if blocks is not None:
                         blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
+            if self._adapter._events.active:
+                self._drain(result, admitting)
             return result
         except GpukvInputError:
             self._reread()
             raise
         finally:
             self._clear()
+
+    def _drain(self, result: StepResult, admitting: Sequence[Any]) -> None:
+        """The step's KV events, as vLLM's calls would have made them one by
+        one: the running loop's, then the run's admissions'."""
+        a = self._adapter
+        caching, bs, groups = a.enable_caching, a.block_size, a.num_kv_cache_groups
+        calls = [StepCall(r, popped, groups * (t // bs - c // bs) if caching else 0) for r, popped, c, t
+                 in zip(self.requests, self.popped, self.computed, self.targets, strict=True)]
+        for i in range(result.num_admitted):
+            request, hit = admitting[i], result.num_computed_tokens[i] // bs
+            full = (result.num_computed_tokens[i] + result.num_new_tokens[i]) // bs
+            calls.append(StepCall(request, groups * (a.manager.num_blocks_held(request.request_id) - hit),
+                                  groups * (full - hit) if caching else 0))
+        a._events.drain_step(a.manager, calls, groups)
 
     def _reread(self) -> None:
         """gpukv refused the step and changed nothing: the adapter's records,

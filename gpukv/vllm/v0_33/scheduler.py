@@ -14,9 +14,10 @@ gpukv step (``gpukv.vllm.v0_33.pending``: one gpukv call and at most one
 device read for the whole running loop, not one of each per request), and
 a run of plain waiting requests is admitted in that same step, vLLM's
 calls for them answered from it (``gpukv.vllm.v0_33.admissions``); other
-admissions make one call each. Models with sliding-window groups and runs
-with KV events take the per-request path throughout; ``Unbatched*`` classes
-always do.
+admissions make one call each. KV events are regrouped into vLLM's per-call
+order after the step (``gpukv.vllm.v0_33.events``). Models with
+sliding-window groups take the per-request path throughout; ``Unbatched*``
+classes always do.
 
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
@@ -131,7 +132,7 @@ class _GpukvManagerMixin:
         (``gpukv.vllm.v0_33.admissions``)."""
         kv: Any = self.kv_cache_manager  # type: ignore[attr-defined]
         kv.batching = bool(self.batched)
-        kv.num_scheduled_tokens = 0
+        kv.num_scheduled_tokens = kv.num_scheduled_requests = 0
         kv.admissions.reset()
         if kv.batching:
             kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills)
