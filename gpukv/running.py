@@ -33,6 +33,8 @@ from gpukv.request import (
 #: The largest element of a non-empty array (the ufunc's reduce, without
 #: ``ndarray.max``'s Python wrapper: a decode's rows take one).
 _max = np.maximum.reduce
+_min = np.minimum.reduce
+_any = np.logical_or.reduce
 
 
 @dataclass(frozen=True)
@@ -130,10 +132,10 @@ def _check_each_in_range(arr: np.ndarray, argument: str, most: int, fix: str) ->
     checked before any sum or size is taken of it, which numpy would wrap."""
     if not arr.size:
         return
-    if int(arr.min()) < 0:
+    if int(_min(arr)) < 0:
         i = int(np.argmin(arr))
         raise InvalidInputError(f"{argument}[{i}] = {int(arr[i])} is negative", argument=argument, fix=fix)
-    if int(arr.max()) > most:
+    if int(_max(arr)) > most:
         i = int(np.argmax(arr))
         raise CapacityError(f"{argument}[{i}] = {int(arr[i])} is more than {most}", argument=argument, fix=fix)
 
@@ -188,6 +190,8 @@ def ragged_token_rows(value: Any, counts: np.ndarray) -> np.ndarray:
         raise InvalidInputError(f"holds {len(flat)} token ids, num_new_tokens adds up to {total}",
                                 argument="new_token_ids", fix=fix)
     width = int(counts.max()) if len(counts) else 0
+    if total == width * len(counts):  # every row appends width tokens (a decode): no padding to place
+        return flat.reshape(len(counts), width)
     out = np.zeros((len(counts), width), dtype=np.int64)
     out[np.arange(width)[None, :] < counts[:, None]] = flat
     return out
@@ -247,7 +251,7 @@ def normalize_rows(value: Any, in_use: np.ndarray, *, distinct: bool = True) -> 
         inside = int(_max(rows.view(np.uint64))) < len(in_use)
         if inside:
             counts = np.bincount(rows, minlength=len(in_use))
-            if np.less_equal(counts, in_use).all() if distinct else not counts[~in_use].any():
+            if not _any(counts > in_use if distinct else (counts > 0) > in_use):
                 return rows
         bad = np.flatnonzero((rows < 0) | (rows >= len(in_use)))
         if bad.size == 0:
@@ -358,9 +362,9 @@ def normalize_decode_chunks(value: Any, remaining: np.ndarray, computed: np.ndar
             raise InvalidTypeError(f"num_tokens_to_compute must be {len(remaining)} ints, got {arr.dtype} of shape "
                                    f"{arr.shape}", argument="num_tokens_to_compute", fix=fix)
         chunks = arr.astype(np.int64)
-        bad = np.flatnonzero((chunks < np.minimum(remaining, 1)) | (chunks > remaining))
-        if bad.size:
-            i = int(bad[0])
+        wrong = (chunks < np.minimum(remaining, 1)) | (chunks > remaining)
+        if _any(wrong):
+            i = int(np.flatnonzero(wrong)[0])
             what = ("has no token left to compute (0 is its only chunk)" if remaining[i] == 0
                     else f"must compute 1 to {int(remaining[i])} tokens")
             raise InvalidInputError(f"rows[{i}] {what}, got num_tokens_to_compute[{i}] = {int(chunks[i])}",

@@ -316,8 +316,12 @@ class DecodePath:
         if isinstance(tokens, torch.Tensor):
             # as int64 (int32 sign-extended): decode_fit checks the range
             bufs.new_tokens[: len(plan.rows)].copy_(tokens)
-        else:
-            staging.upload(tokens, out=bufs.new_tokens)  # int64, checked on the host
+        else:  # int64, checked on the host: written in place and sent with one copy (no staging views)
+            key = ("decode tokens", plan.bucket)
+            flat = bufs.new_tokens.view(-1)
+            host = staging.host_array(key, 2 * flat.numel()).view(np.int64)
+            host.reshape(bufs.new_tokens.shape)[: len(tokens)] = tokens
+            staging.upload_host(key, flat.view(torch.int32))
         return bufs
 
     # ---------------------------------------------------------------- launch

@@ -570,11 +570,12 @@ def check_request(request: Any, max_model_len: int) -> None:
     if not isinstance(rid, str):
         raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
                                fix="pass a vllm.v1.request.Request")
-    if not request.num_tokens:
+    num_tokens = request.num_tokens  # (a property: read once, it is called per running request per step)
+    if not num_tokens:
         raise InvalidInputError(f"request {rid!r} has no tokens", argument="request",
                                 fix="give the request a prompt of at least one token")
-    if request.num_tokens > max_model_len:
-        raise InvalidInputError(f"request {rid!r} has {request.num_tokens} tokens, more than max_model_len="
+    if num_tokens > max_model_len:
+        raise InvalidInputError(f"request {rid!r} has {num_tokens} tokens, more than max_model_len="
                                 f"{max_model_len}", argument="request",
                                 fix="finish or truncate requests at max_model_len")
     if request.mm_features or request.prompt_embeds is not None:

@@ -41,7 +41,7 @@ from gpukv.errors import GpukvInputError
 from gpukv.request import NewRequest, StepResult
 from gpukv.running import RunningBatch
 from gpukv.vllm.v0_33.events import StepCall
-from gpukv.vllm.v0_33.views import Block
+from gpukv.vllm.v0_33.views import Block, token_slice
 
 _LAZY_CLASSES: dict[type, type] = {}
 
@@ -221,5 +221,5 @@ class PendingGrowth:
         tokens: list[int] = []
         for r, h, k in zip(self.requests, held.tolist(), known.tolist(), strict=True):
             if k > h:
-                tokens.extend(r.all_token_ids[h:k])
+                tokens.extend(token_slice(r, h, k))
         return RunningBatch(rows, tokens, counts, targets - np.array(self.computed), np.array(self.slots) - targets)

@@ -62,6 +62,20 @@ def token_ids(request: Any, end: int | None = None) -> Any:
     return request.all_token_ids[:end]
 
 
+def token_slice(request: Any, start: int, stop: int) -> Any:
+    """A vLLM request's known tokens ``start`` to ``stop`` (a few: the
+    running loop's new ones), iterable as ints: a slice of vLLM 0.34's
+    ``TokenBuffer`` taken as the ``array`` it is (its own ``__getitem__``
+    and the ``ConstantList`` around it are two Python calls per request and
+    a list each step), or of vLLM 0.33's list."""
+    buffer = getattr(request, "_all_token_ids", None)
+    if isinstance(buffer, array):
+        return array.__getitem__(buffer, slice(start, stop))
+    if type(buffer) is list:
+        return buffer[start:stop]
+    return request.all_token_ids[start:stop]
+
+
 class IdBlocks:
     """What a subclass of vLLM's ``KVCacheBlocks`` made by ``id_blocks_class``
     holds: block ids per group (lists or int arrays, from the manager), and
