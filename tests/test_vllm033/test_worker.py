@@ -2,7 +2,8 @@
 gpukv's device tables, against vLLM's own.
 
 The differential: a random stream (admissions with hits, chunked prefill,
-decode, preemption and resumption, aborts) on gpukv's device scheduler, and
+decode, preemption and resumption, aborts; full attention, a sliding-window
+group alone, or both) on gpukv's device scheduler, and
 at every step two copies of vLLM's ``BlockTables``, run as the model runner
 runs them: vLLM's own, fed the step's ``SchedulerOutput`` (new requests'
 block ids, running ones' new ids appended), and the gpukv worker's (adopted:
@@ -46,6 +47,7 @@ class Runner:
         self.free = list(range(max_num_reqs))  # (highest first: vLLM's indices are not gpukv's rows)
         self.computed = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.steps = 0
+        self.masked = 0  # gathers that nulled an id vLLM's own table held (below a sliding window)
 
     def step(self, out) -> None:
         for rid in sorted(out.finished_req_ids | (out.preempted_req_ids or set())):
@@ -68,6 +70,15 @@ class Runner:
         if out.total_num_scheduled_tokens:
             self.prepare_attn(out)
 
+    def nulled(self, idx: torch.Tensor, gathered: tuple[torch.Tensor, ...]) -> int:
+        """1 if the gather nulled an entry of vLLM's own table, else 0."""
+        for group, (source, table) in enumerate(zip(self.theirs.block_tables, gathered, strict=True)):
+            for b, i in enumerate(idx.tolist()):
+                n = int(self.theirs.num_blocks.np[group, i])
+                if bool(((source.gpu[i, :n] != 0) & (table[b, :n] == 0)).any()):
+                    return 1
+        return 0
+
     def prepare_attn(self, out) -> None:
         ids = list(out.num_scheduled_tokens)
         idx = torch.tensor([self.index[r] for r in ids], dtype=torch.int64)
@@ -80,6 +91,7 @@ class Runner:
         ours = self.ours.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
         for a, b in zip(theirs, ours, strict=True):
             assert torch.equal(a, b), (out, a, b)
+        self.masked += self.nulled(idx, theirs)
         for a, b in zip(self.theirs.input_block_tables, self.ours.input_block_tables, strict=True):
             assert torch.equal(a, b)  # (the whole persistent buffers, stale rows included)
         tokens = int(qsl[-1]) + 3
@@ -107,13 +119,24 @@ class DifferentialTables(HarnessTables):
         self.runner.step(self.last)
 
 
+def window_reach(config: StreamConfig) -> list[int]:
+    """Each group's ``sliding_window_reach``, as Model Runner V2 builds it
+    (``SlidingWindowSpec.num_retained_tokens``; 0 for full attention)."""
+    if config.sliding_window is None:
+        return [0]
+    window = [config.sliding_window - 1]
+    return [0, *window] if config.hybrid else window
+
+
 def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
+        reach = window_reach(config)
+
         def tables():
-            return VllmBlockTables([BLOCK_SIZE], config.max_num_seqs, config.max_num_batched_tokens, [WIDTH],
-                                   torch.device("cpu"))
+            return VllmBlockTables([BLOCK_SIZE] * len(reach), config.max_num_seqs, config.max_num_batched_tokens,
+                                   [WIDTH] * len(reach), torch.device("cpu"), sliding_window_reach=reach)
 
         ours = adopt(tables())  # (before the scheduler: the runner is built first)
         runner = Runner(ours, tables(), config.max_num_seqs)
@@ -139,6 +162,29 @@ def test_gathered_tables_and_slot_mappings_are_vllms_every_step(cls):
     assert runner.steps >= 10
     assert seen["hits"] >= 1 and seen["chunks"] >= 1 and seen["preemptions"] >= 1, seen
     assert seen["aborts"] >= 1, seen
+
+
+WINDOWED = dataclasses.replace(STREAM, seed=3, sliding_window=20, num_requests=6, max_output_tokens=20, abort_rate=0.0)
+
+
+HYBRID = dataclasses.replace(WINDOWED, hybrid=True, num_blocks=20)  # (both groups draw on one pool)
+
+
+@pytest.mark.parametrize("cls, config", [(gpukv033.DeviceAsyncScheduler, WINDOWED), (gpukv033.DeviceScheduler, HYBRID)],
+                         ids=["window-async", "hybrid-sync"])
+def test_windows_are_nulled_below_the_window_as_vllm_gathers_them(cls, config):
+    """A sliding-window group alone, and a full-attention group beside one:
+    vLLM's gather nulls the entries below each request's window (its table
+    still holds the ids it was handed); gpukv's table holds the null block
+    where its scheduler released a block, the id where it has not yet (under
+    async scheduling a step's window runs ahead of the release), and the
+    gather, by gpukv's rows with each row's computed tokens, nulls the same
+    entries: the gathered tables agree."""
+    runner, records = run_differential(cls, config)
+    assert runner.steps == sum(1 for r in records if r.num_scheduled_tokens)
+    assert runner.masked >= 1  # (steps whose gather nulled an entry vLLM's own table still held)
+    seen = coverage(records)
+    assert seen["hits"] >= 1 and seen["chunks"] >= 1 and seen["preemptions"] >= 1, seen
 
 
 def test_unbound_runner_refuses_before_reading():
