@@ -33,6 +33,7 @@ from .streams import BLOCK_SIZE, StreamConfig, coverage, run_stream
 
 MAX_MODEL_LEN = 512  # (run_stream's)
 WIDTH = MAX_MODEL_LEN // BLOCK_SIZE  # vLLM's table width at that length (already 128-token aligned)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (gpukv's manager runs on CUDA where it can)
 
 
 class Runner:
@@ -45,7 +46,7 @@ class Runner:
         self.ours, self.theirs = ours, theirs
         self.index: dict[str, int] = {}
         self.free = list(range(max_num_reqs))  # (highest first: vLLM's indices are not gpukv's rows)
-        self.computed = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self.computed = torch.zeros(max_num_reqs, dtype=torch.int32, device=DEVICE)
         self.steps = 0
         self.masked = 0  # gathers that nulled an id vLLM's own table held (below a sliding window)
 
@@ -81,11 +82,11 @@ class Runner:
 
     def prepare_attn(self, out) -> None:
         ids = list(out.num_scheduled_tokens)
-        idx = torch.tensor([self.index[r] for r in ids], dtype=torch.int64)
+        idx = torch.tensor([self.index[r] for r in ids], dtype=torch.int64, device=DEVICE)
         counts = [out.num_scheduled_tokens[r] for r in ids]
-        qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32, device=DEVICE)
         positions = torch.tensor(np.concatenate([np.arange(int(self.computed[i]), int(self.computed[i]) + n)
-                                                 for i, n in zip(idx.tolist(), counts, strict=True)]))
+                                                 for i, n in zip(idx.tolist(), counts, strict=True)]), device=DEVICE)
         padded = min(len(ids) + 1, len(self.computed))  # (a padded batch, as CUDA graphs run it)
         theirs = self.theirs.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
         ours = self.ours.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
@@ -136,7 +137,7 @@ def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
 
         def tables():
             return VllmBlockTables([BLOCK_SIZE] * len(reach), config.max_num_seqs, config.max_num_batched_tokens,
-                                   [WIDTH] * len(reach), torch.device("cpu"), sliding_window_reach=reach)
+                                   [WIDTH] * len(reach), DEVICE, sliding_window_reach=reach)
 
         ours = adopt(tables())  # (before the scheduler: the runner is built first)
         runner = Runner(ours, tables(), config.max_num_seqs)
@@ -191,7 +192,7 @@ def test_unbound_runner_refuses_before_reading():
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
-        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], torch.device("cpu")))
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], DEVICE))
         try:
             with pytest.raises(UnsupportedConfigError, match="no gpukv scheduler in its process"):
                 ours.apply_staged_writes()
@@ -203,7 +204,7 @@ def test_reallocated_tables_are_refused():
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
-        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], torch.device("cpu")))
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], DEVICE))
         try:
             from gpukv.vllm.v0_33.manager import make_backend
 
@@ -215,6 +216,32 @@ def test_reallocated_tables_are_refused():
             manager._rows._grow(8)  # (as a step needing more rows would)
             with pytest.raises(TablesMovedError, match="reallocated"):
                 ours.apply_staged_writes()
+        finally:
+            BINDING.reset()
+
+
+def test_row_map_uploaded_only_when_a_request_is_added_and_padding_reads_no_row():
+    with shimmed() as VllmBlockTables:
+        from gpukv.vllm.v0_33.tables import adopt
+
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], DEVICE))
+        try:
+            from gpukv.vllm.v0_33.manager import make_backend
+
+            manager = make_backend("device", num_blocks=20, block_size=BLOCK_SIZE, windows=(None,),
+                                   max_model_len=MAX_MODEL_LEN, enable_caching=True, enable_kv_cache_events=False,
+                                   max_num_reqs=4)
+            manager._reqs["a"] = 2  # (as an admission into row 2 leaves it)
+            ours.set_row(3, "a")
+            ours.apply_staged_writes()
+            uploaded = ours.row_map.gpu
+            assert uploaded.tolist() == [-1, -1, -1, 2, -1]
+            ours.apply_staged_writes()  # (a step that added no request: nothing to upload)
+            assert ours.row_map.gpu is uploaded
+            assert ours.rows_of(torch.tensor([3, -1, 0], device=DEVICE)).tolist() == [2, -1, -1]
+            ours.set_row(0, "a")
+            ours.apply_staged_writes()
+            assert ours.row_map.gpu is not uploaded and ours.row_map.gpu.tolist() == [2, -1, -1, 2, -1]
         finally:
             BINDING.reset()
 
