@@ -41,7 +41,8 @@ Counted per step:
 
 * ``h2d B``: every host buffer the device reads, through vLLM's buffers
   (``UvaBuffer.uva`` / ``NonUvaBuffer.uva``: read over UVA on a GPU, copied
-  without it): staged ids, write indices, block counts, the row map;
+  without it; and vLLM 0.33's ``async_tensor_h2d`` of staged contents):
+  staged ids, write indices, block counts, the row map;
 * ``d2h B``: the ids read back in the handoff (4 bytes an id);
 * ``pickled B``: the step's block-id lists, pickled (what a
   ``SchedulerOutput`` adds for them on its way to other ranks);
@@ -182,10 +183,20 @@ def instrumented(counts: Counts, run_kernels: bool) -> Iterator[None]:
                     self.real[grid](*args, **kwargs)
             return launch
 
+    def counted_h2d(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def h2d(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = original(*args, **kwargs)
+            counts.h2d += out.numel() * out.element_size()
+            return out
+        return h2d
+
     saved = []
     for owner, name in ((buffer_utils.NonUvaBuffer, "uva"), (buffer_utils.UvaBuffer, "uva")):
         saved.append((owner, name, owner.__dict__[name]))
         setattr(owner, name, counted_uva(owner.__dict__[name]))
+    if hasattr(buffer_utils, "async_tensor_h2d"):  # (vLLM 0.33 uploads staged contents this way)
+        saved.append((buffer_utils, "async_tensor_h2d", buffer_utils.async_tensor_h2d))
+        buffer_utils.async_tensor_h2d = counted_h2d(buffer_utils.async_tensor_h2d)
     for module, name in ((buffer_utils, "_apply_write_kernel"), (block_table, "_gather_block_tables_kernel"),
                          (block_table, "_compute_slot_mappings_kernel")):
         saved.append((module, name, getattr(module, name)))
