@@ -20,6 +20,20 @@ timeout 240 python3 benchmarks/bench_host.py --steps 50 --json "$out/bench_host.
 timeout 120 python3 -m gpukv replay --backend device --json "$out/replay_device.json" 2>&1 | tee "$out/replay.log"
 replay_rc=${PIPESTATUS[0]}
 t3=$(date +%s)
+# gpukv's worker (vLLM 0.33+, whose Model Runner V2 it drives): the differential against vLLM's own
+# BlockTables with real CUDA kernels, then the step's block-table cost with and without the worker. The
+# machine's image has no vLLM: carry its Python tree and pure-Python needs (README's wheels recipe) on
+# PYTHONPATH; without it both are skipped and the table says so.
+if python3 -c 'import vllm.v1.worker.gpu.block_table' >/dev/null 2>&1; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_vllm033/test_worker.py 2>&1 | tee "$out/worker_tests.log"
+  worker_rc=${PIPESTATUS[0]}
+  timeout 90 python3 benchmarks/bench_worker.py --steps 30 --json "$out/bench_worker.json" 2>&1 | tee "$out/bench_worker.log"
+  worker_bench_rc=${PIPESTATUS[0]}
+else
+  echo "skipped: vLLM 0.33+ is not importable" | tee "$out/worker_tests.log" "$out/bench_worker.log"
+  worker_rc=- worker_bench_rc=-
+fi
+t4=$(date +%s)
 echo
 echo "| check | result | seconds |"
 echo "| --- | --- | --- |"
@@ -27,3 +41,5 @@ echo "| gpu tests | $(tail -n 1 "$out/gpu_tests.log") (rc $tests_rc) | $((t1 - t
 echo "| step benchmark | $(grep 'ratio' "$out/bench.log" | sed 's/^ *//') (rc $bench_rc) | $((t2 - t1)) |"
 echo "| host cost (decode B=1..1024, prefill) | see bench_host.log | - |"
 echo "| replay (device) | $(grep 'manager time/step' "$out/replay.log" | sed 's/  */ /g') (rc $replay_rc) | $((t3 - t2)) |"
+echo "| worker differential (CUDA) | $(tail -n 1 "$out/worker_tests.log") (rc $worker_rc) | $((t4 - t3)) |"
+echo "| worker step, with and without | see bench_worker.log (rc $worker_bench_rc) | - |"

@@ -2,7 +2,8 @@
 gpukv's device tables, against vLLM's own.
 
 The differential: a random stream (admissions with hits, chunked prefill,
-decode, preemption and resumption, aborts) on gpukv's device scheduler, and
+decode, preemption and resumption, aborts; full attention, a sliding-window
+group alone, or both) on gpukv's device scheduler, and
 at every step two copies of vLLM's ``BlockTables``, run as the model runner
 runs them: vLLM's own, fed the block ids of vLLM's own scheduler on the same
 stream (new requests' block ids, running ones' new ids appended), and the
@@ -35,6 +36,7 @@ from .streams import BLOCK_SIZE, StreamConfig, coverage, run_stream
 
 MAX_MODEL_LEN = 512  # (run_stream's)
 WIDTH = MAX_MODEL_LEN // BLOCK_SIZE  # vLLM's table width at that length (already 128-token aligned)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (gpukv's manager runs on CUDA where it can)
 
 
 class Runner:
@@ -47,8 +49,9 @@ class Runner:
         self.ours, self.theirs = ours, theirs
         self.index: dict[str, int] = {}
         self.free = list(range(max_num_reqs))  # (highest first: vLLM's indices are not gpukv's rows)
-        self.computed = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self.computed = torch.zeros(max_num_reqs, dtype=torch.int32, device=DEVICE)
         self.steps = 0
+        self.masked = 0  # gathers that nulled an id vLLM's own table held (below a sliding window)
 
     def step(self, out) -> None:
         for rid in sorted(out.finished_req_ids | (out.preempted_req_ids or set())):
@@ -71,18 +74,28 @@ class Runner:
         if out.total_num_scheduled_tokens:
             self.prepare_attn(out)
 
+    def nulled(self, idx: torch.Tensor, gathered: tuple[torch.Tensor, ...]) -> int:
+        """1 if the gather nulled an entry of vLLM's own table, else 0."""
+        for group, (source, table) in enumerate(zip(self.theirs.block_tables, gathered, strict=True)):
+            for b, i in enumerate(idx.tolist()):
+                n = int(self.theirs.num_blocks.np[group, i])
+                if bool(((source.gpu[i, :n] != 0) & (table[b, :n] == 0)).any()):
+                    return 1
+        return 0
+
     def prepare_attn(self, out) -> None:
         ids = list(out.num_scheduled_tokens)
-        idx = torch.tensor([self.index[r] for r in ids], dtype=torch.int64)
+        idx = torch.tensor([self.index[r] for r in ids], dtype=torch.int64, device=DEVICE)
         counts = [out.num_scheduled_tokens[r] for r in ids]
-        qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32, device=DEVICE)
         positions = torch.tensor(np.concatenate([np.arange(int(self.computed[i]), int(self.computed[i]) + n)
-                                                 for i, n in zip(idx.tolist(), counts, strict=True)]))
+                                                 for i, n in zip(idx.tolist(), counts, strict=True)]), device=DEVICE)
         padded = min(len(ids) + 1, len(self.computed))  # (a padded batch, as CUDA graphs run it)
         theirs = self.theirs.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
         ours = self.ours.gather_block_tables(idx, padded, num_computed_tokens=self.computed)
         for a, b in zip(theirs, ours, strict=True):
             assert torch.equal(a, b), (out, a, b)
+        self.masked += self.nulled(idx, theirs)
         for a, b in zip(self.theirs.input_block_tables, self.ours.input_block_tables, strict=True):
             assert torch.equal(a, b)  # (the whole persistent buffers, stale rows included)
         tokens = int(qsl[-1]) + 3
@@ -132,14 +145,25 @@ class DifferentialTables(HarnessTables):
         self.runner.step(self.last)
 
 
+def window_reach(config: StreamConfig) -> list[int]:
+    """Each group's ``sliding_window_reach``, as Model Runner V2 builds it
+    (``SlidingWindowSpec.num_retained_tokens``; 0 for full attention)."""
+    if config.sliding_window is None:
+        return [0]
+    window = [config.sliding_window - 1]
+    return [0, *window] if config.hybrid else window
+
+
 def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
     expected = run_stream(VllmAsyncScheduler if is_async(cls) else VllmScheduler, config, check_tables=False)
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
+        reach = window_reach(config)
+
         def tables():
-            return VllmBlockTables([BLOCK_SIZE], config.max_num_seqs, config.max_num_batched_tokens, [WIDTH],
-                                   torch.device("cpu"))
+            return VllmBlockTables([BLOCK_SIZE] * len(reach), config.max_num_seqs, config.max_num_batched_tokens,
+                                   [WIDTH] * len(reach), DEVICE, sliding_window_reach=reach)
 
         ours = adopt(tables())  # (before the scheduler: the runner is built first)
         runner = Runner(ours, tables(), config.max_num_seqs)
@@ -167,11 +191,34 @@ def test_gathered_tables_and_slot_mappings_are_vllms_every_step(cls):
     assert seen["aborts"] >= 1, seen
 
 
+WINDOWED = dataclasses.replace(STREAM, seed=3, sliding_window=20, num_requests=6, max_output_tokens=20, abort_rate=0.0)
+
+
+HYBRID = dataclasses.replace(WINDOWED, hybrid=True, num_blocks=20)  # (both groups draw on one pool)
+
+
+@pytest.mark.parametrize("cls, config", [(gpukv033.DeviceAsyncScheduler, WINDOWED), (gpukv033.DeviceScheduler, HYBRID)],
+                         ids=["window-async", "hybrid-sync"])
+def test_windows_are_nulled_below_the_window_as_vllm_gathers_them(cls, config):
+    """A sliding-window group alone, and a full-attention group beside one:
+    vLLM's gather nulls the entries below each request's window (its table
+    still holds the ids it was handed); gpukv's table holds the null block
+    where its scheduler released a block, the id where it has not yet (under
+    async scheduling a step's window runs ahead of the release), and the
+    gather, by gpukv's rows with each row's computed tokens, nulls the same
+    entries: the gathered tables agree."""
+    runner, records = run_differential(cls, config)
+    assert runner.steps == sum(1 for r in records if r.num_scheduled_tokens)
+    assert runner.masked >= 1  # (steps whose gather nulled an entry vLLM's own table still held)
+    seen = coverage(records)
+    assert seen["hits"] >= 1 and seen["chunks"] >= 1 and seen["preemptions"] >= 1, seen
+
+
 def test_unbound_runner_refuses_before_reading():
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
-        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], torch.device("cpu")))
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], DEVICE))
         try:
             with pytest.raises(UnsupportedConfigError, match="no gpukv scheduler in its process"):
                 ours.apply_staged_writes()
@@ -183,7 +230,7 @@ def test_reallocated_tables_are_refused():
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
 
-        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], torch.device("cpu")))
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], DEVICE))
         try:
             from gpukv.vllm.v0_33.manager import make_backend
 
@@ -195,6 +242,32 @@ def test_reallocated_tables_are_refused():
             manager._rows._grow(8)  # (as a step needing more rows would)
             with pytest.raises(TablesMovedError, match="reallocated"):
                 ours.apply_staged_writes()
+        finally:
+            BINDING.reset()
+
+
+def test_row_map_uploaded_only_when_a_request_is_added_and_padding_reads_no_row():
+    with shimmed() as VllmBlockTables:
+        from gpukv.vllm.v0_33.tables import adopt
+
+        ours = adopt(VllmBlockTables([BLOCK_SIZE], 4, 48, [WIDTH], DEVICE))
+        try:
+            from gpukv.vllm.v0_33.manager import make_backend
+
+            manager = make_backend("device", num_blocks=20, block_size=BLOCK_SIZE, windows=(None,),
+                                   max_model_len=MAX_MODEL_LEN, enable_caching=True, enable_kv_cache_events=False,
+                                   max_num_reqs=4)
+            manager._reqs["a"] = 2  # (as an admission into row 2 leaves it)
+            ours.set_row(3, "a")
+            ours.apply_staged_writes()
+            uploaded = ours.row_map.gpu
+            assert uploaded.tolist() == [-1, -1, -1, 2, -1]
+            ours.apply_staged_writes()  # (a step that added no request: nothing to upload)
+            assert ours.row_map.gpu is uploaded
+            assert ours.rows_of(torch.tensor([3, -1, 0], device=DEVICE)).tolist() == [2, -1, -1]
+            ours.set_row(0, "a")
+            ours.apply_staged_writes()
+            assert ours.row_map.gpu is not uploaded and ours.row_map.gpu.tolist() == [2, -1, -1, 2, -1]
         finally:
             BINDING.reset()
 

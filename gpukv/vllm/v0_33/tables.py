@@ -10,7 +10,7 @@ working: attention groups, CUDA-graph capture, the persistent
 * ``apply_staged_writes`` uploads what vLLM's own uploads there, each row's
   block count (from gpukv's host counts) and, new here, the map from vLLM's
   request index to gpukv's row (set per new or resumed request,
-  ``set_row``);
+  ``set_row``; uploaded only in a step that set one);
 * ``gather_block_tables`` and ``compute_slot_mappings`` run vLLM's own
   kernels with ``idx_mapping`` translated to gpukv rows, pointed at gpukv's
   tables; every caller (the runner, a speculator) gets the translation;
@@ -43,8 +43,9 @@ def adopt(block_tables: BlockTables, binding: TableBinding = BINDING) -> GpukvBl
     block_tables.__class__ = GpukvBlockTables
     out: GpukvBlockTables = block_tables  # type: ignore[assignment]
     out.binding = binding
-    out.row_map = UvaBackedTensor(out.max_num_reqs, dtype=torch.int64)
-    out.row_map.np[:] = -1
+    out.row_map = UvaBackedTensor(out.max_num_reqs + 1, dtype=torch.int64)
+    out.row_map.np[:] = -1  # (the extra last entry stays -1: padding's index -1 reads it)
+    out.rows_changed = True
     out.ordering = None
     return out
 
@@ -53,23 +54,30 @@ class GpukvBlockTables(BlockTables):
     """vLLM's ``BlockTables`` on gpukv's tables (module docstring); built by ``adopt``."""
 
     binding: TableBinding
-    row_map: UvaBackedTensor  # int64[max_num_reqs]: vLLM's request index -> gpukv row (-1: none)
+    row_map: UvaBackedTensor  # int64[max_num_reqs + 1]: vLLM's request index -> gpukv row (-1: none)
+    rows_changed: bool  # a request (re)added since the row map's last upload
     ordering: TableOrdering | None  # None until bound to a published gpukv manager
 
     def set_row(self, req_index: int, request_id: str) -> None:
         """A request vLLM (re)added at ``req_index``: its gpukv row."""
         self.row_map.np[req_index] = self.binding.row_of(request_id)
+        self.rows_changed = True
 
     def append_block_ids(self, req_index: int, new_block_ids: tuple[list[int], ...], overwrite: bool) -> None:
         """Nothing to write: gpukv wrote the ids into its own table."""
 
     def apply_staged_writes(self) -> None:
-        """Each gpukv row's block count and the index -> row map, uploaded."""
+        """Each gpukv row's block count uploaded, and the index -> row map
+        when a request was (re)added: a decode step adds none, and the map
+        stays in the buffer it was last uploaded to (a buffer is rewritten
+        only by an upload)."""
         tables = self._bind()
         rows = tables.shape[1]
         self.num_blocks.np[:] = self.binding.blocks_held()[None, :rows]
         self.num_blocks.copy_to_uva()
-        self.row_map.copy_to_uva()
+        if self.rows_changed:
+            self.row_map.copy_to_uva()
+            self.rows_changed = False
 
     def _bind(self) -> torch.Tensor:
         """gpukv's tables (checked unmoved); on the first call, the kernels'
@@ -87,9 +95,9 @@ class GpukvBlockTables(BlockTables):
         return tables
 
     def rows_of(self, idx_mapping: torch.Tensor) -> torch.Tensor:
-        """``idx_mapping`` (vLLM's request indices, -1 for padding) as gpukv rows."""
-        rows = self.row_map.gpu[idx_mapping.clamp(min=0)]
-        return torch.where(idx_mapping >= 0, rows, idx_mapping).to(idx_mapping.dtype)
+        """``idx_mapping`` (vLLM's request indices, -1 for padding) as gpukv
+        rows, in one indexing op (-1 reads the map's last entry, -1)."""
+        return self.row_map.gpu[idx_mapping]
 
     def gather_block_tables(self, idx_mapping: torch.Tensor, num_reqs_padded: int,
                             out: tuple[torch.Tensor, ...] | None = None, out_ptrs: torch.Tensor | None = None,
