@@ -1,5 +1,5 @@
 """Cost of a scheduling step under vLLM 0.8.5's v1 ``Scheduler``: vLLM's own
-block manager against gpukv's (issue 17).
+block manager against gpukv's.
 
 One engine step is ``schedule()`` followed by ``update_from_output()`` (the
 model runner's answer in between is built untimed, by
@@ -38,7 +38,7 @@ the interpreter (on the host, about a second of CPU per admitted request),
 so its wall time is not its host cost. Its columns give, at each
 ``--device-n`` (both workloads one after the other on one scheduler, so the
 set-up is paid once), what one engine step costs the host on a GPU, counted
-honestly (issue 27): an *honest twin* (``benchmarks/device_twin.py`` has
+honestly: an *honest twin* (``benchmarks/device_twin.py`` has
 the method): the host's own work, measured by a twin scheduler with the
 kernel bodies skipped and the real one's device reads replayed (torch on one
 thread, its uploads through the pinned path's Python); Triton's launch path
