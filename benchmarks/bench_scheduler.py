@@ -1,5 +1,6 @@
-"""Cost of a scheduling step under vLLM 0.8.5's v1 ``Scheduler``: vLLM's own
-block manager against gpukv's.
+"""Cost of a scheduling step under vLLM's v1 ``Scheduler`` (0.8.5, or the
+0.33 generation, by what the install offers): vLLM's own block manager
+against gpukv's.
 
 One engine step is ``schedule()`` followed by ``update_from_output()`` (the
 model runner's answer in between is built untimed, by
