@@ -38,7 +38,6 @@ from gpukv.vllm.batched_step import BatchedStep, make_output
 from gpukv.vllm.batched_update import update_batched
 from gpukv.vllm.manager import KVCacheManager
 
-
 MIN_OFFER = 64
 """Waiting requests a batched call is always offered, budget or not (when
 that many wait and are batchable): prefix hits can make each take a few
