@@ -38,6 +38,11 @@ from gpukv.vllm.batched_step import BatchedStep, make_output
 from gpukv.vllm.batched_update import update_batched
 from gpukv.vllm.manager import KVCacheManager
 
+MIN_OFFER = 64
+"""Waiting requests a batched call is always offered, budget or not (when
+that many wait and are batchable): prefix hits can make each take a few
+tokens, and every further call is one more gpukv step."""
+
 
 class Scheduler(VllmScheduler):
     """vLLM's scheduler with gpukv's block manager. ``backend``: "auto" (the
@@ -160,7 +165,7 @@ class Scheduler(VllmScheduler):
         waiting loop where the run stopped before a request it does not take."""
         batch = self.running[: len(plan)]
         budget_left = step.token_budget - sum(plan)
-        waiting = self._waiting_batch(len(self.running)) if budget_left > 0 else []
+        waiting = self._waiting_batch(len(self.running), budget_left) if budget_left > 0 else []
         # vLLM's common prefix is the first running request's after the step:
         # the first admitted one when none runs now.
         first = self.running[0] if self.running else waiting[0] if waiting else None
@@ -181,15 +186,29 @@ class Scheduler(VllmScheduler):
         if len(outcome.admitted) == len(waiting) and not step.preempted:
             self._schedule_waiting(step)  # (nothing left, or a request the batch does not take)
 
-    def _waiting_batch(self, num_running: int) -> list[Request]:
+    def _waiting_batch(self, num_running: int, token_budget: int) -> list[Request]:
         """The waiting requests vLLM's loop could admit this step (as many as
-        the free running slots), up to the first the batch does not take."""
+        the free running slots), up to the first the batch does not take,
+        and, past the first ``MIN_OFFER``, no further than the one whose
+        uncomputed tokens reach ``token_budget``. A request takes at most
+        those tokens, so the ones after it are reached only through prefix
+        hits, and ``_schedule_waiting`` offers them in another call while
+        the budget lasts (the floor keeps such calls few). Without the bound
+        a long queue would be turned into gpukv requests, their tokens
+        copied, in every step for the few that fit: host work, and objects
+        that outlive young-generation collections and so bring the
+        interpreter's full collection (a pause over the whole process
+        heap) many steps sooner."""
         batch = []
         kvm, lookahead = self._kvm, self.num_lookahead_tokens
+        demand = 0
         for request in islice(self.waiting, max(0, self.max_num_running_reqs - num_running)):
             if not kvm.waiting_batchable(request, lookahead):
                 break
             batch.append(request)
+            demand += request.num_tokens - request.num_computed_tokens
+            if demand >= token_budget and len(batch) >= MIN_OFFER:
+                break
         return batch
 
     def _chunk(self) -> int | None:
@@ -262,7 +281,7 @@ class Scheduler(VllmScheduler):
         kvm = self._kvm
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             step.prefix = None  # (another call changes the manager)
-            batch = self._waiting_batch(len(self.running))
+            batch = self._waiting_batch(len(self.running), step.token_budget)
             if not batch:
                 if not self._schedule_one_waiting(step, self.waiting[0]):
                     break

@@ -265,3 +265,62 @@ def test_a_capped_resumed_lookup_is_not_batched() -> None:
     kvm._num_hashed[request.request_id] = 3
     assert kvm.waiting_batchable(request)
     assert not kvm.waiting_batchable(request, num_lookahead_tokens=kvm.max_model_len)
+
+
+# ---------------------------------------------------------------- a long waiting queue
+
+def queue_run(cls: type, prompt: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    """100 requests of 50 tokens waiting at once under a budget of 256 tokens
+    a step: each step's output and result, and for the batched path the
+    number of waiting requests handed to each gpukv call."""
+    scheduler = make_scheduler(cls, max_num_seqs=128, max_num_batched_tokens=256, max_model_len=256,
+                               enable_prefix_caching=True)
+    offered: list[int] = []
+    kvm = scheduler.kv_cache_manager
+    if hasattr(kvm, "schedule_batch"):
+        schedule_batch = kvm.schedule_batch
+
+        def spy(running: Any, plan: Any, waiting: Any, **kwargs: Any) -> Any:
+            offered.append(len(waiting))
+            return schedule_batch(running, plan, waiting, **kwargs)
+
+        kvm.schedule_batch = spy
+    for request in make_requests(100, prompt=prompt, max_tokens=2):
+        scheduler.add_request(request)
+    records = []
+    for _ in range(100):
+        if not scheduler.waiting and not scheduler.running:
+            break
+        out = scheduler.schedule()
+        record = describe_output(out)
+        record.update(describe_result(scheduler.update_from_output(out, model_output(scheduler, out))))
+        records.append(record)
+    assert not scheduler.waiting and not scheduler.running
+    return records, offered
+
+
+def test_a_long_queue_is_offered_only_what_the_budget_can_take() -> None:
+    """Past the first ``MIN_OFFER`` waiting requests, a gpukv call is handed
+    those up to the one whose uncomputed tokens reach the step's budget,
+    not the whole queue (each would be turned into a gpukv request, its
+    tokens copied, every step, for the five that fit); vLLM's decisions
+    are unchanged."""
+    prompt = lambda i: [i + 1] * 50  # noqa: E731  (no two requests share a block)
+    records, offered = queue_run(gv.ReferenceScheduler, prompt)
+    assert records == queue_run(VllmScheduler, prompt)[0]
+    assert gv.scheduler.MIN_OFFER == 64
+    assert offered[:3] == [64, 64, 64]  # 100, 95 and 90 waiting
+    assert max(offered) == 64
+
+
+def test_prefix_hits_past_the_offer_are_admitted_as_vllm() -> None:
+    """With a shared prefix the offered requests take less than their
+    uncomputed tokens; the budget left goes to the next requests in
+    another gpukv call, as vLLM's loop admits them."""
+    prompt = lambda i: [7] * 48 + [i + 100] * 2  # noqa: E731  (three shared blocks, then two tokens of its own)
+    records, offered = queue_run(gv.ReferenceScheduler, prompt)
+    assert records == queue_run(VllmScheduler, prompt)[0]
+    # step 1: request 0 computes its 50 tokens, each later one 2 (its 48
+    # tokens hit): the first 64 in one call, the 36 left in a second
+    assert records[0]["total"] == 50 + 99 * 2
+    assert offered[:2] == [64, 36]
