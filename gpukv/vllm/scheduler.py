@@ -36,6 +36,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from gpukv.vllm.batched_step import BatchedStep, make_output
 from gpukv.vllm.batched_update import update_batched
+from gpukv.vllm.discarded import unlink_free_list
 from gpukv.vllm.manager import KVCacheManager
 
 MIN_OFFER = 64
@@ -79,6 +80,7 @@ class Scheduler(VllmScheduler):
         # vLLM's constructor built its own manager; this one replaces it,
         # with the arguments vLLM gave its own.
         # Not a subclass of vLLM's manager (it shares no state with it), but its interface.
+        unlink_free_list(self.kv_cache_manager)  # (vLLM's, replaced: freed now, not by a later full collection)
         self.kv_cache_manager = KVCacheManager(  # type: ignore[assignment]
             kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,

@@ -34,6 +34,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
+from gpukv.vllm.discarded import unlink_free_list
 from gpukv.vllm.v0_33 import engine_hashing
 from gpukv.vllm.v0_33.admissions import plain_run
 from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
@@ -91,6 +92,7 @@ class _GpukvManagerMixin:
         me: Any = self
         check_scheduler(me)
         _refuse_unsupported(me, kv_cache_config)
+        unlink_free_list(me.kv_cache_manager)  # (vLLM's, replaced: freed now, not by a later full collection)
         me.kv_cache_manager = KVCacheManager(
             kv_cache_config, me.max_model_len, enable_caching=bool(me.cache_config.enable_prefix_caching),
             log_stats=me.log_stats, enable_kv_cache_events=me.enable_kv_cache_events,
