@@ -35,6 +35,7 @@ from gpukv.request import (
 _max = np.maximum.reduce
 _min = np.minimum.reduce
 _any = np.logical_or.reduce
+_all = np.logical_and.reduce
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,47 @@ class RunningRows:
     def num_new(self) -> int | np.ndarray:
         """New tokens per row: an array, or K for every row."""
         return self.tokens.shape[1] if self.counts is None else self.counts
+
+
+@dataclass(frozen=True)
+class PrecheckedRunningBatch(RunningBatch):
+    """A ``RunningBatch`` its caller built already normalised
+    (``prechecked_batch``), from rows it holds and the manager's own token
+    counts: gpukv's vLLM adapter, whose records follow each request's row,
+    known and computed tokens call by call. A manager's ``step`` takes
+    ``normalized`` as it is when its rows are held and their known tokens are
+    the manager's (two vectorised compares); otherwise, or with rows freed in
+    the same step, the batch is checked as any other (its fields are a plain
+    ``RunningBatch``'s), so a stale or forged one is refused as such, never
+    applied. Not for other callers: what it skips (distinct rows, token ids
+    in range, chunks and lookahead within the rows' limits) is the builder's
+    to hold."""
+
+    normalized: RunningRows | None = None
+
+
+def prechecked_batch(rows: np.ndarray, new_token_ids: np.ndarray, counts: np.ndarray, num_tokens: np.ndarray,
+                     chunks: np.ndarray, lookahead: np.ndarray) -> PrecheckedRunningBatch:
+    """A ``PrecheckedRunningBatch`` of int64 arrays: ``rows``, the flat
+    ``new_token_ids`` (``counts`` per row, in row order), the rows' known
+    tokens before the append, their chunks and lookahead slots."""
+    run = RunningRows(rows, _ragged_layout(new_token_ids, counts), counts, num_tokens, chunks, lookahead)
+    return PrecheckedRunningBatch(rows, new_token_ids, counts, chunks, lookahead, normalized=run)
+
+
+def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> RunningRows | None:
+    """A ``PrecheckedRunningBatch``'s normalised rows when its rows are held
+    (``in_use``) and its known tokens are ``num_tokens`` at them; None for
+    any other batch, or one that does not match (checked as any then)."""
+    run = batch.normalized if type(batch) is PrecheckedRunningBatch else None
+    if run is None or type(run.rows) is not np.ndarray or run.rows.dtype != np.int64 or not len(run.rows):
+        return None
+    rows = run.rows
+    if int(_min(rows)) < 0 or int(_max(rows)) >= len(in_use) or not _all(in_use[rows]):
+        return None
+    if len(run.num_tokens) != len(rows) or _any(num_tokens[rows] != run.num_tokens):
+        return None
+    return run
 
 
 def normalize_running(batch: Any, in_use: np.ndarray, num_tokens_of, computed_of, limits: ManagerLimits,
@@ -189,8 +231,14 @@ def ragged_token_rows(value: Any, counts: np.ndarray) -> np.ndarray:
     if len(flat) != total:
         raise InvalidInputError(f"holds {len(flat)} token ids, num_new_tokens adds up to {total}",
                                 argument="new_token_ids", fix=fix)
-    width = int(counts.max()) if len(counts) else 0
-    if total == width * len(counts):  # every row appends width tokens (a decode): no padding to place
+    return _ragged_layout(flat, counts)
+
+
+def _ragged_layout(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Checked flat token ids (``sum(counts)``, row order) as ``[B,
+    max(counts)]`` rows, zero-padded."""
+    width = int(_max(counts)) if len(counts) else 0
+    if len(flat) == width * len(counts):  # every row appends width tokens (a decode): no padding to place
         return flat.reshape(len(counts), width)
     out = np.zeros((len(counts), width), dtype=np.int64)
     out[np.arange(width)[None, :] < counts[:, None]] = flat

@@ -34,7 +34,7 @@ from gpukv.request import (
     Step,
     normalize_token_ids,
 )
-from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
+from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running, taken_as_checked
 
 
 def _block_ids(value: Any, num_blocks: int) -> list[int]:
@@ -229,6 +229,9 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         ``finished_rows``: rows the same step frees first (not running then)."""
         rows = self._rows
         in_use = rows.in_use
+        run = None if finished_rows else taken_as_checked(batch, in_use, rows.num_tokens)
+        if run is not None:
+            return run
         if finished_rows:
             in_use = in_use.copy()
             in_use[list(finished_rows)] = False

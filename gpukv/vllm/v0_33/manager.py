@@ -89,7 +89,7 @@ def flushing(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
-        if self.pending.rows:
+        if self.pending.calls:
             self.pending.flush()
         return method(self, *args, **kwargs)
 
@@ -177,8 +177,9 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
                                     max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
-        # Their rows, block positions per group and gpukv's computed tokens, [row, positions, computed]: the
-        # batched path's host arithmetic and cache_blocks' early-out, with no call to the manager.
+        # Their rows, block positions per group, gpukv's computed and known tokens, [row, positions, computed,
+        # known]: the batched path's host arithmetic and its batch's new tokens, cache_blocks' early-out, with
+        # no call to the manager.
         self._held: dict[str, list[int]] = {}
         # The last admission's (request id, block ids): vLLM's get_blocks right after it needs no read.
         self._admitted: tuple[str, list[list[int]]] | None = None
@@ -381,8 +382,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         target = min(num_computed_tokens, request.num_tokens)
         if target // self.block_size <= self._held[rid][2] // self.block_size:
             return  # no block more is full: nothing to cache (nor to tell gpukv)
-        row, _, computed = self._held[rid]
-        held = int(self.manager.row_token_counts([row])[0][0])  # (host only: the tokens gpukv knows)
+        _, _, computed, held = self._held[rid]
         chunk = None if target == request.num_tokens else target - computed
         self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
                                     num_processed_tokens=0)
@@ -428,9 +428,11 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         held = set(self.manager.request_ids())
         m = self.manager
         for rid, record in self._held.items():
-            if record != [m.row_of(rid), m.num_blocks_held(rid), m.num_computed_tokens(rid)]:
-                raise AssertionError(f"request {rid!r}: the adapter's row, block positions and computed tokens "
-                                     f"{record} are not the manager's")
+            row = m.row_of(rid)
+            known = int(m.row_token_counts([row])[0][0])
+            if record != [row, m.num_blocks_held(rid), m.num_computed_tokens(rid), known]:
+                raise AssertionError(f"request {rid!r}: the adapter's row, block positions, computed and known "
+                                     f"tokens {record} are not the manager's")
         if held != set(self._requests) or held != set(self._held):
             raise AssertionError(f"the adapter's requests {sorted(self._requests)} are not the manager's "
                                  f"{sorted(held)}")
@@ -506,8 +508,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         Window groups release behind vLLM's processed tokens, the computed
         ones less those in flight (``kv_cache_manager.py:555-568``)."""
         rid = request.request_id
-        row, num_held, computed = self._held[rid]
-        held = int(self.manager.row_token_counts([row])[0][0])  # (host only: the tokens gpukv knows)
+        _, num_held, computed, held = self._held[rid]
         total, need_slot, target = growth(request, computed, num_new_tokens, num_lookahead_tokens, self.max_model_len)
         processed = max(0, total - request.num_in_flight_tokens)
         to_take = self.num_kv_cache_groups * max(-(-need_slot // self.block_size) - num_held, 0)
@@ -531,10 +532,13 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         rid = request.request_id
         self._requests[rid] = request
         self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
-        self._held[rid] = [row, self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)]
+        self._held[rid] = [row, 0, 0, 0]
+        self._note_held(rid)
 
     def _note_held(self, rid: str) -> None:
-        self._held[rid][1:] = self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)
+        record = self._held[rid]
+        (known,), (computed,) = self.manager.row_token_counts([record[0]])  # (host only)
+        record[1:] = self.manager.num_blocks_held(rid), int(computed), int(known)
 
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
         """vLLM's fit check: the blocks to take plus the watermark within the
