@@ -92,13 +92,13 @@ class PrecheckedRunningBatch(RunningBatch):
     (``prechecked_batch``), from rows it holds and the manager's own token
     counts: gpukv's vLLM adapter, whose records follow each request's row,
     known and computed tokens call by call. A manager's ``step`` takes
-    ``normalized`` as it is when its rows are held and their known tokens are
-    the manager's (two vectorised compares); otherwise, or with rows freed in
-    the same step, the batch is checked as any other (its fields are a plain
-    ``RunningBatch``'s), so a stale or forged one is refused as such, never
-    applied. Not for other callers: what it skips (distinct rows, token ids
-    in range, chunks and lookahead within the rows' limits) is the builder's
-    to hold."""
+    ``normalized`` as it is once its rows are held and their known tokens
+    are the manager's (``taken_as_checked``: a few vectorised compares, not
+    ``normalize_running``'s passes); one that is not (built from stale
+    counts) is refused, nothing changed. What it skips (distinct rows, token
+    ids in range, chunks and lookahead within the rows' limits) is its
+    builder's to hold: not for other callers. Without ``normalized`` it is
+    checked as any ``RunningBatch``."""
 
     normalized: RunningRows | None = None
 
@@ -113,17 +113,27 @@ def prechecked_batch(rows: np.ndarray, new_token_ids: np.ndarray, counts: np.nda
 
 
 def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> RunningRows | None:
-    """A ``PrecheckedRunningBatch``'s normalised rows when its rows are held
-    (``in_use``) and its known tokens are ``num_tokens`` at them; None for
-    any other batch, or one that does not match (checked as any then)."""
-    run = batch.normalized if type(batch) is PrecheckedRunningBatch else None
-    if run is None or type(run.rows) is not np.ndarray or run.rows.dtype != np.int64 or not len(run.rows):
+    """A ``PrecheckedRunningBatch``'s normalised rows, once its rows are
+    held (``in_use``) and its known tokens are ``num_tokens`` at them (else
+    ``InvalidInputError``); None for any other batch (``normalize_running``
+    checks it)."""
+    run = batch.normalized if isinstance(batch, PrecheckedRunningBatch) else None
+    if run is None:
         return None
     rows = run.rows
+    fix = "build a prechecked batch from the rows and known tokens the manager holds now, or pass a RunningBatch"
+    if (not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1
+            or not isinstance(run.num_tokens, np.ndarray) or run.num_tokens.shape != rows.shape):
+        raise InvalidTypeError("a prechecked batch's rows and known tokens must be int64[B] arrays",
+                               argument="running", fix=fix)
+    if not len(rows):
+        return run
     if int(_min(rows)) < 0 or int(_max(rows)) >= len(in_use) or not _all(in_use[rows]):
-        return None
-    if len(run.num_tokens) != len(rows) or _any(num_tokens[rows] != run.num_tokens):
-        return None
+        raise InvalidInputError("a prechecked batch names a row no running request holds", argument="running",
+                                fix=fix)
+    if _any(num_tokens[rows] != run.num_tokens):
+        raise InvalidInputError("a prechecked batch's known tokens are not the manager's (built from stale "
+                                "counts)", argument="running", fix=fix)
     return run
 
 

@@ -229,11 +229,11 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         ``finished_rows``: rows the same step frees first (not running then)."""
         rows = self._rows
         in_use = rows.in_use
-        run = None if finished_rows else taken_as_checked(batch, in_use, rows.num_tokens)
-        if run is not None:
-            return run
         if finished_rows:
             in_use = in_use.copy()
             in_use[list(finished_rows)] = False
+        run = taken_as_checked(batch, in_use, rows.num_tokens)
+        if run is not None:
+            return run
         return normalize_running(batch, in_use, rows.num_tokens.__getitem__, rows.num_computed.__getitem__,
                                  self._limits, self._batch_device())

@@ -338,15 +338,13 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         if num_encoder_tokens:
             raise UnsupportedConfigError("encoder tokens (encoder-decoder models) are not followed by gpukv's "
                                          "adapter", argument="num_encoder_tokens", fix="use vLLM's own scheduler")
-        _check_count(num_new_tokens, "num_new_tokens", 1 if not num_new_computed_tokens else 0)
-        _check_count(num_lookahead_tokens, "num_lookahead_tokens", 0)
-        _check_count(reserved_blocks, "reserved_blocks", 0)
+        _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, reserved_blocks)
         check_request(request, self.max_model_len)
         if request.is_finished():
             raise InvalidInputError(f"request {request.request_id!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
         if request.request_id in self._requests:
-            if num_new_computed_tokens or has_blocks(new_computed_blocks):
+            if num_new_computed_tokens or (new_computed_blocks is not None and has_blocks(new_computed_blocks)):
                 raise InvalidInputError(f"request {request.request_id!r} is running; computed blocks are for "
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
@@ -614,6 +612,19 @@ def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
     """Hit blocks no request holds: a hit takes them out of the free queue,
     so they count as blocks to take (vLLM's fit check); one device read."""
     return manager.read_num_unheld([b for group in hit_ids for b in group])
+
+
+def _check_counts(num_new_tokens: Any, num_new_computed_tokens: Any, num_lookahead_tokens: Any,
+                  reserved_blocks: Any) -> None:
+    """``allocate_slots``' counts: plain ints in range pass in one test (the
+    call comes once per running request per step); anything else is named
+    by ``_check_count``."""
+    if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and type(reserved_blocks) is int
+            and num_new_tokens > 0 and num_lookahead_tokens >= 0 and reserved_blocks >= 0):
+        return
+    _check_count(num_new_tokens, "num_new_tokens", 1 if not num_new_computed_tokens else 0)
+    _check_count(num_lookahead_tokens, "num_lookahead_tokens", 0)
+    _check_count(reserved_blocks, "reserved_blocks", 0)
 
 
 def _check_count(value: Any, argument: str, minimum: int) -> None:
