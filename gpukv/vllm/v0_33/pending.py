@@ -41,22 +41,27 @@ from gpukv.errors import GpukvInputError
 from gpukv.request import NewRequest, StepResult
 from gpukv.running import PrecheckedRunningBatch, prechecked_batch
 from gpukv.vllm.v0_33.events import StepCall
-from gpukv.vllm.v0_33.views import Block, token_slice
+from gpukv.vllm.v0_33.views import Block, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
 
 
-def growth(request: Any, computed: int, num_new_tokens: int, num_lookahead_tokens: int,
-           max_model_len: int) -> tuple[int, int, int]:
+def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tokens: int,
+           num_lookahead_tokens: int, max_model_len: int) -> tuple[int, int, int]:
     """A running request's ``allocate_slots(request, num_new_tokens,
-    num_lookahead_tokens=...)`` in gpukv's terms: ``(total, slots, target)``,
-    vLLM's computed tokens before the call, the slots it needs after it, and
-    the tokens gpukv computes (so caches): vLLM's computed after the call,
-    capped at its known tokens, never below gpukv's ``computed``. The one
-    home of the rule for both paths (``KVCacheManager._grow``, ``add``)."""
-    total = min(request.num_computed_tokens, max_model_len)
-    slots = min(total + num_new_tokens + num_lookahead_tokens, max_model_len)
-    return total, slots, max(min(total + num_new_tokens, request.num_tokens), computed)
+    num_lookahead_tokens=...)`` in gpukv's terms, from the request's
+    ``num_computed_tokens`` and ``num_tokens`` (vLLM's) and gpukv's
+    ``computed``: ``(total, slots, target)``, vLLM's computed tokens before
+    the call, the slots it needs after it, and the tokens gpukv computes (so
+    caches): vLLM's computed after the call, capped at its known tokens,
+    never below gpukv's ``computed``. The one home of the rule for both
+    paths (``KVCacheManager._grow``, ``add``)."""
+    total = num_computed_tokens if num_computed_tokens < max_model_len else max_model_len
+    slots = total + num_new_tokens + num_lookahead_tokens
+    target = total + num_new_tokens
+    target = target if target < num_tokens else num_tokens
+    return (total, slots if slots < max_model_len else max_model_len,
+            target if target > computed else computed)
 
 
 def pending_blocks_class(blocks_cls: type) -> type:
@@ -120,7 +125,9 @@ class PendingGrowth:
         else blocks filled at the flush), or None when they do not fit."""
         a = self._adapter
         row, num_held, computed, before = held
-        _, slots, target = growth(request, computed, num_new_tokens, num_lookahead_tokens, max_model_len)
+        known = request.num_tokens
+        _, slots, target = growth(request.num_computed_tokens, known, computed, num_new_tokens, num_lookahead_tokens,
+                                  max_model_len)
         new_per_group = -(-slots // a.block_size) - num_held
         blocks = None
         popped = 0
@@ -131,7 +138,6 @@ class PendingGrowth:
             held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
             if not a.ids_on_device:
                 blocks = self._lazy_cls(self)
-        known = request.num_tokens
         self.calls.append((row, request, known, before, computed, target, slots, popped, blocks))
         held[2] = target
         held[3] = known  # (the step appends vLLM's tokens past gpukv's)
@@ -215,14 +221,11 @@ class PendingGrowth:
         the adapter's records (rows held, gpukv's known and computed tokens),
         so gpukv takes it as checked (``PrecheckedRunningBatch``)."""
         rows, requests, known, before, computed, targets, slots, _, _ = zip(*self.calls, strict=True)
-        tokens: list[int] = []
-        for r, b, k in zip(requests, before, known, strict=True):
-            if k > b:
-                tokens.extend(token_slice(r, b, k))
+        tokens = new_tokens(requests, before, known)
         n = len(rows)
         before_np = np.fromiter(before, np.int64, n)
         counts = np.fromiter(known, np.int64, n) - before_np
         targets_np = np.fromiter(targets, np.int64, n)
-        return prechecked_batch(np.fromiter(rows, np.int64, n), np.array(tokens, dtype=np.int64), counts, before_np,
+        return prechecked_batch(np.fromiter(rows, np.int64, n), tokens, counts, before_np,
                                 targets_np - np.fromiter(computed, np.int64, n),
                                 np.fromiter(slots, np.int64, n) - targets_np)
