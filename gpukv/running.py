@@ -9,7 +9,9 @@ the rows, the new tokens (``[B]``, ``[B, k]``, or ragged: a flat list with
 ``num_new_tokens`` per row), the chunk each row computes and the slots it
 reserves are arrays, checked in a few vectorised passes
 (``normalize_running``) before anything changes, with the same errors on
-both managers.
+both managers. A caller that already holds the manager's counts (gpukv's
+vLLM adapter) hands a ``PrecheckedRunningBatch`` instead, taken after a
+check that its rows and known tokens are the manager's.
 """
 
 from __future__ import annotations

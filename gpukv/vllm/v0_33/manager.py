@@ -508,7 +508,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         rid = request.request_id
         _, num_held, computed, held = self._held[rid]
         total, need_slot, target = growth(request.num_computed_tokens, request.num_tokens, computed,
-                                              num_new_tokens, num_lookahead_tokens, self.max_model_len)
+                                          num_new_tokens, num_lookahead_tokens, self.max_model_len)
         processed = max(0, total - request.num_in_flight_tokens)
         to_take = self.num_kv_cache_groups * max(-(-need_slot // self.block_size) - num_held, 0)
         if reserved_blocks and not self._fits(to_take, 0, reserved_blocks):
