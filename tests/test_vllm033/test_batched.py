@@ -20,6 +20,9 @@ refused).
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
 import pytest
 
 from gpukv import shared_api
@@ -506,3 +509,20 @@ def test_a_stale_record_of_gpukvs_tokens_is_refused_and_read_back():
     assert [kv._held[r.request_id][2:] for r in requests] == [[16, 16], [16, 16]]  # (read back)
     kv.batching = False
     kv.check_invariants()
+
+
+def test_the_new_tokens_are_each_requests_slice_flat_whatever_its_buffer():
+    """vLLM 0.34's int32 ``TokenBuffer`` (an ``array``), 0.33's list, and a
+    mix of the two: the same flat tokens, in order, none for an empty span."""
+
+    class Held:
+        def __init__(self, tokens):
+            self._all_token_ids = tokens
+
+    arrays = [Held(array("i", range(100 * i, 100 * i + 20))) for i in range(3)]
+    lists = [Held(list(range(100 * i, 100 * i + 20))) for i in range(3)]
+    want = [17, 18, 19, 119, 215, 216]
+    for requests in (arrays, lists, [arrays[0], lists[1], arrays[2]]):
+        got = gpukv033.views.new_tokens(requests, [17, 19, 15], [20, 20, 17])
+        assert got.dtype == np.int64 and got.tolist() == want
+        assert gpukv033.views.new_tokens(requests, [20, 20, 20], [20, 20, 20]).tolist() == []
