@@ -177,9 +177,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
                                     max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
-        # Their rows, block positions per group, gpukv's computed and known tokens, [row, positions, computed,
-        # known]: the batched path's host arithmetic and its batch's new tokens, cache_blocks' early-out, with
-        # no call to the manager.
+        # Their [row, block positions per group, gpukv's computed tokens, its known tokens]: the batched path's
+        # host arithmetic and new tokens, cache_blocks' early-out, with no call to the manager.
         self._held: dict[str, list[int]] = {}
         # The last admission's (request id, block ids): vLLM's get_blocks right after it needs no read.
         self._admitted: tuple[str, list[list[int]]] | None = None
@@ -426,9 +425,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         held = set(self.manager.request_ids())
         m = self.manager
         for rid, record in self._held.items():
-            row = m.row_of(rid)
-            known = int(m.row_token_counts([row])[0][0])
-            if record != [row, m.num_blocks_held(rid), m.num_computed_tokens(rid), known]:
+            if record != [m.row_of(rid), m.num_blocks_held(rid), m.num_computed_tokens(rid),
+                          int(m.row_token_counts([m.row_of(rid)])[0][0])]:
                 raise AssertionError(f"request {rid!r}: the adapter's row, block positions, computed and known "
                                      f"tokens {record} are not the manager's")
         if held != set(self._requests) or held != set(self._held):
