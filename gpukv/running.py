@@ -9,7 +9,9 @@ the rows, the new tokens (``[B]``, ``[B, k]``, or ragged: a flat list with
 ``num_new_tokens`` per row), the chunk each row computes and the slots it
 reserves are arrays, checked in a few vectorised passes
 (``normalize_running``) before anything changes, with the same errors on
-both managers.
+both managers. A caller that already holds the manager's counts (gpukv's
+vLLM adapter) hands a ``PrecheckedRunningBatch`` instead, taken after a
+check that its rows and known tokens are the manager's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gpukv.request import (
 _max = np.maximum.reduce
 _min = np.minimum.reduce
 _any = np.logical_or.reduce
+_all = np.logical_and.reduce
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,57 @@ class RunningRows:
     def num_new(self) -> int | np.ndarray:
         """New tokens per row: an array, or K for every row."""
         return self.tokens.shape[1] if self.counts is None else self.counts
+
+
+@dataclass(frozen=True)
+class PrecheckedRunningBatch(RunningBatch):
+    """A ``RunningBatch`` its caller built already normalised
+    (``prechecked_batch``), from rows it holds and the manager's own token
+    counts: gpukv's vLLM adapter, whose records follow each request's row,
+    known and computed tokens call by call. A manager's ``step`` takes
+    ``normalized`` as it is once its rows are held and their known tokens
+    are the manager's (``taken_as_checked``: a few vectorised compares, not
+    ``normalize_running``'s passes); one that is not (built from stale
+    counts) is refused, nothing changed. What it skips (distinct rows, token
+    ids in range, chunks and lookahead within the rows' limits) is its
+    builder's to hold: not for other callers. Without ``normalized`` it is
+    checked as any ``RunningBatch``."""
+
+    normalized: RunningRows | None = None
+
+
+def prechecked_batch(rows: np.ndarray, new_token_ids: np.ndarray, counts: np.ndarray, num_tokens: np.ndarray,
+                     chunks: np.ndarray, lookahead: np.ndarray) -> PrecheckedRunningBatch:
+    """A ``PrecheckedRunningBatch`` of int64 arrays: ``rows``, the flat
+    ``new_token_ids`` (``counts`` per row, in row order), the rows' known
+    tokens before the append, their chunks and lookahead slots."""
+    run = RunningRows(rows, _ragged_layout(new_token_ids, counts), counts, num_tokens, chunks, lookahead)
+    return PrecheckedRunningBatch(rows, new_token_ids, counts, chunks, lookahead, normalized=run)
+
+
+def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> RunningRows | None:
+    """A ``PrecheckedRunningBatch``'s normalised rows, once its rows are
+    held (``in_use``) and its known tokens are ``num_tokens`` at them (else
+    ``InvalidInputError``); None for any other batch (``normalize_running``
+    checks it)."""
+    run = batch.normalized if isinstance(batch, PrecheckedRunningBatch) else None
+    if run is None:
+        return None
+    rows = run.rows
+    fix = "build a prechecked batch from the rows and known tokens the manager holds now, or pass a RunningBatch"
+    if (not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1
+            or not isinstance(run.num_tokens, np.ndarray) or run.num_tokens.shape != rows.shape):
+        raise InvalidTypeError("a prechecked batch's rows and known tokens must be int64[B] arrays",
+                               argument="running", fix=fix)
+    if not len(rows):
+        return run
+    if int(_min(rows)) < 0 or int(_max(rows)) >= len(in_use) or not _all(in_use[rows]):
+        raise InvalidInputError("a prechecked batch names a row no running request holds", argument="running",
+                                fix=fix)
+    if _any(num_tokens[rows] != run.num_tokens):
+        raise InvalidInputError("a prechecked batch's known tokens are not the manager's (built from stale "
+                                "counts)", argument="running", fix=fix)
+    return run
 
 
 def normalize_running(batch: Any, in_use: np.ndarray, num_tokens_of, computed_of, limits: ManagerLimits,
@@ -189,8 +243,14 @@ def ragged_token_rows(value: Any, counts: np.ndarray) -> np.ndarray:
     if len(flat) != total:
         raise InvalidInputError(f"holds {len(flat)} token ids, num_new_tokens adds up to {total}",
                                 argument="new_token_ids", fix=fix)
-    width = int(counts.max()) if len(counts) else 0
-    if total == width * len(counts):  # every row appends width tokens (a decode): no padding to place
+    return _ragged_layout(flat, counts)
+
+
+def _ragged_layout(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Checked flat token ids (``sum(counts)``, row order) as ``[B,
+    max(counts)]`` rows, zero-padded."""
+    width = int(_max(counts)) if len(counts) else 0
+    if len(flat) == width * len(counts):  # every row appends width tokens (a decode): no padding to place
         return flat.reshape(len(counts), width)
     out = np.zeros((len(counts), width), dtype=np.int64)
     out[np.arange(width)[None, :] < counts[:, None]] = flat

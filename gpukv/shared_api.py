@@ -34,7 +34,7 @@ from gpukv.request import (
     Step,
     normalize_token_ids,
 )
-from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running
+from gpukv.running import RunningBatch, RunningRows, normalize_rows, normalize_running, taken_as_checked
 
 
 def _block_ids(value: Any, num_blocks: int) -> list[int]:
@@ -232,5 +232,8 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         if finished_rows:
             in_use = in_use.copy()
             in_use[list(finished_rows)] = False
+        run = taken_as_checked(batch, in_use, rows.num_tokens)
+        if run is not None:
+            return run
         return normalize_running(batch, in_use, rows.num_tokens.__getitem__, rows.num_computed.__getitem__,
                                  self._limits, self._batch_device())

@@ -10,13 +10,17 @@ The bad inputs are in ``tests/test_catalogue.py`` (``batch-*``, ``step-*``).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from gpukv import shared_api
+from gpukv.errors import InvalidInputError
 from gpukv.manager import KVCacheManager as DeviceManager
 from gpukv.reference import KVCacheManager as ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
-from gpukv.running import RunningBatch
+from gpukv.running import RunningBatch, prechecked_batch
 from workload import KEY, state_of
 
 
@@ -260,3 +264,52 @@ def test_a_running_request_that_does_not_fit_changes_nothing(form):
     assert res.running_failed_at == 0
     assert _held_state(dev) == before
     dev.check_invariants()
+
+
+# ---------------------------------------------------------------- prechecked
+
+def _prechecked_pair(m):
+    """``m`` holding "a" (6 tokens) and "b" (4 tokens), and a prechecked
+    batch built from its counts: "a" decodes one token, "b" three (a
+    ragged pair), each computing all it knows."""
+    res = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6]), NewRequest("b", [7, 8, 9, 10])])
+    rows = np.array(res.rows, dtype=np.int64)
+    known = m.row_token_counts(rows)[0]
+    counts = np.array([1, 3], dtype=np.int64)
+    return rows, prechecked_batch(rows, np.array([30, 31, 32, 33], dtype=np.int64), counts, known, counts,
+                                  np.zeros(2, dtype=np.int64))
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
+def test_a_prechecked_batch_is_taken_without_a_second_normalisation(kind, monkeypatch):
+    m = managers()[kind]
+    rows, batch = _prechecked_pair(m)
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("normalize_running ran on a prechecked batch")
+
+    monkeypatch.setattr(shared_api, "normalize_running", refused)
+    assert m.step(running=batch, block_ids=True).running_block_ids == [[[], [4]]]
+    assert m.row_token_counts(rows)[0].tolist() == [7, 7]
+    assert m.get_block_ids("b") == [[3, 4]]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
+@pytest.mark.parametrize("wrong", ["known", "row"])
+def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong):
+    m = managers()[kind]
+    rows, batch = _prechecked_pair(m)
+    run = batch.normalized
+    if wrong == "known":  # built from stale counts: gpukv knows one token more of "a" than the batch says
+        stale = replace(run, num_tokens=run.num_tokens - [1, 0])
+        batch, match = replace(batch, normalized=stale), "known tokens are not the manager's"
+    else:  # a row no request holds
+        batch, match = replace(batch, normalized=replace(run, rows=rows + [0, 5])), "row no running request holds"
+    before = state_of(m)
+    with pytest.raises(InvalidInputError, match=match) as err:
+        m.step(running=batch)
+    assert err.value.argument == "running"
+    assert state_of(m) == before
+    assert m.row_token_counts(rows)[0].tolist() == [6, 4]
+    m.check_invariants()

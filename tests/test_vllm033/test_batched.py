@@ -13,12 +13,20 @@ runs refused part way); sliding windows keep one call per request;
 counted (one gpukv step per loop, flat in the requests);
 and taken apart (the blocks handed back fill at the flush, a refusal keeps
 nothing, every reader flushes first, a host count gpukv disagrees with
-raises, a call the run did not expect raises).
+raises, a call the run did not expect raises, the batch built from the
+adapter's records of gpukv's tokens and taken as checked, a stale record
+refused).
 """
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
 import pytest
+
+from gpukv import shared_api
+from gpukv.errors import InvalidInputError
 
 # (vLLM's and gpukv's 0.33 names through the harness, which skips this module where vLLM 0.33 is not importable)
 from .harness import (
@@ -457,3 +465,64 @@ def test_a_host_count_gpukv_refuses_raises():
     with pytest.raises(AssertionError, match="host's block arithmetic"):
         kv.flush()
     assert len(kv.pending) == 0
+
+
+def test_the_running_batch_needs_no_count_from_gpukv_nor_a_second_check(monkeypatch):
+    """The flush builds its ``RunningBatch`` from the adapter's records
+    (gpukv's known tokens per request) and gpukv takes it as checked: no
+    ``row_token_counts`` call, no second ``normalize_running``."""
+    kv, _, requests = _adapter_with_running()
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("called on the batched path")
+
+    rows = [kv.manager.row_of(r.request_id) for r in requests]
+    with monkeypatch.context() as patch:
+        patch.setattr(kv.manager, "row_token_counts", refused)
+        patch.setattr(shared_api, "normalize_running", refused)
+        for r in requests:
+            kv.allocate_slots(r, 1)
+        kv.flush()
+    assert [r.num_tokens for r in requests] == [17, 17]
+    assert kv.manager.row_token_counts(rows)[0].tolist() == [17, 17]
+    assert [kv._held[r.request_id][2:] for r in requests] == [[17, 17], [17, 17]]
+    kv.batching = False
+    kv.check_invariants()
+
+
+def test_a_stale_record_of_gpukvs_tokens_is_refused_and_read_back():
+    kv, _, requests = _adapter_with_running()
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16
+    rows = [kv.manager.row_of(r.request_id) for r in requests]
+    kv._held[requests[0].request_id][3] -= 1  # (a wrong record: gpukv knows one token more)
+    for r in requests:
+        kv.allocate_slots(r, 1)
+    with pytest.raises(InvalidInputError, match="known tokens are not the manager's"):
+        kv.flush()
+    assert len(kv.pending) == 0
+    assert kv.manager.row_token_counts(rows)[0].tolist() == [16, 16]  # (nothing appended)
+    assert [kv._held[r.request_id][2:] for r in requests] == [[16, 16], [16, 16]]  # (read back)
+    kv.batching = False
+    kv.check_invariants()
+
+
+def test_the_new_tokens_are_each_requests_slice_flat_whatever_its_buffer():
+    """vLLM 0.34's int32 ``TokenBuffer`` (an ``array``), 0.33's list, and a
+    mix of the two: the same flat tokens, in order, none for an empty span."""
+
+    class Held:
+        def __init__(self, tokens):
+            self._all_token_ids = tokens
+
+    arrays = [Held(array("i", range(100 * i, 100 * i + 20))) for i in range(3)]
+    lists = [Held(list(range(100 * i, 100 * i + 20))) for i in range(3)]
+    want = [17, 18, 19, 119, 215, 216]
+    for requests in (arrays, lists, [arrays[0], lists[1], arrays[2]]):
+        got = gpukv033.views.new_tokens(requests, [17, 19, 15], [20, 20, 17])
+        assert got.dtype == np.int64 and got.tolist() == want
+        assert gpukv033.views.new_tokens(requests, [20, 20, 20], [20, 20, 20]).tolist() == []

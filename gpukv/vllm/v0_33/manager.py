@@ -89,7 +89,7 @@ def flushing(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
-        if self.pending.rows:
+        if self.pending.calls:
             self.pending.flush()
         return method(self, *args, **kwargs)
 
@@ -177,8 +177,8 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
                                     max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
-        # Their rows, block positions per group and gpukv's computed tokens, [row, positions, computed]: the
-        # batched path's host arithmetic and cache_blocks' early-out, with no call to the manager.
+        # Their [row, block positions per group, gpukv's computed tokens, its known tokens]: the batched path's
+        # host arithmetic and new tokens, cache_blocks' early-out, with no call to the manager.
         self._held: dict[str, list[int]] = {}
         # The last admission's (request id, block ids): vLLM's get_blocks right after it needs no read.
         self._admitted: tuple[str, list[list[int]]] | None = None
@@ -337,15 +337,13 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         if num_encoder_tokens:
             raise UnsupportedConfigError("encoder tokens (encoder-decoder models) are not followed by gpukv's "
                                          "adapter", argument="num_encoder_tokens", fix="use vLLM's own scheduler")
-        _check_count(num_new_tokens, "num_new_tokens", 1 if not num_new_computed_tokens else 0)
-        _check_count(num_lookahead_tokens, "num_lookahead_tokens", 0)
-        _check_count(reserved_blocks, "reserved_blocks", 0)
+        _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, reserved_blocks)
         check_request(request, self.max_model_len)
         if request.is_finished():
             raise InvalidInputError(f"request {request.request_id!r} is finished", argument="request",
                                     fix="allocate only for waiting or running requests")
         if request.request_id in self._requests:
-            if num_new_computed_tokens or has_blocks(new_computed_blocks):
+            if num_new_computed_tokens or (new_computed_blocks is not None and has_blocks(new_computed_blocks)):
                 raise InvalidInputError(f"request {request.request_id!r} is running; computed blocks are for "
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
@@ -381,8 +379,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         target = min(num_computed_tokens, request.num_tokens)
         if target // self.block_size <= self._held[rid][2] // self.block_size:
             return  # no block more is full: nothing to cache (nor to tell gpukv)
-        row, _, computed = self._held[rid]
-        held = int(self.manager.row_token_counts([row])[0][0])  # (host only: the tokens gpukv knows)
+        _, _, computed, held = self._held[rid]
         chunk = None if target == request.num_tokens else target - computed
         self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
                                     num_processed_tokens=0)
@@ -428,9 +425,10 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         held = set(self.manager.request_ids())
         m = self.manager
         for rid, record in self._held.items():
-            if record != [m.row_of(rid), m.num_blocks_held(rid), m.num_computed_tokens(rid)]:
-                raise AssertionError(f"request {rid!r}: the adapter's row, block positions and computed tokens "
-                                     f"{record} are not the manager's")
+            if record != [m.row_of(rid), m.num_blocks_held(rid), m.num_computed_tokens(rid),
+                          int(m.row_token_counts([m.row_of(rid)])[0][0])]:
+                raise AssertionError(f"request {rid!r}: the adapter's row, block positions, computed and known "
+                                     f"tokens {record} are not the manager's")
         if held != set(self._requests) or held != set(self._held):
             raise AssertionError(f"the adapter's requests {sorted(self._requests)} are not the manager's "
                                  f"{sorted(held)}")
@@ -506,9 +504,9 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         Window groups release behind vLLM's processed tokens, the computed
         ones less those in flight (``kv_cache_manager.py:555-568``)."""
         rid = request.request_id
-        row, num_held, computed = self._held[rid]
-        held = int(self.manager.row_token_counts([row])[0][0])  # (host only: the tokens gpukv knows)
-        total, need_slot, target = growth(request, computed, num_new_tokens, num_lookahead_tokens, self.max_model_len)
+        _, num_held, computed, held = self._held[rid]
+        total, need_slot, target = growth(request.num_computed_tokens, request.num_tokens, computed,
+                                          num_new_tokens, num_lookahead_tokens, self.max_model_len)
         processed = max(0, total - request.num_in_flight_tokens)
         to_take = self.num_kv_cache_groups * max(-(-need_slot // self.block_size) - num_held, 0)
         if reserved_blocks and not self._fits(to_take, 0, reserved_blocks):
@@ -531,10 +529,13 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         rid = request.request_id
         self._requests[rid] = request
         self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
-        self._held[rid] = [row, self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)]
+        self._held[rid] = [row, 0, 0, 0]
+        self._note_held(rid)
 
     def _note_held(self, rid: str) -> None:
-        self._held[rid][1:] = self.manager.num_blocks_held(rid), self.manager.num_computed_tokens(rid)
+        record = self._held[rid]
+        (known,), (computed,) = self.manager.row_token_counts([record[0]])  # (host only)
+        record[1:] = self.manager.num_blocks_held(rid), int(computed), int(known)
 
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
         """vLLM's fit check: the blocks to take plus the watermark within the
@@ -610,6 +611,19 @@ def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
     """Hit blocks no request holds: a hit takes them out of the free queue,
     so they count as blocks to take (vLLM's fit check); one device read."""
     return manager.read_num_unheld([b for group in hit_ids for b in group])
+
+
+def _check_counts(num_new_tokens: Any, num_new_computed_tokens: Any, num_lookahead_tokens: Any,
+                  reserved_blocks: Any) -> None:
+    """``allocate_slots``' counts: plain ints in range pass in one test (the
+    call comes once per running request per step); anything else is named
+    by ``_check_count``."""
+    if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and type(reserved_blocks) is int
+            and num_new_tokens > 0 and num_lookahead_tokens >= 0 and reserved_blocks >= 0):
+        return
+    _check_count(num_new_tokens, "num_new_tokens", 1 if not num_new_computed_tokens else 0)
+    _check_count(num_lookahead_tokens, "num_lookahead_tokens", 0)
+    _check_count(reserved_blocks, "reserved_blocks", 0)
 
 
 def _check_count(value: Any, argument: str, minimum: int) -> None:

@@ -39,24 +39,29 @@ import numpy as np
 
 from gpukv.errors import GpukvInputError
 from gpukv.request import NewRequest, StepResult
-from gpukv.running import RunningBatch
+from gpukv.running import PrecheckedRunningBatch, prechecked_batch
 from gpukv.vllm.v0_33.events import StepCall
-from gpukv.vllm.v0_33.views import Block, token_slice
+from gpukv.vllm.v0_33.views import Block, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
 
 
-def growth(request: Any, computed: int, num_new_tokens: int, num_lookahead_tokens: int,
-           max_model_len: int) -> tuple[int, int, int]:
+def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tokens: int,
+           num_lookahead_tokens: int, max_model_len: int) -> tuple[int, int, int]:
     """A running request's ``allocate_slots(request, num_new_tokens,
-    num_lookahead_tokens=...)`` in gpukv's terms: ``(total, slots, target)``,
-    vLLM's computed tokens before the call, the slots it needs after it, and
-    the tokens gpukv computes (so caches): vLLM's computed after the call,
-    capped at its known tokens, never below gpukv's ``computed``. The one
-    home of the rule for both paths (``KVCacheManager._grow``, ``add``)."""
-    total = min(request.num_computed_tokens, max_model_len)
-    slots = min(total + num_new_tokens + num_lookahead_tokens, max_model_len)
-    return total, slots, max(min(total + num_new_tokens, request.num_tokens), computed)
+    num_lookahead_tokens=...)`` in gpukv's terms, from the request's
+    ``num_computed_tokens`` and ``num_tokens`` (vLLM's) and gpukv's
+    ``computed``: ``(total, slots, target)``, vLLM's computed tokens before
+    the call, the slots it needs after it, and the tokens gpukv computes (so
+    caches): vLLM's computed after the call, capped at its known tokens,
+    never below gpukv's ``computed``. The one home of the rule for both
+    paths (``KVCacheManager._grow``, ``add``)."""
+    total = num_computed_tokens if num_computed_tokens < max_model_len else max_model_len
+    slots = total + num_new_tokens + num_lookahead_tokens
+    target = total + num_new_tokens
+    target = target if target < num_tokens else num_tokens
+    return (total, slots if slots < max_model_len else max_model_len,
+            target if target > computed else computed)
 
 
 def pending_blocks_class(blocks_cls: type) -> type:
@@ -99,45 +104,44 @@ class PendingGrowth:
         self._clear()
 
     def _clear(self) -> None:
-        self.rows: list[int] = []
-        self.requests: list[Any] = []
-        self.known: list[int] = []  # vLLM's known tokens at the call
-        self.computed: list[int] = []  # gpukv's computed tokens before the call
-        self.targets: list[int] = []  # and after it (``growth``)
-        self.slots: list[int] = []  # the slots the request needs after the call
-        self.popped: list[int] = []  # the blocks the call takes from the free queue (all groups)
-        self.lazy: list[Any] = []  # the blocks handed back, per call: None when no block is new
+        # One tuple per call (one append, no Python per field): its row, vLLM request, vLLM's known tokens at
+        # the call, gpukv's known and computed tokens before it, its computed tokens after it (``growth``'s
+        # target), the slots it needs after it, the blocks it takes from the free queue (all groups) and the
+        # blocks handed back (None when no block is new).
+        self.calls: list[tuple[int, Any, int, int, int, int, int, int, Any]] = []
         self.taken = 0  # blocks the calls so far take, per the host
         self.spare: int | None = None  # free blocks known to be left for the next call
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.calls)
 
     def add(self, request: Any, held: list[int], num_new_tokens: int, num_lookahead_tokens: int,
             max_model_len: int) -> Any:
         """vLLM's ``allocate_slots(request, num_new_tokens,
         num_lookahead_tokens=...)`` for a running request at row ``held[0]``
         holding ``held[1]`` blocks per group with ``held[2]`` tokens
-        computed in gpukv (the adapter's record, which this updates): its new
-        blocks (the empty instance when none are new, else blocks filled at
-        the flush), or None when they do not fit."""
+        computed and ``held[3]`` known in gpukv (the adapter's record, which
+        this updates): its new blocks (the empty instance when none are new,
+        else blocks filled at the flush), or None when they do not fit."""
         a = self._adapter
-        _, slots, target = growth(request, held[2], num_new_tokens, num_lookahead_tokens, max_model_len)
-        new_per_group = max(-(-slots // a.block_size) - held[1], 0)
-        if new_per_group and not self._take(new_per_group * a.num_kv_cache_groups):
-            return None
-        self.rows.append(held[0])
-        self.requests.append(request)
-        self.known.append(request.num_tokens)
-        self.computed.append(held[2])
-        self.targets.append(target)
-        held[1] += new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
+        row, num_held, computed, before = held
+        known = request.num_tokens
+        _, slots, target = growth(request.num_computed_tokens, known, computed, num_new_tokens, num_lookahead_tokens,
+                                  max_model_len)
+        new_per_group = -(-slots // a.block_size) - num_held
+        blocks = None
+        popped = 0
+        if new_per_group > 0:
+            popped = new_per_group * a.num_kv_cache_groups
+            if not self._take(popped):
+                return None
+            held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
+            if not a.ids_on_device:
+                blocks = self._lazy_cls(self)
+        self.calls.append((row, request, known, before, computed, target, slots, popped, blocks))
         held[2] = target
-        self.slots.append(slots)
-        self.popped.append(new_per_group * a.num_kv_cache_groups)
+        held[3] = known  # (the step appends vLLM's tokens past gpukv's)
         self.num_calls += 1
-        blocks = self._lazy_cls(self) if new_per_group and not a.ids_on_device else None
-        self.lazy.append(blocks)
         return a.empty_kv_cache_blocks if blocks is None else blocks
 
     def _take(self, num_blocks: int) -> bool:
@@ -164,20 +168,21 @@ class PendingGrowth:
         comes after its running loop, within ``token_budget`` tokens (None:
         each whole). Returns the step's result (None when there was nothing
         to do)."""
-        if not self.rows and not new:
+        if not self.calls and not new:
             return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
         try:
-            wants_ids = ids and (bool(new) or any(b is not None for b in self.lazy))
-            running = self._batch() if self.rows else ()
+            lazy = [call[8] for call in self.calls]
+            wants_ids = ids and (bool(new) or any(b is not None for b in lazy))
+            running = self._batch() if self.calls else ()
             result = self._adapter.manager.step(running=running, new=new, token_budget=token_budget,
                                                 block_ids=wants_ids)
-            self.num_steps += bool(self.rows)
+            self.num_steps += bool(self.calls)
             if result.running_failed_at is not None:
                 raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
                                      "host counted as fitting: the host's block arithmetic is wrong")
             if wants_ids:
-                for i, blocks in enumerate(self.lazy):
+                for i, blocks in enumerate(lazy):
                     if blocks is not None:
                         blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
             if self._adapter._events.active:
@@ -194,8 +199,8 @@ class PendingGrowth:
         one: the running loop's, then the run's admissions'."""
         a = self._adapter
         caching, bs, groups = a.enable_caching, a.block_size, a.num_kv_cache_groups
-        calls = [StepCall(r, popped, groups * (t // bs - c // bs) if caching else 0) for r, popped, c, t
-                 in zip(self.requests, self.popped, self.computed, self.targets, strict=True)]
+        calls = [StepCall(r, popped, groups * (t // bs - c // bs) if caching else 0)
+                 for _, r, _, _, c, t, _, popped, _ in self.calls]
         for i in range(result.num_admitted):
             request, hit = admitting[i], result.num_computed_tokens[i] // bs
             full = (result.num_computed_tokens[i] + result.num_new_tokens[i]) // bs
@@ -206,20 +211,21 @@ class PendingGrowth:
     def _reread(self) -> None:
         """gpukv refused the step and changed nothing: the adapter's records,
         which ``add`` moved ahead, read back from the manager (host only)."""
-        for request in self.requests:
-            self._adapter._note_held(request.request_id)
+        for call in self.calls:
+            self._adapter._note_held(call[1].request_id)
 
-    def _batch(self) -> RunningBatch:
+    def _batch(self) -> PrecheckedRunningBatch:
         """The pending calls as a ``RunningBatch``: each appends the tokens
         vLLM knows past gpukv's, computes (so caches) up to its ``growth``
-        target, and reserves the rest of its slots as lookahead."""
-        rows = np.array(self.rows, dtype=np.int64)
-        held, _ = self._adapter.manager.row_token_counts(rows)
-        known = np.array(self.known, dtype=np.int64)
-        targets = np.array(self.targets, dtype=np.int64)
-        counts = known - held
-        tokens: list[int] = []
-        for r, h, k in zip(self.requests, held.tolist(), known.tolist(), strict=True):
-            if k > h:
-                tokens.extend(token_slice(r, h, k))
-        return RunningBatch(rows, tokens, counts, targets - np.array(self.computed), np.array(self.slots) - targets)
+        target, and reserves the rest of its slots as lookahead. Built from
+        the adapter's records (rows held, gpukv's known and computed tokens),
+        so gpukv takes it as checked (``PrecheckedRunningBatch``)."""
+        rows, requests, known, before, computed, targets, slots, _, _ = zip(*self.calls, strict=True)
+        tokens = new_tokens(requests, before, known)
+        n = len(rows)
+        before_np = np.fromiter(before, np.int64, n)
+        counts = np.fromiter(known, np.int64, n) - before_np
+        targets_np = np.fromiter(targets, np.int64, n)
+        return prechecked_batch(np.fromiter(rows, np.int64, n), tokens, counts, before_np,
+                                targets_np - np.fromiter(computed, np.int64, n),
+                                np.fromiter(slots, np.int64, n) - targets_np)

@@ -5,6 +5,7 @@ beyond the calls: blocks, the coordinator's single-type managers, the pool
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,26 @@ def token_slice(request: Any, start: int, stop: int) -> Any:
     if type(buffer) is list:
         return buffer[start:stop]
     return request.all_token_ids[start:stop]
+
+
+def new_tokens(requests: Sequence[Any], starts: Sequence[int], stops: Sequence[int]) -> np.ndarray:
+    """Each request's known tokens ``starts[i]`` to ``stops[i]`` (the
+    running loop's new ones: a few each), flat, as an int64 array: from
+    vLLM 0.34's ``TokenBuffer`` (an int32 ``array``) each slice copied into
+    one array, no Python int per token; else ``token_slice``'s."""
+    out = array("i")
+    get = array.__getitem__
+    try:
+        for r, a, b in zip(requests, starts, stops, strict=True):
+            if b > a:
+                out.extend(get(r._all_token_ids, slice(a, b)))  # (TypeError: not an int32 array)
+    except (AttributeError, TypeError):
+        flat: list[int] = []
+        for r, a, b in zip(requests, starts, stops, strict=True):
+            if b > a:
+                flat.extend(token_slice(r, a, b))
+        return np.array(flat, dtype=np.int64)
+    return np.frombuffer(out, dtype=np.int32).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
 
 
 class IdBlocks:
