@@ -53,11 +53,10 @@ requests.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-from gpukv.errors import InvalidInputError, InvalidTypeError
+from gpukv.errors import InvalidInputError
 from gpukv.request import ComputedBlocks, NewRequest
 from gpukv.vllm.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
@@ -65,7 +64,9 @@ from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.binding import BINDING
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
+from gpukv.vllm.v0_33.lookups import CacheLookups, flushing
 from gpukv.vllm.v0_33.pending import PendingGrowth, growth
+from gpukv.vllm.v0_33.screening import check_request
 from gpukv.vllm.v0_33.views import (
     Block,
     CoordinatorView,
@@ -80,20 +81,12 @@ from gpukv.vllm.v0_33.views import (
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "check_request",
            "make_backend"]
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def flushing(method: F) -> F:
-    """A method that reads or changes gpukv's state: the running requests'
-    pending allocations are applied first (``gpukv.vllm.v0_33.pending``)."""
-
-    @functools.wraps(method)
-    def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
-        if self.pending.calls:
-            self.pending.flush()
-        return method(self, *args, **kwargs)
-
-    return call  # type: ignore[return-value]
+def watermark_blocks(watermark: Any, num_blocks: int) -> int:
+    """The blocks vLLM's watermark (a fraction of the pool) keeps free at admission."""
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or watermark < 0:
+        raise InvalidInputError(f"watermark must be a number >= 0, got {watermark!r}", argument="watermark",
+                                fix="pass the scheduler config's watermark (0.0 by default)")
+    return int(watermark * num_blocks)
 
 
 def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
@@ -118,7 +111,7 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
 
 
-class KVCacheManager(PrefixCacheStatsRules, InertHooks):
+class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
     """vLLM 0.33's ``vllm.v1.core.kv_cache_manager.KVCacheManager``, on gpukv.
 
     Arguments: vLLM's ``kv_cache_config`` and ``max_model_len``, its
@@ -147,9 +140,6 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
 
         self.groups = check_kv_cache_config(kv_cache_config, max_model_len, max_in_flight_tokens)
         self.block_size = self.groups.block_size
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or watermark < 0:
-            raise InvalidInputError(f"watermark must be a number >= 0, got {watermark!r}", argument="watermark",
-                                    fix="pass the scheduler config's watermark (0.0 by default)")
         self.kv_cache_config = kv_cache_config
         self.num_gpu_blocks: int = kv_cache_config.num_blocks
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -157,7 +147,7 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self.enable_caching = bool(enable_caching)
         self.log_stats = bool(log_stats)
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
-        self.watermark_blocks = int(watermark * self.num_gpu_blocks)
+        self.watermark_blocks = watermark_blocks(watermark, self.num_gpu_blocks)
         self._stats_cls = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._blocks_cls = KVCacheBlocks
@@ -278,47 +268,6 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
         self.coordinator.new_step_starts()
 
     # ------------------------------------------------------------ lookups and allocation
-    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
-        """The request's cache hit: ``(KVCacheBlocks, hit tokens, shared-prefix
-        boundary)``. The hit covers at most ``max_cache_hit_length`` tokens
-        (None: all but the last token), whole blocks of its known tokens; a
-        window group's blocks before its window are the null block. The
-        boundary: the hit of vLLM's first lookup group alone (full attention
-        in a hybrid) when longer than the hit, else 0."""
-        entry = self.admissions.lookup(request) if self.batching and max_cache_hit_length is None else None
-        if entry is not None:
-            return entry.hit_blocks, entry.computed.num_tokens, 0
-        self.flush()  # (the per-request path)
-        if not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0
-        check_request(request, self.max_model_len)
-        bound = max_cache_hit_length
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
-            raise InvalidInputError(f"max_cache_hit_length must be None or an int >= 0, got {bound!r}",
-                                    argument="max_cache_hit_length", fix="pass None for num_tokens - 1")
-        limit = features.max_cache_hit_length(request, bound)
-        max_hit_blocks = min(limit, request.num_tokens - 1) // self.block_size
-        computed = self._lookup(request, max_hit_blocks)
-        boundary = self._shared_prefix_boundary(request, max_hit_blocks, computed.num_tokens)
-        if not computed.num_tokens:
-            self._looked_up.pop(request.request_id, None)
-            return self.empty_kv_cache_blocks, 0, boundary
-        blocks = self.id_blocks(tuple(computed.block_ids), request, computed.num_tokens // self.block_size)
-        self._looked_up[request.request_id] = (blocks, computed)
-        return blocks, computed.num_tokens, boundary
-
-    @flushing
-    def get_num_cached_tokens(self, request: Any) -> int:
-        """The request's tokens already in the prefix cache, as a probe (vLLM
-        0.34's cache-aware admission): no reference taken, nothing allocated,
-        no event, no lookup remembered for ``allocate_slots``. Like vLLM's, the
-        last token never counts and the request's own hit limit does not
-        bound it (only a limit of 0, no lookup, gives 0)."""
-        if not self.prefix_cache_lookup_enabled(request):
-            return 0
-        check_request(request, self.max_model_len)
-        return self._lookup(request, (request.num_tokens - 1) // self.block_size).num_tokens
-
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
@@ -440,25 +389,6 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
                           cache_salt=request.cache_salt, skip_prefix_cache=features.skips_cache(request),
                           num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)
 
-    def _lookup(self, request: Any, max_hit_blocks: int) -> ComputedBlocks:
-        """gpukv's lookup on the tokens a hit of ``max_hit_blocks`` blocks can
-        cover (gpukv never hits a request's last token)."""
-        if max_hit_blocks <= 0:
-            return ComputedBlocks([[] for _ in range(self.num_kv_cache_groups)], 0)
-        end = max_hit_blocks * self.block_size + 1
-        return self.manager.get_computed_blocks(self._new_request(request, token_ids(request, end)))
-
-    def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
-        """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup
-        group, in tokens, when longer than the hit (0 otherwise, and always
-        with one lookup group, where the two are one)."""
-        if not self._events.index:
-            return 0
-        hashes = request.block_hashes
-        longest = self.groups.longest_single_group_hit(lambda i, g: self._events.is_cached(hashes[i], g),
-                                                       min(max_hit_blocks, len(hashes))) * self.block_size
-        return longest if longest > num_hit_tokens else 0
-
     def _admit(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int, blocks: Any,
                num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> Any:
@@ -561,28 +491,6 @@ class KVCacheManager(PrefixCacheStatsRules, InertHooks):
     def _drain(self, request: Any | None) -> None:
         if self._events.active:
             self._events.drain(self.manager, request)
-
-
-def check_request(request: Any, max_model_len: int) -> None:
-    """A request the adapter can follow: some tokens, within
-    ``max_model_len``, no multimodal inputs or prompt embeddings (whose
-    extra keys gpukv does not derive as vLLM 0.33 does)."""
-    rid = getattr(request, "request_id", None)
-    if not isinstance(rid, str):
-        raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
-                               fix="pass a vllm.v1.request.Request")
-    num_tokens = request.num_tokens  # (a property: read once, it is called per running request per step)
-    if not num_tokens:
-        raise InvalidInputError(f"request {rid!r} has no tokens", argument="request",
-                                fix="give the request a prompt of at least one token")
-    if num_tokens > max_model_len:
-        raise InvalidInputError(f"request {rid!r} has {num_tokens} tokens, more than max_model_len="
-                                f"{max_model_len}", argument="request",
-                                fix="finish or truncate requests at max_model_len")
-    if request.mm_features or request.prompt_embeds is not None:
-        raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
-                                     "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
-                                     fix="send text prompts, or use vLLM's own scheduler")
 
 
 def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks] | None, request: Any, num_new_computed_tokens: int,

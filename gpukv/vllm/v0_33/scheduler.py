@@ -39,8 +39,14 @@ from gpukv.vllm.v0_33 import engine_hashing
 from gpukv.vllm.v0_33.admissions import plain_run
 from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
-from gpukv.vllm.v0_33.manager import KVCacheManager, check_request
-from gpukv.vllm.v0_33.screening import prompt_refusal, refuse_at_arrival, refuse_sampled, sampled_refusals
+from gpukv.vllm.v0_33.manager import KVCacheManager
+from gpukv.vllm.v0_33.screening import (
+    check_request,
+    prompt_refusal,
+    refuse_at_arrival,
+    refuse_sampled,
+    sampled_refusals,
+)
 
 
 def _refuse_unsupported(scheduler: Any, kv_cache_config: Any) -> None:

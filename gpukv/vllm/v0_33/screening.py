@@ -25,8 +25,31 @@ from typing import Any
 
 import numpy as np
 
-from gpukv.errors import GpukvInputError
+from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
 from gpukv.request import MAX_TOKEN_ID, normalize_token_ids
+from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+
+
+def check_request(request: Any, max_model_len: int) -> None:
+    """A request the adapter can follow: some tokens, within
+    ``max_model_len``, no multimodal inputs or prompt embeddings (whose
+    extra keys gpukv does not derive as vLLM 0.33 does)."""
+    rid = getattr(request, "request_id", None)
+    if not isinstance(rid, str):
+        raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
+                               fix="pass a vllm.v1.request.Request")
+    num_tokens = request.num_tokens  # (a property: read once, it is called per running request per step)
+    if not num_tokens:
+        raise InvalidInputError(f"request {rid!r} has no tokens", argument="request",
+                                fix="give the request a prompt of at least one token")
+    if num_tokens > max_model_len:
+        raise InvalidInputError(f"request {rid!r} has {num_tokens} tokens, more than max_model_len="
+                                f"{max_model_len}", argument="request",
+                                fix="finish or truncate requests at max_model_len")
+    if request.mm_features or request.prompt_embeds is not None:
+        raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
+                                     "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
+                                     fix="send text prompts, or use vLLM's own scheduler")
 
 
 def prompt_refusal(request: Any, max_model_len: int, check: Any) -> GpukvInputError | None:

@@ -1,0 +1,116 @@
+"""vLLM's prefix-cache lookups on the adapter: ``get_computed_blocks`` (the
+hit a waiting request starts from, answered from a batched run of
+admissions when one is under way) and 0.34's probe ``get_num_cached_tokens``,
+both gpukv's own lookup on the request's tokens, bounded as vLLM bounds them
+(``features``), and the shared-prefix boundary of models with several lookup
+groups (from the event stream's index of cached hashes)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gpukv.errors import InvalidInputError
+from gpukv.request import ComputedBlocks
+from gpukv.vllm.v0_33 import features
+from gpukv.vllm.v0_33.screening import check_request
+from gpukv.vllm.v0_33.views import token_ids
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def flushing(method: F) -> F:
+    """A method that reads or changes gpukv's state: the running requests'
+    pending allocations are applied first (``gpukv.vllm.v0_33.pending``)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.pending.calls:
+            self.pending.flush()
+        return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+class CacheLookups:
+    """The lookups of ``gpukv.vllm.v0_33.KVCacheManager`` (a part of it: it
+    reads the adapter's manager, groups, records and batched run)."""
+
+    admissions: Any
+    batching: bool
+    block_size: int
+    empty_kv_cache_blocks: Any
+    groups: Any
+    manager: Any
+    max_model_len: int
+    num_kv_cache_groups: int
+    pending: Any
+    _events: Any
+    _looked_up: dict[str, tuple[Any, ComputedBlocks]]
+    # (the adapter's own methods these call: annotations only, so none is shadowed)
+    flush: Callable[[], None]
+    prefix_cache_lookup_enabled: Callable[[Any], bool]
+    id_blocks: Callable[..., Any]
+    _new_request: Callable[..., Any]
+
+
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
+        """The request's cache hit: ``(KVCacheBlocks, hit tokens, shared-prefix
+        boundary)``. The hit covers at most ``max_cache_hit_length`` tokens
+        (None: all but the last token), whole blocks of its known tokens; a
+        window group's blocks before its window are the null block. The
+        boundary: the hit of vLLM's first lookup group alone (full attention
+        in a hybrid) when longer than the hit, else 0."""
+        entry = self.admissions.lookup(request) if self.batching and max_cache_hit_length is None else None
+        if entry is not None:
+            return entry.hit_blocks, entry.computed.num_tokens, 0
+        self.flush()  # (the per-request path)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        check_request(request, self.max_model_len)
+        bound = max_cache_hit_length
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise InvalidInputError(f"max_cache_hit_length must be None or an int >= 0, got {bound!r}",
+                                    argument="max_cache_hit_length", fix="pass None for num_tokens - 1")
+        limit = features.max_cache_hit_length(request, bound)
+        max_hit_blocks = min(limit, request.num_tokens - 1) // self.block_size
+        computed = self._lookup(request, max_hit_blocks)
+        boundary = self._shared_prefix_boundary(request, max_hit_blocks, computed.num_tokens)
+        if not computed.num_tokens:
+            self._looked_up.pop(request.request_id, None)
+            return self.empty_kv_cache_blocks, 0, boundary
+        blocks = self.id_blocks(tuple(computed.block_ids), request, computed.num_tokens // self.block_size)
+        self._looked_up[request.request_id] = (blocks, computed)
+        return blocks, computed.num_tokens, boundary
+
+    @flushing
+    def get_num_cached_tokens(self, request: Any) -> int:
+        """The request's tokens already in the prefix cache, as a probe (vLLM
+        0.34's cache-aware admission): no reference taken, nothing allocated,
+        no event, no lookup remembered for ``allocate_slots``. Like vLLM's, the
+        last token never counts and the request's own hit limit does not
+        bound it (only a limit of 0, no lookup, gives 0)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        check_request(request, self.max_model_len)
+        return self._lookup(request, (request.num_tokens - 1) // self.block_size).num_tokens
+
+    def _lookup(self, request: Any, max_hit_blocks: int) -> ComputedBlocks:
+        """gpukv's lookup on the tokens a hit of ``max_hit_blocks`` blocks can
+        cover (gpukv never hits a request's last token)."""
+        if max_hit_blocks <= 0:
+            return ComputedBlocks([[] for _ in range(self.num_kv_cache_groups)], 0)
+        end = max_hit_blocks * self.block_size + 1
+        return self.manager.get_computed_blocks(self._new_request(request, token_ids(request, end)))
+
+    def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
+        """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup
+        group, in tokens, when longer than the hit (0 otherwise, and always
+        with one lookup group, where the two are one)."""
+        if not self._events.index:
+            return 0
+        hashes = request.block_hashes
+        longest = self.groups.longest_single_group_hit(lambda i, g: self._events.is_cached(hashes[i], g),
+                                                       min(max_hit_blocks, len(hashes))) * self.block_size
+        return longest if longest > num_hit_tokens else 0
