@@ -97,9 +97,10 @@ class PrecheckedRunningBatch(RunningBatch):
     ``normalized`` as it is once its rows are held and their known tokens
     are the manager's (``taken_as_checked``: a few vectorised compares, not
     ``normalize_running``'s passes); one that is not (built from stale
-    counts) is refused, nothing changed. What it skips (distinct rows, token
-    ids in range, chunks and lookahead within the rows' limits) is its
-    builder's to hold: not for other callers. Without ``normalized`` it is
+    counts) is refused, nothing changed; so is one naming a row twice or
+    bringing a token id outside ``[0, 2**32)``. What it skips (the chunks
+    and lookahead within the rows' limits) is its builder's to hold: not
+    for other callers. Without ``normalized`` it is
     checked as any ``RunningBatch``."""
 
     normalized: RunningRows | None = None
@@ -136,6 +137,12 @@ def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> 
     if _any(num_tokens[rows] != run.num_tokens):
         raise InvalidInputError("a prechecked batch's known tokens are not the manager's (built from stale "
                                 "counts)", argument="running", fix=fix)
+    if len(np.unique(rows)) != len(rows):
+        raise InvalidInputError("a prechecked batch names a row twice", argument="running", fix=fix)
+    # (the token ids stay checked here whoever built the batch: a hit is exact whatever tokens arrive)
+    if isinstance(run.tokens, np.ndarray):  # (a token tensor on the device is checked there, as any)
+        _checked_int_array(run.tokens.ravel(), "new_token_ids", "a prechecked batch's rows (zero-padded): ",
+                           copy=False)
     return run
 
 

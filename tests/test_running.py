@@ -296,20 +296,28 @@ def test_a_prechecked_batch_is_taken_without_a_second_normalisation(kind, monkey
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
-@pytest.mark.parametrize("wrong", ["known", "row"])
+@pytest.mark.parametrize("wrong", ["known", "row", "twice", "token"])
 def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong):
     m = managers()[kind]
     rows, batch = _prechecked_pair(m)
     run = batch.normalized
+    argument = "running"
     if wrong == "known":  # built from stale counts: gpukv knows one token more of "a" than the batch says
         stale = replace(run, num_tokens=run.num_tokens - [1, 0])
         batch, match = replace(batch, normalized=stale), "known tokens are not the manager's"
-    else:  # a row no request holds
+    elif wrong == "row":  # a row no request holds
         batch, match = replace(batch, normalized=replace(run, rows=rows + [0, 5])), "row no running request holds"
+    elif wrong == "twice":  # one row named twice ("a"'s, with "a"'s count)
+        twice = replace(run, rows=rows[[0, 0]], num_tokens=run.num_tokens[[0, 0]])
+        batch, match = replace(batch, normalized=twice), "names a row twice"
+    else:  # a token id gpukv cannot hold (the adapter's screening bypassed): refused, whoever built the batch
+        batch = prechecked_batch(rows, np.array([30, 31, -3, 33], dtype=np.int64), run.counts, run.num_tokens,
+                                 run.counts, np.zeros(2, dtype=np.int64))
+        match, argument = "outside", "new_token_ids"
     before = state_of(m)
     with pytest.raises(InvalidInputError, match=match) as err:
         m.step(running=batch)
-    assert err.value.argument == "running"
+    assert err.value.argument == argument
     assert state_of(m) == before
     assert m.row_token_counts(rows)[0].tolist() == [6, 4]
     m.check_invariants()
