@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+# isort: off
+from . import harness  # noqa: F401  (first: it skips this module where vLLM 0.33 is not importable)
+# isort: on
 from gpukv.vllm.v0_33 import engine_hashing
 
 from .harness import Engine, make_requests, make_scheduler, scheduler_params

@@ -23,6 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+# isort: off
+from . import harness  # noqa: F401  (first: it skips this module where vLLM 0.33 is not importable)
+# isort: on
 import gpukv.vllm as gpukv033
 from gpukv.vllm.v0_33.binding import BINDING, TablesMovedError
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
