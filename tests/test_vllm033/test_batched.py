@@ -48,6 +48,18 @@ REFERENCE = [pytest.param(gpukv033.ReferenceScheduler, id="ref"),
              pytest.param(gpukv033.ReferenceAsyncScheduler, id="ref-async")]
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, manager: object, calls: dict[str, int]) -> None:
+    """Count in ``calls`` each call of the manager's methods it names."""
+    for name in calls:
+        real = getattr(manager, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(manager, name, counted)
+
+
 def _assert_same_steps(expected: list, got: list) -> None:
     for step, (want, have) in enumerate(zip(expected, got, strict=False)):
         assert have == want, f"step {step} differs"
@@ -267,14 +279,7 @@ def test_a_decode_step_is_one_gpukv_step_whatever_the_requests(n, monkeypatch):
     scheduler, engine = _decoding(gpukv033.ReferenceScheduler, n)
     manager = scheduler.kv_cache_manager.manager
     calls = {"step": 0, "allocate_slots": 0}
-    for name in calls:
-        real = getattr(manager, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(manager, name, counted)
+    _count_calls(monkeypatch, manager, calls)
     for _ in range(14):
         before = dict(calls)
         out = engine.step()
@@ -301,15 +306,7 @@ def test_a_run_of_admissions_is_one_gpukv_step(monkeypatch):
         engine.add(make_requests(7, prompt=lambda i: prompts(i + 1), first_id=1, max_tokens=4, scheduler=scheduler))
         calls = {"step": 0, "allocate_slots": 0, "get_computed_blocks": 0}
         if cls is not VllmScheduler:
-            manager = scheduler.kv_cache_manager.manager
-            for name in calls:
-                real = getattr(manager, name)
-
-                def counted(*args, _real=real, _name=name, _calls=calls, **kwargs):
-                    _calls[_name] += 1
-                    return _real(*args, **kwargs)
-
-                monkeypatch.setattr(manager, name, counted)
+            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
         out = engine.step()
         outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
                         out.scheduled_cached_reqs.new_block_ids)
@@ -342,15 +339,7 @@ def test_a_run_ends_with_a_chunked_admission_in_the_same_step(num_blocks, batche
         engine.add(make_requests(2, prompt=lambda i: prompts[i + 1], first_id=1, max_tokens=1, scheduler=scheduler))
         calls = {"get_computed_blocks": 0, "allocate_slots": 0}
         if cls is not VllmScheduler:
-            manager = scheduler.kv_cache_manager.manager
-            for name in calls:
-                real = getattr(manager, name)
-
-                def counted(*args, _real=real, _name=name, _calls=calls, **kwargs):
-                    _calls[_name] += 1
-                    return _real(*args, **kwargs)
-
-                monkeypatch.setattr(manager, name, counted)
+            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
         out = engine.step()
         outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
                         dict(out.num_scheduled_tokens))
