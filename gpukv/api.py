@@ -25,7 +25,7 @@ import torch
 
 from gpukv.events import KVEventBatch
 from gpukv.metrics import PrefixCacheStats, StepCounters
-from gpukv.request import ComputedBlocks, ManagerLimits, NewRequest, RunningUpdate, StepResult
+from gpukv.request import ComputedBlocks, ManagerLimits, NewRequest, PrefixHit, RunningUpdate, StepResult
 
 if TYPE_CHECKING:  # (gpukv.running imports gpukv.request, as this module does: no cycle, only typing)
     from gpukv.running import RunningBatch
@@ -94,6 +94,9 @@ class BlockManager(Protocol):
 
     # vLLM's request-level calls
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks: ...
+    def read_prefix_hit(self, request: NewRequest) -> PrefixHit: ...
+    def admit(self, request: NewRequest, hit: PrefixHit | None = None, *, num_tokens: int | None = None,
+              num_lookahead_tokens: int | None = None) -> bool: ...
     def allocate_slots(self, request: NewRequest | str, new_token_ids: Sequence[int] = (),
                        computed: ComputedBlocks | None = None, num_tokens: int | None = None,
                        num_lookahead_tokens: int | None = None, *,

@@ -57,6 +57,7 @@ under its call lock and its ordering (``_launch_decode``: why).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,6 +90,7 @@ from gpukv.request import (
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
+    PrefixHit,
     RunningUpdate,
     Step,
     StepOutputs,
@@ -402,6 +404,20 @@ class DeviceManager(CallContext, SharedManagerAPI):
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         with self._counting():  # (the point of first change is in the lookup: counting it in the stats)
             return self._admission.lookup_only(request, count_stats=True)
+
+    @mutating
+    def read_prefix_hit(self, request: NewRequest) -> PrefixHit:
+        """``get_computed_blocks`` by its size (counts in the stats; changes
+        no block): the hit in tokens and its blocks no request holds, read
+        in one read of two numbers; its block ids stay on the device (for
+        ``admit``)."""
+        (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
+        with self._counting():
+            return self._admission.lookup_size(request, count_stats=True)
+
+    def _admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,
+                     num_lookahead_tokens: int | None) -> bool:
+        return self._admission.admit_sized(request, hit, num_tokens, num_lookahead_tokens)
 
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,
                       num_lookahead_tokens: int | None) -> list[list[int]] | None:

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -56,6 +58,7 @@ from gpukv.request import (
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
+    PrefixHit,
     RunningUpdate,
     Step,
     StepOutputs,
@@ -66,6 +69,7 @@ from gpukv.request import (
     check_count,
     check_group,
     check_memory,
+    check_prefix_hit,
     check_request_ids,
     check_size,
     check_step_outputs,
@@ -76,6 +80,7 @@ from gpukv.request import (
     normalize_windows,
     request_id_type_error,
     resolve_key,
+    stale_computed_blocks,
     unknown_request,
 )
 from gpukv.running import RunningBatch, RunningRows
@@ -468,6 +473,29 @@ class ReferenceManager(SharedManagerAPI):
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         self._begin_changes()  # the lookup remembers digests and counts in the stats
         return self._admission.lookup(request)
+
+    @mutating
+    def read_prefix_hit(self, request: NewRequest) -> PrefixHit:
+        """``get_computed_blocks`` by its size (counts in the stats): the hit
+        in tokens and how many of its blocks no request holds."""
+        (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
+        self._begin_changes()  # the lookup remembers digests and counts in the stats
+        hit = self._admission.lookup(request)
+        return PrefixHit(hit.num_tokens, self._num_unheld(sorted({b for g in hit.block_ids for b in g if b})))
+
+    def _admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,
+                     num_lookahead_tokens: int | None) -> bool:
+        """``admit``: the hit's blocks are those a lookup capped at its length
+        finds now (changing nothing), then admitted as ``allocate_slots``
+        admits them."""
+        (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
+        hit_tokens = check_prefix_hit(hit, request, self._limits)
+        computed = None
+        if hit_tokens:
+            computed = self._admission.peek(replace(request, token_ids=request.token_ids[: hit_tokens + 1]))
+            if computed.num_tokens != hit_tokens:
+                raise stale_computed_blocks()
+        return self._allocate_new(request, computed, num_tokens, num_lookahead_tokens) is not None
 
     def _allocate_running(self, update: RunningUpdate) -> list[list[int]] | None:
         state = self._state(update.request_id)

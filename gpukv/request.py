@@ -263,6 +263,21 @@ class ComputedBlocks:
 
 
 @dataclass(frozen=True)
+class PrefixHit:
+    """A request's prefix-cache hit known by its size only: its blocks stay
+    with the manager (``read_prefix_hit``, then ``admit``). Under a model
+    runner that reads the manager's block tables on the device, no block id
+    of the hit ever reaches the host.
+
+    ``num_tokens``: the hit, in tokens (whole blocks); ``num_unheld_blocks``:
+    how many of its blocks no request holds, which an admission takes out of
+    the free queue (vLLM's fit check counts them as blocks to take)."""
+
+    num_tokens: int
+    num_unheld_blocks: int
+
+
+@dataclass(frozen=True)
 class ManagerLimits:
     """What the step checks need to know of a manager (fixed at construction)."""
 
@@ -1207,6 +1222,26 @@ def check_computed_for(request: NewRequest, computed: ComputedBlocks | None, lim
                 raise InvalidInputError(f"computed.block_ids[{g}][{p}] is {where}; a lookup gives the null block "
                                         f"exactly at positions below {first_real} in this group", argument="computed",
                                         fix=fix)
+
+
+def check_prefix_hit(hit: Any, request: NewRequest, limits: ManagerLimits) -> int:
+    """``admit``'s ``hit``: None (no hit) or a ``PrefixHit`` of whole blocks,
+    at most what a lookup of this request can find (its last token is always
+    computed); its size in tokens. Whether it is still cached is the
+    manager's to check."""
+    if hit is None:
+        return 0
+    fix = "pass what read_prefix_hit returned for this request, or None"
+    if not isinstance(hit, PrefixHit):
+        raise InvalidTypeError(f"must be a PrefixHit or None, got {_type_name(hit)}", argument="hit", fix=fix)
+    num = check_int(hit.num_tokens, "hit.num_tokens", minimum=0, fix=fix)
+    bs, n = limits.block_size, len(request.token_ids)
+    max_hit = (n - 1) // bs if limits.caching and not request.skip_prefix_cache else 0
+    if num % bs or num // bs > max_hit:
+        raise InvalidInputError(f"the hit covers {num} tokens; a lookup of this {n}-token request hits whole blocks "
+                                f"of {bs} tokens, at most {max_hit * bs} (its last token is always computed)",
+                                argument="hit", fix=fix)
+    return num
 
 
 def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, num_lookahead_tokens: Any,

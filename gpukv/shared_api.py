@@ -30,6 +30,7 @@ from gpukv.request import (
     ComputedBlocks,
     ManagerLimits,
     NewRequest,
+    PrefixHit,
     RunningUpdate,
     Step,
     normalize_token_ids,
@@ -193,6 +194,29 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         update = RunningUpdate(request, new_token_ids, num_tokens, lookahead, num_processed_tokens)
         (update,) = self._normalize((), [update], (), single=True).running
         return self._allocate_running(update)
+
+    @mutating
+    def admit(self, request: NewRequest, hit: PrefixHit | None = None, *, num_tokens: int | None = None,
+              num_lookahead_tokens: int | None = None) -> bool:
+        """``allocate_slots`` for a new request whose hit is known by its size
+        (``read_prefix_hit``), reading no block id: the request is admitted
+        with exactly that hit, which must still be what a lookup capped at
+        its length finds now (else ``StaleComputedBlocksError``, nothing
+        changed); ``num_tokens`` and ``num_lookahead_tokens`` as in
+        ``allocate_slots``. True when its blocks fit, False (nothing changed)
+        when they do not. Its ids are in the manager's block table (for a
+        model runner that reads it there) and ``get_block_ids``. The device
+        manager reads the device twice (the hit's size, then the step's
+        status), never a block id."""
+        if not isinstance(request, NewRequest):
+            raise InvalidTypeError(f"must be a NewRequest, got {type(request).__name__}", argument="request",
+                                   fix="pass the NewRequest read_prefix_hit looked up")
+        return self._admit_sized(request, hit, num_tokens, num_lookahead_tokens)
+
+    @abstractmethod
+    def _admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,
+                     num_lookahead_tokens: int | None) -> bool:
+        """``admit`` (its arguments not checked yet)."""
 
     @abstractmethod
     def _allocate_new(self, request: NewRequest, computed: ComputedBlocks | None, num_tokens: int | None,

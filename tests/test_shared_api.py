@@ -5,9 +5,10 @@ import warnings
 import pytest
 
 from gpukv import NewRequest
-from gpukv.errors import InvalidInputError, InvalidTypeError, UnknownRequestError
+from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
+from gpukv.request import PrefixHit
 from gpukv.shared_api import SharedManagerAPI
 
 KEY = bytes(range(16))
@@ -51,4 +52,53 @@ def test_allocate_slots_two_forms_refuse_alike():
             m.allocate_slots("nobody", [4])
         assert m.allocate_slots("a", [4, 5]) == [[3]]  # 5 tokens: a third block
         assert m.row_token_counts([m.row_of("a")])[0].tolist() == [5]
+        m.check_invariants()
+
+
+def _state(m):
+    return (m.read_num_free_blocks(), sorted(m.request_ids()), m.free_queue())
+
+
+def test_prefix_hit_by_its_size_then_admitted_with_it():
+    """``read_prefix_hit`` gives a hit's size and its unheld blocks, ``admit``
+    admits with exactly that hit: the ids stay with the manager, and both
+    managers give the same blocks as ``allocate_slots`` with the ids would."""
+    for m in (cls(8, 2, hash_key=KEY, max_model_len=32, max_num_reqs=4, device="cpu")
+              for cls in (ReferenceManager, DeviceManager)):
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])  # blocks 1, 2 cached (full), 3 partial
+        held = m.get_block_ids("a")[0]
+        m.free("a")
+        assert m.read_prefix_hit(NewRequest("b", [1, 2, 3, 4, 9])) == PrefixHit(4, 2)
+        assert m.admit(NewRequest("c", [1, 2, 7]), PrefixHit(2, 1)) is True  # c holds the first cached block
+        assert m.get_block_ids("c")[0][0] == held[0] and m.num_computed_tokens("c") == 3
+        assert m.read_prefix_hit(NewRequest("b", [1, 2, 3, 4, 9])) == PrefixHit(4, 1)  # one hit block unheld now
+        assert m.admit(NewRequest("b", [1, 2, 3, 4, 9]), PrefixHit(4, 1), num_lookahead_tokens=1) is True
+        assert m.get_block_ids("b")[0][:2] == held[:2] and m.num_blocks_held("b") == 3
+        assert m.read_prefix_hit(NewRequest("d", [5, 6, 7])) == PrefixHit(0, 0)
+        before = _state(m)
+        assert m.admit(NewRequest("e", list(range(100, 112)))) is False  # 6 blocks, 3 free
+        assert _state(m) == before
+        m.check_invariants()
+
+
+def test_admit_refuses_a_stale_or_malformed_hit_and_changes_nothing():
+    for m in (cls(8, 2, hash_key=KEY, max_model_len=32, max_num_reqs=4, device="cpu")
+              for cls in (ReferenceManager, DeviceManager)):
+        m.step(new=[NewRequest("a", [1, 2, 3, 4, 5])])
+        before = _state(m)
+        request = NewRequest("b", [1, 2, 8, 8, 9])  # only its first block is cached
+        with pytest.raises(StaleComputedBlocksError, match="not what a lookup of this request finds now"):
+            m.admit(request, PrefixHit(4, 0))
+        with pytest.raises(InvalidInputError, match="whole blocks of 2 tokens, at most 4"):
+            m.admit(request, PrefixHit(3, 0))
+        with pytest.raises(InvalidInputError, match="at most 4"):
+            m.admit(request, PrefixHit(6, 0))
+        with pytest.raises(InvalidTypeError, match="PrefixHit or None"):
+            m.admit(request, m.get_computed_blocks(request))  # (the ids form is allocate_slots')
+        with pytest.raises(InvalidTypeError, match="NewRequest"):
+            m.admit("b")
+        with pytest.raises(InvalidInputError, match="a lookup of this"):
+            m.admit(NewRequest("s", [1, 2, 3], skip_prefix_cache=True), PrefixHit(2, 0))
+        assert _state(m) == before and "b" not in m.request_ids()
+        assert m.admit(request, PrefixHit(2, 0)) is True
         m.check_invariants()

@@ -724,7 +724,8 @@ class ServingLoop(RuleBasedStateMachine):
             r = self.waiting.pop(pos)
         else:
             r = self.draw_new(data)
-        c = self.look_up(r, "c = ")
+        sized = data.draw(st.booleans(), label="the hit by its size (read_prefix_hit, admit)")
+        c = self.size_up(r) if sized else self.look_up(r, "c = ")
         pre = r.num_preemptions > 0
         hits = 0 if r.skip_prefix_cache else c.num_tokens
         self.check_all(expect={"requests": int(not pre), "preempted_requests": int(pre),
@@ -741,13 +742,16 @@ class ServingLoop(RuleBasedStateMachine):
         chunk = num_tokens if num_tokens is not None else r.num_tokens_to_compute
         new_tokens = n - hit if chunk is None else min(n - hit, chunk)
         before = self.snapshot()
-        res = [m.allocate_slots(r, computed=computed, num_tokens=num_tokens, num_lookahead_tokens=la)
+        counts = {"num_tokens": num_tokens, "num_lookahead_tokens": la}
+        res = [m.admit(r, computed, **counts) if sized else m.allocate_slots(r, computed=computed, **counts)
                for m in self.managers()]
-        trace(f"m.allocate_slots({fmt_new(r)}, computed={'c' if computed is not None else None}, "
+        trace(f"m.{'admit' if sized else 'allocate_slots'}({fmt_new(r)}, "
+              f"{'computed=' if not sized else ''}{'c' if computed is not None else None}, "
               f"num_tokens={num_tokens}, num_lookahead_tokens={la})  # -> {res[0]}")
         assert all(x == res[0] for x in res), res
         COUNTS["allocate_new_calls"] += 1
-        if res[0] is None:
+        COUNTS["admit_sized"] += sized
+        if res[0] is None or res[0] is False:
             assert self.snapshot() == before, "allocate_slots refused a new request but changed the pool"
             COUNTS["allocate_new_refused"] += 1
             if pos is None:
@@ -760,7 +764,12 @@ class ServingLoop(RuleBasedStateMachine):
             self.admitted(r, hit, new_tokens, r.num_lookahead_tokens if la is None else la)
             h = hit // self.bs
             blocks = self.ref.get_block_ids(r.request_id)
-            assert res[0] == [g[h:] for g in blocks], (res[0], blocks, h)
+            if sized:  # (no ids came back: every manager holds the same, and the hit's unheld count was right)
+                assert all(m.get_block_ids(r.request_id) == blocks for m in self.managers()), r.request_id
+                unheld = sum(1 for g in blocks for b in g[:h] if b and before[1][b] == 0)
+                assert computed is None or computed.num_unheld_blocks == unheld, (computed, unheld)
+            else:
+                assert res[0] == [g[h:] for g in blocks], (res[0], blocks, h)
         self.check_all(expect={"requests": 0, "preempted_requests": 0})
         COUNTS["rule_allocate_new"] += 1
 
@@ -853,6 +862,15 @@ class ServingLoop(RuleBasedStateMachine):
         self.call_step((), (), fresh)
         COUNTS["evictions"] += self.ref.num_evictions - before
         COUNTS["rule_evict"] += 1
+
+    def size_up(self, r: NewRequest):
+        """``read_prefix_hit(r)`` on every manager: the same size on all
+        (whether each hit block is exact is checked once admitted:
+        ``admitted``). Returns it."""
+        got = [m.read_prefix_hit(r) for m in self.managers()]
+        trace(f"c = m.read_prefix_hit({fmt_new(r)})  # -> {got[0]}")
+        assert all(p == got[0] for p in got), got
+        return got[0]
 
     def look_up(self, r: NewRequest, assign: str = ""):
         """``get_computed_blocks(r)`` on every manager: the same blocks on
@@ -1146,8 +1164,8 @@ def run(backend: str, layout: str) -> None:
         for what in ("hit_blocks", "preemptions", "evictions", "running_refused", "new_refused", "resets",
                      "admitted_with_caller_digests", "decode_calls", "decode_refused", "decode_chunked",
                      "decode_lookahead", "decode_torch", "decode_none", "allocate_new_admitted", "allocate_new_refused",
-                     "allocate_new_partial", "allocate_running_calls", "allocate_running_refused", "events_checked",
-                     "events_stored", "events_removed", "events_cleared"):
+                     "allocate_new_partial", "admit_sized", "allocate_running_calls", "allocate_running_refused",
+                     "events_checked", "events_stored", "events_removed", "events_cleared"):
             assert counts.get(what, 0) > 0, (what, counts)
 
 

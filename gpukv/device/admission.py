@@ -33,9 +33,11 @@ from gpukv.outputs import StepGather
 from gpukv.request import (
     ComputedBlocks,
     NewRequest,
+    PrefixHit,
     StepResult,
     apply_allocate_args,
     check_computed_for,
+    check_prefix_hit,
     normalize_computed,
     stale_computed_blocks,
 )
@@ -174,31 +176,81 @@ class Admission:
         got = res.num_computed_tokens[0]
         return [g[got // m.block_size:] for g in m.get_block_ids(request.request_id)]
 
+    def admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,
+                    num_lookahead_tokens: int | None) -> bool:
+        """``admit`` of a new request with a hit known by its size: the hit
+        checked against a lookup capped at its length (its size read, no
+        block id), then one step admitting the request with that cap (the
+        same lookup, nothing changed in between, so the same hit)."""
+        m = self._m
+        (request,) = m._normalize((), (), [request], single=True, defer_admissible=True).new
+        hit_tokens = check_prefix_hit(hit, request, m._limits)
+        request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, m._limits)
+        cap = hit_tokens // m.block_size
+        with m._counting():
+            if cap and self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens != hit_tokens:
+                raise stale_computed_blocks()
+            m._begin_changes()
+            res = m._step((), (), [request], count_stats=False, hit_caps=[cap])
+        return res.num_admitted == 1
+
     def lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
         """The hit a step would give this request now (at most ``hit_cap``
-        blocks), changing no block."""
+        blocks), changing no block: its blocks read back."""
+        m = self._m
+        n, _, cache = self._dry_lookup(request, count_stats, hit_cap, sized=False)
+        blocks = m._read(cache[0, :n].T) if n else [[] for _ in range(m.num_groups)]
+        for g, w in enumerate(m._window_blocks):
+            if w >= 0:  # a window group holds the null block before its last W hit positions
+                blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
+        return ComputedBlocks(blocks, n * m.block_size)
+
+    def lookup_size(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> PrefixHit:
+        """The size of the hit a step would give this request now (at most
+        ``hit_cap`` blocks) and how many of its blocks no request holds, in
+        one read; no block id leaves the device, no block changes."""
+        n, unheld, _ = self._dry_lookup(request, count_stats, hit_cap, sized=True)
+        return PrefixHit(n * self._m.block_size, unheld)
+
+    def _dry_lookup(self, request: NewRequest, count_stats: bool, hit_cap: int | None,
+                    sized: bool) -> tuple[int, int, torch.Tensor]:
+        """A lookup that admits nothing, on a row taken and given back: the
+        hit in blocks, (with ``sized``) its unheld blocks, and the cached
+        hits buffer (int32[KP, P, G]: request 0's row holds the hit's ids),
+        read in one read with the verdict on device tokens."""
         m = self._m
         row = m._rows.take()
         try:
             blocked = torch.zeros(1, dtype=torch.int32, device=m.device)
             caps = [0] if not m.enable_caching else None if hit_cap is None else [hit_cap]
             _, hit, _, cache = self.admit([request], [row], blocked, caps, dry=True)
-            if isinstance(request.token_ids, torch.Tensor):  # checked on the device: the verdict rides with the hit
-                bad = self.device_tokens_bad([request.token_ids])
-                n, errors = m._read(torch.cat([hit.to(torch.int64), bad]))
-                m._reads.check_errors(errors, "request.token_ids")  # before any change: a refusal
-            else:
-                n = int(m._read(hit)[0])
+            parts = [hit.to(torch.int64)] + ([self._unheld_in_hit(hit, cache[0])] if sized else [])
+            tokens = request.token_ids
+            device_tokens = isinstance(tokens, torch.Tensor)
+            if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
+                parts.append(self.device_tokens_bad([tokens]))
+            values = m._read(torch.cat(parts))
+            if device_tokens:
+                m._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
+            n = int(values[0])
             if count_stats:
                 m._begin_changes()  # get_computed_blocks' point of first change
                 self.count_lookups([request], [n])
-            blocks = m._read(cache[0, :n].T) if n else [[] for _ in range(m.num_groups)]
         finally:
             m._rows.give_back_unused([row])
-        for g, w in enumerate(m._window_blocks):
-            if w >= 0:  # a window group holds the null block before its last W hit positions
-                blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
-        return ComputedBlocks(blocks, n * m.block_size)
+        return n, int(values[1]) if sized else 0, cache
+
+    def _unheld_in_hit(self, hit: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """int64[1] on the device: the blocks of a dry lookup's hit (``hit``:
+        int32[1] blocks; ``cache``: int32[P, G], the ids at each position)
+        that no request holds; a window group's positions before its last W
+        hit positions (null in the hit) and the null block not counted."""
+        m = self._m
+        pos = torch.arange(cache.shape[0], device=m.device).unsqueeze(1)
+        n, w = hit.to(torch.int64), m._win_dev.to(torch.int64)
+        live = (pos < n) & ((w < 0) | (pos >= n - w))
+        ids = torch.where(live, cache.to(torch.int64), 0)
+        return ((m.pool.ref_cnt[ids] == 0) & (ids != 0)).sum().view(1)
 
     def device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token

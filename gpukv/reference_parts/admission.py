@@ -165,6 +165,14 @@ class ReferenceAdmission:
         return ComputedBlocks(cast("list[list[int]]", [[b for b in g] for g in plan.hits]),
                               plan.num_hit_blocks * m.block_size)
 
+    def peek(self, request: NewRequest) -> ComputedBlocks:
+        """The request's hit now, changing nothing (no digest remembered,
+        nothing counted)."""
+        m = self._m
+        plan = self.plan(m._digests.new_state(request), [])
+        return ComputedBlocks(cast("list[list[int]]", [list(g) for g in plan.hits]),
+                              plan.num_hit_blocks * m.block_size)
+
     def plan(self, st: RequestState, plans: list[AdmissionPlan], budget_left: int | None = None) -> AdmissionPlan:
         """Find the request's hit, against the cache and against the blocks the
         earlier ``plans`` of this step will compute and cache; it computes

@@ -125,16 +125,55 @@ def with_vllms_ids(out, want):
                                scheduled_cached_reqs=cached)
 
 
+ID_READS = ("get_block_ids", "read_block_ids", "block_table_for", "get_computed_blocks", "allocate_slots",
+            "read_num_unheld")
+"""The device manager's calls that hand block ids to the host (or take them
+from it): under the worker, gpukv's scheduler makes none of them."""
+
+
+class IdReadGuard:
+    """Records every call the adapter (code under ``gpukv.vllm``) makes to
+    one of the device manager's ``ID_READS``, or to ``step`` asking for
+    block ids, while ``active``; and counts its id-free admissions
+    (``read_prefix_hit``, ``admit``) so a stream that never takes the
+    per-request path is seen."""
+
+    def __init__(self, monkeypatch) -> None:
+        from gpukv.manager import DeviceManager
+
+        self.active = True
+        self.id_reads: list[tuple[str, str]] = []
+        self.sized: dict[str, int] = {"read_prefix_hit": 0, "admit": 0}
+        for name in (*ID_READS, "step", *self.sized):
+            monkeypatch.setattr(DeviceManager, name, self._guarded(name, getattr(DeviceManager, name)))
+
+    def _guarded(self, name: str, method):
+        import sys
+
+        def call(manager, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if self.active and caller.startswith("gpukv.vllm"):
+                if name in self.sized:
+                    self.sized[name] += 1
+                elif name != "step" or kwargs.get("block_ids"):
+                    self.id_reads.append((name, caller))
+            return method(manager, *args, **kwargs)
+
+        return call
+
+
 class DifferentialTables(HarnessTables):
     """The harness's table check, and the two ``BlockTables`` after each
     ``schedule()``, fed the block ids of vLLM's own scheduler on the same
-    stream (``vllm_records``): gpukv's output must carry none."""
+    stream (``vllm_records``): gpukv's output must carry none, and its
+    scheduler reads none (``guard``; the harness's own check reads them)."""
 
-    def __init__(self, runner: Runner, vllm_records: list) -> None:
+    def __init__(self, runner: Runner, vllm_records: list, guard: IdReadGuard) -> None:
         super().__init__()
         self.runner = runner
         self.last = None
         self.vllm_records = iter(vllm_records)
+        self.guard = guard
 
     def update(self, out) -> None:
         assert not any(any(n.block_ids) for n in out.scheduled_new_reqs), "a block id reached the host"
@@ -144,7 +183,11 @@ class DifferentialTables(HarnessTables):
         self.last = out
 
     def check(self, scheduler) -> None:
-        super().check(scheduler)
+        self.guard.active = False  # (the harness compares gpukv's tables with what the runner was fed)
+        try:
+            super().check(scheduler)
+        finally:
+            self.guard.active = True
         self.runner.step(self.last)
 
 
@@ -157,7 +200,7 @@ def window_reach(config: StreamConfig) -> list[int]:
     return [0, *window] if config.hybrid else window
 
 
-def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
+def run_differential(cls: type, config: StreamConfig, guard: IdReadGuard) -> tuple[Runner, list]:
     expected = run_stream(VllmAsyncScheduler if is_async(cls) else VllmScheduler, config, check_tables=False)
     with shimmed() as VllmBlockTables:
         from gpukv.vllm.v0_33.tables import adopt
@@ -171,7 +214,7 @@ def run_differential(cls: type, config: StreamConfig) -> tuple[Runner, list]:
         ours = adopt(tables())  # (before the scheduler: the runner is built first)
         runner = Runner(ours, tables(), config.max_num_seqs)
         try:
-            records = run_stream(cls, config, tables=DifferentialTables(runner, expected))
+            records = run_stream(cls, config, tables=DifferentialTables(runner, expected, guard))
             assert BINDING.manager is not None and BINDING.manager.rows_generation == BINDING._generation
         finally:
             BINDING.reset()
@@ -185,8 +228,10 @@ STREAM = StreamConfig(seed=1, num_requests=10, arrival_steps=6, num_blocks=12, m
 
 @pytest.mark.parametrize("cls", [gpukv033.DeviceScheduler, gpukv033.DeviceAsyncScheduler],
                          ids=["sync", "async"])
-def test_gathered_tables_and_slot_mappings_are_vllms_every_step(cls):
-    runner, records = run_differential(cls, STREAM)
+def test_gathered_tables_and_slot_mappings_are_vllms_every_step(cls, monkeypatch):
+    guard = IdReadGuard(monkeypatch)
+    runner, records = run_differential(cls, STREAM, guard)
+    assert guard.id_reads == []
     seen = coverage(records)
     assert runner.steps == sum(1 for r in records if r.num_scheduled_tokens)
     assert runner.steps >= 10
@@ -202,15 +247,19 @@ HYBRID = dataclasses.replace(WINDOWED, hybrid=True, num_blocks=20)  # (both grou
 
 @pytest.mark.parametrize("cls, config", [(gpukv033.DeviceAsyncScheduler, WINDOWED), (gpukv033.DeviceScheduler, HYBRID)],
                          ids=["window-async", "hybrid-sync"])
-def test_windows_are_nulled_below_the_window_as_vllm_gathers_them(cls, config):
+def test_windows_are_nulled_below_the_window_as_vllm_gathers_them(cls, config, monkeypatch):
     """A sliding-window group alone, and a full-attention group beside one:
     vLLM's gather nulls the entries below each request's window (its table
     still holds the ids it was handed); gpukv's table holds the null block
     where its scheduler released a block, the id where it has not yet (under
     async scheduling a step's window runs ahead of the release), and the
     gather, by gpukv's rows with each row's computed tokens, nulls the same
-    entries: the gathered tables agree."""
-    runner, records = run_differential(cls, config)
+    entries: the gathered tables agree. Windows take the per-request path
+    (a lookup and an admission per request): it reads no block id either."""
+    guard = IdReadGuard(monkeypatch)
+    runner, records = run_differential(cls, config, guard)
+    assert guard.id_reads == []
+    assert guard.sized["read_prefix_hit"] >= 1 and guard.sized["admit"] >= 1, guard.sized
     assert runner.steps == sum(1 for r in records if r.num_scheduled_tokens)
     assert runner.masked >= 1  # (steps whose gather nulled an entry vLLM's own table still held)
     seen = coverage(records)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpukv.errors import InvalidInputError
-from gpukv.request import ComputedBlocks
+from gpukv.request import ComputedBlocks, PrefixHit
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.screening import check_request
 from gpukv.vllm.v0_33.views import token_ids
@@ -47,7 +47,9 @@ class CacheLookups:
     num_kv_cache_groups: int
     pending: Any
     _events: Any
-    _looked_up: dict[str, tuple[Any, ComputedBlocks]]
+    _looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]]
+    _blocks_cls: Any
+    ids_on_device: bool
     # (the adapter's own methods these call: annotations only, so none is shadowed)
     flush: Callable[[], None]
     prefix_cache_lookup_enabled: Callable[[Any], bool]
@@ -80,7 +82,10 @@ class CacheLookups:
         if not computed.num_tokens:
             self._looked_up.pop(request.request_id, None)
             return self.empty_kv_cache_blocks, 0, boundary
-        blocks = self.id_blocks(tuple(computed.block_ids), request, computed.num_tokens // self.block_size)
+        if isinstance(computed, PrefixHit):  # (an instance of its own, no ids: vLLM hands it back to allocate_slots)
+            blocks = self._blocks_cls(tuple([] for _ in range(self.num_kv_cache_groups)))
+        else:
+            blocks = self.id_blocks(tuple(computed.block_ids), request, computed.num_tokens // self.block_size)
         self._looked_up[request.request_id] = (blocks, computed)
         return blocks, computed.num_tokens, boundary
 
@@ -96,13 +101,16 @@ class CacheLookups:
         check_request(request, self.max_model_len)
         return self._lookup(request, (request.num_tokens - 1) // self.block_size).num_tokens
 
-    def _lookup(self, request: Any, max_hit_blocks: int) -> ComputedBlocks:
+    def _lookup(self, request: Any, max_hit_blocks: int) -> ComputedBlocks | PrefixHit:
         """gpukv's lookup on the tokens a hit of ``max_hit_blocks`` blocks can
-        cover (gpukv never hits a request's last token)."""
+        cover (gpukv never hits a request's last token); with
+        ``ids_on_device`` its size only (the ids stay on the device)."""
         if max_hit_blocks <= 0:
             return ComputedBlocks([[] for _ in range(self.num_kv_cache_groups)], 0)
-        end = max_hit_blocks * self.block_size + 1
-        return self.manager.get_computed_blocks(self._new_request(request, token_ids(request, end)))
+        capped = self._new_request(request, token_ids(request, max_hit_blocks * self.block_size + 1))
+        if self.ids_on_device:
+            return self.manager.read_prefix_hit(capped)
+        return self.manager.get_computed_blocks(capped)
 
     def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
         """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup

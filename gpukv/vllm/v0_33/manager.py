@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpukv.errors import InvalidInputError
-from gpukv.request import ComputedBlocks, NewRequest
+from gpukv.request import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
 from gpukv.vllm.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.admissions import AdmittedRun
@@ -173,7 +173,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         # The last admission's (request id, block ids): vLLM's get_blocks right after it needs no read.
         self._admitted: tuple[str, list[list[int]]] | None = None
         # Each request's last lookup, handed back by allocate_slots: (what vLLM got, gpukv's hit).
-        self._looked_up: dict[str, tuple[Any, ComputedBlocks]] = {}
+        self._looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]] = {}
         self.batching = False
         # The batched path answers on the host only what host arithmetic decides (module docstring).
         self.can_batch = not self.groups.has_windows
@@ -330,8 +330,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             return  # no block more is full: nothing to cache (nor to tell gpukv)
         _, _, computed, held = self._held[rid]
         chunk = None if target == request.num_tokens else target - computed
-        self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk, num_lookahead_tokens=0,
-                                    num_processed_tokens=0)
+        self._extend(rid, request.all_token_ids[held:], chunk, 0, 0)
         self._note_held(rid)
         self._drain(request)
 
@@ -393,8 +392,6 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
                num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> Any:
         """Admit a request gpukv does not hold, with its last lookup's hit."""
-        from vllm.v1.request import RequestStatus
-
         if request.num_computed_tokens:
             raise UnsupportedConfigError(f"request {request.request_id!r} comes with {request.num_computed_tokens} "
                                          "computed tokens but holds no blocks (a KV-connector path)",
@@ -402,30 +399,53 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         computed = _handed_back_hit(self._looked_up.get(request.request_id), request, num_new_computed_tokens,
                                     blocks)
         hit = computed.num_tokens if computed is not None else 0
-        hit_ids = computed.block_ids if computed is not None else [[]] * self.num_kv_cache_groups
-        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
-        touched = _num_evictable(self.manager, hit_ids) if hit else 0
         need_slot = min(hit + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         target = min(hit + num_new_tokens, request.num_tokens)
-        hit_blocks = hit // self.block_size
-        if full_sequence_must_fit:  # (vLLM: before any window release; a request admitted holds none)
-            full = self.groups.blocks_to_admit(min(request.num_tokens, self.max_model_len), hit_blocks, capped=True)
-            if not self._fits(full + touched, watermark, 0):
-                return None
-        if (watermark or reserved_blocks) and not self._fits(
-                self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False) + touched, watermark,
-                reserved_blocks):
+        if not self._admission_fits(request, computed, need_slot, full_sequence_must_fit, reserved_blocks,
+                                    has_scheduled_reqs):
             return None
-        new = self.manager.allocate_slots(self._new_request(request, token_ids(request)), computed=computed,
-                                          num_tokens=target - hit, num_lookahead_tokens=need_slot - target)
+        new_request = self._new_request(request, token_ids(request))
+        new: list[list[int]] | None
+        if self.ids_on_device:  # (its lookups gave a PrefixHit: the hit known by its size)
+            admitted = self.manager.admit(new_request, computed, num_tokens=target - hit,
+                                          num_lookahead_tokens=need_slot - target)
+            new = [[] for _ in range(self.num_kv_cache_groups)] if admitted else None
+        else:
+            new = self.manager.allocate_slots(new_request, computed=computed, num_tokens=target - hit,
+                                              num_lookahead_tokens=need_slot - target)
         self._looked_up.pop(request.request_id, None)
         if new is None:
             return None
-        self._record_admission(request, [list(h) + g for h, g in zip(hit_ids, new, strict=True)],
-                               self.manager.row_of(request.request_id))
+        all_ids = None if self.ids_on_device else [list(h) + g for h, g in zip(_hit_ids(computed, self), new,
+                                                                                strict=True)]
+        self._record_admission(request, all_ids, self.manager.row_of(request.request_id))
         self._drain(request)
         return self._new_blocks(new)
+
+    def _admission_fits(self, request: Any, computed: ComputedBlocks | PrefixHit | None, need_slot: int,
+                        full_sequence_must_fit: bool, reserved_blocks: int, has_scheduled_reqs: bool) -> bool:
+        """vLLM's admission checks that are stricter than gpukv's fit: the
+        whole prompt (``full_sequence_must_fit``, before any window
+        release), the watermark, ``reserved_blocks``; a hit's blocks no
+        request holds count as blocks to take."""
+        from vllm.v1.request import RequestStatus
+
+        hit = computed.num_tokens if computed is not None else 0
+        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
+        if not (full_sequence_must_fit or watermark or reserved_blocks):
+            return True
+        if isinstance(computed, PrefixHit):
+            touched = computed.num_unheld_blocks
+        else:
+            touched = _num_evictable(self.manager, computed.block_ids) if computed is not None and hit else 0
+        hit_blocks = hit // self.block_size
+        if full_sequence_must_fit:  # (a request admitted holds none)
+            full = self.groups.blocks_to_admit(min(request.num_tokens, self.max_model_len), hit_blocks, capped=True)
+            if not self._fits(full + touched, watermark, 0):
+                return False
+        return not (watermark or reserved_blocks) or self._fits(
+            self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False) + touched, watermark, reserved_blocks)
 
     def _grow(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int) -> Any:
         """More blocks for a running request: gpukv appends what vLLM appended
@@ -445,13 +465,23 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         if chunk == 0:
             raise AssertionError(f"request {rid!r}: vLLM schedules {num_new_tokens} tokens past "
                                  f"{request.num_computed_tokens} computed, none of them past gpukv's {computed}")
-        new = self.manager.allocate_slots(rid, request.all_token_ids[held:], num_tokens=chunk,
-                                          num_lookahead_tokens=need_slot - target, num_processed_tokens=processed)
+        new = self._extend(rid, request.all_token_ids[held:], chunk, need_slot - target, processed)
         if new is None:
             return None
         self._note_held(rid)
         self._drain(request)
         return self._new_blocks(new)
+
+    def _extend(self, rid: str, tokens: Any, chunk: int | None, lookahead: int,
+                processed: int) -> list[list[int]] | None:
+        """A running request's tokens appended and its blocks taken in gpukv:
+        its new block ids per group (none read with ``ids_on_device``: a step
+        that reads no id), or None when they do not fit (nothing changed)."""
+        if self.ids_on_device:
+            update = RunningUpdate(rid, tokens, chunk, lookahead, processed)
+            return [[] for _ in range(self.num_kv_cache_groups)] if self.manager.step(running=[update]).ok else None
+        return self.manager.allocate_slots(rid, tokens, num_tokens=chunk, num_lookahead_tokens=lookahead,
+                                           num_processed_tokens=processed)
 
     def _record_admission(self, request: Any, block_ids: list[list[int]] | None, row: int) -> None:
         """The ledger of a request gpukv admitted (``block_ids``: all of its
@@ -493,17 +523,18 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             self._events.drain(self.manager, request)
 
 
-def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks] | None, request: Any, num_new_computed_tokens: int,
-                     blocks: Any) -> ComputedBlocks | None:
+def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks | PrefixHit] | None, request: Any,
+                     num_new_computed_tokens: int, blocks: Any) -> ComputedBlocks | PrefixHit | None:
     """gpukv's hit for the computed blocks vLLM hands back to ``allocate_slots``:
     those of the request's last lookup (``looked_up``: what vLLM got, gpukv's
-    hit), or none."""
-    if not has_blocks(blocks):
+    hit; with ``ids_on_device`` an instance with no ids), or none."""
+    handed_back = looked_up is not None and blocks is looked_up[0]
+    if not handed_back and not has_blocks(blocks):
         if num_new_computed_tokens:
             raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} without computed blocks",
                                     argument="new_computed_blocks", fix="pass what get_computed_blocks returned")
         return None
-    if looked_up is None or (blocks is not looked_up[0] and blocks.get_block_ids() != looked_up[0].get_block_ids()):
+    if looked_up is None or (not handed_back and blocks.get_block_ids() != looked_up[0].get_block_ids()):
         raise InvalidInputError(f"new_computed_blocks are not the hit of request {request.request_id!r}'s last "
                                 "lookup", argument="new_computed_blocks",
                                 fix="call get_computed_blocks(request) and pass its blocks unchanged")
@@ -513,6 +544,13 @@ def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks] | None, request: Any,
                                 f"{computed.num_tokens} tokens", argument="num_new_computed_tokens",
                                 fix="pass the token count get_computed_blocks returned")
     return computed
+
+
+def _hit_ids(computed: ComputedBlocks | PrefixHit | None, adapter: KVCacheManager) -> list[list[int]]:
+    """The hit's block ids per group (none for no hit)."""
+    if isinstance(computed, ComputedBlocks):
+        return computed.block_ids
+    return [[] for _ in range(adapter.num_kv_cache_groups)]
 
 
 def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
