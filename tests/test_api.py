@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from gpukv.api import BlockManager
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
@@ -175,7 +175,7 @@ def _api_md_names() -> tuple[set[str], set[str]]:
             if name is None or span[name.end():].startswith("="):  # a keyword argument
                 continue
             parts = name[0].split(".")
-            if parts[0] == "KVCacheManager":
+            if parts[0] in ("DeviceManager", "ReferenceManager"):
                 parts = parts[1:]
             if parts and not parts[0][0].isupper():  # NewRequest(...), StepResult.rows: not the manager's
                 shared.add(parts[0])
