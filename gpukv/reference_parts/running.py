@@ -58,7 +58,6 @@ class ReferenceRunning:
         m = self._m
         bs = m.block_size
         pool = m.pool
-        free = pool._free  # len(free) is pool.num_free_blocks
         row_tokens, row_computed = m._rows.num_tokens, m._rows.num_computed
         for k, (st, new_tokens, chunk, lookahead) in enumerate(zip(states, tokens, chunks, lookaheads, strict=True)):
             known = st.tokens
@@ -70,7 +69,7 @@ class ReferenceRunning:
             need = 0
             for blocks in st.blocks:
                 need += n_total - len(blocks)
-            if need > len(free):
+            if need > pool.num_free_blocks:
                 return k
             if isinstance(known, np.ndarray):  # a list from the first append on
                 known = st.tokens = known.tolist()
