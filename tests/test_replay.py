@@ -280,8 +280,8 @@ def test_vllm_waiting_loop_worked_by_hand(tmp_path, admission):
 
 @pytest.mark.parametrize("admission", ["batch", "one"])
 def test_a_hit_past_the_first_chunk_is_not_preempted(tmp_path, admission):
-    """Issue 17's smallest case: under a 512-token budget, B's hit covers its
-    first chunk. Charged the whole chunk, hit included, it was admitted holding
+    """The smallest case of a hit past the first chunk: under a 512-token
+    budget, B's hit covers its first chunk. Charged the whole chunk, hit included, it was admitted holding
     only its hit blocks and preempted 49 times; under vLLM's rule it computes
     512 tokens past its 1024-token hit and nothing is preempted (vLLM 0.8.5:
     0 preemptions)."""
