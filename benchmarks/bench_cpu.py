@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpukv import hashing
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 BLOCK_SIZE = 16

@@ -93,8 +93,8 @@ import torch
 
 import gpukv
 from gpukv.kernels import _common
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -24,8 +24,8 @@ import time
 import torch
 
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 

@@ -1,6 +1,6 @@
 """The device scheduler's *honest twin*: what one engine step of gpukv's
 ``DeviceScheduler`` costs the host on a GPU, measured on a machine without
-CUDA (issues 27 and 38). ``bench_scheduler.py`` (synthetic workloads) and
+CUDA. ``bench_scheduler.py`` (synthetic workloads) and
 ``bench_mooncake.py --device`` (the Mooncake trace) drive it; their
 docstrings say what a step is. The method:
 

@@ -1,5 +1,5 @@
 """Triton's per-launch host cost, measured without a GPU: the launch half of
-``bench_host.py``'s twin (issue 20, item 1).
+``bench_host.py``'s twin.
 
 On a GPU every kernel launch costs the calling thread Triton's launch path:
 ``JITFunction.run`` (pre-run hooks, argument binding and the specialisation

@@ -5,7 +5,7 @@ against a dense computation at every step.
 What it does, step by step (vLLM v1's scheduler, reduced):
 
 1. Size the cache: one attention layer described by a ``FullAttentionSpec``
-   and a memory budget go through ``gpukv.config.get_kv_cache_config``; the
+   and a memory budget go through ``gpukv.get_kv_cache_config``; the
    config's one tensor (``page_size * num_blocks`` bytes) is viewed as
    ``[2, num_blocks, block_size, num_kv_heads, head_size]``: K and V caches of
    ``[num_blocks, block_size, num_kv_heads, head_size]`` each (vLLM's
@@ -22,7 +22,7 @@ What it does, step by step (vLLM v1's scheduler, reduced):
    new requests; its re-admission may hit its own cached blocks.
 3. The slot mapping of the step's scheduled tokens (every uncomputed token of
    each scheduled request, request after request, padded to a multiple of
-   ``--pad-to`` with ``PAD``) comes from ``gpukv.kernels.slot_mapping``, from
+   ``--pad-to`` with ``PAD``) comes from ``gpukv.slot_mapping``, from
    the block tables of the batch, the cumulative token offsets and each
    request's start position. The layer computes Q/K/V of the scheduled tokens
    only and writes K/V into the paged cache through the slot mapping (padding
@@ -66,11 +66,16 @@ except ImportError:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from gpukv import _runtime  # noqa: E402  (Triton's interpreter on machines without CUDA)
-from gpukv.config import get_kv_cache_config  # noqa: E402
-from gpukv.kernels.slot_mapping import slot_mapping  # noqa: E402
-from gpukv.request import NewRequest, RunningUpdate  # noqa: E402
-from gpukv.spec import FullAttentionSpec  # noqa: E402
+# (gpukv's names that import torch switch on Triton's interpreter on a machine without CUDA, before triton loads)
+from gpukv import (  # noqa: E402
+    DeviceManager,
+    FullAttentionSpec,
+    NewRequest,
+    ReferenceManager,
+    RunningUpdate,
+    get_kv_cache_config,
+    slot_mapping,
+)
 
 #: float32 everywhere; paged and dense differ only by matmul shapes and
 #: reduction order, so this is tight.
@@ -222,13 +227,16 @@ def _workload(s: Sizes, seed: int) -> list[_Req]:
     return reqs
 
 
+def _default_device() -> torch.device:
+    """CUDA if present; else the CPU, where the device manager's kernels run under Triton's interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _make_manager(backend: str, config, s: Sizes, device: torch.device):
     if backend == "reference":
-        from gpukv.reference import KVCacheManager as Reference
-        return Reference(config.num_blocks, s.block_size, hash_key=_HASH_KEY)
-    from gpukv.manager import KVCacheManager
-    return KVCacheManager(config.num_blocks, s.block_size, hash_key=_HASH_KEY, max_model_len=s.max_model_len,
-                          max_num_reqs=2 * s.max_running, device=device)
+        return ReferenceManager(config.num_blocks, s.block_size, hash_key=_HASH_KEY)
+    return DeviceManager(config.num_blocks, s.block_size, hash_key=_HASH_KEY, max_model_len=s.max_model_len,
+                         max_num_reqs=2 * s.max_running, device=device)
 
 
 def _block_tables(mgr, backend: str, rids: list[str], max_blocks: int, device: torch.device) -> torch.Tensor:
@@ -255,7 +263,7 @@ def run(sizes: Sizes, *, backend: str = "device", device: str | None = None, see
     """Run the loop; raise ``DenseMismatch`` at the first output that differs."""
     t0 = time.perf_counter()
     s = sizes
-    dev = torch.device(device) if device is not None else _runtime.default_device()
+    dev = torch.device(device) if device is not None else _default_device()
     dtype = torch.float32
     spec = {"layer.0": FullAttentionSpec(s.block_size, s.num_kv_heads, s.head_size, dtype)}
     page = spec["layer.0"].page_size_bytes
@@ -430,12 +438,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pad_to < 1:
         print("serving_loop: --pad-to must be >= 1", file=sys.stderr)
         return 2
-    dev = torch.device(args.device) if args.device else _runtime.default_device()
-    if dev.type == "cpu" and not _runtime.INTERPRETED:
+    dev = torch.device(args.device) if args.device else _default_device()
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("serving_loop: --device cpu needs Triton's interpreter on a machine with CUDA: "
               "run with TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    large = args.large or (not args.small and _runtime.CUDA_AVAILABLE)
+    large = args.large or (not args.small and torch.cuda.is_available())
     sizes = LARGE if large else SMALL
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     try:

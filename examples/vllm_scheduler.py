@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-# (first: Triton's interpreter switched on without CUDA, before vLLM imports triton; so not isort's order)
-import gpukv._runtime  # noqa: E402,F401,I001
+# (first: importing gpukv.vllm switches on Triton's interpreter without CUDA before vLLM imports triton, and
+# refuses an untested vLLM before anything is built; so not isort's order)
+from gpukv.vllm import AsyncScheduler  # noqa: E402,I001
 import torch  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -30,8 +31,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-
-from gpukv.vllm import AsyncScheduler  # noqa: E402  (refuses an untested vLLM, before anything is built)
 
 BLOCK_SIZE = 16
 

@@ -1,16 +1,21 @@
 """gpukv: a KV-cache block manager for LLM serving whose state lives on the GPU.
 
-The public API. ``gpukv.reference`` holds the sequential reference manager (the
-executable spec); the host controller sizes the cache (``get_kv_cache_config``)
-and reconciles it across ranks (``reconcile_kv_cache_config``).
+The public API, what a serving loop needs: the two managers (``DeviceManager``
+on the GPU, ``ReferenceManager`` its executable spec on the host) and the
+protocol both offer (``BlockManager``); the request and result types; the base
+error (the others are in ``gpukv.errors``); the cache's sizing
+(``get_kv_cache_config``, from the specs) and its reconciliation across ranks
+(``reconcile_kv_cache_config``); the slot mapping computed from the device's
+block tables; the decode step as CUDA graphs; a router's index of the events.
+The vLLM adapters are ``gpukv.vllm``'s.
 
 Importing the package is cheap: it imports neither torch nor triton (so that
 ``gpukv --version`` answers at once and ``gpukv replay --metrics-port`` serves
-its metrics before torch has loaded, issue 19). Each public name is imported
-from its module when first used (PEP 562); a module that imports torch is
-imported after ``gpukv._runtime``, which switches on Triton's interpreter on a
-machine without CUDA before triton loads (every module that imports triton
-imports ``gpukv._runtime`` first).
+its metrics before torch has loaded). Each public name is imported from its
+module when first used (PEP 562); a module that imports torch is imported
+after ``gpukv._runtime``, which switches on Triton's interpreter on a machine
+without CUDA before triton loads (every module that imports triton imports
+``gpukv._runtime`` first).
 """
 
 from __future__ import annotations
@@ -21,103 +26,67 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "AddressError",
-    "AddressInUseError",
-    "CapacityError",
+    "BlockManager",
     "ComputedBlocks",
-    "ConcurrentCallError",
-    "DuplicateRequestError",
+    "DecodeGraphs",
+    "DeviceManager",
     "FullAttentionSpec",
     "GpukvError",
-    "GpukvInputError",
-    "InvalidInputError",
-    "InvalidTypeError",
     "KVCacheConfig",
-    "KVCacheGroupSpec",
-    "KVCacheSpec",
-    "KVCacheTensor",
     "MMItem",
-    "ManagerFailedError",
     "NewRequest",
-    "NoFreeBlocksError",
     "PrefixCacheStats",
-    "PrefixCachingMetrics",
-    "PublisherClosedError",
-    "ReconcileError",
+    "ReferenceManager",
+    "RouterIndex",
     "RunningBatch",
     "RunningUpdate",
     "SlidingWindowSpec",
-    "StaleComputedBlocksError",
     "StepResult",
-    "UnknownRequestError",
-    "available_kv_cache_memory",
-    "check_enough_kv_cache_memory",
     "get_kv_cache_config",
     "reconcile_kv_cache_config",
-    "unify_kv_cache_configs",
+    "slot_mapping",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ below
-    from gpukv.config import (
-        available_kv_cache_memory,
-        check_enough_kv_cache_memory,
-        get_kv_cache_config,
-        unify_kv_cache_configs,
-    )
+    from gpukv.api import BlockManager
+    from gpukv.config import get_kv_cache_config
     from gpukv.distributed import reconcile_kv_cache_config
-    from gpukv.errors import (
-        AddressError,
-        AddressInUseError,
-        CapacityError,
-        ConcurrentCallError,
-        DuplicateRequestError,
-        GpukvError,
-        GpukvInputError,
-        InvalidInputError,
-        InvalidTypeError,
-        ManagerFailedError,
-        NoFreeBlocksError,
-        PublisherClosedError,
-        ReconcileError,
-        StaleComputedBlocksError,
-        UnknownRequestError,
-    )
+    from gpukv.errors import GpukvError
+    from gpukv.events import RouterIndex
+    from gpukv.graphs import DecodeGraphs
     from gpukv.hashing import MMItem
-    from gpukv.metrics import PrefixCacheStats, PrefixCachingMetrics
+    from gpukv.kernels.slot_mapping import slot_mapping
+    from gpukv.manager import DeviceManager
+    from gpukv.metrics import PrefixCacheStats
+    from gpukv.reference import ReferenceManager
     from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate, StepResult
     from gpukv.running import RunningBatch
-    from gpukv.spec import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheSpec,
-        KVCacheTensor,
-        SlidingWindowSpec,
-    )
+    from gpukv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
 # The submodule each public name comes from (tests/test_cli.py checks this
 # against __all__ and the block above).
 _FROM: dict[str, tuple[str, ...]] = {
-    "config": ("available_kv_cache_memory", "check_enough_kv_cache_memory", "get_kv_cache_config",
-               "unify_kv_cache_configs"),
+    "api": ("BlockManager",),
+    "config": ("get_kv_cache_config",),
     "distributed": ("reconcile_kv_cache_config",),
-    "errors": ("AddressError", "AddressInUseError", "CapacityError", "ConcurrentCallError", "DuplicateRequestError",
-               "GpukvError",
-               "GpukvInputError", "InvalidInputError", "InvalidTypeError", "ManagerFailedError", "NoFreeBlocksError",
-               "PublisherClosedError", "ReconcileError", "StaleComputedBlocksError", "UnknownRequestError"),
+    "errors": ("GpukvError",),
+    "events": ("RouterIndex",),
+    "graphs": ("DecodeGraphs",),
     "hashing": ("MMItem",),
-    "metrics": ("PrefixCacheStats", "PrefixCachingMetrics"),
+    "kernels.slot_mapping": ("slot_mapping",),
+    "manager": ("DeviceManager",),
+    "metrics": ("PrefixCacheStats",),
+    "reference": ("ReferenceManager",),
     "request": ("ComputedBlocks", "NewRequest", "RunningUpdate", "StepResult"),
     "running": ("RunningBatch",),
-    "spec": ("FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheSpec", "KVCacheTensor",
-             "SlidingWindowSpec"),
+    "spec": ("FullAttentionSpec", "KVCacheConfig", "SlidingWindowSpec"),
 }
 _MODULE_OF = {name: module for module, names in _FROM.items() for name in names}
 # Those that import neither torch nor triton; any other comes after gpukv._runtime.
-_LIGHT = frozenset({"errors", "hashing", "metrics", "windows"})
-# The submodules `import gpukv` loaded before issue 19 stay attributes of a
-# bare `import gpukv` (`gpukv.config.get_kv_cache_config`).
-_SUBMODULES = frozenset({*_FROM, "_runtime", "windows"})
+_LIGHT = frozenset({"errors", "events", "hashing", "metrics", "windows"})
+# Submodules a bare `import gpukv` answers as attributes (`gpukv.config.get_kv_cache_config`):
+# the modules of the public names, and those `import gpukv` itself loaded once.
+_SUBMODULES = frozenset({*(m for m in _FROM if "." not in m), "_runtime", "windows"})
 
 
 def _submodule(name: str) -> Any:

@@ -6,7 +6,7 @@ kernels run on CPU tensors under Triton's interpreter, which must be switched on
 module does that, so gpukv works the same on a laptop, in CI and on a GPU box:
 every gpukv module that imports triton imports this one first, and so does
 each public name of ``gpukv`` whose module imports torch (``import gpukv``
-alone imports neither, issue 19). Code that imports triton itself before any
+alone imports neither). Code that imports triton itself before any
 of gpukv's kernels imports this module first. A caller that has set
 ``TRITON_INTERPRET`` itself keeps its choice.
 """

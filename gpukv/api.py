@@ -1,14 +1,23 @@
 """The block-manager API both managers offer, as a ``typing.Protocol``.
 
-``gpukv.reference.ReferenceManager`` (the executable spec, on the host) and
-``gpukv.manager.DeviceManager`` (state and kernels on the device) take the
+``gpukv.ReferenceManager`` (the executable spec, on the host) and
+``gpukv.DeviceManager`` (state and kernels on the device) take the
 same constructor arguments and answer the same calls with the same results
 (the differential tests hold them to it);
 ``tests/test_api.py`` checks that both satisfy this protocol, member by member
 and signature by signature. ``docs/api.md`` maps each member to vLLM 0.8.5's
 ``KVCacheManager``.
 
-Naming rule: a call that waits for the device is a ``read_*()`` method. The
+Naming rule: a query that waits for the device is a ``read_*()`` method, but
+for four that keep vLLM's or the reference's names and say "reads the device"
+in their docstrings: ``free_queue()``, ``get_block_ids()``,
+``get_num_common_prefix_blocks()`` and ``block_hashes()`` (and the debugging
+check ``check_invariants()``). On the device manager the vLLM-style calls
+wait too: ``get_computed_blocks()`` for the hit it returns,
+``allocate_slots()`` for the step's status and the new block ids,
+``reset_prefix_cache()`` for the free count, ``take_events()`` for the events
+of steps that read nothing; a step (``step``, ``decode``, ``free``) reads at
+most once, its status, and not at all when the host proves it fits. The
 properties ``num_free_blocks``, ``num_evictions`` and ``usage`` are kept for
 callers of the older API and vLLM's spelling; on the device manager they wait
 too, so there they are deprecated (a ``DeprecationWarning`` names the

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # Nothing here imports torch: parsing the options, --version and --help stay
-# quick, and --metrics-port serves before torch loads (issue 19). The replay
+# quick, and --metrics-port serves before torch loads. The replay
 # (gpukv.replay, gpukv._runtime: torch) is imported where it runs.
 from gpukv import hashing, plot
 from gpukv.defaults import (
@@ -842,7 +842,7 @@ def replay_main(args) -> int:
         raise CliError("--served-model-name, --metrics-vllm085 and --metrics-linger apply to the metrics: "
                        "add --metrics-port")
     # The endpoint answers from the first second, a scraper's first try
-    # included: it starts before the trace loads and torch is imported (issue 19).
+    # included: it starts before the trace loads and torch is imported.
     metrics = (_serve_metrics(args.metrics_port, model_name=args.served_model_name, vllm085=args.metrics_vllm085)
                if args.metrics_port is not None else None)
     trace = _load_replay_trace(args, path, max_requests)

@@ -1,7 +1,7 @@
 """The replay's defaults, in a module that imports nothing but ``gpukv.limits``.
 
 ``gpukv replay`` shows them in its ``--help`` and starts its metrics server
-before it imports torch (issue 19); ``gpukv.replay``, which imports torch,
+before it imports torch; ``gpukv.replay``, which imports torch,
 re-exports them, and is where they apply.
 """
 
@@ -38,7 +38,7 @@ DEFAULT_STEP_MS = 40.0
 PLAIN_INTERVAL_S = 15.0
 PLAIN_DELAY_S = 5.0
 
-# The command line's ranges (issue 29: a size a manager cannot take is a
+# The command line's ranges (a size a manager cannot take is a
 # usage error, exit 2, caught while parsing, never an internal error later);
 # token counts, requests and steps go up to gpukv.traces.MAX_SIZE (2**31 - 1,
 # int32 on the device). Blocks in a pool: the managers' own limit, from

@@ -96,7 +96,7 @@ class DecodeGraphs(_BucketGraphs):
 
 
 class AdmissionGraphs(_BucketGraphs):
-    """The admission's launches replayed as CUDA graphs (issue 20): per
+    """The admission's launches replayed as CUDA graphs: per
     admission bucket, two graphs, the rows' write and the lookup and
     admission (the host's extra-key digests go between them). Each
     admission round of a step (``DeviceManager._step``) replays them.

@@ -117,7 +117,7 @@ from gpukv.staging import Staging, StepCounters
 from gpukv.windows import policies
 
 __all__ = ["DECODE_PHASES", "KV_EVENTS_CAPACITY", "DecodeBuffers", "DecodePlan", "DeviceManager",
-           "KVCacheManager", "ReleaseBuffers", "device_bytes", "entry_layout"]
+           "ReleaseBuffers", "device_bytes", "entry_layout"]
 
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -578,8 +578,3 @@ class DeviceManager(CallContext, SharedManagerAPI):
 
     _row_of = _state  # (``SharedManagerAPI``'s hook: this manager's state of a request is its row)
 
-
-
-#: The name this class had before the two managers were told apart (kept for
-#: code that imports it; both modules used to call their manager so).
-KVCacheManager = DeviceManager

@@ -89,8 +89,7 @@ from gpukv.windows import policies
 
 NULL_BLOCK = 0
 
-__all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "KVCacheManager", "NoFreeBlocksError",
-           "ReferenceManager"]
+__all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "NoFreeBlocksError", "ReferenceManager"]
 
 # Host bytes per block of a full reference pool (counts, free-queue links,
 # cached-block records and table entries), for the check before allocating.
@@ -686,8 +685,3 @@ class ReferenceManager(SharedManagerAPI):
                               num_tokens=lambda rid: len(self._requests[rid].tokens),
                               num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single,
                               defer_admissible=defer_admissible, keep_device_tokens=False)
-
-
-#: The name this class had before the two managers were told apart (kept for
-#: code that imports it; both modules used to call their manager so).
-KVCacheManager = ReferenceManager

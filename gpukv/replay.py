@@ -35,7 +35,8 @@ Beside the hit rate it reaches, a report gives the ceiling
 one pass over the prompts), how much of the pool the running requests would
 need at their full length (``peak_demand_tokens``), and how many of the
 tokens computed were recomputed after a preemption (``gpukv.replay_report``
-builds the report from the replay's state once it has run).
+builds the report from a ``ReplayOutcome``: the values read from the replay
+once it has run).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from gpukv.defaults import (  # the CLI reads them without importing torch (issue 19)
+from gpukv import _runtime
+from gpukv.defaults import (  # the CLI reads them without importing torch
     DEFAULT_ARRIVAL,  # noqa: F401  (gpukv.replay.DEFAULT_ARRIVAL as before)
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -61,7 +63,7 @@ from gpukv.defaults import (  # the CLI reads them without importing torch (issu
     PLAIN_DELAY_S,
     PLAIN_INTERVAL_S,
 )
-from gpukv.replay_report import build_report, no_eviction_hit_rate  # noqa: F401  (gpukv.replay.no_eviction_hit_rate)
+from gpukv.replay_report import ReplayOutcome, build_report, no_eviction_hit_rate  # noqa: F401  (re-exported)
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.traces import Trace, TraceRequest
 
@@ -135,6 +137,20 @@ class _Live:
         if self.spec.output_length is None:
             return 0
         return self.sampled - (len(self.tokens) - self.spec.input_length)
+
+    def record(self) -> dict:
+        """Its line of the report."""
+        return {
+            "admitted_step": self.admitted_step,
+            "num_prompt_tokens": self.spec.input_length,
+            "num_cached_tokens": self.num_cached_tokens,
+            "prefill_done_step": self.prefill_done_step,
+            "block_ids": self.block_ids,
+            "preemptions": self.preemptions,
+            "status": self.status,
+            "finished_step": self.finished_step,
+            **({"reason": self.reason} if self.reason else {}),
+        }
 
 
 class _TokenBudget:
@@ -243,7 +259,7 @@ class _Progress:
 
 class Replay:
     """Runs one trace through one manager; ``run()`` returns the report dict
-    (``gpukv.replay_report.build_report``)."""
+    (``gpukv.replay_report.build_report`` of the replay's ``outcome``)."""
 
     def __init__(self, trace: Trace, opts: ReplayOptions, manager=None) -> None:
         cfg = trace.config
@@ -331,7 +347,7 @@ class Replay:
             raise
         progress.update(self.done, step)
         progress.close(step)
-        return build_report(self, executed, time.perf_counter() - t0)
+        return build_report(_outcome(self, executed, time.perf_counter() - t0))
 
     def _mooncake_events(self) -> tuple[list[str], dict[str, np.ndarray]]:
         """A Mooncake step's events: decoding requests that sampled their last
@@ -626,3 +642,36 @@ class Replay:
     def _reject(self, live: _Live, step: int, reason: str) -> None:
         self._finish(live, step, "rejected", reason)
         self.messages.append(f"request {live.rid} rejected: {reason}")
+
+
+def _outcome(replay: Replay, num_steps: int, wall_s: float) -> ReplayOutcome:
+    """What the report reads of a finished replay and its manager, read once."""
+    manager = replay.manager
+    return ReplayOutcome(
+        config=_config_record(replay), requests={rid: lv.record() for rid, lv in replay.live.items()},
+        trace=replay.trace, ceiling=replay.opts.ceiling, stats=replay.stats, totals=dict(replay.totals),
+        running_at_end=len(replay.running), waiting_at_end=len(replay.waiting), steps=num_steps,
+        skipped_steps=replay.skipped_steps, peak_demand=replay.peak_demand,
+        pool_tokens=(manager.num_blocks - 1) * replay.opts.block_size, evictions=manager.read_num_evictions(),
+        final={"free_queue": manager.free_queue(), "num_free_blocks": manager.read_num_free_blocks()},
+        messages=replay.messages, step_ms=replay.step_ms, hit_rate=replay.hit_rate,
+        blocks_in_use=replay.blocks_in_use, wall_s=wall_s)
+
+
+def _config_record(replay: Replay) -> dict:
+    """The configuration the replay ran with."""
+    opts = replay.opts
+    return {
+        "block_size": opts.block_size, "num_blocks": opts.num_blocks,
+        "max_model_len": opts.max_model_len, "max_num_seqs": opts.max_num_seqs,
+        "admission": opts.admission, "uncached_first": opts.uncached_first,
+        # As applied: a step trace runs unbudgeted (None, 0).
+        "max_num_batched_tokens": replay.max_num_batched_tokens,
+        "long_prefill_token_threshold": replay.long_prefill_token_threshold,
+        "prompt_only": opts.prompt_only, "trace_kind": replay.trace.kind,
+        "backend": opts.backend,
+        # The device manager's kernels ran under Triton's interpreter (no
+        # CUDA): its times per step are the interpreter's, not the GPU's.
+        "interpreted": opts.backend == "device" and _runtime.INTERPRETED,
+        "sliding_windows": list(getattr(replay.manager, "sliding_windows", [None])),
+    }

@@ -1,69 +1,93 @@
 """The replay's report: what ``Replay.run()`` returns, and its ceiling.
 
-``build_report`` reads a finished replay's state once: the configuration it
-ran with, the summary (requests, tokens, vLLM's prefix cache hit rate and
-its ceiling, the pool's pressure, evictions, manager time), each request's
-record, the manager's final state and the series per step.
-``no_eviction_hit_rate`` is the ceiling: the hit rate of the same trace
-against a cache that never evicts (``gpukv.replay`` re-exports it, and a
-sweep computes it once for all its points).
+``build_report`` takes a ``ReplayOutcome``, the values a finished replay
+read once (``gpukv.replay`` builds it): the configuration it ran with, each
+request's record, the manager's final state and the series per step; it adds
+the summary (requests, tokens, vLLM's prefix cache hit rate and its ceiling,
+the pool's pressure, evictions, manager time). ``no_eviction_hit_rate`` is the
+ceiling: the hit rate of the same trace against a cache that never evicts
+(``gpukv.replay`` re-exports it, and a sweep computes it once for all its
+points). This module does not import ``gpukv.replay``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpukv import _runtime
 from gpukv.traces import Trace
 
 if TYPE_CHECKING:
     from gpukv.metrics import PrefixCacheStats
-    from gpukv.replay import Replay, _Live
 
 
-def build_report(replay: Replay, num_steps: int, wall_s: float) -> dict:
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What a finished replay hands its report: plain values, read from the
+    replay and its manager once, in the report's units."""
+
+    config: dict[str, Any]  # the configuration it ran with (the report's "config")
+    requests: dict[str, dict[str, Any]]  # each request's record, by id, in arrival order
+    trace: Trace  # for the ceiling
+    ceiling: bool  # whether to compute the ceiling (Mooncake traces only)
+    stats: PrefixCacheStats | None  # the manager's prefix-cache stats, None before any step
+    totals: dict[str, int]  # prompt, cached, computed and recomputed tokens; admissions; preemptions
+    running_at_end: int  # requests running when the replay stopped
+    waiting_at_end: int  # requests waiting when the replay stopped
+    steps: int  # steps run
+    skipped_steps: int  # idle steps skipped between far-apart arrivals
+    peak_demand: int  # the most tokens the running requests needed at their full length
+    pool_tokens: int  # tokens the pool holds (the null block aside)
+    evictions: int  # the manager's evictions
+    final: dict[str, Any]  # the manager's final state: free queue, free blocks
+    messages: list[str]
+    step_ms: list[float]  # the manager's time per step
+    hit_rate: list[float]  # vLLM's prefix cache hit rate so far, after each step
+    blocks_in_use: list[int]  # after each step
+    wall_s: float  # the replay loop's wall time
+
+
+def build_report(outcome: ReplayOutcome) -> dict:
     """What run() returns: the config, the summary, each request's record, the final state, the series."""
-    summary = _summary(replay, num_steps, wall_s)
-    requests = {rid: _request_record(lv) for rid, lv in replay.live.items()}
     return {
-        "config": _config_record(replay),
-        "summary": summary,
-        "requests": requests,
-        "final": {"free_queue": replay.manager.free_queue(), "num_free_blocks": replay.manager.read_num_free_blocks()},
-        "messages": replay.messages,
-        "step_ms": [round(x, 4) for x in replay.step_ms],
-        "prefix_cache_hit_rate_per_step": [round(x, 5) for x in replay.hit_rate],
-        "blocks_in_use": replay.blocks_in_use,
+        "config": outcome.config,
+        "summary": _summary(outcome),
+        "requests": outcome.requests,
+        "final": outcome.final,
+        "messages": outcome.messages,
+        "step_ms": [round(x, 4) for x in outcome.step_ms],
+        "prefix_cache_hit_rate_per_step": [round(x, 5) for x in outcome.hit_rate],
+        "blocks_in_use": outcome.blocks_in_use,
     }
 
 
-def _summary(replay: Replay, num_steps: int, wall_s: float) -> dict:
+def _summary(out: ReplayOutcome) -> dict:
     """The report's totals: requests, tokens, hit rates and their ceiling,
     the pool's pressure, evictions, manager time."""
-    tot = replay.totals
-    ms = np.array(replay.step_ms) if replay.step_ms else np.zeros(1)
-    pool_tokens = (replay.manager.num_blocks - 1) * replay.opts.block_size
+    tot = out.totals
+    ms = np.array(out.step_ms) if out.step_ms else np.zeros(1)
+    records = out.requests.values()
     return {
-        "backend": replay.opts.backend,
-        "requests": len(replay.live),
-        "finished": sum(lv.status == "finished" for lv in replay.live.values()),
-        "rejected": sum(lv.status == "rejected" for lv in replay.live.values()),
+        "backend": out.config["backend"],
+        "requests": len(out.requests),
+        "finished": sum(r["status"] == "finished" for r in records),
+        "rejected": sum(r["status"] == "rejected" for r in records),
         # Requests the replay left unfinished: a step trace's that never
         # finish, or any when --max-steps stopped it.
-        "running_at_end": len(replay.running),
-        "waiting_at_end": len(replay.waiting),
-        "steps": num_steps,
-        "skipped_idle_steps": replay.skipped_steps,
+        "running_at_end": out.running_at_end,
+        "waiting_at_end": out.waiting_at_end,
+        "steps": out.steps,
+        "skipped_idle_steps": out.skipped_steps,
         # vLLM's prefix cache hit rate (the one the text summary, the plot
         # and the docs call so), its ceiling, and the counts behind it.
-        **_lookup_stats(replay.stats),
-        **_ceiling(replay),
+        **_lookup_stats(out.stats),
+        **_ceiling(out),
         # Other rates, by other names: each request's first admission
         # alone, and every admission (a re-admission after a preemption,
         # which mostly hits its own blocks, counted again).
-        "first_admission_hit_rate": _first_admission_hit_rate(replay.live),
+        "first_admission_hit_rate": _first_admission_hit_rate(records),
         "every_admission_hit_rate": tot["cached_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
         "prompt_tokens": tot["prompt_tokens"],
         "cached_tokens": tot["cached_tokens"],
@@ -71,16 +95,16 @@ def _summary(replay: Replay, num_steps: int, wall_s: float) -> dict:
         # The pool's pressure: what the running requests need at their
         # full length (at most, over the steps) against what the pool
         # holds, and the work preemptions cost.
-        "pool_tokens": pool_tokens,
-        "peak_demand_tokens": replay.peak_demand,
-        "peak_demand_over_pool": replay.peak_demand / pool_tokens if pool_tokens else 0.0,
+        "pool_tokens": out.pool_tokens,
+        "peak_demand_tokens": out.peak_demand,
+        "peak_demand_over_pool": out.peak_demand / out.pool_tokens if out.pool_tokens else 0.0,
         "preemptions": tot["preemptions"],
-        "most_preemptions_of_a_request": max((lv.preemptions for lv in replay.live.values()), default=0),
+        "most_preemptions_of_a_request": max((r["preemptions"] for r in records), default=0),
         "computed_tokens": tot["computed_tokens"],
         "recomputed_tokens": tot["recomputed_tokens"],
-        "evictions": replay.manager.read_num_evictions(),
-        "max_blocks_in_use": max(replay.blocks_in_use, default=0),
-        "mean_blocks_in_use": float(np.mean(replay.blocks_in_use)) if replay.blocks_in_use else 0.0,
+        "evictions": out.evictions,
+        "max_blocks_in_use": max(out.blocks_in_use, default=0),
+        "mean_blocks_in_use": float(np.mean(out.blocks_in_use)) if out.blocks_in_use else 0.0,
         "manager_ms_per_step_mean": float(ms.mean()),
         "manager_ms_per_step_p50": float(np.percentile(ms, 50)),
         "manager_ms_per_step_p99": float(np.percentile(ms, 99)),
@@ -88,25 +112,25 @@ def _summary(replay: Replay, num_steps: int, wall_s: float) -> dict:
         # manager's calls, the series recorded), not the manager's setup,
         # loading the trace, the ceiling's pass or the report
         # (`gpukv replay` prints the whole process's time beside it).
-        "wall_s": wall_s,
+        "wall_s": out.wall_s,
     }
 
 
-def _ceiling(replay: Replay) -> dict:
+def _ceiling(out: ReplayOutcome) -> dict:
     """The ceiling and how many requests it covers: every request of the
     trace but those longer than max_model_len, whether or not the replay
     served them (a replay that rejected others covers fewer)."""
-    if not replay.opts.ceiling or replay.trace.kind != "mooncake":
+    if not out.ceiling or out.trace.kind != "mooncake":
         return {"prefix_cache_hit_rate_ceiling": None, "prefix_cache_hit_rate_ceiling_requests": None}
-    hits, queries, requests = no_eviction_counts(replay.trace, replay.opts.block_size, replay.opts.max_model_len)
+    hits, queries, requests = no_eviction_counts(out.trace, out.config["block_size"], out.config["max_model_len"])
     return {"prefix_cache_hit_rate_ceiling": hits / queries if queries else 0.0,
             "prefix_cache_hit_rate_ceiling_requests": requests}
 
 
-def _first_admission_hit_rate(live: dict[str, _Live]) -> float:
+def _first_admission_hit_rate(records) -> float:
     """Cached over prompt tokens of each request's first admission alone."""
-    admitted = [(lv.spec.input_length, lv.num_cached_tokens) for lv in live.values()
-                if lv.num_cached_tokens is not None]
+    admitted = [(r["num_prompt_tokens"], r["num_cached_tokens"]) for r in records
+                if r["num_cached_tokens"] is not None]
     prompt = sum(n for n, _ in admitted)
     return sum(cached for _, cached in admitted) / prompt if prompt else 0.0
 
@@ -125,39 +149,6 @@ def _lookup_stats(stats: PrefixCacheStats | None) -> dict:
         "preempted_lookup_requests": stats.preempted_requests if stats else 0,
         "preempted_queries": stats.preempted_queries if stats else 0,
         "preempted_hits": stats.preempted_hits if stats else 0,
-    }
-
-
-def _request_record(lv: _Live) -> dict:
-    """One request's line of the report."""
-    return {
-        "admitted_step": lv.admitted_step,
-        "num_prompt_tokens": lv.spec.input_length,
-        "num_cached_tokens": lv.num_cached_tokens,
-        "prefill_done_step": lv.prefill_done_step,
-        "block_ids": lv.block_ids,
-        "preemptions": lv.preemptions,
-        "status": lv.status,
-        "finished_step": lv.finished_step,
-        **({"reason": lv.reason} if lv.reason else {}),
-    }
-
-
-def _config_record(replay: Replay) -> dict:
-    """The configuration the replay ran with."""
-    return {
-        "block_size": replay.opts.block_size, "num_blocks": replay.opts.num_blocks,
-        "max_model_len": replay.opts.max_model_len, "max_num_seqs": replay.opts.max_num_seqs,
-        "admission": replay.opts.admission, "uncached_first": replay.opts.uncached_first,
-        # As applied: a step trace runs unbudgeted (None, 0).
-        "max_num_batched_tokens": replay.max_num_batched_tokens,
-        "long_prefill_token_threshold": replay.long_prefill_token_threshold,
-        "prompt_only": replay.opts.prompt_only, "trace_kind": replay.trace.kind,
-        "backend": replay.opts.backend,
-        # The device manager's kernels ran under Triton's interpreter (no
-        # CUDA): its times per step are the interpreter's, not the GPU's.
-        "interpreted": replay.opts.backend == "device" and _runtime.INTERPRETED,
-        "sliding_windows": list(getattr(replay.manager, "sliding_windows", [None])),
     }
 
 

@@ -15,10 +15,10 @@ The rule that makes this hold: every upload belongs to a step with its event.
 Steps are ``begin_step()`` ... ``end_step()`` (the manager's ``_counting``);
 an upload made outside one (``DeviceManager.block_table_for`` between steps)
 is a step of its own: it switches buffers, waiting on that buffer's event
-first, and records an event after its copy. (Before, such an upload went into
-the current buffer after the event of its step was recorded, so two steps
-later the host could overwrite bytes a lagging GPU had not copied yet, and the
-attention kernels read other requests' block tables: issue 18.)
+first, and records an event after its copy. (Were such an upload to go into
+the current buffer after the event of its step was recorded, two steps later
+the host could overwrite bytes a lagging GPU had not copied yet, and the
+attention kernels would read other requests' block tables.)
 
 Without CUDA (Triton's interpreter on CPU tensors) an upload is a plain
 tensor view of the array; it is counted all the same, so counts measured on

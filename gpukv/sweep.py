@@ -61,7 +61,8 @@ class ModelShape:
         return num_blocks * self.bytes_per_block(block_size) / 2**30
 
     def blocks_for(self, gib: float, block_size: int) -> int:
-        from gpukv import FullAttentionSpec, KVCacheSpec, get_kv_cache_config
+        from gpukv.config import get_kv_cache_config
+        from gpukv.spec import FullAttentionSpec, KVCacheSpec
 
         dtype = getattr(torch, self.dtype)
         spec: dict[str, KVCacheSpec] = {

@@ -17,7 +17,7 @@ A group's policy answers three questions, in blocks of the pool's block size:
 ``boundary_blocks`` is the same rule as a number for the device kernels: the
 blocks a group must see at a hit boundary, -1 for full attention
 (``kernels/lookup.py: _group_hit`` reads it per group). The reference
-(``gpukv/reference.py``), the device manager's host plan (``gpukv/manager.py``)
+(``gpukv/reference.py``), the device manager's host plan (``gpukv/device/decode.py``)
 and the admission bound (``gpukv/request.py: min_blocks_to_admit``) all use
 these; ``tests/kernels/test_lookup.py`` holds ``hit`` and the admission
 kernel to one table.

@@ -1,5 +1,5 @@
 """The figures the docs quote, the commands they come from, and the check that
-they still match (issue 30).
+they still match.
 
 Every figure README.md and docs/chunked_prefill.md quote from a run (and the
 text in docs/sweep_builtin.svg) is rendered here from the report of a

@@ -1,4 +1,4 @@
-"""No false hit, whatever callers hand in (issue 7, item 1).
+"""No false hit, whatever callers hand in.
 
 An adversarial caller mixes honest requests with forged ones (digests computed
 with the manager's key for other tokens or extra keys, digests copied from
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from gpukv import hashing
 from gpukv.hashing import MMItem
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from gpukv.api import BlockManager
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
@@ -175,7 +175,7 @@ def _api_md_names() -> tuple[set[str], set[str]]:
             if name is None or span[name.end():].startswith("="):  # a keyword argument
                 continue
             parts = name[0].split(".")
-            if parts[0] == "KVCacheManager":
+            if parts[0] in ("DeviceManager", "ReferenceManager"):
                 parts = parts[1:]
             if parts and not parts[0][0].isupper():  # NewRequest(...), StepResult.rows: not the manager's
                 shared.add(parts[0])
@@ -222,3 +222,35 @@ def test_counters_are_the_same_type_on_both_managers():
         assert type(m.counters) is StepCounters
     assert dev.counters.launches > 0 and dev.counters.steps == 1
     assert ref.counters == StepCounters()  # the host reference launches, uploads and reads nothing
+
+
+# ------------------------------------------------------------ the public API
+
+PUBLIC = {
+    "BlockManager", "DeviceManager", "ReferenceManager",  # the managers and their protocol
+    "NewRequest", "RunningUpdate", "RunningBatch", "MMItem",  # what a step takes
+    "ComputedBlocks", "StepResult", "PrefixCacheStats",  # what the calls return
+    "GpukvError",  # the base error (the others: gpukv.errors)
+    "get_kv_cache_config", "reconcile_kv_cache_config", "KVCacheConfig", "FullAttentionSpec",
+    "SlidingWindowSpec",  # sizing
+    "slot_mapping", "DecodeGraphs", "RouterIndex",  # a serving loop's and a router's tools
+}
+
+
+def test_the_package_exports_what_a_user_needs_and_no_error_but_the_base():
+    import gpukv
+    from gpukv.kernels.slot_mapping import slot_mapping
+
+    assert set(gpukv.__all__) == PUBLIC
+    assert (gpukv.DeviceManager, gpukv.ReferenceManager, gpukv.BlockManager) == (
+        DeviceManager, ReferenceManager, BlockManager)
+    assert gpukv.slot_mapping is slot_mapping
+
+
+@pytest.mark.parametrize("module", ["gpukv.manager", "gpukv.reference"])
+def test_the_managers_have_one_name_each(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    assert not hasattr(mod, "KVCacheManager")
+    assert "KVCacheManager" not in mod.__all__

@@ -52,7 +52,7 @@ def _counts_per_step(bench, n: int) -> dict[str, list[tuple]]:
 
 
 def test_what_a_step_pays_does_not_grow_with_the_requests():
-    """Issue 27: launches (and how many are replayed), torch operations,
+    """Launches (and how many are replayed), torch operations,
     uploads, CUDA events, reads and stream queries per engine step are the
     same at N=16 and N=32, decode-heavy (one request finishing and one
     arriving a step) and admission-heavy (4 new requests a step). (The

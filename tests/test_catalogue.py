@@ -1,4 +1,4 @@
-"""A catalogue of bad inputs (issue 7, item 2), each run on both managers.
+"""A catalogue of bad inputs, each run on both managers.
 
 For every entry: both managers raise the same ``gpukv.errors`` class with the
 same message, which names the argument (``error.argument``, the message's
@@ -36,8 +36,8 @@ from gpukv.errors import (
     UnknownRequestError,
 )
 from gpukv.hashing import MMItem
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import MAX_COUNT, ComputedBlocks, NewRequest, RunningUpdate
 from gpukv.running import RunningBatch
 from workload import state_of
@@ -394,7 +394,7 @@ CASES = [
     ("allocate-int-request", lambda m: m.allocate_slots(5), InvalidTypeError, "request"),
     ("allocate-running-with-computed", lambda m: m.allocate_slots("a", [1], computed=ComputedBlocks([[], []], 0)),
      InvalidInputError, "computed"),
-    # --- issue 28: the processed tokens window groups release behind (vLLM
+    # --- the processed tokens window groups release behind (vLLM
     # 0.33 with tokens in flight): an int from 0 to the computed tokens after
     # the call ("a" computes 6, 7 once it appends a token), for running requests only
     ("allocate-processed-negative", lambda m: m.allocate_slots("a", [7], num_processed_tokens=-1),
@@ -418,8 +418,8 @@ CASES = [
     ("running-second-processed-past-computed",
      lambda m: m.step(running=[RunningUpdate("a", [7], None, 0, 7), RunningUpdate("b", [7], None, 0, 99)]),
      InvalidInputError, "running[1].num_processed_tokens"),
-    # --- issue 18: the decode entry checks host tokens as step() does (a host
-    # tensor's 2**32 + 5 once hashed as 5 on the device: a false hit)
+    # --- the decode entry checks host tokens as step() does (a host tensor's
+    # 2**32 + 5 hashed as 5 on the device would be a false hit)
     ("decode-host-tensor-2**32+5", lambda m: m.decode([m.row_of("a")], torch.tensor([2**32 + 5])),
      InvalidInputError, "new_token_ids"),
     ("decode-host-tensor-negative", lambda m: m.decode([m.row_of("a")], torch.tensor([-1])),
@@ -439,7 +439,7 @@ CASES = [
      "new_token_ids"),
     ("decode-meta-tensor", lambda m: m.decode([m.row_of("a")], torch.tensor([1], device="meta")),
      InvalidTypeError, "new_token_ids"),
-    # --- issue 18: a mistake in a call is a refusal, not a fault
+    # --- a mistake in a call is a refusal, not a fault
     ("step-unknown-keyword", lambda m: m.step(bogus=1), InvalidTypeError, "bogus"),
     ("step-fourth-positional", lambda m: m.step((), (), (), ()), InvalidTypeError, "step"),
     ("step-finished-twice-by-keyword", lambda m: m.step((), finished=()), InvalidTypeError, "finished"),
@@ -526,7 +526,7 @@ CASES = [
     ("block-table-for-int-id", lambda m: m.block_table_for([1]), InvalidTypeError, "request_ids[0]"),
     ("block-table-for-unknown", lambda m: m.block_table_for(["a", "zz"]), UnknownRequestError, "request_ids[1]"),
     ("block-table-for-set", lambda m: m.block_table_for({"a"}), InvalidTypeError, "request_ids"),
-    # --- issue 27: a running batch as arrays (gpukv.RunningBatch) and the step's outputs
+    # --- a running batch as arrays (gpukv.RunningBatch) and the step's outputs
     ("batch-counts-wrong-length", lambda m: m.step(running=RunningBatch([m.row_of("a")], [7], num_new_tokens=[1, 1])),
      InvalidTypeError, "num_new_tokens"),
     ("batch-counts-negative",
@@ -626,7 +626,7 @@ CASES = [
 ]
 
 
-# Issue 29: computed blocks that are not the request's own (the hit of "c"'s
+# Computed blocks that are not the request's own (the hit of "c"'s
 # cached prompt handed in with another salt, LoRA id or tokens, or forged ids)
 # are refused after the device manager's dry lookup (a lookup capped at the
 # hit, to tell), which uses a free row and the admission's scratch buffers:
@@ -758,7 +758,7 @@ def test_signature_mistakes_read_in_gpukvs_own_words(scenario):
 def test_counts_and_id_lists_are_answered_alike(scenario):
     # Once: "2" was answered by the reference and crashed the device manager
     # (AttributeError); 10**30 overflowed on the device, then both answered it
-    # (issue 29: a count is at most MAX_COUNT on both, CASES refuses more).
+    # (a count is at most MAX_COUNT on both, CASES refuses more).
     for count in (0, 1, 2, np.int64(2), MAX_COUNT):
         answers = [m.get_num_common_prefix_blocks("a", count) for m in scenario.managers()]
         assert answers[0] == answers[1], count
@@ -848,7 +848,7 @@ CONSTRUCTOR_CASES = [
     ("windows-zero", dict(sliding_windows=[None, 0]), InvalidInputError, "sliding_windows[1]"),
     ("windows-bool", dict(sliding_windows=[True]), InvalidTypeError, "sliding_windows[0]"),
     ("max-model-len-0", dict(max_model_len=0), InvalidInputError, "max_model_len"),
-    # issue 29: once accepted by the reference and refused by the device manager
+    # both refuse these (the reference once accepted what the device manager refused)
     ("max-model-len-2**40", dict(max_model_len=2**40), CapacityError, "max_model_len"),
     ("max-num-reqs-2**31", dict(max_num_reqs=2**31), CapacityError, "max_num_reqs"),
     ("hash-key-short", dict(hash_key=b"short"), InvalidInputError, "hash_key"),

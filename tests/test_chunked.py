@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 from workload import chunked_session
 

@@ -785,7 +785,7 @@ def test_the_reference_and_the_replay_run_where_triton_is_missing():
 
 
 
-# ------------------------------------------------ what importing costs (issue 19)
+# ------------------------------------------------------- what importing costs
 
 _IMPORTS = """
 import sys
@@ -1080,7 +1080,7 @@ def test_a_problem_in_the_right_format_gets_no_format_hint(tmp_path, capsys):
 
 # ------------------------------------------------------------ integer limits
 
-# Every integer option of both commands and its range (issue 29): a value
+# Every integer option of both commands and its range: a value
 # outside it is a usage error, exit 2, whose one line names the option and the
 # range. An option added without a range fails the first test below.
 INT_LIMITS = {

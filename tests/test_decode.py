@@ -11,8 +11,8 @@ import torch
 
 from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError, ManagerFailedError
 from gpukv.kernels import _common
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
@@ -202,8 +202,8 @@ def test_counters_of_a_decode_that_the_host_cannot_prove_fits():
 
 
 # --------------------------------------------- token ids already on the device
-# Issue 18: a host int64 tensor's 2**32 + 5 was once stored and hashed as 5,
-# and a later request with token 5 hit that block (the host tensors are in
+# A host int64 tensor's 2**32 + 5 must not be stored and hashed as 5, or a
+# later request with token 5 would hit that block (the host tensors are in
 # tests/test_catalogue.py). A tensor on the manager's CUDA device is never
 # read by the host: ``decode_fit`` checks its ids on the device. Under the
 # interpreter the device is the CPU and a CPU tensor is checked on the host

@@ -325,3 +325,53 @@ def test_a_block_that_uses_an_earlier_one_fails_alone(tmp_path):
     assert result["in order"] is None and result["alone"]["doc.md:1"] is None
     assert "NameError: name 'm' is not defined" in result["alone"]["doc.md:5"]
     assert result["alone"]["doc.md:5"].endswith("doc.md:5: this python block fails as pasted (traceback above)")
+
+
+# What a user reads imports the public API: gpukv's own names, its errors
+# (gpukv.errors) and the vLLM adapters (gpukv.vllm); no private module, no
+# submodule's name.
+_GPUKV_IMPORT = re.compile(r"^\s*(?:from\s+(gpukv(?:\.[\w.]+)?)\s+import\s+(.+)|import\s+(gpukv\.[\w.]+))", re.M)
+_ALLOWED_FROM = {"gpukv", "gpukv.errors", "gpukv.vllm"}
+
+
+def _user_code() -> list[tuple[str, str]]:
+    found = [(b.where, b.code) for path in DOCS for b in blocks(path) if b.lang == "python"]
+    found += [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "examples").glob("*.py"))]
+    return found
+
+
+def test_docs_and_examples_import_only_the_public_api():
+    wrong = []
+    for where, code in _user_code():
+        for m in _GPUKV_IMPORT.finditer(code):
+            module, names, plain = m.group(1), m.group(2), m.group(3)
+            private = names is not None and any(n.strip().startswith("_") for n in names.strip("()").split(","))
+            if plain is not None or module not in _ALLOWED_FROM or private:
+                wrong.append(f"{where}: {m.group(0).strip()}")
+    assert wrong == []
+
+
+def test_no_notes_in_the_test_tree():
+    assert sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("*.md")) == []
+
+
+_ISSUE = re.compile(r"[Ii]ssues? ?#?[0-9]+")
+
+
+def test_no_issue_numbers_in_code_or_headings():
+    """History points at a tracker the repository does not have: code and
+    headings say what, not when (the prose of docs/performance.md, a lab
+    notebook, may keep them)."""
+    hits = []
+    for folder in ("gpukv", "tests", "benchmarks", "examples"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in {".py", ".md", ".txt", ".toml"} or not path.is_file():
+                continue
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if _ISSUE.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{i}")
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("#") and _ISSUE.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{i}")
+    assert hits == []

@@ -11,8 +11,8 @@ import pytest
 
 from gpukv import hashing
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, RouterIndex, merge_runs
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 from workload import event_atoms
 

@@ -20,8 +20,8 @@ from gpukv.device.decode import DecodePath
 from gpukv.device.releases import Releases
 from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import block_hash
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.reference_parts.releases import ReferenceReleases
 from gpukv.reference_parts.running import ReferenceRunning
 from tests.kernels import aot
@@ -94,8 +94,8 @@ def _launched_kernels():
 
 def _every_call_after_a_fault(m) -> list:
     """Every kind of call: mutating ones, reads, the properties that read
-    state, the invariants, and the decode's parts (issue 29: reads once
-    answered after a fault)."""
+    state, the invariants, and the decode's parts (reads too are refused
+    after a fault)."""
     calls = [
         lambda: m.step(),
         lambda: m.step(new=[NewRequest("z", [1, 2, 3])]),
@@ -219,7 +219,7 @@ def _raiser(exc: BaseException):
 def test_an_input_error_or_warning_after_the_first_change_is_a_fault(make, exc, monkeypatch):
     """Once a call has started changing state, what it raises stops the
     manager whatever its class: an input error class or a warning may come
-    from a half-applied step (before issue 18 both passed as refusals)."""
+    from a half-applied step (so neither passes as a refusal)."""
     m = _admitted(make())
     owner, target = (ReferenceReleases, "request") if isinstance(m, ReferenceManager) else (Releases, "requests")
     monkeypatch.setattr(owner, target, _raiser(exc))
@@ -248,8 +248,8 @@ def test_an_input_error_before_the_first_change_is_a_refusal_and_anything_else_a
 
 @pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
 def test_call_mistakes_and_a_callers_raising_iterator_are_refusals(make):
-    """Issue 18: each of these once raised an untyped error that stopped the
-    manager (a typo stopped a serving process)."""
+    """Each of these is a typed refusal that leaves the manager running, not
+    an untyped error that stops it (a typo must not stop a serving process)."""
 
     class Boom(Exception):
         pass
@@ -332,9 +332,9 @@ def test_a_fault_in_a_nested_call_stops_the_outer_one_too(make, monkeypatch):
 
 
 # ------------------------------------------------------------------ threads
-# Issue 29: two threads on one manager, one sending good steps and one bad
-# input, once stopped it (a refusal on one thread was taken for a fault: the
-# point-of-first-change mark is per manager), or crashed the device manager's
+# Two threads on one manager, one sending good steps and one bad input, must
+# neither stop it (a refusal on one thread taken for a fault: the
+# point-of-first-change mark is per manager) nor crash the device manager's
 # step accounting. A manager is used from one thread at a time: a call that
 # comes while another thread's is under way is refused at once.
 

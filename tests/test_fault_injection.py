@@ -1,4 +1,4 @@
-"""One fault at every fault site of a device-manager call (issue 18, item 3).
+"""One fault at every fault site of a device-manager call.
 
 A **fault site** is a point where a call can fail under the manager:
 

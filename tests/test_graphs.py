@@ -14,8 +14,8 @@ import torch
 from gpukv.errors import InvalidInputError
 from gpukv.graphs import AdmissionGraphs, DecodeGraphs, buckets
 from gpukv.kernels import _common
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
 
 KEY = bytes(range(16))

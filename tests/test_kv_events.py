@@ -26,7 +26,7 @@ from gpukv import events as gk
 from gpukv import kv_events
 from gpukv.errors import AddressError, AddressInUseError, InvalidInputError, InvalidTypeError, PublisherClosedError
 from gpukv.events import KVEventBatch, RouterIndex, int_block_hash
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
@@ -336,7 +336,7 @@ def test_without_the_extra_the_error_names_it(monkeypatch):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-# ------------------------------------------------- refusals (issue 29)
+# --------------------------------------------------------------- refusals
 
 def _replayed(ctx: zmq.Context, replay_endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
     """Every (seq, payload) the replay socket holds from ``start`` on."""

@@ -1,4 +1,4 @@
-"""How many kernels, uploads and reads each kind of device step costs (issue 20).
+"""How many kernels, uploads and reads each kind of device step costs.
 
 On a GPU every Triton launch costs host time in Triton's launcher (argument
 binding, the specialisation key, the driver call), whatever the kernel does,
@@ -53,7 +53,7 @@ def test_launches_per_step_do_not_grow_with_the_batch(layout):
         assert m.decode(rows, [[5]] * len(rows)).ok
         assert counts(m) == want["decode"], "decode"
     # One token that needs no new block: running updates run as the batched
-    # decode does (issue 27): the plan and the token go up, decode_fit writes
+    # decode does: the plan and the token go up, decode_fit writes
     # the token into the row, nothing else is launched, nothing is read.
     assert m.step(running=[RunningUpdate(m.request_ids()[0], [7])]).ok
     assert counts(m) == want["append"], "append"

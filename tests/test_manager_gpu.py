@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 from workload import assert_same, check, drive
 

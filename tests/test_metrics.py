@@ -74,10 +74,10 @@ def test_vllm085_block_counts():
 
 
 def test_vllm085_block_counts_of_a_manager():
-    from gpukv.reference import KVCacheManager
+    from gpukv.reference import ReferenceManager
     from gpukv.request import NewRequest
 
-    m = KVCacheManager(64, 16, hash_key=bytes(16))
+    m = ReferenceManager(64, 16, hash_key=bytes(16))
     m.step(new=[NewRequest("a", list(range(32)))])
     m.step(new=[NewRequest("b", list(range(40))), NewRequest("c", list(range(33)), num_preemptions=1)])
     s = m.make_prefix_cache_stats()

@@ -79,7 +79,7 @@ def test_replay_serves_the_metrics_over_http(capsys):
 
 
 # `import torch` held until the test says go: the replay cannot get past it, so
-# an endpoint that answers meanwhile was up before torch loaded (issue 19).
+# an endpoint that answers meanwhile was up before torch loaded.
 _HOLD_TORCH = """
 import importlib.abc, os, sys, time
 HELD, GO = sys.argv[1], sys.argv[2]

@@ -9,14 +9,14 @@ import copy
 import pytest
 
 from gpukv.hashing import MMItem
-from gpukv.reference import BlockPool, KVCacheManager, NoFreeBlocksError
+from gpukv.reference import BlockPool, NoFreeBlocksError, ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
 
 
 def mgr(num_blocks, block_size=2, **kw):
-    return KVCacheManager(num_blocks, block_size, hash_key=KEY, **kw)
+    return ReferenceManager(num_blocks, block_size, hash_key=KEY, **kw)
 
 
 def admit(m, rid, tokens, **kw):
@@ -425,8 +425,8 @@ def test_bad_input_raises_clearly_and_changes_nothing(call, exc, match):
 
 def test_bad_manager_arguments():
     with pytest.raises(ValueError, match="block_size must be >= 1"):
-        KVCacheManager(10, 0)
+        ReferenceManager(10, 0)
     with pytest.raises(ValueError, match="num_blocks must be >= 2"):
-        KVCacheManager(-3, 16)
+        ReferenceManager(-3, 16)
     with pytest.raises(ValueError, match="sliding window must be >= 1"):
-        KVCacheManager(10, 16, sliding_windows=[None, -4])
+        ReferenceManager(10, 16, sliding_windows=[None, -4])

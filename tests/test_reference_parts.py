@@ -58,3 +58,21 @@ def test_rows_are_handed_out_in_order_and_grow():
     rows.check([a, b])
     rows.give_back(a)
     assert rows.ids == {1: "b"} and rows.state[0] is None and not rows.in_use[0]
+
+
+def test_no_part_reads_the_pools_private_state():
+    """The parts reach the pool through its public members only (what mypy
+    checks), never an attribute of ``pool`` whose name starts with ``_``."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "gpukv" / "reference_parts"
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value  # `pool` or `m.pool`
+                name = getattr(owner, "id", None) or getattr(owner, "attr", None)
+                if name == "pool":
+                    found.append(f"{path.name}:{node.lineno}: pool.{node.attr}")
+    assert found == []

@@ -4,7 +4,7 @@ batched step agreeing with vLLM-style single-request calls."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpukv.reference import KVCacheManager
+from gpukv.reference import ReferenceManager
 from workload import drive
 
 KEY = bytes(range(16))
@@ -15,7 +15,7 @@ KEY = bytes(range(16))
        uncached_first=st.booleans(), window=st.sampled_from([None, 3, 5]))
 def test_invariants_hold_after_every_step(seed, num_blocks, block_size, uncached_first, window):
     windows = [None] if window is None else [None, window]
-    m = KVCacheManager(num_blocks * len(windows), block_size, sliding_windows=windows, uncached_first=uncached_first,
+    m = ReferenceManager(num_blocks * len(windows), block_size, sliding_windows=windows, uncached_first=uncached_first,
                        hash_key=KEY)
 
     def check(_step, managers, _results):
@@ -37,8 +37,8 @@ def test_a_step_of_one_request_equals_get_computed_blocks_then_allocate_slots(se
     import random
 
     rng = random.Random(seed)
-    a = KVCacheManager(num_blocks, block_size, hash_key=KEY)
-    b = KVCacheManager(num_blocks, block_size, hash_key=KEY)
+    a = ReferenceManager(num_blocks, block_size, hash_key=KEY)
+    b = ReferenceManager(num_blocks, block_size, hash_key=KEY)
     from workload import random_steps
 
     live = []
@@ -76,7 +76,7 @@ def test_a_batched_step_equals_vllms_waiting_loop_one_request_at_a_time(seed, nu
     from workload import random_steps, waiting_loop_one_at_a_time
 
     rng = random.Random(seed)
-    a, b = (KVCacheManager(num_blocks, block_size, hash_key=KEY, uncached_first=uncached_first) for _ in range(2))
+    a, b = (ReferenceManager(num_blocks, block_size, hash_key=KEY, uncached_first=uncached_first) for _ in range(2))
     for _, _, new, _ in random_steps(seed, 12, extras=False, max_new=5):
         new = [dataclasses.replace(r, num_tokens_to_compute=None if chunk is None else min(chunk, len(r.token_ids)))
                for r in new if -(-len(r.token_ids) // block_size) <= num_blocks - 1]  # (one never fitting: an error)

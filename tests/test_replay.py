@@ -280,8 +280,8 @@ def test_vllm_waiting_loop_worked_by_hand(tmp_path, admission):
 
 @pytest.mark.parametrize("admission", ["batch", "one"])
 def test_a_hit_past_the_first_chunk_is_not_preempted(tmp_path, admission):
-    """Issue 17's smallest case: under a 512-token budget, B's hit covers its
-    first chunk. Charged the whole chunk, hit included, it was admitted holding
+    """The smallest case of a hit past the first chunk: under a 512-token
+    budget, B's hit covers its first chunk. Charged the whole chunk, hit included, it was admitted holding
     only its hit blocks and preempted 49 times; under vLLM's rule it computes
     512 tokens past its 1024-token hit and nothing is preempted (vLLM 0.8.5:
     0 preemptions)."""
@@ -529,3 +529,16 @@ def test_the_default_config_is_a_deployment_not_a_stampede():
     trace = load_trace(builtin_trace_path())
     mean = sum(r.input_length + r.output_length for r in trace.requests) / trace.num_requests
     assert 64 * mean < (opts.num_blocks - 1) * opts.block_size
+
+
+def test_the_report_does_not_import_the_replay():
+    """The report takes a ReplayOutcome (plain values), so gpukv.replay
+    imports gpukv.replay_report and not the other way round, not even for
+    type checkers."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "gpukv" / "replay_report.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert "gpukv.replay" not in imported

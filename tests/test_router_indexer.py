@@ -32,7 +32,7 @@ import zmq
 
 from gpukv import kv_events
 from gpukv.errors import InvalidInputError, InvalidTypeError
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 BS = 4

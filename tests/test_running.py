@@ -17,8 +17,8 @@ import pytest
 
 from gpukv import shared_api
 from gpukv.errors import InvalidInputError
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 from gpukv.running import RunningBatch, prechecked_batch
 from workload import KEY, state_of
@@ -252,8 +252,8 @@ def _held_state(m: DeviceManager) -> tuple:
 
 @pytest.mark.parametrize("form", ["updates", "batch"])
 def test_a_running_request_that_does_not_fit_changes_nothing(form):
-    # Issue 29: a running update reported as not fitting once wrote its row's
-    # tokens and digests and moved the free queue's counters.
+    # A running update reported as not fitting writes none of its row's tokens
+    # and digests and leaves the free queue's counters where they were.
     dev = managers(num_blocks=6, block_size=2)[1]  # 5 usable blocks
     dev.step(new=[NewRequest("a", [1, 2, 3]), NewRequest("b", [4, 5, 6])])  # 2 blocks each, 1 free
     before = _held_state(dev)

@@ -1,4 +1,4 @@
-"""The pinned staging buffers' event discipline (``gpukv.staging``; issue 18),
+"""The pinned staging buffers' event discipline (``gpukv.staging``),
 checked on the CPU against a model of a GPU that lags behind the host.
 
 A non-blocking copy from pinned memory reads its source when the GPU gets to

@@ -100,7 +100,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from gpukv import hashing
 from gpukv.events import RouterIndex
 from gpukv.hashing import MMItem
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 from workload import event_atoms
 
@@ -277,10 +277,10 @@ class ServingLoop(RuleBasedStateMachine):
         self.cap = min(MAX_TOKENS, ((self.N - 1) // self.G) * bs)  # never "can never be admitted"
         self.ref = ReferenceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first, hash_key=KEY,
                                     enable_kv_cache_events=self.events)
-        trace(f"m = KVCacheManager({self.N}, {bs}, sliding_windows={windows}, uncached_first={uncached_first}, "
+        trace(f"m = ReferenceManager({self.N}, {bs}, sliding_windows={windows}, uncached_first={uncached_first}, "
               f"hash_key=bytes(range(16)){', enable_kv_cache_events=True' if self.events else ''})")
         if self.BACKEND == "device":
-            from gpukv.manager import KVCacheManager as DeviceManager
+            from gpukv.manager import DeviceManager
 
             rows = data.draw(st.sampled_from([2, 64]), label="max_num_reqs")
             self.dev = DeviceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first,
@@ -958,7 +958,8 @@ class ServingLoop(RuleBasedStateMachine):
             COUNTS[f"adversarial_{mode}"] += 1
         if data.draw(st.booleans(), label="an honest prefix first"):
             # The victim's honest prefix cached before the liars come: the
-            # blocks a liar's forged chain hangs from (issue 7's example).
+            # blocks a liar's forged chain hangs from (the cache poisoning of
+            # docs/fuzzing.md).
             cut = data.draw(st.integers(bs, len(victim_tokens)), label="honest prefix length")
             kw = {a: v for a, v in v_kw.items() if a != "mm_items"}
             kw["mm_items"] = tuple(i for i in v_kw.get("mm_items", ()) if i.offset + i.length <= cut)

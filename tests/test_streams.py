@@ -1,5 +1,5 @@
-"""Stream discipline of the device manager (issues 18 and 38;
-``gpukv.manager``'s docstring, "Streams"): a manager runs on a stream of its
+"""Stream discipline of the device manager (``gpukv.manager``'s docstring,
+"Streams"): a manager runs on a stream of its
 own; a call made on another stream runs on the manager's without waiting for
 the caller's work (only for device tensors it takes from the caller), and
 makes the caller's stream wait for it.

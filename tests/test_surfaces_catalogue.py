@@ -1,6 +1,6 @@
-"""Catalogues of bad inputs for the surfaces beside the managers (issue 29,
-item 6), in the style of ``tests/test_catalogue.py``: the KV-event publisher
-(``gpukv.kv_events``: its config, constructor, ``publish``, ``flush``,
+"""Catalogues of bad inputs for the surfaces beside the managers, in the
+style of ``tests/test_catalogue.py``: the KV-event publisher (``gpukv.kv_events``:
+its config, constructor, ``publish``, ``flush``,
 ``close``, ``publish_from``, ``make_publisher``), ``ServingMetrics.serve``,
 and reconciliation's own checks (``reconcile_kv_cache_config`` in one
 process, ``KVCacheConfig.from_dict``; the hostile peers are in

@@ -47,8 +47,8 @@ from typing import Any
 
 import pytest
 
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ import torch
 
 from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpukv.hashing import MMItem
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))

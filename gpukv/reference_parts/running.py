@@ -58,7 +58,7 @@ class ReferenceRunning:
         m = self._m
         bs = m.block_size
         pool = m.pool
-        free = pool._free  # len(free) is pool.num_free_blocks
+        num_free = pool.num_free_blocks  # less what each request below allocates (allocate pops the free queue)
         row_tokens, row_computed = m._rows.num_tokens, m._rows.num_computed
         for k, (st, new_tokens, chunk, lookahead) in enumerate(zip(states, tokens, chunks, lookaheads, strict=True)):
             known = st.tokens
@@ -70,7 +70,7 @@ class ReferenceRunning:
             need = 0
             for blocks in st.blocks:
                 need += n_total - len(blocks)
-            if need > len(free):
+            if need > num_free:
                 return k
             if isinstance(known, np.ndarray):  # a list from the first append on
                 known = st.tokens = known.tolist()
@@ -79,6 +79,7 @@ class ReferenceRunning:
                 n = n_total - len(blocks)
                 if n:  # allocating none changes nothing
                     blocks.extend(pool.allocate(n))
+            num_free -= need
             st.num_computed_tokens = computed
             row_tokens[st.row], row_computed[st.row] = num_tokens, computed
             if filled is not None and (num_tokens // bs > num_before // bs or computed // bs > computed_before // bs):

@@ -295,10 +295,10 @@ def manager_workload(*, windows=(None,), block_size: int = 16, num_blocks: int =
         launches_module._hash_rows = host_hashing
 
 
-def _manager_steps(KVCacheManager, NewRequest, RunningUpdate, *, windows, block_size, num_blocks, steps,
+def _manager_steps(DeviceManager, NewRequest, RunningUpdate, *, windows, block_size, num_blocks, steps,
                    uncached_first, seed) -> None:
     bs = block_size
-    mgr = KVCacheManager(num_blocks, bs, sliding_windows=list(windows), uncached_first=uncached_first,
+    mgr = DeviceManager(num_blocks, bs, sliding_windows=list(windows), uncached_first=uncached_first,
                          hash_key=_KEY, max_model_len=16 * bs, max_num_reqs=4)
     doc = _prompt(seed + 1, 5 * bs)
     running: list[str] = []

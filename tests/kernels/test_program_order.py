@@ -22,8 +22,8 @@ import triton.language as tl
 
 import gpukv._runtime
 from gpukv.kernels import blocks, free_queue, hash_table
-from gpukv.manager import KVCacheManager as DeviceManager
-from gpukv.reference import KVCacheManager as ReferenceManager
+from gpukv.manager import DeviceManager
+from gpukv.reference import ReferenceManager
 from program_order import from_env, program_order
 from workload import KEY, check, chunked_session, drive
 

@@ -74,7 +74,7 @@ def decode(m: Any, req: Request, tokens: list[int]) -> list[int] | None:
 
 
 def resumed_hit(m: Any) -> int:
-    """Issue 17's smallest case: block size 1, 9 blocks. A = [1,2,3] is
+    """The smallest case of a resumed request's hit: block size 1, 9 blocks. A = [1,2,3] is
     computed and decodes [7,8]; B = [1,2,3] hits 2; a filler takes the last 2
     free blocks; B's decode of [7,8] does not fit and B is preempted; the
     filler finishes; B, now [1,2,3,7,8], is looked up again."""

@@ -1,4 +1,4 @@
-"""Drive vLLM 0.33's v1 ``Scheduler`` and ``AsyncScheduler`` without a model (issue 28).
+"""Drive vLLM 0.33's v1 ``Scheduler`` and ``AsyncScheduler`` without a model.
 
 The 0.33 counterpart of ``tests/test_vllm/harness.py`` (vLLM 0.8.5). What is here:
 
@@ -44,7 +44,7 @@ from gpukv.vllm_plugin import has_async_scheduler
 
 INSTALL_HINT = (
     "build a second venv: `pip install torch==2.13.0`, `pip install --no-deps vllm==0.33.0`, the pure-Python "
-    "packages its scheduler imports (tests/test_vllm033/requirements-vllm033.txt; tests/test_vllm033/NOTES.md), "
+    "packages its scheduler imports (tests/test_vllm033/requirements-vllm033.txt; docs/notes/vllm033_research.md), "
     "`pip install --no-deps -e .`, then `PYTHONPATH=. VENV/bin/python -m pytest -q tests/test_vllm033`"
 )
 

@@ -1,4 +1,4 @@
-"""No engine step waits on the model (issue 38, item 5): the device manager's
+"""No engine step waits on the model: the device manager's
 reads over a vLLM stream, counted where every read happens
 (``CallContext._read``: ``counters.reads``).
 
