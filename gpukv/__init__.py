@@ -36,6 +36,7 @@ __all__ = [
     "MMItem",
     "NewRequest",
     "PrefixCacheStats",
+    "PrefixHit",
     "ReferenceManager",
     "RouterIndex",
     "RunningBatch",
@@ -59,7 +60,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from gpukv.manager import DeviceManager
     from gpukv.metrics import PrefixCacheStats
     from gpukv.reference import ReferenceManager
-    from gpukv.request import ComputedBlocks, NewRequest, RunningUpdate, StepResult
+    from gpukv.request import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, StepResult
     from gpukv.running import RunningBatch
     from gpukv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
@@ -77,7 +78,7 @@ _FROM: dict[str, tuple[str, ...]] = {
     "manager": ("DeviceManager",),
     "metrics": ("PrefixCacheStats",),
     "reference": ("ReferenceManager",),
-    "request": ("ComputedBlocks", "NewRequest", "RunningUpdate", "StepResult"),
+    "request": ("ComputedBlocks", "NewRequest", "PrefixHit", "RunningUpdate", "StepResult"),
     "running": ("RunningBatch",),
     "spec": ("FullAttentionSpec", "KVCacheConfig", "SlidingWindowSpec"),
 }

@@ -229,7 +229,7 @@ def test_counters_are_the_same_type_on_both_managers():
 PUBLIC = {
     "BlockManager", "DeviceManager", "ReferenceManager",  # the managers and their protocol
     "NewRequest", "RunningUpdate", "RunningBatch", "MMItem",  # what a step takes
-    "ComputedBlocks", "StepResult", "PrefixCacheStats",  # what the calls return
+    "ComputedBlocks", "PrefixHit", "StepResult", "PrefixCacheStats",  # what the calls return
     "GpukvError",  # the base error (the others: gpukv.errors)
     "get_kv_cache_config", "reconcile_kv_cache_config", "KVCacheConfig", "FullAttentionSpec",
     "SlidingWindowSpec",  # sizing

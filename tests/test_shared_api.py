@@ -8,7 +8,7 @@ from gpukv import NewRequest
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
-from gpukv.request import PrefixHit
+from gpukv import PrefixHit
 from gpukv.shared_api import SharedManagerAPI
 
 KEY = bytes(range(16))
