@@ -84,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import HASH_TILE, INT32, INT64, check_device, check_tensor, check_tile, num_warps
+from gpukv.kernels.toolkit import HASH_TILE, INT32, INT64, check_device, check_tensor, check_tile, num_warps
 
 __all__ = [
     "rotr32",
@@ -113,7 +113,7 @@ KeyLike = torch.Tensor | bytes | bytearray | Sequence[int]
 #: Requests (or messages) per program: one lane (one thread) each, power of two.
 #: The chain is sequential per request, so a step's latency is one request's
 #: longest chain; smaller tiles only spread requests over more SMs
-#: (``_common.HASH_TILE``).
+#: (``toolkit.HASH_TILE``).
 DEFAULT_TILE = HASH_TILE
 
 #: Longest message hashed in one piece: one BLAKE3 chunk.
@@ -968,6 +968,6 @@ def blake3_bytes(
     return _launch_bytes(lanes, messages, lengths, KEYED_HASH.value, tile)
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

@@ -29,9 +29,9 @@ from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels.block_hash import parent_digest
 from gpukv.kernels.hash_table import erase_blocks
-from gpukv.kernels._common import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
+from gpukv.kernels.toolkit import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
 
-#: Entries per program of every kernel here (``_common.ENTRY_TILE``: why 256).
+#: Entries per program of every kernel here (``toolkit.ENTRY_TILE``: why 256).
 _TILE = ENTRY_TILE
 
 # The free queue's ``where`` codes, as the release kernel writes them.
@@ -345,6 +345,6 @@ def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root
     return blk, ok, key
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

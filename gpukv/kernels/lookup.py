@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import (
+from gpukv.kernels.toolkit import (
     ADMIT_TILE,
     BIG,
     INDEX_DTYPES,
@@ -80,7 +80,7 @@ _ST_HIT_TOKENS: tl.constexpr = tl.constexpr(ST_HIT_TOKENS)
 _ST_NEW_BLOCKS: tl.constexpr = tl.constexpr(ST_NEW_BLOCKS)
 _ST_DEFERRED: tl.constexpr = tl.constexpr(ST_DEFERRED)
 # "No request" / "no position": larger than any request index or block
-# position (``_common.BIG``).
+# position (``toolkit.BIG``).
 _BIG: tl.constexpr = tl.constexpr(BIG)
 
 
@@ -639,6 +639,6 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     )
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())
