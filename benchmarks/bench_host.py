@@ -9,7 +9,7 @@ interpreter (no GPU) the kernels run on the host:
 
 * decode: the benchmark runs two managers on the same calls: the
   real one, whose device reads (``_read``) are recorded, and a twin timed
-  with the kernel bodies skipped (``gpukv.kernels._common.
+  with the kernel bodies skipped (``gpukv.kernels.capture.
   kernel_bodies_skipped``: each launch still goes through Triton's launch
   path and its hooks) whose reads return the real one's values. The host
   learns the device's state only through those reads, and the decode's host
@@ -92,7 +92,7 @@ import numpy as np
 import torch
 
 import gpukv
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
@@ -120,7 +120,7 @@ def host_ms(call, dev: torch.device | None = None, gpu_ms: list | None = None) -
     if cuda and gpu_ms is not None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    k0 = _common.kernel_seconds()
+    k0 = capture.kernel_seconds()
     t0 = time.perf_counter()
     call()
     wall = time.perf_counter() - t0
@@ -128,7 +128,7 @@ def host_ms(call, dev: torch.device | None = None, gpu_ms: list | None = None) -
         end.record()
         end.synchronize()
         gpu_ms.append(start.elapsed_time(end))
-    return (wall - (_common.kernel_seconds() - k0)) * 1e3
+    return (wall - (capture.kernel_seconds() - k0)) * 1e3
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -175,7 +175,7 @@ class Twin:
             return [host_ms(lambda a=a: getattr(self.real, method)(*a), self.dev, self.gpu_ms) for a in calls]
         expect = [getattr(self.real, method)(*a) for a in calls]
         times, got = [], []
-        with _common.kernel_bodies_skipped():
+        with capture.kernel_bodies_skipped():
             for a in calls:
                 times.append(host_ms(lambda a=a: got.append(getattr(self.twin, method)(*a))))
         if got != expect or self._reads:

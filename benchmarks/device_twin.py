@@ -6,7 +6,7 @@ docstrings say what a step is. The method:
 
 1. The host's own work: a second scheduler (the *twin*) gets the same
    requests and runs each step after the real one, with the kernel bodies
-   skipped (``gpukv.kernels._common.kernel_bodies_skipped``: each launch
+   skipped (``gpukv.kernels.capture.kernel_bodies_skipped``: each launch
    still goes through the launch hooks) and its device reads (``_read``)
    answered from the real one's record. The host learns the device's state
    only through those reads, so the twin does the real step's host work;
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -101,7 +101,7 @@ COUNTED = tuple(GpuCosts.__dataclass_fields__)
 
 
 class _ThreadClock:
-    """Stands in for the ``time`` module of ``gpukv.kernels._common`` while the
+    """Stands in for the ``time`` module of ``gpukv.kernels.capture`` while the
     timing twin runs: its ``kernel_seconds()`` then counts thread CPU time."""
 
     perf_counter = staticmethod(time.thread_time)
@@ -265,13 +265,13 @@ class DeviceTwin:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        l0 = _common.launches()
+        l0 = capture.launches()
         self.counting.start()
-        capture = launch_cost().capturing() if measured and not self.cuda else contextlib.nullcontext([])
-        with one_thread(), capture as recorded:
+        recorder = launch_cost().capturing() if measured and not self.cuda else contextlib.nullcontext([])
+        with one_thread(), recorder as recorded:
             ms, out = self.step(self.real, time.perf_counter if self.cuda else time.thread_time)
         counts = self.counting.stop(self.num_reads)
-        row = {"launches": _common.launches() - l0, "reads": self.num_reads, "counts": counts,
+        row = {"launches": capture.launches() - l0, "reads": self.num_reads, "counts": counts,
                "replayed": sum(ln.replayed for ln in recorded), "launch_list": list(recorded),
                "digest": self.digest(out), "recorded_reads": self.reads}
         if self.cuda:
@@ -298,16 +298,16 @@ class DeviceTwin:
         machine includes other processes' time)."""
         assert self.twin is not None
         self.reads = list(row.pop("recorded_reads"))
-        clock = lambda: time.thread_time() - _common.kernel_seconds()  # noqa: E731
-        wall_clock = _common.time
-        _common.time = _ThreadClock
+        clock = lambda: time.thread_time() - capture.kernel_seconds()  # noqa: E731
+        wall_clock = capture.time
+        capture.time = _ThreadClock
         try:
-            with _common.kernel_bodies_skipped():
-                l0 = _common.launches()
+            with capture.kernel_bodies_skipped():
+                l0 = capture.launches()
                 ms, twin_out = self.step(self.twin, clock)
-                twin_launches = _common.launches() - l0
+                twin_launches = capture.launches() - l0
         finally:
-            _common.time = wall_clock
+            capture.time = wall_clock
         digest = self.digest(twin_out)
         if digest != row["digest"] or twin_launches != row["launches"] or self.reads:
             raise SystemExit(f"the timing twin diverged: launches {twin_launches} vs {row['launches']}, "

@@ -17,7 +17,7 @@ leaves it out. This module measures it, per launch a step makes:
    launch of a step as it happens on the real manager: the kernel (module
    and name), its grid, and its arguments with tensors replaced by their
    shape, strides, dtype and pointer alignment (``TensorSpec``). A host
-   stand-in for a kernel (the interpreter's host hashing, ``_common.
+   stand-in for a kernel (the interpreter's host hashing, ``capture.
    host_launch``) is recorded as the launch the GPU makes instead: its
    launcher (the stand-in's name without ``_host``) is called with the same
    arguments and the kernel it launches replaced by a catcher, so the
@@ -38,9 +38,9 @@ leaves it out. This module measures it, per launch a step makes:
    and loads it (the warm cache of a GPU process after warm-up); then the
    step's launches are timed back to back, each as the device manager
    makes it on a GPU: ``path="compiled"`` (the default), a launch the
-   manager replays (recorded inside ``_common.run_prepared``:
-   ``Launch.replayed``) as ``kernels/_common.py: preparing`` keeps it
-   (``_common.compiled_launch``: the pre-run hooks, then the compiled
+   manager replays (recorded inside ``capture.run_prepared``:
+   ``Launch.replayed``) as ``kernels/capture.py: preparing`` keeps it
+   (``capture.compiled_launch``: the pre-run hooks, then the compiled
    kernel's ``kernel[grid]`` launcher), and any other launch (a free's
    release, the table's rebuild, a running update's launches, the first
    step of a bucket) through Triton's whole ``JITFunction.run``, as it
@@ -197,7 +197,7 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: tuple  # sorted (key, value) pairs
-    # A launch the manager replays (``_common.run_prepared``): on a GPU its
+    # A launch the manager replays (``capture.run_prepared``): on a GPU its
     # compiled launcher; any other launch goes through ``JITFunction.run``.
     replayed: bool = False
 
@@ -221,9 +221,9 @@ def _launch(module: str, name: str, grid: Any, args: tuple, kwargs: dict) -> Lau
     if callable(grid):
         raise Unavailable(f"{module}.{name}: a callable grid cannot be recorded")
     kw = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
-    from gpukv.kernels import _common
+    from gpukv.kernels import capture
     return Launch(module, name, tuple(int(g) for g in grid), _spec(tuple(args)),
-                  tuple(sorted((k, _spec(v)) for k, v in kw.items())), _common.replaying())
+                  tuple(sorted((k, _spec(v)) for k, v in kw.items())), capture.replaying())
 
 
 _recorders: list[list] = []
@@ -272,19 +272,19 @@ def _launches_of_launcher(name: str, fn, args: tuple, kwargs: dict) -> list[Laun
 
 
 def install() -> None:
-    """Make host stand-ins recordable (``_common.host_launch`` wraps its
+    """Make host stand-ins recordable (``capture.host_launch`` wraps its
     function in ``_StandIn``). Call before the managers prepare their
     launches (they keep the function they were given); idempotent."""
-    from gpukv.kernels import _common
-    if getattr(_common.host_launch, "_launch_cost", False):
+    from gpukv.kernels import capture
+    if getattr(capture.host_launch, "_launch_cost", False):
         return
-    host_launch = _common.host_launch
+    host_launch = capture.host_launch
 
     def recordable(name: str, fn, *args: Any, **kwargs: Any) -> None:
         host_launch(name, _StandIn(name, fn), *args, **kwargs)
 
     recordable.__dict__["_launch_cost"] = True
-    _common.host_launch = recordable
+    capture.host_launch = recordable
 
 
 @contextlib.contextmanager
@@ -411,7 +411,7 @@ _TENSOR = "gpukv.launch_cost.tensor"
 
 
 def _same_launcher_args(kernel: Any, run_call, direct) -> bool:
-    """Whether ``JITFunction.run`` (``run_call``) and ``_common.compiled_launch``
+    """Whether ``JITFunction.run`` (``run_call``) and ``capture.compiled_launch``
     (``direct``) hand the compiled kernel's launcher the same arguments
     (a tensor compared by its address, all the launcher reads of it: the
     compiled launch hands it the address itself)."""
@@ -504,7 +504,7 @@ def _child(inp: str, out: str) -> None:
         raise Unavailable("TRITON_INTERPRET is on in the launch-cost process")
     from triton.runtime.jit import JITFunction
 
-    from gpukv.kernels import _common
+    from gpukv.kernels import capture
 
     _use_stub_driver()
     keep: list = []
@@ -527,20 +527,20 @@ def _child(inp: str, out: str) -> None:
     # Untimed: compile every variant for sm_90 and load it (a GPU process after warm-up).
     t0 = time.perf_counter()
     names_of: dict[int, str] = {}
-    compiled: dict[int, Any] = {}  # id(run call) -> the same launch through _common.compiled_launch
+    compiled: dict[int, Any] = {}  # id(run call) -> the same launch through capture.compiled_launch
     same_args = True
     for name, job_steps in job["jobs"].items():
         for step, calls in zip(job_steps, steps[name], strict=True):
             for plain, call in zip(step, calls, strict=True):
                 kernel = call()
                 names_of[id(call)] = Launch(*plain).kernel
-                direct = _common.compiled_launch(call.args[0], kernel, call.args[1:], dict(call.keywords))
+                direct = capture.compiled_launch(call.args[0], kernel, call.args[1:], dict(call.keywords))
                 if direct is None:
-                    raise Unavailable(f"_common.compiled_launch cannot launch {Launch(*plain).kernel} here")
+                    raise Unavailable(f"capture.compiled_launch cannot launch {Launch(*plain).kernel} here")
                 compiled[id(call)] = direct
                 same_args &= _same_launcher_args(kernel, call, direct)
     compile_s = time.perf_counter() - t0
-    if job["path"] == "compiled":  # time what the manager's replays call (``_common.preparing``)
+    if job["path"] == "compiled":  # time what the manager's replays call (``capture.preparing``)
         for name, job_steps in job["jobs"].items():
             for step, calls in zip(job_steps, steps[name], strict=True):
                 for i, (plain, call) in enumerate(zip(step, calls, strict=True)):

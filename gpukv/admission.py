@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from gpukv.kernels import lookup as lookup_ops
-from gpukv.kernels._common import pow2_at_least
 from gpukv.kernels.prefill import PLAN_ARRAYS
+from gpukv.kernels.toolkit import pow2_at_least
 from gpukv.request import NewRequest, as_int32_tokens
 
 #: int32 slots before the plan's columns: ``num_requests``, ``token_budget``

@@ -78,8 +78,8 @@ from gpukv.device.releases import ReleaseBuffers, Releases
 from gpukv.event_log import DeviceEventLog
 from gpukv.events import KVEventBatch
 from gpukv.failstop import mutating, reading
-from gpukv.kernels._common import pow2_at_least
 from gpukv.kernels.block_hash import key_lanes
+from gpukv.kernels.toolkit import pow2_at_least
 from gpukv.metrics import PrefixCacheStats
 from gpukv.outputs import OutputGather, step_gather, take_step_outputs
 from gpukv.pool import DevicePool

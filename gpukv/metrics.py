@@ -100,7 +100,7 @@ class PrefixCacheStats:
 @dataclass
 class StepCounters:
     """What the last step cost (a manager's ``counters``), counted where it
-    happens: Triton kernel launches (``gpukv.kernels._common`` counts every
+    happens: Triton kernel launches (``gpukv.kernels.capture`` counts every
     launch), host-to-device uploads (``gpukv.staging.Staging``),
     device-to-host reads (the device manager's ``read_*`` paths), and torch
     kernels (only while ``count_torch_ops`` is True: a dispatch hook that

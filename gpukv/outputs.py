@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gpukv.kernels import gather as gather_ops
-from gpukv.kernels._common import pow2_at_least
+from gpukv.kernels.toolkit import pow2_at_least
 from gpukv.rows import entry_layout
 
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from gpukv import hashing
-from gpukv.kernels import _common
 from gpukv.kernels import blocks as block_ops
+from gpukv.kernels import capture
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
 
@@ -112,11 +112,11 @@ class DevicePool:
         if self.tombstone_bound > self.table.capacity // 4:
             # (its arguments are the table's own tensors, which never move: kept once, then replayed)
             if self._rebuild_launches is None:
-                with _common.preparing() as kept:
+                with capture.preparing() as kept:
                     table_ops.rebuild(self.table)
                 self._rebuild_launches = kept
             else:
-                _common.run_prepared(self._rebuild_launches)
+                capture.run_prepared(self._rebuild_launches)
             self.tombstone_bound = 0
 
     @property

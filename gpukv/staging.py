@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.metrics import StepCounters
 
 
@@ -160,7 +160,7 @@ _METADATA_OPS = ("view", "slice", "select", "expand", "as_strided", "unsqueeze",
 class TorchOpCounter(TorchDispatchMode):
     """Counts the torch kernels a step runs (``StepCounters.torch_ops``):
     every dispatched aten op but metadata-only ones (views, reshapes), and
-    none inside a Triton kernel (``gpukv.kernels._common.kernel_running``:
+    none inside a Triton kernel (``gpukv.kernels.capture.kernel_running``:
     the interpreter runs kernels through torch on the host)."""
 
     def __init__(self, counters: StepCounters) -> None:
@@ -169,6 +169,6 @@ class TorchOpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if not _common.in_kernel() and not any(m in name for m in _METADATA_OPS):
+        if not capture.in_kernel() and not any(m in name for m in _METADATA_OPS):
             self.counters.torch_ops += 1
         return func(*args, **(kwargs or {}))

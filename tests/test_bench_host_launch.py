@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not _runtime.INTERPRETED, reason="records launch
 
 
 def _decode_launches(monkeypatch) -> tuple[list, int, list]:
-    from gpukv.kernels import _common
-    monkeypatch.setattr(_common, "host_launch", _common.host_launch)  # restored after the test
+    from gpukv.kernels import capture
+    monkeypatch.setattr(capture, "host_launch", capture.host_launch)  # restored after the test
     try:
         launch_cost.install()
     except AttributeError as e:  # pragma: no cover (a gpukv without host_launch)
@@ -66,7 +66,7 @@ def test_each_launch_of_a_decode_step_is_recorded_and_timed_through_the_launch_p
     assert all(t > 0 for t in job["step_us"][0])
     # every timed launch went through Triton's launcher to the driver call
     assert out["reached_driver"] == out["timed_launches"] == (launches + len(freed)) * (1 + 3)
-    # timed as the manager replays a prepared launch on a GPU (``_common.compiled_launch``), which hands
+    # timed as the manager replays a prepared launch on a GPU (``capture.compiled_launch``), which hands
     # the compiled kernel's launcher exactly what ``JITFunction.run`` hands it, launch by launch
     assert out["path"] == "compiled" and out["same_launcher_args"] is True
     assert set(out["per_kernel_us"]) == set(kernels) | {f"{ln.kernel} (not replayed: JITFunction.run)" for ln in freed}

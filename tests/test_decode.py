@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError, ManagerFailedError
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest, RunningUpdate
@@ -140,7 +140,7 @@ class GraphLaunches:
         self.manager, self.records = manager, []
 
     def launch(self, bucket, bufs) -> None:
-        with _common.recording() as rec:
+        with capture.recording() as rec:
             self.manager._launch_decode(bucket, bufs)
         self.records.append((bucket, rec))
 
@@ -175,7 +175,7 @@ def test_a_steady_decode_keeps_one_bucket_and_launches_only_the_phases_with_work
     rows = dev.step(new=[NewRequest(f"r{i}", [i, i]) for i in range(3)]).rows
     eager, graph = [], GraphLaunches(dev)
     for t in range(4):  # 3, 4, 5, 6 tokens: new blocks at 3 and 5, full blocks at 4 and 6
-        with _common.recording() as rec:
+        with capture.recording() as rec:
             assert dev.decode(rows, [t] * 3).ok
         eager.append(len(rec))
     assert eager == [3, 5, 3, 5]
@@ -187,7 +187,7 @@ def test_a_steady_decode_keeps_one_bucket_and_launches_only_the_phases_with_work
 def test_an_eager_decode_that_needs_nothing_launches_only_the_fit():
     _, dev = pair(64, 4, max_model_len=64)
     rows = dev.step(new=[NewRequest("a", [1, 2])]).rows  # 2 of its block's 4 slots
-    with _common.recording() as rec:
+    with capture.recording() as rec:
         assert dev.decode(rows, [3]).ok
     assert len(rec) == 1 and dev.get_block_ids("a") == [[1]]
 

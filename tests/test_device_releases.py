@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.manager import DeviceManager
 from gpukv.request import NewRequest
 
@@ -15,10 +15,10 @@ def test_releases_pad_to_a_bucket_and_replay_its_launches():
     m.step(finished=["a"])
     assert list(m._releases.buffers) == [16]  # 3 entries, padded to 16
     kept = m._releases.buffers[16].prepared["release"][1]
-    before = _common.launches()
+    before = capture.launches()
     m.step(finished=["b"])
     assert m._releases.buffers[16].prepared["release"][1] is kept  # replayed, not prepared anew
-    assert _common.launches() - before == len(kept)
+    assert capture.launches() - before == len(kept)
     assert m.read_num_free_blocks() == 63 and m.request_ids() == []
     m.step(new=[NewRequest("c", list(range(40)))])  # 20 blocks
     m.step(finished=["c"])

@@ -2,7 +2,7 @@
 
 A **fault site** is a point where a call can fail under the manager:
 
-* every kernel launch: ``gpukv.kernels._common.note_launch``, which every
+* every kernel launch: ``gpukv.kernels.capture.note_launch``, which every
   launch goes through: Triton's pre-run hook of each registered kernel (a
   launch the first time, and a launch replayed from ``preparing()``, since a
   replay calls Triton's ``run`` again, which runs the hooks), and the host
@@ -12,7 +12,7 @@ A **fault site** is a point where a call can fail under the manager:
   (``aten.zeros``, ``aten.empty``, ``aten.copy_``, ``aten.cat``, views,
   ``aten._local_scalar_dense`` ...): a ``TorchDispatchMode`` sees each aten
   op. The operations Triton's interpreter runs while it executes a kernel on
-  the host are left out (``_common.in_kernel()``, as ``StepCounters``'
+  the host are left out (``capture.in_kernel()``, as ``StepCounters``'
   torch-op count does): on a GPU they are the kernel's own work on the
   device, not calls the host makes, and the launch site in front of them
   stands for a kernel that fails (so do the host stand-ins' own operations,
@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukv import NewRequest, RunningUpdate
 from gpukv.errors import GpukvInputError, ManagerFailedError
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.manager import DeviceManager
 from test_catalogue import state_of
 
@@ -101,7 +101,7 @@ class Injector(TorchDispatchMode):
         self.fail_at = fail_at
         self.sites: list[str] = []
         self.fault: _Fault | None = None
-        self._real_note_launch = _common.note_launch
+        self._real_note_launch = capture.note_launch
         self._real_read = DeviceManager._read
 
     def _site(self, name: str) -> None:
@@ -116,7 +116,7 @@ class Injector(TorchDispatchMode):
         self._real_note_launch(name, args, kwargs)
 
     def __torch_dispatch__(self, func, tys, args=(), kwargs=None):
-        if not _common.in_kernel():
+        if not capture.in_kernel():
             self._site(f"torch {func}")
         return func(*args, **(kwargs or {}))
 
@@ -131,7 +131,7 @@ class Injector(TorchDispatchMode):
             self._site("read")
             return real_read(m, t)
 
-        _common.note_launch = self._note_launch  # type: ignore[assignment]
+        capture.note_launch = self._note_launch  # type: ignore[assignment]
         DeviceManager._read = read  # type: ignore[method-assign,assignment]
         try:
             return super().__enter__()
@@ -144,7 +144,7 @@ class Injector(TorchDispatchMode):
         super().__exit__(*exc)
 
     def _restore(self) -> None:
-        _common.note_launch = self._real_note_launch
+        capture.note_launch = self._real_note_launch
         DeviceManager._read = self._real_read  # type: ignore[method-assign]
 
 
@@ -187,7 +187,7 @@ def _clone(m: DeviceManager) -> DeviceManager:
     dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
     patched = {types.FunctionType: _copy_function, np.ndarray: _copy_array}
     # Shared, not copied: the Triton kernels, and on a GPU the manager's stream and the staging's events.
-    shared = [*_common.triton_function_classes(), torch.cuda.Stream, torch.cuda.Event]
+    shared = [*capture.triton_function_classes(), torch.cuda.Stream, torch.cuda.Event]
     patched.update({cls: copy._deepcopy_atomic for cls in shared})  # type: ignore[attr-defined]
     saved = {cls: dispatch.get(cls) for cls in patched}
     dispatch.update(patched)
@@ -315,17 +315,17 @@ class Template:
     manager: DeviceManager
     ctx: dict
     sites: list[str]  # the call's fault sites, in order
-    launches: int  # the call's kernel launches (``_common.launches()``)
+    launches: int  # the call's kernel launches (``capture.launches()``)
     result: Any  # what the call returned
     after: Any  # state_of the manager after the call
 
 
 def _run(kind: Kind, m: DeviceManager, ctx: dict) -> tuple[Injector, Any, int]:
     injector = Injector()
-    base = _common.launches()
+    base = capture.launches()
     with injector:
         result = kind.call(m, ctx)
-    return injector, result, _common.launches() - base
+    return injector, result, capture.launches() - base
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 
 from gpukv.errors import InvalidInputError
 from gpukv.graphs import AdmissionGraphs, DecodeGraphs, buckets
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
@@ -38,7 +38,7 @@ class AdmissionCapture:
         self.records: dict = {}
 
     def run(self, key, launch) -> None:
-        with _common.recording() as rec:
+        with capture.recording() as rec:
             launch()
         self.records.setdefault(key, []).append(rec)
 

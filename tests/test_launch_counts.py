@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.manager import DeviceManager
 from gpukv.request import NewRequest, RunningUpdate
 
@@ -93,7 +93,7 @@ def test_a_free_replays_the_launches_its_size_buckets_first_free_kept():
     m.step(new=[NewRequest(f"r{i}", list(range(100 * i, 100 * i + 40 + 16 * i))) for i in range(4)])
     kept = []
     for i in range(3):  # 3, 4 and 5 blocks: one bucket of 16 entries
-        with _common.recording() as rec:
+        with capture.recording() as rec:
             m.free(f"r{i}")
         assert len(rec) == EXPECTED["full"]["finish"][0]
         kept.append(m._releases.buffers[16].prepared["release"][1])

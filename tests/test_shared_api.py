@@ -4,11 +4,10 @@ import warnings
 
 import pytest
 
-from gpukv import NewRequest
+from gpukv import NewRequest, PrefixHit
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
 from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
-from gpukv import PrefixHit
 from gpukv.shared_api import SharedManagerAPI
 
 KEY = bytes(range(16))

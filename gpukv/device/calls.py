@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.staging import TorchOpCounter
 
 
@@ -45,7 +45,7 @@ class StepAccounting:
         c = m.counters
         c.h2d = c.d2h = c.torch_ops = 0
         m._mirror.fresh = False  # the step may change the free count
-        self.base = _common.launches()
+        self.base = capture.launches()
         m._staging.begin_step()
         self.torch_ops = TorchOpCounter(c) if c.count_torch_ops else None
         if self.torch_ops is not None:
@@ -59,7 +59,7 @@ class StepAccounting:
         if self.torch_ops is not None:
             self.torch_ops.__exit__(*exc)
         c = m.counters
-        c.launches = _common.launches() - self.base
+        c.launches = capture.launches() - self.base
         c.steps += 1
         refresh = exc[0] is None
         if refresh:

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from gpukv.errors import InvalidInputError
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.kernels import decode as decode_ops
-from gpukv.kernels._common import pow2_at_least
+from gpukv.kernels.toolkit import pow2_at_least
 from gpukv.request import RunningUpdate, StepResult
 from gpukv.running import RunningRows
 
@@ -337,7 +337,7 @@ class DecodePath:
         kept = bufs.runs.get(key)
         generation = self._rows.generation
         if kept is not None and kept[0] == generation and self._events_off:
-            _common.run_prepared(kept[1])  # (the phases' kept launches, in order: no lookup per phase)
+            capture.run_prepared(kept[1])  # (the phases' kept launches, in order: no lookup per phase)
             return
         run = [p for p in DECODE_PHASES if p in key and (p != "release" or bucket[2])]  # (no window group: none)
         m = self._m

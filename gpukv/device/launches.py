@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from gpukv import _runtime
-from gpukv.kernels import _common
+from gpukv.kernels import capture
 from gpukv.kernels.block_hash import hash_rows, hash_rows_host
 
 # Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
@@ -48,9 +48,9 @@ class SharedLaunches:
         kept = prepared.get(part)
         generation = m._rows.generation
         if kept is not None and kept[0] == generation:
-            _common.run_prepared(kept[1])
+            capture.run_prepared(kept[1])
             return
-        with _common.preparing() as launches:
+        with capture.preparing() as launches:
             launch()
         prepared[part] = (generation, launches)
 
@@ -63,7 +63,7 @@ class SharedLaunches:
         kw: dict[str, Any] = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras,
                                   root=m._root_lanes, block_size=m.block_size)
         if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
-            _common.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
+            capture.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
         else:
             _hash_rows(*args, **kw)
 

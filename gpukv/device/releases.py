@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpukv.kernels._common import pow2_at_least
+from gpukv.kernels.toolkit import pow2_at_least
 from gpukv.rows import entry_layout
 
 

@@ -48,6 +48,10 @@ Device helpers (``@triton.jit``, usable from other kernels):
   tokens at ``tok_ptr`` (int32 pointers per lane).
 * ``to_u64(x)`` / ``to_i64(x)``: bitcasts between the stored ``int64`` view
   and the ``uint64`` arithmetic view.
+* ``parent_digest(digests_ptr, r, p, M, mask, root_lo, root_hi)``: the parent
+  of block ``p`` of request row ``r`` (block ``p - 1``'s digest, else the
+  root), the one place that rule is written (``blocks`` and ``lookup`` read
+  it here too).
 
 Host launchers (``hash_block_chains`` and ``blake3_bytes`` never
 synchronise with the host; they only enqueue work):
@@ -80,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import HASH_TILE, INT32, INT64, check_device, check_tensor, check_tile, num_warps
+from gpukv.kernels.toolkit import HASH_TILE, INT32, INT64, check_device, check_tensor, check_tile, num_warps
 
 __all__ = [
     "rotr32",
@@ -91,6 +95,7 @@ __all__ = [
     "segment_digest",
     "to_u64",
     "to_i64",
+    "parent_digest",
     "hash_block_chains",
     "hash_block_chains_host",
     "hash_rows",
@@ -108,7 +113,7 @@ KeyLike = torch.Tensor | bytes | bytearray | Sequence[int]
 #: Requests (or messages) per program: one lane (one thread) each, power of two.
 #: The chain is sequential per request, so a step's latency is one request's
 #: longest chain; smaller tiles only spread requests over more SMs
-#: (``_common.HASH_TILE``).
+#: (``toolkit.HASH_TILE``).
 DEFAULT_TILE = HASH_TILE
 
 #: Longest message hashed in one piece: one BLAKE3 chunk.
@@ -171,6 +176,22 @@ def to_u64(x):
 def to_i64(x):
     """Bitcast a uint64 lane (arithmetic view) to int64 (stored view)."""
     return x.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def parent_digest(digests_ptr, r, p, M, mask, root_lo, root_hi):
+    """The parent digest of block ``p`` of request row ``r`` (int64 lanes;
+    ``digests`` int64[R, M, 2]) as its (lo, hi) int64 lanes: the digest of
+    block ``p - 1`` of the row, else the root for block 0. Lanes off ``mask``
+    load nothing (and get the root). The chain's one parent rule: the hash
+    (``_hash_rows_kernel``), the inputs a cached block keeps
+    (``blocks.record``) and the verify that compares them (``lookup``) must
+    all read the same parent, so they all read it here."""
+    has_parent = mask & (p > 0)
+    prev = (r * M + p - 1) * 2
+    lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=has_parent, other=0), root_lo)
+    hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=has_parent, other=0), root_hi)
+    return lo, hi
 
 
 @triton.jit
@@ -482,10 +503,9 @@ def _hash_rows_kernel(
     nb = tl.load(count_ptr + lanes, mask=emask, other=0)
     nb = tl.where(emask & (r >= 0) & (st >= 0), tl.maximum(nb, 0), 0)
     r = tl.where(nb > 0, r, 0)
-    has_parent = (nb > 0) & (st > 0)
-    prev = (r * M + st - 1) * 2
-    p_lo = to_u64(tl.where(has_parent, tl.load(digests_ptr + prev, mask=has_parent, other=0), root_lo))
-    p_hi = to_u64(tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=has_parent, other=0), root_hi))
+    p_lo, p_hi = parent_digest(digests_ptr, r, st, M, nb > 0, root_lo, root_hi)
+    p_lo = to_u64(p_lo)
+    p_hi = to_u64(p_hi)
     p0 = _lo32(p_lo)
     p1 = _hi32(p_lo)
     p2 = _lo32(p_hi)
@@ -948,6 +968,6 @@ def blake3_bytes(
     return _launch_bytes(lanes, messages, lengths, KEYED_HASH.value, tile)
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

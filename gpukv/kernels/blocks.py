@@ -27,10 +27,11 @@ import triton.language as tl
 
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
+from gpukv.kernels.block_hash import parent_digest
 from gpukv.kernels.hash_table import erase_blocks
-from gpukv.kernels._common import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
+from gpukv.kernels.toolkit import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
 
-#: Entries per program of every kernel here (``_common.ENTRY_TILE``: why 256).
+#: Entries per program of every kernel here (``toolkit.ENTRY_TILE``: why 256).
 _TILE = ENTRY_TILE
 
 # The free queue's ``where`` codes, as the release kernel writes them.
@@ -288,10 +289,7 @@ def _record_kernel(
     p = tl.load(pos_ptr + offs, mask=v, other=0).to(tl.int64)
     b = tl.load(bt_ptr + (g * R + r) * MB + p, mask=v, other=0).to(tl.int64)
     v = v & (b > 0)
-    has_parent = p > 0
-    prev = (r * M + p - 1) * 2
-    par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=v & has_parent, other=0), root_lo)
-    par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=v & has_parent, other=0), root_hi)
+    par_lo, par_hi = parent_digest(digests_ptr, r, p, M, v, root_lo, root_hi)
     tl.store(blk_parent_ptr + b * 2, par_lo, mask=v)
     tl.store(blk_parent_ptr + b * 2 + 1, par_hi, mask=v)
     ext = (r * M + p) * 2
@@ -347,6 +345,6 @@ def record(group, row, pos, valid, *, block_table, tokens, digests, extras, root
     return blk, ok, key
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

@@ -55,12 +55,12 @@ from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton l
 import triton
 import triton.language as tl
 
-from gpukv.kernels import _common
+from gpukv.kernels import capture, toolkit
 from gpukv.kernels import free_queue as fq_ops
-from gpukv.kernels._common import DEFAULT_WARPS, INT32, INT64, SCAN_TILE, check_tensor, num_warps
+from gpukv.kernels.toolkit import DEFAULT_WARPS, INT32, INT64, SCAN_TILE, check_tensor, num_warps
 
-#: Padding rows' cumulative need: more than any pool holds (``_common.BIG``).
-BIG = _common.BIG
+#: Padding rows' cumulative need: more than any pool holds (``toolkit.BIG``).
+BIG = toolkit.BIG
 
 #: ``status`` layout (int64): requests that fit (a prefix of the batch), free
 #: blocks after the step's allocation, the free queue's sticky error word
@@ -79,7 +79,7 @@ ERR_BAD_TOKEN = 1 << 8
 #: no request's extra keys hash to it (a keyed BLAKE3 output, or zeros).
 POISON = -1
 
-#: Lanes per step of the one program (``_common.SCAN_TILE``).
+#: Lanes per step of the one program (``toolkit.SCAN_TILE``).
 _TILE = SCAN_TILE
 
 # What the kernel reads as constants must be constexpr globals: the real
@@ -281,4 +281,4 @@ def decode_fit(rows, ntok, nnew, comp0, comp1, held, need, cum, hash_start, hash
                              BS=block_size, TILE=_TILE, num_warps=num_warps(_TILE, max_warps=DEFAULT_WARPS))
 
 
-_common.count_launches(globals())
+capture.count_launches(globals())

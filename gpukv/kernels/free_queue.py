@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import (
+from gpukv.kernels.toolkit import (
     INDEX_DTYPES,
     INT32,
     INT64,
@@ -161,7 +161,7 @@ _NO_MATCH: tl.constexpr = tl.constexpr(-2)
 BASE = 1 << 40
 
 #: Lanes per tile (power of two): ring positions per step of a scan, entries
-#: per step of a push, blocks per program of a remove (``_common.SCAN_TILE``:
+#: per step of a push, blocks per program of a remove (``toolkit.SCAN_TILE``:
 #: the queue's scans and pushes are one program).
 DEFAULT_TILE = SCAN_TILE
 
@@ -510,7 +510,7 @@ class FreeQueue:
                capacity: int | None = None, tile: int = DEFAULT_TILE) -> FreeQueue:
         """A queue holding ``1..N-1`` in order (front first). ``capacity``
         defaults to the smallest power of two >= 2N. ``num_blocks`` has the
-        one limit of every pool structure (``_common.check_num_blocks``)."""
+        one limit of every pool structure (``toolkit.check_num_blocks``)."""
         n = check_num_blocks(num_blocks)
         cap = pow2_at_least(2 * n) if capacity is None else int(capacity)
         if cap < 2 * n or cap & (cap - 1):
@@ -752,6 +752,6 @@ def maybe_compact(fq: FreeQueue, incoming: int = 0, *, tomb_limit: int | None = 
     )
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

@@ -29,8 +29,8 @@ from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton l
 import triton
 import triton.language as tl
 
-from gpukv.kernels import _common
-from gpukv.kernels._common import DEFAULT_WARPS, INT32, INT64, check_tensor, num_warps
+from gpukv.kernels import capture
+from gpukv.kernels.toolkit import DEFAULT_WARPS, INT32, INT64, check_tensor, num_warps
 
 __all__ = ["gather_blocks"]
 
@@ -76,4 +76,4 @@ def gather_blocks(entries, block_table, ref_cnt, out) -> None:
                                 TILE=_TILE, num_warps=num_warps(_TILE, max_warps=DEFAULT_WARPS))
 
 
-_common.count_launches(globals())
+capture.count_launches(globals())

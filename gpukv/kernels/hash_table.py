@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import (
+from gpukv.kernels.toolkit import (
     INT32,
     INT64,
     PROBE_TILE,
@@ -159,7 +159,7 @@ _D_ERR_BAD_BLOCK = tl.constexpr(ERR_BAD_BLOCK)
 _D_SEQ_NONE = tl.constexpr((1 << 63) - 1)  # no sequence number: larger than any
 
 #: Entries per program of the per-entry kernels (probing lanes), and lanes per
-#: step of the insert's one-program prefix sum (``_common``: why these sizes).
+#: step of the insert's one-program prefix sum (``toolkit``: why these sizes).
 _TILE = PROBE_TILE
 _PREP_TILE = SCAN_TILE
 
@@ -607,7 +607,7 @@ class HashTable:
         ``capacity`` defaults to the smallest power of two >= 2 * num_blocks.
         A smaller power of two is accepted (tests of the full-table flag);
         inserts may then fail with ``ERR_FULL``. ``num_blocks`` has the one
-        limit of every pool structure (``_common.check_num_blocks``, which
+        limit of every pool structure (``toolkit.check_num_blocks``, which
         says why the capacity is at most 2**30).
         """
         num_blocks = check_num_blocks(num_blocks)
@@ -869,6 +869,6 @@ def clear_errors(table: HashTable) -> None:
     table.counters[ERRORS:ERRORS + 1].zero_()
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import (
+from gpukv.kernels.toolkit import (
     ADMIT_TILE,
     BIG,
     INDEX_DTYPES,
@@ -53,6 +53,7 @@ from gpukv.kernels._common import (
     max_combine,
     zero_like,
 )
+from gpukv.kernels.block_hash import parent_digest
 from gpukv.kernels.free_queue import HEAD, TAIL
 
 # Layout of the admission outputs (``status``, int64).
@@ -79,7 +80,7 @@ _ST_HIT_TOKENS: tl.constexpr = tl.constexpr(ST_HIT_TOKENS)
 _ST_NEW_BLOCKS: tl.constexpr = tl.constexpr(ST_NEW_BLOCKS)
 _ST_DEFERRED: tl.constexpr = tl.constexpr(ST_DEFERRED)
 # "No request" / "no position": larger than any request index or block
-# position (``_common.BIG``).
+# position (``toolkit.BIG``).
 _BIG: tl.constexpr = tl.constexpr(BIG)
 
 
@@ -87,10 +88,7 @@ _BIG: tl.constexpr = tl.constexpr(BIG)
 def _row_inputs(digests_ptr, extras_ptr, r, p, M, mask, root_lo, root_hi):
     """Parent digest (the root for block 0) and extra digest of block ``p`` of
     request row ``r``, as lanes."""
-    has_parent = p > 0
-    prev = (r * M + p - 1) * 2
-    par_lo = tl.where(has_parent, tl.load(digests_ptr + prev, mask=mask & has_parent, other=0), root_lo)
-    par_hi = tl.where(has_parent, tl.load(digests_ptr + prev + 1, mask=mask & has_parent, other=0), root_hi)
+    par_lo, par_hi = parent_digest(digests_ptr, r, p, M, mask, root_lo, root_hi)
     ext = (r * M + p) * 2
     ext_lo = tl.load(extras_ptr + ext, mask=mask, other=0)
     return par_lo, par_hi, ext_lo, tl.load(extras_ptr + ext + 1, mask=mask, other=0)
@@ -641,6 +639,6 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     )
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

@@ -19,7 +19,7 @@ and ``num_requests`` (int32[1], K). Only the first K entries are read; the
 padding holds zeros (so the hashing launch, over all KP rows, hashes nothing
 there). No launch takes a per-step host value: the step's launches are the
 same for every step of a bucket, so they are prepared once and replayed
-(``gpukv.kernels._common.preparing``). The step's launches, in order:
+(``gpukv.kernels.capture.preparing``). The step's launches, in order:
 
 1. ``write_rows``: the prompts into the rows, the rows' extra digests zeroed
    (requests with extra keys get theirs next, on the host's path);
@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from gpukv.kernels import lookup as lookup_ops
-from gpukv.kernels._common import (
+from gpukv.kernels.toolkit import (
     BIG,
     DEFAULT_WARPS,
     INT32,
@@ -79,7 +79,7 @@ from gpukv.kernels.lookup import inputs_equal
 PLAN_ARRAYS = ("rows", "ntok", "nfull", "nblocks", "max_hit", "comp", "lookahead", "skip", "tok_off")
 
 #: Positions per program of the lookup and the chains (probing, verifying
-#: lanes), and lanes of the element-wise kernels (``_common``: why these sizes).
+#: lanes), and lanes of the element-wise kernels (``toolkit``: why these sizes).
 _TILE = PROBE_TILE
 _ROW_TILE = ROW_TILE
 
@@ -362,6 +362,6 @@ def place_hits(plan: dict, status, hit, cache, resolved, window_blocks, blocks, 
         G=G, TILE=_ROW_TILE)
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.kernels._common import INDEX_DTYPES, SLOT_TILE, check_device, check_tensor
+from gpukv.kernels.toolkit import INDEX_DTYPES, SLOT_TILE, check_device, check_tensor
 
 __all__ = ["PAD", "slot_mapping"]
 
@@ -67,7 +67,7 @@ __all__ = ["PAD", "slot_mapping"]
 PAD = -1
 _PAD: tl.constexpr = tl.constexpr(PAD)  # the kernel's copy (kernels read constexpr globals only)
 
-#: Tokens per loop trip of a request's program (``_common.SLOT_TILE``: why 128).
+#: Tokens per loop trip of a request's program (``toolkit.SLOT_TILE``: why 128).
 _TILE = SLOT_TILE
 #: Every message starts with the function's name.
 _WHERE = "slot_mapping: "
@@ -272,6 +272,6 @@ def _launch(block_table, query_start_loc, start_positions, num_tokens: int, bloc
     return slots, positions
 
 
-from gpukv.kernels import _common  # noqa: E402
+from gpukv.kernels import capture  # noqa: E402
 
-_common.count_launches(globals())
+capture.count_launches(globals())

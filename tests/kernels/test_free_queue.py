@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpukv._runtime  # noqa: F401  (before triton: interpreter on CPU)
-from gpukv.kernels import _common
 from gpukv.kernels import free_queue as fq
+from gpukv.kernels import toolkit
 
 DEVICE = gpukv._runtime.default_device()
 BACK, FRONT, SKIP = fq.WHERE_BACK, fq.WHERE_FRONT, fq.WHERE_SKIP
@@ -321,7 +321,7 @@ def test_random_batches_match_model(data):
     n = data.draw(st.integers(2, 24), label="num_blocks")
     tile = data.draw(st.sampled_from([1, 2, 4, 16]), label="tile")
     cap = data.draw(st.sampled_from([None, 4]), label="capacity")
-    cap = None if cap is None else _common.pow2_at_least(2 * n) * cap
+    cap = None if cap is None else toolkit.pow2_at_least(2 * n) * cap
     q = make(n, tile=tile, capacity=cap)
     m = Model(n)
     for _ in range(data.draw(st.integers(1, 8), label="batches")):
