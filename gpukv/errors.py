@@ -1,4 +1,6 @@
-"""The errors gpukv raises on purpose: refused arguments, and a stopped manager.
+"""The errors gpukv raises on purpose: refused arguments, and a stopped manager;
+and the scalar checks that raise them, shared by ``gpukv.request`` and
+``gpukv.hashing`` so each rule is written once.
 
 Every class derives from ``GpukvError`` and from the builtin exception a
 Python caller would expect (``ValueError``, ``TypeError``, ``KeyError``), so
@@ -39,6 +41,12 @@ range, which only the step's read can find; ``docs/design.md``).
 """  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpukv.limits import MAX_LORA_ID
 
 __all__ = [
     "AddressError",
@@ -172,3 +180,64 @@ class AddressInUseError(AddressError):
 
 class PublisherClosedError(GpukvError, RuntimeError):
     """A KV-events publisher used after ``close``."""
+
+
+# ------------------------------------------------------ shared scalar checks
+# Here, beside the classes, because both gpukv.request and gpukv.hashing
+# refuse through them and hashing must not import request (request imports
+# hashing, and torch, which the command line does not load).
+
+_INTS = (int, np.integer)
+_BOOLS = (bool, np.bool_)
+
+
+def type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def short_repr(value: Any) -> str:
+    """A short repr for messages; objects without a plain value (whose repr
+    would show a memory address) are shown by their type only."""
+    if value is None or isinstance(value, (str, bytes, bytearray, int, float, complex, np.generic)):
+        text = repr(value)
+    else:
+        text = f"<{type_name(value)}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int(value: Any, argument: str, *, minimum: int | None = None, maximum: int | None = None,
+              fix: str = "") -> int:
+    """``value`` as a Python int, or raise: a bool or non-integer is an
+    ``InvalidTypeError``; below ``minimum`` an ``InvalidInputError``; above
+    ``maximum`` a ``CapacityError`` (numpy integers are accepted)."""
+    if isinstance(value, _BOOLS) or not isinstance(value, _INTS):
+        raise InvalidTypeError(f"must be an int, got {type_name(value)} {short_repr(value)}", argument=argument,
+                               fix=fix or "pass a Python or numpy integer")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise InvalidInputError(f"must be >= {minimum}, got {value}", argument=argument,
+                                fix=fix or f"pass an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise CapacityError(f"must be <= {maximum}, got {value}", argument=argument,
+                            fix=fix or f"pass an int <= {maximum}")
+    return value
+
+
+def check_lora_id(value: Any, argument: str, label: str = "") -> int:
+    """A LoRA id: an int in ``[0, 2**64)``; one past the range is an
+    ``InvalidInputError`` (a value no LoRA can have, not a capacity)."""
+    fix = "pass None or an int in [0, 2**64)"
+    value = check_int(value, argument, minimum=0, fix=fix)
+    if value > MAX_LORA_ID:
+        raise InvalidInputError(f"{label}lora_id must be < 2**64, got {value}", argument=argument, fix=fix)
+    return value
+
+
+def check_utf8(text: str, argument: str) -> None:
+    """Raise unless ``text`` can be encoded as UTF-8 (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"is not valid UTF-8 ({e.reason} at index {e.start})", argument=argument,
+                                fix="pass a str without lone surrogates (e.g. decode bytes with errors='replace')"
+                                ) from None

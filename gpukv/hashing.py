@@ -66,6 +66,8 @@ from typing import Any
 import blake3
 import numpy as np
 
+from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError, check_int, check_lora_id, type_name
+
 __all__ = [
     "DIGEST_SIZE",
     "KEY_SIZE",
@@ -118,7 +120,6 @@ TAG_MM = 0x02
 TAG_SALT = 0x03
 
 TOKEN_LIMIT = 1 << 32  # token ids are stored as uint32
-_MASK64 = (1 << 64) - 1
 
 # array.array type code for a 4-byte unsigned int (it is "I" on every common
 # platform, but the C standard only promises "at least 2 bytes").
@@ -136,56 +137,47 @@ def _check_key(key: Any) -> bytes:
     The key is a secret: messages give its type and length, never its value.
     """
     if isinstance(key, str):
-        raise TypeError(
-            "hash key must be 16 bytes, not str; "
-            "use resolve_hash_key(hex_string) to turn 32 hex characters into a key"
+        raise InvalidTypeError(
+            "the hash key must be 16 bytes, not str", argument="key",
+            fix="use resolve_hash_key(hex_string) to turn 32 hex characters into a key",
         )
     if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise TypeError(
-            f"hash key must be 16 bytes, not {type(key).__name__}; "
-            "get one from resolve_hash_key()"
-        )
+        raise InvalidTypeError(f"the hash key must be 16 bytes, not {type_name(key)}", argument="key",
+                               fix="get one from resolve_hash_key()")
     key = bytes(key)
     if len(key) != KEY_SIZE:
-        raise ValueError(
-            f"hash key must be {KEY_SIZE} bytes, got {len(key)}; "
-            "get one from resolve_hash_key()"
-        )
+        raise InvalidInputError(f"the hash key must be {KEY_SIZE} bytes, got {len(key)}", argument="key",
+                                fix="get one from resolve_hash_key()")
     return key
 
 
 def _check_digest(value: Any, what: str) -> bytes:
     """Return ``value`` as 16 bytes, or raise naming ``what``."""
+    fix = f"pass the {DIGEST_SIZE} bytes a digest function of this module returned"
     if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise TypeError(f"{what} must be a {DIGEST_SIZE}-byte digest, not {type(value).__name__}")
+        raise InvalidTypeError(f"must be a {DIGEST_SIZE}-byte digest, not {type_name(value)}", argument=what, fix=fix)
     value = bytes(value)
     if len(value) != DIGEST_SIZE:
-        raise ValueError(f"{what} must be a {DIGEST_SIZE}-byte digest, got {len(value)} bytes")
+        raise InvalidInputError(f"must be a {DIGEST_SIZE}-byte digest, got {len(value)} bytes", argument=what,
+                                fix=fix)
     return value
 
 
-def _check_int(value: Any, what: str, *, minimum: int) -> int:
-    """Return ``value`` as int if it is an integer (not bool) >= ``minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
+_TOKEN_FIX = "pass token ids as ints (Python or numpy integers) in [0, 2**32)"
 
 
-def _bad_token(value: Any, where: str) -> Exception:
-    """The exception for one bad token id at position ``where``."""
+def _bad_token(value: Any, where: str) -> GpukvInputError:
+    """The error for one bad token id at position ``where``."""
     if isinstance(value, (bool, np.bool_)):
-        return TypeError(f"{where} is a bool ({value}); token ids must be ints")
+        return InvalidTypeError(f"is a bool ({value}), not a token id", argument=where, fix=_TOKEN_FIX)
     if isinstance(value, (int, np.integer)):
-        return ValueError(
-            f"{where} = {int(value)} is out of range; token ids must be in [0, 2**32)"
-        )
-    return TypeError(
-        f"{where} has type {type(value).__name__}; token ids must be ints "
-        "(Python or numpy integers) in [0, 2**32)"
-    )
+        return InvalidInputError(f"= {int(value)} is out of range [0, 2**32)", argument=where, fix=_TOKEN_FIX)
+    return InvalidTypeError(f"has type {type_name(value)}, not a token id", argument=where, fix=_TOKEN_FIX)
+
+
+def _not_token_sequence(tokens: Any, name: str) -> InvalidTypeError:
+    return InvalidTypeError(f"must be a sequence of int token ids, not {type_name(tokens)}", argument=name,
+                            fix="pass a list, tuple or 1-D integer array of token ids")
 
 
 def _token_array(tokens: Any, name: str = "token_ids", base: int = 0) -> np.ndarray:
@@ -205,13 +197,14 @@ def _checked_tokens(tokens: Any, name: str, base: int = 0) -> np.ndarray:
     the cast here saves a copy of every request's tokens in hash_requests.
     """
     if isinstance(tokens, (str, bytes, bytearray)) or not hasattr(tokens, "__len__"):
-        raise TypeError(f"{name} must be a sequence of int token ids, not {type(tokens).__name__}")
+        raise _not_token_sequence(tokens, name)
     if isinstance(tokens, np.ndarray) or (
         not isinstance(tokens, (list, tuple)) and hasattr(tokens, "__array__")
     ):
         arr = np.asarray(tokens)
         if arr.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got an array of shape {arr.shape}")
+            raise InvalidInputError(f"must be 1-D, got an array of shape {arr.shape}", argument=name,
+                                    fix="pass one request's token ids as a 1-D array")
         if arr.dtype.kind in "iu":
             bad = _out_of_range(arr)
             if bad is not None:
@@ -243,7 +236,7 @@ def _checked_tokens(tokens: Any, name: str, base: int = 0) -> np.ndarray:
         ):
             raise _bad_token(t, f"{name}[{base + i}]")
     # Every element is a valid int; what failed was the sequence itself.
-    raise TypeError(f"{name} must be a sequence of int token ids, not {type(tokens).__name__}")
+    raise _not_token_sequence(tokens, name)
 
 
 def _flat_tokens(token_lists: Sequence[Any], name: str) -> tuple[np.ndarray, list[int]]:
@@ -339,11 +332,11 @@ def _token_matrix(tokens: Any, n: int) -> np.ndarray:
     """Validate an ``[n, block_size]`` integer array of token ids; return it as uint32."""
     arr = np.asarray(tokens)
     if arr.ndim != 2 or arr.shape[0] != n or arr.shape[1] < 1:
-        raise ValueError(
-            f"tokens must have shape [n={n}, block_size>=1], got {arr.shape}"
-        )
+        raise InvalidInputError(f"must have shape [n={n}, block_size>=1], got {arr.shape}", argument="tokens",
+                                fix="pass one row of token ids per block, as many rows as parents")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"tokens must be an integer array, got dtype {arr.dtype}")
+        raise InvalidTypeError(f"must be an integer array, got dtype {arr.dtype}", argument="tokens",
+                               fix=_TOKEN_FIX)
     bad = _out_of_range(arr)
     if bad is not None:
         r, c = divmod(bad, arr.shape[1])
@@ -356,11 +349,13 @@ def _check_lanes(lanes: Any, what: str, n: int | None = None) -> np.ndarray:
     arr = np.asarray(lanes)
     if arr.dtype == np.int64:
         arr = arr.view(np.uint64)  # the device's int64 view of the same bits
+    fix = "pass digests as lanes (digests_to_lanes)"
     if arr.dtype != np.uint64:
-        raise TypeError(f"{what} must be a uint64 (or int64) array of lanes, got dtype {arr.dtype}")
+        raise InvalidTypeError(f"must be a uint64 (or int64) array of lanes, got dtype {arr.dtype}", argument=what,
+                               fix=fix)
     if arr.ndim != 2 or arr.shape[1] != 2 or (n is not None and arr.shape[0] != n):
         want = "n" if n is None else str(n)
-        raise ValueError(f"{what} must have shape [{want}, 2], got {arr.shape}")
+        raise InvalidInputError(f"must have shape [{want}, 2], got {arr.shape}", argument=what, fix=fix)
     return arr
 
 
@@ -392,7 +387,8 @@ def keyed_digest(key: bytes, data: Any) -> bytes:
     chunk (1024 bytes) long; this function hashes any length.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"data must be bytes, not {type(data).__name__}")
+        raise InvalidTypeError(f"must be bytes, not {type_name(data)}", argument="data",
+                               fix="pass the message as bytes, bytearray or memoryview")
     h = _hasher(_check_key(key)).copy()
     h.update(data)
     return h.digest(DIGEST_SIZE)
@@ -406,13 +402,12 @@ def keyed_digest(key: bytes, data: Any) -> bytes:
 def _parse_hex_key(text: str, source: str) -> bytes:
     """Parse 32 hex characters (surrounding whitespace ignored) into a key."""
     text = text.strip()
+    fix = "give 32 hex characters (16 bytes), e.g. os.urandom(16).hex()"
     if len(text) != 2 * KEY_SIZE:
-        raise ValueError(
-            f"{source} must be {2 * KEY_SIZE} hex characters ({KEY_SIZE} bytes), "
-            f"got {len(text)} characters"
-        )
+        raise InvalidInputError(f"must be {2 * KEY_SIZE} hex characters ({KEY_SIZE} bytes), got {len(text)} "
+                                "characters", argument=source, fix=fix)
     if any(c not in "0123456789abcdefABCDEF" for c in text):
-        raise ValueError(f"{source} must contain only hex digits 0-9, a-f")
+        raise InvalidInputError("must contain only hex digits 0-9, a-f", argument=source, fix=fix)
     return bytes.fromhex(text)
 
 
@@ -429,9 +424,9 @@ def _key_from_hash_seed(seed: str) -> bytes:
         value = -1
     if not 0 <= value <= 4294967295:
         # Do not echo the seed: the key is derived from it.
-        raise ValueError(
-            "PYTHONHASHSEED must be 'random' or an integer in [0, 4294967295] "
-            f"to derive a gpukv hash key from it; or set {HASH_KEY_ENV}"
+        raise InvalidInputError(
+            "must be 'random' or an integer in [0, 4294967295] to derive a gpukv hash key from it",
+            argument="PYTHONHASHSEED", fix=f"fix it, or set {HASH_KEY_ENV}",
         )
     return hashlib.sha256(SEED_KEY_PREFIX + str(value).encode("ascii")).digest()[:KEY_SIZE]
 
@@ -448,12 +443,15 @@ def resolve_hash_key(key: bytes | str | None = None) -> bytes:
     4. ``os.urandom(16)``: a fresh key on every call, so call this once per
        process and keep the result.
 
-    Raises ValueError (saying what is expected, never the value) for a key of
-    the wrong length or with non-hex characters.
+    Raises ``InvalidInputError`` (a ``ValueError``; saying what is expected,
+    never the value) for a key of the wrong length or with non-hex
+    characters, naming its source (``key``, ``GPUKV_HASH_KEY``,
+    ``PYTHONHASHSEED``); ``InvalidTypeError`` for a key that is neither bytes
+    nor str.
     """
     if key is not None:
         if isinstance(key, str):
-            return _parse_hex_key(key, "hash key string")
+            return _parse_hex_key(key, "key")
         return _check_key(key)
     env_key = os.environ.get(HASH_KEY_ENV)
     if env_key is not None and env_key != "":  # set but blank is malformed, not "unset"
@@ -603,7 +601,8 @@ def block_digest(
     extra = _check_digest(extra, "extra")
     tokens = _token_array(token_ids)
     if tokens.size == 0:
-        raise ValueError("a block needs at least one token id; token_ids is empty")
+        raise InvalidInputError("is empty; a block needs at least one token id", argument="token_ids",
+                                fix="pass the block's token ids")
     return _chain(_hasher(key).copy(), parent, _le32_bytes(tokens), 0, 1, tokens.size, [extra])[0]
 
 
@@ -631,21 +630,20 @@ def hash_block_chain(
     entries and ``result[i] == block_digest(key, result[i-1], block i tokens, extras[i])``.
     """
     key = _check_key(key)
-    block_size = _check_int(block_size, "block_size", minimum=1)
-    start_block = _check_int(start_block, "start_block", minimum=0)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    start_block = check_int(start_block, "start_block", minimum=0)
     if parent is None:
         if start_block > 0:
-            raise ValueError(
-                "parent is required when start_block > 0: pass the digest of block start_block-1"
-            )
+            raise InvalidInputError("is required when start_block > 0", argument="parent",
+                                    fix="pass the digest of block start_block-1")
         parent = root_digest(key)
     parent = _check_digest(parent, "parent")
     num_full = len(token_ids) // block_size
     count = max(0, num_full - start_block)
     if extras is not None and len(extras) < count:
-        raise ValueError(
-            f"extras has {len(extras)} entries but {count} blocks are hashed "
-            f"(blocks {start_block}..{num_full - 1}); give one extra-key digest per block"
+        raise InvalidInputError(
+            f"has {len(extras)} entries but {count} blocks are hashed (blocks {start_block}..{num_full - 1})",
+            argument="extras", fix="give one extra-key digest per block",
         )
     if count == 0:
         return []
@@ -673,18 +671,20 @@ class MMItem:
     hash: str
 
     def __post_init__(self) -> None:
-        _check_int(self.offset, "MMItem.offset", minimum=0)
-        _check_int(self.length, "MMItem.length", minimum=1)
+        check_int(self.offset, "MMItem.offset", minimum=0)
+        check_int(self.length, "MMItem.length", minimum=1)
+        fix = "pass the item's content hash (e.g. a hex digest of the image) as a str"
         if not isinstance(self.hash, str):
-            raise TypeError(f"MMItem.hash must be a str, not {type(self.hash).__name__}")
+            raise InvalidTypeError(f"must be a str, not {type_name(self.hash)}", argument="MMItem.hash", fix=fix)
         if not self.hash:
-            raise ValueError("MMItem.hash must be a non-empty string (the item's content hash)")
+            raise InvalidInputError("must be a non-empty str", argument="MMItem.hash", fix=fix)
 
 
 def _field(tag: int, payload: bytes) -> bytes:
     """One tagged, length-prefixed field: tag (1 byte) || len(payload) (uint32 LE) || payload."""
     if len(payload) >= 1 << 32:
-        raise ValueError("an extra-key field is longer than 2**32 - 1 bytes")
+        raise InvalidInputError("a field is longer than 2**32 - 1 bytes", argument="extra keys",
+                                fix="give a shorter cache salt or multimodal hash")
     return struct.pack("<BI", tag, len(payload)) + payload
 
 
@@ -707,15 +707,14 @@ def encode_extra_keys(
     """
     fields = []
     if lora_id is not None:
-        lora_id = _check_int(lora_id, "lora_id", minimum=0)
-        if lora_id > _MASK64:
-            raise ValueError(f"lora_id must be < 2**64, got {lora_id}")
+        lora_id = check_lora_id(lora_id, "lora_id")
         fields.append(_field(TAG_LORA, struct.pack("<Q", lora_id)))
     for item in sorted(_check_mm_items(mm_items), key=_mm_sort_key):
         payload = struct.pack("<QQ", item.offset, item.length) + item.hash.encode("utf-8")
         fields.append(_field(TAG_MM, payload))
     if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be a str or None, not {type(cache_salt).__name__}")
+        raise InvalidTypeError(f"must be a str or None, not {type_name(cache_salt)}", argument="cache_salt",
+                               fix="pass the salt as a str")
     if cache_salt:
         fields.append(_field(TAG_SALT, cache_salt.encode("utf-8")))
     return b"".join(fields)
@@ -726,12 +725,14 @@ def _mm_sort_key(item: MMItem) -> tuple[int, int, str]:
 
 
 def _check_mm_items(mm_items: Sequence[MMItem]) -> list[MMItem]:
+    fix = "pass a list of gpukv.MMItem(offset, length, hash)"
     if isinstance(mm_items, (str, bytes, MMItem)):
-        raise TypeError("mm_items must be a sequence of MMItem")
+        raise InvalidTypeError(f"must be a sequence of MMItem, not {type_name(mm_items)}", argument="mm_items",
+                               fix=fix)
     items = list(mm_items)
     for i, item in enumerate(items):
         if not isinstance(item, MMItem):
-            raise TypeError(f"mm_items[{i}] must be an MMItem, not {type(item).__name__}")
+            raise InvalidTypeError(f"must be an MMItem, not {type_name(item)}", argument=f"mm_items[{i}]", fix=fix)
     return items
 
 
@@ -754,9 +755,9 @@ def extra_key_digests(
     or ``NO_EXTRA`` when it has no extra keys.
     """
     key = _check_key(key)
-    num_blocks = _check_int(num_blocks, "num_blocks", minimum=0)
-    block_size = _check_int(block_size, "block_size", minimum=1)
-    first_block = _check_int(first_block, "first_block", minimum=0)
+    num_blocks = check_int(num_blocks, "num_blocks", minimum=0)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    first_block = check_int(first_block, "first_block", minimum=0)
     items = _check_mm_items(mm_items)
     # Each item lands in the blocks its token range touches: O(items + blocks).
     per_block: list[list[MMItem]] = [[] for _ in range(num_blocks)]
@@ -863,12 +864,11 @@ def hash_requests(
     may be lists (checked all at once) or 1-D integer arrays.
     """
     key = _check_key(key)
-    block_size = _check_int(block_size, "block_size", minimum=1)
+    block_size = check_int(block_size, "block_size", minimum=1)
     num_req = len(token_lists)
     if extras is not None and len(extras) != num_req:
-        raise ValueError(
-            f"extras has {len(extras)} entries, token_lists {num_req}: give one list per request"
-        )
+        raise InvalidInputError(f"has {len(extras)} entries, token_lists {num_req}", argument="extras",
+                                fix="give one list of extra-key digests per request")
     flat, lengths = _flat_tokens(token_lists, "token_lists")
     nblocks = [n // block_size for n in lengths]
     ext: list[list[bytes]] | None = None
@@ -876,9 +876,9 @@ def hash_requests(
         ext = []
         for r in range(num_req):
             if len(extras[r]) < nblocks[r]:
-                raise ValueError(
-                    f"extras[{r}] has {len(extras[r])} entries but request {r} has "
-                    f"{nblocks[r]} full blocks; give one extra-key digest per full block"
+                raise InvalidInputError(
+                    f"has {len(extras[r])} entries but request {r} has {nblocks[r]} full blocks",
+                    argument=f"extras[{r}]", fix="give one extra-key digest per full block",
                 )
             ext.append(_digest_list(extras[r], nblocks[r], f"extras[{r}]"))
     starts = np.cumsum([0] + lengths)[:-1].tolist()

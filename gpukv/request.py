@@ -60,11 +60,17 @@ import torch
 from gpukv.errors import (
     CapacityError,
     DuplicateRequestError,
+    GpukvInputError,
     InvalidInputError,
     InvalidTypeError,
     StaleComputedBlocksError,
     UnknownRequestError,
+    check_int,
+    check_lora_id,
+    check_utf8,
 )
+from gpukv.errors import short_repr as _short
+from gpukv.errors import type_name as _type_name
 from gpukv.hashing import MMItem
 from gpukv.limits import (  # noqa: F401  (the one table is gpukv.limits; its names are also read from here)
     MAX_COUNT,
@@ -301,46 +307,8 @@ class Step:
 
 # ------------------------------------------------------------------ scalars
 
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def _short(value: Any) -> str:
-    """A short repr for messages; objects without a plain value (whose repr
-    would show a memory address) are shown by their type only."""
-    if value is None or isinstance(value, (str, bytes, bytearray, int, float, complex, np.generic)):
-        text = repr(value)
-    else:
-        text = f"<{_type_name(value)}>"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def check_int(value: Any, argument: str, *, minimum: int | None = None, maximum: int | None = None,
-              fix: str = "") -> int:
-    """``value`` as a Python int, or raise: a bool or non-integer is an
-    ``InvalidTypeError``; below ``minimum`` an ``InvalidInputError``; above
-    ``maximum`` a ``CapacityError`` (numpy integers are accepted)."""
-    if isinstance(value, _BOOLS) or not isinstance(value, _INTS):
-        raise InvalidTypeError(f"must be an int, got {_type_name(value)} {_short(value)}", argument=argument,
-                               fix=fix or "pass a Python or numpy integer")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise InvalidInputError(f"must be >= {minimum}, got {value}", argument=argument,
-                                fix=fix or f"pass an int >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise CapacityError(f"must be <= {maximum}, got {value}", argument=argument,
-                            fix=fix or f"pass an int <= {maximum}")
-    return value
-
-
-def check_utf8(text: str, argument: str) -> None:
-    """Raise unless ``text`` can be encoded as UTF-8 (a lone surrogate cannot)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidInputError(f"is not valid UTF-8 ({e.reason} at index {e.start})", argument=argument,
-                                fix="pass a str without lone surrogates (e.g. decode bytes with errors='replace')"
-                                ) from None
+# check_int, check_lora_id and check_utf8 live in gpukv.errors (hashing refuses
+# through them too); they are imported above and read from here as before.
 
 
 # --------------------------------------------------------------- containers
@@ -603,10 +571,7 @@ def normalize_new_request(r: Any, argument: str, block_size: int, *,
                                 fix="give a new request at least one token")
     lora = r.lora_id
     if lora is not None:
-        lora = check_int(lora, f"{argument}.lora_id", minimum=0, fix="pass None or an int in [0, 2**64)")
-        if lora > MAX_LORA_ID:
-            raise InvalidInputError(f"{label}lora_id must be < 2**64, got {lora}", argument=f"{argument}.lora_id",
-                                    fix="pass None or an int in [0, 2**64)")
+        lora = check_lora_id(lora, f"{argument}.lora_id", label)
     salt = r.cache_salt
     if salt is not None:
         if not isinstance(salt, str):
@@ -1130,10 +1095,9 @@ def resolve_key(hash_key: Any) -> bytes:
 
     try:
         return resolve_hash_key(hash_key)
-    except TypeError as e:
-        raise InvalidTypeError(str(e), argument="hash_key", fix="pass 16 bytes, 32 hex characters or None") from None
-    except ValueError as e:
-        raise InvalidInputError(str(e), argument="hash_key", fix="pass 16 bytes, 32 hex characters or None") from None
+    except GpukvInputError as e:  # renamed: the key was the managers' hash_key, the environment keeps its name
+        problem = e.problem if e.argument == "key" else f"{e.argument} {e.problem}"
+        raise type(e)(problem, argument="hash_key", fix="pass 16 bytes, 32 hex characters or None") from None
 
 
 def available_memory(device: torch.device | None) -> int | None:

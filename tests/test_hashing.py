@@ -5,6 +5,7 @@ paths equal to the one-request ones."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpukv import hashing
+from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.hashing import (
     NO_EXTRA,
     MMItem,
@@ -44,6 +46,16 @@ VECTORS_FILE = Path(__file__).parent / "data" / "blake3_test_vectors.json"
 KEY = bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")
 OTHER_KEY = bytes(16)
 CONTEXT = "gpukv 2026-12-01 block hash key v2"
+
+
+@contextlib.contextmanager
+def refused(cls, argument: str, match: str | None = None):
+    """Expect exactly a ``cls`` naming ``argument`` (and a message matching ``match``)."""
+    with pytest.raises(cls, match=match) as info:
+        yield info
+    assert type(info.value) is cls
+    assert info.value.argument == argument
+    assert info.value.fix
 
 
 def _vectors() -> dict:
@@ -109,22 +121,23 @@ def test_key_derivation():
 
 @pytest.mark.parametrize(
     "key, exc",
-    [(bytes(15), ValueError), (bytes(17), ValueError), ("00" * 16, TypeError), (12345, TypeError)],
+    [(bytes(15), InvalidInputError), (bytes(17), InvalidInputError), ("00" * 16, InvalidTypeError),
+     (12345, InvalidTypeError)],
 )
 def test_rejects_bad_key(key, exc):
-    with pytest.raises(exc, match="16 bytes"):
+    with refused(exc, "key", "16 bytes"):
         keyed_digest(key, b"")
-    with pytest.raises(exc, match="16 bytes"):
+    with refused(exc, "key", "16 bytes"):
         blake3_key(key)
-    with pytest.raises(exc, match="16 bytes"):
+    with refused(exc, "key", "16 bytes"):
         block_digests_lanes(key, np.zeros((1, 2), np.uint64), np.zeros((1, 3), np.int64),
                             np.zeros((1, 2), np.uint64))
-    with pytest.raises(exc, match="16 bytes"):
+    with refused(exc, "key", "16 bytes"):
         hash_requests(key, [[1, 2]], 1)
 
 
 def test_keyed_digest_rejects_non_bytes():
-    with pytest.raises(TypeError, match="data must be bytes"):
+    with refused(InvalidTypeError, "data", "^data: must be bytes, not str; "):
         keyed_digest(KEY, "abc")
 
 
@@ -135,7 +148,7 @@ def test_key_never_shown():
     block_digest(secret, bytes(16), [1, 2, 3])  # puts the key in the hasher cache
     shown = [repr(hashing._hasher), repr(hashing._hasher.cache_info()), repr(hashing._hasher(secret))]
     for bad in (secret[:15], secret + b"x"):
-        with pytest.raises(ValueError) as info:
+        with refused(InvalidInputError, "key") as info:
             keyed_digest(bad, b"")
         shown.append(str(info.value))
     for text in shown:
@@ -246,9 +259,9 @@ def test_chain_parent_linkage():
         assert rest == chain[k:]
     # Extras beyond the hashed blocks are ignored; too few is an error.
     assert hash_block_chain(KEY, tokens, bs, extras=extras + [NO_EXTRA]) == chain
-    with pytest.raises(ValueError, match="extras has 3 entries but 4 blocks"):
+    with refused(InvalidInputError, "extras", "extras: has 3 entries but 4 blocks"):
         hash_block_chain(KEY, tokens, bs, extras=extras[:3])
-    with pytest.raises(ValueError, match="parent is required"):
+    with refused(InvalidInputError, "parent", "parent: is required"):
         hash_block_chain(KEY, tokens, bs, start_block=1)
 
 
@@ -264,43 +277,47 @@ def test_chain_depends_on_parent_and_prefix():
 
 
 def test_block_digest_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="16-byte"):
+    with refused(InvalidInputError, "parent", "16-byte digest, got 15 bytes"):
         block_digest(KEY, bytes(15), [1])
-    with pytest.raises(ValueError, match="extra must be a 16-byte"):
+    with refused(InvalidTypeError, "parent", "16-byte digest, not str"):
+        block_digest(KEY, "0" * 16, [1])
+    with refused(InvalidInputError, "extra", "extra: must be a 16-byte"):
         block_digest(KEY, bytes(16), [1], extra=b"x")
-    with pytest.raises(ValueError, match="at least one token"):
+    with refused(InvalidInputError, "token_ids", "at least one token"):
         block_digest(KEY, bytes(16), [])
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
+    with refused(InvalidInputError, "block_size", "block_size: must be >= 1"):
         hash_block_chain(KEY, [1, 2], 0)
-    with pytest.raises(TypeError, match="block_size must be an int"):
+    with refused(InvalidTypeError, "block_size", "block_size: must be an int"):
         hash_block_chain(KEY, [1, 2], 2.0)
+    with refused(InvalidInputError, "start_block", "start_block: must be >= 0"):
+        hash_block_chain(KEY, [1, 2], 1, parent=bytes(16), start_block=-1)
 
 
 # ---------------------------------------------------------------- token validation
 
 BAD_TOKENS = [
-    (-1, ValueError, "out of range"),
-    (2**32, ValueError, "out of range"),
-    (2**70, ValueError, "out of range"),
-    (1.0, TypeError, "float"),
-    ("5", TypeError, "str"),
-    (True, TypeError, "bool"),
-    (False, TypeError, "bool"),
-    (None, TypeError, "NoneType"),
+    (-1, InvalidInputError, "out of range"),
+    (2**32, InvalidInputError, "out of range"),
+    (2**70, InvalidInputError, "out of range"),
+    (1.0, InvalidTypeError, "float"),
+    ("5", InvalidTypeError, "str"),
+    (True, InvalidTypeError, "bool"),
+    (False, InvalidTypeError, "bool"),
+    (None, InvalidTypeError, "NoneType"),
 ]
 
 
 @pytest.mark.parametrize("bad, exc, what", BAD_TOKENS)
 def test_bad_token_ids_name_the_position(bad, exc, what):
     tokens = [3, 1, bad, 4]
-    with pytest.raises(exc, match=r"token_ids\[2\]") as info:
+    with refused(exc, "token_ids[2]") as info:
         block_digest(KEY, bytes(16), tokens)
     assert what in str(info.value)
     # Positions are absolute within the request, also when hashing from a later block.
     long = [5, 6, 7, 8] + tokens
-    with pytest.raises(exc, match=r"token_ids\[6\]"):
+    with refused(exc, "token_ids[6]"):
         hash_block_chain(KEY, long, 4, parent=bytes(16), start_block=1)
-    with pytest.raises(exc, match=r"token_lists\[1\]\[6\]"):
+    with refused(exc, "token_lists[1][6]"):
         hash_requests(KEY, [[1, 2, 3, 4], long], 4)
 
 
@@ -308,20 +325,35 @@ ZERO_LANES_2 = np.zeros((2, 2), np.uint64)
 
 
 def test_bad_token_arrays():
-    with pytest.raises(ValueError, match=r"token_ids\[1\] = -3"):
+    with refused(InvalidInputError, "token_ids[1]", "= -3 is out of range"):
         block_digest(KEY, bytes(16), np.array([1, -3, 2]))
-    with pytest.raises(ValueError, match=r"token_ids\[0\] = 4294967296"):
+    with refused(InvalidInputError, "token_ids[0]", "= 4294967296 is out of range"):
         block_digest(KEY, bytes(16), np.array([2**32], dtype=np.uint64))
-    with pytest.raises(TypeError, match="bool"):
+    with refused(InvalidTypeError, "token_ids[0]", "bool"):
         block_digest(KEY, bytes(16), np.array([True, False]))
-    with pytest.raises(TypeError, match="float64"):
+    with refused(InvalidTypeError, "token_ids[0]", "float64"):
         block_digest(KEY, bytes(16), np.array([1.0, 2.0]))
-    with pytest.raises(TypeError, match="sequence of int token ids"):
+    with refused(InvalidTypeError, "token_ids", "sequence of int token ids"):
         block_digest(KEY, bytes(16), "abc")
-    with pytest.raises(ValueError, match=r"tokens\[1, 0\] = -1"):
+    with refused(InvalidInputError, "token_ids", "must be 1-D"):
+        block_digest(KEY, bytes(16), np.ones((2, 2), np.int64))
+    with refused(InvalidInputError, "tokens[1, 0]", "= -1 is out of range"):
         block_digests_lanes(KEY, ZERO_LANES_2, np.array([[1, 2], [-1, 3]]), ZERO_LANES_2)
-    with pytest.raises(TypeError, match="integer array"):
+    with refused(InvalidTypeError, "tokens", "integer array"):
         block_digests_lanes(KEY, ZERO_LANES_2, np.ones((2, 2)), ZERO_LANES_2)
+    with refused(InvalidInputError, "tokens", "must have shape"):
+        block_digests_lanes(KEY, ZERO_LANES_2, np.ones((3, 2), np.int64), ZERO_LANES_2)
+
+
+def test_bad_lanes():
+    with refused(InvalidTypeError, "parents", "uint64"):
+        block_digests_lanes(KEY, np.zeros((2, 2), np.float64), np.ones((2, 2), np.int64), ZERO_LANES_2)
+    with refused(InvalidInputError, "extras", r"must have shape \[2, 2\]"):
+        block_digests_lanes(KEY, ZERO_LANES_2, np.ones((2, 2), np.int64), np.zeros((3, 2), np.uint64))
+    with refused(InvalidInputError, "lanes", r"must have shape \[n, 2\]"):
+        lanes_to_digests(np.zeros(4, np.uint64))
+    with refused(InvalidInputError, "digests[1]", "16-byte digest, got 3 bytes"):
+        digests_to_lanes([bytes(16), b"abc"])
 
 
 def test_numpy_integer_tokens_accepted():
@@ -382,24 +414,24 @@ def test_hash_requests_equals_chains(block_size, lengths, with_extras, as_arrays
 def test_hash_requests_edge_cases():
     assert hash_requests(KEY, [], 4) == []
     assert hash_requests(KEY, [[1, 2], []], 4) == [[], []]
-    with pytest.raises(ValueError, match="extras has 1 entries, token_lists 2"):
+    with refused(InvalidInputError, "extras", "extras: has 1 entries, token_lists 2"):
         hash_requests(KEY, [[1], [2]], 1, extras=[[NO_EXTRA]])
-    with pytest.raises(ValueError, match=r"extras\[0\] has 1 entries but request 0 has 2"):
+    with refused(InvalidInputError, "extras[0]", r"extras\[0\]: has 1 entries but request 0 has 2"):
         hash_requests(KEY, [[1, 2]], 1, extras=[[NO_EXTRA]])
 
 
 def test_hash_requests_token_checks_in_batch():
     """The batch path checks every request's tokens (lists all at once) and
     names the bad position; lists, tuples and arrays may be mixed."""
-    with pytest.raises(TypeError, match=r"token_lists\[1\]\[2\] is a bool"):
+    with refused(InvalidTypeError, "token_lists[1][2]", r"token_lists\[1\]\[2\]: is a bool"):
         hash_requests(KEY, [[0, 1, 2], [1, 0, True, 5]], 2)
-    with pytest.raises(ValueError, match=r"token_lists\[0\]\[1\] = -1"):
+    with refused(InvalidInputError, "token_lists[0][1]", r"token_lists\[0\]\[1\]: = -1"):
         hash_requests(KEY, [[0, -1], [1, 2]], 2)
-    with pytest.raises(TypeError, match=r"token_lists\[1\]\[0\] has type float"):
+    with refused(InvalidTypeError, "token_lists[1][0]", r"token_lists\[1\]\[0\]: has type float"):
         hash_requests(KEY, [[0, 1], [1.0, 2]], 2)
-    with pytest.raises(ValueError, match=r"token_lists\[2\]\[1\] = 4294967296"):
+    with refused(InvalidInputError, "token_lists[2][1]", r"token_lists\[2\]\[1\]: = 4294967296"):
         hash_requests(KEY, [np.array([0, 1]), [1, 2], np.array([3, 2**32], dtype=np.uint64)], 2)
-    with pytest.raises(ValueError, match=r"token_lists\[0\]\[0\] = -5"):
+    with refused(InvalidInputError, "token_lists[0][0]", r"token_lists\[0\]\[0\]: = -5"):
         hash_requests(KEY, [np.array([-5, 1], dtype=np.int8)], 2)
     mixed = [[0, 1, 2, 3], (4, 5, 6), np.array([7, 8, 9, 2**32 - 1], dtype=np.uint64),
              np.arange(10, dtype=np.int16)[::2]]
@@ -490,22 +522,32 @@ def test_first_block_window():
 
 
 def test_extra_key_argument_errors():
-    with pytest.raises(ValueError, match="MMItem.length must be >= 1"):
+    with refused(InvalidInputError, "MMItem.length", "MMItem.length: must be >= 1"):
         MMItem(0, 0, "h")
-    with pytest.raises(ValueError, match="MMItem.offset must be >= 0"):
+    with refused(InvalidInputError, "MMItem.offset", "MMItem.offset: must be >= 0"):
         MMItem(-1, 2, "h")
-    with pytest.raises(TypeError, match="MMItem.hash must be a str"):
+    with refused(InvalidTypeError, "MMItem.offset", "must be an int"):
+        MMItem(1.5, 2, "h")
+    with refused(InvalidTypeError, "MMItem.hash", "MMItem.hash: must be a str"):
         MMItem(0, 2, b"h")
-    with pytest.raises(ValueError, match="non-empty"):
+    with refused(InvalidInputError, "MMItem.hash", "non-empty"):
         MMItem(0, 2, "")
-    with pytest.raises(TypeError, match=r"mm_items\[0\] must be an MMItem"):
+    with refused(InvalidTypeError, "mm_items[0]", r"mm_items\[0\]: must be an MMItem"):
         extra_key_digests(KEY, 1, 4, mm_items=[(0, 2, "h")])
-    with pytest.raises(TypeError, match="lora_id must be an int"):
+    with refused(InvalidTypeError, "mm_items", "must be a sequence of MMItem"):
+        extra_key_digests(KEY, 1, 4, mm_items=MMItem(0, 2, "h"))
+    with refused(InvalidTypeError, "lora_id", "lora_id: must be an int"):
         extra_key_digests(KEY, 1, 4, lora_id=True)
-    with pytest.raises(ValueError, match="lora_id must be >= 0"):
+    with refused(InvalidInputError, "lora_id", "lora_id: must be >= 0"):
         extra_key_digests(KEY, 1, 4, lora_id=-1)
-    with pytest.raises(TypeError, match="cache_salt must be a str"):
+    with refused(InvalidInputError, "lora_id", "must be < 2"):
+        encode_extra_keys(lora_id=2**64)
+    with refused(InvalidTypeError, "cache_salt", "cache_salt: must be a str"):
         extra_key_digests(KEY, 1, 4, cache_salt=b"s")
+    with refused(InvalidInputError, "num_blocks", "must be >= 0"):
+        extra_key_digests(KEY, -1, 4)
+    with refused(InvalidInputError, "first_block", "must be >= 0"):
+        extra_key_digests(KEY, 1, 4, first_block=-1)
 
 
 # ---------------------------------------------------------------- key resolution
@@ -562,7 +604,7 @@ SECRET_HEX = "5ec2e75ec2e75ec2e75ec2e75ec2e7"  # 30 hex chars: wrong length
 )
 @pytest.mark.usefixtures("clean_env")  # for its side effect: no hash key in the environment
 def test_bad_explicit_keys(key, match):
-    with pytest.raises(ValueError, match=match) as info:
+    with refused(InvalidInputError, "key", match) as info:
         resolve_hash_key(key)
     assert SECRET_HEX not in str(info.value)
 
@@ -571,12 +613,12 @@ def test_bad_env_keys_do_not_echo(clean_env):
     for value, match in [(SECRET_HEX, "32 hex characters"), ("zz" + SECRET_HEX, "only hex digits"),
                          ("   ", "got 0 characters")]:  # set but blank: an error, not silently "unset"
         clean_env.setenv("GPUKV_HASH_KEY", value)
-        with pytest.raises(ValueError, match=f"GPUKV_HASH_KEY must.*{match}") as info:
+        with refused(InvalidInputError, "GPUKV_HASH_KEY", f"GPUKV_HASH_KEY: must.*{match}") as info:
             resolve_hash_key()
         assert SECRET_HEX not in str(info.value)
     clean_env.delenv("GPUKV_HASH_KEY")
     clean_env.setenv("PYTHONHASHSEED", "not-a-number-5ec2e7")
-    with pytest.raises(ValueError, match="PYTHONHASHSEED must be") as info:
+    with refused(InvalidInputError, "PYTHONHASHSEED", "PYTHONHASHSEED: must be") as info:
         resolve_hash_key()
     assert "5ec2e7" not in str(info.value)
 
