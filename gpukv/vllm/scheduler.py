@@ -17,9 +17,11 @@ that, step by step). Two ways to get there:
   not handle, the whole step is vLLM's own (``Scheduler``'s docstring names
   those cases); where the running batch does not fit, vLLM's loop goes on
   from the first request that did not, one call at a time. The output is
-  built in one pass over the scheduled requests (``gpukv.vllm.batched_step``),
-  and ``update_from_output`` after a batched step is a tighter loop making
-  vLLM's own objects (``gpukv.vllm.batched_update``).
+  built in one pass over the scheduled requests (``BatchedOutput``, in
+  ``gpukv.vllm.batched_step``), and ``update_from_output`` after a batched
+  step is a tighter loop making vLLM's own objects (``BatchedUpdate``, in
+  ``gpukv.vllm.batched_update``). Both are bases of ``Scheduler``: methods
+  of the scheduler, apart by what they do, changing the scheduler's state.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ from itertools import accumulate, islice
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from gpukv.vllm.batched_step import BatchedStep, make_output
-from gpukv.vllm.batched_update import update_batched
+from gpukv.vllm.batched_step import BatchedOutput, BatchedStep
+from gpukv.vllm.batched_update import BatchedUpdate
 from gpukv.vllm.discarded import unlink_free_list
 from gpukv.vllm.manager import KVCacheManager
 
@@ -45,7 +46,7 @@ that many wait and are batchable): prefix hits can make each take a few
 tokens, and every further call is one more gpukv step."""
 
 
-class Scheduler(VllmScheduler):
+class Scheduler(BatchedOutput, BatchedUpdate):
     """vLLM's scheduler with gpukv's block manager. ``backend``: "auto" (the
     device manager on CUDA, else the reference), "reference" or "device".
 
@@ -110,7 +111,7 @@ class Scheduler(VllmScheduler):
             return super().schedule()
         step = BatchedStep(token_budget=self.max_num_scheduled_tokens, timestamp=time.monotonic())
         self._schedule_batched(step, plan)
-        return make_output(self, step)
+        return self._batched_output(step)
 
     def _batchable(self) -> bool:
         """No LoRA, KV connector, EAGLE or sliding window, and no request
@@ -340,10 +341,10 @@ class Scheduler(VllmScheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> EngineCoreOutputs:
         """vLLM's ``update_from_output``; after a batched step (no encoder
         inputs or structured output in it) a tighter loop that makes the same
-        objects and state changes (``gpukv.vllm.batched_update``)."""
+        objects and state changes (``BatchedUpdate``)."""
         if not self._last_batched:
             return super().update_from_output(scheduler_output, model_runner_output)
-        return update_batched(self, scheduler_output, model_runner_output)
+        return self._update_batched(scheduler_output, model_runner_output)
 
 
 class ReferenceScheduler(Scheduler):
