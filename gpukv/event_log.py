@@ -5,8 +5,9 @@ by torch operations around the kernels that cache and evict (no host read):
 ``removes`` between a pop and the erase of the popped blocks' hashes (the
 digests are still in the table then), ``stores`` right after ``record``
 (the block's inputs were just copied into the pool). Each event is one row of
-``meta`` (int64[capacity + 1, 10]: kind, group, block, digest lanes, parent
-lanes, LoRA id, position, whether there is a LoRA id) and of ``tokens`` (int32[capacity + 1,
+``meta`` (int64[capacity + 1, 9]: kind, group, digest lanes, parent lanes,
+LoRA id, position, whether there is a LoRA id; no block id: an event names
+its block by its digest, so a drain never brings an id to the host) and of ``tokens`` (int32[capacity + 1,
 block_size]); the last row is where masked-out entries and overflow go.
 ``count`` (int64[1]) counts the events written since the last drain, so
 ``count - capacity`` were dropped when it exceeds the capacity.
@@ -24,7 +25,7 @@ import torch
 from gpukv.events import BlockRemoved, BlockStored, KVCacheEvent
 
 STORE, REMOVE = 1, 2
-_WIDTH = 10  # kind, group, block, lo, hi, parent lo, parent hi, lora, position, has lora
+_WIDTH = 9  # kind, group, lo, hi, parent lo, parent hi, lora, position, has lora
 
 
 def _u64(x: int) -> int:
@@ -63,7 +64,7 @@ class DeviceEventLog:
         slot = self._slots(ok != 0)
         b = blk.to(torch.int64).clamp(min=0)
         r = row.to(torch.int64)
-        cols = [torch.full_like(b, STORE), group.to(torch.int64), b, key[:, 0], key[:, 1], blk_parent[b, 0],
+        cols = [torch.full_like(b, STORE), group.to(torch.int64), key[:, 0], key[:, 1], blk_parent[b, 0],
                 blk_parent[b, 1], row_lora[r, 1], pos.to(torch.int64), row_lora[r, 0]]
         self.meta[slot] = torch.stack(cols, 1)
         self.tokens[slot] = blk_tokens[b]
@@ -78,7 +79,7 @@ class DeviceEventLog:
         slot = self._slots(cached)
         sc = s.clamp(min=0)
         zero = torch.zeros_like(pc)
-        cols = [torch.full_like(pc, REMOVE), table.slot_group[sc].to(torch.int64), pc, table.slot_lo[sc],
+        cols = [torch.full_like(pc, REMOVE), table.slot_group[sc].to(torch.int64), table.slot_lo[sc],
                 table.slot_hi[sc], zero, zero, zero, zero, zero]
         self.meta[slot] = torch.stack(cols, 1)
 
@@ -101,7 +102,7 @@ class DeviceEventLog:
         bs = self.block_size
         events: list[KVCacheEvent] = []
         for i in range(n):
-            kind, group, _, lo, hi, plo, phi, lora, pos, has_lora = meta[i * _WIDTH: (i + 1) * _WIDTH]
+            kind, group, lo, hi, plo, phi, lora, pos, has_lora = meta[i * _WIDTH: (i + 1) * _WIDTH]
             if kind == STORE:
                 tokens = [t & 0xFFFFFFFF for t in toks[i * bs: (i + 1) * bs]]
                 events.append(BlockStored([_digest(lo, hi)], _digest(plo, phi) if pos > 0 else None, tokens, bs,
