@@ -92,9 +92,13 @@ Triton's launch path measured, stated GPU costs per counted operation); a
 second table gives its counts, each stated cost beside its count, and the
 first timed step beside the others' p50 (a first-time cost timed would
 show there). Keep it small: ``--targets 40 --steps 20``. Not measured per
-admission (the buckets are the reference's).
+admission (the buckets are the reference's). ``--worker`` adds a column: the
+device scheduler built as under ``gpukv.vllm.Worker``, whose model runner
+reads gpukv's block tables on the device (``worker_bound``): the adapter
+reads no block id back and vLLM's SchedulerOutput carries none, the
+configuration gpukv's worker runs (Model Runner V2).
 
-    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device] [--json PATH]
+    PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device [--worker]] [--json PATH]
 
 (VENV: one with vLLM 0.33 or later: ``tests/test_vllm033/harness.py``'s
 ``INSTALL_HINT``.)
@@ -103,6 +107,7 @@ admission (the buckets are the reference's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -111,6 +116,7 @@ import platform
 import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,10 +357,16 @@ def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argp
     row["ratio_p50"] = row["gpukv"]["p50_ms"] / row["vllm"]["p50_ms"]
     row["ratio_p50_per_repeat"] = per_repeat
     if "device" in classes:
-        t0 = time.perf_counter()
-        row["device"], row["launch_path_unmeasured"] = measure_device(h, classes["device"], prompts, target,
-                                                                      options, args, first)
-        print(f"  device scheduler at {target}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        whys = []
+        for key, worker in (("device", False), ("worker", True)):
+            if worker and not args.worker:
+                continue
+            t0 = time.perf_counter()
+            row[key], why = measure_device(h, classes["device"], prompts, target, options, args, first, worker)
+            whys += [why] if why else []
+            print(f"  device scheduler{' (worker binding)' if worker else ''} at {target}: "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        row["launch_path_unmeasured"] = "; ".join(whys) or None
     return row
 
 
@@ -362,16 +374,41 @@ def _step_out(run: TraceRun, clock) -> tuple[float, Any]:
     return run.step_out(clock)
 
 
+@contextlib.contextmanager
+def worker_bound(options: dict, bound: bool) -> Iterator[None]:
+    """Inside, when ``bound``, schedulers are built as under ``gpukv.vllm.Worker``:
+    a model runner of ``max_num_seqs`` rows, one group whose table spans
+    ``max_model_len``, has said what it reads (``BINDING.expect``, as the
+    worker's runner does before the engine builds its scheduler), so the
+    adapter reads no block id back (``ids_on_device``) and vLLM's
+    SchedulerOutput carries none. Unbound again after."""
+    if not bound:
+        yield
+        return
+    from gpukv.vllm.v0_33.binding import BINDING
+
+    BINDING.expect(max_num_reqs=options["max_num_seqs"], widths=[options["max_model_len"] // BS], block_sizes=[BS])
+    try:
+        yield
+    finally:
+        BINDING.reset()
+
+
 def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
-                   ref: Work) -> tuple[dict, str | None]:
+                   ref: Work, worker: bool = False) -> tuple[dict, str | None]:
     """The device scheduler on the plan vLLM's runs followed (fill, warm-up,
     timed steps), checked to do vLLM's work; without CUDA its honest twin
     (``benchmarks/device_twin.py``): the summary of its timed steps, and why
-    the launch path could not be measured (None when it was)."""
+    the launch path could not be measured (None when it was). ``worker``:
+    both schedulers built under the gpukv worker's binding (``worker_bound``)."""
     gc.collect()
-    real = TraceRun(h, cls, prompts, target, options)
-    cuda = real.sched.kv_cache_manager.manager.device.type == "cuda"
-    device = DeviceTwin(real, None if cuda else TraceRun(h, cls, prompts, target, options), _step_out, digest)
+    with worker_bound(options, worker):
+        real = TraceRun(h, cls, prompts, target, options)
+        cuda = real.sched.kv_cache_manager.manager.device.type == "cuda"
+        twin = None if cuda else TraceRun(h, cls, prompts, target, options)
+    if worker and not all(r.sched.kv_cache_manager.ids_on_device for r in (real, twin) if r is not None):
+        raise SystemExit(f"{cls.__name__} at {target}: the worker's binding did not take (block ids still read back)")
+    device = DeviceTwin(real, twin, _step_out, digest)
     rows: list[tuple[bool, dict]] = []
 
     def step(timed: bool) -> None:
@@ -469,12 +506,16 @@ def _device_figure(d: dict) -> dict | None:
     return d.get("honest_ms") or d.get("wall_ms")
 
 
+#: The device columns: a row's key, and its name in the tables.
+DEVICE_COLUMNS = (("device", "gpukv device"), ("worker", "gpukv device, worker binding"))
+
+
 def print_step_table(rows: list[dict]) -> None:
-    device = any("device" in r for r in rows)
+    columns = [(key, name) for key, name in DEVICE_COLUMNS if any(key in r for r in rows)]
     print("| target | running (mean, min-max) | prefix hits | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms "
-          "| ratio gpukv/vLLM p50 [per repeat] |" + (" gpukv device p50 (p99) ms | ratio device/vLLM p50 |"
-                                                   if device else ""))
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if device else ""))
+          "| ratio gpukv/vLLM p50 [per repeat] |"
+          + "".join(f" {name} p50 (p99) ms | ratio {key}/vLLM p50 |" for key, name in columns))
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: | ---: |" * len(columns))
     for r in rows:
         v, g = r["vllm"], r["gpukv"]
         lo, hi = min(r["ratio_p50_per_repeat"]), max(r["ratio_p50_per_repeat"])
@@ -482,21 +523,25 @@ def print_step_table(rows: list[dict]) -> None:
                 f"| {100 * r['hit_tokens'] / r['prompt_tokens']:.0f}% of {r['requests_scheduled']} prompts "
                 f"| {v['p50_ms']:.3f} ({v['p99_ms']:.3f}) | {g['p50_ms']:.3f} ({g['p99_ms']:.3f}) "
                 f"| {r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}] |")
-        if device:
-            f = _device_figure(r.get("device", {}))
+        for key, _ in columns:
+            f = _device_figure(r.get(key, {}))
             line += f" {f['p50']:.3f} ({f['p99']:.3f}) | {f['p50'] / v['p50_ms']:.2f}x |" if f else " - | - |"
         print(line)
 
 
 def print_device_table(rows: list[dict], costs: GpuCosts) -> None:
-    """The honest twin's counts and parts per step, each stated cost beside its count."""
-    print(f"| target | {twin_head(costs)} | first timed step / others' p50 host ms |")
-    print("| ---: |" + " ---: |" * 11)
+    """The honest twin's counts and parts per step, each stated cost beside
+    its count: one line per target and device column."""
+    print(f"| target | binding | {twin_head(costs)} | first timed step / others' p50 host ms |")
+    print("| ---: | --- |" + " ---: |" * 11)
     for r in rows:
-        d = r["device"]
-        first = d.get("first_host_ms")
-        print(f"| {r['target']} | " + " | ".join(twin_cells(d))
-              + (f" | {first['first']:.3f} / {first['p50_others']:.3f} |" if first else " | - |"))
+        for key, _ in DEVICE_COLUMNS:
+            if key not in r:
+                continue
+            d = r[key]
+            first = d.get("first_host_ms")
+            print(f"| {r['target']} | {'worker' if key == 'worker' else 'none'} | " + " | ".join(twin_cells(d))
+                  + (f" | {first['first']:.3f} / {first['p50_others']:.3f} |" if first else " | - |"))
 
 
 def print_admission_table(rows: list[dict]) -> None:
@@ -533,6 +578,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "follow: without CUDA its honest twin (benchmarks/device_twin.py; its kernels run under "
                         "Triton's interpreter, seconds per admitted request: use a small --targets and few "
                         "--steps)")
+    p.add_argument("--worker", action="store_true",
+                   help="--device: also the device scheduler built as under gpukv.vllm.Worker (its runner reads "
+                        "gpukv's tables: no block id read back, none in SchedulerOutput), a column beside the "
+                        "unbound one")
     p.add_argument("--launch-samples", type=int, default=5,
                    help="--device without CUDA: samples of each step's launch path (5)")
     p.add_argument("--gpu-costs", help="--device without CUDA: the stated costs, us, as name=us,... over the "
@@ -549,6 +598,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be at least 1")
     if min(args.targets) < 1:
         p.error("--targets must be at least 1")
+    if args.worker and not args.device:
+        p.error("--worker needs --device")
     args.costs = GpuCosts.parse(args.gpu_costs)
     return args
 
@@ -623,7 +674,7 @@ def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dic
                        "python": sys.version.split()[0], "load": load, "seconds": seconds,
                        "max_requests": args.max_requests, "targets": args.targets, "fill_steps": args.fill_steps,
                        "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-                       "hits_equal": True, "device": args.device, "cuda": cuda,
+                       "hits_equal": True, "device": args.device, "worker": args.worker, "cuda": cuda,
                        "gpu_costs": vars(args.costs) if args.device else None,
                        "tables": tables, "admissions": admissions}, f, indent=1)
 

@@ -37,7 +37,6 @@ from gpukv.request import (
 _max = np.maximum.reduce
 _min = np.minimum.reduce
 _any = np.logical_or.reduce
-_all = np.logical_and.reduce
 
 
 @dataclass(frozen=True)
@@ -131,14 +130,17 @@ def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> 
                                argument="running", fix=fix)
     if not len(rows):
         return run
-    if int(_min(rows)) < 0 or int(_max(rows)) >= len(in_use) or not _all(in_use[rows]):
-        raise InvalidInputError("a prechecked batch names a row no running request holds", argument="running",
+    # (one count per row, in a few whole-array passes: a row past the last makes the counts longer, one named
+    # twice counts 2, one not held counts above its in_use)
+    named = np.bincount(rows, minlength=len(in_use)) if int(_min(rows)) >= 0 else None
+    if named is None or len(named) > len(in_use) or _any(named > in_use):
+        twice = named is not None and len(named) == len(in_use) and not _any((named > 0) & ~in_use)
+        raise InvalidInputError("a prechecked batch names a row twice" if twice else
+                                "a prechecked batch names a row no running request holds", argument="running",
                                 fix=fix)
     if _any(num_tokens[rows] != run.num_tokens):
         raise InvalidInputError("a prechecked batch's known tokens are not the manager's (built from stale "
                                 "counts)", argument="running", fix=fix)
-    if len(np.unique(rows)) != len(rows):
-        raise InvalidInputError("a prechecked batch names a row twice", argument="running", fix=fix)
     # (the token ids stay checked here whoever built the batch: a hit is exact whatever tokens arrive)
     if isinstance(run.tokens, np.ndarray):  # (a token tensor on the device is checked there, as any)
         _checked_int_array(run.tokens.ravel(), "new_token_ids", "a prechecked batch's rows (zero-padded): ",

@@ -72,11 +72,16 @@ def test_unequal_work_exits_nonzero():
 def test_quick_run_with_the_device_twin(tmp_path, capsys):
     """``--device``: the device scheduler on vLLM's plan (its work checked
     equal), a third column beside vLLM and the reference, and without CUDA
-    its honest twin's table, each stated cost beside its count."""
+    its honest twin's table, each stated cost beside its count; with
+    ``--worker`` a fourth, the same scheduler bound as under gpukv's worker:
+    no block id read back, the process's binding undone after."""
+    from gpukv.vllm.v0_33.binding import BINDING
+
     bench = load_benchmark("bench_mooncake")
     out = tmp_path / "mooncake.json"
-    assert bench.main(["--quick", "--device", "--targets", "4", "--no-admissions", "--schedulers", "Scheduler",
-                       "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--device", "--worker", "--targets", "4", "--no-admissions", "--schedulers",
+                       "Scheduler", "--json", str(out)]) == 0
+    assert BINDING.expected is None and BINDING.manager is None
     result = json.loads(out.read_text())
     assert result["device"] is True and result["admissions"] == []
     (table,) = result["tables"]
@@ -86,14 +91,22 @@ def test_quick_run_with_the_device_twin(tmp_path, capsys):
     device = row["device"]
     assert device["steps"] == result["steps"] == 5
     assert device["launches"]["min"] > 0 and device["reads"]["max"] > 0  # (a decode step may read nothing)
+    worker = row["worker"]
+    assert worker["steps"] == 5 and worker["launches"]["min"] > 0
+    assert worker["reads"]["max"] == 0  # (the step that read its new blocks' ids reads nothing bound)
     lines = capsys.readouterr().out.splitlines()
     assert lines[lines.index("vLLM's Scheduler against gpukv's ReferenceScheduler and DeviceScheduler"
                              + ("" if result["cuda"] else " (its honest twin: host time + stated GPU costs)")
-                             + ":") + 1].endswith("| gpukv device p50 (p99) ms | ratio device/vLLM p50 |")
+                             + ":") + 1].endswith("| gpukv device p50 (p99) ms | ratio device/vLLM p50 "
+                                                  "| gpukv device, worker binding p50 (p99) ms "
+                                                  "| ratio worker/vLLM p50 |")
     if result["cuda"]:
         return
     assert set(device["counts"]) == {"torch_op", "upload", "event_record", "event_wait", "read", "stream_query"}
     assert set(device["first_host_ms"]) == {"first", "p50_others"}
-    assert any(line.startswith("| target | launches/step | torch ops (x 5 us) | uploads (x 4 us) |") for line in lines)
+    assert any(line.startswith("| target | binding | launches/step | torch ops (x 5 us) | uploads (x 4 us) |")
+               for line in lines)
+    assert [line.split(" | ")[1] for line in lines if line.startswith("| 4 | ") and " | " in line][-2:] == [
+        "none", "worker"]
     if row["launch_path_unmeasured"] is None:
         assert device["honest_ms"]["p50"] > device["host_ms"]["p50"]

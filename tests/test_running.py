@@ -296,7 +296,7 @@ def test_a_prechecked_batch_is_taken_without_a_second_normalisation(kind, monkey
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
-@pytest.mark.parametrize("wrong", ["known", "row", "twice", "token"])
+@pytest.mark.parametrize("wrong", ["known", "row", "negative", "past the last", "twice", "token"])
 def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong):
     m = managers()[kind]
     rows, batch = _prechecked_pair(m)
@@ -307,6 +307,9 @@ def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong
         batch, match = replace(batch, normalized=stale), "known tokens are not the manager's"
     elif wrong == "row":  # a row no request holds
         batch, match = replace(batch, normalized=replace(run, rows=rows + [0, 5])), "row no running request holds"
+    elif wrong in ("negative", "past the last"):  # a row outside the manager's rows
+        outside = rows + ([0, -1000] if wrong == "negative" else [0, 10**6])
+        batch, match = replace(batch, normalized=replace(run, rows=outside)), "row no running request holds"
     elif wrong == "twice":  # one row named twice ("a"'s, with "a"'s count)
         twice = replace(run, rows=rows[[0, 0]], num_tokens=run.num_tokens[[0, 0]])
         batch, match = replace(batch, normalized=twice), "names a row twice"

@@ -144,24 +144,36 @@ def decode_layout(bucket: tuple, num_groups: int, num_window_groups: int) -> lis
     return names + [("h_start", BP), ("h_count", BP), ("alloc", 5 * BP * G * A), ("record", 4 * BP * G * C)]
 
 
+def uploaded_size(bucket: tuple, layout: list[tuple[str, int]]) -> tuple[int, int]:
+    """(int32 elements of the uploaded plan arrays, of the new tokens that
+    follow them): the host sends both in one copy. The plan's part is even
+    (its arrays are multiples of the padded batch, a power of two of at
+    least 8), so the int64 tokens after it are aligned."""
+    BP, k = bucket[:2]
+    return sum(size for name, size in layout if name in UPLOADED), 2 * BP * k
+
+
 def decode_buffers(bucket: tuple, layout: list[tuple[str, int]], device: torch.device) -> DecodeBuffers:
-    """A bucket's fixed device buffers, the plan's views laid out as ``layout``."""
+    """A bucket's fixed device buffers: the plan's views laid out as
+    ``layout``, the uploaded arrays first, then the new tokens (int64[BP, k],
+    sent in the same copy), then what ``decode_fit`` writes."""
     BP, k = bucket[:2]
     sizes = dict(layout)
     EA, E, ER = sizes["alloc"] // 5, sizes["record"] // 4, max(sizes.get("r_grp", 0), 1)
-    plan = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
+    uploaded, tokens = uploaded_size(bucket, layout)
+    plan = torch.zeros(sum(sizes.values()) + tokens, dtype=torch.int32, device=device)
     views, off = {}, 0
     for name, size in sizes.items():
         views[name] = plan[off: off + size]
-        off += size
+        off += size + (tokens if off + size == uploaded else 0)
     views["alloc"], views["record"] = views["alloc"].view(5, EA), views["record"].view(4, E)
-    uploaded = sum(size for name, size in sizes.items() if name in UPLOADED)
 
     def zeros(shape, dtype=torch.int64) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device)
 
     return DecodeBuffers(
-        plan=plan, uploaded=plan[:uploaded], views=views, new_tokens=zeros((BP, k)), count=zeros(1),
+        plan=plan, uploaded=plan[:uploaded + tokens], views=views,
+        new_tokens=plan[uploaded:uploaded + tokens].view(torch.int64).view(BP, k), count=zeros(1),
         status=zeros(decode_ops.NUM_STATUS), popped=zeros(EA, torch.int32),
         release_scratch=zeros((2, ER), torch.int32), release_workspace=zeros(ER), record_scratch=zeros((4, E)),
         record_seq=zeros(E))
@@ -281,14 +293,16 @@ class DecodePath:
         cached = self.host_plans.get((bucket, staging.parity))
         if cached is not None:
             return cached
-        BP, L = bucket[0], bucket[2]
-        uploaded = [(name, size) for name, size in self.layout(bucket) if name in UPLOADED]
-        packed = staging.host_array(("decode", bucket), sum(size for _, size in uploaded))
-        views: dict[str, Any] = {}
+        BP, k, L = bucket[:3]
+        layout = self.layout(bucket)
+        size, tokens = uploaded_size(bucket, layout)
+        packed = staging.host_array(("decode", bucket), size + tokens)
+        views: dict[str, Any] = {"tokens": packed[size:].view(np.int64).reshape(BP, k)}
         off = 0
-        for name, size in uploaded:
-            views[name] = packed[off: off + size]
-            off += size
+        for name, n in layout:
+            if name in UPLOADED:
+                views[name] = packed[off: off + n]
+                off += n
         if L:
             W, G = len(self._window_groups), self.num_groups
             for name in ("r_grp", "r_row", "r_pos", "r_call", "r_valid"):
@@ -305,23 +319,19 @@ class DecodePath:
 
     # ----------------------------------------------------------------- stage
     def stage(self, plan: DecodePlan, tokens) -> DecodeBuffers:
-        """The plan and the new tokens into
-        the bucket's fixed buffers (pinned, non-blocking; tokens already on
-        the device are copied there)."""
+        """The plan and the new tokens into the bucket's fixed buffers, in
+        one copy (pinned, non-blocking): host tokens (int64, checked) are
+        written into the plan's host array behind its arrays; tokens already
+        on the device are copied over that part after it."""
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = decode_buffers(plan.bucket, self.layout(plan.bucket), self._m.device)
-        staging = self._m._staging
-        staging.upload_host(("decode", plan.bucket), bufs.uploaded)
-        if isinstance(tokens, torch.Tensor):
-            # as int64 (int32 sign-extended): decode_fit checks the range
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            self.host_plan(plan.bucket)["tokens"][: len(tokens)] = tokens
+        self._m._staging.upload_host(("decode", plan.bucket), bufs.uploaded)
+        if on_device:  # (as int64, int32 sign-extended: decode_fit checks the range)
             bufs.new_tokens[: len(plan.rows)].copy_(tokens)
-        else:  # int64, checked on the host: written in place and sent with one copy (no staging views)
-            key = ("decode tokens", plan.bucket)
-            flat = bufs.new_tokens.view(-1)
-            host = staging.host_array(key, 2 * flat.numel()).view(np.int64)
-            host.reshape(bufs.new_tokens.shape)[: len(tokens)] = tokens
-            staging.upload_host(key, flat.view(torch.int32))
         return bufs
 
     # ---------------------------------------------------------------- launch

@@ -172,8 +172,7 @@ class PendingGrowth:
             return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
         try:
-            lazy = [call[8] for call in self.calls]
-            wants_ids = ids and (bool(new) or any(b is not None for b in lazy))
+            wants_ids = ids and (bool(new) or any(call[8] is not None for call in self.calls))
             running = self._batch() if self.calls else ()
             result = self._adapter.manager.step(running=running, new=new, token_budget=token_budget,
                                                 block_ids=wants_ids)
@@ -182,7 +181,7 @@ class PendingGrowth:
                 raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
                                      "host counted as fitting: the host's block arithmetic is wrong")
             if wants_ids:
-                for i, blocks in enumerate(lazy):
+                for i, blocks in enumerate([call[8] for call in self.calls]):
                     if blocks is not None:
                         blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
             if self._adapter._events.active:
