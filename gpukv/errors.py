@@ -1,5 +1,5 @@
 """The errors gpukv raises on purpose: refused arguments, and a stopped manager;
-and the scalar checks that raise them, shared by ``gpukv.core.requests`` and
+and the scalar checks that raise them, shared by ``gpukv.core.checks`` and
 ``gpukv.core.hashing`` so each rule is written once.
 
 Every class derives from ``GpukvError`` and from the builtin exception a
@@ -10,7 +10,7 @@ fix it (``fix``); ``str(error)`` is ``"<argument>: <problem>; <fix>"``.
 
 Both managers (``gpukv.reference.manager`` and ``gpukv.device.manager``) check every argument
 before changing anything, through the one normalisation in
-``gpukv.core.requests``: a ``GpukvInputError`` (every class below but
+``gpukv.core.checks``: a ``GpukvInputError`` (every class below but
 ``NoFreeBlocksError``, ``ManagerFailedError`` and ``PublisherClosedError``)
 from a manager call means the call was refused and changed nothing, and the
 manager can be used on as before. A call that does not fit the method's
@@ -183,7 +183,7 @@ class PublisherClosedError(GpukvError, RuntimeError):
 
 
 # ------------------------------------------------------ shared scalar checks
-# Here, beside the classes, because both gpukv.core.requests and gpukv.core.hashing
+# Here, beside the classes, because both gpukv.core.checks and gpukv.core.hashing
 # refuse through them and hashing must not import request (request imports
 # hashing, and torch, which the command line does not load).
 

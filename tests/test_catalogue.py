@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from gpukv.core.hashing import MMItem
-from gpukv.core.requests import MAX_COUNT, ComputedBlocks, NewRequest, RunningUpdate
+from gpukv.core.limits import MAX_COUNT
+from gpukv.core.requests import ComputedBlocks, NewRequest, RunningUpdate
 from gpukv.core.running_batch import RunningBatch
 from gpukv.device.manager import DeviceManager
 from gpukv.errors import (
@@ -955,7 +956,7 @@ def test_a_window_request_that_fits_with_its_hit_is_not_refused(kind):
 
 
 def test_min_blocks_to_admit():
-    from gpukv.core.requests import ManagerLimits, min_blocks_to_admit
+    from gpukv.core.blocks import ManagerLimits, min_blocks_to_admit
 
     full = ManagerLimits(1, 7, (None,))
     window = ManagerLimits(1, 7, (3,))

@@ -1126,7 +1126,7 @@ def test_every_integer_option_has_a_range():
     assert typed.keys() == INT_LIMITS.keys() | FLOAT_OPTIONS
     for key, (low, high, _) in INT_LIMITS.items():
         assert typed[key].allowed == (low, high), key
-    from gpukv.core.requests import MAX_NUM_BLOCKS as MANAGERS_LIMIT
+    from gpukv.core.limits import MAX_NUM_BLOCKS as MANAGERS_LIMIT
     from gpukv.tools.defaults import MAX_NUM_BLOCKS
     from gpukv.tools.traces import MAX_SIZE
 

@@ -3,7 +3,7 @@
 Every integer a caller hands either manager (sizes, rows, token ids, counts,
 budgets, lookahead slots) is range-checked against this table before it
 reaches numpy or a kernel, on every entry point, by the checks of
-``gpukv.core.requests`` and ``gpukv.core.running_batch``: a value past a limit is refused with
+``gpukv.core.checks`` and ``gpukv.core.running_batch``: a value past a limit is refused with
 a ``gpukv.errors`` class naming the argument (a ``CapacityError`` above a
 maximum), and nothing changed. Both managers take their limits from here
 alone, so they accept and refuse the same values (docs/design.md, "Limits").

@@ -6,7 +6,7 @@ keep their state differently and answer every call alike
 the state is kept live here, once: what a manager is (its key, its pool's
 size, its limits), the reads that are arithmetic over other reads,
 ``allocate_slots``' two forms, and the checks of a step's arguments
-(``gpukv.core.requests``, ``gpukv.core.running_batch``).
+(``gpukv.core.checks``, ``gpukv.core.running_batch``).
 
 Each manager sets ``_key``, ``_limits``, ``pool`` (with ``num_blocks``) and
 ``_rows`` (``in_use``, ``num_tokens``, ``num_computed``: one entry per row,
@@ -23,17 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpukv.core.blocks import ManagerLimits
+from gpukv.core.checks import normalize_token_ids
 from gpukv.core.failstop import FailStop, mutating, reading
 from gpukv.core.protocol import manager_args_from_config
-from gpukv.core.requests import (
-    ComputedBlocks,
-    ManagerLimits,
-    NewRequest,
-    PrefixHit,
-    RunningUpdate,
-    Step,
-    normalize_token_ids,
-)
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, Step
 from gpukv.core.running_batch import RunningBatch, RunningRows, normalize_rows, normalize_running, taken_as_checked
 from gpukv.errors import InvalidInputError, InvalidTypeError
 
@@ -83,7 +77,7 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
     @property
     def limits(self) -> ManagerLimits:
         """What every call is checked against (block size, pool size, windows,
-        ``max_model_len``): ``gpukv.core.requests.min_blocks_to_admit(n, m.limits,
+        ``max_model_len``): ``gpukv.core.blocks.min_blocks_to_admit(n, m.limits,
         can_hit)`` is the bound past which a new request is refused up front."""
         return self._limits
 
@@ -230,7 +224,7 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
     # ------------------------------------------------------------ checks
     @abstractmethod
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
-        """Every argument checked and normalised (``gpukv.core.requests``), before anything changes."""
+        """Every argument checked and normalised (``gpukv.core.checks``), before anything changes."""
 
     @abstractmethod
     def _row_of(self, request_id: str) -> int:

@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from gpukv.core.blocks import ManagerLimits
 from gpukv.core.metrics import PrefixCacheStats, StepCounters
-from gpukv.core.requests import ComputedBlocks, ManagerLimits, NewRequest, PrefixHit, RunningUpdate, StepResult
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, StepResult
 from gpukv.events.schema import KVEventBatch
 
-if TYPE_CHECKING:  # (gpukv.core.running_batch imports gpukv.core.requests, as this module does: no cycle, only typing)
+if TYPE_CHECKING:  # (gpukv.core.running_batch imports gpukv.core.checks, as this module does: no cycle, only typing)
     from gpukv.core.running_batch import RunningBatch
 
 

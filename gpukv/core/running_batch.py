@@ -22,14 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpukv.core.blocks import ManagerLimits
+from gpukv.core.checks import _checked_int_array, _tokens_from_list, as_list, check_lookahead
 from gpukv.core.limits import MAX_LOOKAHEAD, MAX_NEW_TOKENS
-from gpukv.core.requests import (
-    ManagerLimits,
-    _checked_int_array,
-    _tokens_from_list,
-    as_list,
-    check_lookahead,
-)
 from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError
 
 #: The largest element of a non-empty array (the ufunc's reduce, without

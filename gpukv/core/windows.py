@@ -18,7 +18,7 @@ A group's policy answers three questions, in blocks of the pool's block size:
 blocks a group must see at a hit boundary, -1 for full attention
 (``kernels/lookup.py: _group_hit`` reads it per group). The reference
 (``gpukv/reference/manager.py``), the device manager's host plan (``gpukv/device/decode.py``)
-and the admission bound (``gpukv/core/requests.py: min_blocks_to_admit``) all use
+and the admission bound (``gpukv/core/blocks.py: min_blocks_to_admit``) all use
 these; ``tests/kernels/test_lookup.py`` holds ``hit`` and the admission
 kernel to one table.
 """

@@ -25,17 +25,14 @@ import numpy as np
 import torch
 
 from gpukv.core import hashing
-from gpukv.core.requests import (
-    ComputedBlocks,
-    NewRequest,
-    PrefixHit,
-    StepResult,
+from gpukv.core.checks import (
     apply_allocate_args,
     check_computed_for,
     check_prefix_hit,
     normalize_computed,
     stale_computed_blocks,
 )
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, StepResult
 from gpukv.device.admission_plan import AdmissionBuffers, plan_admission
 from gpukv.device.outputs import StepGather
 from gpukv.kernels import decode as decode_ops

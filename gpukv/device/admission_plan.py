@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpukv.core.requests import NewRequest, as_int32_tokens
+from gpukv.core.checks import as_int32_tokens
+from gpukv.core.requests import NewRequest
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels.prefill import PLAN_ARRAYS
 from gpukv.kernels.toolkit import pow2_at_least

@@ -25,7 +25,7 @@ in rounds), ``Releases`` (finished requests' blocks), ``DeviceEvents`` (the
 KV-cache events) and ``DeviceReads`` (every read that waits on the device),
 over the pool (``gpukv.device.pool.DevicePool``) and the request rows
 (``gpukv.device.rows.DeviceRows``). This class is the request-level API over them:
-it checks every argument (``gpukv.core.requests``), marks each call's point of
+it checks every argument (``gpukv.core.checks``), marks each call's point of
 first change (``gpukv.core.failstop``), runs a step's phases in order
 (``_step``), and holds what the parts share: the stream, the staging, the
 one read (``_read``) and the verbs both the decode and the admission launch
@@ -64,25 +64,10 @@ import torch
 
 from gpukv import _runtime
 from gpukv.core import hashing
-from gpukv.core.failstop import mutating, reading
-from gpukv.core.manager_base import SharedManagerAPI
-from gpukv.core.metrics import PrefixCacheStats
-from gpukv.core.requests import (
-    MAX_MODEL_LEN,
-    MAX_NUM_BLOCKS,
-    MAX_NUM_REQS,
-    ComputedBlocks,
-    ManagerLimits,
-    NewRequest,
-    PrefixHit,
-    RunningUpdate,
-    Step,
-    StepOutputs,
-    StepResult,
+from gpukv.core.blocks import ManagerLimits, check_count
+from gpukv.core.checks import (
     check_block_spans,
-    check_count,
     check_group,
-    check_memory,
     check_request_ids,
     check_size,
     check_step_outputs,
@@ -94,6 +79,12 @@ from gpukv.core.requests import (
     resolve_key,
     unknown_request,
 )
+from gpukv.core.failstop import mutating, reading
+from gpukv.core.limits import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_REQS
+from gpukv.core.manager_base import SharedManagerAPI
+from gpukv.core.memory import check_memory
+from gpukv.core.metrics import PrefixCacheStats
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, Step, StepOutputs, StepResult
 from gpukv.core.running_batch import RunningBatch
 from gpukv.core.windows import policies
 from gpukv.device.admission import Admission
@@ -450,7 +441,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
              prefix_of: str | None = None, graphs=None) -> StepResult:
         """The batched step; same phases, arguments and results as the
         reference's (``gpukv.reference.manager.ReferenceManager.step``), and the same
-        argument checks (``gpukv.core.requests.normalize_step``): a refused call
+        argument checks (``gpukv.core.checks.normalize_step``): a refused call
         raises a ``gpukv.errors`` class and changes nothing.
         ``token_budget`` (vLLM's waiting loop, applied on the device in the
         admission): the tokens the new requests may compute beyond their hits,
@@ -571,7 +562,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
             raise unknown_request(request_id) from None
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
-        """Every argument checked and normalised (``gpukv.core.requests``), before anything changes (and ordered)."""
+        """Every argument checked and normalised (``gpukv.core.checks``), before anything changes (and ordered)."""
         return self._ordered(normalize_step(finished, running, new, known=self._reqs, limits=self._limits,
                              num_tokens=lambda rid: int(self._rows.num_tokens[self._reqs[rid]]),
                              num_computed=lambda rid: int(self._rows.num_computed[self._reqs[rid]]),

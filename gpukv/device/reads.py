@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gpukv.core import hashing
-from gpukv.core.requests import common_prefix_length
+from gpukv.core.blocks import common_prefix_length
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import free_queue as fq_ops

@@ -91,7 +91,7 @@ every ``KVEventsConfig`` field, and every batch of a ``publish``, which is
 all or nothing: each event's fields as a manager makes them (digests of 16
 bytes, or vLLM's int form below ``2**64``; at least one per event;
 ``block_size`` >= 1 and ``block_size`` tokens per digest; token ids by the
-managers' one rule, ``gpukv.core.requests``'s: ints, not bools, in ``[0, 2**32)``;
+managers' one rule, ``gpukv.core.checks``'s: ints, not bools, in ``[0, 2**32)``;
 a LoRA id in ``[0, 2**64)`` or None; a group >= 0), and, under
 ``sha256_cbor``, a digest stored again as another block. A refused publish
 queues nothing and leaves the chain's map as it was, so it never stands in
@@ -421,7 +421,7 @@ def sha256_cbor_block_hashes(token_ids: Iterable[int], block_size: int, parent: 
     ``PYTHONHASHSEED`` if set, else ``"vllm-none-hash"``). What
     ``published_hash="sha256_cbor"`` publishes (as ints: ``int_block_hash``).
 
-    The token ids are checked as the managers check theirs (``gpukv.core.requests``:
+    The token ids are checked as the managers check theirs (``gpukv.core.checks``:
     ints, not bools, each in ``[0, 2**32)``; a list, tuple, 1-D integer array
     or tensor); ``parent`` is a 32-byte hash this function returned, not a
     published int; anything else raises ``InvalidTypeError`` or
@@ -845,9 +845,9 @@ def _checked_digest(d: Any, argument: str) -> gk.BlockHash:
 
 
 def _checked_tokens(value: Any, argument: str) -> list[int]:
-    """Token ids checked by the managers' one rule (``gpukv.core.requests``: ints,
+    """Token ids checked by the managers' one rule (``gpukv.core.checks``: ints,
     not bools, each in ``[0, 2**32)``), as a list of plain ints."""
-    from gpukv.core.requests import normalize_token_ids  # torch: imported when first needed, so importing this is cheap
+    from gpukv.core.checks import normalize_token_ids  # torch: imported when first needed, so importing this is cheap
 
     return normalize_token_ids(value, argument, keep_device=False).tolist()
 

@@ -18,14 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from gpukv.core.requests import (
-    ComputedBlocks,
-    NewRequest,
-    StepResult,
-    blocks_after_admission,
-    new_tokens_at_admission,
-    stale_computed_blocks,
-)
+from gpukv.core.blocks import blocks_after_admission, new_tokens_at_admission
+from gpukv.core.checks import stale_computed_blocks
+from gpukv.core.requests import ComputedBlocks, NewRequest, StepResult
 from gpukv.errors import InvalidInputError
 from gpukv.reference.digests import RequestState
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpukv.core import hashing
-from gpukv.core.requests import NewRequest, token_array_for_host
+from gpukv.core.checks import token_array_for_host
+from gpukv.core.requests import NewRequest
 
 
 @dataclass(frozen=True)

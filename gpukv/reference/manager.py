@@ -38,33 +38,17 @@ from typing import Any
 
 import torch
 
-from gpukv.core.failstop import mutating, reading
-from gpukv.core.manager_base import SharedManagerAPI
-from gpukv.core.metrics import PrefixCacheStats, StepCounters
-from gpukv.core.requests import (
-    MAX_MODEL_LEN,
-    MAX_NUM_BLOCKS,
-    MAX_NUM_REQS,
-    ComputedBlocks,
-    ManagerLimits,
-    NewRequest,
-    PrefixHit,
-    RunningUpdate,
-    Step,
-    StepOutputs,
-    StepResult,
+from gpukv.core.blocks import ManagerLimits, check_count, common_prefix_length
+from gpukv.core.checks import (
     apply_allocate_args,
     check_block_spans,
     check_computed_for,
-    check_count,
     check_group,
-    check_memory,
     check_prefix_hit,
     check_request_ids,
     check_size,
     check_step_outputs,
     check_token_budget,
-    common_prefix_length,
     normalize_computed,
     normalize_step,
     normalize_windows,
@@ -73,6 +57,12 @@ from gpukv.core.requests import (
     stale_computed_blocks,
     unknown_request,
 )
+from gpukv.core.failstop import mutating, reading
+from gpukv.core.limits import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_REQS
+from gpukv.core.manager_base import SharedManagerAPI
+from gpukv.core.memory import check_memory
+from gpukv.core.metrics import PrefixCacheStats, StepCounters
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, Step, StepOutputs, StepResult
 from gpukv.core.running_batch import RunningBatch, RunningRows
 from gpukv.core.windows import policies
 from gpukv.errors import (
@@ -296,7 +286,7 @@ class ReferenceManager(SharedManagerAPI):
 
     ``max_model_len`` (None: no limit) refuses requests longer than it, as
     the device manager does; every argument of every call is checked by
-    ``gpukv.core.requests.normalize_step`` before anything changes.
+    ``gpukv.core.checks.normalize_step`` before anything changes.
     """
 
     def __init__(
@@ -556,7 +546,7 @@ class ReferenceManager(SharedManagerAPI):
         ``StepResult.num_common_prefix_blocks`` (vLLM's cascade-attention
         prefix).
 
-        Every argument is checked before anything changes (``gpukv.core.requests``:
+        Every argument is checked before anything changes (``gpukv.core.checks``:
         containers may be lists, tuples or iterators, materialised once; a str
         is not a list of ids); a refused call raises a ``gpukv.errors`` class
         and changes nothing.
@@ -680,7 +670,7 @@ class ReferenceManager(SharedManagerAPI):
         return self._requests[request_id].row
 
     def _normalize(self, finished, running, new, *, single: bool = False, defer_admissible: bool = False) -> Step:
-        """Every argument checked and normalised (``gpukv.core.requests``), before anything changes."""
+        """Every argument checked and normalised (``gpukv.core.checks``), before anything changes."""
         return normalize_step(finished, running, new, known=self._requests, limits=self._limits,
                               num_tokens=lambda rid: len(self._requests[rid].tokens),
                               num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single,

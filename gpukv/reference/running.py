@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from gpukv.core.requests import token_array_for_host
+from gpukv.core.checks import token_array_for_host
 from gpukv.core.running_batch import RunningRows
 from gpukv.events.schema import BlockStored
 from gpukv.reference.digests import CachedBlockInfo, RequestState
@@ -43,7 +43,7 @@ class ReferenceRunning:
         states = [requests[u.request_id] for u in running]
         tokens = []
         for u in running:
-            t: Any = u.new_token_ids  # normalised (gpukv.core.requests): an int64 array or a tensor
+            t: Any = u.new_token_ids  # normalised (gpukv.core.checks): an int64 array or a tensor
             tokens.append((t if type(t) is np.ndarray else token_array_for_host(t)).tolist())
         return states, (tokens, [u.num_tokens_to_compute for u in running], [u.num_lookahead_tokens for u in running])
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from gpukv.core.requests import MAX_TOKEN_ID, normalize_token_ids
+from gpukv.core.checks import normalize_token_ids
+from gpukv.core.limits import MAX_TOKEN_ID
 from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 
