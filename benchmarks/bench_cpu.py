@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpukv import hashing
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core import hashing
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.reference.manager import ReferenceManager
 
 BLOCK_SIZE = 16
 VOCAB = 32000

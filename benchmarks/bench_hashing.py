@@ -1,4 +1,4 @@
-"""Block-hashing throughput: the host scheme (gpukv.hashing, keyed BLAKE3 via
+"""Block-hashing throughput: the host scheme (gpukv.core.hashing, keyed BLAKE3 via
 the ``blake3`` package) and the device kernel (gpukv.kernels.block_hash).
 
 Cases (block size ``--block-size``, default 16):
@@ -13,7 +13,7 @@ Cases (block size ``--block-size``, default 16):
 Each host figure is the best of ``--repeat`` timed runs (wall clock; on a
 shared machine the best run is the one least disturbed), as microseconds per
 block and million tokens per second. ``--old-rev REV`` also times
-``gpukv/hashing.py`` as of git revision REV (e.g. the last SipHash one) on the
+``gpukv/core/hashing.py`` as of git revision REV (e.g. the last SipHash one) on the
 same inputs, loaded into a temporary module, for a before/after table.
 
 The device rows need CUDA: the chained kernel over the single request and over
@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpukv import _runtime, hashing
+from gpukv import _runtime
+from gpukv.core import hashing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,9 +66,15 @@ def best_seconds(fn, repeat: int, min_time: float = 0.05) -> float:
 
 
 def load_old_module(rev: str):
-    """gpukv/hashing.py as of git revision ``rev``, as a standalone module."""
-    src = subprocess.run(["git", "show", f"{rev}:gpukv/hashing.py"], cwd=REPO, check=True,
-                         capture_output=True, text=True).stdout
+    """gpukv/core/hashing.py as of git revision ``rev`` (gpukv/hashing.py in a
+    revision from before the layers' folders), as a standalone module."""
+    shown = [subprocess.run(["git", "show", f"{rev}:{where}"], cwd=REPO, capture_output=True, text=True)
+             for where in ("gpukv/core/hashing.py", "gpukv/hashing.py")]
+    found = [proc.stdout for proc in shown if proc.returncode == 0]
+    if not found:
+        raise SystemExit(f"--old-rev {rev}: no gpukv/core/hashing.py nor gpukv/hashing.py there "
+                         f"({shown[-1].stderr.strip()})")
+    src = found[0]
     path = Path(tempfile.mkdtemp()) / "gpukv_hashing_old.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("gpukv_hashing_old", path)
@@ -145,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--device-iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--old-rev", help="also time gpukv/hashing.py as of this git revision")
+    p.add_argument("--old-rev", help="also time gpukv/core/hashing.py as of this git revision")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
 

@@ -37,7 +37,7 @@ module's docstring). So, per step:
   a launch the manager replays through its compiled launcher, any other
   (a free's release, the table's rebuild) through ``JITFunction.run``, as
   each goes on a GPU (the table's "launches" column counts those);
-* ``replayed`` (``gpukv.graphs.DecodeGraphs`` replays a decode bucket's
+* ``replayed`` (``gpukv.device.graphs.DecodeGraphs`` replays a decode bucket's
   launches as one CUDA graph, ``AdmissionGraphs`` an admission's as two):
   the twin's figure plus the graph launches, counted as 0 here
   (``cudaGraphLaunch`` cannot run without a GPU; the twin still counts the
@@ -92,10 +92,10 @@ import numpy as np
 import torch
 
 import gpukv
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
 from gpukv.kernels import capture
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest
+from gpukv.reference.manager import ReferenceManager
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import launch_cost  # noqa: E402
@@ -208,7 +208,7 @@ def decode_pool_blocks(B: int, pool: int | None) -> int:
 def decode_gpukv(kind: str, B: int, steps: int, warmup: int, pool: int | None = None,
                  shortest: int = PROMPT_LEN) -> tuple[list[float], dict]:
     """Host ms per decode step (``kind``: "device", "reference", or on CUDA
-    "graphs": the device manager through ``gpukv.graphs.DecodeGraphs``)."""
+    "graphs": the device manager through ``gpukv.device.graphs.DecodeGraphs``)."""
     rng = random.Random(B)
     kw = dict(hash_key=bytes(16), max_model_len=4096, max_num_reqs=B)
     new = [NewRequest(f"d{i}", [rng.randrange(VOCAB) for _ in range(prompt_len(i, shortest))]) for i in range(B)]
@@ -236,7 +236,7 @@ def _decode_graphs(B: int, steps: int, warmup: int, kw: dict, new: list, rows,
                    num_blocks: int) -> tuple[list[float], dict]:
     """On CUDA: the decode replayed as one CUDA graph per bucket (the first
     step of the bucket captures it, in the warm-up)."""
-    from gpukv.graphs import DecodeGraphs
+    from gpukv.device.graphs import DecodeGraphs
 
     m = DeviceManager(num_blocks, BS, **kw)
     m.step(new=new)
@@ -315,7 +315,7 @@ def steps_gpukv(kind: str, work: str, steps: int, warmup: int, batch: int = 16) 
         times = [host_ms(lambda a=a: m.step(*a)) for a in calls[:-1]]
         return times[fill + warmup:], {}
     if kind == "graphs":  # on CUDA: the admissions replayed as CUDA graphs
-        from gpukv.graphs import AdmissionGraphs
+        from gpukv.device.graphs import AdmissionGraphs
 
         dm = DeviceManager(num_blocks, BS, **kw)
         graphs = AdmissionGraphs(dm)

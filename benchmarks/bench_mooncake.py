@@ -3,7 +3,7 @@ under vLLM 0.33+'s v1 schedulers, vLLM's own block manager against gpukv's
 reference manager.
 
 The traffic. The requests of ``gpukv/data/mooncake_conversation_trace.jsonl.xz``
-(``gpukv.traces``; ``docs/traces.md``) in the trace's order, which is arrival
+(``gpukv.tools.traces``; ``docs/traces.md``) in the trace's order, which is arrival
 (timestamp) order. Their prompts are materialised as ``gpukv replay`` does:
 hash id ``h`` names a 512-token block holding the tokens ``h * 512 + k``, so
 equal ids give equal tokens and requests share prefixes exactly as in the
@@ -141,7 +141,7 @@ from device_twin import (  # noqa: E402  (the honest twin, shared with bench_sch
     twin_cells,
     twin_head,
 )
-from gpukv.traces import conversation_trace_path, load_trace, mooncake_tokens  # noqa: E402
+from gpukv.tools.traces import conversation_trace_path, load_trace, mooncake_tokens  # noqa: E402
 
 BS = 16
 BUDGET = 8192

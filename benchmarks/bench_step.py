@@ -24,9 +24,9 @@ import time
 import torch
 
 from gpukv import _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 
 
 def workload(args, rng):

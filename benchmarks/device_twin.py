@@ -119,7 +119,7 @@ def one_thread() -> Iterator[None]:
 
 
 def pinned_stand_in(staging: Any) -> None:
-    """Make a CPU ``gpukv.staging.Staging`` run its pinned (CUDA) upload
+    """Make a CPU ``gpukv.device.staging.Staging`` run its pinned (CUDA) upload
     path: each upload copied into the step's staging buffer through its
     tensor views, then copied out, as on a GPU. Its buffers are pageable
     (pinning needs CUDA) and no CUDA event is recorded at a step's end (its
@@ -142,7 +142,7 @@ def pinned_stand_in(staging: Any) -> None:
 
 class _Counting:
     """Counts, while ``on`` and only for ``manager``, what a GPU step pays
-    for besides launches: torch operations (``gpukv.staging.TorchOpCounter``
+    for besides launches: torch operations (``gpukv.device.staging.TorchOpCounter``
     around the step), uploads, the staging's CUDA events, device reads and
     stream queries (each call's ``_enter_stream``), by wrapping the methods
     that make them. Installed once per real scheduler."""
@@ -167,8 +167,8 @@ class _Counting:
         setattr(obj, name, counted)
 
     def start(self) -> None:
-        from gpukv.metrics import StepCounters
-        from gpukv.staging import TorchOpCounter
+        from gpukv.core.metrics import StepCounters
+        from gpukv.device.staging import TorchOpCounter
 
         self.counts = dict.fromkeys(COUNTED, 0)
         self._ops = StepCounters()

@@ -55,7 +55,7 @@ without a GPU); and the device and stream queries go
 through Triton's torch-free path (its C utilities) rather than torch's
 ``torch.cuda.current_device()``/``_cuda_getCurrentRawStream`` a GPU process
 with torch uses (a sub-microsecond difference). A CUDA graph replay
-(``gpukv.graphs.DecodeGraphs``) runs none of this per kernel: one
+(``gpukv.device.graphs.DecodeGraphs``) runs none of this per kernel: one
 ``cudaGraphLaunch`` for the whole bucket, whose cost cannot be measured
 without a GPU.
 

@@ -419,7 +419,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the small size (CPU, seconds); neither --small nor --large: small without CUDA, large with it")
     p.add_argument("--large", action="store_true", help="the large size (meant for a GPU)")
     p.add_argument("--backend", choices=("device", "reference"), default="device",
-                   help="gpukv.manager (block tables on the device) or gpukv.reference (from get_block_ids)")
+                   help="gpukv.device (block tables on the device) or gpukv.reference (from get_block_ids)")
     p.add_argument("--device", default=None,
                    help="torch device of the cache, the model and the device manager; none: cuda if present, else cpu")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")

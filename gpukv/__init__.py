@@ -49,45 +49,47 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ below
-    from gpukv.api import BlockManager
-    from gpukv.config import get_kv_cache_config
-    from gpukv.distributed import reconcile_kv_cache_config
+    from gpukv.core.hashing import MMItem
+    from gpukv.core.metrics import PrefixCacheStats
+    from gpukv.core.protocol import BlockManager
+    from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, StepResult
+    from gpukv.core.running_batch import RunningBatch
+    from gpukv.device.graphs import DecodeGraphs
+    from gpukv.device.manager import DeviceManager
     from gpukv.errors import GpukvError
-    from gpukv.events import RouterIndex
-    from gpukv.graphs import DecodeGraphs
-    from gpukv.hashing import MMItem
+    from gpukv.events.router import RouterIndex
     from gpukv.kernels.slot_mapping import slot_mapping
-    from gpukv.manager import DeviceManager
-    from gpukv.metrics import PrefixCacheStats
-    from gpukv.reference import ReferenceManager
-    from gpukv.request import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, StepResult
-    from gpukv.running import RunningBatch
-    from gpukv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    from gpukv.reference.manager import ReferenceManager
+    from gpukv.sizing.config import get_kv_cache_config
+    from gpukv.sizing.reconcile import reconcile_kv_cache_config
+    from gpukv.sizing.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
 # The submodule each public name comes from (tests/test_cli.py checks this
 # against __all__ and the block above).
 _FROM: dict[str, tuple[str, ...]] = {
-    "api": ("BlockManager",),
-    "config": ("get_kv_cache_config",),
-    "distributed": ("reconcile_kv_cache_config",),
+    "core.protocol": ("BlockManager",),
+    "sizing.config": ("get_kv_cache_config",),
+    "sizing.reconcile": ("reconcile_kv_cache_config",),
     "errors": ("GpukvError",),
-    "events": ("RouterIndex",),
-    "graphs": ("DecodeGraphs",),
-    "hashing": ("MMItem",),
+    "events.router": ("RouterIndex",),
+    "device.graphs": ("DecodeGraphs",),
+    "core.hashing": ("MMItem",),
     "kernels.slot_mapping": ("slot_mapping",),
-    "manager": ("DeviceManager",),
-    "metrics": ("PrefixCacheStats",),
-    "reference": ("ReferenceManager",),
-    "request": ("ComputedBlocks", "NewRequest", "PrefixHit", "RunningUpdate", "StepResult"),
-    "running": ("RunningBatch",),
-    "spec": ("FullAttentionSpec", "KVCacheConfig", "SlidingWindowSpec"),
+    "device.manager": ("DeviceManager",),
+    "core.metrics": ("PrefixCacheStats",),
+    "reference.manager": ("ReferenceManager",),
+    "core.requests": ("ComputedBlocks", "NewRequest", "PrefixHit", "RunningUpdate", "StepResult"),
+    "core.running_batch": ("RunningBatch",),
+    "sizing.spec": ("FullAttentionSpec", "KVCacheConfig", "SlidingWindowSpec"),
 }
 _MODULE_OF = {name: module for module, names in _FROM.items() for name in names}
+# The layers' folders (each ``__init__`` is a docstring, it imports nothing).
+_LAYERS = frozenset({"core", "device", "events", "kernels", "reference", "sizing", "tools"})
 # Those that import neither torch nor triton; any other comes after gpukv._runtime.
-_LIGHT = frozenset({"errors", "events", "hashing", "metrics", "windows"})
-# Submodules a bare `import gpukv` answers as attributes (`gpukv.config.get_kv_cache_config`):
-# the modules of the public names, and those `import gpukv` itself loaded once.
-_SUBMODULES = frozenset({*(m for m in _FROM if "." not in m), "_runtime", "windows"})
+_LIGHT = frozenset({*_LAYERS, "errors", "events.router", "core.hashing", "core.metrics", "core.windows"})
+# Submodules a bare `import gpukv` answers as attributes (`gpukv.sizing.config` once loaded):
+# the layers' folders, the errors and the process-wide runtime.
+_SUBMODULES = frozenset({*_LAYERS, "errors", "_runtime"})
 
 
 def _submodule(name: str) -> Any:

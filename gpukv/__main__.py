@@ -1,5 +1,5 @@
 import sys
 
-from gpukv.cli import main
+from gpukv.tools.cli import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """The errors gpukv raises on purpose: refused arguments, and a stopped manager;
-and the scalar checks that raise them, shared by ``gpukv.request`` and
-``gpukv.hashing`` so each rule is written once.
+and the scalar checks that raise them, shared by ``gpukv.core.checks`` and
+``gpukv.core.hashing`` so each rule is written once.
 
 Every class derives from ``GpukvError`` and from the builtin exception a
 Python caller would expect (``ValueError``, ``TypeError``, ``KeyError``), so
@@ -8,9 +8,9 @@ Python caller would expect (``ValueError``, ``TypeError``, ``KeyError``), so
 (``argument``, e.g. ``"new[0].token_ids"``), what is wrong with it, and how to
 fix it (``fix``); ``str(error)`` is ``"<argument>: <problem>; <fix>"``.
 
-Both managers (``gpukv.reference`` and ``gpukv.manager``) check every argument
+Both managers (``gpukv.reference.manager`` and ``gpukv.device.manager``) check every argument
 before changing anything, through the one normalisation in
-``gpukv.request``: a ``GpukvInputError`` (every class below but
+``gpukv.core.checks``: a ``GpukvInputError`` (every class below but
 ``NoFreeBlocksError``, ``ManagerFailedError`` and ``PublisherClosedError``)
 from a manager call means the call was refused and changed nothing, and the
 manager can be used on as before. A call that does not fit the method's
@@ -18,7 +18,7 @@ signature (an unknown keyword, a missing or extra argument) is refused the
 same way, as an ``InvalidTypeError`` whose ``__cause__`` is Python's
 ``TypeError``. What is refused is decided by where it is raised: each call
 marks its point of first change, and anything raised after it is a fault,
-whatever its class (``gpukv.failstop``), so an input error class from a
+whatever its class (``gpukv.core.failstop``), so an input error class from a
 manager whose ``failed`` is then True was a fault, not a refusal (the one
 such input error gpukv raises: token ids handed over on the device out of
 range, which only the step's read can find; ``docs/design.md``).
@@ -33,7 +33,7 @@ range, which only the step's read can find; ``docs/design.md``).
 | ``ConcurrentCallError`` | ``RuntimeError`` | a manager called from a second thread while a call of another thread is under way: refused at once, nothing changed (a manager is used from one thread at a time) |
 | ``UnknownRequestError`` | ``KeyError`` | a request id the manager does not hold (never admitted, or already freed) |
 | ``NoFreeBlocksError`` | ``RuntimeError`` | ``BlockPool.allocate`` (the reference's low-level pool) asked for more blocks than are free; manager calls report a lack of blocks in their result instead, so inside one it is a fault |
-| ``ManagerFailedError`` | ``RuntimeError`` | the manager stopped after a fault inside an earlier call and refuses every call (``gpukv.failstop``) |
+| ``ManagerFailedError`` | ``RuntimeError`` | the manager stopped after a fault inside an earlier call and refuses every call (``gpukv.core.failstop``) |
 | ``ReconcileError`` | ``ValueError`` | ``reconcile_kv_cache_config``: a rank passed no config, sent bytes that are not one, or has other groups; every rank raises the same one, naming the rank (``rank``) |
 | ``AddressError`` | ``OSError`` | a KV-events endpoint or metrics address that cannot be bound or reached here |
 | ``AddressInUseError`` | ``OSError`` | an endpoint, port or ipc socket path another socket is listening on |
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from gpukv.limits import MAX_LORA_ID
+from gpukv.core.limits import MAX_LORA_ID
 
 __all__ = [
     "AddressError",
@@ -183,7 +183,7 @@ class PublisherClosedError(GpukvError, RuntimeError):
 
 
 # ------------------------------------------------------ shared scalar checks
-# Here, beside the classes, because both gpukv.request and gpukv.hashing
+# Here, beside the classes, because both gpukv.core.checks and gpukv.core.hashing
 # refuse through them and hashing must not import request (request imports
 # hashing, and torch, which the command line does not load).
 

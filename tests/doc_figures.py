@@ -176,8 +176,8 @@ def _k(tokens: int) -> str:
 
 def _builtin_trace_figures() -> dict:
     """The built-in workload's own figures (read from the file: no command needed)."""
-    from gpukv.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
-    from gpukv.traces import builtin_trace_path
+    from gpukv.tools.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+    from gpukv.tools.traces import builtin_trace_path
 
     recs = [json.loads(line) for line in builtin_trace_path().read_text().splitlines() if line.strip()]
     full = sum(r["input_length"] + r["output_length"] for r in recs) / len(recs)
@@ -216,7 +216,7 @@ def _help_replay(rec: dict) -> list[str]:
 
 
 def _readme_sweep(rec: dict) -> list[str]:
-    from gpukv.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+    from gpukv.tools.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
 
     default = (DEFAULT_NUM_BLOCKS - 1) * DEFAULT_BLOCK_SIZE
     points = sorted(rec["points"], key=lambda p: p["capacity"])
@@ -313,7 +313,7 @@ def file_text(name: str) -> str:
         import contextlib
         import io
 
-        from gpukv.cli import main
+        from gpukv.tools.cli import main
 
         out = io.StringIO()
         columns = os.environ.get("COLUMNS")

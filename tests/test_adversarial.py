@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpukv import hashing
-from gpukv.hashing import MMItem
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core import hashing
+from gpukv.core.hashing import MMItem
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 

@@ -1,4 +1,4 @@
-"""One API for both managers (``gpukv.api.BlockManager``): the same members
+"""One API for both managers (``gpukv.core.protocol.BlockManager``): the same members
 and signatures, and the calls added for it answered alike."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpukv.api import BlockManager
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core.protocol import BlockManager
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 MANAGERS = [ReferenceManager, DeviceManager]
 # Members only the device manager has: the row tensors' generation, which
-# tells gpukv.graphs when to capture anew (the decode's parts are private:
+# tells gpukv.device.graphs when to capture anew (the decode's parts are private:
 # one decode call runs them, under its call lock).
 DEVICE_ONLY = {"rows_generation"}
 
@@ -214,7 +214,7 @@ def _has(obj, name: str) -> bool:
 
 
 def test_counters_are_the_same_type_on_both_managers():
-    from gpukv.metrics import StepCounters
+    from gpukv.core.metrics import StepCounters
 
     ref, dev = _pair()
     for m in (ref, dev):
@@ -247,7 +247,7 @@ def test_the_package_exports_what_a_user_needs_and_no_error_but_the_base():
     assert gpukv.slot_mapping is slot_mapping
 
 
-@pytest.mark.parametrize("module", ["gpukv.manager", "gpukv.reference"])
+@pytest.mark.parametrize("module", ["gpukv.device.manager", "gpukv.reference.manager"])
 def test_the_managers_have_one_name_each(module):
     import importlib
 

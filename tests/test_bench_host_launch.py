@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gpukv import _runtime
-from gpukv.manager import DeviceManager
-from gpukv.request import NewRequest
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 launch_cost = pytest.importorskip("launch_cost", reason="benchmarks/launch_cost.py not importable")

@@ -25,6 +25,11 @@ import numpy as np
 import pytest
 import torch
 
+from gpukv.core.hashing import MMItem
+from gpukv.core.limits import MAX_COUNT
+from gpukv.core.requests import ComputedBlocks, NewRequest, RunningUpdate
+from gpukv.core.running_batch import RunningBatch
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -35,11 +40,7 @@ from gpukv.errors import (
     StaleComputedBlocksError,
     UnknownRequestError,
 )
-from gpukv.hashing import MMItem
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import MAX_COUNT, ComputedBlocks, NewRequest, RunningUpdate
-from gpukv.running import RunningBatch
+from gpukv.reference.manager import ReferenceManager
 from workload import state_of
 
 KEY = bytes(range(16))
@@ -652,7 +653,7 @@ def logical_state_of(m) -> tuple:
     """A manager's state without what a call may use as scratch: the step
     buffers and plans of each bucket, the staging buffers, the step counters,
     the pool's per-step stamps (``last_seen``, ``touched``, ``stamp``: scratch
-    by design, ``gpukv/pool.py``), the host mirror of the free count (a cache
+    by design, ``gpukv/device/pool.py``), the host mirror of the free count (a cache
     of the device's: a refused step marks it stale, and the next read reads
     the device), and the contents of rows no request holds."""
     # (the device manager's parts that hold only per-bucket buffers and plans,
@@ -729,7 +730,7 @@ def test_a_refusal_keeps_what_went_wrong_as_its_cause(scenario):
 def test_signature_mistakes_read_in_gpukvs_own_words(scenario):
     # Typed, and in gpukv's words rather than Python's ("takes 1 positional
     # argument but 2 were given"): the argument, what is wrong, and the
-    # signature of gpukv.api.BlockManager (the device's extra graphs= left
+    # signature of gpukv.core.protocol.BlockManager (the device's extra graphs= left
     # out, so both say the same).
     expected = {
         lambda m: m.free_blocks_lower_bound(1):
@@ -879,13 +880,13 @@ def test_bad_device_manager_arguments(kw, exc):
 
 
 def test_sizes_too_large_to_allocate_are_refused_before_allocating(monkeypatch):
-    import gpukv.manager
-    import gpukv.reference
+    import gpukv.device.manager
+    import gpukv.reference.manager
 
     def no_allocation(*_args, **_kwargs):
         raise AssertionError("allocated before refusing")
 
-    monkeypatch.setattr(gpukv.manager, "DevicePool", no_allocation)
+    monkeypatch.setattr(gpukv.device.manager, "DevicePool", no_allocation)
     # Rows for 2**20 requests of 2**31 - 1 tokens: petabytes.
     with pytest.raises(CapacityError, match="GiB") as info:
         DeviceManager(8, 16, max_model_len=2**31 - 1, max_num_reqs=2**20, hash_key=KEY)
@@ -894,7 +895,7 @@ def test_sizes_too_large_to_allocate_are_refused_before_allocating(monkeypatch):
         DeviceManager(2**29, 4096, hash_key=KEY)  # 2**29 blocks of 4096 tokens: 8 TiB of token records
     # The reference: 2**29 blocks of host records (hundreds of GiB), refused
     # before the pool's lists are built.
-    monkeypatch.setattr(gpukv.reference, "OrderedDict", no_allocation)
+    monkeypatch.setattr(gpukv.reference.manager, "OrderedDict", no_allocation)
     with pytest.raises(CapacityError, match="GiB") as info:
         ReferenceManager(2**29, 16, hash_key=KEY)
     assert info.value.argument == "num_blocks"
@@ -955,7 +956,7 @@ def test_a_window_request_that_fits_with_its_hit_is_not_refused(kind):
 
 
 def test_min_blocks_to_admit():
-    from gpukv.request import ManagerLimits, min_blocks_to_admit
+    from gpukv.core.blocks import ManagerLimits, min_blocks_to_admit
 
     full = ManagerLimits(1, 7, (None,))
     window = ManagerLimits(1, 7, (3,))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 from workload import chunked_session
 
 KEY = bytes(range(16))

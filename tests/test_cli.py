@@ -15,10 +15,10 @@ import time
 import pytest
 
 from conftest import ROOT
-from gpukv import cli
-from gpukv.cli import main
-from gpukv.replay import Replay, ReplayOptions
-from gpukv.traces import MAX_HASH_ID, load_trace
+from gpukv.tools import cli
+from gpukv.tools.cli import main
+from gpukv.tools.replay import Replay, ReplayOptions
+from gpukv.tools.traces import MAX_HASH_ID, load_trace
 
 REC = {"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}
 
@@ -708,7 +708,7 @@ def test_no_cuda_note_goes_to_stderr(capsys, monkeypatch):
 
 
 def test_progress_uses_tqdm_and_prints_plain_lines_off_a_terminal(capsys, monkeypatch):
-    import gpukv.replay as replay_mod
+    import gpukv.tools.replay as replay_mod
 
     monkeypatch.setattr(replay_mod, "PLAIN_DELAY_S", 0.0)
     monkeypatch.setattr(replay_mod, "PLAIN_INTERVAL_S", 0.0)
@@ -735,7 +735,7 @@ def test_progress_is_quiet_for_a_short_replay_off_a_terminal(capsys):
 
 
 def test_progress_line_is_cleared_when_the_replay_fails(capsys, monkeypatch):
-    import gpukv.replay as replay_mod
+    import gpukv.tools.replay as replay_mod
 
     monkeypatch.setattr(replay_mod, "PLAIN_DELAY_S", 0.0)
 
@@ -769,8 +769,8 @@ class NoTriton(importlib.abc.MetaPathFinder):
         if name == "triton" or name.startswith("triton."):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTriton())
-import gpukv, gpukv.reference, gpukv.replay
-from gpukv.cli import main
+import gpukv, gpukv.reference.manager, gpukv.tools.replay
+from gpukv.tools.cli import main
 sys.exit(main(["replay", "--max-requests", "3", "--no-progress", "--json", "-"]))
 """
 
@@ -792,12 +792,13 @@ import sys
 import gpukv
 print(gpukv.__version__, "torch" in sys.modules, "triton" in sys.modules)
 from gpukv import GpukvError, MMItem, PrefixCacheStats
-assert gpukv.windows.policies
+from gpukv.core import windows
+assert windows.policies
 print("torch" in sys.modules)
 from gpukv import NewRequest, get_kv_cache_config
 print(NewRequest.__module__, get_kv_cache_config.__module__, "gpukv._runtime" in sys.modules)
 print(sorted(n for n in gpukv.__all__ if not hasattr(gpukv, n)), set(gpukv.__all__) <= set(dir(gpukv)))
-print(gpukv.config.get_kv_cache_config is get_kv_cache_config)
+print(gpukv.sizing.config.get_kv_cache_config is get_kv_cache_config)
 """
 
 
@@ -809,8 +810,8 @@ def test_importing_the_package_loads_neither_torch_nor_triton():
 
     assert proc.stdout.splitlines() == [
         f"{gpukv.__version__} False False",  # import gpukv, and its version, cost neither
-        "False",  # names (and gpukv.windows) from modules without torch
-        "gpukv.request gpukv.config True",  # the rest: gpukv._runtime first, before anything loads triton
+        "False",  # names (and gpukv.core.windows) from modules without torch
+        "gpukv.core.requests gpukv.sizing.config True",  # the rest: gpukv._runtime first, before anything loads triton
         "[] True",  # every public name resolves and dir() lists it
         "True",  # as do the submodules `import gpukv` used to load
     ]
@@ -840,10 +841,10 @@ def test_dir_lists_the_public_names_and_not_the_packages_own_imports():
     assert not listed & {"Any", "TYPE_CHECKING", "annotations", "importlib"}
     assert not [n for n in listed if n.startswith("_")]
     # Every public name and submodule, and nothing else but submodules loaded since.
-    submodules = {"config", "distributed", "errors", "hashing", "metrics", "request", "running", "spec", "windows"}
+    submodules = {"core", "device", "errors", "events", "kernels", "reference", "sizing"}
     assert set(gpukv.__all__) | submodules <= listed
     others = listed - set(gpukv.__all__) - submodules
-    assert others and all(type(getattr(gpukv, n)).__name__ == "module" for n in others), others  # cli, at least
+    assert others and all(type(getattr(gpukv, n)).__name__ == "module" for n in others), others  # tools, at least
     assert "__version__" in dir(gpukv)
 
 
@@ -894,7 +895,7 @@ def test_every_module_that_imports_triton_imports_the_runtime_first():
             continue
         checked += 1
         runtime_at = first(path, is_runtime)
-        # The packages below gpukv/ that hold it (gpukv/vllm/ for gpukv/vllm/scheduler.py), its own aside.
+        # The packages below gpukv/ that hold it (gpukv/vllm/ for gpukv/vllm/v0_8/scheduler.py), its own aside.
         inits = [d / "__init__.py" for d in path.parents if package in d.parents and d / "__init__.py" != path]
         before = (runtime_at is not None and runtime_at < triton_at) or any(
             first(init, is_runtime) is not None for init in inits)
@@ -904,7 +905,7 @@ def test_every_module_that_imports_triton_imports_the_runtime_first():
 
 _VERSION_AND_HELP = """
 import contextlib, io, sys
-from gpukv.cli import main
+from gpukv.tools.cli import main
 for argv in (["--version"], ["replay", "--help"], ["sweep", "--help"]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         main(argv)
@@ -1125,9 +1126,9 @@ def test_every_integer_option_has_a_range():
     assert typed.keys() == INT_LIMITS.keys() | FLOAT_OPTIONS
     for key, (low, high, _) in INT_LIMITS.items():
         assert typed[key].allowed == (low, high), key
-    from gpukv.defaults import MAX_NUM_BLOCKS
-    from gpukv.request import MAX_NUM_BLOCKS as MANAGERS_LIMIT
-    from gpukv.traces import MAX_SIZE
+    from gpukv.core.limits import MAX_NUM_BLOCKS as MANAGERS_LIMIT
+    from gpukv.tools.defaults import MAX_NUM_BLOCKS
+    from gpukv.tools.traces import MAX_SIZE
 
     assert MAX_NUM_BLOCKS == MANAGERS_LIMIT == 2**29 and MAX_SIZE == 2**31 - 1  # the managers' own limits
 
@@ -1203,8 +1204,8 @@ def test_a_step_trace_given_to_sweep_names_the_command_that_replays_it(tmp_path,
 def test_a_sweep_size_the_manager_refuses_is_one_error_line(capsys, monkeypatch):
     import pickle
 
-    from gpukv import replay, sweep
     from gpukv.errors import CapacityError
+    from gpukv.tools import replay, sweep
 
     def refuse(_opts):
         raise CapacityError("the reference pool needs about 320.00 GiB on the host", argument="num_blocks",

@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
-from gpukv.config import (
+from gpukv.sizing.config import (
     available_kv_cache_memory,
     check_enough_kv_cache_memory,
     get_kv_cache_config,
     kv_cache_budget,
     unify_kv_cache_configs,
 )
-from gpukv.spec import (
+from gpukv.sizing.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError, ManagerFailedError
 from gpukv.kernels import capture
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 
@@ -132,7 +132,7 @@ def test_bad_decode_input_is_refused_alike_and_changes_nothing(case):
 
 
 class GraphLaunches:
-    """What ``gpukv.graphs.DecodeGraphs`` captures, on the CPU: ``decode``
+    """What ``gpukv.device.graphs.DecodeGraphs`` captures, on the CPU: ``decode``
     hands it the staged bucket and it runs ``_launch_decode(bucket, bufs)``,
     every phase, recording the launches."""
 
@@ -213,9 +213,9 @@ def test_counters_of_a_decode_that_the_host_cannot_prove_fits():
 
 @pytest.fixture
 def tokens_on_the_device(monkeypatch):
-    import gpukv.running
+    import gpukv.core.running_batch
 
-    real = gpukv.running.normalize_decode_tokens
+    real = gpukv.core.running_batch.normalize_decode_tokens
 
     def kept_unread(value, num_rows, device):
         if device is None:  # the reference's: it reads and checks them on the host
@@ -223,7 +223,7 @@ def tokens_on_the_device(monkeypatch):
         assert isinstance(value, torch.Tensor) and value.device == device
         return value if value.dim() == 2 else value.reshape(num_rows, -1)
 
-    monkeypatch.setattr(gpukv.running, "normalize_decode_tokens", kept_unread)
+    monkeypatch.setattr(gpukv.core.running_batch, "normalize_decode_tokens", kept_unread)
 
 
 def _hit_tokens(m, tokens):
@@ -290,8 +290,8 @@ def test_device_tokens_in_range_pass_alike():
 def _step_tokens_on_the_device(monkeypatch, bad):
     """step()'s token ids as a CUDA tensor would reach the device manager:
     its normalisation keeps them as the tensor, unread."""
-    from gpukv.manager import DeviceManager
-    from gpukv.request import Step
+    from gpukv.core.requests import Step
+    from gpukv.device.manager import DeviceManager
 
     real = DeviceManager._normalize
 

@@ -18,10 +18,10 @@ import threading
 import numpy as np
 import pytest
 
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import ConcurrentCallError, GpukvInputError, InvalidInputError
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 PROMPT = [1, 2, 3, 4, 5]

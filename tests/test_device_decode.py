@@ -3,9 +3,9 @@ totals, phases and uploaded arrays, worked by hand) and its layout."""
 
 import numpy as np
 
+from gpukv.core.requests import NewRequest
 from gpukv.device.decode import decode_layout, decode_phases
-from gpukv.manager import DeviceManager
-from gpukv.request import NewRequest
+from gpukv.device.manager import DeviceManager
 
 KEY = bytes(range(16))
 
@@ -64,5 +64,5 @@ def test_finish_brings_the_rows_mirror_up_to_date():
 
 
 def _batch(rows, tokens):
-    from gpukv.running import RunningBatch
+    from gpukv.core.running_batch import RunningBatch
     return RunningBatch(rows, tokens, None, None, 0)

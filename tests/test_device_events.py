@@ -2,9 +2,9 @@
 
 import torch
 
+from gpukv.device.event_buffer import DeviceEventLog
 from gpukv.device.events import DeviceEvents
-from gpukv.event_log import DeviceEventLog
-from gpukv.events import AllBlocksCleared
+from gpukv.events.schema import AllBlocksCleared
 
 
 def test_without_a_log_there_is_nothing_to_hook_drain_or_expect():

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpukv.core.requests import NewRequest
 from gpukv.device.launches import SharedLaunches
-from gpukv.manager import DeviceManager
-from gpukv.request import NewRequest
+from gpukv.device.manager import DeviceManager
 
 
 def _manager(events: bool = False, generation: int = 0) -> SimpleNamespace:

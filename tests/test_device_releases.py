@@ -2,9 +2,9 @@
 
 import pytest
 
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
 from gpukv.kernels import capture
-from gpukv.manager import DeviceManager
-from gpukv.request import NewRequest
 
 KEY = bytes(range(16))
 

@@ -5,7 +5,7 @@ so the cost of starting Python + torch is paid once; each rank reports back
 through a queue. No mocks: the collectives are torch.distributed's own.
 
 In the attacks, rank 2 is hostile: it speaks the wire protocol by hand (as
-``gpukv.distributed``'s docstring describes it) and sends a pickle that
+``gpukv.sizing.reconcile``'s docstring describes it) and sends a pickle that
 would create a file when unpickled, garbage, lengths that would make the
 others allocate 10 GB, configs of the wrong shape; ranks 0 and 1 run the
 real ``reconcile_kv_cache_config``. Each must raise the same
@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpukv.config import get_kv_cache_config
-from gpukv.distributed import PROTOCOL, reconcile_kv_cache_config
 from gpukv.errors import InvalidTypeError, ReconcileError
-from gpukv.spec import FullAttentionSpec, SlidingWindowSpec
+from gpukv.sizing.config import get_kv_cache_config
+from gpukv.sizing.reconcile import PROTOCOL, reconcile_kv_cache_config
+from gpukv.sizing.spec import FullAttentionSpec, SlidingWindowSpec
 
 WORLD_SIZE = 3
 PAGE = 65536  # 2 * 16 * 8 * 128 * 2 bytes

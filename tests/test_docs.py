@@ -15,7 +15,7 @@
   vLLM is installed (CI installs it) and is skipped, with that reason,
   elsewhere.
 * ```` ```json ```` blocks are valid JSON, and a trace example loads as a
-  trace (``gpukv.traces.load_trace``).
+  trace (``gpukv.tools.traces.load_trace``).
 * Shell blocks (``bash``, ``sh``) are not run (installs, long replays), but
   every ``gpukv`` command in them, and in inline code that starts with
   ``gpukv``, names a subcommand and options the command line has, and every
@@ -136,7 +136,7 @@ def test_each_python_block_runs_alone(path, python_results):
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.lang == "json"], ids=lambda b: b.where)
 def test_json_blocks_are_valid_and_traces_load(block, tmp_path):
-    from gpukv.traces import load_trace
+    from gpukv.tools.traces import load_trace
 
     text = block.code.strip()
     if "\n" not in text:  # one JSON Lines record: a Mooncake trace line
@@ -154,7 +154,7 @@ def test_json_blocks_are_valid_and_traces_load(block, tmp_path):
 # ------------------------------------------------------------------ shell
 
 def _help(*argv: str) -> str:
-    from gpukv.cli import main
+    from gpukv.tools.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
@@ -266,7 +266,7 @@ def test_extras_and_scheduler_classes_in_shell_blocks_exist():
 
 def test_gpukv_version_prints_the_one_version():
     import gpukv
-    from gpukv.cli import main
+    from gpukv.tools.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
@@ -328,10 +328,11 @@ def test_a_block_that_uses_an_earlier_one_fails_alone(tmp_path):
 
 
 # What a user reads imports the public API: gpukv's own names, its errors
-# (gpukv.errors) and the vLLM adapters (gpukv.vllm); no private module, no
-# submodule's name.
+# (gpukv.errors), the vLLM adapters (gpukv.vllm), the block-hash scheme
+# (gpukv.core.hashing) and the events' wire format (gpukv.events); no private
+# module, no other submodule's name.
 _GPUKV_IMPORT = re.compile(r"^\s*(?:from\s+(gpukv(?:\.[\w.]+)?)\s+import\s+(.+)|import\s+(gpukv\.[\w.]+))", re.M)
-_ALLOWED_FROM = {"gpukv", "gpukv.errors", "gpukv.vllm"}
+_ALLOWED_FROM = {"gpukv", "gpukv.errors", "gpukv.vllm", "gpukv.core.hashing", "gpukv.events"}
 
 
 def _user_code() -> list[tuple[str, str]]:

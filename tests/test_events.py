@@ -1,4 +1,4 @@
-"""KV-cache events (``gpukv.events``) on both managers: the hand-worked
+"""KV-cache events (``gpukv.events.schema``) on both managers: the hand-worked
 schema, an independent index kept from the events that always equals the
 manager's table (as a KV-aware router would keep it), the device's events
 equal to the reference's, no extra read, and overflow reported."""
@@ -9,11 +9,12 @@ import random
 
 import pytest
 
-from gpukv import hashing
-from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, RouterIndex, merge_runs
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core import hashing
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.events.router import RouterIndex
+from gpukv.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, merge_runs
+from gpukv.reference.manager import ReferenceManager
 from workload import event_atoms
 
 KEY = bytes(range(16))
@@ -104,7 +105,7 @@ def test_a_step_that_reads_anyway_brings_its_events_without_another_read():
 
 
 def test_an_overflow_is_reported_never_silent(monkeypatch):
-    import gpukv.manager as manager_module
+    import gpukv.device.manager as manager_module
 
     monkeypatch.setattr(manager_module, "KV_EVENTS_CAPACITY", 2)
     m = make("device", num_blocks=16)

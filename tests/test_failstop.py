@@ -17,13 +17,13 @@ import pytest
 from gpukv import NewRequest, RunningBatch, RunningUpdate
 from gpukv.device import launches as launches_module
 from gpukv.device.decode import DecodePath
+from gpukv.device.manager import DeviceManager
 from gpukv.device.releases import Releases
 from gpukv.errors import InvalidInputError, InvalidTypeError, ManagerFailedError, UnknownRequestError
 from gpukv.kernels import block_hash
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.reference_parts.releases import ReferenceReleases
-from gpukv.reference_parts.running import ReferenceRunning
+from gpukv.reference.manager import ReferenceManager
+from gpukv.reference.releases import ReferenceReleases
+from gpukv.reference.running import ReferenceRunning
 from tests.kernels import aot
 
 PREFIX = list(range(100, 108))

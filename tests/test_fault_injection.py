@@ -33,7 +33,7 @@ n, and the call must end in one of:
    state (``tests/test_catalogue.state_of``: every tensor, every host
    structure) is as before, and a good call still works;
 3. for a reading call (``block_table_for``: fail-stop lets reading calls
-   raise without stopping, ``gpukv.failstop.reading``): the call raised the
+   raise without stopping, ``gpukv.core.failstop.reading``): the call raised the
    injected error, the manager runs on, and its state is the one a
    successful call leaves (a read changes only the staging buffers' turn
    and the upload count).
@@ -70,9 +70,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukv import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import GpukvInputError, ManagerFailedError
 from gpukv.kernels import capture
-from gpukv.manager import DeviceManager
 from test_catalogue import state_of
 
 # Program order: this module's sites are the host's, which no program order

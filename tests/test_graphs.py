@@ -1,5 +1,5 @@
 """CUDA-graph replay of the decode step and of the admission
-(``gpukv.graphs``). On a GPU: captured, replayed, and equal to the eager
+(``gpukv.device.graphs``). On a GPU: captured, replayed, and equal to the eager
 step and to the reference after every step. Everywhere: refused with a
 clear error where there is no CUDA device, and the launches a graph
 captures hold fixed per bucket (what makes one capture valid for every
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from gpukv.core.requests import NewRequest
+from gpukv.device.graphs import AdmissionGraphs, DecodeGraphs, buckets
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import InvalidInputError
-from gpukv.graphs import AdmissionGraphs, DecodeGraphs, buckets
 from gpukv.kernels import capture
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 
@@ -110,7 +110,7 @@ def test_graph_replays_write_the_same_kv_events_as_the_reference():
     """KV-cache events are torch operations around the kernels: a captured
     decode must replay them too (the step counts them in finish_decode,
     however the kernels ran)."""
-    from gpukv.events import BlockStored
+    from gpukv.events.schema import BlockStored
 
     rng = random.Random(1)
     kw = dict(hash_key=KEY, max_model_len=512, max_num_reqs=16, enable_kv_cache_events=True)

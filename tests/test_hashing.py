@@ -1,4 +1,4 @@
-"""Tests of gpukv.hashing (block-hash scheme v2, keyed BLAKE3): the BLAKE3
+"""Tests of gpukv.core.hashing (block-hash scheme v2, keyed BLAKE3): the BLAKE3
 team's published test vectors, the message layouts, segment folding of long
 blocks, chains, extra keys, key resolution, token validation, and the batch
 paths equal to the one-request ones."""
@@ -20,9 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpukv import hashing
-from gpukv.errors import InvalidInputError, InvalidTypeError
-from gpukv.hashing import (
+from gpukv.core import hashing
+from gpukv.core.hashing import (
     NO_EXTRA,
     MMItem,
     blake3_key,
@@ -38,6 +37,7 @@ from gpukv.hashing import (
     resolve_hash_key,
     root_digest,
 )
+from gpukv.errors import InvalidInputError, InvalidTypeError
 
 REPO = Path(__file__).resolve().parents[1]
 # The BLAKE3 team's test vectors (lengths 0, 1, 1023, 1024, 1025), with attribution.
@@ -627,7 +627,7 @@ def test_processes_sharing_pythonhashseed_share_digests():
     """Real processes: the same PYTHONHASHSEED gives the same root digest
     (KV can move between instances); without it each process draws its own key."""
     code = (
-        "from gpukv.hashing import resolve_hash_key, root_digest; "
+        "from gpukv.core.hashing import resolve_hash_key, root_digest; "
         "print(root_digest(resolve_hash_key()).hex())"
     )
     base = {k: v for k, v in os.environ.items() if k not in ("GPUKV_HASH_KEY", "PYTHONHASHSEED")}

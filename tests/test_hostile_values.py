@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.limits import LIMITS, MAX_COUNT, MAX_LOOKAHEAD, MAX_MODEL_LEN, MAX_NEW_TOKENS, MAX_TOKEN_BUDGET
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest
+from gpukv.core.limits import LIMITS, MAX_COUNT, MAX_LOOKAHEAD, MAX_MODEL_LEN, MAX_NEW_TOKENS, MAX_TOKEN_BUDGET
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import sys
 from gpukv.errors import GpukvInputError
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest
-from gpukv.running import RunningBatch
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
+from gpukv.core.requests import NewRequest
+from gpukv.core.running_batch import RunningBatch
 
 KEY = bytes(range(16))
 m = (ReferenceManager(24, 2, hash_key=KEY, max_model_len=32) if sys.argv[1] == "reference"

@@ -1,4 +1,4 @@
-"""KV events on the wire (``gpukv.kv_events``, the ``events`` extra): a
+"""KV events on the wire (``gpukv.events.wire``, the ``events`` extra): a
 plain ZMQ client, decoding with vLLM's schema as a router does, rebuilds
 each manager's cache index exactly (live messages, and the replay socket for
 what it missed); a router keeps ``RouterIndex`` from the wire and ``match``
@@ -22,19 +22,20 @@ import msgspec
 import pytest
 import zmq
 
-from gpukv import events as gk
-from gpukv import kv_events
+from gpukv.core.requests import NewRequest, RunningUpdate
 from gpukv.errors import AddressError, AddressInUseError, InvalidInputError, InvalidTypeError, PublisherClosedError
-from gpukv.events import KVEventBatch, RouterIndex, int_block_hash
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.events import schema as gk
+from gpukv.events import wire as kv_events
+from gpukv.events.router import RouterIndex
+from gpukv.events.schema import KVEventBatch, int_block_hash
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 TOPIC = "kv-events"
 
 
 # vLLM 0.33.0's KV-event schema (vllm/distributed/kv_events.py), written here
-# from its field list, independently of gpukv.kv_events: what a router decodes with.
+# from its field list, independently of gpukv.events.wire: what a router decodes with.
 class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]

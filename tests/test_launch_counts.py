@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
 from gpukv.kernels import capture
-from gpukv.manager import DeviceManager
-from gpukv.request import NewRequest, RunningUpdate
 
 SHARED = list(range(128))
 

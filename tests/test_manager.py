@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.reference.manager import ReferenceManager
 from workload import assert_same, check, drive
 
 KEY = bytes(range(16))
@@ -198,7 +198,7 @@ def test_running_tokens_may_come_as_tensors():
 
 
 def test_allocate_slots_with_stale_or_shorter_computed_blocks():
-    from gpukv.reference import ComputedBlocks
+    from gpukv.reference.manager import ComputedBlocks
 
     ref, dev = pair(8, 2)
     for m in (ref, dev):
@@ -278,7 +278,7 @@ def test_a_forged_digest_is_a_miss_on_both():
 
 
 def test_entry_layout_orders_by_request_group_position():
-    from gpukv.manager import entry_layout
+    from gpukv.device.manager import entry_layout
 
     req, grp, pos, call = entry_layout([[0, 2], [1, 1]], [[2, 3], [3, 1]])
     # request 0: group 0 positions 0, 1; group 1 position 2; request 1: group 0 positions 1, 2.

@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 from workload import assert_same, check, drive
 
 pytestmark = [
@@ -73,7 +73,7 @@ def test_decode_only_step_does_not_synchronise():
 
 def test_a_call_from_another_stream_is_ordered_both_ways():
     """A manager built on the default stream, called from a side stream
-    (``gpukv.manager``, "Streams"): the step waits for the tokens the side
+    (``gpukv.device.manager``, "Streams"): the step waits for the tokens the side
     stream writes after a long busy wait (else it would read the zeros
     there), and the side stream's next kernel sees the block table the
     manager gathered on its own stream."""

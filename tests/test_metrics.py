@@ -1,6 +1,6 @@
 import pytest
 
-from gpukv.metrics import PrefixCacheStats, PrefixCachingMetrics
+from gpukv.core.metrics import PrefixCacheStats, PrefixCachingMetrics
 
 
 def stats(requests, queries, hits, reset=False):
@@ -74,8 +74,8 @@ def test_vllm085_block_counts():
 
 
 def test_vllm085_block_counts_of_a_manager():
-    from gpukv.reference import ReferenceManager
-    from gpukv.request import NewRequest
+    from gpukv.core.requests import NewRequest
+    from gpukv.reference.manager import ReferenceManager
 
     m = ReferenceManager(64, 16, hash_key=bytes(16))
     m.step(new=[NewRequest("a", list(range(32)))])

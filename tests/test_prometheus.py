@@ -1,4 +1,4 @@
-"""Prometheus metrics (``gpukv.prometheus``, the ``metrics`` extra): values
+"""Prometheus metrics (``gpukv.tools.prometheus``, the ``metrics`` extra): values
 as the replay counts them, the names and labels vLLM uses (vLLM 0.33.0's,
 and vLLM 0.8.5's block-unit counters on request), the HTTP endpoint of
 ``gpukv replay --metrics-port``, and the message when the extra is missing."""
@@ -16,11 +16,11 @@ import urllib.request
 import pytest
 
 from conftest import ROOT
-from gpukv import prometheus
-from gpukv.cli import main
-from gpukv.metrics import PrefixCacheStats
-from gpukv.replay import Replay, ReplayOptions
-from gpukv.traces import builtin_trace_path, load_trace
+from gpukv.core.metrics import PrefixCacheStats
+from gpukv.tools import prometheus
+from gpukv.tools.cli import main
+from gpukv.tools.replay import Replay, ReplayOptions
+from gpukv.tools.traces import builtin_trace_path, load_trace
 
 
 def test_a_step_updates_every_metric():
@@ -92,7 +92,7 @@ class HoldTorch(importlib.abc.MetaPathFinder):
                 time.sleep(0.02)
         return None  # the usual finders import it
 sys.meta_path.insert(0, HoldTorch())
-from gpukv.cli import main
+from gpukv.tools.cli import main
 sys.exit(main(["replay", "--backend", "reference", "--max-requests", "2", "--prompt-only", "--no-progress",
                "--metrics-port", sys.argv[3]]))
 """

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 
-from gpukv.hashing import MMItem
-from gpukv.reference import BlockPool, NoFreeBlocksError, ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core.hashing import MMItem
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.reference.manager import BlockPool, NoFreeBlocksError, ReferenceManager
 
 KEY = bytes(range(16))
 

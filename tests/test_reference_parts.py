@@ -1,11 +1,11 @@
-"""``gpukv.reference_parts``: the reference's digests and rows on their own."""
+"""``gpukv.reference``: the reference's digests and rows on their own."""
 
 import numpy as np
 
-from gpukv import hashing
-from gpukv.reference_parts.digests import Digests
-from gpukv.reference_parts.rows import ReferenceRows
-from gpukv.request import NewRequest
+from gpukv.core import hashing
+from gpukv.core.requests import NewRequest
+from gpukv.reference.digests import Digests
+from gpukv.reference.rows import ReferenceRows
 
 KEY = bytes(range(16))
 
@@ -66,7 +66,7 @@ def test_no_part_reads_the_pools_private_state():
     import ast
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "gpukv" / "reference_parts"
+    folder = Path(__file__).resolve().parents[1] / "gpukv" / "reference"
     found = []
     for path in sorted(folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -4,7 +4,7 @@ batched step agreeing with vLLM-style single-request calls."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpukv.reference import ReferenceManager
+from gpukv.reference.manager import ReferenceManager
 from workload import drive
 
 KEY = bytes(range(16))

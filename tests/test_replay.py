@@ -6,9 +6,9 @@ import os
 import pytest
 
 from conftest import SHARED
-from gpukv.cli import main
-from gpukv.replay import Replay, ReplayOptions, no_eviction_hit_rate
-from gpukv.traces import builtin_trace_path, conversation_trace_path, load_trace, parse_step_trace
+from gpukv.tools.cli import main
+from gpukv.tools.replay import Replay, ReplayOptions, no_eviction_hit_rate
+from gpukv.tools.traces import builtin_trace_path, conversation_trace_path, load_trace, parse_step_trace
 
 # block_size 2, 4 usable blocks. Worked by hand below.
 PREEMPTION_TRACE = {
@@ -520,7 +520,7 @@ def test_a_pool_that_preempts_was_oversubscribed_and_a_roomy_one_recomputes_noth
 
 
 def test_the_default_config_is_a_deployment_not_a_stampede():
-    from gpukv import replay
+    from gpukv.tools import replay
 
     opts = ReplayOptions()
     assert (opts.num_blocks, opts.block_size, opts.max_num_seqs) == (65_536, 16, 64)
@@ -532,13 +532,13 @@ def test_the_default_config_is_a_deployment_not_a_stampede():
 
 
 def test_the_report_does_not_import_the_replay():
-    """The report takes a ReplayOutcome (plain values), so gpukv.replay
-    imports gpukv.replay_report and not the other way round, not even for
+    """The report takes a ReplayOutcome (plain values), so gpukv.tools.replay
+    imports gpukv.tools.report and not the other way round, not even for
     type checkers."""
     import ast
     from pathlib import Path
 
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "gpukv" / "replay_report.py").read_text())
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "gpukv" / "tools" / "report.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    assert "gpukv.replay" not in imported
+    assert "gpukv.tools.replay" not in imported

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from gpukv.cli import main
-from gpukv.replay import Replay, ReplayOptions
-from gpukv.traces import builtin_trace_path, load_trace, parse_step_trace
+from gpukv.tools.cli import main
+from gpukv.tools.replay import Replay, ReplayOptions
+from gpukv.tools.traces import builtin_trace_path, load_trace, parse_step_trace
 
 KEY = bytes(16)
 

@@ -30,10 +30,10 @@ import msgspec
 import pytest
 import zmq
 
-from gpukv import kv_events
+from gpukv.core.requests import NewRequest, RunningUpdate
 from gpukv.errors import InvalidInputError, InvalidTypeError
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.events import wire as kv_events
+from gpukv.reference.manager import ReferenceManager
 
 BS = 4
 KEY = bytes(range(16))
@@ -453,7 +453,7 @@ def test_sha256_cbor_refusals_change_nothing(ctx, tmp):
 def test_a_child_whose_parent_was_evicted_first_still_chains(ctx, tmp):
     """A sliding-window request's older blocks may be evicted before its next
     block is stored: the publisher still knows the evicted parent's hash."""
-    from gpukv import events as gk
+    from gpukv.events import schema as gk
 
     feed = Feed(ctx, tmp, published_hash="sha256_cbor")
     try:

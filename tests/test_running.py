@@ -1,7 +1,7 @@
-"""``gpukv.RunningBatch`` (``gpukv/running.py``): a step's running requests as
+"""``gpukv.RunningBatch`` (``gpukv/core/running_batch.py``): a step's running requests as
 arrays, ragged new tokens, chunks and lookahead per row, on both managers;
 and what a step hands back with it (``block_ids``, ``prefix_of``:
-``gpukv/outputs.py`` on the device), each against the reference and against
+``gpukv/device/outputs.py`` on the device), each against the reference and against
 what the managers' own queries say afterwards.
 
 The bad inputs are in ``tests/test_catalogue.py`` (``batch-*``, ``step-*``).
@@ -15,12 +15,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from gpukv import shared_api
+from gpukv.core import manager_base as shared_api
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.core.running_batch import RunningBatch, prechecked_batch
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import InvalidInputError
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
-from gpukv.running import RunningBatch, prechecked_batch
+from gpukv.reference.manager import ReferenceManager
 from workload import KEY, state_of
 
 

@@ -1,14 +1,14 @@
-"""``gpukv.shared_api``: the calls both managers make alike, written once."""
+"""``gpukv.core.manager_base``: the calls both managers make alike, written once."""
 
 import warnings
 
 import pytest
 
 from gpukv import NewRequest, PrefixHit
+from gpukv.core.manager_base import SharedManagerAPI
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.shared_api import SharedManagerAPI
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 

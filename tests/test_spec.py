@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpukv.spec import (
+from gpukv.sizing.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -1,4 +1,4 @@
-"""The pinned staging buffers' event discipline (``gpukv.staging``),
+"""The pinned staging buffers' event discipline (``gpukv.device.staging``),
 checked on the CPU against a model of a GPU that lags behind the host.
 
 A non-blocking copy from pinned memory reads its source when the GPU gets to
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import gpukv._runtime  # noqa: F401
-from gpukv.manager import DeviceManager
-from gpukv.metrics import StepCounters
-from gpukv.request import NewRequest
-from gpukv.staging import Staging
+from gpukv.core.metrics import StepCounters
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
+from gpukv.device.staging import Staging
 
 KEY = bytes(range(16))
 

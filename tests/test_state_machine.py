@@ -43,7 +43,7 @@ The newer entries have rules of their own:
 * KV-cache events: three examples in four build both managers with
   ``enable_kv_cache_events=True``. After every call ``take_events()`` on
   both says the same, block by block (the device cuts batches at its
-  reads); a ``gpukv.events.RouterIndex`` kept from each manager's events
+  reads); a ``gpukv.events.router.RouterIndex`` kept from each manager's events
   (no gap, nothing dropped, no removal of a block never stored) holds the
   reference's table, block counts per ``(digest, group)``; each stored block
   still cached carries its ground truth's tokens and LoRA id (and, with
@@ -97,11 +97,11 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from gpukv import hashing
-from gpukv.events import RouterIndex
-from gpukv.hashing import MMItem
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core import hashing
+from gpukv.core.hashing import MMItem
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.events.router import RouterIndex
+from gpukv.reference.manager import ReferenceManager
 from workload import event_atoms
 
 KEY = bytes(range(16))
@@ -280,7 +280,7 @@ class ServingLoop(RuleBasedStateMachine):
         trace(f"m = ReferenceManager({self.N}, {bs}, sliding_windows={windows}, uncached_first={uncached_first}, "
               f"hash_key=bytes(range(16)){', enable_kv_cache_events=True' if self.events else ''})")
         if self.BACKEND == "device":
-            from gpukv.manager import DeviceManager
+            from gpukv.device.manager import DeviceManager
 
             rows = data.draw(st.sampled_from([2, 64]), label="max_num_reqs")
             self.dev = DeviceManager(self.N, bs, sliding_windows=windows, uncached_first=uncached_first,
@@ -1104,7 +1104,7 @@ class ServingLoop(RuleBasedStateMachine):
             assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
             assert dev.num_computed_tokens(rid) == ref.num_computed_tokens(rid), rid
             assert dev.block_hashes(rid) == ref.block_hashes(rid), rid
-        # Both hand out the same rows (gpukv.rows); check_invariants finds leaks.
+        # Both hand out the same rows (gpukv.device.rows); check_invariants finds leaks.
         assert {r: dev.row_of(r) for r in ref.request_ids()} == {r: ref.row_of(r) for r in ref.request_ids()}
 
 

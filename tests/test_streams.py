@@ -1,4 +1,4 @@
-"""Stream discipline of the device manager (``gpukv.manager``'s docstring,
+"""Stream discipline of the device manager (``gpukv.device.manager``'s docstring,
 "Streams"): a manager runs on a stream of its
 own; a call made on another stream runs on the manager's without waiting for
 the caller's work (only for device tensors it takes from the caller), and
@@ -15,9 +15,9 @@ import torch
 
 import gpukv._runtime  # noqa: F401
 import gpukv.device.calls
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
 from gpukv.errors import UnknownRequestError
-from gpukv.manager import DeviceManager
-from gpukv.request import NewRequest, RunningUpdate
 
 KEY = bytes(range(16))
 

@@ -1,5 +1,5 @@
 """Catalogues of bad inputs for the surfaces beside the managers, in the
-style of ``tests/test_catalogue.py``: the KV-event publisher (``gpukv.kv_events``:
+style of ``tests/test_catalogue.py``: the KV-event publisher (``gpukv.events.wire``:
 its config, constructor, ``publish``, ``flush``,
 ``close``, ``publish_from``, ``make_publisher``), ``ServingMetrics.serve``,
 and reconciliation's own checks (``reconcile_kv_cache_config`` in one
@@ -28,10 +28,7 @@ import pytest
 import torch
 import zmq
 
-from gpukv import events as gk
-from gpukv import kv_events
-from gpukv.config import get_kv_cache_config
-from gpukv.distributed import reconcile_kv_cache_config
+from gpukv.core.metrics import PrefixCacheStats
 from gpukv.errors import (
     AddressError,
     AddressInUseError,
@@ -40,9 +37,12 @@ from gpukv.errors import (
     InvalidInputError,
     InvalidTypeError,
 )
-from gpukv.metrics import PrefixCacheStats
-from gpukv.prometheus import ServingMetrics
-from gpukv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from gpukv.events import schema as gk
+from gpukv.events import wire as kv_events
+from gpukv.sizing.config import get_kv_cache_config
+from gpukv.sizing.reconcile import reconcile_kv_cache_config
+from gpukv.sizing.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from gpukv.tools.prometheus import ServingMetrics
 
 D0 = bytes(range(16))
 
@@ -560,7 +560,7 @@ def test_the_new_errors_pickle_and_read_as_their_builtins():
 
 # ------------------------------------------ a manager's own hook
 # The one caller code that runs inside a device manager's call is its
-# ``graphs`` hook (``gpukv.graphs.DecodeGraphs``' launch, between the
+# ``graphs`` hook (``gpukv.device.graphs.DecodeGraphs``' launch, between the
 # decode's stage and its launch). A call of the manager made from there
 # once went through the call lock (the same thread) and ran mid-step: a
 # decode staged over the running one's buffers and the device cached a
@@ -585,7 +585,7 @@ HOOK_CASES = [
 
 
 def gk_new(rid, tokens):
-    from gpukv.request import NewRequest
+    from gpukv.core.requests import NewRequest
 
     return NewRequest(rid, tokens)
 
@@ -604,8 +604,8 @@ class _CallingHook:
 
 @pytest.fixture(scope="module")
 def hooked():
-    from gpukv.manager import DeviceManager
-    from gpukv.reference import ReferenceManager
+    from gpukv.device.manager import DeviceManager
+    from gpukv.reference.manager import ReferenceManager
 
     key = bytes(range(16))
     ref = ReferenceManager(32, 2, hash_key=key, max_model_len=64)
@@ -616,7 +616,7 @@ def hooked():
 
 
 def test_the_hook_catalogue_names_every_mutating_call():
-    from gpukv.manager import DeviceManager
+    from gpukv.device.manager import DeviceManager
 
     mutating = {n for n in dir(DeviceManager) if getattr(getattr(DeviceManager, n), "mutates", False)}
     assert mutating <= {c[0] for c in HOOK_CASES}

@@ -1,6 +1,6 @@
-"""``gpukv sweep`` (``gpukv.sweep``): hit rate against capacity, each point a
+"""``gpukv sweep`` (``gpukv.tools.sweep``): hit rate against capacity, each point a
 plain replay, the ceiling a pool that never evicts; and the figures
-(``gpukv.plot``, the ``plot`` extra) of a sweep and of a replay."""
+(``gpukv.tools.plot``, the ``plot`` extra) of a sweep and of a replay."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from gpukv import sweep
-from gpukv.cli import main
-from gpukv.replay import Replay, ReplayOptions
-from gpukv.traces import builtin_trace_path, load_trace
+from gpukv.tools import sweep
+from gpukv.tools.cli import main
+from gpukv.tools.replay import Replay, ReplayOptions
+from gpukv.tools.traces import builtin_trace_path, load_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -55,7 +55,7 @@ def test_parallel_processes_give_the_same_points(capsys):
 
 
 def test_a_bar_per_size_off_a_terminal(capsys, monkeypatch):
-    from gpukv import replay
+    from gpukv.tools import replay
 
     monkeypatch.setattr(replay, "PLAIN_DELAY_S", 0.0)
     monkeypatch.setattr(replay, "PLAIN_INTERVAL_S", 0.0)
@@ -106,7 +106,7 @@ def test_a_size_too_small_for_max_model_len_or_that_rejects_is_flagged(tmp_path,
 def test_gib_ticks_read_as_given(tmp_path):
     import xml.etree.ElementTree as ET
 
-    from gpukv import plot
+    from gpukv.tools import plot
 
     point = {"prefix_cache_hit_rate": 0.1, "first_admission_hit_rate": 0.1, "rejected": 0, "num_blocks": 1}
     result = {"points": [dict(point, capacity=c) for c in (8, 16, 32)], "capacity_unit": "GiB",
@@ -215,7 +215,7 @@ def test_replay_plot_draws_three_panels(tmp_path):
 
 
 def _panel(blocks, num_blocks):
-    from gpukv import plot
+    from gpukv.tools import plot
 
     plt = plot.require()
     fig, ax = plt.subplots(figsize=(8, 3), constrained_layout=True)
@@ -247,7 +247,7 @@ def test_a_panels_legend_sits_above_it_off_the_curve():
 
 
 def test_a_replay_plot_of_a_rejecting_replay_says_its_rate_is_not_comparable():
-    from gpukv import plot
+    from gpukv.tools import plot
 
     s = {"backend": "reference", "prefix_cache_hit_rate": 0.4449, "prefix_cache_hit_rate_ceiling": 0.081,
          "prefix_cache_hit_rate_ceiling_requests": 300, "requests": 300, "rejected": 261, "preemptions": 0}
@@ -261,7 +261,7 @@ def test_a_replay_plot_of_a_rejecting_replay_says_its_rate_is_not_comparable():
 def test_the_sweep_plot_shows_the_ceilings_size_and_the_preemptions(tmp_path):
     import xml.etree.ElementTree as ET
 
-    from gpukv import plot
+    from gpukv.tools import plot
 
     point = {"first_admission_hit_rate": 0.1, "rejected": 0, "num_blocks": 1}
     result = {"points": [dict(point, capacity=20_000, prefix_cache_hit_rate=0.05, preemptions=34),

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from gpukv.traces import (
+from gpukv.tools.traces import (
     MAX_HASH_ID,
     TraceError,
     _loads_located,
@@ -121,7 +121,7 @@ def test_step_trace_fields_become_requests():
 def test_the_shipped_trace_is_the_published_one():
     import hashlib
 
-    from gpukv.traces import builtin_trace_path, conversation_trace_path, open_trace
+    from gpukv.tools.traces import builtin_trace_path, conversation_trace_path, open_trace
 
     with open_trace(conversation_trace_path()) as f:
         data = f.read()

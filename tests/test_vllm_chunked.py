@@ -47,9 +47,9 @@ from typing import Any
 
 import pytest
 
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest
+from gpukv.core.requests import NewRequest
+from gpukv.device.manager import DeviceManager
+from gpukv.reference.manager import ReferenceManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKIP_REASON = "vLLM 0.8.5 not importable (see ../shared/tools/vllm085/setup.sh)"

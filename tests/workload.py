@@ -18,11 +18,11 @@ import random
 import numpy as np
 import torch
 
-from gpukv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from gpukv.hashing import MMItem
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
-from gpukv.request import NewRequest, RunningUpdate
+from gpukv.core.hashing import MMItem
+from gpukv.core.requests import NewRequest, RunningUpdate
+from gpukv.device.manager import DeviceManager
+from gpukv.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 

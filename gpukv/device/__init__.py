@@ -1,6 +1,6 @@
-"""The device manager's parts (``gpukv.manager.DeviceManager`` composes them).
+"""The device manager (``manager``: ``DeviceManager``) and its parts, which it composes.
 
-Each has one job and a file of its name:
+Each part has one job and a file of its name:
 
 * ``decode``: ``DecodePath``, a running batch's plan -> stage -> launch ->
   finish (the batched ``decode``, and a step's running requests);
@@ -10,10 +10,16 @@ Each has one job and a file of its name:
 * ``events``: ``DeviceEvents``, the KV-cache events (device buffer, host queue);
 * ``reads``: ``DeviceReads``, every read that waits on the device.
 
-They run on the pool (``gpukv.pool.DevicePool``: its verbs) and the request
-rows (``gpukv.rows.DeviceRows``), plan with ``gpukv.admission`` and
-``gpukv.outputs``, upload through ``gpukv.staging``, and launch
+They run on the pool (``gpukv.device.pool.DevicePool``: its verbs) and the request
+rows (``gpukv.device.rows.DeviceRows``), plan with ``gpukv.device.admission_plan`` and
+``gpukv.device.outputs``, upload through ``gpukv.device.staging``, and launch
 ``gpukv.kernels``; none imports the manager (each holds the manager it
 belongs to, for what the parts share: its staging, its one ``_read``, and
 the verbs the decode and the admission both launch).
+
+The device-only helpers beside them: ``pool`` (the device-resident block
+pool), ``rows`` (request rows), ``admission_plan`` (an admission's host plan
+and buffers), ``outputs`` (a step's outputs), ``staging`` (uploads),
+``event_buffer`` (the KV-cache event buffer), ``graphs`` (CUDA-graph
+replay), ``calls``, ``launches``. Importing the package imports none of them.
 """

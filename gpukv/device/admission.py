@@ -2,7 +2,7 @@
 rounds, and the lookups that change nothing.
 
 One round: the new requests not admitted yet get candidate rows; the host
-plans their prompts (``gpukv.admission.plan_admission``: one upload into
+plans their prompts (``gpukv.device.admission_plan.plan_admission``: one upload into
 the bucket's fixed buffers, ``AdmissionBuffers``); the device writes the
 rows, hashes and looks the prompts up, and admits in order as vLLM's
 waiting loop does (``kernels/lookup.py``: the budget, the free blocks, a
@@ -13,7 +13,7 @@ vLLM looks the rest up after those pops: another round, one read more.
 
 Every launch of a bucket's parts is kept on its first round and replayed
 (``SharedLaunches.replayed``, ``gpukv.device.launches``), or replayed as a CUDA graph
-(``gpukv.graphs.AdmissionGraphs``).
+(``gpukv.device.graphs.AdmissionGraphs``).
 """
 
 from __future__ import annotations
@@ -24,23 +24,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpukv import hashing
-from gpukv.admission import AdmissionBuffers, plan_admission
-from gpukv.kernels import decode as decode_ops
-from gpukv.kernels import lookup as lookup_ops
-from gpukv.kernels import prefill as prefill_ops
-from gpukv.outputs import StepGather
-from gpukv.request import (
-    ComputedBlocks,
-    NewRequest,
-    PrefixHit,
-    StepResult,
+from gpukv.core import hashing
+from gpukv.core.checks import (
     apply_allocate_args,
     check_computed_for,
     check_prefix_hit,
     normalize_computed,
     stale_computed_blocks,
 )
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, StepResult
+from gpukv.device.admission_plan import AdmissionBuffers, plan_admission
+from gpukv.device.outputs import StepGather
+from gpukv.kernels import decode as decode_ops
+from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels import prefill as prefill_ops
 
 
 class Admission:
@@ -310,7 +307,7 @@ class Admission:
 
     def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
         """One fixed part of the admission's launches: a CUDA graph replay
-        (``graphs``: ``gpukv.graphs.AdmissionGraphs``; not with KV-cache
+        (``graphs``: ``gpukv.device.graphs.AdmissionGraphs``; not with KV-cache
         events), else its kept launches replayed (``SharedLaunches.replayed``)."""
         m = self._m
         if graphs is not None and m._events.log is None:

@@ -2,7 +2,7 @@
 one way to read the device, and its step accounting.
 
 ``CallContext`` is mixed into ``DeviceManager`` (not a part it holds): its
-methods are the ``gpukv.failstop`` hooks every public call runs
+methods are the ``gpukv.core.failstop`` hooks every public call runs
 (``_enter_stream`` / ``_leave_stream``), and they stay one attribute lookup
 away, as they were, on the decode's host budget. Streams (the manager
 module's docstring, "Streams"): a call made on another CUDA stream than the
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from gpukv.device.staging import TorchOpCounter
 from gpukv.kernels import capture
-from gpukv.staging import TorchOpCounter
 
 
 def on_device(values: list) -> list[torch.Tensor]:
@@ -125,7 +125,7 @@ class CallContext:
                 self._leave_stream(entered, None)
 
     def _num_unheld(self, block_ids: list[int]) -> int:
-        """``read_num_unheld``'s one read (``gpukv.shared_api``'s hook)."""
+        """``read_num_unheld``'s one read (``gpukv.core.manager_base``'s hook)."""
         return self._reads.num_unheld(block_ids)
 
     def _enter_stream(self) -> tuple | None:

@@ -4,7 +4,7 @@ FlashInfer's plan/run split: the host plans a running batch with numpy (no
 Python per request) into one int32 array of the batch's bucket, stages it
 (one pinned, non-blocking upload into the bucket's fixed device buffers),
 launches a fixed sequence of kernels on those buffers (kept after a bucket's
-first step and replayed, or captured as a CUDA graph by ``gpukv.graphs``),
+first step and replayed, or captured as a CUDA graph by ``gpukv.device.graphs``),
 and finishes by bringing the host's mirror of the rows up to date, reading
 the device only when the host could not prove the batch fits.
 
@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpukv.core.requests import RunningUpdate, StepResult
+from gpukv.core.running_batch import RunningRows
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import capture
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels.toolkit import pow2_at_least
-from gpukv.request import RunningUpdate, StepResult
-from gpukv.running import RunningRows
 
 #: The largest element of a non-empty array: the ufunc's reduce, without
 #: ``ndarray.max``'s Python wrapper (a decode plan takes three).
@@ -258,7 +258,7 @@ class DecodePath:
     def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Per (request, group): where the null blocks end once the window
         groups release what ``num_tokens`` processed tokens no longer see, in
-        the ``held`` blocks (``gpukv.windows``: ``released_until``)."""
+        the ``held`` blocks (``gpukv.core.windows``: ``released_until``)."""
         stops = starts.copy()
         for g in self._window_groups:
             stops[:, g] = np.maximum(self._policies[g].released_until(num_tokens, held), starts[:, g])

@@ -1,7 +1,7 @@
 """The device manager's KV-cache events: the device buffer the kernels'
-neighbours write (``gpukv.event_log.DeviceEventLog``, None when the manager
+neighbours write (``gpukv.device.event_buffer.DeviceEventLog``, None when the manager
 was built without ``enable_kv_cache_events``) and the host's queue of
-batches (``gpukv.events.EventQueue``) the reads fill.
+batches (``gpukv.events.schema.EventQueue``) the reads fill.
 
 No read of its own: a drain's rows ride on a read the manager makes anyway
 (``drain_parts`` before it, ``drained`` with what it brought), and
@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from gpukv.event_log import DeviceEventLog
-from gpukv.events import AllBlocksCleared, EventQueue, KVEventBatch
+from gpukv.device.event_buffer import DeviceEventLog
+from gpukv.events.schema import AllBlocksCleared, EventQueue, KVEventBatch
 
 
 class DeviceEvents:

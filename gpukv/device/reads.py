@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpukv import hashing
+from gpukv.core import hashing
+from gpukv.core.blocks import common_prefix_length
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import free_queue as fq_ops
-from gpukv.request import common_prefix_length
 
 
 def check_queue_errors(queue_errors: int, tokens_argument: str = "token_ids") -> None:

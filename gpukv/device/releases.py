@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpukv.device.rows import entry_layout
 from gpukv.kernels.toolkit import pow2_at_least
-from gpukv.rows import entry_layout
 
 
 @dataclass

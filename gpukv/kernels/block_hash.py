@@ -1,7 +1,7 @@
 """Keyed BLAKE3 block hashing (scheme v2) as Triton kernels, on 32-bit words.
 
 The scheme (docs/design.md, "Hashing"; the host implementation in
-``gpukv/hashing.py`` follows the same conventions bit for bit):
+``gpukv/core/hashing.py`` follows the same conventions bit for bit):
 
 * Key: the 16-byte gpukv key, as two int64 lanes ``k0`` = bytes 0..7 LE and
   ``k1`` = bytes 8..15 LE (``key_lanes``). The BLAKE3 key is derived from it
@@ -64,7 +64,7 @@ synchronise with the host; they only enqueue work):
   num_blocks[r]`` (clamped to ``[0, min(M, T // bs)]``) is the digest, every
   later position is (0, 0); lanes past ``R`` are masked and store nothing.
 * ``hash_block_chains_host(...)``: the same signature and result computed on
-  the host with ``gpukv.hashing`` (reads the tensors back; for runs under
+  the host with ``gpukv.core.hashing`` (reads the tensors back; for runs under
   Triton's interpreter, where the kernel is slow).
 * ``key_lanes(key, device)``: the 16-byte key as the ``int64[2]`` tensor the
   launcher takes.
@@ -145,7 +145,7 @@ KEYED_HASH: tl.constexpr = tl.constexpr(16)
 DERIVE_KEY_CONTEXT: tl.constexpr = tl.constexpr(32)
 DERIVE_KEY_MATERIAL: tl.constexpr = tl.constexpr(64)
 
-#: The context key of ``gpukv.hashing.KEY_CONTEXT`` ("gpukv 2026-12-01 block
+#: The context key of ``gpukv.core.hashing.KEY_CONTEXT`` ("gpukv 2026-12-01 block
 #: hash key v2"): BLAKE3 of the context string in derive-key-context mode, as
 #: 8 little-endian words. Derive-key mode hashes the key material keyed with
 #: it. tests/kernels/test_block_hash.py recomputes it.
@@ -785,7 +785,7 @@ def hash_block_chains_host(
     max_blocks: int | None = None,
     tile: int = DEFAULT_TILE,
 ) -> torch.Tensor:
-    """``hash_block_chains`` computed on the host with ``gpukv.hashing`` (the
+    """``hash_block_chains`` computed on the host with ``gpukv.core.hashing`` (the
     ``blake3`` package): the same signature, checks and result, on tensors of
     any device; it reads them to the host (a sync on a GPU). For runs under
     Triton's interpreter, where the kernel costs about 0.3 s per BLAKE3
@@ -793,7 +793,7 @@ def hash_block_chains_host(
     costs about a microsecond per block; ``tile`` is checked and unused.
     tests/kernels/test_block_hash.py holds the two equal.
     """
-    from gpukv import hashing  # the host scheme (imports blake3)
+    from gpukv.core import hashing  # the host scheme (imports blake3)
 
     R, T, block_size, max_blocks, out = _chain_args(
         parents, tokens, num_blocks, extras, out, block_size, max_blocks, tile, kernel=False)
@@ -857,11 +857,11 @@ def hash_rows(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, count
 def hash_rows_host(key: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, *,
                    tokens: torch.Tensor, digests: torch.Tensor, extras: torch.Tensor, root: tuple[int, int],
                    block_size: int, tile: int = DEFAULT_TILE) -> None:  # noqa: ARG001 (hash_rows's signature)
-    """``hash_rows`` computed on the host with ``gpukv.hashing`` (reads the
+    """``hash_rows`` computed on the host with ``gpukv.core.hashing`` (reads the
     tensors: a sync on a GPU); for runs under Triton's interpreter.
     tests/kernels/test_block_hash.py holds the two equal (and both equal to
-    ``gpukv.hashing.hash_block_chain``)."""
-    from gpukv import hashing
+    ``gpukv.core.hashing.hash_block_chain``)."""
+    from gpukv.core import hashing
 
     _rows_args(rows, starts, counts, tokens, digests, extras)
     work = [(r, s, n) for r, s, n in zip(rows.tolist(), starts.tolist(), counts.tolist(), strict=True)

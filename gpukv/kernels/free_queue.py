@@ -2,7 +2,7 @@
 
 The queue holds the free block ids ``1..N-1`` (block 0, the null block, is
 never in it) in eviction order: the front is reused first. It is the device
-twin of the reference pool's ``OrderedDict`` (``gpukv/reference.py``,
+twin of the reference pool's ``OrderedDict`` (``gpukv/reference/manager.py``,
 ``BlockPool._free``) and must always hold the same ids in the same order.
 
 State (all on one device, sized once; see ``FreeQueue``):

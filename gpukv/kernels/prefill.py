@@ -41,7 +41,7 @@ same for every step of a bucket, so they are prepared once and replayed
    request takes per group, a bucket size) and the caching entries
    (group/row/pos/valid, ``[4, KP * G * C]``, C = the most full blocks a
    chunk holds), masked past the admitted requests;
-7. (touch, allocate: ``gpukv.pool``);
+7. (touch, allocate: ``gpukv.device.pool``);
 8. ``place_hits``: every admitted request's hits into its block table (a
    pending hit takes the block the earlier request just got; a window
    group's positions before its last W hit blocks hold the null block), and

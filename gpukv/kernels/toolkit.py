@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpukv.request import MAX_NUM_BLOCKS
+from gpukv.core.limits import MAX_NUM_BLOCKS
 
 # ================================================================ argument checks
 # Host side, in the launchers. Attribute reads only (no torch op, no device
@@ -119,7 +119,7 @@ def check_num_blocks(num_blocks: Any) -> int:
     """``num_blocks`` of a pool structure (``FreeQueue.create``,
     ``HashTable.create``) as an int, or ValueError.
 
-    One limit for all of them, the managers' (``gpukv.request.MAX_NUM_BLOCKS``
+    One limit for all of them, the managers' (``gpukv.core.limits.MAX_NUM_BLOCKS``
     = 2**29): at least 2, as block 0 is the null block (never queued, never
     cached), and at most 2**29, because the hash table has a power of two
     ``cap >= 2N`` slots and its kernels take ``cap`` as an int32 argument and

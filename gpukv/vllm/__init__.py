@@ -2,8 +2,8 @@
 
 Which vLLM is installed picks the adapter, at import:
 
-* vLLM 0.8.5 (no ``AsyncScheduler``; the ``vllm085`` extra): ``gpukv.vllm.manager`` and
-  ``gpukv.vllm.scheduler``.
+* vLLM 0.8.5 (no ``AsyncScheduler``; the ``vllm085`` extra): ``gpukv.vllm.v0_8.manager`` and
+  ``gpukv.vllm.v0_8.scheduler``.
 
   * ``KVCacheManager``: vLLM 0.8.5's ``KVCacheManager`` interface on a gpukv
     manager (the device manager on CUDA, the reference elsewhere).
@@ -85,8 +85,8 @@ if has_async_scheduler():
                "UnbatchedDeviceScheduler", "UnbatchedReferenceAsyncScheduler", "UnbatchedReferenceScheduler",
                "UnsupportedConfigError"]
 else:
-    from gpukv.vllm.manager import Block, KVCacheManager  # type: ignore[assignment]
-    from gpukv.vllm.scheduler import (  # type: ignore[assignment]
+    from gpukv.vllm.v0_8.manager import Block, KVCacheManager  # type: ignore[assignment]
+    from gpukv.vllm.v0_8.scheduler import (  # type: ignore[assignment]
         BatchedReferenceScheduler,
         DeviceScheduler,
         ReferenceScheduler,

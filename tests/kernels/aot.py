@@ -2,7 +2,7 @@
 GPUs, without one.
 
 A support module of the tests (not a test file), outside the package: its
-recorded workloads drive ``gpukv.manager.DeviceManager``, which stands above
+recorded workloads drive ``gpukv.device.manager.DeviceManager``, which stands above
 the kernels, and nothing in ``gpukv.kernels`` imports what stands above it.
 
 Triton's interpreter (what runs the kernels on a machine without CUDA) accepts
@@ -15,7 +15,7 @@ builds on a GPU. This module is the one home of the check, used by
    ``@triton.jit`` function; a kernel is one no other jit function refers to
    and that returns nothing (the helpers they call are compiled as part of
    them).
-2. ``record()`` runs short real workloads (``gpukv.manager.DeviceManager``,
+2. ``record()`` runs short real workloads (``gpukv.device.manager.DeviceManager``,
    one full-attention group and full + sliding window) plus a few direct
    launcher calls for what a manager never launches, and intercepts every
    kernel launch (``Recorder``): it computes the argument specialisation the
@@ -280,10 +280,10 @@ def manager_workload(*, windows=(None,), block_size: int = 16, num_blocks: int =
     (preemption), a lookup-only ``get_computed_blocks`` and
     ``allocate_slots``, and a prefix-cache reset; after every step, the slot
     mapping an attention kernel would take. Counts vary every step."""
-    from gpukv import manager as manager_module
+    from gpukv.core.requests import NewRequest, RunningUpdate
     from gpukv.device import launches as launches_module
+    from gpukv.device import manager as manager_module
     from gpukv.kernels.block_hash import hash_rows
-    from gpukv.request import NewRequest, RunningUpdate
 
     # The manager hashes on the host under the interpreter; record the kernel.
     host_hashing, launches_module._hash_rows = launches_module._hash_rows, hash_rows
@@ -314,7 +314,7 @@ def _manager_steps(DeviceManager, NewRequest, RunningUpdate, *, windows, block_s
         finished = running[: step % 3]
         updates = [u for u in updates if u.request_id not in finished]
         if step % 4 == 3 and updates:  # the same work as a ragged RunningBatch, with the outputs gathered
-            from gpukv.running import RunningBatch
+            from gpukv.core.running_batch import RunningBatch
 
             batch = RunningBatch([mgr.row_of(u.request_id) for u in updates],
                                  [t for u in updates for t in u.new_token_ids],

@@ -1,7 +1,7 @@
 """The Triton BLAKE3 block-hash kernels (gpukv/kernels/block_hash.py) against
 the BLAKE3 team's published test vectors, a small pure-Python BLAKE3 written
-here (single chunk, independent of the kernels and of gpukv.hashing), the
-``blake3`` package, and the host scheme in gpukv.hashing (bit-identical).
+here (single chunk, independent of the kernels and of gpukv.core.hashing), the
+``blake3`` package, and the host scheme in gpukv.core.hashing (bit-identical).
 
 Under Triton's interpreter a compression costs about 0.3 s whatever the
 number of lanes, so the cases put many requests in one program and keep the
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gpukv._runtime  # noqa: F401  (before triton: interpreter on CPU)
-from gpukv import hashing as host
+from gpukv.core import hashing as host
 from gpukv.kernels import block_hash as kb
 
 DEVICE = gpukv._runtime.default_device()
@@ -199,7 +199,7 @@ def test_blake3_bytes_argument_errors():
 
 
 # --------------------------------------------------------------------------
-# Chained block digests: bit-identical to gpukv.hashing
+# Chained block digests: bit-identical to gpukv.core.hashing
 # --------------------------------------------------------------------------
 
 
@@ -233,7 +233,7 @@ def _case(rng, R, max_blocks, bs):
 
 
 def _expected(key, tokens, parents, extras, counts, max_blocks, bs):
-    """The host's chains (gpukv.hashing.hash_block_chain from each parent),
+    """The host's chains (gpukv.core.hashing.hash_block_chain from each parent),
     as the kernel's int64[R, M, 2] output: zeros past each count."""
     R = tokens.shape[0]
     exp = torch.zeros((R, max_blocks, 2), dtype=torch.int64)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gpukv._runtime
-from gpukv import windows
+from gpukv.core import windows
 from gpukv.kernels import lookup
 
 ROOT = (11, 22)

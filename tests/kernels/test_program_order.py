@@ -21,9 +21,9 @@ import triton  # (tests/conftest.py imported gpukv._runtime first: the interpret
 import triton.language as tl
 
 import gpukv._runtime
+from gpukv.device.manager import DeviceManager
 from gpukv.kernels import blocks, free_queue, hash_table
-from gpukv.manager import DeviceManager
-from gpukv.reference import ReferenceManager
+from gpukv.reference.manager import ReferenceManager
 from program_order import from_env, program_order
 from workload import KEY, check, chunked_session, drive
 

@@ -119,8 +119,8 @@ def test_group_of_a_three_dim_table_and_strided_views():
 
 
 def test_block_table_for_of_the_device_manager():
-    from gpukv.manager import DeviceManager
-    from gpukv.request import NewRequest
+    from gpukv.core.requests import NewRequest
+    from gpukv.device.manager import DeviceManager
 
     m = DeviceManager(16, 4, hash_key=bytes(16), max_model_len=32, max_num_reqs=4, device=DEV)
     m.step(new=[NewRequest("a", list(range(6))), NewRequest("b", list(range(100, 109)))])

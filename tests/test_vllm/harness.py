@@ -141,7 +141,7 @@ def backend_of(scheduler: Any) -> str:
     backend (``"reference"`` or ``"device"``), read from the manager it built."""
     kvm = scheduler.kv_cache_manager
     if _is_gpukv(kvm):
-        from gpukv.manager import DeviceManager
+        from gpukv.device.manager import DeviceManager
 
         return "device" if isinstance(kvm.manager, DeviceManager) else "reference"
     return "vllm"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import gpukv
 
-PACKAGE = "gpukv.vllm"
-FOLDER = Path(gpukv.__file__).parent / "vllm"
+PACKAGE = "gpukv.vllm.v0_8"
+FOLDER = Path(gpukv.__file__).parent / "vllm" / "v0_8"
 
 
 def _module_name(path: Path) -> str:
@@ -37,7 +37,7 @@ def _imported(node: ast.AST, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Each top-level module of ``gpukv.vllm`` (and the package itself) to the
+    """Each module of ``gpukv.vllm.v0_8`` (and the package itself) to the
     ones among them it imports, anywhere in its source."""
     paths = sorted(FOLDER.glob("*.py"))
     modules = {_module_name(p) for p in paths}

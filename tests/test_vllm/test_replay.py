@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from gpukv.replay import Replay, ReplayOptions
-from gpukv.traces import Trace, builtin_trace_path, load_trace
+from gpukv.tools.replay import Replay, ReplayOptions
+from gpukv.tools.traces import Trace, builtin_trace_path, load_trace
 from tests.test_vllm.harness import (  # it skips the module without vLLM
     BlockTables,
     Request,

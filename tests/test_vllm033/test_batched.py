@@ -25,7 +25,7 @@ from array import array
 import numpy as np
 import pytest
 
-from gpukv import shared_api
+from gpukv.core import manager_base as shared_api
 from gpukv.errors import InvalidInputError
 
 # (vLLM's and gpukv's 0.33 names through the harness, which skips this module where vLLM 0.33 is not importable)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpukv.request import NewRequest
+from gpukv.core.requests import NewRequest
 
 from .harness import gpukv033, make_requests, make_scheduler
 

@@ -139,7 +139,7 @@ class IdReadGuard:
     per-request path is seen."""
 
     def __init__(self, monkeypatch) -> None:
-        from gpukv.manager import DeviceManager
+        from gpukv.device.manager import DeviceManager
 
         self.active = True
         self.id_reads: list[tuple[str, str]] = []

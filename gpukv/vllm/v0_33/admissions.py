@@ -19,7 +19,7 @@ slot is free. The run's last request may instead be one vLLM chunks by the
 budget left (chunked prefill on, no long-prefill threshold, and, under
 vLLM's whole-prompt check ``scheduler_reserve_full_isl``, its prompt
 provably fitting on the host, ``HostFitProof``): gpukv's step then takes the budget and chunks
-it by vLLM's rule (``gpukv.request.new_tokens_at_admission``: ``min(tokens
+it by vLLM's rule (``gpukv.core.blocks.new_tokens_at_admission``: ``min(tokens
 past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from gpukv.request import ComputedBlocks
+from gpukv.core.requests import ComputedBlocks
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.views import token_ids
 

@@ -85,7 +85,7 @@ class EventTranslator:
         """Translate what one batched step logged as vLLM's ``calls`` would
         have, one after another (module docstring): each call's removals,
         then its stores."""
-        from gpukv import events as gk
+        from gpukv.events import schema as gk
 
         removed: list[Any] = []
         stored: list[Any] = []
@@ -117,7 +117,7 @@ class EventTranslator:
     def _translate(self, manager: Any, events: list[Any], request: Any | None) -> None:
         """vLLM's events of one call's gpukv ``events``, in order: gpukv's
         stores merged per chain and group."""
-        from gpukv import events as gk
+        from gpukv.events import schema as gk
 
         run: list[Any] = []
         positions: dict[bytes, int] | None = None
@@ -215,7 +215,7 @@ class EventTranslator:
 def _one_per_block(event: Any) -> list[Any]:
     """A gpukv ``BlockStored`` of several blocks as one event per block, each
     parented on the one before (a step's merged runs may span calls)."""
-    from gpukv import events as gk
+    from gpukv.events import schema as gk
 
     bs, parent, out = event.block_size, event.parent_block_hash, []
     for i, digest in enumerate(event.block_hashes):

@@ -5,7 +5,7 @@
 what and what to do): full-attention and sliding-window groups of one block
 size. :class:`KVGroups` is the home of vLLM 0.33's per-group block counts that
 the adapter checks before calling gpukv (gpukv applies the windows
-themselves: ``gpukv.windows``):
+themselves: ``gpukv.core.windows``):
 
 * the admission reservation (``full_sequence_must_fit``) of a window group is
   capped at ``SlidingWindowSpec.max_admission_blocks_per_request``
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from gpukv.core.windows import Policy, policies
 from gpukv.errors import InvalidInputError
-from gpukv.windows import Policy, policies
 
 
 class UnsupportedConfigError(InvalidInputError):
@@ -61,7 +61,7 @@ class KVGroups:
 
     @cached_property
     def policies(self) -> list[Policy]:
-        """gpukv's policy per group (``gpukv.windows``): the window rules both sides share."""
+        """gpukv's policy per group (``gpukv.core.windows``): the window rules both sides share."""
         return policies(self.windows, self.block_size)
 
     def blocks_to_admit(self, num_tokens: int, num_hit_blocks: int, *, capped: bool) -> int:

@@ -11,8 +11,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from gpukv.core.requests import ComputedBlocks, PrefixHit
 from gpukv.errors import InvalidInputError
-from gpukv.request import ComputedBlocks, PrefixHit
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.screening import check_request
 from gpukv.vllm.v0_33.views import token_ids

@@ -16,7 +16,7 @@ Where a 0.33 rule lives (one home each):
 * lookup of every full block of the request's known tokens (a resumed
   request included): gpukv's own lookup, on the tokens up to
   ``max_cache_hit_length`` (``_lookup``); a sliding window's hit and the
-  hybrid fixpoint are gpukv's (``gpukv.windows``, the same rules);
+  hybrid fixpoint are gpukv's (``gpukv.core.windows``, the same rules);
 * what is cached when: gpukv caches the full blocks of its computed tokens,
   and this adapter makes gpukv's computed tokens vLLM's cached ones:
   ``min(computed + scheduled, num_tokens)`` at ``allocate_slots`` and
@@ -28,7 +28,7 @@ Where a 0.33 rule lives (one home each):
 * window release by processed tokens (``total_computed -
   num_in_flight_tokens``, ``kv_cache_manager.py:555-568``): ``_grow`` hands
   vLLM's count to gpukv's ``allocate_slots(num_processed_tokens=...)``, and
-  the gpukv manager releases behind it (``gpukv.windows``:
+  the gpukv manager releases behind it (``gpukv.core.windows``:
   ``released_until``); ``cache_blocks`` releases nothing, as vLLM's;
 * the shared-prefix boundary (``get_computed_blocks``' third value): vLLM's
   first lookup group's lone hit when longer than the hit, from the index of
@@ -56,9 +56,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
 from gpukv.errors import InvalidInputError
-from gpukv.request import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
-from gpukv.vllm.manager import resolve_backend
+from gpukv.vllm.v0_8.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.binding import BINDING
@@ -103,10 +103,10 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
                   max_model_len=max_model_len, max_num_reqs=max_num_reqs,
                   enable_kv_cache_events=enable_kv_cache_events)
     if resolved == "device":
-        from gpukv.manager import DeviceManager
+        from gpukv.device.manager import DeviceManager
 
         return BINDING.publish(DeviceManager(num_blocks, block_size, **kwargs))  # type: ignore[arg-type]
-    from gpukv.reference import ReferenceManager
+    from gpukv.reference.manager import ReferenceManager
 
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
 

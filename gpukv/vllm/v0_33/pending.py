@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from gpukv.core.requests import NewRequest, StepResult
+from gpukv.core.running_batch import PrecheckedRunningBatch, prechecked_batch
 from gpukv.errors import GpukvInputError
-from gpukv.request import NewRequest, StepResult
-from gpukv.running import PrecheckedRunningBatch, prechecked_batch
 from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block, new_tokens
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from gpukv.core.checks import normalize_token_ids
+from gpukv.core.limits import MAX_TOKEN_ID
 from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
-from gpukv.request import MAX_TOKEN_ID, normalize_token_ids
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 
 

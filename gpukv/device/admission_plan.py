@@ -1,0 +1,148 @@
+"""The host plan of an admission step and its fixed device buffers.
+
+A step admitting K new requests is planned on the host from their lengths
+alone (numpy, no Python per block): per request its row, prompt length, full
+blocks, longest possible hit, chunk and lookahead, packed with the prompts
+into one int32 array that is uploaded once (layout:
+``gpukv.kernels.prefill``). Every later entry of the step (touches,
+allocations, cache records, hits into block tables) is derived on the device
+from that plan and the hits, into buffers sized by the step's bucket and
+kept between steps, so the step allocates nothing on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpukv.core.checks import as_int32_tokens
+from gpukv.core.requests import NewRequest
+from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels.prefill import PLAN_ARRAYS
+from gpukv.kernels.toolkit import pow2_at_least
+
+#: int32 slots before the plan's columns: ``num_requests``, ``token_budget``
+#: (< 0: none), then padding (the columns stay 32-byte aligned, as Triton
+#: specialises pointers on it).
+HEADER = 8
+
+
+@dataclass
+class AdmissionPlan:
+    """An admission step as the host plans it. ``bucket`` = (KP, P, TP, A, C):
+    requests padded to a power of two, positions a lookup covers, prompt
+    tokens, new blocks and caching entries per request and group (each a
+    power of two)."""
+
+    rows: np.ndarray  # int64[K]
+    num_tokens: np.ndarray  # int64[K] prompt tokens
+    chunk: np.ndarray  # int64[K] the most tokens computed beyond the hit
+    lookahead: np.ndarray  # int64[K]
+    max_new_blocks: int  # the most blocks the step can pop, per group
+    bucket: tuple
+    packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts [TP]
+    device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
+
+
+def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
+                   host_plans: dict | None = None, token_budget: int | None = None) -> AdmissionPlan:
+    """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
+    the most blocks it may hit; None: no cap; ``token_budget``: the step's
+    budget for new requests, None: none). ``host_plans`` caches one packed
+    array per bucket (the step then allocates nothing on the host
+    either)."""
+    bs, K = block_size, len(new)
+    ntok = np.fromiter((len(r.token_ids) for r in new), np.int64, K)
+    chunk = np.fromiter((n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+                         for r, n in zip(new, ntok.tolist(), strict=True)), np.int64, K)
+    lookahead = np.fromiter((r.num_lookahead_tokens for r in new), np.int64, K)
+    skip = np.fromiter((r.skip_prefix_cache for r in new), np.int64, K)
+    max_hit = np.where(skip != 0, 0, (ntok - 1) // bs)
+    if hit_caps is not None:
+        max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
+    off = np.cumsum(ntok) - ntok
+    # A request computes at most ``most_new`` tokens past its hit, so it takes
+    # at most ceil((most_new + lookahead) / bs) new blocks per group and
+    # caches at most most_new // bs blocks past its hit.
+    most_new = chunk if token_budget is None else np.minimum(chunk, max(token_budget, 1))
+    most_blocks = -(-(most_new + lookahead) // bs)
+    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(int(max_hit.max())), pow2_at_least(int(ntok.sum())),
+              pow2_at_least(int(most_blocks.max())), pow2_at_least(int((most_new // bs).max())))
+    KP = bucket[0]
+    cached = host_plans.get(bucket) if host_plans is not None else None
+    if cached is None:
+        cached = np.zeros(HEADER + len(PLAN_ARRAYS) * KP + bucket[2], dtype=np.int32)
+        if host_plans is not None:
+            host_plans[bucket] = cached
+    packed = cached
+    packed[0] = K
+    packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
+    base = HEADER + len(PLAN_ARRAYS) * KP
+    cols = packed[HEADER: base].reshape(len(PLAN_ARRAYS), KP)
+    rows_np = np.asarray(rows, dtype=np.int64)
+    for i, values in enumerate((rows_np, ntok, ntok // bs, -(-ntok // bs), max_hit, chunk, lookahead, skip, off)):
+        cols[i, :K] = values
+    cols[:, K:] = 0  # padding: no row's blocks (a bucket's arrays are reused)
+    host_tokens: list[Any] = [r.token_ids for r in new if not isinstance(r.token_ids, torch.Tensor)]
+    device_tokens: list[tuple[int, torch.Tensor]] = []
+    if len(host_tokens) == K:
+        packed[base: base + int(ntok.sum())] = as_int32_tokens(np.concatenate(host_tokens))
+    else:  # some prompts are on the device already: they are copied into place, unread
+        for r, o, n in zip(new, off.tolist(), ntok.tolist(), strict=True):
+            if isinstance(r.token_ids, torch.Tensor):
+                device_tokens.append((o, r.token_ids))
+            else:
+                packed[base + o: base + o + n] = as_int32_tokens(np.asarray(r.token_ids))
+    return AdmissionPlan(rows_np, ntok, chunk, lookahead, int(most_blocks.sum()), bucket, packed, device_tokens)
+
+
+@dataclass
+class AdmissionBuffers:
+    """Fixed device buffers of one admission bucket (``gpukv.kernels.prefill``
+    says what each holds)."""
+
+    plan: torch.Tensor
+    views: dict  # the plan's named int32 views (PLAN_ARRAYS, "num_requests" and "tokens")
+    zeros: torch.Tensor  # int32[KP]: every prompt is hashed from block 0
+    cache: torch.Tensor  # int32[KP, P, G]
+    head: torch.Tensor  # int32[KP, P]
+    next: torch.Tensor  # int32[KP * P]
+    same: torch.Tensor  # int32[KP * P]
+    resolved: torch.Tensor  # int32[KP, P]
+    hit: torch.Tensor  # int32[KP]
+    start: torch.Tensor  # int32[KP]
+    status: torch.Tensor  # int64[NUM_STATUS]
+    touch: torch.Tensor  # int32[KP * P * G]
+    alloc: torch.Tensor  # int32[5, KP * G * A]
+    record: torch.Tensor  # int32[4, KP * G * C]
+    popped: torch.Tensor  # int32[KP * G * A]
+    hit_blocks: torch.Tensor  # int32[KP * P * G]
+    pending: torch.Tensor  # int32[KP * P * G]
+    record_scratch: torch.Tensor  # int64[4, KP * G * C]
+    record_seq: torch.Tensor  # int64[KP * G * C]
+    prepared: dict = field(default_factory=dict)  # part -> (rows generation, replayable launches)
+
+    @classmethod
+    def create(cls, bucket: tuple, num_groups: int, device: torch.device) -> AdmissionBuffers:
+        KP, P, TP, A, C = bucket
+        G = num_groups
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
+        plan = torch.zeros(HEADER + len(PLAN_ARRAYS) * KP + TP, **i32)
+        views = {name: plan[HEADER + i * KP: HEADER + (i + 1) * KP] for i, name in enumerate(PLAN_ARRAYS)}
+        views["num_requests"] = plan[:1]
+        views["token_budget"] = plan[1:2]
+        views["tokens"] = plan[HEADER + len(PLAN_ARRAYS) * KP:]
+        EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
+        return cls(plan=plan, views=views, zeros=torch.zeros(KP, **i32), cache=torch.zeros((KP, P, G), **i32),
+                   head=torch.zeros((KP, P), **i32), next=torch.zeros(KP * P, **i32),
+                   same=torch.zeros(KP * P, **i32), resolved=torch.zeros((KP, P), **i32),
+                   hit=torch.zeros(KP, **i32), start=torch.zeros(KP, **i32),
+                   status=torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=device),
+                   touch=torch.zeros(EH, **i32), alloc=torch.zeros((5, EA), **i32),
+                   record=torch.zeros((4, EC), **i32), popped=torch.zeros(EA, **i32),
+                   hit_blocks=torch.zeros(EH, **i32), pending=torch.zeros(EH, **i32),
+                   record_scratch=torch.zeros((4, EC), dtype=torch.int64, device=device),
+                   record_seq=torch.zeros(EC, dtype=torch.int64, device=device))

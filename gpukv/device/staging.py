@@ -1,0 +1,174 @@
+"""Host-to-device uploads without hidden synchronisation, and the counting
+of what a step really cost (``gpukv.core.metrics.StepCounters``).
+
+A copy from pageable host memory to the GPU makes the host wait until the copy
+is done (the CUDA driver stages it through a pinned bounce buffer), so a step
+that uploads its plan with ``torch.as_tensor(array, device="cuda")`` stalls
+the host on the GPU each time. ``Staging`` copies host arrays into a pinned
+buffer allocated once and issues ``non_blocking`` copies from it: the host
+goes on at once. Two pinned buffers alternate between steps; before a buffer
+is reused, the host waits on the event recorded after the step that last
+used it (two steps ago, normally long finished), so a pending copy never
+reads bytes the host has overwritten.
+
+The rule that makes this hold: every upload belongs to a step with its event.
+Steps are ``begin_step()`` ... ``end_step()`` (the manager's ``_counting``);
+an upload made outside one (``DeviceManager.block_table_for`` between steps)
+is a step of its own: it switches buffers, waiting on that buffer's event
+first, and records an event after its copy. (Were such an upload to go into
+the current buffer after the event of its step was recorded, two steps later
+the host could overwrite bytes a lagging GPU had not copied yet, and the
+attention kernels would read other requests' block tables.)
+
+Without CUDA (Triton's interpreter on CPU tensors) an upload is a plain
+tensor view of the array; it is counted all the same, so counts measured on
+a CPU say what a GPU step would upload.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpukv.core.metrics import StepCounters
+from gpukv.kernels import capture
+
+
+class Staging:
+    """Uploads of int arrays through two alternating pinned buffers."""
+
+    def __init__(self, device: torch.device, counters: StepCounters, nbytes: int = 1 << 16) -> None:
+        self.device = device
+        self.counters = counters
+        self._pinned = device.type == "cuda"
+        self._bufs = [self._alloc(nbytes), self._alloc(nbytes)]
+        self._events: list = [None, None]
+        self._cur = 0
+        self._off = 0
+        self._want = 0  # bytes a step needed that a buffer did not hold
+        self._keep: list[torch.Tensor] = []  # one-off pinned tensors of this step
+        self._open = False  # inside a step (``begin_step`` .. ``end_step``)
+        # ``host_array``'s arrays: key -> (two host tensors, their numpy views)
+        self._fixed: dict = {}
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def begin_step(self) -> None:
+        """Switch to the other buffer, once the step that last used it is done."""
+        self._cur ^= 1
+        event = self._events[self._cur]
+        if event is not None:
+            event.synchronize()
+        if self._want > len(self._bufs[self._cur]):
+            self._bufs[self._cur] = self._alloc(self._want)
+        self._off = 0
+        self._keep = []
+        self._open = True
+
+    def end_step(self) -> None:
+        """Record the event that frees this step's buffer (after every copy
+        the step issued from it, on the current stream: the manager's)."""
+        self._open = False
+        if self._pinned:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._cur] = event
+
+    @property
+    def last_event(self) -> torch.cuda.Event | None:
+        """The event recorded after the last step's copies (None without CUDA)."""
+        return self._events[self._cur]
+
+    def upload(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``array`` on the device (into ``out`` when given: a fixed buffer
+        of the same dtype and at least as many elements). Outside a step, the
+        upload is a step of its own (the module docstring)."""
+        if not self._open:
+            self.begin_step()
+            try:
+                return self.upload(array, out)
+            finally:
+                self.end_step()
+        self.counters.h2d += 1
+        array = np.ascontiguousarray(array)
+        if not self._pinned:
+            src = torch.from_numpy(array)
+            if out is None:
+                return src.to(self.device)
+            out.view(-1)[: src.numel()].copy_(src.view(-1))
+            return out
+        host = self._host_view(array)
+        if out is None:
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+            return out
+        out.view(-1)[: host.numel()].copy_(host.view(-1), non_blocking=True)
+        return out
+
+    @property
+    def parity(self) -> int:
+        """Which of the two buffers (and ``host_array``'s arrays) this step uses."""
+        return self._cur
+
+    def host_array(self, key: object, size: int) -> np.ndarray:
+        """This step's int32 host array for ``key`` (``size`` elements, kept
+        between steps), to fill and then send with ``upload_host``. Two per
+        key alternate with the steps, as the staging buffers do (pinned on
+        CUDA, and the same step events guard them), so a pending copy never
+        reads what the host writes. A plan written in place this way is sent
+        with one copy: ``upload`` would copy it into a staging buffer and
+        build tensor views of it first, every step."""
+        if not self._open:
+            raise RuntimeError("Staging.host_array is for use inside a step (begin_step ... end_step)")
+        pair = self._fixed.get(key)
+        if pair is None:
+            tensors = tuple(self._alloc(4 * size).view(torch.int32).zero_() for _ in range(2))
+            pair = self._fixed[key] = (tensors, tuple(t.numpy() for t in tensors))
+        return pair[1][self._cur]
+
+    def upload_host(self, key: object, out: torch.Tensor) -> None:
+        """Copy this step's ``host_array(key)`` into ``out`` (a device buffer
+        of its size), without waiting."""
+        self.counters.h2d += 1
+        out.copy_(self._fixed[key][0][self._cur], non_blocking=True)
+
+    def _host_view(self, array: np.ndarray) -> torch.Tensor:
+        dtype = torch.from_numpy(array[:0].reshape(-1)).dtype
+        if array.size == 0:
+            return torch.empty(array.shape, dtype=dtype)
+        nbytes = array.nbytes
+        start = -(-self._off // 8) * 8
+        buf = self._bufs[self._cur]
+        if start + nbytes > len(buf):  # this step outgrew the buffer: a one-off one now, a bigger one later
+            self._want = max(self._want, 2 * (start + nbytes))
+            region = self._alloc(nbytes)
+            self._keep.append(region)
+        else:
+            region = buf[start: start + nbytes]
+            self._off = start + nbytes
+        host = region.view(dtype).view(array.shape)
+        host.numpy()[...] = array
+        return host
+
+
+_METADATA_OPS = ("view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "reshape", "alias",
+                 "permute", "transpose", "detach", "split", "unbind", "t.default", "lift_fresh", "_local_scalar")
+
+
+class TorchOpCounter(TorchDispatchMode):
+    """Counts the torch kernels a step runs (``StepCounters.torch_ops``):
+    every dispatched aten op but metadata-only ones (views, reshapes), and
+    none inside a Triton kernel (``gpukv.kernels.capture.kernel_running``:
+    the interpreter runs kernels through torch on the host)."""
+
+    def __init__(self, counters: StepCounters) -> None:
+        super().__init__()
+        self.counters = counters
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not capture.in_kernel() and not any(m in name for m in _METADATA_OPS):
+            self.counters.torch_ops += 1
+        return func(*args, **(kwargs or {}))
