@@ -51,7 +51,7 @@ from gpukv.manager import DeviceManager
 from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_REASON = "vLLM 0.8.5 not importable (see ../shared/tools/vllm085/setup.sh)"
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "tests" / "data" / "doc_figures.json"
 TRACE = "gpukv/data/mooncake_conversation_trace.jsonl.xz"  # the docs' path, from the repository's root
 # What a rerun does not repeat: wall times and the manager's time per step.

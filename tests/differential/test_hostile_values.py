@@ -24,7 +24,7 @@ from gpukv.reference import ReferenceManager
 from gpukv.request import NewRequest
 
 KEY = bytes(range(16))
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import sys

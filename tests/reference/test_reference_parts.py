@@ -66,7 +66,7 @@ def test_no_part_reads_the_pools_private_state():
     import ast
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "gpukv" / "reference_parts"
+    folder = Path(__file__).resolve().parents[2] / "gpukv" / "reference_parts"
     found = []
     for path in sorted(folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
