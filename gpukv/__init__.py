@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from gpukv.running import RunningBatch
     from gpukv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
-# The submodule each public name comes from (tests/test_cli.py checks this
+# The submodule each public name comes from (tests/tools/test_cli.py checks this
 # against __all__ and the block above).
 _FROM: dict[str, tuple[str, ...]] = {
     "api": ("BlockManager",),

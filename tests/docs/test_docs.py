@@ -1,6 +1,6 @@
 """Every snippet in README.md and docs/*.md works as pasted.
 
-* ```` ```python ```` blocks run, each file's twice (``tests/run_snippets.py``):
+* ```` ```python ```` blocks run, each file's twice (``tests/docs/run_snippets.py``):
   its blocks in order in one namespace, as if pasted into one Python session,
   and each block alone in a fresh namespace, as if pasted by itself; so every
   block defines what it uses. All files in one subprocess, in an empty
@@ -97,7 +97,7 @@ PYTHON_FILES = sorted({b.path for b in ALL if b.lang == "python"})
 
 @pytest.fixture(scope="module")
 def python_results(tmp_path_factory) -> dict[str, dict]:
-    """Each file's python blocks run (``tests/run_snippets.py``): ``{"in
+    """Each file's python blocks run (``tests/docs/run_snippets.py``): ``{"in
     order": failure, "alone": {where: failure}}``, a failure None or how it failed."""
     todo = {str(p): [{"file": str(b.path), "line": b.line, "code": b.code, "where": b.where}
                      for b in ALL if b.path == p and b.lang == "python" and b.skip is None]
@@ -286,7 +286,7 @@ def test_the_version_is_written_in_one_place():
 # ------------------------------------------------------- the snippet runner
 
 def _run(code: str) -> dict:
-    """``code`` as a block at line 10 of a file, run by tests/run_snippets.py's
+    """``code`` as a block at line 10 of a file, run by tests/docs/run_snippets.py's
     rules in a fresh namespace; the namespace after it."""
     import run_snippets
 

@@ -9,12 +9,12 @@ aside). ``tests/data/doc_figures.json`` keeps what each command reported
 when it was last run: its summary (or a sweep's points), its stdout, and
 how long it took.
 
-    python tests/doc_figures.py run [ID ...]   # rerun the commands (all: about 10 minutes on two cores)
-    python tests/doc_figures.py check          # every rendered figure is in the docs (a second)
+    python tests/helpers/doc_figures.py run [ID ...]   # rerun the commands (all: about 10 minutes on two cores)
+    python tests/helpers/doc_figures.py check          # every rendered figure is in the docs (a second)
 
 ``run`` records the new reports and then checks, printing each text the docs
 should now carry; it writes ``docs/sweep_builtin.svg`` too (the sweep's
-``--plot``). ``tests/test_doc_figures.py`` runs ``check`` in CI and reruns
+``--plot``). ``tests/docs/test_doc_figures.py`` runs ``check`` in CI and reruns
 the cheap sources (the README's main job: seconds), comparing every figure
 but the timings; the sweep and the whole-trace tables are rerun only by
 ``run``. Timings (wall times, the manager's time per step, how long a

@@ -6,7 +6,7 @@ vLLM comes from the driver ``vllm_kv.py`` in ``../shared/tools/vllm085/``
 (or the folder named by ``GPUKV_VLLM085``); build its venv with ``setup.sh DIR``
 there and run these tests with that venv's python::
 
-    PYTHONPATH=.:DIR DIR/venv/bin/python -m pytest -q tests/test_vllm_chunked.py
+    PYTHONPATH=.:DIR DIR/venv/bin/python -m pytest -q tests/test_vllm/test_vllm_chunked.py
 
 Without vLLM the module is skipped.
 
