@@ -288,7 +288,7 @@ def test_the_version_is_written_in_one_place():
 def _run(code: str) -> dict:
     """``code`` as a block at line 10 of a file, run by tests/docs/run_snippets.py's
     rules in a fresh namespace; the namespace after it."""
-    import run_snippets
+    from . import run_snippets
 
     namespace: dict = {"__name__": "__main__"}
     run_snippets.run_block({"file": "doc.md", "line": 10, "code": code, "where": "doc.md:10"}, namespace)
