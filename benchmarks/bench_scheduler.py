@@ -51,7 +51,7 @@ each printed beside its count in the table's header.
 The table gives the counts per step (launches, of which replayed; torch
 ops, uploads, events, reads, stream queries), the twin's own time, and the
 honest figure (the three together), with its ratio to vLLM's step measured in the same
-run. ``tests/test_bench_scheduler.py`` holds the counts flat in N.
+run. ``tests/benchmarks/test_bench_scheduler.py`` holds the counts flat in N.
 
 With CUDA (``torch.cuda.is_available()``) the device scheduler runs with real
 kernels at every N, after the other two in each repeat, and its columns give
@@ -94,7 +94,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (vLLM logs each config
 import gpukv  # noqa: E402
 import gpukv._runtime  # noqa: E402,F401  (before vLLM imports Triton: the interpreter without CUDA)
 from device_twin import (  # noqa: E402  (the honest twin, shared with bench_mooncake.py)
-    COUNTED,  # noqa: F401  (read by tests/test_bench_scheduler.py)
+    COUNTED,  # noqa: F401  (read by tests/benchmarks/test_bench_scheduler.py)
     DeviceTwin,
     GpuCosts,
     add_launch_path,

@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from gpukv.sizing.reconcile import reconcile_kv_cache_config
     from gpukv.sizing.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
-# The submodule each public name comes from (tests/test_cli.py checks this
+# The submodule each public name comes from (tests/tools/test_cli.py checks this
 # against __all__ and the block above).
 _FROM: dict[str, tuple[str, ...]] = {
     "core.protocol": ("BlockManager",),

@@ -15,7 +15,7 @@ SHARED = ROOT.parent / "shared"
 
 #: ``GPUKV_PROGRAM_ORDER=reverse`` (or ``shuffle``, ``shuffle:SEED``) runs every
 #: test with each launch's programs out of the interpreter's order and small
-#: tiles (``tests/program_order.py``; docs/fuzzing.md). A test module that sets
+#: tiles (``tests/helpers/program_order.py``; docs/fuzzing.md). A test module that sets
 #: ``OWN_PROGRAM_ORDER = True`` chooses its orders itself.
 PROGRAM_ORDER = os.environ.get("GPUKV_PROGRAM_ORDER", "")
 
@@ -38,14 +38,14 @@ def _program_order_from_env(request):
 #: after the other had run out of tests. Only the order changes. (tests/kernels/
 #: test_compile.py stays where it is: its module fixture costs a minute per worker.)
 LONGEST_FIRST = (
-    "tests/test_state_machine.py::test_fuzz_device_against_reference",  # 114 s, 73 s
-    "tests/test_replay.py::test_whole_mooncake_trace_hit_rate_with_512_token_blocks",  # 81 s
-    "tests/test_failstop.py::test_the_workload_launches_every_kernel_but_the_known_few",  # 61 s
-    "tests/test_vllm_chunked.py::test_random_chunked_sequences_match_vllm_on_the_device",  # 49 s
+    "tests/differential/test_state_machine.py::test_fuzz_device_against_reference",  # 114 s, 73 s
+    "tests/tools/test_replay.py::test_whole_mooncake_trace_hit_rate_with_512_token_blocks",  # 81 s
+    "tests/core/test_failstop.py::test_the_workload_launches_every_kernel_but_the_known_few",  # 61 s
+    "tests/test_vllm/test_vllm_chunked.py::test_random_chunked_sequences_match_vllm_on_the_device",  # 49 s
     "tests/test_vllm/test_differential.py::test_same_scheduler_output_as_vllm_on_the_device_manager",  # 47 s, 22 s
-    "tests/test_manager.py::test_random_workloads_match_the_reference_step_by_step",  # 35 s
-    "tests/test_bench_scheduler.py::test_what_a_step_pays_does_not_grow_with_the_requests",  # 22 s
-    "tests/test_adversarial.py::test_no_false_hit_on_the_device",  # 22 s
+    "tests/device/test_manager.py::test_random_workloads_match_the_reference_step_by_step",  # 35 s
+    "tests/benchmarks/test_bench_scheduler.py::test_what_a_step_pays_does_not_grow_with_the_requests",  # 22 s
+    "tests/differential/test_adversarial.py::test_no_false_hit_on_the_device",  # 22 s
 )
 
 

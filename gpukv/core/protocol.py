@@ -4,7 +4,7 @@
 ``gpukv.DeviceManager`` (state and kernels on the device) take the
 same constructor arguments and answer the same calls with the same results
 (the differential tests hold them to it);
-``tests/test_api.py`` checks that both satisfy this protocol, member by member
+``tests/core/test_api.py`` checks that both satisfy this protocol, member by member
 and signature by signature. ``docs/api.md`` maps each member to vLLM 0.8.5's
 ``KVCacheManager``.
 

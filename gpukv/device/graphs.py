@@ -4,7 +4,7 @@
 power of two, tokens per row, window releases per row), a fixed sequence of
 kernels that read only the bucket's fixed device buffers and the pool: no
 host-dependent branch, no allocation, no per-step scalar argument
-(``tests/test_decode.py`` holds the sequence fixed on the CPU). So the
+(``tests/device/test_decode.py`` holds the sequence fixed on the CPU). So the
 sequence can be captured once per bucket in a ``torch.cuda.CUDAGraph`` and
 replayed every step, which turns seven launches into one (ten beside a
 sliding window)::

@@ -12,7 +12,7 @@ cache, following vLLM's KV-event schema (``vllm/distributed/kv_events.py``).
 Digests are gpukv's 16-byte keyed BLAKE3 digests (vLLM's are ints); a block
 of a group is stored once per block that holds it, so an index keyed by
 ``(digest, group)`` counts blocks, as the manager's table does
-(``tests/test_events.py`` replays the events into such an index and checks it
+(``tests/events/test_events.py`` replays the events into such an index and checks it
 against the table after every step).
 
 Events come in ``KVEventBatch``es with a sequence number that grows by one per

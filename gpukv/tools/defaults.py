@@ -21,7 +21,7 @@ DEFAULT_NUM_BLOCKS = 65_536
 DEFAULT_BLOCK_SIZE = 16
 # Requests running at once: sized for that pool, which holds about 72 of the
 # built-in workload's requests at their full length (README.md, "How to read
-# it", and --help say so; tests/doc_figures.py checks the figure): 64
+# it", and --help say so; tests/helpers/doc_figures.py checks the figure): 64
 # running fit with room to spare. (vLLM's own default, 1024 on an H200, suits
 # short chats: with 14k-token requests and a long queue it would oversubscribe
 # this pool 14 times over, and the replay would measure recomputation after

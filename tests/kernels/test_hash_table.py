@@ -4,7 +4,7 @@ pure-Python multimap model: key -> blocks in insertion order, lookup = first.
 On a machine without CUDA the kernels run under Triton's interpreter (programs
 one after another, atomics lane by lane), so thread races are simulated with
 the launcher's ``_lane_perm`` hook, and programs run out of order under
-``GPUKV_PROGRAM_ORDER`` (``tests/program_order.py``); the ``gpu``-marked
+``GPUKV_PROGRAM_ORDER`` (``tests/helpers/program_order.py``); the ``gpu``-marked
 tests run real races.
 """
 

@@ -1,4 +1,4 @@
-"""Program-order fuzzing (``tests/program_order.py``): each launch's programs
+"""Program-order fuzzing (``tests/helpers/program_order.py``): each launch's programs
 run last-first or shuffled instead of in Triton's interpreter's order, with
 small tiles so launches have several programs.
 
@@ -103,7 +103,7 @@ def test_an_unexpected_interpreter_is_refused(monkeypatch):
             self.fn(x, y, z, *args_dev, **kwargs)
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", other_call)
-    refused = pytest.raises(RuntimeError, match="not what tests/program_order.py was written for")
+    refused = pytest.raises(RuntimeError, match="not what tests/helpers/program_order.py was written for")
     with refused, program_order("reverse"):
         pass
     assert interpreter.GridExecutor.__call__ is other_call

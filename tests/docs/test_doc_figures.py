@@ -1,4 +1,4 @@
-"""The figures the docs quote are the commands' (``tests/doc_figures.py``):
+"""The figures the docs quote are the commands' (``tests/helpers/doc_figures.py``):
 every one is in the docs as the recorded run renders it, every command is one
 its doc writes, and the cheap commands, rerun, still report the same."""
 
@@ -28,7 +28,7 @@ def test_every_source_is_a_command_its_doc_writes():
 
 def test_every_figure_the_docs_quote_is_as_recorded(record):
     missing = figures.missing_quotes(record)
-    assert not missing, "run python tests/doc_figures.py check; the docs should say:\n\n" + "\n\n".join(
+    assert not missing, "run python tests/helpers/doc_figures.py check; the docs should say:\n\n" + "\n\n".join(
         f"{q.file} (from {q.source}):\n{q.text}" for q in missing)
 
 

@@ -1,10 +1,10 @@
 """Catalogues of bad inputs for the surfaces beside the managers, in the
-style of ``tests/test_catalogue.py``: the KV-event publisher (``gpukv.events.wire``:
+style of ``tests/differential/test_catalogue.py``: the KV-event publisher (``gpukv.events.wire``:
 its config, constructor, ``publish``, ``flush``,
 ``close``, ``publish_from``, ``make_publisher``), ``ServingMetrics.serve``,
 and reconciliation's own checks (``reconcile_kv_cache_config`` in one
 process, ``KVCacheConfig.from_dict``; the hostile peers are in
-``tests/test_distributed.py``).
+``tests/sizing/test_distributed.py``).
 
 For every entry: the exact ``gpukv.errors`` class; ``error.argument`` names
 the argument and starts the message (``argument: problem; fix``), which ends

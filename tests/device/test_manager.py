@@ -152,7 +152,7 @@ def test_bad_input_changes_nothing_on_the_device(call, exc):
 
 
 def test_sliding_window_hand_worked_case_matches():
-    # tests/test_reference.py::test_sliding_window_hits_and_skipped_blocks, on both.
+    # tests/reference/test_reference.py::test_sliding_window_hits_and_skipped_blocks, on both.
     ref, dev = pair(20, 2, windows=[None, 4])
     tokens = list(range(1, 10))
     for m in (ref, dev):

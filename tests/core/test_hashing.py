@@ -39,9 +39,9 @@ from gpukv.core.hashing import (
 )
 from gpukv.errors import InvalidInputError, InvalidTypeError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The BLAKE3 team's test vectors (lengths 0, 1, 1023, 1024, 1025), with attribution.
-VECTORS_FILE = Path(__file__).parent / "data" / "blake3_test_vectors.json"
+VECTORS_FILE = Path(__file__).resolve().parents[1] / "data" / "blake3_test_vectors.json"
 
 KEY = bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")
 OTHER_KEY = bytes(16)

@@ -4,7 +4,7 @@ and what a step hands back with it (``block_ids``, ``prefix_of``:
 ``gpukv/device/outputs.py`` on the device), each against the reference and against
 what the managers' own queries say afterwards.
 
-The bad inputs are in ``tests/test_catalogue.py`` (``batch-*``, ``step-*``).
+The bad inputs are in ``tests/differential/test_catalogue.py`` (``batch-*``, ``step-*``).
 """
 
 from __future__ import annotations

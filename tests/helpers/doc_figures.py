@@ -9,12 +9,12 @@ aside). ``tests/data/doc_figures.json`` keeps what each command reported
 when it was last run: its summary (or a sweep's points), its stdout, and
 how long it took.
 
-    python tests/doc_figures.py run [ID ...]   # rerun the commands (all: about 10 minutes on two cores)
-    python tests/doc_figures.py check          # every rendered figure is in the docs (a second)
+    python tests/helpers/doc_figures.py run [ID ...]   # rerun the commands (all: about 10 minutes on two cores)
+    python tests/helpers/doc_figures.py check          # every rendered figure is in the docs (a second)
 
 ``run`` records the new reports and then checks, printing each text the docs
 should now carry; it writes ``docs/sweep_builtin.svg`` too (the sweep's
-``--plot``). ``tests/test_doc_figures.py`` runs ``check`` in CI and reruns
+``--plot``). ``tests/docs/test_doc_figures.py`` runs ``check`` in CI and reruns
 the cheap sources (the README's main job: seconds), comparing every figure
 but the timings; the sweep and the whole-trace tables are rerun only by
 ``run``. Timings (wall times, the manager's time per step, how long a
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "tests" / "data" / "doc_figures.json"
 TRACE = "gpukv/data/mooncake_conversation_trace.jsonl.xz"  # the docs' path, from the repository's root
 # What a rerun does not repeat: wall times and the manager's time per step.

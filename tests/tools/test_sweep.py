@@ -119,7 +119,7 @@ def test_gib_ticks_read_as_given(tmp_path):
 
 
 # The README says how long the built-in sweep took on two cores when its
-# figures were last recorded (tests/doc_figures.py). A timing test, and a
+# figures were last recorded (tests/helpers/doc_figures.py). A timing test, and a
 # minute long: it runs only when asked (GPUKV_TIMING_TESTS=1).
 
 

@@ -66,7 +66,7 @@ def test_no_part_reads_the_pools_private_state():
     import ast
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "gpukv" / "reference"
+    folder = Path(__file__).resolve().parents[2] / "gpukv" / "reference"
     found = []
     for path in sorted(folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

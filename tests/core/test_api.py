@@ -151,7 +151,7 @@ def test_the_reference_lives_on_the_host():
 
 # ------------------------------------------------------------ what the docs name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _api_md_names() -> tuple[set[str], set[str]]:

@@ -204,7 +204,7 @@ def test_counters_of_a_decode_that_the_host_cannot_prove_fits():
 # --------------------------------------------- token ids already on the device
 # A host int64 tensor's 2**32 + 5 must not be stored and hashed as 5, or a
 # later request with token 5 would hit that block (the host tensors are in
-# tests/test_catalogue.py). A tensor on the manager's CUDA device is never
+# tests/differential/test_catalogue.py). A tensor on the manager's CUDA device is never
 # read by the host: ``decode_fit`` checks its ids on the device. Under the
 # interpreter the device is the CPU and a CPU tensor is checked on the host
 # (it is there), so these tests hand the decode a CPU tensor unchecked, as it

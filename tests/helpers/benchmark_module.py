@@ -8,7 +8,7 @@ import pathlib
 import sys
 from types import ModuleType
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:

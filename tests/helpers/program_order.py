@@ -104,9 +104,9 @@ def _reordering_call(order_of: Any) -> Any:
     found = list(loop.finditer(source))
     if len(found) != 1 or "self.fn(**args)" not in found[0]["body"] or "set_grid_idx(x, y, z)" not in found[0]["body"]:
         raise RuntimeError(
-            "program_order: Triton's interpreter is not what tests/program_order.py was written for (Triton 3.9): "
-            "GridExecutor.__call__ should loop 'for x in range(grid[0]): for y ...: for z ...:' once, calling "
-            f"set_grid_idx(x, y, z) and self.fn(**args); found {len(found)} such loops. Update the patch.")
+            "program_order: Triton's interpreter is not what tests/helpers/program_order.py was written for "
+            "(Triton 3.9): GridExecutor.__call__ should loop 'for x in range(grid[0]): for y ...: for z ...:' once, "
+            f"calling set_grid_idx(x, y, z) and self.fn(**args); found {len(found)} such loops. Update the patch.")
     m = found[0]
     ind = m["ind"]
     body = "".join(ind + line[len(ind) + 8:] + "\n" for line in m["body"].splitlines())  # 2 loops fewer
@@ -220,7 +220,7 @@ def program_order(order: str, seed: int = 0, *, tile: int | None = 8) -> Iterato
             missing = _MUST_SHRINK - _shrink_tiles(tile, undo)
             if missing:
                 raise RuntimeError(f"program_order: these tiles were not found to shrink: {sorted(missing)}; the "
-                                   "kernels' tiles moved: update tests/program_order.py")
+                                   "kernels' tiles moved: update tests/helpers/program_order.py")
         interpreter.GridExecutor.__call__ = call
         yield programs
     finally:

@@ -166,7 +166,7 @@ def test_cli_writes_the_report(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_numbers(capsys):
-    # More in tests/test_cli.py: one line on stderr, exit status 2.
+    # More in tests/tools/test_cli.py: one line on stderr, exit status 2.
     with pytest.raises(SystemExit) as info:
         main(["replay", "--block-size", "0"])
     assert info.value.code == 2 and "--block-size: must be an integer from 1 to 65536" in capsys.readouterr().err
@@ -184,7 +184,7 @@ def test_whole_mooncake_trace_hit_rate_with_512_token_blocks():
     # and never the last token, the token hit ratio is 0.3734. The default token
     # budget (8192) changes no hit: with no chunk cap a request is admitted only
     # once every earlier one is scheduled whole (docs/chunked_prefill.md).
-    trace = load_trace(conversation_trace_path())  # the package's copy: the same bytes (tests/test_traces.py)
+    trace = load_trace(conversation_trace_path())  # the package's copy: the same bytes (tests/tools/test_traces.py)
     opts = ReplayOptions(block_size=512, num_blocks=250_000, prompt_only=True, hash_key=bytes(16), max_num_seqs=256)
     report = Replay(trace, opts).run()
     s = report["summary"]
@@ -538,7 +538,7 @@ def test_the_report_does_not_import_the_replay():
     import ast
     from pathlib import Path
 
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "gpukv" / "tools" / "report.py").read_text())
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "gpukv" / "tools" / "report.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     assert "gpukv.tools.replay" not in imported

@@ -6,7 +6,7 @@ vLLM comes from the driver ``vllm_kv.py`` in ``../shared/tools/vllm085/``
 (or the folder named by ``GPUKV_VLLM085``); build its venv with ``setup.sh DIR``
 there and run these tests with that venv's python::
 
-    PYTHONPATH=.:DIR DIR/venv/bin/python -m pytest -q tests/test_vllm_chunked.py
+    PYTHONPATH=.:DIR DIR/venv/bin/python -m pytest -q tests/test_vllm/test_vllm_chunked.py
 
 Without vLLM the module is skipped.
 
@@ -51,7 +51,7 @@ from gpukv.core.requests import NewRequest
 from gpukv.device.manager import DeviceManager
 from gpukv.reference.manager import ReferenceManager
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_REASON = "vLLM 0.8.5 not importable (see ../shared/tools/vllm085/setup.sh)"
 
 

@@ -24,7 +24,7 @@ from gpukv.device.manager import DeviceManager
 from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import sys

@@ -15,7 +15,7 @@ from gpukv import vllm_plugin
 from gpukv.errors import GpukvError
 from gpukv.vllm_plugin import TESTED_VLLM, UntestedVllmError, check_vllm_version, names_gpukv_scheduler
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("argv", [

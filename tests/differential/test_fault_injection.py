@@ -30,7 +30,7 @@ n, and the call must end in one of:
 1. a fault: the call raised the injected error, ``m.failed`` is True and the
    next call raises ``ManagerFailedError`` with the fault as its cause;
 2. a refusal: the call raised a ``GpukvInputError``, the manager's whole
-   state (``tests/test_catalogue.state_of``: every tensor, every host
+   state (``tests/differential/test_catalogue.state_of``: every tensor, every host
    structure) is as before, and a good call still works;
 3. for a reading call (``block_table_for``: fail-stop lets reading calls
    raise without stopping, ``gpukv.core.failstop.reading``): the call raised the
@@ -73,7 +73,8 @@ from gpukv import NewRequest, RunningUpdate
 from gpukv.device.manager import DeviceManager
 from gpukv.errors import GpukvInputError, ManagerFailedError
 from gpukv.kernels import capture
-from test_catalogue import state_of
+
+from .test_catalogue import state_of
 
 # Program order: this module's sites are the host's, which no program order
 # changes; run its kernels in the interpreter's own order (the fastest).

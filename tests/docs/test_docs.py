@@ -1,6 +1,6 @@
 """Every snippet in README.md and docs/*.md works as pasted.
 
-* ```` ```python ```` blocks run, each file's twice (``tests/run_snippets.py``):
+* ```` ```python ```` blocks run, each file's twice (``tests/docs/run_snippets.py``):
   its blocks in order in one namespace, as if pasted into one Python session,
   and each block alone in a fresh namespace, as if pasted by itself; so every
   block defines what it uses. All files in one subprocess, in an empty
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!--\s*snippet:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
 NEEDS_VLLM = re.compile(r"<!--\s*snippet:\s*needs\s+vllm\s*-->")
@@ -97,13 +97,13 @@ PYTHON_FILES = sorted({b.path for b in ALL if b.lang == "python"})
 
 @pytest.fixture(scope="module")
 def python_results(tmp_path_factory) -> dict[str, dict]:
-    """Each file's python blocks run (``tests/run_snippets.py``): ``{"in
+    """Each file's python blocks run (``tests/docs/run_snippets.py``): ``{"in
     order": failure, "alone": {where: failure}}``, a failure None or how it failed."""
     todo = {str(p): [{"file": str(b.path), "line": b.line, "code": b.code, "where": b.where}
                      for b in ALL if b.path == p and b.lang == "python" and b.skip is None]
             for p in PYTHON_FILES}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "run_snippets.py")], input=json.dumps(todo),
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "docs" / "run_snippets.py")], input=json.dumps(todo),
                           capture_output=True, text=True, cwd=tmp_path_factory.mktemp("snippets"), env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]  # a snippet that kills the interpreter
@@ -286,9 +286,9 @@ def test_the_version_is_written_in_one_place():
 # ------------------------------------------------------- the snippet runner
 
 def _run(code: str) -> dict:
-    """``code`` as a block at line 10 of a file, run by tests/run_snippets.py's
+    """``code`` as a block at line 10 of a file, run by tests/docs/run_snippets.py's
     rules in a fresh namespace; the namespace after it."""
-    import run_snippets
+    from . import run_snippets
 
     namespace: dict = {"__name__": "__main__"}
     run_snippets.run_block({"file": "doc.md", "line": 10, "code": code, "where": "doc.md:10"}, namespace)
@@ -319,7 +319,7 @@ def test_a_block_that_uses_an_earlier_one_fails_alone(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("```python\nm = 2\n```\n\n```python\nm * 3  # 6\n```\n", encoding="utf-8")
     found = [{"file": str(doc), "line": b.line, "code": b.code, "where": f"doc.md:{b.line}"} for b in blocks(doc)]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "run_snippets.py")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "docs" / "run_snippets.py")],
                           input=json.dumps({str(doc): found}), capture_output=True, text=True, timeout=60)
     result = json.loads(proc.stdout.strip().splitlines()[-1])[str(doc)]
     assert result["in order"] is None and result["alone"]["doc.md:1"] is None

@@ -16,7 +16,7 @@ from gpukv import _runtime
 from gpukv.core.requests import NewRequest
 from gpukv.device.manager import DeviceManager
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "benchmarks"))
 launch_cost = pytest.importorskip("launch_cost", reason="benchmarks/launch_cost.py not importable")
 
 pytestmark = pytest.mark.skipif(not _runtime.INTERPRETED, reason="records launches under Triton's interpreter")

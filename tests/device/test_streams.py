@@ -8,7 +8,7 @@ The CPU has no streams: these tests give a CPU manager a stand-in stream and
 stand-ins for ``torch.cuda.current_stream``/``torch.cuda.stream``, and check
 the decision (same stream: nothing; another: run on the manager's, the
 caller waits for it, the manager waits for the caller only for its device
-tokens). ``tests/test_manager_gpu.py`` makes a real two-stream call."""
+tokens). ``tests/device/test_manager_gpu.py`` makes a real two-stream call."""
 
 import pytest
 import torch

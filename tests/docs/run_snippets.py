@@ -1,4 +1,4 @@
-"""Runs the docs' python blocks for ``tests/test_docs.py``, in one interpreter
+"""Runs the docs' python blocks for ``tests/docs/test_docs.py``, in one interpreter
 (torch and Triton load once), and prints what failed as JSON.
 
 Reads ``{file: [block, ...]}`` on stdin, each block ``{"file", "line",
