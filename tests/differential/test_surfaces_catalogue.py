@@ -574,6 +574,8 @@ HOOK_CASES = [
     ("free", lambda m: m.free("x")),
     ("allocate_slots", lambda m: m.allocate_slots("x", [9])),
     ("get_computed_blocks", lambda m: m.get_computed_blocks(gk_new("h", [1, 2, 3]))),
+    ("read_prefix_hit", lambda m: m.read_prefix_hit(gk_new("h", [1, 2, 3]))),
+    ("admit", lambda m: m.admit(gk_new("h", [3, 4]))),
     ("reset_prefix_cache", lambda m: m.reset_prefix_cache()),
     ("make_prefix_cache_stats", lambda m: m.make_prefix_cache_stats()),
     ("take_events", lambda m: m.take_events()),
@@ -620,7 +622,7 @@ def test_the_hook_catalogue_names_every_mutating_call():
 
     mutating = {n for n in dir(DeviceManager) if getattr(getattr(DeviceManager, n), "mutates", False)}
     assert mutating <= {c[0] for c in HOOK_CASES}
-    assert len({c[0] for c in HOOK_CASES}) == len(HOOK_CASES) == 12
+    assert len({c[0] for c in HOOK_CASES}) == len(HOOK_CASES) == 14
 
 
 @pytest.mark.parametrize("name, call", HOOK_CASES, ids=[c[0] for c in HOOK_CASES])
