@@ -189,7 +189,7 @@ class WireKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True): 
     """An event: its vLLM class name is its ``"type"`` tag on the wire."""
 
 
-class WireBlockStored(WireKVCacheEvent, tag="BlockStored"):  # type: ignore[call-arg]
+class WireBlockStored(WireKVCacheEvent, tag="BlockStored"):
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
     token_ids: list[int]
@@ -207,7 +207,7 @@ class WireBlockStored(WireKVCacheEvent, tag="BlockStored"):  # type: ignore[call
     lookahead_token_ids: list[list[int]] | None = None
 
 
-class WireBlockRemoved(WireKVCacheEvent, tag="BlockRemoved"):  # type: ignore[call-arg]
+class WireBlockRemoved(WireKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
@@ -215,7 +215,7 @@ class WireBlockRemoved(WireKVCacheEvent, tag="BlockRemoved"):  # type: ignore[ca
     ownership: str | None = None
 
 
-class WireAllBlocksCleared(WireKVCacheEvent, tag="AllBlocksCleared"):  # type: ignore[call-arg]
+class WireAllBlocksCleared(WireKVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
