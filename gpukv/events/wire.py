@@ -139,10 +139,10 @@ except ImportError:
                       "(or pip install -e '.[events]' in a gpukv clone)") from None
 
 __all__ = [
-    "VLLM_VERSION", "MEDIUM_GPU", "EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
-    "KVEventBatch", "KVEventsConfig", "EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "make_publisher",
-    "to_wire", "from_wire", "encode", "decode", "END_SEQ", "MAX_BUFFER_STEPS", "MAX_HWM",
-    "PUBLISHED_HASHES", "VLLM_NONE_HASH_SEED", "sha256_cbor_block_hashes", "UnpublishedBlocksWarning",
+    "VLLM_VERSION", "MEDIUM_GPU", "WireEventBatch", "WireKVCacheEvent", "WireBlockStored", "WireBlockRemoved",
+    "WireAllBlocksCleared", "WireKVEventBatch", "KVEventsConfig", "EventPublisher", "NullEventPublisher",
+    "ZmqEventPublisher", "make_publisher", "to_wire", "from_wire", "encode", "decode", "END_SEQ", "MAX_BUFFER_STEPS",
+    "MAX_HWM", "PUBLISHED_HASHES", "VLLM_NONE_HASH_SEED", "sha256_cbor_block_hashes", "UnpublishedBlocksWarning",
 ]
 
 logger = logging.getLogger(__name__)
@@ -175,19 +175,21 @@ _MAX_IPC_PATH_BYTES = 107  # a Unix socket's sun_path holds 108 bytes, the last 
 
 # ---------------------------------------------------------------- the schema
 # vLLM 0.33.0's structs, field for field, in its order (an array-like batch;
-# events as maps tagged with their class name).
+# events as maps tagged with vLLM's class name). Named Wire* so that they do
+# not shadow ``gpukv.events.schema``'s events; each event names its tag, since
+# msgspec would otherwise send the Python class name.
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class WireEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
-    """An event: its class name is its ``"type"`` tag on the wire."""
+class WireKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """An event: its vLLM class name is its ``"type"`` tag on the wire."""
 
 
-class BlockStored(KVCacheEvent):
+class WireBlockStored(WireKVCacheEvent, tag="BlockStored"):
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
     token_ids: list[int]
@@ -205,7 +207,7 @@ class BlockStored(KVCacheEvent):
     lookahead_token_ids: list[list[int]] | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class WireBlockRemoved(WireKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
@@ -213,24 +215,24 @@ class BlockRemoved(KVCacheEvent):
     ownership: str | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
+class WireAllBlocksCleared(WireKVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+class WireKVEventBatch(WireEventBatch):
+    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]  # type: ignore[assignment]
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_decoder = msgspec.msgpack.Decoder(WireKVEventBatch)
 
 
-def encode(batch: KVEventBatch) -> bytes:
+def encode(batch: WireKVEventBatch) -> bytes:
     """A wire batch as its msgpack payload."""
     return _encoder.encode(batch)
 
 
-def decode(payload: bytes) -> KVEventBatch:
+def decode(payload: bytes) -> WireKVEventBatch:
     """A payload (the third frame of a published message) as a wire batch."""
     return _decoder.decode(payload)
 
@@ -246,7 +248,7 @@ def _int_hashes_default() -> bool:
 
 def to_wire(batch: gk.KVEventBatch, *, sliding_windows: Iterable[int | None] | None = None,
             int_block_hashes: bool | None = None, data_parallel_rank: int = 0,
-            medium: str = MEDIUM_GPU) -> KVEventBatch:
+            medium: str = MEDIUM_GPU) -> WireKVEventBatch:
     """A manager's batch in vLLM's schema. ``sliding_windows`` (the manager's,
     one entry per group) adds each stored block's ``kv_cache_spec_kind`` and
     window; ``int_block_hashes`` None follows ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
@@ -257,35 +259,36 @@ def to_wire(batch: gk.KVEventBatch, *, sliding_windows: Iterable[int | None] | N
     def h(d: gk.BlockHash) -> bytes | int:
         return gk.int_block_hash(d) if as_int and isinstance(d, bytes) else d
 
-    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    out: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared] = []
     for e in batch.events:
         if isinstance(e, gk.BlockStored):
             kind = window = None
             if windows is not None and 0 <= e.group < len(windows):
                 window = windows[e.group]
                 kind = "full_attention" if window is None else "sliding_window"
-            out.append(BlockStored(
+            out.append(WireBlockStored(
                 block_hashes=[h(d) for d in e.block_hashes],
                 parent_block_hash=None if e.parent_block_hash is None else h(e.parent_block_hash),
                 token_ids=list(e.token_ids), block_size=e.block_size, lora_id=e.lora_id, medium=medium,
                 lora_name=None, group_idx=e.group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))
         elif isinstance(e, gk.BlockRemoved):
-            out.append(BlockRemoved(block_hashes=[h(d) for d in e.block_hashes], medium=medium, group_idx=e.group))
+            out.append(WireBlockRemoved(block_hashes=[h(d) for d in e.block_hashes], medium=medium,
+                                        group_idx=e.group))
         else:
-            out.append(AllBlocksCleared())
-    return KVEventBatch(ts=batch.ts, events=out, data_parallel_rank=data_parallel_rank)
+            out.append(WireAllBlocksCleared())
+    return WireKVEventBatch(ts=batch.ts, events=out, data_parallel_rank=data_parallel_rank)
 
 
-def from_wire(batch: KVEventBatch, seq: int) -> gk.KVEventBatch:
+def from_wire(batch: WireKVEventBatch, seq: int) -> gk.KVEventBatch:
     """A received batch (and the sequence number of its frame) as
     ``gpukv.events.schema``' batch, for ``RouterIndex.apply``; a missing
     ``group_idx`` is group 0. Digests stay in the form they came in."""
     out: list[gk.KVCacheEvent] = []
     for e in batch.events:
-        if isinstance(e, BlockStored):
+        if isinstance(e, WireBlockStored):
             out.append(gk.BlockStored(list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size,
                                       e.lora_id, e.group_idx or 0))
-        elif isinstance(e, BlockRemoved):
+        elif isinstance(e, WireBlockRemoved):
             out.append(gk.BlockRemoved(list(e.block_hashes), e.group_idx or 0))
         else:
             out.append(gk.AllBlocksCleared())

@@ -160,7 +160,7 @@ def mooncake_tokens(hash_ids: np.ndarray, length: int) -> np.ndarray:
 
 
 @dataclass
-class Step:
+class TraceStep:
     """One step of a step trace."""
 
     finish: list[str] = field(default_factory=list)
@@ -176,7 +176,7 @@ class Trace:
     kind: str
     config: dict[str, int] = field(default_factory=dict)
     requests: list[TraceRequest] = field(default_factory=list)
-    steps: list[Step] | None = None
+    steps: list[TraceStep] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -594,7 +594,7 @@ def parse_step_trace(doc: Any, *, where: str = "step trace", max_requests: int |
         if not isinstance(raw, dict):
             raise w.error(step_list, at, f"expected an object, got {_kind(raw)}", key=s)
         _check_keys(w, raw, _STEP_KEYS, at)
-        steps.append(Step(finish=_step_finish(w, raw, at), decode=_step_decode(w, raw, at),
+        steps.append(TraceStep(finish=_step_finish(w, raw, at), decode=_step_decode(w, raw, at),
                           new=_step_new(w, raw, s, known, max_requests)))
     return Trace("step", config=config, steps=steps)
 

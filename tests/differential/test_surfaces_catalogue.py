@@ -155,7 +155,7 @@ PUBLISH_CASES = [
     ("generator-raises", raising(), InvalidInputError, "batches"),
     ("events-not-list", [gk.KVEventBatch(0, "events")], InvalidTypeError, "batches[0].events"),
     ("event-object", [batch(object())], InvalidTypeError, "batches[0].events[0]"),
-    ("event-wire-struct", [batch(kv_events.AllBlocksCleared())], InvalidTypeError, "batches[0].events[0]"),
+    ("event-wire-struct", [batch(kv_events.WireAllBlocksCleared())], InvalidTypeError, "batches[0].events[0]"),
     ("ts-nan", [batch(ts=float("nan"))], InvalidInputError, "batches[0].ts"),
     ("ts-str", [batch(ts="now")], InvalidInputError, "batches[0].ts"),
     ("ts-bool", [batch(ts=True)], InvalidInputError, "batches[0].ts"),

@@ -173,8 +173,8 @@ def _plain(request: Any) -> bool:
 
 
 @dataclass
-class Admission:
-    """One request of the run: what vLLM's calls get back."""
+class RunEntry:
+    """One request of an ``AdmittedRun``: what vLLM's calls get back."""
 
     request: Any
     row: int  # its gpukv row
@@ -201,7 +201,7 @@ class AdmittedRun:
         """Forget the step's run (a new ``schedule()``)."""
         self.started = False
         self.lookahead = 0  # (the slots vLLM asks past each admission's tokens)
-        self.entries: list[Admission] = []
+        self.entries: list[RunEntry] = []
         self.cursor = 0
 
     def check_taken(self) -> None:
@@ -234,7 +234,7 @@ class AdmittedRun:
                                                 result.num_new_tokens[i]))
 
     def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]] | None,
-                   num_new_tokens: int) -> Admission:
+                   num_new_tokens: int) -> RunEntry:
         a = self._adapter
         num_hit = hit // a.block_size
         if block_ids is None:  # (the ids stay on the device: vLLM's output carries none, ``ids_on_device``)
@@ -242,14 +242,14 @@ class AdmittedRun:
             # (a hit's blocks are an instance of their own: vLLM hands them back to allocate_slots)
             hit_blocks = a._blocks_cls(tuple([] for _ in range(a.num_kv_cache_groups))) if hit \
                 else a.empty_kv_cache_blocks
-            return Admission(request, row, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
+            return RunEntry(request, row, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
         hit_ids = [ids[:num_hit] for ids in block_ids]
         computed = ComputedBlocks(hit_ids, hit)
         hit_blocks = a.id_blocks(tuple(hit_ids), request, num_hit)
         new_blocks = a._new_blocks([ids[num_hit:] for ids in block_ids])
-        return Admission(request, row, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
+        return RunEntry(request, row, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
 
-    def lookup(self, request: Any) -> Admission | None:
+    def lookup(self, request: Any) -> RunEntry | None:
         """The run's answer to ``get_computed_blocks(request)`` (the run is
         made at the step's first lookup, from the adapter's ``waiting_run``),
         or None when there is none or it is over (the per-request path
@@ -267,7 +267,7 @@ class AdmittedRun:
         return entry
 
     def allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int, blocks: Any,
-                 num_lookahead_tokens: int) -> Admission | None:
+                 num_lookahead_tokens: int) -> RunEntry | None:
         """The run's answer to ``allocate_slots`` for the request it looked up
         last, checked against what the step did; None when the run is over."""
         if self.cursor == len(self.entries) or self.entries[self.cursor].request is not request:
