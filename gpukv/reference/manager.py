@@ -69,7 +69,7 @@ from gpukv.errors import (
     InvalidTypeError,
     NoFreeBlocksError,
 )
-from gpukv.events.schema import AllBlocksCleared, BlockRemoved, EventQueue, KVEventBatch
+from gpukv.events.schema import AllBlocksCleared, EventQueue, KVEventBatch
 from gpukv.reference.admission import ReferenceAdmission
 from gpukv.reference.digests import CachedBlockInfo, Digests, RequestState
 from gpukv.reference.pool import NULL_BLOCK, BlockPool
@@ -153,8 +153,7 @@ class ReferenceManager(SharedManagerAPI):
             self.pool, Digests(self._key, self.block_size, self.num_groups, memo_limit=2 * num_blocks + 1024),
             ReferenceRows(max_num_reqs),  # handed out as the device manager does
         )
-        # The same objects as the state's, under the names the shared API
-        # (``gpukv.core.manager_base``) reads; neither is ever rebound.
+        # The state's own objects, under the names ``gpukv.core.manager_base`` reads (never rebound).
         self._requests, self._rows = self._shared.requests, self._shared.rows
         self._init_events(enable_kv_cache_events)
         # The device manager's per-step accounting, for the same API: always zero
@@ -174,11 +173,7 @@ class ReferenceManager(SharedManagerAPI):
         self._shared.event_log = [] if enabled else None
         self._event_queue = EventQueue()
         if enabled:
-            self.pool.on_evict = self._log_eviction
-
-    def _log_eviction(self, info: CachedBlockInfo) -> None:
-        assert self._shared.event_log is not None  # kept: take_events only swaps the list
-        self._shared.event_log.append(BlockRemoved([info.digest], info.group))
+            self.pool.on_evict = self._shared.log_eviction
 
     def __repr__(self) -> str:  # never show the key
         return (f"ReferenceManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, "
@@ -479,15 +474,7 @@ class ReferenceManager(SharedManagerAPI):
     def check_invariants(self) -> None:
         """Pool invariants, plus: each block's count equals the number of
         request block lists that hold it."""
-        self.pool.check_invariants()
-        held = [0] * self.pool.num_blocks
-        for st in self._requests.values():
-            for blocks in st.blocks:
-                for b in blocks:
-                    if b != NULL_BLOCK:
-                        held[b] += 1
-        assert held[1:] == self.pool.ref_cnt[1:], "reference counts disagree with the requests' block lists"
-        self._rows.check(self._requests.values())
+        self._shared.check_invariants()
 
     # ------------------------------------------------------------- checking
     def _state(self, request_id: str) -> RequestState:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from gpukv.core.metrics import PrefixCacheStats
 from gpukv.core.windows import Policy
-from gpukv.events.schema import KVCacheEvent
-from gpukv.reference.digests import Digests, RequestState
-from gpukv.reference.pool import BlockPool
+from gpukv.events.schema import BlockRemoved, KVCacheEvent
+from gpukv.reference.digests import CachedBlockInfo, Digests, RequestState
+from gpukv.reference.pool import NULL_BLOCK, BlockPool
 from gpukv.reference.rows import ReferenceRows
 
 
@@ -38,3 +38,21 @@ class ReferenceState:
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     #: the KV-cache events of the call under way; None: events are off
     event_log: list[KVCacheEvent] | None = None
+
+    def log_eviction(self, info: CachedBlockInfo) -> None:
+        """The pool's ``on_evict`` with events on: a removed-block event."""
+        assert self.event_log is not None  # kept: take_events only swaps the list
+        self.event_log.append(BlockRemoved([info.digest], info.group))
+
+    def check_invariants(self) -> None:
+        """Pool invariants, plus: each block's count equals the number of
+        request block lists that hold it; each row holds its request."""
+        self.pool.check_invariants()
+        held = [0] * self.pool.num_blocks
+        for st in self.requests.values():
+            for blocks in st.blocks:
+                for b in blocks:
+                    if b != NULL_BLOCK:
+                        held[b] += 1
+        assert held[1:] == self.pool.ref_cnt[1:], "reference counts disagree with the requests' block lists"
+        self.rows.check(self.requests.values())
