@@ -23,10 +23,9 @@ from gpukv.core.checks import stale_computed_blocks
 from gpukv.core.requests import ComputedBlocks, NewRequest, StepResult
 from gpukv.errors import InvalidInputError
 from gpukv.reference.digests import RequestState
+from gpukv.reference.pool import NULL_BLOCK
 from gpukv.reference.running import ReferenceRunning
 from gpukv.reference.state import ReferenceState
-
-NULL_BLOCK = 0
 
 
 class PopReach:

@@ -6,9 +6,8 @@ window no longer reaches (vLLM's ``remove_skipped_blocks``)."""
 from __future__ import annotations
 
 from gpukv.reference.digests import RequestState
+from gpukv.reference.pool import NULL_BLOCK
 from gpukv.reference.state import ReferenceState
-
-NULL_BLOCK = 0
 
 
 class ReferenceReleases:

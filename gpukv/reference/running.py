@@ -15,9 +15,8 @@ from gpukv.core.checks import token_array_for_host
 from gpukv.core.running_batch import RunningRows
 from gpukv.events.schema import BlockStored
 from gpukv.reference.digests import CachedBlockInfo, RequestState
+from gpukv.reference.pool import NULL_BLOCK
 from gpukv.reference.state import ReferenceState
-
-NULL_BLOCK = 0
 
 
 class ReferenceRunning:
