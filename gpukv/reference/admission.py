@@ -16,15 +16,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from gpukv.core.blocks import blocks_after_admission, new_tokens_at_admission
 from gpukv.core.checks import stale_computed_blocks
 from gpukv.core.requests import ComputedBlocks, NewRequest, StepResult
 from gpukv.errors import InvalidInputError
 from gpukv.reference.digests import RequestState
-
-NULL_BLOCK = 0
+from gpukv.reference.pool import NULL_BLOCK
+from gpukv.reference.running import ReferenceRunning
+from gpukv.reference.state import ReferenceState
 
 
 class PopReach:
@@ -76,20 +77,22 @@ class AdmissionPlan:
 
 
 class ReferenceAdmission:
-    """The admission of one reference manager (``manager``: its pool,
-    digests, rows, requests, stats and policies)."""
+    """The admission of one reference manager: on its shared ``state`` (the
+    pool, digests, rows, requests, stats and policies); ``running`` caches
+    the blocks an admitted request fills, as it does a running request's."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: ReferenceState, running: ReferenceRunning) -> None:
+        self._s = state
+        self._running = running
 
     # -------------------------------------------------------------- a step
     def admit_new(self, new, token_budget: int | None) -> StepResult:
         """Phases 3-5 for the step's new requests, a round per deferral."""
-        m = self._m
-        bs = m.block_size
+        s = self._s
+        bs = s.block_size
         # Each request is hashed when its lookup comes (in ``plan``), so the
         # requests after the first refused one are not hashed at all.
-        states = [m._digests.new_state(r) for r in new]
+        states = [s.digests.new_state(r) for r in new]
         plans: list[AdmissionPlan] = []
         refused_hit: int | None = None
         while True:  # a round per deferral (``plan_round``): vLLM's order exactly
@@ -101,7 +104,7 @@ class ReferenceAdmission:
             if not deferred:
                 break
         for st in states[len(plans):]:
-            m._digests.remember(st)
+            s.digests.remember(st)
         hit_tokens = [p.num_hit_blocks * bs for p in plans]
         return StepResult(
             num_admitted=len(plans),
@@ -121,7 +124,7 @@ class ReferenceAdmission:
         earlier requests' blocks before it looks the next one up, and those
         pops evict a free cached block this one hits); and the hit, in
         tokens, of the request it looked up and refused (None: none was)."""
-        pool, bs = self._m.pool, self._m.block_size
+        pool, bs = self._s.pool, self._s.block_size
         num_free = pool.num_free_blocks
         plans: list[AdmissionPlan] = []
         used = new_blocks = 0
@@ -152,37 +155,37 @@ class ReferenceAdmission:
     def lookup(self, request: NewRequest) -> ComputedBlocks:
         """``get_computed_blocks``: the request's hit now (its digests
         remembered, the lookup counted in the stats)."""
-        m = self._m
-        plan = self.plan(m._digests.new_state(request), [])
-        m._digests.remember(plan.state)
+        s = self._s
+        plan = self.plan(s.digests.new_state(request), [])
+        s.digests.remember(plan.state)
         self.count_lookup(plan)
         # No earlier plan in this call: every hit is a block id, none a pending (plan, position).
         return ComputedBlocks(cast("list[list[int]]", [[b for b in g] for g in plan.hits]),
-                              plan.num_hit_blocks * m.block_size)
+                              plan.num_hit_blocks * s.block_size)
 
     def peek(self, request: NewRequest) -> ComputedBlocks:
         """The request's hit now, changing nothing (no digest remembered,
         nothing counted)."""
-        m = self._m
-        plan = self.plan(m._digests.new_state(request), [])
+        s = self._s
+        plan = self.plan(s.digests.new_state(request), [])
         return ComputedBlocks(cast("list[list[int]]", [list(g) for g in plan.hits]),
-                              plan.num_hit_blocks * m.block_size)
+                              plan.num_hit_blocks * s.block_size)
 
     def plan(self, st: RequestState, plans: list[AdmissionPlan], budget_left: int | None = None) -> AdmissionPlan:
         """Find the request's hit, against the cache and against the blocks the
         earlier ``plans`` of this step will compute and cache; it computes
         ``new_tokens_at_admission`` tokens past it (``budget_left``: what the
         step's token budget has left, None for no budget)."""
-        m = self._m
-        m._digests.extend([st])
+        s = self._s
+        s.digests.extend([st])
         block_at = self._block_finder(st, plans)
-        if st.skip_prefix_cache or not m.enable_caching:
+        if st.skip_prefix_cache or not s.enable_caching:
             hit = 0
         else:
-            hit = (len(st.tokens) - 1) // m.block_size
+            hit = (len(st.tokens) - 1) // s.block_size
             while True:
                 new_hit = hit
-                for g, policy in enumerate(m._policies):
+                for g, policy in enumerate(s.policies):
                     # (read lazily: full attention stops at its first miss)
                     new_hit = policy.hit(Available(functools.partial(lambda i, g: block_at(i, g) is not None, g=g),
                                                    new_hit))
@@ -190,7 +193,7 @@ class ReferenceAdmission:
                     break
                 hit = new_hit
         hits = []
-        for g, policy in enumerate(m._policies):
+        for g, policy in enumerate(s.policies):
             first_real = policy.first_real(hit)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
         return self.plan_for_hit(st, hit, hits, budget_left)
@@ -198,14 +201,14 @@ class ReferenceAdmission:
     def _block_finder(self, st: RequestState, plans: list[AdmissionPlan]):
         """``block_at(i, g)``: the verified cached block (or pending hit) of
         ``st`` at position ``i`` of group ``g``, None for none; each probed once."""
-        m = self._m
-        pool, digests = m.pool, m._digests
+        s = self._s
+        pool, digests = s.pool, s.digests
         probe: dict = {}
 
         def block_at(i: int, g: int):
             if (i, g) not in probe:
                 found = None
-                if m.enable_caching:
+                if s.enable_caching:
                     found = pool.lookup(st.block_hashes[i], g)
                     if found is not None and not pool.verify(found, digests.parent(st, i),
                                                              digests.token_bytes(st, i), st.extras[i]):
@@ -219,7 +222,7 @@ class ReferenceAdmission:
 
     def plan_for_hit(self, st: RequestState, hit: int, hits, budget_left: int | None = None) -> AdmissionPlan:
         """The plan of admitting ``st`` with a hit of ``hit`` blocks (``hits``: per group, the blocks)."""
-        bs, G = self._m.block_size, self._m.num_groups
+        bs, G = self._s.block_size, self._s.num_groups
         new = new_tokens_at_admission(hit, len(st.tokens), st.chunk, bs, budget_left)
         n_alloc = blocks_after_admission(hit, len(st.tokens), st.chunk, st.lookahead, bs, budget_left)
         return AdmissionPlan(st, hit, hits, (n_alloc - hit) * G, hit * bs + new)
@@ -232,9 +235,9 @@ class ReferenceAdmission:
         reaches past the block, so it caches it), if that block verifies
         against ours; else None. As in vLLM, where each admission caches its
         full computed blocks before the next request is looked up."""
-        digests = self._m._digests
+        digests = self._s.digests
         digest = st.block_hashes[i]
-        bs = self._m.block_size
+        bs = self._s.block_size
         for j, plan in enumerate(plans):
             other = plan.state
             if (i < len(other.block_hashes) and other.block_hashes[i] == digest and plan.num_hit_blocks <= i
@@ -247,14 +250,14 @@ class ReferenceAdmission:
 
     def count_lookup(self, plan: AdmissionPlan) -> None:
         """The stats of one request's lookup (as the device's ``count_lookups``)."""
-        m = self._m
+        s = self._s
         st = plan.state
         if st.skip_prefix_cache:
-            m.stats.record(num_tokens=0, num_hit_tokens=0, num_blocks=0, num_hit_blocks=0, preempted=st.preempted)
+            s.stats.record(num_tokens=0, num_hit_tokens=0, num_blocks=0, num_hit_blocks=0, preempted=st.preempted)
             return
         n_tok = len(st.tokens)
-        m.stats.record(num_tokens=n_tok, num_hit_tokens=plan.num_hit_blocks * m.block_size,
-                       num_blocks=-(-n_tok // m.block_size), num_hit_blocks=plan.num_hit_blocks,
+        s.stats.record(num_tokens=n_tok, num_hit_tokens=plan.num_hit_blocks * s.block_size,
+                       num_blocks=-(-n_tok // s.block_size), num_hit_blocks=plan.num_hit_blocks,
                        preempted=st.preempted)
 
     # ------------------------------------------------------------ changing
@@ -262,8 +265,8 @@ class ReferenceAdmission:
         """Phase 5: touch every admitted request's hits, then each in order
         takes its blocks (a pending hit the block an earlier one just got)
         and a row, then the blocks that will be full are cached."""
-        m = self._m
-        pool, G = m.pool, m.num_groups
+        s = self._s
+        pool, G = s.pool, s.num_groups
         for plan in plans:
             pool.touch(b for g in plan.hits for b in g if isinstance(b, int))
         for plan in plans:
@@ -281,37 +284,37 @@ class ReferenceAdmission:
             for g in range(G):
                 st.blocks[g].extend(pool.allocate(plan.num_new_blocks // G))
             st.num_computed_tokens = plan.num_computed_tokens
-            m._rows.take(st)
-            m._requests[st.request_id] = st
+            s.rows.take(st)
+            s.requests[st.request_id] = st
         for plan in plans:
-            m._running.cache_full_blocks(plan.state)
+            self._running.cache_full_blocks(plan.state)
 
     # ----------------------------------------------------- allocate_slots
     def check_computed(self, state: RequestState, hits, num_hit: int) -> None:
         """The computed blocks a caller hands back are this request's own
         cached hit (its groups, its digests), else refused."""
-        m = self._m
-        if len(hits) != m.num_groups or any(len(g) != num_hit for g in hits):
+        s = self._s
+        if len(hits) != s.num_groups or any(len(g) != num_hit for g in hits):
             raise InvalidInputError("the computed blocks do not match this manager's groups", argument="computed",
                                     fix="pass what get_computed_blocks returned for this request")
-        m._digests.extend([state])  # incremental: a recalled shorter list is completed
+        s.digests.extend([state])  # incremental: a recalled shorter list is completed
         for g, blocks in enumerate(hits):
             for i, b in enumerate(blocks):
                 if b == NULL_BLOCK:
                     continue
-                info = m.pool.cached_info(b)
+                info = s.pool.cached_info(b)
                 if info is None or info.digest != state.block_hashes[i] or info.group != g:
                     raise stale_computed_blocks()
 
     def admit_with_hit(self, state: RequestState, hits, num_hit: int) -> list[list[int]] | None:
         """A checked new request admitted with its given hit, if its new
         blocks and first touches fit: its new blocks per group, or None."""
-        m = self._m
+        s = self._s
         plan = self.plan_for_hit(state, num_hit, hits)
-        need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and m.pool.ref_cnt[b] == 0})
-        if need > m.pool.num_free_blocks:
-            m._digests.remember(state)
+        need = plan.num_new_blocks + len({b for g in hits for b in g if b != NULL_BLOCK and s.pool.ref_cnt[b] == 0})
+        if need > s.pool.num_free_blocks:
+            s.digests.remember(state)
             return None
         before = [len(g) for g in hits]
         self.admit([plan])
-        return [state.blocks[g][before[g]:] for g in range(m.num_groups)]
+        return [state.blocks[g][before[g]:] for g in range(s.num_groups)]

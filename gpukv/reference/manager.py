@@ -23,16 +23,16 @@ Semantics (``docs/design.md`` says why each rule is what it is):
 * A request hits its longest run of leading full cached blocks, never its last
   token.
 
-This module holds the pool (``BlockPool``, vLLM's: the blocks and their
-verbs) and the request-level API over it (``ReferenceManager``), which
-composes the parts in ``gpukv.reference``, cut as the device
-manager's are: admission, running requests, releases, digests and rows.
+This module holds the request-level API (``ReferenceManager``) over the pool
+(``gpukv.reference.pool.BlockPool``, vLLM's: the blocks and their verbs,
+imported here as well), which composes the parts in ``gpukv.reference``, cut
+as the device manager's are: admission, running requests, releases, digests
+and rows, each given the state they share (``gpukv.reference.state``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -60,7 +60,6 @@ from gpukv.core.checks import (
 from gpukv.core.failstop import mutating, reading
 from gpukv.core.limits import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_REQS
 from gpukv.core.manager_base import SharedManagerAPI
-from gpukv.core.memory import check_memory
 from gpukv.core.metrics import PrefixCacheStats, StepCounters
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, Step, StepOutputs, StepResult
 from gpukv.core.running_batch import RunningBatch, RunningRows
@@ -70,21 +69,16 @@ from gpukv.errors import (
     InvalidTypeError,
     NoFreeBlocksError,
 )
-from gpukv.events.schema import AllBlocksCleared, BlockRemoved, EventQueue, KVEventBatch
+from gpukv.events.schema import AllBlocksCleared, EventQueue, KVEventBatch
 from gpukv.reference.admission import ReferenceAdmission
 from gpukv.reference.digests import CachedBlockInfo, Digests, RequestState
+from gpukv.reference.pool import NULL_BLOCK, BlockPool
 from gpukv.reference.releases import ReferenceReleases
 from gpukv.reference.rows import ReferenceRows
 from gpukv.reference.running import ReferenceRunning
-
-NULL_BLOCK = 0
+from gpukv.reference.state import ReferenceState
 
 __all__ = ["NULL_BLOCK", "BlockPool", "CachedBlockInfo", "ComputedBlocks", "NoFreeBlocksError", "ReferenceManager"]
-
-# Host bytes per block of a full reference pool (counts, free-queue links,
-# cached-block records and table entries), for the check before allocating.
-_HOST_BYTES_PER_BLOCK = 640
-
 
 def _host_device(device) -> torch.device:
     """The reference's ``device``: None or the CPU."""
@@ -99,174 +93,6 @@ def _host_device(device) -> torch.device:
         raise InvalidInputError(f"the reference manager lives on the host, got {dev}", argument="device",
                                 fix="pass device=None, or use gpukv.device.manager.DeviceManager on a GPU")
     return dev
-
-
-class BlockPool:
-    """Reference counts, the free queue and the block-hash table.
-
-    Invariants (``check_invariants`` asserts them): every block but the null
-    block is either in the free queue (count 0) or referenced (count > 0),
-    never both; every cached block is in the table exactly once, under its own
-    (digest, group); the table holds nothing else.
-    """
-
-    def __init__(self, num_blocks: int, *, uncached_first: bool = True, enable_caching: bool = True) -> None:
-        self.num_blocks = check_size(num_blocks, "num_blocks", 2, MAX_NUM_BLOCKS)
-        check_memory({"num_blocks": self.num_blocks * _HOST_BYTES_PER_BLOCK}, None, "the reference pool")
-        self.uncached_first = bool(uncached_first)
-        self.enable_caching = bool(enable_caching)
-        self.ref_cnt = [0] * self.num_blocks
-        # OrderedDict = a doubly linked list with O(1) pop-front, append,
-        # prepend and removal from the middle.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, self.num_blocks))
-        self._info: list[CachedBlockInfo | None] = [None] * self.num_blocks
-        # (digest, group) -> its blocks in insertion order (dict keeps order).
-        self._table: dict[tuple[bytes, int], dict[int, None]] = {}
-        self.num_evictions = 0
-        # called with a block's CachedBlockInfo as it is evicted (KV-cache events)
-        self.on_evict: Callable[[CachedBlockInfo], None] | None = None
-
-    # ---------------------------------------------------------------- reading
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks in the free queue."""
-        return len(self._free)
-
-    def free_queue(self) -> list[int]:
-        """Block ids of the free queue, front (next to be reused) to back."""
-        return list(self._free)
-
-    def free_blocks_in_order(self) -> Iterator[int]:
-        """The free queue, front first, lazily (valid until the queue changes)."""
-        return iter(self._free)
-
-    def cached_info(self, block_id: int) -> CachedBlockInfo | None:
-        return self._info[block_id]
-
-    def table(self) -> dict[tuple[bytes, int], list[int]]:
-        """(digest, group) -> cached blocks, oldest first."""
-        return {key: list(blocks) for key, blocks in self._table.items()}
-
-    def lookup(self, digest: bytes, group: int) -> int | None:
-        """The oldest block cached under (digest, group), or None."""
-        blocks = self._table.get((digest, group))
-        return next(iter(blocks)) if blocks else None
-
-    def verify(self, block_id: int, parent: bytes, tokens: bytes, extra: bytes) -> bool:
-        """Whether a cached block was computed from exactly these inputs. A
-        digest match whose parent, tokens or extra digest differ is a miss."""
-        info = self._info[block_id]
-        assert info is not None, f"block {block_id} is not cached"
-        return info.parent == parent and info.extra == extra and info.tokens == tokens
-
-    # --------------------------------------------------------------- changing
-    def touch(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to each block; a free one leaves the free queue."""
-        block_ids = list(block_ids)
-        for b in block_ids:
-            if b != NULL_BLOCK and self.ref_cnt[b] == 0 and self._info[b] is None:
-                raise ValueError(f"touch: block {b} is free and not cached; only cached or referenced blocks can "
-                                 "be hit")
-        for b in block_ids:
-            if b == NULL_BLOCK:
-                continue
-            if self.ref_cnt[b] == 0:
-                del self._free[b]
-            self.ref_cnt[b] += 1
-
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Pop ``num_blocks`` blocks from the front, each with one reference.
-
-        A popped block that is still cached loses its hash here (lazy eviction).
-        """
-        num_blocks = check_size(num_blocks, "num_blocks", 0)
-        if num_blocks > len(self._free):
-            raise NoFreeBlocksError(
-                f"cannot allocate {num_blocks} blocks: only {len(self._free)} are free"
-            )
-        out = []
-        for _ in range(num_blocks):
-            b, _ = self._free.popitem(last=False)
-            if self._info[b] is not None:
-                self._evict(b)
-            self.ref_cnt[b] = 1
-            out.append(b)
-        return out
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference from each block, in the order given (callers pass
-        a request's blocks tail first). Nothing changes if any block would go
-        below zero."""
-        block_ids = list(block_ids)
-        drops: dict[int, int] = {}
-        for b in block_ids:
-            if b == NULL_BLOCK:
-                continue
-            if not 0 < b < self.num_blocks:
-                raise ValueError(f"free: block id {b} is outside 1..{self.num_blocks - 1}")
-            drops[b] = drops.get(b, 0) + 1
-            if drops[b] > self.ref_cnt[b]:
-                raise ValueError(f"free: block {b} has {self.ref_cnt[b]} references, cannot drop {drops[b]} "
-                                 "(double free?)")
-        to_front = []
-        for b in block_ids:
-            if b == NULL_BLOCK:
-                continue
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                if self.uncached_first and self._info[b] is None:
-                    to_front.append(b)
-                else:
-                    self._free[b] = None
-        for b in reversed(to_front):
-            self._free[b] = None
-            self._free.move_to_end(b, last=False)
-
-    def cache(self, block_id: int, info: CachedBlockInfo) -> None:
-        """Give a referenced, uncached block its hash; it joins the end of its
-        hash's list (a duplicate of an existing hash is kept, as in vLLM)."""
-        if self.ref_cnt[block_id] == 0 or self._info[block_id] is not None:
-            raise ValueError(f"cache: block {block_id} must be referenced and not cached yet")
-        self._info[block_id] = info
-        self._table.setdefault((info.digest, info.group), {})[block_id] = None
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every hash, only when every block but the null block is free."""
-        if len(self._free) != self.num_blocks - 1:
-            return False
-        self._table.clear()
-        self._info = [None] * self.num_blocks
-        return True
-
-    def _evict(self, block_id: int) -> None:
-        info = self._info[block_id]
-        assert info is not None, f"block {block_id} is not cached"
-        key = (info.digest, info.group)
-        blocks = self._table[key]
-        del blocks[block_id]
-        if not blocks:
-            del self._table[key]
-        self._info[block_id] = None
-        self.num_evictions += 1
-        if self.on_evict is not None:
-            self.on_evict(info)
-
-    # ----------------------------------------------------------------- checks
-    def check_invariants(self) -> None:
-        assert NULL_BLOCK not in self._free, "the null block is in the free queue"
-        for b in range(1, self.num_blocks):
-            in_free = b in self._free
-            assert self.ref_cnt[b] >= 0, f"block {b} has a negative count"
-            assert in_free == (self.ref_cnt[b] == 0), f"block {b}: count {self.ref_cnt[b]}, in free queue: {in_free}"
-        seen = 0
-        for (digest, group), blocks in self._table.items():
-            assert blocks, f"empty table entry for {digest.hex()}"
-            for b in blocks:
-                info = self._info[b]
-                assert info is not None and info.digest == digest and info.group == group, \
-                    f"stale table entry -> block {b}"
-                seen += 1
-        assert seen == sum(info is not None for info in self._info), "a cached block is missing from the table"
 
 
 # ---------------------------------------------------------------------------
@@ -317,33 +143,37 @@ class ReferenceManager(SharedManagerAPI):
         self.max_model_len = max_model_len
         self.sliding_windows = windows
         self.num_groups = len(windows)
-        self._policies = policies(windows, self.block_size)  # one per group (``gpukv.core.windows``)
         self.enable_caching = bool(enable_caching)
         self._key = resolve_key(hash_key)
         self.pool = BlockPool(num_blocks, uncached_first=uncached_first, enable_caching=enable_caching)
         self._limits = ManagerLimits(self.block_size, num_blocks, tuple(windows), max_model_len, self.enable_caching)
+        self._shared = ReferenceState(
+            self.block_size, self.num_groups, self.enable_caching,
+            policies(windows, self.block_size),  # one per group (``gpukv.core.windows``)
+            self.pool, Digests(self._key, self.block_size, self.num_groups, memo_limit=2 * num_blocks + 1024),
+            ReferenceRows(max_num_reqs),  # handed out as the device manager does
+        )
+        # The state's own objects, under the names ``gpukv.core.manager_base`` reads (never rebound).
+        self._requests, self._rows = self._shared.requests, self._shared.rows
         self._init_events(enable_kv_cache_events)
-        self._requests: dict[str, RequestState] = {}
-        self._rows = ReferenceRows(max_num_reqs)  # handed out as the device manager does
-        self.stats = PrefixCacheStats()
         # The device manager's per-step accounting, for the same API: always zero
         # here (no launches, uploads or device reads).
         self.counters = StepCounters()
-        self._digests = Digests(self._key, self.block_size, self.num_groups, memo_limit=2 * num_blocks + 1024)
-        self._admission = ReferenceAdmission(self)
-        self._running = ReferenceRunning(self)
-        self._releases = ReferenceReleases(self)
+        self._running = ReferenceRunning(self._shared)
+        self._admission = ReferenceAdmission(self._shared, self._running)
+        self._releases = ReferenceReleases(self._shared)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """The lookups counted since ``make_prefix_cache_stats`` last handed them out."""
+        return self._shared.stats
 
     def _init_events(self, enabled: bool) -> None:
         """KV-cache events of the call under way (None: not kept), and the batches made."""
-        self._event_log: list | None = [] if enabled else None
+        self._shared.event_log = [] if enabled else None
         self._event_queue = EventQueue()
         if enabled:
-            self.pool.on_evict = self._log_eviction
-
-    def _log_eviction(self, info: CachedBlockInfo) -> None:
-        assert self._event_log is not None  # kept: take_events only swaps the list
-        self._event_log.append(BlockRemoved([info.digest], info.group))
+            self.pool.on_evict = self._shared.log_eviction
 
     def __repr__(self) -> str:  # never show the key
         return (f"ReferenceManager(num_blocks={self.pool.num_blocks}, block_size={self.block_size}, "
@@ -441,7 +271,7 @@ class ReferenceManager(SharedManagerAPI):
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Hand out the stats gathered since the last call and start afresh."""
         self._begin_changes()
-        stats, self.stats = self.stats, PrefixCacheStats()
+        stats, self._shared.stats = self._shared.stats, PrefixCacheStats()
         return stats
 
     @mutating
@@ -450,10 +280,10 @@ class ReferenceManager(SharedManagerAPI):
         False, nothing changed)."""
         self._begin_changes()
         ok = self.pool.reset_prefix_cache()
-        if ok and self._event_log is not None:
-            self._event_log.append(AllBlocksCleared())
+        if ok and self._shared.event_log is not None:
+            self._shared.event_log.append(AllBlocksCleared())
         if ok:  # every block was free, so no request holds a cached block
-            self.stats.reset = True
+            self._shared.stats.reset = True
         return ok
 
     @mutating
@@ -600,7 +430,7 @@ class ReferenceManager(SharedManagerAPI):
         check_computed_for(request, computed, self._limits)
         hit_tokens = computed.num_tokens if computed is not None else 0
         request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, self._limits)
-        state = self._digests.new_state(request)
+        state = self._shared.digests.new_state(request)
         hits = computed.block_ids if computed is not None else [[] for _ in range(self.num_groups)]
         num_hit = hit_tokens // self.block_size
         self._admission.check_computed(state, hits, num_hit)
@@ -631,9 +461,9 @@ class ReferenceManager(SharedManagerAPI):
         return self._event_queue.take()
 
     def _after_call(self) -> None:
-        if self._event_log:
-            self._event_queue.add(self._event_log)
-            self._event_log = []
+        if self._shared.event_log:
+            self._event_queue.add(self._shared.event_log)
+            self._shared.event_log = []
 
     @reading
     def row_of(self, request_id: str) -> int:
@@ -644,15 +474,7 @@ class ReferenceManager(SharedManagerAPI):
     def check_invariants(self) -> None:
         """Pool invariants, plus: each block's count equals the number of
         request block lists that hold it."""
-        self.pool.check_invariants()
-        held = [0] * self.pool.num_blocks
-        for st in self._requests.values():
-            for blocks in st.blocks:
-                for b in blocks:
-                    if b != NULL_BLOCK:
-                        held[b] += 1
-        assert held[1:] == self.pool.ref_cnt[1:], "reference counts disagree with the requests' block lists"
-        self._rows.check(self._requests.values())
+        self._shared.check_invariants()
 
     # ------------------------------------------------------------- checking
     def _state(self, request_id: str) -> RequestState:

@@ -5,28 +5,26 @@ window no longer reaches (vLLM's ``remove_skipped_blocks``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpukv.reference.digests import RequestState
-
-NULL_BLOCK = 0
+from gpukv.reference.pool import NULL_BLOCK
+from gpukv.reference.state import ReferenceState
 
 
 class ReferenceReleases:
-    """The releases of one reference manager (``manager``: its pool,
-    requests, rows, digests and policies)."""
+    """The releases of one reference manager, on its shared ``state`` (the
+    pool, requests, rows, digests and policies)."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: ReferenceState) -> None:
+        self._s = state
 
     def request(self, request_id: str) -> None:
         """Free a whole request and forget it."""
-        m = self._m
-        st = m._requests.pop(request_id)
-        m._rows.give_back(st)
-        m._digests.remember(st)  # a preempted request comes back with the same prefix
-        for g in range(m.num_groups):
-            m.pool.free(list(reversed(st.blocks[g])))
+        s = self._s
+        st = s.requests.pop(request_id)
+        s.rows.give_back(st)
+        s.digests.remember(st)  # a preempted request comes back with the same prefix
+        for g in range(s.num_groups):
+            s.pool.free(list(reversed(st.blocks[g])))
 
     def skipped(self, st: RequestState, num_processed: int | None = None) -> None:
         """Sliding-window groups give back the blocks no token computed from now
@@ -36,12 +34,12 @@ class ReferenceReleases:
         these tokens (vLLM's processed count, ``RunningUpdate``), None behind
         the computed ones; never past the blocks held
         (``gpukv.core.windows``: ``released_until``)."""
-        m = self._m
+        s = self._s
         n = st.num_computed_tokens if num_processed is None else num_processed
-        for g, policy in enumerate(m._policies):
+        for g, policy in enumerate(s.policies):
             skip = int(policy.released_until(n, len(st.blocks[g])))  # (vLLM: tokens before n - window + 1)
             released = [b for b in st.blocks[g][:skip] if b != NULL_BLOCK]
             if released:
-                m.pool.free(list(reversed(released)))
+                s.pool.free(list(reversed(released)))
                 for i in range(skip):
                     st.blocks[g][i] = NULL_BLOCK

@@ -15,31 +15,31 @@ from gpukv.core.checks import token_array_for_host
 from gpukv.core.running_batch import RunningRows
 from gpukv.events.schema import BlockStored
 from gpukv.reference.digests import CachedBlockInfo, RequestState
-
-NULL_BLOCK = 0
+from gpukv.reference.pool import NULL_BLOCK
+from gpukv.reference.state import ReferenceState
 
 
 class ReferenceRunning:
-    """The running requests of one reference manager (``manager``: its pool,
-    digests, rows, requests and event log)."""
+    """The running requests of one reference manager, on its shared
+    ``state`` (the pool, digests, rows, requests and event log)."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: ReferenceState) -> None:
+        self._s = state
 
     def work(self, running) -> tuple[list[RequestState], tuple[list, list, Any]]:
         """The running requests' states and, per request, its new tokens (a
         list), its chunk (None: all) and its lookahead slots, from
         ``RunningUpdate``s or a normalised ``RunningBatch``."""
-        m = self._m
+        s = self._s
         if isinstance(running, RunningRows):
-            states = m._rows.state[running.rows].tolist()
+            states = s.rows.state[running.rows].tolist()
             tokens = running.tokens.tolist()
             if running.counts is not None:
                 tokens = [t[:c] for t, c in zip(tokens, running.counts.tolist(), strict=True)]
             chunks = [None] * len(states) if running.chunks is None else running.chunks.tolist()
             la = running.lookahead
             return states, (tokens, chunks, [la] * len(states) if isinstance(la, int) else la.tolist())
-        requests = m._requests
+        requests = s.requests
         states = [requests[u.request_id] for u in running]
         tokens = []
         for u in running:
@@ -55,11 +55,11 @@ class ReferenceRunning:
         fit, it and the later ones left unchanged, or None when all fit.
         ``filled`` gets the requests a block of whose filled up (known or
         computed): the only ones with anything to hash or cache."""
-        m = self._m
-        bs = m.block_size
-        pool = m.pool
+        s = self._s
+        bs = s.block_size
+        pool = s.pool
         num_free = pool.num_free_blocks  # less what each request below allocates (allocate pops the free queue)
-        row_tokens, row_computed = m._rows.num_tokens, m._rows.num_computed
+        row_tokens, row_computed = s.rows.num_tokens, s.rows.num_computed
         for k, (st, new_tokens, chunk, lookahead) in enumerate(zip(states, tokens, chunks, lookaheads, strict=True)):
             known = st.tokens
             num_before, computed_before = len(known), st.num_computed_tokens
@@ -90,8 +90,8 @@ class ReferenceRunning:
         """Cache the blocks running requests filled, request by request; the
         hashing is done first for all of them at once (it reads no pool state,
         so doing it early changes nothing)."""
-        self._m._digests.extend(states)
-        bs = self._m.block_size
+        self._s.digests.extend(states)
+        bs = self._s.block_size
         for st in states:
             # Every full block is hashed now, so only a group that has not
             # cached all of them gives ``cache_full_blocks`` anything to do.
@@ -104,10 +104,10 @@ class ReferenceRunning:
     def cache_full_blocks(self, st: RequestState) -> None:
         """Cache the request's full computed blocks not cached yet, group by
         group (a stored-block event each, with events on)."""
-        m = self._m
-        if not m.enable_caching:
+        s = self._s
+        if not s.enable_caching:
             return
-        bs = m.block_size
+        bs = s.block_size
         num_full = st.num_computed_tokens // bs
         if len(st.tokens) // bs <= len(st.block_hashes):  # nothing left to hash
             for cached in st.num_cached_blocks:
@@ -115,20 +115,20 @@ class ReferenceRunning:
                     break
             else:  # and every group has cached its full blocks already
                 return
-        m._digests.extend([st])
-        for g in range(m.num_groups):
+        s.digests.extend([st])
+        for g in range(s.num_groups):
             for i in range(st.num_cached_blocks[g], num_full):
                 self._cache_one(st, g, i)
             st.num_cached_blocks[g] = max(st.num_cached_blocks[g], num_full)
 
     def _cache_one(self, st: RequestState, g: int, i: int) -> None:
-        m = self._m
+        s = self._s
         b = st.blocks[g][i]
-        if b == NULL_BLOCK or m.pool.cached_info(b) is not None:
+        if b == NULL_BLOCK or s.pool.cached_info(b) is not None:
             return
-        digests, bs = m._digests, m.block_size
-        m.pool.cache(b, CachedBlockInfo(st.block_hashes[i], g, digests.parent(st, i), digests.token_bytes(st, i),
+        digests, bs = s.digests, s.block_size
+        s.pool.cache(b, CachedBlockInfo(st.block_hashes[i], g, digests.parent(st, i), digests.token_bytes(st, i),
                                         st.extras[i]))
-        if m._event_log is not None:
-            m._event_log.append(BlockStored([st.block_hashes[i]], st.block_hashes[i - 1] if i else None,
+        if s.event_log is not None:
+            s.event_log.append(BlockStored([st.block_hashes[i]], st.block_hashes[i - 1] if i else None,
                                             [int(t) for t in st.tokens[i * bs:(i + 1) * bs]], bs, st.lora_id, g))

@@ -1,11 +1,18 @@
-"""``gpukv.reference``: the reference's digests and rows on their own."""
+"""``gpukv.reference``: the reference's parts on their own (digests, rows, and
+admission, running and releases on a ``ReferenceState`` built without a manager)."""
 
 import numpy as np
 
 from gpukv.core import hashing
 from gpukv.core.requests import NewRequest
+from gpukv.core.windows import policies
+from gpukv.reference.admission import ReferenceAdmission
 from gpukv.reference.digests import Digests
+from gpukv.reference.pool import BlockPool
+from gpukv.reference.releases import ReferenceReleases
 from gpukv.reference.rows import ReferenceRows
+from gpukv.reference.running import ReferenceRunning
+from gpukv.reference.state import ReferenceState
 
 KEY = bytes(range(16))
 
@@ -75,4 +82,44 @@ def test_no_part_reads_the_pools_private_state():
                 name = getattr(owner, "id", None) or getattr(owner, "attr", None)
                 if name == "pool":
                     found.append(f"{path.name}:{node.lineno}: pool.{node.attr}")
+    assert found == []
+
+
+def test_the_parts_run_on_a_state_without_a_manager():
+    """Admission, running and releases take the state (and the admission the
+    running part), nothing else: a request admitted, grown and freed."""
+    state = ReferenceState(2, 1, True, policies([None], 2), BlockPool(8), Digests(KEY, 2, 1, memo_limit=100),
+                           ReferenceRows(1))
+    running = ReferenceRunning(state)
+    admission, releases = ReferenceAdmission(state, running), ReferenceReleases(state)
+    result = admission.admit_new([_new("a", [1, 2, 3, 4, 5])], None)
+    assert (result.num_admitted, result.rows, result.num_new_tokens) == (1, [0], [5])
+    st = state.requests["a"]
+    assert st.blocks == [[1, 2, 3]] and st.num_cached_blocks == [2]
+    assert sorted(b for blocks in state.pool.table().values() for b in blocks) == [1, 2]
+    assert running.run_all([st], [[6]], [None], [0]) is None  # block 3 fills: nothing new to allocate
+    running.cache_running([st])
+    assert sorted(b for blocks in state.pool.table().values() for b in blocks) == [1, 2, 3]
+    state.check_invariants()
+    releases.request("a")
+    assert state.requests == {} and state.rows.ids == {}
+    assert state.pool.free_queue() == [4, 5, 6, 7, 3, 2, 1]  # all cached: each to the back, tail first
+    state.check_invariants()
+
+
+def test_no_part_reads_another_objects_private_attributes():
+    """Each part reaches the state and its objects through public members
+    only: no ``x._name`` where ``x`` is not ``self`` (what mypy checks)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "gpukv" / "reference"
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "manager.py":  # the manager owns what it reads
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            if private and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
     assert found == []
