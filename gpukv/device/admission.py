@@ -19,7 +19,7 @@ Every launch of a bucket's parts is kept on its first round and replayed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,14 +39,24 @@ from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels import prefill as prefill_ops
 
+if TYPE_CHECKING:
+    from gpukv.device.launches import SharedLaunches
+    from gpukv.device.reads import DeviceReads
+    from gpukv.device.state import DeviceCalls, DeviceState
+
 
 class Admission:
-    """The admission of one device manager (``manager``: its rows, pool,
-    requests, stats, reads, staging and the verbs shared with the decode),
+    """The admission of one device manager (``state``: its rows, pool,
+    requests, stats and staging; ``calls``: its read, step, checks and call
+    markers; ``reads``; ``launches``: the verbs shared with the decode),
     with the per-bucket host plans and device buffers it reuses."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: DeviceState, calls: DeviceCalls, reads: DeviceReads,
+                 launches: SharedLaunches) -> None:
+        self._s = state
+        self._calls = calls
+        self._reads = reads
+        self._launches = launches
         self.buffers: dict[tuple, AdmissionBuffers] = {}
         self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
 
@@ -58,26 +68,26 @@ class Admission:
         ``_admit_kernel``, the rest), with what the budget has left, in one
         read that also carries ``lead`` (int64[1] tensors); ``result`` grows.
         Returns whether it deferred again, and ``lead``'s values."""
-        m = self._m
+        s = self._s
         done = result.num_admitted
         rest = new[done:]
         budget_left = None if token_budget is None else token_budget - sum(result.num_new_tokens)
-        rows = [m._rows.take() for _ in rest]
+        rows = [s.rows.take() for _ in rest]
         try:
-            status, hits, computed = self.admit(rest, rows, m._blocked, None if hit_caps is None else hit_caps[done:],
+            status, hits, computed = self.admit(rest, rows, s.blocked, None if hit_caps is None else hit_caps[done:],
                                                 token_budget=budget_left, graphs=graphs)
         except BaseException:
-            m._rows.give_back_unused(rows)  # no row leaks, whatever went wrong
+            s.rows.give_back_unused(rows)  # no row leaks, whatever went wrong
             raise
         gathered = [] if tail is None else tail.parts((np.asarray(rows, dtype=np.int64), self.most_blocks(rest)),
                                                       first=done)
-        host = m._reads.step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
+        host = self._reads.step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
                                      computed.to(torch.int64), *gathered])
         part = StepResult()
         deferred = self.finish(rest, rows, host[len(lead):], part, count_stats)
         if tail is not None:
             adm = np.asarray(part.rows, dtype=np.int64)
-            tail.took(host[len(lead) + lookup_ops.NUM_STATUS + 2 * len(rest):], adm, m._rows.num_held[adm])
+            tail.took(host[len(lead) + lookup_ops.NUM_STATUS + 2 * len(rest):], adm, s.rows.num_held[adm])
         result.num_admitted += part.num_admitted
         result.num_computed_tokens += part.num_computed_tokens
         result.rows += part.rows
@@ -88,19 +98,19 @@ class Admission:
     def most_blocks(self, new: Sequence[NewRequest]) -> np.ndarray:
         """The most block positions each new request can hold after its
         admission (its whole prompt computed, and its lookahead)."""
-        bs = self._m.block_size
+        bs = self._s.block_size
         return np.fromiter((-(-(len(r.token_ids) + r.num_lookahead_tokens) // bs) for r in new), np.int64, len(new))
 
     def finish(self, new, cand_rows: list[int], host: list, result: StepResult, count_stats: bool) -> bool:
         """The admitted requests keep their rows; the others give theirs back.
         Returns whether the admission deferred the rest (``ST_DEFERRED``)."""
-        m = self._m
+        s = self._s
         K, S = len(new), lookup_ops.NUM_STATUS
         stat, hits, comp = host[:S], host[S: S + K], host[S + K: S + 2 * K]
         if count_stats:
             self.count_lookups(new, hits)
         admitted = int(stat[lookup_ops.ST_ADMITTED])
-        bs = m.block_size
+        bs = s.block_size
         result.num_admitted = admitted
         if admitted < K and hits[admitted] >= 0:  # looked up, then refused
             result.refused_hit_tokens = int(hits[admitted]) * bs
@@ -109,14 +119,14 @@ class Admission:
         result.rows = cand_rows[:admitted]
         if admitted:
             self._keep_rows(new[:admitted], result.rows, hits[:admitted], comp[:admitted])
-        m._rows.give_back_unused(cand_rows[admitted:])
+        s.rows.give_back_unused(cand_rows[admitted:])
         return bool(stat[lookup_ops.ST_DEFERRED])
 
     def _keep_rows(self, admitted: Sequence[NewRequest], rows: list[int], hits: list, comp: list) -> None:
         """The host's mirror of the admitted requests' rows: their counts, the
         window groups' null blocks before their hits, their ids."""
-        m = self._m
-        bs, rs = m.block_size, m._rows
+        s = self._s
+        bs, rs = s.block_size, s.rows
         adm = np.asarray(rows, dtype=np.int64)
         h = np.asarray(hits, dtype=np.int64)
         n = np.fromiter((len(r.token_ids) for r in admitted), np.int64, len(admitted))
@@ -124,22 +134,22 @@ class Admission:
         computed = np.asarray(comp, dtype=np.int64)  # the admission's (``_admit_kernel``)
         rs.num_tokens[adm], rs.num_computed[adm] = n, computed
         rs.num_held[adm] = -(-(computed + lookahead) // bs)
-        w = np.asarray(m._window_blocks, dtype=np.int64)
+        w = np.asarray(s.window_blocks, dtype=np.int64)
         rs.null_until[adm] = np.where(w < 0, 0, np.maximum(0, h[:, None] - w))
         for req, row in zip(admitted, rows, strict=True):
-            m._reqs[req.request_id] = row
-            m._row_ids[row] = req.request_id
+            s.reqs[req.request_id] = row
+            s.row_ids[row] = req.request_id
 
     def count_lookups(self, new, hits: list) -> None:
         """Stats of the lookups the admission made: every request it looked
         at (a hit >= 0; it stops after the first refused one)."""
-        m = self._m
-        bs = m.block_size
+        s = self._s
+        bs = s.block_size
         for req, h in zip(new, hits, strict=True):
             if h < 0:
                 break
             n = 0 if req.skip_prefix_cache else len(req.token_ids)
-            m._stats.record(num_tokens=n, num_hit_tokens=int(h) * bs, num_blocks=-(-n // bs), num_hit_blocks=int(h),
+            s.stats.record(num_tokens=n, num_hit_tokens=int(h) * bs, num_blocks=-(-n // bs), num_hit_blocks=int(h),
                             preempted=req.num_preemptions > 0)
 
     # ------------------------------------------------------------- lookups
@@ -148,30 +158,30 @@ class Admission:
         """``allocate_slots`` of a new request: admitted with the hit its
         ``computed`` blocks give (still what a lookup finds now, else
         refused), its new blocks per group, or None when they do not fit."""
-        m = self._m
-        (request,) = m._normalize((), (), [request], single=True, defer_admissible=True).new
-        computed = normalize_computed(computed, m._limits)
-        check_computed_for(request, computed, m._limits)
+        s = self._s
+        (request,) = self._calls._normalize((), (), [request], single=True, defer_admissible=True).new
+        computed = normalize_computed(computed, s.limits)
+        check_computed_for(request, computed, s.limits)
         request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
-                                      num_lookahead_tokens, m._limits)
-        with m._counting():
+                                      num_lookahead_tokens, s.limits)
+        with self._calls._counting():
             cap = 0
             if computed is not None:
                 # Checked before anything changes: the given hit must still be
                 # what a lookup capped at its length finds now (a longer hit
                 # would move a window group's null blocks).
-                cap = computed.num_tokens // m.block_size
+                cap = computed.num_tokens // s.block_size
                 now = self.lookup_only(request, count_stats=False, hit_cap=cap)
                 if now.num_tokens != computed.num_tokens or any(
-                        list(computed.block_ids[g]) != now.block_ids[g] for g in range(m.num_groups)):
+                        list(computed.block_ids[g]) != now.block_ids[g] for g in range(s.num_groups)):
                     raise stale_computed_blocks()
             # (the dry lookup above wrote only a free row and scratch buffers)
-            m._begin_changes()
-            res = m._step((), (), [request], count_stats=False, hit_caps=[cap])
+            self._calls._begin_changes()
+            res = self._calls._step((), (), [request], count_stats=False, hit_caps=[cap])
         if res.num_admitted == 0:
             return None
         got = res.num_computed_tokens[0]
-        return [g[got // m.block_size:] for g in m.get_block_ids(request.request_id)]
+        return [g[got // s.block_size:] for g in self._calls.get_block_ids(request.request_id)]
 
     def admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,
                     num_lookahead_tokens: int | None) -> bool:
@@ -179,35 +189,35 @@ class Admission:
         checked against a lookup capped at its length (its size read, no
         block id), then one step admitting the request with that cap (the
         same lookup, nothing changed in between, so the same hit)."""
-        m = self._m
-        (request,) = m._normalize((), (), [request], single=True, defer_admissible=True).new
-        hit_tokens = check_prefix_hit(hit, request, m._limits)
-        request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, m._limits)
-        cap = hit_tokens // m.block_size
-        with m._counting():
+        s = self._s
+        (request,) = self._calls._normalize((), (), [request], single=True, defer_admissible=True).new
+        hit_tokens = check_prefix_hit(hit, request, s.limits)
+        request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, s.limits)
+        cap = hit_tokens // s.block_size
+        with self._calls._counting():
             if cap and self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens != hit_tokens:
                 raise stale_computed_blocks()
-            m._begin_changes()
-            res = m._step((), (), [request], count_stats=False, hit_caps=[cap])
+            self._calls._begin_changes()
+            res = self._calls._step((), (), [request], count_stats=False, hit_caps=[cap])
         return res.num_admitted == 1
 
     def lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
         """The hit a step would give this request now (at most ``hit_cap``
         blocks), changing no block: its blocks read back."""
-        m = self._m
+        s = self._s
         n, _, cache = self._dry_lookup(request, count_stats, hit_cap, sized=False)
-        blocks = m._read(cache[0, :n].T) if n else [[] for _ in range(m.num_groups)]
-        for g, w in enumerate(m._window_blocks):
+        blocks = self._calls._read(cache[0, :n].T) if n else [[] for _ in range(s.num_groups)]
+        for g, w in enumerate(s.window_blocks):
             if w >= 0:  # a window group holds the null block before its last W hit positions
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
-        return ComputedBlocks(blocks, n * m.block_size)
+        return ComputedBlocks(blocks, n * s.block_size)
 
     def lookup_size(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> PrefixHit:
         """The size of the hit a step would give this request now (at most
         ``hit_cap`` blocks) and how many of its blocks no request holds, in
         one read; no block id leaves the device, no block changes."""
         n, unheld, _ = self._dry_lookup(request, count_stats, hit_cap, sized=True)
-        return PrefixHit(n * self._m.block_size, unheld)
+        return PrefixHit(n * self._s.block_size, unheld)
 
     def _dry_lookup(self, request: NewRequest, count_stats: bool, hit_cap: int | None,
                     sized: bool) -> tuple[int, int, torch.Tensor]:
@@ -215,26 +225,26 @@ class Admission:
         hit in blocks, (with ``sized``) its unheld blocks, and the cached
         hits buffer (int32[KP, P, G]: request 0's row holds the hit's ids),
         read in one read with the verdict on device tokens."""
-        m = self._m
-        row = m._rows.take()
+        s = self._s
+        row = s.rows.take()
         try:
-            blocked = torch.zeros(1, dtype=torch.int32, device=m.device)
-            caps = [0] if not m.enable_caching else None if hit_cap is None else [hit_cap]
+            blocked = torch.zeros(1, dtype=torch.int32, device=s.device)
+            caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
             _, hit, _, cache = self.admit([request], [row], blocked, caps, dry=True)
             parts = [hit.to(torch.int64)] + ([self._unheld_in_hit(hit, cache[0])] if sized else [])
             tokens = request.token_ids
             device_tokens = isinstance(tokens, torch.Tensor)
             if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
                 parts.append(self.device_tokens_bad([tokens]))
-            values = m._read(torch.cat(parts))
+            values = self._calls._read(torch.cat(parts))
             if device_tokens:
-                m._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
+                self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
             n = int(values[0])
             if count_stats:
-                m._begin_changes()  # get_computed_blocks' point of first change
+                self._calls._begin_changes()  # get_computed_blocks' point of first change
                 self.count_lookups([request], [n])
         finally:
-            m._rows.give_back_unused([row])
+            s.rows.give_back_unused([row])
         return n, int(values[1]) if sized else 0, cache
 
     def _unheld_in_hit(self, hit: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -242,12 +252,12 @@ class Admission:
         int32[1] blocks; ``cache``: int32[P, G], the ids at each position)
         that no request holds; a window group's positions before its last W
         hit positions (null in the hit) and the null block not counted."""
-        m = self._m
-        pos = torch.arange(cache.shape[0], device=m.device).unsqueeze(1)
-        n, w = hit.to(torch.int64), m._win_dev.to(torch.int64)
+        s = self._s
+        pos = torch.arange(cache.shape[0], device=s.device).unsqueeze(1)
+        n, w = hit.to(torch.int64), s.win_dev.to(torch.int64)
         live = (pos < n) & ((w < 0) | (pos >= n - w))
         ids = torch.where(live, cache.to(torch.int64), 0)
-        return ((m.pool.ref_cnt[ids] == 0) & (ids != 0)).sum().view(1)
+        return ((s.pool.ref_cnt[ids] == 0) & (ids != 0)).sum().view(1)
 
     def device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token
@@ -256,7 +266,7 @@ class Admission:
         into the free queue's sticky error word, which its read raises; a
         lookup reads it with the hit. A few torch operations per tensor, only
         on this path (the batched decode checks in its kernel)."""
-        bad = torch.zeros(1, dtype=torch.int64, device=self._m.device)
+        bad = torch.zeros(1, dtype=torch.int64, device=self._s.device)
         for t in tensors:
             out = (t < 0).any() if t.dtype == torch.int32 else (torch.bitwise_right_shift(t, 32) != 0).any()
             bad.bitwise_or_(out.to(torch.int64) * decode_ops.ERR_BAD_TOKEN)
@@ -273,20 +283,20 @@ class Admission:
         replayed. Returns the admission's status, the hits (int32[K]) and the
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
-        m = self._m
-        plan = plan_admission(new, rows, m.block_size, hit_caps, self.plans, token_budget)
+        s = self._s
+        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
-            bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, m.num_groups, m.device)
-        m._staging.upload(plan.packed, out=bufs.plan)
+            bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)
+        s.staging.upload(plan.packed, out=bufs.plan)
         if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``lookup_only``)
-            errors = m.pool.free_queue.counter("error")
+            errors = s.pool.free_queue.counter("error")
             errors.bitwise_or_(self.device_tokens_bad([t for _, t in plan.device_tokens]))
         for off, t in plan.device_tokens:
             bufs.views["tokens"][off: off + t.numel()].copy_(t)  # int64 ids wrap to their uint32 bits
 
         def write_rows() -> None:
-            prefill_ops.write_rows(bufs.views, tokens=m._rows.tokens, extras=m._rows.extras)
+            prefill_ops.write_rows(bufs.views, tokens=s.rows.tokens, extras=s.rows.extras)
 
         if dry:  # (a lookup only: not worth a graph)
             graphs = None
@@ -301,35 +311,35 @@ class Admission:
             self._take_admitted_blocks(bufs)
 
         self._part(plan.bucket, bufs, "admit", admit_and_take, graphs)
-        m._launches.rebuild_if_due(plan.max_new_blocks * m.num_groups)
-        m._events.expect(bufs.alloc.shape[1] + bufs.record.shape[1])
+        self._launches.rebuild_if_due(plan.max_new_blocks * s.num_groups)
+        s.events.expect(bufs.alloc.shape[1] + bufs.record.shape[1])
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
 
     def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
         """One fixed part of the admission's launches: a CUDA graph replay
         (``graphs``: ``gpukv.device.graphs.AdmissionGraphs``; not with KV-cache
         events), else its kept launches replayed (``SharedLaunches.replayed``)."""
-        m = self._m
-        if graphs is not None and m._events.log is None:
-            with m._hook():  # (the caller's code: the manager's own calls refused there)
+        s = self._s
+        if graphs is not None and s.events.log is None:
+            with self._calls._hook():  # (the caller's code: the manager's own calls refused there)
                 graphs.run((bucket, part), launch)
         else:
-            m._launches.replayed(bufs.prepared, part, launch)
+            self._launches.replayed(bufs.prepared, part, launch)
 
     def _find_and_admit(self, bufs: AdmissionBuffers, blocked) -> None:
         """The prompts' digests, their verified cached blocks, the chains of
         the step's requests sharing a block, and the sequential admission."""
-        m = self._m
-        v, pool, bs = bufs.views, m.pool, m.block_size
-        m._launches.hash_rows(v["rows"], bufs.zeros, v["nfull"])
-        rows = m._rows
-        shared = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras, root=m._root_lanes)
+        s = self._s
+        v, pool, bs = bufs.views, s.pool, s.block_size
+        self._launches.hash_rows(v["rows"], bufs.zeros, v["nfull"])
+        rows = s.rows
+        shared = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras, root=s.root_lanes)
         prefill_ops.lookup(v, bufs.cache, table=pool.table, blk_tokens=pool.blk_tokens, blk_parent=pool.blk_parent,
                            blk_extra=pool.blk_extra, **shared)
         prefill_ops.chains(v, bufs.head, bufs.next, bufs.same, block_size=bs, **shared)
         lookup_ops.admit(bufs.cache, None, v["max_hit"], v["nblocks"], v["ntok"], v["skip"], ref_cnt=pool.ref_cnt,
                          touched=pool.touched, stamp=pool.stamp, num_free=pool.free_count, blocked=blocked,
-                         block_size=bs, hit_out=bufs.hit, status=bufs.status, window_blocks=m._win_dev,
+                         block_size=bs, hit_out=bufs.hit, status=bufs.status, window_blocks=s.win_dev,
                          chains=(bufs.head, bufs.next, bufs.same), resolved=bufs.resolved, start=bufs.start,
                          compute=v["comp"], lookahead=v["lookahead"], num_requests=v["num_requests"],
                          token_budget=v["token_budget"], free_queue=pool.free_queue)
@@ -340,19 +350,19 @@ class Admission:
         takes a reference to the block an earlier request just got), and the
         full blocks of their chunks cached, each in (request, group,
         position) order."""
-        m = self._m
-        pool, table = m.pool, m._rows.block_table
-        prefill_ops.admission_entries(bufs.views, bufs.status, bufs.hit, bufs.start, bufs.cache, m._win_dev,
-                                      bufs.touch, bufs.alloc, bufs.record, block_size=m.block_size)
+        s = self._s
+        pool, table = s.pool, s.rows.block_table
+        prefill_ops.admission_entries(bufs.views, bufs.status, bufs.hit, bufs.start, bufs.cache, s.win_dev,
+                                      bufs.touch, bufs.alloc, bufs.record, block_size=s.block_size)
         pool.touch(bufs.cache.view(-1), bufs.touch)
         grp, row, pos, want, rank = bufs.alloc
         count = bufs.status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
         pool.allocate(count, want, grp, row, pos, block_table=table, rank=rank, popped=bufs.popped,
-                      on_popped=m._events.popped_hook())
-        prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, m._win_dev,
+                      on_popped=s.events.popped_hook())
+        prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, s.win_dev,
                                bufs.hit_blocks, bufs.pending, block_table=table)
         pool.touch(bufs.hit_blocks, bufs.pending)
-        m._launches.cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
+        self._launches.cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def write_extra_keys(self, new: Sequence[NewRequest], rows: list[int]) -> None:
         """The extra-key digests of new requests that have extra keys (their
@@ -360,21 +370,21 @@ class Admission:
         blocks' (LoRA, multimodal items, salt) and, for every later block, the
         LoRA-only digest (later tokens carry no multimodal item or salt), so
         running steps and decodes never compute extra keys."""
-        m = self._m
-        up = m._staging.upload
-        if m._events.log is not None:  # the LoRA id each row's stored blocks report
+        s = self._s
+        up = s.staging.upload
+        if s.events.log is not None:  # the LoRA id each row's stored blocks report
             lora = [(0, 0) if r.lora_id is None else (1, r.lora_id - 2**64 if r.lora_id >= 2**63 else r.lora_id)
                     for r in new]
-            m._rows.lora[up(np.asarray(rows, dtype=np.int64))] = up(np.array(lora, dtype=np.int64).reshape(-1, 2))
-        bs, key = m.block_size, m._key
+            s.rows.lora[up(np.asarray(rows, dtype=np.int64))] = up(np.array(lora, dtype=np.int64).reshape(-1, 2))
+        bs, key = s.block_size, s.key
         for r, row in zip(new, rows, strict=True):
             if r.lora_id is None and not r.mm_items and r.cache_salt is None:
                 continue
             nb = -(-len(r.token_ids) // bs)
             ds = hashing.extra_key_digests(key, nb, bs, lora_id=r.lora_id, mm_items=r.mm_items,
                                            cache_salt=r.cache_salt)
-            extras = m._rows.extras
+            extras = s.rows.extras
             extras[row, :nb] = up(np.asarray(hashing.digests_to_lanes(ds).view(np.int64), dtype=np.int64))
-            if r.lora_id is not None and nb < m._rows.max_blocks:
+            if r.lora_id is not None and nb < s.rows.max_blocks:
                 (later,) = hashing.extra_key_digests(key, 1, bs, lora_id=r.lora_id, first_block=max(nb, 1))
                 extras[row, nb:] = up(np.asarray(hashing.digests_to_lanes([later]).view(np.int64), dtype=np.int64))

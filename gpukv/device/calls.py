@@ -14,12 +14,16 @@ without CUDA nothing is done.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpukv.device.staging import TorchOpCounter
+from gpukv.device.staging import StepCounters, TorchOpCounter
+from gpukv.device.state import DeviceState
 from gpukv.kernels import capture
+
+if TYPE_CHECKING:
+    from gpukv.device.reads import DeviceReads
 
 
 def on_device(values: list) -> list[torch.Tensor]:
@@ -32,41 +36,41 @@ class StepAccounting:
     (it wraps every step, and a generator-based context manager costs a few
     microseconds of the decode's host budget)."""
 
-    __slots__ = ("m", "base", "torch_ops")
+    __slots__ = ("s", "base", "torch_ops")
 
-    def __init__(self, manager: Any) -> None:
-        self.m = manager
+    def __init__(self, state: DeviceState) -> None:
+        self.s = state
 
     def __enter__(self) -> None:
-        m = self.m
-        m._counting_depth += 1
-        if m._counting_depth > 1:
+        s = self.s
+        s.counting_depth += 1
+        if s.counting_depth > 1:
             return
-        c = m.counters
+        c = s.counters
         c.h2d = c.d2h = c.torch_ops = 0
-        m._mirror.fresh = False  # the step may change the free count
+        s.mirror.fresh = False  # the step may change the free count
         self.base = capture.launches()
-        m._staging.begin_step()
+        s.staging.begin_step()
         self.torch_ops = TorchOpCounter(c) if c.count_torch_ops else None
         if self.torch_ops is not None:
             self.torch_ops.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        m = self.m
-        m._counting_depth -= 1
-        if m._counting_depth > 0:
+        s = self.s
+        s.counting_depth -= 1
+        if s.counting_depth > 0:
             return
         if self.torch_ops is not None:
             self.torch_ops.__exit__(*exc)
-        c = m.counters
+        c = s.counters
         c.launches = capture.launches() - self.base
         c.steps += 1
         refresh = exc[0] is None
         if refresh:
-            m._mirror.refresh()  # (before end_step: the step's event covers the copy)
-        m._staging.end_step()
+            s.mirror.refresh()  # (before end_step: the step's event covers the copy)
+        s.staging.end_step()
         if refresh:
-            m._mirror.event = m._staging.last_event
+            s.mirror.event = s.staging.last_event
 
 
 class OwnStream:
@@ -93,20 +97,21 @@ class OwnStream:
 
 class CallContext:
     """Mixin of ``DeviceManager``: ``_stream`` (None without CUDA),
-    ``device``, ``counters``, ``_staging`` and ``_counting_depth`` are the
+    ``device``, ``counters``, ``_shared`` and ``_reads`` are the
     manager's."""
 
     _stream: Any
     device: torch.device
-    counters: Any
-    _reads: Any
+    counters: StepCounters
+    _shared: DeviceState
+    _reads: DeviceReads
     #: The stream of the call under way when it came from another stream than the manager's (else None).
     _caller_stream: Any = None
 
     def _counting(self) -> StepAccounting:
         """One step's accounting (``counters``) and staging buffer; nested
         calls (a lookup inside an admission) count in the outer step."""
-        return StepAccounting(self)
+        return StepAccounting(self._shared)
 
     def _read(self, t: torch.Tensor) -> list:
         """A device-to-host read (counted: ``counters.d2h`` in the step,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,11 @@ from gpukv.errors import InvalidInputError
 from gpukv.kernels import capture
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels.toolkit import pow2_at_least
+
+if TYPE_CHECKING:
+    from gpukv.device.launches import SharedLaunches
+    from gpukv.device.reads import DeviceReads
+    from gpukv.device.state import DeviceCalls, DeviceState
 
 #: The largest element of a non-empty array: the ufunc's reduce, without
 #: ``ndarray.max``'s Python wrapper (a decode plan takes three).
@@ -182,20 +187,29 @@ def decode_buffers(bucket: tuple, layout: list[tuple[str, int]], device: torch.d
 class DecodePath:
     """A device manager's decode: ``plan`` -> ``stage`` -> ``launch`` ->
     ``finish`` (the module docstring), with the per-bucket host plans and
-    device buffers it reuses step after step. ``manager``: its rows, pool,
-    staging, reads and the verbs shared with the admission (hashing,
+    device buffers it reuses step after step. ``state``: its rows, pool,
+    staging and events; ``calls``: the manager's hook for a caller's code;
+    ``reads``; ``launches``: the verbs shared with the admission (hashing,
     caching, kept-launch replay)."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
-        self._rows = manager._rows
-        self._pool = manager.pool
-        self.block_size = manager.block_size
-        self.num_groups = manager.num_groups
-        self._blocks_of = block_counter(manager.block_size)  # full blocks in a number of tokens
-        self._policies = manager._policies
-        self._window_groups = [g for g, w in enumerate(manager.sliding_windows) if w is not None]
-        self._events_off = manager._events.log is None
+    def __init__(self, state: DeviceState, calls: DeviceCalls, reads: DeviceReads,
+                 launches: SharedLaunches) -> None:
+        self._s = state
+        self._calls = calls
+        self._reads = reads
+        self._launches = launches
+        self._rows = state.rows
+        self._pool = state.pool
+        self._events = state.events
+        self._blocked = state.blocked
+        self._reqs = state.reqs
+        self.device = state.device
+        self.block_size = state.block_size
+        self.num_groups = state.num_groups
+        self._blocks_of = block_counter(state.block_size)  # full blocks in a number of tokens
+        self._policies = state.policies
+        self._window_groups = [g for g, w in enumerate(state.sliding_windows) if w is not None]
+        self._events_off = state.events.log is None
         self.buffers: dict[tuple, DecodeBuffers] = {}
         self.staged: DecodeBuffers | None = None  # the buffers the running decode staged, until it launched
         self.host_plans: dict[tuple, dict] = {}  # (bucket, staging parity) -> views
@@ -253,7 +267,7 @@ class DecodePath:
         self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
         total = int(cum[-1])
         return DecodePlan(rows, bucket, total, cum, held0, ntok1, comp1, held1, stops,
-                          total <= self._m._free_lower_bound, phases)
+                          total <= self._s.free_lower_bound, phases)
 
     def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Per (request, group): where the null blocks end once the window
@@ -289,7 +303,7 @@ class DecodePath:
         """Named views of this step's host plan array of the bucket (the
         uploaded part of its layout: ``Staging.host_array``, written in place
         and sent as it is), with the parts that never change filled in."""
-        staging = self._m._staging
+        staging = self._s.staging
         cached = self.host_plans.get((bucket, staging.parity))
         if cached is not None:
             return cached
@@ -325,11 +339,11 @@ class DecodePath:
         on the device are copied over that part after it."""
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
-            bufs = self.buffers[plan.bucket] = decode_buffers(plan.bucket, self.layout(plan.bucket), self._m.device)
+            bufs = self.buffers[plan.bucket] = decode_buffers(plan.bucket, self.layout(plan.bucket), self.device)
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
             self.host_plan(plan.bucket)["tokens"][: len(tokens)] = tokens
-        self._m._staging.upload_host(("decode", plan.bucket), bufs.uploaded)
+        self._s.staging.upload_host(("decode", plan.bucket), bufs.uploaded)
         if on_device:  # (as int64, int32 sign-extended: decode_fit checks the range)
             bufs.new_tokens[: len(plan.rows)].copy_(tokens)
         return bufs
@@ -350,14 +364,13 @@ class DecodePath:
             capture.run_prepared(kept[1])  # (the phases' kept launches, in order: no lookup per phase)
             return
         run = [p for p in DECODE_PHASES if p in key and (p != "release" or bucket[2])]  # (no window group: none)
-        m = self._m
         for phase in run:
-            m._launches.replayed(bufs.prepared, _DECODE_PART[phase], lambda p=phase: self._launch_phase(p, bufs))
+            self._launches.replayed(bufs.prepared, _DECODE_PART[phase], lambda p=phase: self._launch_phase(p, bufs))
         if self._events_off:
             bufs.runs[key] = (generation, [one for p in run for one in bufs.prepared[_DECODE_PART[p]][1]])
 
     def _launch_phase(self, phase: str, bufs: DecodeBuffers) -> None:
-        v, pool, rows, m = bufs.views, self._pool, self._rows, self._m
+        v, pool, rows = bufs.views, self._pool, self._rows
         if phase == "release":  # window groups release what their window left behind
             pool.release(rows.block_table, v["r_grp"], v["r_row"], v["r_pos"], v["r_call"], valid=v["r_valid"],
                          scratch=bufs.release_scratch, workspace=bufs.release_workspace)
@@ -365,16 +378,16 @@ class DecodePath:
             decode_ops.decode_fit(v["rows"], v["ntok"], v["nnew"], v["comp0"], v["comp1"], v["held"], v["need"],
                                   v["cum"], v["h_start"], v["h_count"], v["alloc"], v["record"], bufs.new_tokens,
                                   tokens=rows.tokens, extras=rows.extras, fq_counters=pool.free_queue.counters,
-                                  count=bufs.count, status=bufs.status, blocked=m._blocked,
+                                  count=bufs.count, status=bufs.status, blocked=self._blocked,
                                   num_groups=self.num_groups, block_size=self.block_size)
         elif phase == "allocate":
             grp, row, pos, want, rank = v["alloc"]
             pool.allocate(bufs.count, want, grp, row, pos, block_table=rows.block_table, rank=rank,
-                          popped=bufs.popped, on_popped=m._events.popped_hook())
+                          popped=bufs.popped, on_popped=self._events.popped_hook())
         elif phase == "hash":
-            m._launches.hash_rows(v["rows"], v["h_start"], v["h_count"])
+            self._launches.hash_rows(v["rows"], v["h_start"], v["h_count"])
         else:
-            m._launches.cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
+            self._launches.cache_blocks(*v["record"], scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     # ---------------------------------------------------------------- finish
     def finish(self, plan: DecodePlan, bufs: DecodeBuffers) -> StepResult:
@@ -382,17 +395,17 @@ class DecodePath:
         reads the device only when the host could not tell the batch fits.
         (Also the table's rebuild when due: decided on the host, never part
         of a graph.)"""
-        m = self._m
+        s = self._s
         B = len(plan.rows)
-        m._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         if plan.fits_known:
             n_fit = B
-            m._free_lower_bound -= plan.num_new_blocks
+            s.free_lower_bound -= plan.num_new_blocks
         else:
-            status = m._reads.status_and_events(bufs.status)
-            m._reads.check_errors(status[decode_ops.ST_QUEUE_ERRORS], "new_token_ids")
+            status = self._reads.status_and_events(bufs.status)
+            self._reads.check_errors(status[decode_ops.ST_QUEUE_ERRORS], "new_token_ids")
             n_fit = int(status[decode_ops.ST_FIT])
-            m._free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
+            s.free_lower_bound = int(status[decode_ops.ST_FREE_AFTER])
         self.finish_running(plan, n_fit)
         return StepResult(running_failed_at=None if n_fit == B else n_fit)
 
@@ -401,7 +414,7 @@ class DecodePath:
         ``n_fit`` rows got their blocks (every row released behind its
         window), and the table's rebuild when what they popped makes it due
         (after the fit is known: rows that did not fit popped nothing)."""
-        self._m._launches.rebuild_if_due(plan.blocks_popped(n_fit))
+        self._launches.rebuild_if_due(plan.blocks_popped(n_fit))
         rows, done = self._rows, plan.rows[:n_fit]
         rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
             plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
@@ -421,7 +434,7 @@ class DecodePath:
             return plan, bufs
         self.staged = bufs  # (the one launch ``launch_staged`` takes: these buffers, from this call)
         try:
-            with self._m._hook():  # (the caller's code: the manager's own calls refused there)
+            with self._calls._hook():  # (the caller's code: the manager's own calls refused there)
                 graphs.launch(plan.bucket, bufs)
         finally:
             self.staged = None
@@ -449,10 +462,10 @@ class DecodePath:
         if not isinstance(running, RunningRows):
             running = self.running_rows(running) if running else None
         if running is None or not len(running.rows):
-            self._m._blocked.zero_()
+            self._blocked.zero_()
             return None
         plan, bufs = self.launch_running(running)
-        self._m._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
         n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
         return RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok, plan)
@@ -462,7 +475,7 @@ class DecodePath:
         no read, every update fit, and the bound drops by what they took)."""
         if n_ok is None:
             n_ok = run.size
-            self._m._free_lower_bound -= run.total
+            self._s.free_lower_bound -= run.total
         self.finish_running(run.plan, n_ok)
         result.running_failed_at = None if n_ok == run.size else n_ok
 
@@ -470,15 +483,15 @@ class DecodePath:
         """Normalised ``RunningUpdate``s as the batch they are: rows, their
         tokens padded into ``[B, K]`` rows (a device tensor when any update's
         are on the device), chunks, lookahead and processed tokens per row."""
-        reqs = self._m._reqs
+        reqs = self._reqs
         rows = np.fromiter((reqs[u.request_id] for u in running), np.int64, len(running))
         adds = [u.new_token_ids for u in running]
         counts = np.fromiter((len(a) for a in adds), np.int64, len(adds))
         width = int(counts.max())
         if any(isinstance(a, torch.Tensor) for a in adds):  # (kept on the device, unread: decode_fit checks them)
-            tokens: Any = torch.zeros((len(adds), width), dtype=torch.int64, device=self._m.device)
+            tokens: Any = torch.zeros((len(adds), width), dtype=torch.int64, device=self.device)
             for i, a in enumerate(adds):
-                tokens[i, : len(a)] = torch.as_tensor(a, device=self._m.device)
+                tokens[i, : len(a)] = torch.as_tensor(a, device=self.device)
         else:
             tokens = np.zeros((len(adds), width), dtype=np.int64)
             if width:

@@ -12,11 +12,14 @@ launchers' Python); the decode and the admission both hash and cache.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpukv import _runtime
 from gpukv.kernels import capture
 from gpukv.kernels.block_hash import hash_rows, hash_rows_host
+
+if TYPE_CHECKING:
+    from gpukv.device.state import DeviceState
 
 # Under Triton's interpreter (no CUDA) one BLAKE3 compression of the hashing
 # kernel costs 0.1-0.3 s, which made a short replay take minutes; there the
@@ -29,11 +32,11 @@ _hash_rows = (hash_rows_host if _runtime.INTERPRETED and os.environ.get("GPUKV_H
 
 
 class SharedLaunches:
-    """The launches of one device manager (``manager``: its pool, rows, key
+    """The launches of one device manager (``state``: its pool, rows, key
     and events) that more than one of its parts runs."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: DeviceState) -> None:
+        self._s = state
 
     def replayed(self, prepared: dict, part: str, launch) -> None:
         """Run ``launch`` (a fixed sequence of launches on fixed buffers) the
@@ -41,12 +44,12 @@ class SharedLaunches:
         them, skipping the launchers' Python (the plan/run split). Not with
         KV-cache events (their launches are not all Triton's), and anew once
         the row tensors were reallocated."""
-        m = self._m
-        if m._events.log is not None:
+        s = self._s
+        if s.events.log is not None:
             launch()
             return
         kept = prepared.get(part)
-        generation = m._rows.generation
+        generation = s.rows.generation
         if kept is not None and kept[0] == generation:
             capture.run_prepared(kept[1])
             return
@@ -57,11 +60,11 @@ class SharedLaunches:
     def hash_rows(self, rows_t, starts_t, counts_t) -> None:
         """Chained digests of blocks ``[start, start + count)`` of each row, on
         the device, from the tokens and extra digests already there."""
-        m = self._m
-        rows = m._rows
-        args = (m._key_dev, rows_t, starts_t, counts_t)
+        s = self._s
+        rows = s.rows
+        args = (s.key_dev, rows_t, starts_t, counts_t)
         kw: dict[str, Any] = dict(tokens=rows.tokens, digests=rows.digests, extras=rows.extras,
-                                  root=m._root_lanes, block_size=m.block_size)
+                                  root=s.root_lanes, block_size=s.block_size)
         if _hash_rows is hash_rows_host:  # the interpreter's host stand-in: counted and timed as a kernel
             capture.host_launch("block_hash._hash_rows_kernel", hash_rows_host, *args, **kw)
         else:
@@ -72,20 +75,20 @@ class SharedLaunches:
         says it is due (``DevicePool.rebuild_if_due``); a step calls it after
         its pops and outside its prepared launches and graphs, which are the
         same every step."""
-        m = self._m
-        if m.enable_caching and max_popped:  # (no cached block, no tombstone)
-            m.pool.rebuild_if_due(max_popped)
+        s = self._s
+        if s.enable_caching and max_popped:  # (no cached block, no tombstone)
+            s.pool.rebuild_if_due(max_popped)
 
     def cache_blocks(self, grp, rw, ps, valid, *, scratch=None, seq=None) -> None:
         """Cache the blocks at the valid (group, row, position) entries (the
         pool's ``record``), with their stored-block events."""
-        m = self._m
-        if not m.enable_caching:
+        s = self._s
+        if not s.enable_caching:
             return
-        rows, pool = m._rows, m.pool
+        rows, pool = s.rows, s.pool
         inserted = pool.record(grp, rw, ps, valid, block_table=rows.block_table, tokens=rows.tokens,
-                               digests=rows.digests, extras=rows.extras, root=m._root_lanes, scratch=scratch, seq=seq)
-        log = m._events.log
+                               digests=rows.digests, extras=rows.extras, root=s.root_lanes, scratch=scratch, seq=seq)
+        log = s.events.log
         if log is not None and inserted is not None:
             blk, ok, key = inserted
             log.stores(ok, blk, key, grp, rw, ps, blk_parent=pool.blk_parent, blk_tokens=pool.blk_tokens,

@@ -104,6 +104,7 @@ from gpukv.device.reads import DeviceReads, FreeCountMirror
 from gpukv.device.releases import ReleaseBuffers, Releases
 from gpukv.device.rows import DeviceRows, entry_layout  # (entry_layout: imported from here by older code)
 from gpukv.device.staging import Staging, StepCounters
+from gpukv.device.state import DeviceState
 from gpukv.events.schema import KVEventBatch
 from gpukv.kernels.block_hash import key_lanes
 from gpukv.kernels.toolkit import pow2_at_least
@@ -220,10 +221,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         # changes, drained by the reads the host makes (``gpukv.device.events``).
         self._events = DeviceEvents(DeviceEventLog(KV_EVENTS_CAPACITY, block_size, self.device)
                                     if enable_kv_cache_events else None, self.pool.table)
-        # Counted on the host from the hits each step reads anyway (no read of its own).
-        self._stats = PrefixCacheStats()
         self._reset_flag = False
-        self._free_lower_bound = num_blocks - 1  # the host's lower bound of free blocks (a read sets it)
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -231,16 +229,32 @@ class DeviceManager(CallContext, SharedManagerAPI):
         parts, each with the per-bucket plans and device buffers it makes on
         a bucket's first step."""
         self.counters = StepCounters()
-        self._staging = Staging(self.device, self.counters)
-        self._counting_depth = 0
+        staging = Staging(self.device, self.counters)
         self._blocked = torch.zeros(1, dtype=torch.int32, device=self.device)  # a running update did not fit
         self._mirror = FreeCountMirror(self.pool.free_queue, self.device)  # the free count, host side
-        self._reads = DeviceReads(self)
-        self._decode = DecodePath(self)
-        self._admission = Admission(self)
-        self._releases = Releases(self)
-        self._gather = OutputGather(self)  # what a step hands back (``gpukv.device.outputs``)
-        self._launches = SharedLaunches(self)  # what more than one part launches
+        # What the parts share, typed (``gpukv.device.state``); the host figures they change live only there.
+        s = self._shared = DeviceState(
+            device=self.device, block_size=self.block_size, sliding_windows=self.sliding_windows,
+            enable_caching=self.enable_caching, pool=self.pool, key=self._key, key_dev=self._key_dev,
+            root_lanes=self._root_lanes, limits=self._limits, policies=self._policies,
+            window_blocks=self._window_blocks, win_dev=self._win_dev, rows=self._rows, reqs=self._reqs,
+            row_ids=self._row_ids, events=self._events, counters=self.counters, staging=staging,
+            mirror=self._mirror, blocked=self._blocked, free_lower_bound=self.pool.num_blocks - 1)
+        self._reads = DeviceReads(s, self)
+        self._launches = SharedLaunches(s)  # what more than one part launches
+        self._decode = DecodePath(s, self, self._reads, self._launches)
+        self._gather = OutputGather(s, self._launches)  # what a step hands back (``gpukv.device.outputs``)
+        self._admission = Admission(s, self, self._reads, self._launches)
+        self._releases = Releases(s, self._launches)
+
+    @property
+    def _staging(self) -> Staging:
+        """The staging buffers (the shared state's: a swap reaches every part)."""
+        return self._shared.staging
+
+    @_staging.setter
+    def _staging(self, staging: Staging) -> None:
+        self._shared.staging = staging
 
     def _batch_device(self) -> torch.device:
         return self.device  # a RunningBatch's tokens may be a tensor on it (a model runner's sampled ids)
@@ -265,7 +279,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
     @reading
     def free_blocks_lower_bound(self) -> int:
         """Free blocks there are at least: the last read's count less what was taken since (host only, no read)."""
-        return int(self._free_lower_bound)
+        return int(self._shared.free_lower_bound)
 
     @reading
     def read_num_evictions(self) -> int:
@@ -359,7 +373,8 @@ class DeviceManager(CallContext, SharedManagerAPI):
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-cache stats since the last call (then zeroed); host only."""
         self._begin_changes()
-        stats, self._stats = self._stats, PrefixCacheStats()
+        shared = self._shared
+        stats, shared.stats = shared.stats, PrefixCacheStats()
         stats.reset, self._reset_flag = self._reset_flag, False
         return stats
 
@@ -534,7 +549,8 @@ class DeviceManager(CallContext, SharedManagerAPI):
         if not self.enable_caching:
             hit_caps = [0] * len(new)  # no lookup: every hit is 0
         result = StepResult()
-        tail = step_gather(self, run, outputs, new) if outputs.block_ids or outputs.prefix_of is not None else None
+        tail = (step_gather(self._shared, self._gather, run, outputs, new)
+                if outputs.block_ids or outputs.prefix_of is not None else None)
         host, deferred = None, False
         if new:  # phases 3-5
             deferred, host = self._admission.round(new, result, hit_caps, token_budget, count_stats, graphs, lead,
@@ -548,7 +564,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         while new and deferred:  # vLLM looks the rest up after the admitted ones' pops: another round
             deferred, _ = self._admission.round(new, result, hit_caps, token_budget, count_stats, graphs, (), tail)
         if tail is not None:
-            take_step_outputs(self, result, run, outputs, tail)
+            take_step_outputs(self._shared, result, run, outputs, tail)
         return result
 
     # ------------------------------------------------------------- checking

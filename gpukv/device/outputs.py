@@ -17,7 +17,7 @@ count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,10 @@ import torch
 from gpukv.device.rows import entry_layout
 from gpukv.kernels import gather as gather_ops
 from gpukv.kernels.toolkit import pow2_at_least
+
+if TYPE_CHECKING:
+    from gpukv.device.launches import SharedLaunches
+    from gpukv.device.state import DeviceState
 
 
 @dataclass
@@ -54,10 +58,12 @@ class GatherPlan:
 
 class OutputGather:
     """Lays out, launches and parses a step's output gather for one device
-    manager (``manager``: its staging, rows, pool and kept-launch replay)."""
+    manager (``state``: its staging, rows and pool; ``launches``: the
+    kept-launch replay)."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: DeviceState, launches: SharedLaunches) -> None:
+        self._s = state
+        self._launches = launches
         self._bufs: dict[int, GatherBuffers] = {}
 
     def plan(self, running: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
@@ -67,9 +73,9 @@ class OutputGather:
         int64[B] each), ``candidates`` (rows, most blocks they can hold after
         admission; int64[K] each), ``prefix`` (row, blocks it holds at most),
         every group of each; a window group's prefix reads nothing."""
-        m = self._m
-        G = m.num_groups
-        full = np.array([w is None for w in m.sliding_windows])
+        s = self._s
+        G = s.num_groups
+        full = np.array([w is None for w in s.sliding_windows])
         parts = []  # (rows, starts, stops): segments of requests, every group
         if running is not None:
             r, h0, h1 = running
@@ -99,7 +105,7 @@ class OutputGather:
         req, grp, pos, _ = entry_layout(st, sp)
         E = len(req)
         EP = pow2_at_least(max(E, 16))
-        host = m._staging.host_array(("gather", EP), 3 * EP).reshape(3, EP)
+        host = s.staging.host_array(("gather", EP), 3 * EP).reshape(3, EP)
         host[0, :E], host[1, :E], host[2, :E] = grp, rows[req], pos
         host[1, E:] = -1
         return GatherPlan(B, K, first, counts, prefix is not None, E, EP)
@@ -107,18 +113,18 @@ class OutputGather:
     def launch(self, plan: GatherPlan) -> torch.Tensor:
         """Upload the plan and gather: the output's used part, int64[2, E]
         (block ids, then their reference counts), to read with the step."""
-        m = self._m
+        s = self._s
         EP = plan.bucket
         bufs = self._buffers(EP)
-        m._staging.upload_host(("gather", EP), bufs.entries)
-        m._launches.replayed(bufs.prepared, "gather", lambda: gather_ops.gather_blocks(
-            bufs.entries.view(3, EP), m._rows.block_table, m.pool.ref_cnt, bufs.out))
+        s.staging.upload_host(("gather", EP), bufs.entries)
+        self._launches.replayed(bufs.prepared, "gather", lambda: gather_ops.gather_blocks(
+            bufs.entries.view(3, EP), s.rows.block_table, s.pool.ref_cnt, bufs.out))
         return bufs.out[:, : plan.num_entries]
 
     def _buffers(self, EP: int) -> GatherBuffers:
         bufs = self._bufs.get(EP)
         if bufs is None:
-            dev = self._m.device
+            dev = self._s.device
             bufs = self._bufs[EP] = GatherBuffers(entries=torch.zeros(3 * EP, dtype=torch.int32, device=dev),
                                                   out=torch.zeros((2, EP), dtype=torch.int64, device=dev))
         return bufs
@@ -212,32 +218,32 @@ class StepGather:
         return running, admitted, prefix
 
 
-def step_gather(m: Any, run: Any, outputs: Any, new: list) -> StepGather:
-    """A device manager ``m``'s step output gather: the running rows' new
+def step_gather(s: DeviceState, gather: OutputGather, run: Any, outputs: Any, new: list) -> StepGather:
+    """A device manager's (``s``: its state; ``gather``: its output gather) step output gather: the running rows' new
     blocks (``run``: the step's ``RunningPhase``, or None), and
     ``outputs.prefix_of``'s blocks up to the most it holds after (a new
     request's: from its admission's own entries)."""
     running = None if run is None else (run.rows, run.held_before, run.held_after)
     prefix = prefix_new = None
-    if outputs.prefix_of is not None and outputs.prefix_of not in m._reqs:
+    if outputs.prefix_of is not None and outputs.prefix_of not in s.reqs:
         prefix_new = next(i for i, r in enumerate(new) if r.request_id == outputs.prefix_of)
     elif outputs.prefix_of is not None:
-        row = m._reqs[outputs.prefix_of]
-        n = int(m._rows.num_held[row])
+        row = s.reqs[outputs.prefix_of]
+        n = int(s.rows.num_held[row])
         at = np.flatnonzero(run.rows == row) if run is not None else np.zeros(0, np.int64)
         if run is not None and len(at):
             n = int(run.held_after[at[0]])  # (if it fits; the read says, and take_step_outputs cuts)
         prefix = (row, n)
-    return StepGather(m._gather, running, prefix, outputs.block_ids, m.num_groups, prefix_new)
+    return StepGather(gather, running, prefix, outputs.block_ids, s.num_groups, prefix_new)
 
 
-def take_step_outputs(m: Any, result: Any, run: Any, outputs: Any, tail: StepGather) -> None:
-    """What a device manager ``m``'s step hands back (into ``result``, a
+def take_step_outputs(s: DeviceState, result: Any, run: Any, outputs: Any, tail: StepGather) -> None:
+    """What a device manager's (``s``: its state) step hands back (into ``result``, a
     ``StepResult``), from its last read's gather."""
     n_fit = 0 if run is None else run.size if result.running_failed_at is None else result.running_failed_at
-    row = None if outputs.prefix_of is None else m._reqs.get(outputs.prefix_of)
-    held = 0 if row is None else int(m._rows.num_held[row])
-    running, admitted, prefix = tail.finish(n_fit, held, m.sliding_windows)
+    row = None if outputs.prefix_of is None else s.reqs.get(outputs.prefix_of)
+    held = 0 if row is None else int(s.rows.num_held[row])
+    running, admitted, prefix = tail.finish(n_fit, held, s.sliding_windows)
     if outputs.block_ids:
         result.running_block_ids, result.admitted_block_ids = running, admitted
     if row is not None:

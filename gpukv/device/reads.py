@@ -10,7 +10,7 @@ act on (the free queue's sticky error word) is raised here
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from gpukv.core.blocks import common_prefix_length
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import free_queue as fq_ops
+
+if TYPE_CHECKING:
+    from gpukv.device.state import DeviceCalls, DeviceState
 
 
 def check_queue_errors(queue_errors: int, tokens_argument: str = "token_ids") -> None:
@@ -78,11 +81,13 @@ class FreeCountMirror:
 
 
 class DeviceReads:
-    """The reads of one device manager (``manager``: its ``_read``, pool,
-    rows, events and staging), on rows and arguments it has checked."""
+    """The reads of one device manager (``state``: its pool, rows, events
+    and staging; ``calls``: its one read, ``_read``), on rows and arguments
+    it has checked."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: DeviceState, calls: DeviceCalls) -> None:
+        self._s = state
+        self._c = calls  # (its ``_read`` looked up per read: tests wrap it on the manager)
 
     check_errors = staticmethod(check_queue_errors)
 
@@ -91,32 +96,32 @@ class DeviceReads:
         """Free blocks now (also the host's lower bound from here on): from
         the mirror the last step refreshed when no step began since (no
         device read), else one read."""
-        mirror = self._m._mirror
-        n = mirror.read() if mirror.fresh else int(self._m._read(self._m.pool.free_count)[0])
-        self._m._free_lower_bound = n
+        mirror = self._s.mirror
+        n = mirror.read() if mirror.fresh else int(self._c._read(self._s.pool.free_count)[0])
+        self._s.free_lower_bound = n
         return n
 
     def check_free_lower_bound(self) -> None:
         """The host's lower bound of free blocks is at most the free blocks
         (``check_invariants``: read as the pool's checks read, not counted as
         a step's read)."""
-        free = int(self._m.pool.free_count.cpu()[0])
-        if self._m._free_lower_bound > free:
-            raise AssertionError(f"the host's lower bound of free blocks {self._m._free_lower_bound} is above the "
+        free = int(self._s.pool.free_count.cpu()[0])
+        if self._s.free_lower_bound > free:
+            raise AssertionError(f"the host's lower bound of free blocks {self._s.free_lower_bound} is above the "
                                  f"{free} free blocks")
-        mirror = self._m._mirror
+        mirror = self._s.mirror
         if mirror.fresh and mirror.read() != free:
             raise AssertionError(f"the host mirror's free count {mirror.read()} is not the {free} free blocks")
 
     def num_evictions(self) -> int:
         """Cached blocks evicted so far."""
-        return int(self._m._read(self._m.pool.evictions)[0])
+        return int(self._c._read(self._s.pool.evictions)[0])
 
     # ------------------------------------------------------------ requests
     def block_ids(self, row: int) -> list[list[int]]:
         """The row's block ids per group, position by position."""
-        rows = self._m._rows
-        return self._m._read(rows.block_table[:, row, : int(rows.num_held[row])])
+        rows = self._s.rows
+        return self._c._read(rows.block_table[:, row, : int(rows.num_held[row])])
 
     def block_ids_at(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, group: int) -> list[list[int]]:
         """Group ``group``'s block ids of each row at positions ``[start,
@@ -126,30 +131,30 @@ class DeviceReads:
             return [[] for _ in range(len(rows))]
         at = np.repeat(rows, counts)
         pos = np.repeat(starts, counts) + np.arange(len(at)) - np.repeat(np.cumsum(counts) - counts, counts)
-        rows_t, pos_t = upload_packed(self._m._staging, at, pos)
-        ids = self._m._read(self._m._rows.block_table[group, rows_t.long(), pos_t.long()])
+        rows_t, pos_t = upload_packed(self._s.staging, at, pos)
+        ids = self._c._read(self._s.rows.block_table[group, rows_t.long(), pos_t.long()])
         ends = np.cumsum(counts).tolist()
         return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
 
     def num_unheld(self, block_ids: list[int]) -> int:
         """How many of these (distinct, checked) blocks have reference count 0."""
-        m = self._m
-        ids = m._staging.upload(np.array(block_ids, dtype=np.int64))
-        return int(m._read((m.pool.ref_cnt[ids] == 0).sum().view(1))[0])
+        s = self._s
+        ids = s.staging.upload(np.array(block_ids, dtype=np.int64))
+        return int(self._c._read((s.pool.ref_cnt[ids] == 0).sum().view(1))[0])
 
     def common_prefix_blocks(self, row: int, count: int, windows: list) -> list[int]:
         """Per group, the leading blocks of the row whose reference count is
         ``count`` (up to the first that is not); 0 for a window group."""
-        m = self._m
-        n = int(m._rows.num_held[row])
-        refs = m._read(m.pool.ref_cnt[m._rows.block_table[:, row, :n].long()])
+        s = self._s
+        n = int(s.rows.num_held[row])
+        refs = self._c._read(s.pool.ref_cnt[s.rows.block_table[:, row, :n].long()])
         return [0 if w is not None else common_prefix_length(r, count) for w, r in zip(windows, refs, strict=True)]
 
     def block_hashes(self, row: int, block_size: int) -> list[bytes]:
         """The digests of the row's full known blocks."""
-        rows = self._m._rows
+        rows = self._s.rows
         n = int(rows.num_tokens[row]) // block_size
-        lanes = np.array(self._m._read(rows.digests[row, :n]), dtype=np.int64)
+        lanes = np.array(self._c._read(rows.digests[row, :n]), dtype=np.int64)
         return hashing.lanes_to_digests(lanes.reshape(-1, 2))
 
     # -------------------------------------------------------------- steps
@@ -158,31 +163,31 @@ class DeviceReads:
         queue's sticky error word in one read (with the events drained so
         far); raises when the error word is set, and sets the host's lower
         bound of free blocks. Returns the parts' values."""
-        m = self._m
-        fq = m.pool.free_queue
+        s = self._s
+        fq = s.pool.free_queue
         parts = parts + [fq.counter("num_free"), fq.counter("error")]
         main = sum(t.numel() for t in parts)
-        events = m._events.drain_parts()  # the events ride on the step's one read
-        host = m._read(torch.cat(parts + events))
+        events = s.events.drain_parts()  # the events ride on the step's one read
+        host = self._c._read(torch.cat(parts + events))
         if events:
-            m._events.drained(host[main:])
+            s.events.drained(host[main:])
         check_queue_errors(host[main - 1])
-        m._free_lower_bound = host[main - 2]
+        s.free_lower_bound = host[main - 2]
         return host[: main - 2]
 
     def status_and_events(self, status: torch.Tensor) -> list:
         """A decode's status, read with the events drained so far."""
-        m = self._m
-        parts = m._events.drain_parts()
-        host = m._read(torch.cat([status, *parts]) if parts else status)
+        s = self._s
+        parts = s.events.drain_parts()
+        host = self._c._read(torch.cat([status, *parts]) if parts else status)
         if parts:
-            m._events.drained(host[status.numel():])
+            s.events.drained(host[status.numel():])
         return host
 
     def events(self) -> None:
         """The events written since the last drain, in one read of their own."""
-        m = self._m
-        m._events.drained(m._read(torch.cat(m._events.drain_parts())))
+        s = self._s
+        s.events.drained(self._c._read(torch.cat(s.events.drain_parts())))
 
 
 def upload_packed(staging, *arrays: np.ndarray) -> list[torch.Tensor]:

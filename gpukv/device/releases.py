@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from gpukv.device.rows import entry_layout
 from gpukv.kernels.toolkit import pow2_at_least
+
+if TYPE_CHECKING:
+    from gpukv.device.launches import SharedLaunches
+    from gpukv.device.state import DeviceState
 
 
 @dataclass
@@ -42,48 +46,49 @@ class ReleaseBuffers:
 
 
 class Releases:
-    """The releases of one device manager (``manager``: its requests, rows,
-    pool, staging and kept-launch replay), with the buffers of each bucket
-    (``buffers``, by padded entry count)."""
+    """The releases of one device manager (``state``: its requests, rows,
+    pool and staging; ``launches``: the kept-launch replay), with the
+    buffers of each bucket (``buffers``, by padded entry count)."""
 
-    def __init__(self, manager: Any) -> None:
-        self._m = manager
+    def __init__(self, state: DeviceState, launches: SharedLaunches) -> None:
+        self._s = state
+        self._launches = launches
         self.buffers: dict[int, ReleaseBuffers] = {}
 
     def requests(self, request_ids: Sequence[str]) -> None:
         """Free whole requests: one free call per request and group, tail first; forget them."""
-        m = self._m
-        rows = np.array([m._reqs.pop(rid) for rid in request_ids], dtype=np.int64)
-        G = m.num_groups
-        nb = m._rows.num_held[rows]
+        s = self._s
+        rows = np.array([s.reqs.pop(rid) for rid in request_ids], dtype=np.int64)
+        G = s.num_groups
+        nb = s.rows.num_held[rows]
         idx, grp, ps, call = entry_layout(np.zeros((len(rows), G), dtype=np.int64), np.repeat(nb[:, None], G, 1),
                                           reverse=True)
         if len(idx):
             self.entries(rows[idx], grp, ps, call)
         for row in rows.tolist():
-            del m._row_ids[row]
-        m._rows.release(rows)
+            del s.row_ids[row]
+        s.rows.release(rows)
 
     def entries(self, rows, grp, pos, call) -> None:
         """Release the blocks at these block-table entries (``call``: the
         free call each belongs to, never decreasing): one upload into the
         bucket's buffers, its launches kept or replayed."""
-        m = self._m
+        s = self._s
         E = len(grp)
         EP = pow2_at_least(max(E, 16))
         bufs = self.buffers.get(EP)
         if bufs is None:
-            bufs = self.buffers[EP] = ReleaseBuffers.create(EP, m.device)
-        host = m._staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
+            bufs = self.buffers[EP] = ReleaseBuffers.create(EP, s.device)
+        host = s.staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
         host[:4, :E] = (grp, rows, pos, call)
         host[4, :E] = 1
         if E < EP:  # padding: no entry, and a call of its own after the last (calls never decrease)
             host[3, E:] = int(call[-1]) + 1
             host[4, E:] = 0
-        m._staging.upload_host(("release", EP), bufs.plan)
-        m._launches.replayed(bufs.prepared, "release", lambda: self._launch(bufs))
+        s.staging.upload_host(("release", EP), bufs.plan)
+        self._launches.replayed(bufs.prepared, "release", lambda: self._launch(bufs))
 
     def _launch(self, bufs: ReleaseBuffers) -> None:
         grp, row, pos, call, valid = bufs.plan.view(5, -1)
-        self._m.pool.release(self._m._rows.block_table, grp, row, pos, call, valid=valid, scratch=bufs.scratch,
+        self._s.pool.release(self._s.rows.block_table, grp, row, pos, call, valid=valid, scratch=bufs.scratch,
                              workspace=bufs.workspace)

@@ -9,25 +9,26 @@ from gpukv.device.launches import SharedLaunches
 from gpukv.device.manager import DeviceManager
 
 
-def _manager(events: bool = False, generation: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(_events=SimpleNamespace(log=object() if events else None),
-                           _rows=SimpleNamespace(generation=generation))
+def _state(events: bool = False, generation: int = 0) -> SimpleNamespace:
+    """A stand-in ``DeviceState``: the events and rows ``replayed`` reads."""
+    return SimpleNamespace(events=SimpleNamespace(log=object() if events else None),
+                           rows=SimpleNamespace(generation=generation))
 
 
 def test_a_part_is_launched_once_then_replayed_until_the_rows_are_reallocated():
-    m = _manager()
+    m = _state()
     shared, prepared, runs = SharedLaunches(m), {}, []
     for _ in range(3):
         shared.replayed(prepared, "part", lambda: runs.append(1))
     assert len(runs) == 1 and prepared["part"] == (0, [])  # kept on the first run (no Triton launch in it)
-    m._rows.generation = 1  # captured tensors are stale: launched anew, kept again
+    m.rows.generation = 1  # captured tensors are stale: launched anew, kept again
     shared.replayed(prepared, "part", lambda: runs.append(1))
     shared.replayed(prepared, "part", lambda: runs.append(1))
     assert len(runs) == 2 and prepared["part"][0] == 1
 
 
 def test_with_kv_events_every_run_launches_and_nothing_is_kept():
-    shared, prepared, runs = SharedLaunches(_manager(events=True)), {}, []
+    shared, prepared, runs = SharedLaunches(_state(events=True)), {}, []
     for _ in range(3):
         shared.replayed(prepared, "part", lambda: runs.append(1))
     assert len(runs) == 3 and prepared == {}
