@@ -31,7 +31,7 @@ sequences a graph captures fixed per bucket.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,13 +39,19 @@ import torch
 from gpukv.core.requests import StepResult
 from gpukv.errors import InvalidInputError
 
+if TYPE_CHECKING:  # (the manager imports this module's users, not this module: typing only)
+    from gpukv.device.manager import DeviceManager
+
 
 class _BucketGraphs:
     """One captured CUDA graph per key (a bucket, and a part of the step) of
     a device manager on CUDA: the first launch of a key runs eagerly (and
-    compiles every kernel), then is captured; later launches replay it."""
+    compiles every kernel), then is captured; later launches replay it.
+    ``manager``: the device manager whose calls it wraps; the decode's
+    launch hook (``DeviceManager._launch_decode``) is the one private call
+    it makes, from inside the manager's own ``decode``."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: DeviceManager) -> None:
         if getattr(manager, "device", torch.device("cpu")).type != "cuda":
             raise InvalidInputError("CUDA graphs need a device manager on a CUDA device", argument="manager",
                                     fix="call the manager directly on other devices")
