@@ -369,6 +369,12 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return int(self._rows.num_computed[self._state(request_id)])
 
     # ----------------------------------------------------- request-level API
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """The lookups counted since ``make_prefix_cache_stats`` last handed
+        them out (host only), as the reference's."""
+        return self._shared.stats
+
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-cache stats since the last call (then zeroed); host only."""
