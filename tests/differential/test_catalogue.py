@@ -660,8 +660,14 @@ def logical_state_of(m) -> tuple:
     # and the manager they belong to: ``gpukv.device``)
     scratch = {"_admission", "_decode", "_releases", "_reads", "_gather", "_launches", "_staging", "counters",
                "_mirror"}
-    fields = {k: v for k, v in vars(m).items() if k not in scratch and k not in ("pool", "_rows")}
+    fields = {k: v for k, v in vars(m).items() if k not in scratch and k not in ("pool", "_rows", "_shared")}
     out = [state_of(fields)]
+    if isinstance(m, DeviceManager):  # (the parts' typed state holds the same scratch, and the pool and rows)
+        shared = {k: v for k, v in vars(m._shared).items()
+                  if k not in ("counters", "mirror", "staging", "pool", "rows")}
+        out.append(state_of(shared))
+    else:
+        out.append(state_of(m._shared))
     if isinstance(m, DeviceManager):
         pool = {k: v for k, v in vars(m.pool).items() if k not in ("stamp", "touched", "last_seen")}
         held = sorted(m._reqs.values())
@@ -881,7 +887,7 @@ def test_bad_device_manager_arguments(kw, exc):
 
 def test_sizes_too_large_to_allocate_are_refused_before_allocating(monkeypatch):
     import gpukv.device.manager
-    import gpukv.reference.manager
+    import gpukv.reference.pool
 
     def no_allocation(*_args, **_kwargs):
         raise AssertionError("allocated before refusing")
@@ -895,7 +901,7 @@ def test_sizes_too_large_to_allocate_are_refused_before_allocating(monkeypatch):
         DeviceManager(2**29, 4096, hash_key=KEY)  # 2**29 blocks of 4096 tokens: 8 TiB of token records
     # The reference: 2**29 blocks of host records (hundreds of GiB), refused
     # before the pool's lists are built.
-    monkeypatch.setattr(gpukv.reference.manager, "OrderedDict", no_allocation)
+    monkeypatch.setattr(gpukv.reference.pool, "OrderedDict", no_allocation)
     with pytest.raises(CapacityError, match="GiB") as info:
         ReferenceManager(2**29, 16, hash_key=KEY)
     assert info.value.argument == "num_blocks"
