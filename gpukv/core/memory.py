@@ -4,6 +4,7 @@ refusal of an allocation that would not fit, before it is tried.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -19,13 +20,10 @@ def available_memory(device: torch.device | None) -> int | None:
             return int(torch.cuda.mem_get_info(device)[0])
         except Exception:  # noqa: BLE001 - no answer is not an error here
             return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:  # (no /proc: sysconf below)
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -11,7 +11,7 @@ requests without gpukv's hash key:
 
 Its prefix match for a new request equals the blocks the manager hits.
 Everything here is independent of gpukv's decoders: plain pyzmq, and
-msgspec structs of vLLM's schema declared in this file. Loopback only: the
+msgspec structs of vLLM's schema (tests/helpers/vllm_event_schema.py). Loopback only: the
 subscriber binds tcp://127.0.0.1 on a port the OS picks and the publisher
 connects (vLLM's rule for a host address); every wait is bounded.
 """
@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 
@@ -34,57 +33,13 @@ from gpukv.core.requests import NewRequest, RunningUpdate
 from gpukv.errors import InvalidInputError, InvalidTypeError
 from gpukv.events import wire as kv_events
 from gpukv.reference.manager import ReferenceManager
+from vllm_event_schema import DECODER, AllBlocksCleared, BlockStored, VllmKVEventBatch
 
 BS = 4
 KEY = bytes(range(16))
 
 
-# vLLM 0.33.0's schema (vllm/distributed/kv_events.py), only what a router reads.
-class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(Event):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(Event):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(Event):
-    pass
-
-
-class WireBatch(Batch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(WireBatch)
+# vLLM 0.33.0's schema, what a router decodes with: tests/helpers/vllm_event_schema.py
 
 
 # ------------------------------------------------------------------ the router
@@ -110,7 +65,7 @@ class DynamoIndexer:
         self.root = Node(None, b"")
         self.by_hash: dict[bytes | int, Node] = {}
 
-    def apply(self, batch: WireBatch) -> None:
+    def apply(self, batch: VllmKVEventBatch) -> None:
         for e in batch.events:
             if isinstance(e, AllBlocksCleared):
                 self.root, self.by_hash = Node(None, b""), {}
@@ -188,7 +143,7 @@ class VllmHashIndexer:
         self.digest_of: dict[int, bytes] = {}  # published int -> the 32-byte digest
         self.count: dict[int, int] = {}
 
-    def apply(self, batch: WireBatch) -> None:
+    def apply(self, batch: VllmKVEventBatch) -> None:
         for e in batch.events:
             if isinstance(e, AllBlocksCleared):
                 self.digest_of, self.count = {}, {}
