@@ -91,12 +91,24 @@ this length), so the column is the honest twin of
 Triton's launch path measured, stated GPU costs per counted operation); a
 second table gives its counts, each stated cost beside its count, and the
 first timed step beside the others' p50 (a first-time cost timed would
-show there). Keep it small: ``--targets 40 --steps 20``. Not measured per
-admission (the buckets are the reference's). ``--worker`` adds a column: the
+show there). Keep it small: ``--targets 40 --steps 20``. With the
+per-admission pass on, ``--device`` adds gpukv's ``UnbatchedDeviceScheduler``
+there too (the unbatched class for the reason above), one run per target on
+the admission runs' plan, checked to do vLLM's work: the honest twin of each
+admission, its calls (the lookups and the admitting allocation, as for the
+reference) attributed through ``DeviceTwin.attribute``: the twin's host time
+in those calls, the launch path of their own launches, and their counted
+operations at the stated costs; a table per bucket, each stated cost beside
+its count, and the twin host time's slope in prompt blocks (admissions of
+64 blocks and more); not on CUDA. Every admission is sampled, the fill's included (as
+vLLM's and the reference's), so every step's launches are recorded: about
+1 s of interpreter time per long admission. ``--worker`` adds a column: the
 device scheduler built as under ``gpukv.vllm.Worker``, whose model runner
 reads gpukv's block tables on the device (``worker_bound``): the adapter
 reads no block id back and vLLM's SchedulerOutput carries none, the
-configuration gpukv's worker runs (Model Runner V2).
+configuration gpukv's worker runs (Model Runner V2). Under it the admission pass's
+device run is bound too (the adapter's lookup then reads the hit's size,
+``read_prefix_hit``, and the admission reads no id back).
 
     PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device [--worker]] [--json PATH]
 
@@ -542,7 +554,7 @@ def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options:
         twin = None if real.sched.kv_cache_manager.manager.device.type == "cuda" else \
             TraceRun(h, cls, prompts, target, options)
     if twin is None:
-        raise SystemExit("--device per admission needs the twin (no CUDA): on a GPU use --no-admissions")
+        raise SystemExit("the device per admission is the interpreter twin's: it needs a machine without CUDA")
     device = DeviceTwin(real, twin, _step_out, digest)
     lookup, allocate = _admission_key(h)
     device.attribute("get_computed_blocks", lambda run: run.sched.kv_cache_manager, lookup)
@@ -774,7 +786,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.admissions:
         t0 = time.perf_counter()
         classes = {"vllm": h.VllmScheduler, "gpukv": gk.UnbatchedReferenceScheduler}
-        if args.device:
+        if args.device and torch.cuda.is_available():
+            print("note: the device per admission is the interpreter twin's (no CUDA); on a GPU not measured",
+                  file=sys.stderr)
+        elif args.device:
             classes["device"] = gk.UnbatchedDeviceScheduler
         admissions, slopes = measure_admissions(h, classes, prompts, args.targets, args)
         print(f"  per admission: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
