@@ -91,12 +91,24 @@ this length), so the column is the honest twin of
 Triton's launch path measured, stated GPU costs per counted operation); a
 second table gives its counts, each stated cost beside its count, and the
 first timed step beside the others' p50 (a first-time cost timed would
-show there). Keep it small: ``--targets 40 --steps 20``. Not measured per
-admission (the buckets are the reference's). ``--worker`` adds a column: the
+show there). Keep it small: ``--targets 40 --steps 20``. With the
+per-admission pass on, ``--device`` adds gpukv's ``UnbatchedDeviceScheduler``
+there too (the unbatched class for the reason above), one run per target on
+the admission runs' plan, checked to do vLLM's work: the honest twin of each
+admission, its calls (the lookups and the admitting allocation, as for the
+reference) attributed through ``DeviceTwin.attribute``: the twin's host time
+in those calls, the launch path of their own launches, and their counted
+operations at the stated costs; a table per bucket, each stated cost beside
+its count, and the twin host time's slope in prompt blocks (admissions of
+64 blocks and more); not on CUDA. Every admission is sampled, the fill's included (as
+vLLM's and the reference's), so every step's launches are recorded: about
+1 s of interpreter time per long admission. ``--worker`` adds a column: the
 device scheduler built as under ``gpukv.vllm.Worker``, whose model runner
 reads gpukv's block tables on the device (``worker_bound``): the adapter
 reads no block id back and vLLM's SchedulerOutput carries none, the
-configuration gpukv's worker runs (Model Runner V2).
+configuration gpukv's worker runs (Model Runner V2). Under it the admission pass's
+device run is bound too (the adapter's lookup then reads the hit's size,
+``read_prefix_hit``, and the admission reads no id back).
 
     PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device [--worker]] [--json PATH]
 
@@ -125,6 +137,7 @@ for _path in (ROOT, os.path.join(ROOT, "benchmarks")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -132,6 +145,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import gpukv  # noqa: E402
 import interpreter_shortcut  # noqa: E402  (the interpreter's untimed kernel work, faster)
 from device_twin import (  # noqa: E402  (the honest twin, shared with bench_scheduler.py)
+    COUNTED,
     DeviceTwin,
     GpuCosts,
     add_launch_path,
@@ -470,11 +484,14 @@ class AdmissionTimer:
 
 
 def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[int],
-                       args: argparse.Namespace) -> list[dict]:
+                       args: argparse.Namespace) -> tuple[list[dict], dict[str, float | None]]:
     """vLLM's and gpukv's per-admission costs by prompt bucket, over one run
-    of each per target (the same requests admitted, checked)."""
+    of each per target (the same requests admitted, checked); with
+    ``classes["device"]`` the device twin's too (``device_admissions``), and
+    its host time's slope in prompt blocks (``add_device_admissions``)."""
     blocks = {str(p.index): p.blocks for p in prompts}
     samples: dict[str, list[tuple[str, float, float]]] = {"vllm": [], "gpukv": []}
+    device: dict[str, list[dict]] = defaultdict(list)  # column: one pseudo-row per admission
     for target in targets:
         options = config(prompts, target)
         runs = {}
@@ -487,6 +504,15 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
             samples[name] += [(bucket_of(blocks[rid]), hash_ms, calls_ms)
                               for rid, (hash_ms, calls_ms) in timer.samples.items()]
         same_work(f"per admission, {classes['gpukv'].__name__} at {target}", runs["vllm"], runs["gpukv"])
+        if "device" in classes:
+            for key, worker in (("device", False), ("worker", True)):
+                if worker and not args.worker:
+                    continue
+                t0 = time.perf_counter()
+                device[key] += device_admissions(h, classes["device"], prompts, target, options, args,
+                                                 runs["vllm"], worker)
+                print(f"  device per admission{' (worker binding)' if worker else ''} at {target}: "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = []
     for low, _ in BUCKETS:
         name = bucket_of(low)
@@ -498,7 +524,104 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
                        vllm_p50_ms=pct([hs + cs for hs, cs in v], 50), gpukv_p50_ms=pct(g, 50))
             row["ratio_p50"] = row["gpukv_p50_ms"] / row["vllm_p50_ms"]
         rows.append(row)
-    return rows
+    return rows, add_device_admissions(rows, device, args) if device else {}
+
+
+def _admission_key(h):
+    """``DeviceTwin.attribute``'s key for the admission calls (``AdmissionTimer``'s):
+    every lookup, and an allocation for a request not yet running."""
+    running = h.RequestStatus.RUNNING
+
+    def lookup(request, *_args, **_kwargs):
+        return request.request_id
+
+    def allocate(request, *_args, **_kwargs):
+        return request.request_id if request.status != running else None
+
+    return lookup, allocate
+
+
+def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
+                      ref: TraceRun, worker: bool) -> list[dict]:
+    """The device twin per admission (module docstring): ``cls`` (gpukv's
+    unbatched device scheduler) on ``ref``'s plan, checked to do its work,
+    every step's launches recorded and each admission's calls attributed
+    (``DeviceTwin.attribute``); one pseudo-row per admission, as
+    ``device_twin``'s per step (``launch_list`` still in, ``bucket`` added)."""
+    gc.collect()
+    with worker_bound(options, worker):
+        real = TraceRun(h, cls, prompts, target, options)
+        twin = None if real.sched.kv_cache_manager.manager.device.type == "cuda" else \
+            TraceRun(h, cls, prompts, target, options)
+    if twin is None:
+        raise SystemExit("the device per admission is the interpreter twin's: it needs a machine without CUDA")
+    device = DeviceTwin(real, twin, _step_out, digest)
+    lookup, allocate = _admission_key(h)
+    device.attribute("get_computed_blocks", lambda run: run.sched.kv_cache_manager, lookup)
+    device.attribute("allocate_slots", lambda run: run.sched.kv_cache_manager, allocate)
+    rows: list[dict] = []
+    real.run(args.fill_steps, args.warmup, args.steps, lambda _timed: rows.append(device.real_step(True)))
+    same_work(f"per admission, {cls.__name__}{' (worker binding)' if worker else ''} at {target}", ref, real)
+    if worker and not all(r.sched.kv_cache_manager.ids_on_device for r in (real, twin)):
+        raise SystemExit(f"{cls.__name__} at {target}: the worker's binding did not take (block ids still read back)")
+    device.twin_steps(rows)
+    blocks = {str(p.index): p.blocks for p in prompts}
+    return [dict(a, bucket=bucket_of(blocks[rid]), blocks=blocks[rid])
+            for rid, a in admissions_of([c for r in rows for c in r["calls"]]).items()]
+
+
+def admissions_of(calls: list[dict]) -> dict[str, dict]:
+    """Each admitted request's calls (``DeviceTwin.attribute``'s records, in
+    order) summed up to the allocation that admitted it: a pseudo-row
+    ``device_twin.device_summary`` reads."""
+    open_: dict[str, dict] = {}
+    done: dict[str, dict] = {}
+    for c in calls:
+        rid = c["key"]
+        if rid in done:
+            continue
+        a = open_.setdefault(rid, {"launches": 0, "replayed": 0, "reads": 0, "host_ms": 0.0, "launch_list": [],
+                                   "counts": dict.fromkeys(COUNTED, 0)})
+        for k in ("launches", "replayed", "reads", "host_ms"):
+            a[k] += c[k]
+        a["launch_list"] += c["launch_list"]
+        for k in COUNTED:
+            a["counts"][k] += c["counts"][k]
+        if c["call"] == "allocate_slots" and c["returned"]:
+            done[rid] = open_.pop(rid)
+    return done
+
+
+def add_device_admissions(rows: list[dict], device: dict[str, list[dict]],
+                          args: argparse.Namespace) -> dict[str, float | None]:
+    """The device columns of the per-admission rows: each bucket's admissions'
+    honest figure (``device_twin.add_launch_path``: the launch path of their
+    own launches) summarised, its ratio to vLLM's total p50, and the twin
+    host time's slope in prompt blocks over the admissions of 64 blocks and
+    more (a flat host cost: about 0), returned per column, in us a block."""
+    by_key = {f"{key} {r['bucket']}": [a for a in admitted if a["bucket"] == r["bucket"]]
+              for key, admitted in device.items() for r in rows}
+    why = add_launch_path(by_key, args.costs, args.launch_samples)
+    for key in device:
+        for r in rows:
+            mine = by_key[f"{key} {r['bucket']}"]
+            if not mine:
+                continue
+            d = device_summary(mine)
+            d.pop("first_host_ms", None)
+            d["blocks_mean"] = float(np.mean([a["blocks"] for a in mine]))
+            figure = d.get("honest_ms")
+            if figure and r.get("vllm_p50_ms"):
+                d["ratio_p50"] = figure["p50"] / r["vllm_p50_ms"]
+            r[key] = d
+    for r in rows:
+        r["launch_path_unmeasured"] = why
+    slopes = {}
+    for key, admitted in device.items():
+        long = [a for a in admitted if a["blocks"] >= 64]
+        xs, ys = [a["blocks"] for a in long], [a["host_ms"] for a in long]
+        slopes[key] = float(np.polyfit(xs, ys, 1)[0]) * 1e3 if len(set(xs)) > 1 else None
+    return slopes
 
 
 # ------------------------------------------------------------------ output
@@ -555,6 +678,31 @@ def print_admission_table(rows: list[dict]) -> None:
             continue
         print(f"| {r['bucket']} | {r['admissions']} | {r['vllm_hash_p50_ms']:.3f} | {r['vllm_calls_p50_ms']:.3f} "
               f"| {r['vllm_p50_ms']:.3f} | {r['gpukv_p50_ms']:.3f} | {r['ratio_p50']:.2f}x |")
+
+
+def print_device_admission_table(rows: list[dict], slopes: dict[str, float | None], costs: GpuCosts) -> None:
+    """The device twin per admission, by bucket and binding: its counts,
+    each stated cost beside its count, and its honest p50 against vLLM's
+    total p50 (the table above); then the twin host time's slope."""
+    head = twin_head(costs).replace("launches/step", "launches/admission")
+    print(f"| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms | {head} "
+          "| ratio device/vLLM p50 |")
+    print("| --- | --- |" + " ---: |" * 14)
+    for key, _ in DEVICE_COLUMNS:
+        for r in rows:
+            d = r.get(key)
+            if d is None:
+                continue
+            ratio = f"{d['ratio_p50']:.2f}x" if "ratio_p50" in d else "-"
+            vllm = f"{r['vllm_p50_ms']:.3f}" if "vllm_p50_ms" in r else "-"
+            print(f"| {r['bucket']} | {'worker' if key == 'worker' else 'none'} | {d['steps']} "
+                  f"| {d['blocks_mean']:.0f} | {vllm} | " + " | ".join(twin_cells(d)) + f" | {ratio} |")
+    for key, slope in slopes.items():
+        text = "-" if slope is None else f"{slope:.3f} us"
+        print(f"Twin host time per admission, slope in prompt blocks from 64 up ({key}): {text} a block.")
+    whys = sorted({r["launch_path_unmeasured"] for r in rows if r.get("launch_path_unmeasured")})
+    if whys:
+        print(f"The launch path was not measured ({'; '.join(whys)}): no honest figure.")
 
 
 MODES = (("Scheduler", "VllmScheduler", "ReferenceScheduler", "DeviceScheduler"),
@@ -633,17 +781,26 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         tables.append({"scheduler": name, "gpukv": gpukv_cls, "device": device_cls if args.device else None,
                        "rows": rows})
-    admissions = []
+    admissions: list[dict] = []
+    slopes: dict[str, float | None] = {}
     if args.admissions:
         t0 = time.perf_counter()
-        admissions = measure_admissions(h, {"vllm": h.VllmScheduler, "gpukv": gk.UnbatchedReferenceScheduler},
-                                        prompts, args.targets, args)
+        classes = {"vllm": h.VllmScheduler, "gpukv": gk.UnbatchedReferenceScheduler}
+        if args.device and torch.cuda.is_available():
+            print("note: the device per admission is the interpreter twin's (no CUDA); on a GPU not measured",
+                  file=sys.stderr)
+        elif args.device:
+            classes["device"] = gk.UnbatchedDeviceScheduler
+        admissions, slopes = measure_admissions(h, classes, prompts, args.targets, args)
         print(f"  per admission: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    report(h, args, tables, admissions, time.perf_counter() - t_all)
+    report(h, args, tables, {"rows": admissions, "device_host_us_per_block": slopes}, time.perf_counter() - t_all)
     return 0
 
 
-def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dict], seconds: float) -> None:
+def report(h, args: argparse.Namespace, tables: list[dict], per_admission: dict, seconds: float) -> None:
+    """The tables, and the JSON (``--json``). ``per_admission``: its bucket
+    ``rows`` and the device twin's ``device_host_us_per_block``."""
+    admissions = per_admission["rows"]
     try:
         load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     except OSError:
@@ -670,6 +827,10 @@ def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dic
         print("\nPer admission (vLLM's Scheduler against gpukv's UnbatchedReferenceScheduler; calls timed through "
               "wrappers):")
         print_admission_table(admissions)
+        if any(key in r for r in admissions for key, _ in DEVICE_COLUMNS):
+            print("\nPer admission, gpukv's UnbatchedDeviceScheduler's honest twin (its admission calls "
+                  "attributed: the same requests, vLLM's plan):")
+            print_device_admission_table(admissions, per_admission["device_host_us_per_block"], args.costs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"where": where, "vllm": version, "gpukv": gpukv.__version__, "torch": torch.__version__,
@@ -678,7 +839,8 @@ def report(h, args: argparse.Namespace, tables: list[dict], admissions: list[dic
                        "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
                        "hits_equal": True, "device": args.device, "worker": args.worker, "cuda": cuda,
                        "gpu_costs": vars(args.costs) if args.device else None,
-                       "tables": tables, "admissions": admissions}, f, indent=1)
+                       "tables": tables, "admissions": admissions,
+                       "device_host_us_per_block": per_admission["device_host_us_per_block"]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ docstrings say what a step is. The method:
    work not counted) and a stream query (0.5: ``torch.cuda.current_stream``
    in each call's stream ordering).
 
-The honest figure is 1 + 2 + 3. What it leans on in gpukv: the manager's
+The honest figure is 1 + 2 + 3. ``DeviceTwin.attribute`` splits it by call
+(``bench_mooncake.py``'s per admission: one request's lookup and
+allocation): each attributed call's own launches (their launch path timed
+as a step's), counted operations and reads in the real run, and its own
+host time in the twin's.
+
+What it leans on in gpukv: the manager's
 ``_read`` (every device read goes through it), ``_enter_stream`` (one per
 call), and its ``_staging`` (``upload``, ``upload_host``, ``begin_step``,
 ``end_step``, ``_host_view``, ``_alloc``, ``_pinned``); a change there is a
@@ -176,10 +182,14 @@ class _Counting:
         self._torch.__enter__()
         self.on = True
 
+    def now(self, reads: int) -> dict:
+        """The counts so far in the step under way (``reads``: its reads so far)."""
+        return dict(self.counts, torch_op=self._ops.torch_ops, read=reads)
+
     def stop(self, reads: int) -> dict:
         self.on = False
         self._torch.__exit__(None, None, None)
-        return dict(self.counts, torch_op=self._ops.torch_ops, read=reads)
+        return self.now(reads)
 
 
 def launch_cost():
@@ -254,13 +264,71 @@ class DeviceTwin:
                 return self.reads.pop(0)
 
             tm._read = replaying
+        self.calls: list[dict] = []  # the attributed calls of the real step under way
+        self.twin_calls: list[tuple] = []  # and of the twin's: (key, method, returned, host ms)
+        self.recorded: list = []  # the real step's recorded launches
+        self.inside = False  # in an attributed call (calls inside it are its own)
+
+    def attribute(self, name: str, owner: Callable[[Any], Any], key: Callable[..., Any]) -> None:
+        """Split each step by call: the method ``name`` of ``owner(run)`` (the
+        real run's and the twin's) is wrapped so that each call for which
+        ``key(*args, **kwargs)``, asked before the call, is not None leaves a
+        record in its step's row's ``calls``, in order: ``key``, ``call``
+        (``name``), ``returned`` (whether it returned something other than
+        None), and the call's own ``launches``, ``replayed``, ``launch_list``
+        (recorded when the step is ``measured``), ``counts`` and ``reads``;
+        the twin's run of the step adds each call's ``host_ms`` (its thread
+        time less the skipped launches', as the step's), after checking that
+        it made the same calls in the same order. A call inside an attributed
+        call is its own."""
+        real = getattr(owner(self.real), name)
+
+        def real_call(*args: Any, **kwargs: Any) -> Any:
+            k = None if self.inside else key(*args, **kwargs)
+            if k is None:
+                return real(*args, **kwargs)
+            l0, n0, c0, r0 = capture.launches(), len(self.recorded), self.counting.now(0), self.num_reads
+            self.inside = True
+            try:
+                out = real(*args, **kwargs)
+            finally:
+                self.inside = False
+            mine = self.recorded[n0:]
+            counts = self.counting.now(self.num_reads - r0)
+            self.calls.append({"key": k, "call": name, "returned": out is not None,
+                               "launches": capture.launches() - l0, "replayed": sum(ln.replayed for ln in mine),
+                               "launch_list": mine, "reads": self.num_reads - r0,
+                               "counts": {c: counts[c] - c0.get(c, 0) for c in COUNTED}})
+            return out
+
+        setattr(owner(self.real), name, real_call)
+        if self.twin is not None:
+            setattr(owner(self.twin), name, self._twin_call(name, getattr(owner(self.twin), name), key))
+
+    def _twin_call(self, name: str, twin: Callable[..., Any], key: Callable[..., Any]) -> Callable[..., Any]:
+        """``attribute``'s wrapper on the twin's method ``twin``: its host time per call."""
+        def twin_call(*args: Any, **kwargs: Any) -> Any:
+            k = None if self.inside else key(*args, **kwargs)
+            if k is None:
+                return twin(*args, **kwargs)
+            clock = lambda: time.thread_time() - capture.kernel_seconds()  # noqa: E731  (as _twin_step's)
+            self.inside = True
+            t0 = clock()
+            try:
+                out = twin(*args, **kwargs)
+            finally:
+                self.inside = False
+            self.twin_calls.append((k, name, out is not None, (clock() - t0) * 1e3))
+            return out
+
+        return twin_call
 
     def real_step(self, measured: bool) -> dict:
         """One step of the real scheduler: launches (and, when ``measured``
         on the interpreter, the launches themselves, to time their launch
         path), the counted operations, its reads (for the twin), and on CUDA
         the wall time and the GPU time of the step."""
-        self.num_reads, self.reads = 0, []
+        self.num_reads, self.reads, self.calls = 0, [], []
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -269,11 +337,13 @@ class DeviceTwin:
         self.counting.start()
         recorder = launch_cost().capturing() if measured and not self.cuda else contextlib.nullcontext([])
         with one_thread(), recorder as recorded:
+            self.recorded = recorded
             ms, out = self.step(self.real, time.perf_counter if self.cuda else time.thread_time)
+        self.recorded = []
         counts = self.counting.stop(self.num_reads)
         row = {"launches": capture.launches() - l0, "reads": self.num_reads, "counts": counts,
                "replayed": sum(ln.replayed for ln in recorded), "launch_list": list(recorded),
-               "digest": self.digest(out), "recorded_reads": self.reads}
+               "digest": self.digest(out), "recorded_reads": self.reads, "calls": self.calls}
         if self.cuda:
             end.record()
             end.synchronize()
@@ -297,7 +367,7 @@ class DeviceTwin:
         the thread's CPU clock too, not the wall clock, which on a shared
         machine includes other processes' time)."""
         assert self.twin is not None
-        self.reads = list(row.pop("recorded_reads"))
+        self.reads, self.twin_calls = list(row.pop("recorded_reads")), []
         clock = lambda: time.thread_time() - capture.kernel_seconds()  # noqa: E731
         wall_clock = capture.time
         capture.time = _ThreadClock
@@ -312,6 +382,11 @@ class DeviceTwin:
         if digest != row["digest"] or twin_launches != row["launches"] or self.reads:
             raise SystemExit(f"the timing twin diverged: launches {twin_launches} vs {row['launches']}, "
                              f"{len(self.reads)} reads left, same output: {digest == row['digest']}")
+        made = [(c["key"], c["call"], c["returned"]) for c in row["calls"]]
+        if [call[:3] for call in self.twin_calls] != made:
+            raise SystemExit(f"the timing twin's attributed calls diverged: {len(self.twin_calls)} vs {len(made)}")
+        for call, (*_, call_ms) in zip(row["calls"], self.twin_calls, strict=True):
+            call["host_ms"] = call_ms
         row["host_ms"] = ms
 
 

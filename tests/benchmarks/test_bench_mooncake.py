@@ -110,3 +110,65 @@ def test_quick_run_with_the_device_twin(tmp_path, capsys):
         "none", "worker"]
     if row["launch_path_unmeasured"] is None:
         assert device["honest_ms"]["p50"] > device["host_ms"]["p50"]
+
+
+def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
+    """``--device`` with the per-admission pass: gpukv's unbatched device
+    scheduler on the admission runs' plan (its work checked equal to vLLM's),
+    each admission's lookup and allocation attributed, a device column per
+    bucket beside vLLM's, each stated cost beside its count; ``--worker``
+    the same bound as under gpukv's worker (no block id read back)."""
+    bench = load_benchmark("bench_mooncake")
+    out = tmp_path / "mooncake.json"
+    assert bench.main(["--quick", "--device", "--worker", "--targets", "4", "--schedulers", "Scheduler",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    if result["cuda"]:
+        pytest.skip("the per-admission device column is the interpreter twin's")
+    rows = {a["bucket"]: a for a in result["admissions"]}
+    # The first 4 requests: 1 prompt of 64-255 blocks and 3 of 256-1023, each admitted once by every run.
+    assert [(b, a["admissions"]) for b, a in rows.items()] == [("1-63", 0), ("64-255", 1), ("256-1023", 3),
+                                                                ("1024+", 0)]
+    for bucket, a in rows.items():
+        for key in ("device", "worker"):
+            if not a["admissions"]:
+                assert key not in a
+                continue
+            d = a[key]
+            assert d["steps"] == a["admissions"]  # (the device admitted vLLM's requests, no more, no fewer)
+            assert d["launches"]["min"] > 0 and set(d["counts"]) == set(bench.COUNTED)
+            assert d["ratio_p50"] == d["honest_ms"]["p50"] / a["vllm_p50_ms"]
+            assert d["honest_ms"]["p50"] > d["host_ms"]["p50"] > 0, bucket
+        if a["admissions"]:  # (bound, the lookup's hit is read as a size, the admitted ids not at all)
+            assert a["worker"]["reads"]["mean"] < a["device"]["reads"]["mean"]
+    assert set(result["device_host_us_per_block"]) == {"device", "worker"}
+    lines = capsys.readouterr().out.splitlines()
+    head = lines.index("Per admission, gpukv's UnbatchedDeviceScheduler's honest twin (its admission calls "
+                       "attributed: the same requests, vLLM's plan):") + 1
+    assert lines[head].startswith("| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms "
+                                  "| launches/admission | torch ops (x 5 us) | uploads (x 4 us) |")
+    assert [line.split(" | ")[:3] for line in lines[head + 2:head + 6]] == [
+        ["| 64-255", "none", "1"], ["| 256-1023", "none", "3"], ["| 64-255", "worker", "1"],
+        ["| 256-1023", "worker", "3"]]
+
+
+def test_admission_sums_its_calls_up_to_the_allocation_that_admits():
+    """A request's lookups and allocations are summed until an allocation
+    returns blocks; a failed allocation (None) leaves it open, and calls
+    after its admission are not its admission's."""
+    bench = load_benchmark("bench_mooncake")
+
+    def call(rid, name, returned, n):
+        return {"key": rid, "call": name, "returned": returned, "launches": n, "replayed": 1, "reads": 1,
+                "host_ms": 0.5 * n, "launch_list": [f"{rid}{n}"], "counts": dict.fromkeys(bench.COUNTED, n)}
+
+    calls = [call("a", "get_computed_blocks", True, 1), call("a", "allocate_slots", False, 2),
+             call("b", "get_computed_blocks", True, 3), call("a", "get_computed_blocks", True, 4),
+             call("a", "allocate_slots", True, 5), call("b", "allocate_slots", True, 6),
+             call("a", "allocate_slots", True, 7), call("c", "get_computed_blocks", True, 8)]
+    got = bench.admissions_of(calls)
+    assert list(got) == ["a", "b"]  # (c never admitted)
+    assert got["a"] == {"launches": 12, "replayed": 4, "reads": 4, "host_ms": 6.0,
+                        "launch_list": ["a1", "a2", "a4", "a5"], "counts": dict.fromkeys(bench.COUNTED, 12)}
+    assert got["b"] == {"launches": 9, "replayed": 2, "reads": 2, "host_ms": 4.5, "launch_list": ["b3", "b6"],
+                        "counts": dict.fromkeys(bench.COUNTED, 9)}
