@@ -80,11 +80,16 @@ _INTS = (int, np.integer)
 _BOOLS = (bool, np.bool_)
 
 
+_NO_OUTPUTS = StepOutputs()
+
+
 def check_step_outputs(block_ids: Any, prefix_of: Any, known: Container[str], finished: Sequence[str],
                        new: Sequence[NewRequest] = ()) -> StepOutputs:
     """``step``'s ``block_ids`` (a bool) and ``prefix_of`` (None, a request
     held before the step and not finished in it, or one of its new requests:
     its counts come back if it is admitted)."""
+    if prefix_of is None and block_ids is False:
+        return _NO_OUTPUTS  # (a decode's step: nothing asked besides the decisions)
     if type(block_ids) is not bool:
         raise InvalidTypeError(f"must be a bool, got {_type_name(block_ids)}", argument="block_ids",
                                fix="pass True to get the step's new block ids back, False for none")

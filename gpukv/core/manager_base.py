@@ -44,6 +44,10 @@ def _block_ids(value: Any, num_blocks: int) -> list[int]:
     return [int(b) for b in value]
 
 
+#: A step's ``finished`` and ``new`` when both are empty: what ``_normalize`` makes of them.
+_NO_REQUESTS = Step()
+
+
 class SharedManagerAPI(FailStop, metaclass=ABCMeta):
     """The part of the request-level API both managers share (the module
     docstring); a manager subclasses it and adds how it keeps its state."""
@@ -234,6 +238,8 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         """``step()``'s arguments checked; a ``RunningBatch`` apart."""
         if not isinstance(running, RunningBatch):
             return self._normalize(finished, running, new), None
+        if type(finished) is tuple and type(new) is tuple and not finished and not new:
+            return _NO_REQUESTS, self._normalize_running(running)  # (a decode's step: nothing else to check)
         step = self._normalize(finished, (), new)
         return step, self._normalize_running(running, [self._row_of(rid) for rid in step.finished])
 

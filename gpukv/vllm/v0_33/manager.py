@@ -81,6 +81,14 @@ from gpukv.vllm.v0_33.views import (
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "check_request",
            "make_backend"]
 
+#: ``allocate_slots``' defaults as vLLM's running loop leaves them: that call is
+#: recognised by identity (any other object, equal or not, takes the full path).
+_ZERO = 0
+_NO_GROUPS = ()
+#: ``_running_call``'s answer for a request the running loop's call is not for.
+_NOT_RUNNING = object()
+
+
 def watermark_blocks(watermark: Any, num_blocks: int) -> int:
     """The blocks vLLM's watermark (a fraction of the pool) keeps free at admission."""
     if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or watermark < 0:
@@ -137,6 +145,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             KVCacheBlocks,
         )
         from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
 
         self.groups = check_kv_cache_config(kv_cache_config, max_model_len, max_in_flight_tokens)
         self.block_size = self.groups.block_size
@@ -149,6 +158,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.watermark_blocks = watermark_blocks(watermark, self.num_gpu_blocks)
         self._stats_cls = PrefixCacheStats
+        self._running_status = RequestStatus.RUNNING  # (a running request, so not finished: the fast path's test)
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._blocks_cls = KVCacheBlocks
         self._id_blocks_cls = id_blocks_class(KVCacheBlocks)  # (the Block objects built only when read)
@@ -279,6 +289,14 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         when they do not fit, nothing changed then. Caches the full blocks of
         ``min(computed + num_new_tokens, num_tokens)`` tokens, as vLLM does."""
         self._admitted = None  # (get_blocks' shortcut: only right after the admission)
+        if (self.batching and type(num_new_tokens) is int and type(num_lookahead_tokens) is int
+                and new_computed_blocks is None and delay_cache_blocks is False and num_new_computed_tokens is _ZERO
+                and num_external_computed_tokens is _ZERO and num_encoder_tokens is _ZERO
+                and reserved_blocks is _ZERO and skip_zeroing_group_ids is _NO_GROUPS
+                and num_new_tokens > 0 and num_lookahead_tokens >= 0):
+            blocks = self._running_call(request, num_new_tokens, num_lookahead_tokens)
+            if blocks is not _NOT_RUNNING:
+                return blocks
         if num_external_computed_tokens or delay_cache_blocks or skip_zeroing_group_ids:
             raise UnsupportedConfigError("external (KV-connector) tokens, delayed caching and zeroing are not "
                                          "followed by gpukv's adapter", argument="num_external_computed_tokens",
@@ -313,6 +331,23 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             return entry.new_blocks
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+
+    def _running_call(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> Any:
+        """``allocate_slots`` as vLLM's running loop calls it inside
+        ``schedule()`` (every other argument its default, the counts checked
+        by the caller): a running request's call answered on the host
+        (``pending.add``), with the checks the full path makes, in its order
+        (a refusal raised here is the one it raises); ``_NOT_RUNNING`` for a
+        request that call is not for (the full path answers it)."""
+        check_request(request, self.max_model_len)
+        held = self._held.get(request.request_id)
+        if held is None or request.status is not self._running_status or not self.can_batch:
+            return _NOT_RUNNING
+        blocks = self.pending.add(request, held, num_new_tokens, num_lookahead_tokens, self.max_model_len)
+        if blocks is not None:
+            self.num_scheduled_tokens += num_new_tokens
+            self.num_scheduled_requests += 1
+        return blocks
 
     @flushing
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:

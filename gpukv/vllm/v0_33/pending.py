@@ -98,12 +98,21 @@ class PendingGrowth:
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
         self._lazy_cls = pending_blocks_class(adapter._blocks_cls)
-        self.num_calls = 0  # calls answered on the host, since construction
+        self._block_size = adapter.block_size  # (read once: ``add`` runs once per running request per step)
+        self._no_blocks = adapter.empty_kv_cache_blocks
+        self._num_applied = 0  # calls answered on the host and cleared since construction (``num_calls``)
         self.num_steps = 0  # gpukv steps they were applied in
         self.num_reads = 0  # free counts read from the device (a call past the host's bound)
         self._clear()
 
+    @property
+    def num_calls(self) -> int:
+        """Calls answered on the host since construction (counted as they are
+        cleared: one addition a step, not one per call)."""
+        return self._num_applied + len(self.calls)
+
     def _clear(self) -> None:
+        self._num_applied += len(getattr(self, "calls", ()))
         # One tuple per call (one append, no Python per field): its row, vLLM request, vLLM's known tokens at
         # the call, gpukv's known and computed tokens before it, its computed tokens after it (``growth``'s
         # target), the slots it needs after it, the blocks it takes from the free queue (all groups) and the
@@ -123,25 +132,31 @@ class PendingGrowth:
         computed and ``held[3]`` known in gpukv (the adapter's record, which
         this updates): its new blocks (the empty instance when none are new,
         else blocks filled at the flush), or None when they do not fit."""
-        a = self._adapter
         row, num_held, computed, before = held
         known = request.num_tokens
         _, slots, target = growth(request.num_computed_tokens, known, computed, num_new_tokens, num_lookahead_tokens,
                                   max_model_len)
-        new_per_group = -(-slots // a.block_size) - num_held
-        blocks = None
-        popped = 0
-        if new_per_group > 0:
-            popped = new_per_group * a.num_kv_cache_groups
-            if not self._take(popped):
-                return None
-            held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
-            if not a.ids_on_device:
-                blocks = self._lazy_cls(self)
-        self.calls.append((row, request, known, before, computed, target, slots, popped, blocks))
+        new_per_group = -(-slots // self._block_size) - num_held
+        if new_per_group > 0:  # (about one call in block_size)
+            return self._add_growing(request, held, known, target, slots, new_per_group)
+        self.calls.append((row, request, known, before, computed, target, slots, 0, None))
         held[2] = target
         held[3] = known  # (the step appends vLLM's tokens past gpukv's)
-        self.num_calls += 1
+        return self._no_blocks
+
+    def _add_growing(self, request: Any, held: list[int], known: int, target: int, slots: int,
+                     new_per_group: int) -> Any:
+        """``add`` for a call that takes ``new_per_group`` blocks per group."""
+        a = self._adapter
+        row, num_held, computed, before = held
+        popped = new_per_group * a.num_kv_cache_groups
+        if not self._take(popped):
+            return None
+        held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
+        blocks = None if a.ids_on_device else self._lazy_cls(self)
+        self.calls.append((row, request, known, before, computed, target, slots, popped, blocks))
+        held[2] = target
+        held[3] = known
         return a.empty_kv_cache_blocks if blocks is None else blocks
 
     def _take(self, num_blocks: int) -> bool:
