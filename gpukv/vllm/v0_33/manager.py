@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpukv.core.protocol import BlockManager
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_8.manager import resolve_backend
@@ -553,7 +554,7 @@ def _hit_ids(computed: ComputedBlocks | PrefixHit | None, adapter: KVCacheManage
     return [[] for _ in range(adapter.num_kv_cache_groups)]
 
 
-def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
+def _num_evictable(manager: BlockManager, hit_ids: Sequence[Sequence[int]]) -> int:
     """Hit blocks no request holds: a hit takes them out of the free queue,
     so they count as blocks to take (vLLM's fit check); one device read."""
     return manager.read_num_unheld([b for group in hit_ids for b in group])
