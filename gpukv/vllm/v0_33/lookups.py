@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpukv.core.requests import ComputedBlocks, PrefixHit
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_33 import features
 from gpukv.vllm.v0_33.screening import check_request
 from gpukv.vllm.v0_33.views import token_ids
+
+if TYPE_CHECKING:
+    from gpukv.core.protocol import BlockManager
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,7 +45,7 @@ class CacheLookups:
     block_size: int
     empty_kv_cache_blocks: Any
     groups: Any
-    manager: Any
+    manager: BlockManager
     max_model_len: int
     num_kv_cache_groups: int
     pending: Any

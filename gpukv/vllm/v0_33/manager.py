@@ -444,11 +444,13 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             return None
         new_request = self.gpukv_request(request, token_ids(request))
         new: list[list[int]] | None
-        if self.ids_on_device:  # (its lookups gave a PrefixHit: the hit known by its size)
+        if self.ids_on_device:
+            assert not isinstance(computed, ComputedBlocks)  # (its lookups gave a PrefixHit: the hit known by its size)
             admitted = self.manager.admit(new_request, computed, num_tokens=target - hit,
                                           num_lookahead_tokens=need_slot - target)
             new = [[] for _ in range(self.num_kv_cache_groups)] if admitted else None
         else:
+            assert not isinstance(computed, PrefixHit)  # (its lookups gave the hit's ids)
             new = self.manager.allocate_slots(new_request, computed=computed, num_tokens=target - hit,
                                               num_lookahead_tokens=need_slot - target)
         self._looked_up.pop(request.request_id, None)
