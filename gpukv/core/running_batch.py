@@ -127,7 +127,10 @@ def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> 
         return run
     # (one count per row, in a few whole-array passes: a row past the last makes the counts longer, one named
     # twice counts 2, one not held counts above its in_use)
-    named = np.bincount(rows, minlength=len(in_use)) if int(_min(rows)) >= 0 else None
+    try:
+        named = np.bincount(rows, minlength=len(in_use))
+    except ValueError:  # (a negative row: numpy's refusal is the check, with no reduction before it)
+        named = None
     if named is None or len(named) > len(in_use) or _any(named > in_use):
         twice = named is not None and len(named) == len(in_use) and not _any((named > 0) & ~in_use)
         raise InvalidInputError("a prechecked batch names a row twice" if twice else
