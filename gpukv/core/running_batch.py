@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gpukv.core.blocks import ManagerLimits
-from gpukv.core.checks import _checked_int_array, _tokens_from_list, as_list, check_lookahead
+from gpukv.core.checks import _checked_int_array, _ids_in_range, _tokens_from_list, as_list, check_lookahead
 from gpukv.core.limits import MAX_LOOKAHEAD, MAX_NEW_TOKENS
 from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError
 
@@ -140,9 +140,11 @@ def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> 
         raise InvalidInputError("a prechecked batch's known tokens are not the manager's (built from stale "
                                 "counts)", argument="running", fix=fix)
     # (the token ids stay checked here whoever built the batch: a hit is exact whatever tokens arrive)
-    if isinstance(run.tokens, np.ndarray):  # (a token tensor on the device is checked there, as any)
-        _checked_int_array(run.tokens.ravel(), "new_token_ids", "a prechecked batch's rows (zero-padded): ",
-                           copy=False)
+    tokens = run.tokens
+    if isinstance(tokens, np.ndarray) and tokens.size and not _ids_in_range(tokens):  # (one reduction when all
+        # are in range; a token tensor on the device is checked there, as any)
+        _checked_int_array(tokens.ravel(), "new_token_ids", "a prechecked batch's rows (zero-padded): ",
+                           copy=False)  # (names the first id outside the range and raises)
     return run
 
 
