@@ -106,7 +106,11 @@ class FailStop:
         ``graphs`` object's ``launch`` or ``run``): the manager's own calls
         made from it are refused, as another thread's are (the state is
         mid-step there: a decode staged and not launched)."""
-        return _InHook(self)
+        return _InHook(self._mark_hook)
+
+    def _mark_hook(self, inside: bool) -> None:
+        """Enter (``inside``) or leave a caller's hook (``_InHook``)."""
+        self._in_hook = inside
 
     def _begin_changes(self) -> None:
         """Mark the running call's point of first change: its arguments are
@@ -139,16 +143,16 @@ class FailStop:
 class _InHook:
     """``FailStop._hook``'s context (a plain class: it wraps every graph replay)."""
 
-    __slots__ = ("m",)
+    __slots__ = ("mark",)
 
-    def __init__(self, manager: FailStop) -> None:
-        self.m = manager
+    def __init__(self, mark: Callable[[bool], None]) -> None:
+        self.mark = mark  # (the manager's ``_mark_hook``)
 
     def __enter__(self) -> None:
-        self.m._in_hook = True
+        self.mark(True)
 
     def __exit__(self, *exc: Any) -> None:
-        self.m._in_hook = False
+        self.mark(False)
 
 
 def _is_call_mistake(exc: BaseException) -> bool:

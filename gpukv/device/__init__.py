@@ -13,9 +13,10 @@ Each part has one job and a file of its name:
 They run on the pool (``gpukv.device.pool.DevicePool``: its verbs) and the request
 rows (``gpukv.device.rows.DeviceRows``), plan with ``gpukv.device.admission_plan`` and
 ``gpukv.device.outputs``, upload through ``gpukv.device.staging``, and launch
-``gpukv.kernels``; none imports the manager (each holds the manager it
-belongs to, for what the parts share: its staging, its one ``_read``, and
-the verbs the decode and the admission both launch).
+``gpukv.kernels``; none imports or holds the manager: each takes what it
+uses through its constructor (``gpukv.device.state``: the shared state, the
+manager's calls under public names, and the verbs the decode and the
+admission both launch).
 
 The device-only helpers beside them: ``pool`` (the device-resident block
 pool), ``rows`` (request rows), ``admission_plan`` (an admission's host plan

@@ -159,12 +159,12 @@ class Admission:
         ``computed`` blocks give (still what a lookup finds now, else
         refused), its new blocks per group, or None when they do not fit."""
         s = self._s
-        (request,) = self._calls._normalize((), (), [request], single=True, defer_admissible=True).new
+        (request,) = self._calls.normalize((), (), [request], single=True, defer_admissible=True).new
         computed = normalize_computed(computed, s.limits)
         check_computed_for(request, computed, s.limits)
         request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
                                       num_lookahead_tokens, s.limits)
-        with self._calls._counting():
+        with self._calls.counting():
             cap = 0
             if computed is not None:
                 # Checked before anything changes: the given hit must still be
@@ -176,8 +176,8 @@ class Admission:
                         list(computed.block_ids[g]) != now.block_ids[g] for g in range(s.num_groups)):
                     raise stale_computed_blocks()
             # (the dry lookup above wrote only a free row and scratch buffers)
-            self._calls._begin_changes()
-            res = self._calls._step((), (), [request], count_stats=False, hit_caps=[cap])
+            self._calls.begin_changes()
+            res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap])
         if res.num_admitted == 0:
             return None
         got = res.num_computed_tokens[0]
@@ -190,15 +190,15 @@ class Admission:
         block id), then one step admitting the request with that cap (the
         same lookup, nothing changed in between, so the same hit)."""
         s = self._s
-        (request,) = self._calls._normalize((), (), [request], single=True, defer_admissible=True).new
+        (request,) = self._calls.normalize((), (), [request], single=True, defer_admissible=True).new
         hit_tokens = check_prefix_hit(hit, request, s.limits)
         request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, s.limits)
         cap = hit_tokens // s.block_size
-        with self._calls._counting():
+        with self._calls.counting():
             if cap and self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens != hit_tokens:
                 raise stale_computed_blocks()
-            self._calls._begin_changes()
-            res = self._calls._step((), (), [request], count_stats=False, hit_caps=[cap])
+            self._calls.begin_changes()
+            res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap])
         return res.num_admitted == 1
 
     def lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
@@ -206,7 +206,7 @@ class Admission:
         blocks), changing no block: its blocks read back."""
         s = self._s
         n, _, cache = self._dry_lookup(request, count_stats, hit_cap, sized=False)
-        blocks = self._calls._read(cache[0, :n].T) if n else [[] for _ in range(s.num_groups)]
+        blocks = self._calls.read(cache[0, :n].T) if n else [[] for _ in range(s.num_groups)]
         for g, w in enumerate(s.window_blocks):
             if w >= 0:  # a window group holds the null block before its last W hit positions
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
@@ -236,12 +236,12 @@ class Admission:
             device_tokens = isinstance(tokens, torch.Tensor)
             if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
                 parts.append(self.device_tokens_bad([tokens]))
-            values = self._calls._read(torch.cat(parts))
+            values = self._calls.read(torch.cat(parts))
             if device_tokens:
                 self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
             n = int(values[0])
             if count_stats:
-                self._calls._begin_changes()  # get_computed_blocks' point of first change
+                self._calls.begin_changes()  # get_computed_blocks' point of first change
                 self.count_lookups([request], [n])
         finally:
             s.rows.give_back_unused([row])
@@ -321,7 +321,7 @@ class Admission:
         events), else its kept launches replayed (``SharedLaunches.replayed``)."""
         s = self._s
         if graphs is not None and s.events.log is None:
-            with self._calls._hook():  # (the caller's code: the manager's own calls refused there)
+            with self._calls.hook():  # (the caller's code: the manager's own calls refused there)
                 graphs.run((bucket, part), launch)
         else:
             self._launches.replayed(bufs.prepared, part, launch)

@@ -14,12 +14,13 @@ without CUDA nothing is done.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpukv.device.staging import StepCounters, TorchOpCounter
-from gpukv.device.state import DeviceState
+from gpukv.device.state import DeviceCalls, DeviceState
 from gpukv.kernels import capture
 
 if TYPE_CHECKING:
@@ -97,13 +98,14 @@ class OwnStream:
 
 class CallContext:
     """Mixin of ``DeviceManager``: ``_stream`` (None without CUDA),
-    ``device``, ``counters``, ``_shared`` and ``_reads`` are the
+    ``device``, ``counters``, ``_shared``, ``_calls`` and ``_reads`` are the
     manager's."""
 
     _stream: Any
     device: torch.device
     counters: StepCounters
     _shared: DeviceState
+    _calls: DeviceCalls
     _reads: DeviceReads
     #: The stream of the call under way when it came from another stream than the manager's (else None).
     _caller_stream: Any = None
@@ -113,12 +115,23 @@ class CallContext:
         calls (a lookup inside an admission) count in the outer step."""
         return StepAccounting(self._shared)
 
-    def _read(self, t: torch.Tensor) -> list:
+    @property
+    def _read(self) -> Callable[[torch.Tensor], list]:
+        """The read every part runs (``DeviceCalls.read``, ``_read_device``
+        unless replaced): one slot, so a wrapper set here (a test's count of
+        reads, a benchmark's record of them) reaches every part's read."""
+        return self._calls.read
+
+    @_read.setter
+    def _read(self, read: Callable[[torch.Tensor], list]) -> None:
+        self._calls.read = read
+
+    def _read_device(self, t: torch.Tensor) -> list:
         """A device-to-host read (counted: ``counters.d2h`` in the step,
         ``counters.reads`` since construction), on the manager's stream: the
         host waits for the manager's own work, never for the caller's
         (``read_num_free_blocks`` and the like are not wrapped calls). Every
-        read of the parts comes here."""
+        read of the parts comes here (``_read``)."""
         counters = self.counters
         counters.d2h += 1
         counters.reads += 1

@@ -424,8 +424,9 @@ class DecodePath:
     # ------------------------------------------------- the four, for a batch
     def launch_running(self, run: RunningRows, graphs=None) -> tuple[DecodePlan, DecodeBuffers]:
         """Plan, stage and launch a running batch (``decode``'s kernels; the
-        launch here, or ``graphs`` through ``DeviceManager._launch_decode``); the
-        host's mirror is brought up to date by ``finish``."""
+        launch here, or ``graphs.run(bucket, launch)`` runs ``launch_staged``
+        as its ``launch``, the protocol the admission's graphs follow too);
+        the host's mirror is brought up to date by ``finish``."""
         plan = self.plan(run.rows, run.tokens.shape[1], run.num_tokens, chunks=run.chunks, lookahead=run.lookahead,
                          num_new=run.counts, processed=run.processed)
         bufs = self.stage(plan, run.tokens)
@@ -434,17 +435,22 @@ class DecodePath:
             return plan, bufs
         self.staged = bufs  # (the one launch ``launch_staged`` takes: these buffers, from this call)
         try:
-            with self._calls._hook():  # (the caller's code: the manager's own calls refused there)
-                graphs.launch(plan.bucket, bufs)
+            with self._calls.hook():  # (the caller's code: the manager's own calls refused there)
+                graphs.run(plan.bucket, lambda: self.launch_staged(plan.bucket, bufs))
         finally:
             self.staged = None
         return plan, bufs
 
     def launch_staged(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
-        """``launch`` of the buffers the running decode just staged (what
-        ``DeviceManager._launch_decode``, and so a caller's ``graphs``,
-        runs); any other buffers, or a launch outside a decode, are refused:
-        they would run kernels on a plan and tokens this call did not stage."""
+        """``launch`` of the buffers the running decode just staged, every
+        phase with ``phases`` None (what a caller's ``graphs`` runs, and a
+        CUDA graph captures); any other buffers, or a launch outside a
+        decode, are refused. A decode's parts (plan, stage, launch, finish)
+        run inside one ``decode`` call, under its call lock: they share each
+        bucket's host plan and device buffers, so parts run apart (another
+        thread's, or this one's, stage between a stage and its launch) would
+        launch one plan's kernels on another's tokens and leave the host's
+        mirror behind the device."""
         if bufs is not self.staged or bucket not in self.buffers or self.buffers[bucket] is not bufs:
             raise InvalidInputError("only the decode running now may launch its kernels, on the buffers it "
                                     "staged", argument="bufs",

@@ -47,9 +47,8 @@ class _BucketGraphs:
     """One captured CUDA graph per key (a bucket, and a part of the step) of
     a device manager on CUDA: the first launch of a key runs eagerly (and
     compiles every kernel), then is captured; later launches replay it.
-    ``manager``: the device manager whose calls it wraps; the decode's
-    launch hook (``DeviceManager._launch_decode``) is the one private call
-    it makes, from inside the manager's own ``decode``."""
+    ``manager``: the device manager whose calls it wraps; the manager's
+    ``decode`` or ``step`` hands ``run`` each launch, from inside that call."""
 
     def __init__(self, manager: DeviceManager) -> None:
         if getattr(manager, "device", torch.device("cpu")).type != "cuda":
@@ -63,7 +62,9 @@ class _BucketGraphs:
 
     def run(self, key: Any, launch: Callable[[], None]) -> None:
         """Replay ``key``'s graph, or run ``launch`` (a fixed sequence of
-        launches on fixed buffers) eagerly and capture it."""
+        launches on fixed buffers: a decode bucket's every phase, on the
+        buffers the running ``decode`` staged; an admission bucket's part)
+        eagerly and capture it."""
         m = self.manager
         if m.rows_generation != self._generation:
             self._graphs.clear()
@@ -95,10 +96,6 @@ class DecodeGraphs(_BucketGraphs):
         new or cached blocks per row)."""
         return self.manager.decode(rows, new_token_ids, num_tokens_to_compute=num_tokens_to_compute,
                                    num_lookahead_tokens=num_lookahead_tokens, graphs=self)
-
-    def launch(self, bucket: tuple, bufs: Any) -> None:
-        """Called by ``manager.decode`` with the plan staged in ``bufs``: every phase."""
-        self.run(bucket, lambda: self.manager._launch_decode(bucket, bufs))
 
 
 class AdmissionGraphs(_BucketGraphs):

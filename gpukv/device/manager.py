@@ -52,11 +52,12 @@ count: vLLM's ``usage``) come from a host mirror each step refreshes
 without waiting (``gpukv.device.reads.FreeCountMirror``). Without CUDA
 there are no streams and nothing is done. The decode's parts
 (plan, stage, launch, finish) run only inside one ``decode`` (or step) call,
-under its call lock and its ordering (``_launch_decode``: why).
+under its call lock and its ordering (``DecodePath.launch_staged``: why).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -104,7 +105,7 @@ from gpukv.device.reads import DeviceReads, FreeCountMirror
 from gpukv.device.releases import ReleaseBuffers, Releases
 from gpukv.device.rows import DeviceRows, entry_layout  # (entry_layout: imported from here by older code)
 from gpukv.device.staging import Staging, StepCounters
-from gpukv.device.state import DeviceState
+from gpukv.device.state import DeviceCalls, DeviceState
 from gpukv.events.schema import KVEventBatch
 from gpukv.kernels.block_hash import key_lanes
 from gpukv.kernels.toolkit import pow2_at_least
@@ -240,11 +241,15 @@ class DeviceManager(CallContext, SharedManagerAPI):
             window_blocks=self._window_blocks, win_dev=self._win_dev, rows=self._rows, reqs=self._reqs,
             row_ids=self._row_ids, events=self._events, counters=self.counters, staging=staging,
             mirror=self._mirror, blocked=self._blocked, free_lower_bound=self.pool.num_blocks - 1)
-        self._reads = DeviceReads(s, self)
+        # The calls the parts run, bound once (``gpukv.device.state.DeviceCalls``: public names, no manager held).
+        calls = self._calls = DeviceCalls(
+            read=self._read_device, step=self._step, normalize=self._normalize, begin_changes=self._begin_changes,
+            counting=self._counting, hook=self._hook, get_block_ids=self.get_block_ids)
+        self._reads = DeviceReads(s, calls)
         self._launches = SharedLaunches(s)  # what more than one part launches
-        self._decode = DecodePath(s, self, self._reads, self._launches)
+        self._decode = DecodePath(s, calls, self._reads, self._launches)
         self._gather = OutputGather(s, self._launches)  # what a step hands back (``gpukv.device.outputs``)
-        self._admission = Admission(s, self, self._reads, self._launches)
+        self._admission = Admission(s, calls, self._reads, self._launches)
         self._releases = Releases(s, self._launches)
 
     @property
@@ -263,6 +268,28 @@ class DeviceManager(CallContext, SharedManagerAPI):
     def rows_generation(self) -> int:
         """Bumped when the row tensors are reallocated (captured graphs and prepared launches hold the old ones)."""
         return self._rows.generation
+
+    # A model runner in the scheduler's process reads these between calls
+    # (``gpukv.vllm.v0_33.binding``): host only, no read, no call lock.
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32[G, rows, M]: every row's block table, the device tensor
+        itself (not a copy; a row's positions past ``blocks_held_per_row``
+        are not its blocks). A new tensor when the rows are reallocated
+        (``rows_generation`` then changes)."""
+        return self._rows.block_table
+
+    @property
+    def request_rows(self) -> Mapping[str, int]:
+        """Each running request's row (``row_of`` without its checks), a
+        read-only view that follows the admissions and frees."""
+        return MappingProxyType(self._reqs)
+
+    @property
+    def blocks_held_per_row(self) -> np.ndarray:
+        """int64[rows]: the block positions each row holds (every group),
+        the host's counts themselves (read, do not write)."""
+        return self._rows.num_held
 
     def __repr__(self) -> str:  # never show the key
         return (f"DeviceManager(device={self.device}, num_blocks={self.num_blocks}, "
@@ -524,21 +551,6 @@ class DeviceManager(CallContext, SharedManagerAPI):
             decode = self._decode
             plan, bufs = decode.launch_running(run, graphs)
             return decode.finish(plan, bufs)
-
-    # ------------------------------------------------- decode's launch hook
-    # A decode's four parts (``gpukv.device.decode.DecodePath``: plan ->
-    # stage -> launch -> finish) run inside one ``decode`` call, under its
-    # call lock: they share each bucket's host plan and device buffers, so
-    # parts run apart (another thread's, or this one's, stage between a
-    # stage and its launch) would launch one plan's kernels on another's
-    # tokens and leave the host's mirror behind the device. The launch is
-    # the one part a caller's ``graphs`` (``gpukv.device.graphs.DecodeGraphs``)
-    # runs, from inside that call, on the buffers the call just staged.
-    def _launch_decode(self, bucket: tuple, bufs: DecodeBuffers, phases: frozenset[str] | None = None) -> None:
-        """The decode step's kernels on the buffers the running ``decode``
-        staged: a fixed sequence per bucket, every phase with ``phases`` None
-        (what a CUDA graph captures; ``DecodePath.launch``)."""
-        self._decode.launch_staged(bucket, bufs, phases)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,

@@ -1,7 +1,8 @@
 """The device manager's reads: every call that waits on the device.
 
-Each goes through ``DeviceManager._read`` (one counted device-to-host copy
-on the manager's stream, the one place a GPU's asynchronous errors surface),
+Each goes through ``DeviceCalls.read`` (the manager's one counted
+device-to-host copy on its stream, the one place a GPU's asynchronous
+errors surface),
 and takes the events drained so far along when it is a step's read, so a
 step reads the device at most once. What a read brings that the host must
 act on (the free queue's sticky error word) is raised here
@@ -82,12 +83,12 @@ class FreeCountMirror:
 
 class DeviceReads:
     """The reads of one device manager (``state``: its pool, rows, events
-    and staging; ``calls``: its one read, ``_read``), on rows and arguments
+    and staging; ``calls``: its one read, ``read``), on rows and arguments
     it has checked."""
 
     def __init__(self, state: DeviceState, calls: DeviceCalls) -> None:
         self._s = state
-        self._c = calls  # (its ``_read`` looked up per read: tests wrap it on the manager)
+        self._c = calls  # (its ``read`` looked up per read: a wrapper set on the manager replaces it)
 
     check_errors = staticmethod(check_queue_errors)
 
@@ -97,7 +98,7 @@ class DeviceReads:
         the mirror the last step refreshed when no step began since (no
         device read), else one read."""
         mirror = self._s.mirror
-        n = mirror.read() if mirror.fresh else int(self._c._read(self._s.pool.free_count)[0])
+        n = mirror.read() if mirror.fresh else int(self._c.read(self._s.pool.free_count)[0])
         self._s.free_lower_bound = n
         return n
 
@@ -115,13 +116,13 @@ class DeviceReads:
 
     def num_evictions(self) -> int:
         """Cached blocks evicted so far."""
-        return int(self._c._read(self._s.pool.evictions)[0])
+        return int(self._c.read(self._s.pool.evictions)[0])
 
     # ------------------------------------------------------------ requests
     def block_ids(self, row: int) -> list[list[int]]:
         """The row's block ids per group, position by position."""
         rows = self._s.rows
-        return self._c._read(rows.block_table[:, row, : int(rows.num_held[row])])
+        return self._c.read(rows.block_table[:, row, : int(rows.num_held[row])])
 
     def block_ids_at(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, group: int) -> list[list[int]]:
         """Group ``group``'s block ids of each row at positions ``[start,
@@ -132,7 +133,7 @@ class DeviceReads:
         at = np.repeat(rows, counts)
         pos = np.repeat(starts, counts) + np.arange(len(at)) - np.repeat(np.cumsum(counts) - counts, counts)
         rows_t, pos_t = upload_packed(self._s.staging, at, pos)
-        ids = self._c._read(self._s.rows.block_table[group, rows_t.long(), pos_t.long()])
+        ids = self._c.read(self._s.rows.block_table[group, rows_t.long(), pos_t.long()])
         ends = np.cumsum(counts).tolist()
         return [ids[e - c: e] for e, c in zip(ends, counts.tolist(), strict=True)]
 
@@ -140,21 +141,21 @@ class DeviceReads:
         """How many of these (distinct, checked) blocks have reference count 0."""
         s = self._s
         ids = s.staging.upload(np.array(block_ids, dtype=np.int64))
-        return int(self._c._read((s.pool.ref_cnt[ids] == 0).sum().view(1))[0])
+        return int(self._c.read((s.pool.ref_cnt[ids] == 0).sum().view(1))[0])
 
     def common_prefix_blocks(self, row: int, count: int, windows: list) -> list[int]:
         """Per group, the leading blocks of the row whose reference count is
         ``count`` (up to the first that is not); 0 for a window group."""
         s = self._s
         n = int(s.rows.num_held[row])
-        refs = self._c._read(s.pool.ref_cnt[s.rows.block_table[:, row, :n].long()])
+        refs = self._c.read(s.pool.ref_cnt[s.rows.block_table[:, row, :n].long()])
         return [0 if w is not None else common_prefix_length(r, count) for w, r in zip(windows, refs, strict=True)]
 
     def block_hashes(self, row: int, block_size: int) -> list[bytes]:
         """The digests of the row's full known blocks."""
         rows = self._s.rows
         n = int(rows.num_tokens[row]) // block_size
-        lanes = np.array(self._c._read(rows.digests[row, :n]), dtype=np.int64)
+        lanes = np.array(self._c.read(rows.digests[row, :n]), dtype=np.int64)
         return hashing.lanes_to_digests(lanes.reshape(-1, 2))
 
     # -------------------------------------------------------------- steps
@@ -168,7 +169,7 @@ class DeviceReads:
         parts = parts + [fq.counter("num_free"), fq.counter("error")]
         main = sum(t.numel() for t in parts)
         events = s.events.drain_parts()  # the events ride on the step's one read
-        host = self._c._read(torch.cat(parts + events))
+        host = self._c.read(torch.cat(parts + events))
         if events:
             s.events.drained(host[main:])
         check_queue_errors(host[main - 1])
@@ -179,7 +180,7 @@ class DeviceReads:
         """A decode's status, read with the events drained so far."""
         s = self._s
         parts = s.events.drain_parts()
-        host = self._c._read(torch.cat([status, *parts]) if parts else status)
+        host = self._c.read(torch.cat([status, *parts]) if parts else status)
         if parts:
             s.events.drained(host[status.numel():])
         return host
@@ -187,7 +188,7 @@ class DeviceReads:
     def events(self) -> None:
         """The events written since the last drain, in one read of their own."""
         s = self._s
-        s.events.drained(self._c._read(torch.cat(s.events.drain_parts())))
+        s.events.drained(self._c.read(torch.cat(s.events.drain_parts())))
 
 
 def upload_packed(staging, *arrays: np.ndarray) -> list[torch.Tensor]:

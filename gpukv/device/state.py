@@ -1,17 +1,18 @@
 """What the device manager holds for its parts, typed: ``DeviceState`` (the
 pool, the request rows and their index, the staging, the events, the host
 figures the parts keep up to date) and ``DeviceCalls`` (the manager's calls
-the parts run: its one read, its step, its argument checks and its call
-markers).
+the parts run, under public names: its one read, its step, its argument
+checks and its call markers).
 
-The manager builds one ``DeviceState`` at construction and hands it, with
-itself as the ``DeviceCalls``, to each part's constructor (collaborators
-passed in, none reached through the manager): a part sees what it uses by
-type, and mypy checks every use.
+The manager builds one of each at construction and hands them to each
+part's constructor (collaborators passed in, none reached through the
+manager): a part sees what it uses by type, reads no private attribute of
+another object, and mypy checks every use.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -75,35 +76,48 @@ class DeviceState:
         return len(self.sliding_windows)
 
 
-class DeviceCalls(Protocol):
-    """The device manager's calls its parts run (``DeviceManager`` is one)."""
+class StepCall(Protocol):
+    """``DeviceCalls.step``'s signature: a step on normalised arguments."""
 
-    def _read(self, t: torch.Tensor) -> list:
-        """The one device-to-host read, counted, on the manager's stream."""
+    def __call__(self, finished: Any, running: Any, new: Any, *, count_stats: bool = ..., hit_caps: Any = ...,
+                 token_budget: int | None = ..., graphs: Any = ..., outputs: StepOutputs = ...) -> StepResult:
         ...
 
-    def _step(self, finished: Any, running: Any, new: Any, *, count_stats: bool = ..., hit_caps: Any = ...,
-              token_budget: int | None = ..., graphs: Any = ..., outputs: StepOutputs = ...) -> StepResult:
-        """A step on normalised arguments."""
+
+class NormalizeCall(Protocol):
+    """``DeviceCalls.normalize``'s signature: every argument checked and normalised."""
+
+    def __call__(self, finished: Any, running: Any, new: Any, *, single: bool = ...,
+                 defer_admissible: bool = ...) -> Step:
         ...
 
-    def _normalize(self, finished: Any, running: Any, new: Any, *, single: bool = ...,
-                   defer_admissible: bool = ...) -> Step:
-        """Every argument checked and normalised, before anything changes."""
-        ...
 
-    def _begin_changes(self) -> None:
-        """The running call's point of first change."""
-        ...
+class DeviceCalls:
+    """The device manager's calls its parts run, under public names: the
+    manager's own bound methods, handed over once at construction, so a
+    part never reaches into the manager. A method held in a slot costs a
+    call what the attribute lookup on the manager did (the decode's host
+    budget). ``read`` is the one slot a manager lets a caller replace (its
+    ``_read`` setter: a test's or a benchmark's wrapper then reaches every
+    part's read); the parts look it up per read for that reason."""
 
-    def _counting(self) -> AbstractContextManager[None]:
-        """One step's accounting."""
-        ...
+    __slots__ = ("read", "step", "normalize", "begin_changes", "counting", "hook", "get_block_ids")
 
-    def _hook(self) -> AbstractContextManager[Any]:
-        """A context for a caller's code run inside a call."""
-        ...
-
-    def get_block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's block ids per group; reads the device."""
-        ...
+    def __init__(self, *, read: Callable[[torch.Tensor], list], step: StepCall, normalize: NormalizeCall,
+                 begin_changes: Callable[[], None], counting: Callable[[], AbstractContextManager[None]],
+                 hook: Callable[[], AbstractContextManager[Any]],
+                 get_block_ids: Callable[[str], list[list[int]]]) -> None:
+        #: The one device-to-host read, counted, on the manager's stream.
+        self.read = read
+        #: A step on normalised arguments (its phases in order).
+        self.step = step
+        #: Every argument checked and normalised, before anything changes.
+        self.normalize = normalize
+        #: The running call's point of first change (``gpukv.core.failstop``).
+        self.begin_changes = begin_changes
+        #: One step's accounting (``gpukv.device.calls.StepAccounting``).
+        self.counting = counting
+        #: A context for a caller's code run inside a call (its graphs): the manager's own calls refused there.
+        self.hook = hook
+        #: The request's block ids per group; reads the device.
+        self.get_block_ids = get_block_ids

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpukv.events.schema import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch, int_block_hash
+
+if TYPE_CHECKING:
+    from gpukv.core.protocol import BlockManager
 
 
 @dataclass
@@ -54,7 +57,7 @@ class RouterIndex:
         self._workers: dict[Hashable, _Worker] = {}
 
     @classmethod
-    def for_manager(cls, manager: Any, *, int_block_hashes: bool = False) -> RouterIndex:
+    def for_manager(cls, manager: BlockManager, *, int_block_hashes: bool = False) -> RouterIndex:
         """An index that matches as ``manager`` hashes (its key and block size)."""
         return cls(manager.hash_key, manager.block_size, int_block_hashes=int_block_hashes)
 

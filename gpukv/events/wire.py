@@ -121,7 +121,7 @@ import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpukv.errors import (
     AddressError,
@@ -131,6 +131,9 @@ from gpukv.errors import (
     PublisherClosedError,
 )
 from gpukv.events import schema as gk
+
+if TYPE_CHECKING:
+    from gpukv.core.protocol import BlockManager
 
 try:
     import msgspec
@@ -864,7 +867,7 @@ class EventPublisher:
     def publish(self, batches: gk.KVEventBatch | Iterable[gk.KVEventBatch]) -> None:
         raise NotImplementedError
 
-    def publish_from(self, manager: Any) -> int:
+    def publish_from(self, manager: BlockManager) -> int:
         """Publish what ``manager.take_events()`` hands out; how many batches."""
         if not callable(getattr(manager, "take_events", None)):
             raise InvalidTypeError(f"has no take_events(), got {type(manager).__name__}", argument="manager",

@@ -19,8 +19,9 @@ KEY = bytes(range(16))
 MANAGERS = [ReferenceManager, DeviceManager]
 # Members only the device manager has: the row tensors' generation, which
 # tells gpukv.device.graphs when to capture anew (the decode's parts are private:
-# one decode call runs them, under its call lock).
-DEVICE_ONLY = {"rows_generation"}
+# one decode call runs them, under its call lock), and what a model runner
+# reads of its rows (gpukv.vllm.v0_33.binding).
+DEVICE_ONLY = {"rows_generation", "block_table", "request_rows", "blocks_held_per_row"}
 
 
 def public(cls) -> set[str]:

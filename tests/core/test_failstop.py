@@ -303,15 +303,17 @@ def _good_calls(m):
 
 @pytest.mark.parametrize("make", [_reference, _device], ids=["ref", "dev"])
 def test_every_mutating_call_marks_its_point_of_first_change(make, monkeypatch):
-    m = _admitted(make())
+    cls = {_reference: ReferenceManager, _device: DeviceManager}[make]
     marks = []
-    real = type(m)._begin_changes
+    real = cls._begin_changes
 
     def spy(self):
         marks.append(True)
         real(self)
 
-    monkeypatch.setattr(type(m), "_begin_changes", spy)
+    # Before the manager is built: the device manager hands its parts its bound calls at construction.
+    monkeypatch.setattr(cls, "_begin_changes", spy)
+    m = _admitted(make())
     called = set()
     for name, call in _good_calls(m):
         marks.clear()

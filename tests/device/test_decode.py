@@ -133,15 +133,15 @@ def test_bad_decode_input_is_refused_alike_and_changes_nothing(case):
 
 class GraphLaunches:
     """What ``gpukv.device.graphs.DecodeGraphs`` captures, on the CPU: ``decode``
-    hands it the staged bucket and it runs ``_launch_decode(bucket, bufs)``,
-    every phase, recording the launches."""
+    hands ``run`` the staged bucket and its launch, every phase, which it
+    runs, recording the launches."""
 
     def __init__(self, manager) -> None:
         self.manager, self.records = manager, []
 
-    def launch(self, bucket, bufs) -> None:
+    def run(self, bucket, launch) -> None:
         with capture.recording() as rec:
-            self.manager._launch_decode(bucket, bufs)
+            launch()
         self.records.append((bucket, rec))
 
 

@@ -56,15 +56,14 @@ class Interloper:
         except GpukvInputError as e:
             self.refused.append(e)
 
-    def launch(self, bucket, bufs) -> None:
+    def run(self, _key, launch) -> None:
         if self.other_thread:
             t = threading.Thread(target=self._interfere)
             t.start()
             t.join()
         else:
             self._interfere()
-        launch = getattr(self.m, "launch_decode", None) or self.m._launch_decode
-        launch(bucket, bufs)
+        launch()
 
 
 @pytest.mark.parametrize("other_thread", [True, False], ids=["another-thread", "the-hook-itself"])
@@ -88,13 +87,21 @@ def test_the_decode_parts_are_not_public():
         assert not hasattr(DeviceManager, name), name
 
 
+class _Keeper:
+    """A ``graphs`` hook that launches what the decode staged, and keeps the launch."""
+
+    def run(self, _key, launch) -> None:
+        self.launch = launch
+        launch()
+
+
 def test_a_launch_outside_a_decode_is_refused():
     _, dev = _managers()
-    dev.decode([dev.row_of("x")], [7])
-    bucket, bufs = next(iter(dev._decode.buffers.items()))
+    keeper = _Keeper()
+    assert dev.decode([dev.row_of("x")], [7], graphs=keeper).ok
     before = dev._rows.tokens.clone()
     with pytest.raises(InvalidInputError) as info:
-        dev._launch_decode(bucket, bufs)  # what a graphs object would run, outside its decode
+        keeper.launch()  # what a graphs object would run, outside its decode
     assert info.value.argument == "bufs"
     assert str(info.value).endswith("; call decode(rows, new_token_ids, graphs=...): it plans, stages, launches "
                                     "and finishes in one call")

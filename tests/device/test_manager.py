@@ -339,3 +339,22 @@ def test_read_block_ids_reads_many_requests_spans_in_one_read():
             assert text in str(info.value), (bad, str(info.value))
         with pytest.raises(InvalidInputError, match="group 1 does not exist"):
             m.read_block_ids(spans, group=1)
+
+
+def test_a_model_runners_accessors_are_the_managers_own_rows():
+    """``block_table``, ``request_rows`` and ``blocks_held_per_row`` (what
+    gpukv's vLLM worker reads between calls): the tensor and counts
+    themselves, and a live, read-only view of the rows."""
+    dev = DeviceManager(16, 2, hash_key=KEY, max_model_len=8, max_num_reqs=4)
+    rows = dev.step(new=[NewRequest("a", [1, 2, 3]), NewRequest("b", [4])]).rows
+    view = dev.request_rows
+    assert rows == [0, 1] and dict(view) == {"a": 0, "b": 1}
+    assert dev.blocks_held_per_row.tolist() == [2, 1, 0, 0]
+    assert dev.block_table.shape == (1, 4, 4)
+    assert dev.block_table[0, 0, :2].tolist() == dev.get_block_ids("a")[0]
+    assert dev.block_table[0, 1, :1].tolist() == dev.get_block_ids("b")[0]
+    dev.free("a")
+    assert dict(view) == {"b": 1} and dev.blocks_held_per_row.tolist() == [0, 1, 0, 0]
+    with pytest.raises(TypeError):
+        view["c"] = 2  # type: ignore[index]
+    assert dev.request_ids() == ["b"]

@@ -18,7 +18,7 @@ A **fault site** is a point where a call can fail under the manager:
   stands for a kernel that fails (so do the host stand-ins' own operations,
   as for the interpreter's host hashing). This keeps the sites those of the
   real host path and their count deterministic;
-* every read of the device (``DeviceManager._read``, which every read of a
+* every read of the device (the manager's ``_read``, which every read of a
   call goes through): where a GPU's asynchronous errors surface (on the CPU
   a read runs no torch op of its own).
 
@@ -97,13 +97,14 @@ class Injector(TorchDispatchMode):
     site, ``launch <kernel>``, ``torch <aten op>`` or ``read``), and raises ``_Fault``
     at site ``fail_at`` (never when None)."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, m: DeviceManager, fail_at: int | None = None) -> None:
         super().__init__()
+        self.m = m
         self.fail_at = fail_at
         self.sites: list[str] = []
         self.fault: _Fault | None = None
         self._real_note_launch = capture.note_launch
-        self._real_read = DeviceManager._read
+        self._real_read = m._read
 
     def _site(self, name: str) -> None:
         n = len(self.sites)
@@ -124,16 +125,16 @@ class Injector(TorchDispatchMode):
     def __enter__(self):
         # Every launch counts through the module's note_launch (the pre-run
         # hooks and host_launch look it up when they run); every read of the
-        # device goes through DeviceManager._read (a read is where a GPU's
+        # device goes through the manager's _read (a read is where a GPU's
         # asynchronous errors surface; on the CPU it runs no torch op).
         real_read = self._real_read
 
-        def read(m: DeviceManager, t: torch.Tensor) -> list:
+        def read(t: torch.Tensor) -> list:
             self._site("read")
-            return real_read(m, t)
+            return real_read(t)
 
         capture.note_launch = self._note_launch  # type: ignore[assignment]
-        DeviceManager._read = read  # type: ignore[method-assign,assignment]
+        self.m._read = read
         try:
             return super().__enter__()
         except BaseException:
@@ -146,7 +147,7 @@ class Injector(TorchDispatchMode):
 
     def _restore(self) -> None:
         capture.note_launch = self._real_note_launch
-        DeviceManager._read = self._real_read  # type: ignore[method-assign]
+        self.m._read = self._real_read
 
 
 # ------------------------------------------------------------------ clones
@@ -322,7 +323,7 @@ class Template:
 
 
 def _run(kind: Kind, m: DeviceManager, ctx: dict) -> tuple[Injector, Any, int]:
-    injector = Injector()
+    injector = Injector(m)
     base = capture.launches()
     with injector:
         result = kind.call(m, ctx)
@@ -411,7 +412,7 @@ def _inject(name: str, layout: str, n: int) -> str:
     kind, t = KINDS[name], _template(name, layout)
     m = _clone(t.manager)
     before = _state(m)
-    injector = Injector(fail_at=n)
+    injector = Injector(m, fail_at=n)
     where = f"{name} ({layout}), site {n} of {len(t.sites)}: {t.sites[n]}"
     try:
         with injector:

@@ -598,10 +598,10 @@ class _CallingHook:
     def __init__(self, m, call) -> None:
         self.m, self.call, self.info = m, call, None
 
-    def launch(self, bucket, bufs) -> None:
+    def run(self, _key, launch) -> None:
         with pytest.raises(GpukvError) as self.info:
             self.call(self.m)
-        self.m._launch_decode(bucket, bufs)
+        launch()
 
 
 @pytest.fixture(scope="module")

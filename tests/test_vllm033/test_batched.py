@@ -407,7 +407,7 @@ def test_blocks_handed_back_fill_at_the_flush_and_match_one_call_each():
     for r in requests:
         r.num_computed_tokens = 16  # (vLLM's count after the prefill; one new token needs a second block)
     got = [kv.allocate_slots(r, 1) for r in requests]
-    assert len(kv.pending) == 2 and all(g._filled is None for g in got)
+    assert len(kv.pending) == 2 and all(g.filled is None for g in got)
     ids = [g.get_block_ids() for g in got]  # (reading one flushes all)
     assert len(kv.pending) == 0
     held = [kv.manager.get_block_ids(r.request_id) for r in requests]

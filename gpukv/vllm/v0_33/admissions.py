@@ -110,7 +110,7 @@ def _bends_the_loop(s: Any, adapter: Any, throttle_prefills: bool) -> bool:
 
     return bool(s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
                 or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
-                or s.prefix_replay_tokens or not adapter.can_batch or adapter._events.index
+                or s.prefix_replay_tokens or not adapter.can_batch or adapter.event_translator.index
                 or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None))
 
 
@@ -221,7 +221,7 @@ class AdmittedRun:
         if not run or run[0] is not request:
             return
         a = self._adapter
-        result = a.pending.flush(new=[a._new_request(r, token_ids(r), lookahead=self.lookahead) for r in run],
+        result = a.pending.flush(new=[a.gpukv_request(r, token_ids(r), lookahead=self.lookahead) for r in run],
                                  token_budget=token_budget, admitting=run)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
@@ -240,13 +240,13 @@ class AdmittedRun:
         if block_ids is None:  # (the ids stay on the device: vLLM's output carries none, ``ids_on_device``)
             computed = ComputedBlocks([[] for _ in range(a.num_kv_cache_groups)], hit)
             # (a hit's blocks are an instance of their own: vLLM hands them back to allocate_slots)
-            hit_blocks = a._blocks_cls(tuple([] for _ in range(a.num_kv_cache_groups))) if hit \
+            hit_blocks = a.blocks_class(tuple([] for _ in range(a.num_kv_cache_groups))) if hit \
                 else a.empty_kv_cache_blocks
             return RunEntry(request, row, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
         hit_ids = [ids[:num_hit] for ids in block_ids]
         computed = ComputedBlocks(hit_ids, hit)
         hit_blocks = a.id_blocks(tuple(hit_ids), request, num_hit)
-        new_blocks = a._new_blocks([ids[num_hit:] for ids in block_ids])
+        new_blocks = a.new_kv_cache_blocks([ids[num_hit:] for ids in block_ids])
         return RunEntry(request, row, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
 
     def lookup(self, request: Any) -> RunEntry | None:

@@ -24,14 +24,18 @@ block ids in ``SchedulerOutput`` are read by nothing on the forward path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gpukv.errors import GpukvError
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+
+if TYPE_CHECKING:
+    from gpukv.device.manager import DeviceManager
 
 __all__ = ["BINDING", "Expected", "TableBinding", "TablesMovedError"]
 
@@ -61,7 +65,8 @@ class TableBinding:
 
     def __init__(self) -> None:
         self.expected: Expected | None = None
-        self.manager: Any = None
+        self.manager: DeviceManager | None = None
+        self._rows_of: Mapping[str, int] = {}  # the manager's live view of its requests' rows
         self._generation = -1
         self._table_ptr = 0
 
@@ -98,22 +103,28 @@ class TableBinding:
                           "build both from one vLLM config")
         return max(max_num_reqs, want.rows), want.width * block_size
 
-    def publish(self, manager: Any) -> Any:
+    def publish(self, manager: DeviceManager) -> DeviceManager:
         """The scheduler's gpukv manager, now the runner's tables; returns it."""
         if self.expected is not None:
             self.manager = manager
+            self._rows_of = manager.request_rows
             self._generation = manager.rows_generation
-            self._table_ptr = manager._rows.block_table.data_ptr()
+            self._table_ptr = manager.block_table.data_ptr()
         return manager
 
-    def tables(self) -> torch.Tensor:
-        """int32[G, rows, W]: gpukv's block tables, checked unmoved."""
+    def _bound(self) -> DeviceManager:
+        """The published manager (refused when no gpukv scheduler published one)."""
         if self.manager is None:
             raise _refuse("a model runner with no gpukv scheduler in its process",
                           "run with --scheduler-cls gpukv.vllm.AsyncScheduler and one GPU (tensor and pipeline "
                           "parallel size 1)")
-        table = self.manager._rows.block_table
-        if self.manager.rows_generation != self._generation or table.data_ptr() != self._table_ptr:
+        return self.manager
+
+    def tables(self) -> torch.Tensor:
+        """int32[G, rows, W]: gpukv's block tables, checked unmoved."""
+        manager = self._bound()
+        table = manager.block_table
+        if manager.rows_generation != self._generation or table.data_ptr() != self._table_ptr:
             raise TablesMovedError("gpukv's block tables were reallocated while the model runner reads them",
                                    argument="max_num_seqs",
                                    fix="size gpukv to vLLM's max_num_reqs rows (the binding does; report this)")
@@ -121,11 +132,11 @@ class TableBinding:
 
     def row_of(self, request_id: str) -> int:
         """The gpukv row of a request the scheduler admitted."""
-        return int(self.manager._reqs[request_id])
+        return int(self._rows_of[request_id])
 
     def blocks_held(self) -> np.ndarray:
         """int64[rows]: each row's block positions (every group), from gpukv's host counts."""
-        return self.manager._rows.num_held
+        return self._bound().blocks_held_per_row
 
     @property
     def stream(self) -> Any:

@@ -34,7 +34,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpukv.core.protocol import BlockManager
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,11 @@ class EventTranslator:
         """Whether ``group`` has a block cached under vLLM's ``block_hash`` (``index`` only)."""
         return self._cached[(block_hash, group)] > 0
 
-    def drain(self, manager: Any, request: Any | None) -> None:
+    def drain(self, manager: BlockManager, request: Any | None) -> None:
         """Translate what ``manager`` logged since the last drain (one call)."""
         self._translate(manager, [e for batch in manager.take_events() for e in batch.events], request)
 
-    def drain_step(self, manager: Any, calls: Sequence[StepCall], num_groups: int) -> None:
+    def drain_step(self, manager: BlockManager, calls: Sequence[StepCall], num_groups: int) -> None:
         """Translate what one batched step logged as vLLM's ``calls`` would
         have, one after another (module docstring): each call's removals,
         then its stores."""
@@ -114,7 +117,7 @@ class EventTranslator:
             popped += call.num_popped
             cached += call.num_stored
 
-    def _translate(self, manager: Any, events: list[Any], request: Any | None) -> None:
+    def _translate(self, manager: BlockManager, events: list[Any], request: Any | None) -> None:
         """vLLM's events of one call's gpukv ``events``, in order: gpukv's
         stores merged per chain and group."""
         from gpukv.events import schema as gk

@@ -46,15 +46,15 @@ class CacheLookups:
     max_model_len: int
     num_kv_cache_groups: int
     pending: Any
-    _events: Any
+    event_translator: Any
     _looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]]
-    _blocks_cls: Any
+    blocks_class: Any
     ids_on_device: bool
     # (the adapter's own methods these call: annotations only, so none is shadowed)
     flush: Callable[[], None]
     prefix_cache_lookup_enabled: Callable[[Any], bool]
     id_blocks: Callable[..., Any]
-    _new_request: Callable[..., Any]
+    gpukv_request: Callable[..., Any]
 
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
@@ -83,7 +83,7 @@ class CacheLookups:
             self._looked_up.pop(request.request_id, None)
             return self.empty_kv_cache_blocks, 0, boundary
         if isinstance(computed, PrefixHit):  # (an instance of its own, no ids: vLLM hands it back to allocate_slots)
-            blocks = self._blocks_cls(tuple([] for _ in range(self.num_kv_cache_groups)))
+            blocks = self.blocks_class(tuple([] for _ in range(self.num_kv_cache_groups)))
         else:
             blocks = self.id_blocks(tuple(computed.block_ids), request, computed.num_tokens // self.block_size)
         self._looked_up[request.request_id] = (blocks, computed)
@@ -107,7 +107,7 @@ class CacheLookups:
         ``ids_on_device`` its size only (the ids stay on the device)."""
         if max_hit_blocks <= 0:
             return ComputedBlocks([[] for _ in range(self.num_kv_cache_groups)], 0)
-        capped = self._new_request(request, token_ids(request, max_hit_blocks * self.block_size + 1))
+        capped = self.gpukv_request(request, token_ids(request, max_hit_blocks * self.block_size + 1))
         if self.ids_on_device:
             return self.manager.read_prefix_hit(capped)
         return self.manager.get_computed_blocks(capped)
@@ -116,9 +116,9 @@ class CacheLookups:
         """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup
         group, in tokens, when longer than the hit (0 otherwise, and always
         with one lookup group, where the two are one)."""
-        if not self._events.index:
+        if not self.event_translator.index:
             return 0
         hashes = request.block_hashes
-        longest = self.groups.longest_single_group_hit(lambda i, g: self._events.is_cached(hashes[i], g),
+        longest = self.groups.longest_single_group_hit(lambda i, g: self.event_translator.is_cached(hashes[i], g),
                                                        min(max_hit_blocks, len(hashes))) * self.block_size
         return longest if longest > num_hit_tokens else 0

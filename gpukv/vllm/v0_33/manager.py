@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpukv.core.protocol import BlockManager
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_8.manager import resolve_backend
@@ -150,7 +151,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         self.watermark_blocks = watermark_blocks(watermark, self.num_gpu_blocks)
         self._stats_cls = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self._blocks_cls = KVCacheBlocks
+        self.blocks_class = KVCacheBlocks
         self._id_blocks_cls = id_blocks_class(KVCacheBlocks)  # (the Block objects built only when read)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self.coordinator = CoordinatorView(kv_cache_config, self.enable_caching)
@@ -159,12 +160,13 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.backend = resolve_backend(backend)
         # The boundary needs one group's lone hit: an index of what each group cached (more than one lookup group).
-        self._events = EventTranslator(kv_cache_config, self.block_size, publish=self.enable_kv_cache_events,
-                                       index=self.enable_caching and len(self.groups.lookup_order) > 1)
+        self.event_translator = EventTranslator(kv_cache_config, self.block_size,
+                                                publish=self.enable_kv_cache_events,
+                                                index=self.enable_caching and len(self.groups.lookup_order) > 1)
         self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
                                     windows=self.groups.windows, max_model_len=max_model_len,
-                                    enable_caching=self.enable_caching, enable_kv_cache_events=self._events.active,
-                                    max_num_reqs=max_num_reqs)
+                                    enable_caching=self.enable_caching,
+                                    enable_kv_cache_events=self.event_translator.active, max_num_reqs=max_num_reqs)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
         # Their [row, block positions per group, gpukv's computed tokens, its known tokens]: the batched path's
@@ -195,7 +197,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         events (vLLM's hashes in ``BlockStored``) and for the shared-prefix
         boundary's index (more than one lookup group). Else vLLM's engine
         need not hash (``gpukv.vllm.v0_33.engine_hashing``)."""
-        return self._events.active
+        return self.event_translator.active
 
     # ------------------------------------------------------------ reading
     def flush(self) -> None:
@@ -246,7 +248,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> Any:
         """``KVCacheBlocks`` of ``blocks``, or the shared empty instance when
         every group is empty (vLLM's scheduler compares with it)."""
-        return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
+        return self.blocks_class(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def id_blocks(self, ids: tuple[Any, ...], request: Any = None, num_cached: int = 0) -> Any:
         """``KVCacheBlocks`` of block ids per group (lists or int arrays), its
@@ -261,7 +263,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
     def take_events(self) -> list[Any]:
         """vLLM's KV events since the last call (``BlockStored`` annotated
         with its group's spec kind and window)."""
-        return self._events.take()
+        return self.event_translator.take()
 
     def new_step_starts(self) -> None:
         """vLLM's per-step hook (Mamba only)."""
@@ -331,7 +333,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         _, _, computed, held = self._held[rid]
         chunk = None if target == request.num_tokens else target - computed
         self._extend(rid, request.all_token_ids[held:], chunk, 0, 0)
-        self._note_held(rid)
+        self.note_held(rid)
         self._drain(request)
 
     @flushing
@@ -382,7 +384,8 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
                                  f"{sorted(held)}")
 
     # ------------------------------------------------------------ internals
-    def _new_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
+    def gpukv_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
+        """gpukv's ``NewRequest`` of vLLM's ``request`` with these ``tokens``."""
         lora = request.lora_request
         return NewRequest(request.request_id, tokens, lora_id=lora.adapter_id if lora else None,
                           cache_salt=request.cache_salt, skip_prefix_cache=features.skips_cache(request),
@@ -404,7 +407,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         if not self._admission_fits(request, computed, need_slot, full_sequence_must_fit, reserved_blocks,
                                     has_scheduled_reqs):
             return None
-        new_request = self._new_request(request, token_ids(request))
+        new_request = self.gpukv_request(request, token_ids(request))
         new: list[list[int]] | None
         if self.ids_on_device:  # (its lookups gave a PrefixHit: the hit known by its size)
             admitted = self.manager.admit(new_request, computed, num_tokens=target - hit,
@@ -420,7 +423,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
                                                                                 strict=True)]
         self._record_admission(request, all_ids, self.manager.row_of(request.request_id))
         self._drain(request)
-        return self._new_blocks(new)
+        return self.new_kv_cache_blocks(new)
 
     def _admission_fits(self, request: Any, computed: ComputedBlocks | PrefixHit | None, need_slot: int,
                         full_sequence_must_fit: bool, reserved_blocks: int, has_scheduled_reqs: bool) -> bool:
@@ -468,9 +471,9 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         new = self._extend(rid, request.all_token_ids[held:], chunk, need_slot - target, processed)
         if new is None:
             return None
-        self._note_held(rid)
+        self.note_held(rid)
         self._drain(request)
-        return self._new_blocks(new)
+        return self.new_kv_cache_blocks(new)
 
     def _extend(self, rid: str, tokens: Any, chunk: int | None, lookahead: int,
                 processed: int) -> list[list[int]] | None:
@@ -490,9 +493,10 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         self._requests[rid] = request
         self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
         self._held[rid] = [row, 0, 0, 0]
-        self._note_held(rid)
+        self.note_held(rid)
 
-    def _note_held(self, rid: str) -> None:
+    def note_held(self, rid: str) -> None:
+        """The adapter's record of what request ``rid`` holds, read back from the manager (host only)."""
         record = self._held[rid]
         (known,), (computed,) = self.manager.row_token_counts([record[0]])  # (host only)
         record[1:] = self.manager.num_blocks_held(rid), int(computed), int(known)
@@ -511,7 +515,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             return 0
         return min(self._held[request.request_id][2], request.num_tokens) // self.block_size
 
-    def _new_blocks(self, new: Sequence[Sequence[int]]) -> Any:
+    def new_kv_cache_blocks(self, new: Sequence[Sequence[int]]) -> Any:
         """The ``KVCacheBlocks`` of blocks an allocation just took: ids only,
         all vLLM's scheduler reads of them (``get_blocks`` gives hashes)."""
         if self.ids_on_device:
@@ -519,8 +523,8 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         return self.id_blocks(tuple(new))
 
     def _drain(self, request: Any | None) -> None:
-        if self._events.active:
-            self._events.drain(self.manager, request)
+        if self.event_translator.active:
+            self.event_translator.drain(self.manager, request)
 
 
 def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks | PrefixHit] | None, request: Any,
@@ -553,7 +557,7 @@ def _hit_ids(computed: ComputedBlocks | PrefixHit | None, adapter: KVCacheManage
     return [[] for _ in range(adapter.num_kv_cache_groups)]
 
 
-def _num_evictable(manager: Any, hit_ids: Sequence[Sequence[int]]) -> int:
+def _num_evictable(manager: BlockManager, hit_ids: Sequence[Sequence[int]]) -> int:
     """Hit blocks no request holds: a hit takes them out of the free queue,
     so they count as blocks to take (vLLM's fit check); one device read."""
     return manager.read_num_unheld([b for group in hit_ids for b in group])

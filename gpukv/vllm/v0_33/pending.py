@@ -74,15 +74,15 @@ def pending_blocks_class(blocks_cls: type) -> type:
 
             def __init__(self, pending: PendingGrowth) -> None:  # (not the dataclass's: blocks come later)
                 self._pending = pending
-                self._filled: tuple | None = None
+                self.filled: tuple | None = None
 
             @property
             def blocks(self) -> tuple:  # type: ignore[override]
-                if self._filled is None:
+                if self.filled is None:
                     self._pending.flush()
-                if self._filled is None:
+                if self.filled is None:
                     raise AssertionError("a pending allocation's blocks were not filled by its flush")
-                return self._filled
+                return self.filled
 
         cls = _LAZY_CLASSES[blocks_cls] = PendingKVCacheBlocks
     return cls
@@ -97,7 +97,7 @@ class PendingGrowth:
 
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
-        self._lazy_cls = pending_blocks_class(adapter._blocks_cls)
+        self._lazy_cls = pending_blocks_class(adapter.blocks_class)
         self.num_calls = 0  # calls answered on the host, since construction
         self.num_steps = 0  # gpukv steps they were applied in
         self.num_reads = 0  # free counts read from the device (a call past the host's bound)
@@ -183,8 +183,8 @@ class PendingGrowth:
             if wants_ids:
                 for i, blocks in enumerate([call[8] for call in self.calls]):
                     if blocks is not None:
-                        blocks._filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
-            if self._adapter._events.active:
+                        blocks.filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
+            if self._adapter.event_translator.active:
                 self._drain(result, admitting)
             return result
         except GpukvInputError:
@@ -205,13 +205,13 @@ class PendingGrowth:
             full = (result.num_computed_tokens[i] + result.num_new_tokens[i]) // bs
             calls.append(StepCall(request, groups * (a.manager.num_blocks_held(request.request_id) - hit),
                                   groups * (full - hit) if caching else 0))
-        a._events.drain_step(a.manager, calls, groups)
+        a.event_translator.drain_step(a.manager, calls, groups)
 
     def _reread(self) -> None:
         """gpukv refused the step and changed nothing: the adapter's records,
         which ``add`` moved ahead, read back from the manager (host only)."""
         for call in self.calls:
-            self._adapter._note_held(call[1].request_id)
+            self._adapter.note_held(call[1].request_id)
 
     def _batch(self) -> PrecheckedRunningBatch:
         """The pending calls as a ``RunningBatch``: each appends the tokens
