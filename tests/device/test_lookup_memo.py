@@ -182,3 +182,18 @@ def test_the_memo_covers_only_what_it_proves():
     assert memo.covers(NewRequest("a", torch.tensor([1, 2, 3, 4, 5])), 2, 7) is False
     assert LookupMemo(7, NewRequest("a", tokens), 1, 1).covers(same, 2, 7) is False  # a bound below the cap
     assert LookupMemo(7, NewRequest("a", tokens), 3, 2).covers(same, 2, 7) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tokens_on_the_device_keep_the_recheck():
+    dev = DeviceManager(16, 2, hash_key=KEY, max_model_len=64, device="cuda")
+    dev.step(new=[NewRequest("p", PROMPT)])
+    dev.free("p")
+    req = NewRequest("a", torch.tensor([*PROMPT[:6], 9], device="cuda"))
+    c = dev.get_computed_blocks(req)
+    assert c == ComputedBlocks([[1, 2, 3]], 6)
+    assert dev._admission.memo is None  # nothing remembered: the host never reads these tokens
+    assert dev.allocate_slots(req, computed=c) == [[4]]
+    # The re-check's two reads (the hit with the tokens' verdict, its ids), the step's, the new ids'.
+    assert dev.counters.d2h == 4
