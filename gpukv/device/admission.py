@@ -248,10 +248,20 @@ class Admission:
                 self.count_lookups([request], [n])
         finally:
             s.rows.give_back_unused([row])
-        unheld = int(values[1]) if sized else 0
-        # Remembered for the admission that follows (``_hit_current``); not with device tokens (never compared).
-        self.memo = None if device_tokens else LookupMemo(s.epoch, request, hit_cap, n)
-        return n, unheld, cache
+        self._remember(request, hit_cap, n)
+        return n, int(values[1]) if sized else 0, cache
+
+    def _remember(self, request: NewRequest, hit_cap: int | None, hit: int) -> None:
+        """A dry lookup's result kept for the admission that follows
+        (``_hit_current``), with the most blocks it could hit; nothing kept
+        for tokens on the device (never compared on the host)."""
+        s = self._s
+        if isinstance(request.token_ids, torch.Tensor):
+            self.memo = None
+            return
+        limit = 0 if request.skip_prefix_cache or not s.enable_caching else (len(request.token_ids) - 1) // s.block_size
+        bound = limit if hit_cap is None else min(hit_cap, limit)
+        self.memo = LookupMemo(s.epoch, request, bound, hit, s.block_size)
 
     def _hit_current(self, request: NewRequest, cap: int, hit_tokens: int,
                      ids: Sequence[Sequence[int]] | None) -> bool:
@@ -415,36 +425,41 @@ class Admission:
 class LookupMemo:
     """A dry lookup the manager made (``Admission._dry_lookup``): the
     normalised request it looked up (its token array is the manager's own,
-    made by the argument checks: no caller holds it), its cap in blocks
-    (None: none), its hit in blocks, the hit's ids per group when they were
-    read (``lookup_only``: a copy, window nulls in place), and the mutation
-    epoch it saw (``DeviceState.epoch``)."""
+    made by the argument checks: no caller holds it), the most blocks it
+    could hit (its cap and its own last-token limit), its hit in blocks, the
+    hit's ids per group when they were read (``lookup_only``: a copy, window
+    nulls in place), the block size and the mutation epoch it saw
+    (``DeviceState.epoch``)."""
 
-    __slots__ = ("epoch", "request", "cap", "hit", "ids")
+    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids")
 
-    def __init__(self, epoch: int, request: NewRequest, cap: int | None, hit: int) -> None:
-        self.epoch, self.request, self.cap, self.hit = epoch, request, cap, hit
+    def __init__(self, epoch: int, request: NewRequest, bound: int, hit: int, block_size: int) -> None:
+        self.epoch, self.request, self.bound, self.hit, self.block_size = epoch, request, bound, hit, block_size
         self.ids: list[list[int]] | None = None
 
     def covers(self, request: NewRequest, cap: int, epoch: int) -> bool:
         """Whether a lookup of ``request`` capped at ``cap`` blocks now must
-        give this one's result: no call has passed a point of first change
-        since (``epoch``: the pool, the rows and the cache are as they were),
-        the request's host tokens and extra keys equal the remembered ones
-        (tokens on the device are never compared: the host does not read
-        them), and this lookup's bound covers ``cap`` with its hit exactly
-        ``cap`` (the hit is the largest every group can serve under the
-        bound, ``kernels/lookup.py`` ``_request_hit``: the same from any
-        bound at or above it, with the same ids below it)."""
+        give this one's result. A capped lookup reads the pool and the digests
+        of the first ``cap`` blocks only, which chain over those blocks'
+        tokens and the extra keys; its hit is the largest every group can
+        serve under its bound (``kernels/lookup.py``, ``_request_hit``: the
+        same from any bound at or above it, the same ids below it). So: no
+        call has passed a point of first change since (``epoch``: the pool,
+        the rows and the cache are as they were), this lookup's bound covers
+        ``cap`` and its hit is exactly ``cap``, and the request's id, extra
+        keys and host tokens over those blocks equal the remembered ones
+        (vLLM's adapter looks up the prompt cut after its last possible hit
+        block, then admits the whole prompt). Tokens on the device are never
+        compared: the host does not read them."""
         mine, tokens = self.request, request.token_ids
-        if epoch != self.epoch or self.hit != cap or (self.cap is not None and self.cap < cap):
+        if epoch != self.epoch or self.hit != cap or self.bound < cap or isinstance(tokens, torch.Tensor):
             return False
-        if isinstance(tokens, torch.Tensor) or request.request_id != mine.request_id:
+        if (request.request_id, request.lora_id, request.cache_salt, request.skip_prefix_cache,
+                request.mm_items) != (mine.request_id, mine.lora_id, mine.cache_salt, mine.skip_prefix_cache,
+                                      mine.mm_items):
             return False
-        if (request.lora_id, request.cache_salt, request.skip_prefix_cache, request.mm_items) != \
-                (mine.lora_id, mine.cache_salt, mine.skip_prefix_cache, mine.mm_items):
-            return False
-        return bool(np.array_equal(tokens, mine.token_ids))
+        n = cap * self.block_size
+        return len(tokens) >= n and bool(np.array_equal(np.asarray(tokens)[:n], np.asarray(mine.token_ids)[:n]))
 
     def same_ids(self, ids: Sequence[Sequence[int]]) -> bool:
         """Whether ``ids`` (per group) are the remembered hit's ids."""

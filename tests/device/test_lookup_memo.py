@@ -115,18 +115,23 @@ def test_a_change_that_evicts_the_hit_is_refused_after_the_lookup():
 
 def test_other_tokens_under_the_same_id_keep_the_recheck():
     ref, dev = primed()
-    looked = NewRequest("a", [*PROMPT[:6], 9])
-    c_dev, c_ref = dev.get_computed_blocks(looked), ref.get_computed_blocks(looked)
-    # The same id and hit, other tokens past the hit: re-checked (it holds).
-    other = NewRequest("a", [*PROMPT[:6], 9, 9])
-    assert dev.allocate_slots(other, computed=c_dev) == ref.allocate_slots(other, computed=c_ref) == [[4]]
-    assert dev.counters.d2h == 4
+    other = [1, 2, 3, 4, 0, 0, 0]  # its own third block cached too
+    for m in (ref, dev):
+        m.step(new=[NewRequest("q", other)])
+        m.free("q")
+    c_other = [m.get_computed_blocks(NewRequest("a", [*other[:6], 9])) for m in (ref, dev)]
+    assert c_other[0] == c_other[1] == ComputedBlocks([[1, 2, 4]], 6)
+    for m in (ref, dev):  # the last lookup: the same id and hit size, another third block
+        assert m.get_computed_blocks(NewRequest("a", [*PROMPT[:6], 9])) == ComputedBlocks([[1, 2, 3]], 6)
+    req = NewRequest("a", [*other[:6], 9])
+    assert dev.allocate_slots(req, computed=c_other[1]) == ref.allocate_slots(req, computed=c_other[0])
+    assert dev.counters.d2h == 4  # re-checked (it holds)
     assert_same(ref, dev)
     # Other tokens inside the hit: re-checked, refused, nothing changed.
     c_dev = dev.get_computed_blocks(NewRequest("b", [*PROMPT[:6], 9]))
     before = (dev.free_queue(), dev.request_ids())
     with pytest.raises(StaleComputedBlocksError):
-        dev.allocate_slots(NewRequest("b", [*PROMPT[:4], 0, 0, 9]), computed=c_dev)
+        dev.allocate_slots(NewRequest("b", [*PROMPT[:4], 7, 7, 9]), computed=c_dev)
     assert (dev.free_queue(), dev.request_ids()) == before and not dev.failed
 
 
@@ -168,20 +173,36 @@ def test_a_sized_hit_larger_than_the_remembered_one_is_refused():
 
 
 def test_the_memo_covers_only_what_it_proves():
-    tokens = np.array([1, 2, 3, 4, 5], dtype=np.int64)
-    memo = LookupMemo(7, NewRequest("a", tokens), None, 2)
+    tokens = np.array([1, 2, 3, 4, 5], dtype=np.int64)  # block size 2: at most 2 blocks hit
+    memo = LookupMemo(7, NewRequest("a", tokens), 2, 2, 2)
     same = NewRequest("a", tokens.copy())
     assert memo.covers(same, 2, 7) is True
     assert memo.covers(same, 2, 8) is False  # something may have changed since
     assert memo.covers(same, 1, 7) is False  # a shorter hit: not this lookup's result
     assert memo.covers(NewRequest("b", tokens.copy()), 2, 7) is False
-    assert memo.covers(NewRequest("a", np.array([1, 2, 3, 4, 6])), 2, 7) is False
+    assert memo.covers(NewRequest("a", np.array([1, 2, 3, 9, 5])), 2, 7) is False
+    # Tokens past the hit's blocks are not looked at by a lookup capped there.
+    assert memo.covers(NewRequest("a", np.array([1, 2, 3, 4, 9, 9, 9])), 2, 7) is True
     assert memo.covers(NewRequest("a", tokens.copy(), lora_id=3), 2, 7) is False
+    assert memo.covers(NewRequest("a", tokens.copy(), cache_salt="s"), 2, 7) is False
     assert memo.covers(NewRequest("a", tokens.copy(), skip_prefix_cache=True), 2, 7) is False
     # Tokens left on the device: never compared on the host.
     assert memo.covers(NewRequest("a", torch.tensor([1, 2, 3, 4, 5])), 2, 7) is False
-    assert LookupMemo(7, NewRequest("a", tokens), 1, 1).covers(same, 2, 7) is False  # a bound below the cap
-    assert LookupMemo(7, NewRequest("a", tokens), 3, 2).covers(same, 2, 7) is True
+    assert LookupMemo(7, NewRequest("a", tokens), 1, 1, 2).covers(same, 2, 7) is False  # a bound below the cap
+    assert LookupMemo(7, NewRequest("a", tokens), 2, 1, 2).covers(same, 1, 7) is True
+
+
+def test_a_lookup_of_the_cut_prompt_covers_the_whole_prompts_admission():
+    # vLLM's adapter looks up the prompt cut one token after its last possible hit block, then admits it whole.
+    ref, dev = primed()
+    whole = [*PROMPT[:6], 9, 9, 9, 9]
+    cut = NewRequest("a", whole[:9])
+    c_dev, c_ref = dev.get_computed_blocks(cut), ref.get_computed_blocks(cut)
+    assert c_dev == c_ref == ComputedBlocks([[1, 2, 3]], 6)
+    req = NewRequest("a", whole)
+    assert dev.allocate_slots(req, computed=c_dev) == ref.allocate_slots(req, computed=c_ref) == [[4, 5]]
+    assert dev.counters.d2h == 2
+    assert_same(ref, dev)
 
 
 @pytest.mark.gpu
