@@ -59,6 +59,8 @@ class Admission:
         self._launches = launches
         self.buffers: dict[tuple, AdmissionBuffers] = {}
         self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
+        #: The last dry lookup (``_dry_lookup``), None after one on device tokens.
+        self.memo: LookupMemo | None = None
 
     # ------------------------------------------------------------- rounds
     def round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool, graphs=None,
@@ -171,9 +173,7 @@ class Admission:
                 # what a lookup capped at its length finds now (a longer hit
                 # would move a window group's null blocks).
                 cap = computed.num_tokens // s.block_size
-                now = self.lookup_only(request, count_stats=False, hit_cap=cap)
-                if now.num_tokens != computed.num_tokens or any(
-                        list(computed.block_ids[g]) != now.block_ids[g] for g in range(s.num_groups)):
+                if not self._hit_current(request, cap, computed.num_tokens, computed.block_ids):
                     raise stale_computed_blocks()
             # (the dry lookup above wrote only a free row and scratch buffers)
             self._calls.begin_changes()
@@ -188,14 +188,15 @@ class Admission:
         """``admit`` of a new request with a hit known by its size: the hit
         checked against a lookup capped at its length (its size read, no
         block id), then one step admitting the request with that cap (the
-        same lookup, nothing changed in between, so the same hit)."""
+        same lookup, nothing changed in between, so the same hit); the check
+        is skipped where the last dry lookup proves it (``LookupMemo``)."""
         s = self._s
         (request,) = self._calls.normalize((), (), [request], single=True, defer_admissible=True).new
         hit_tokens = check_prefix_hit(hit, request, s.limits)
         request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, s.limits)
         cap = hit_tokens // s.block_size
         with self._calls.counting():
-            if cap and self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens != hit_tokens:
+            if cap and not self._hit_current(request, cap, hit_tokens, None):
                 raise stale_computed_blocks()
             self._calls.begin_changes()
             res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap])
@@ -210,6 +211,8 @@ class Admission:
         for g, w in enumerate(s.window_blocks):
             if w >= 0:  # a window group holds the null block before its last W hit positions
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
+        if self.memo is not None:  # (the lookup just remembered: its ids, a copy no caller holds)
+            self.memo.ids = [list(g) for g in blocks]
         return ComputedBlocks(blocks, n * s.block_size)
 
     def lookup_size(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> PrefixHit:
@@ -245,7 +248,36 @@ class Admission:
                 self.count_lookups([request], [n])
         finally:
             s.rows.give_back_unused([row])
+        self._remember(request, hit_cap, n)
         return n, int(values[1]) if sized else 0, cache
+
+    def _remember(self, request: NewRequest, hit_cap: int | None, hit: int) -> None:
+        """A dry lookup's result kept for the admission that follows
+        (``_hit_current``), with the most blocks it could hit; nothing kept
+        for tokens on the device (never compared on the host)."""
+        s = self._s
+        if isinstance(request.token_ids, torch.Tensor):
+            self.memo = None
+            return
+        limit = 0 if request.skip_prefix_cache or not s.enable_caching else (len(request.token_ids) - 1) // s.block_size
+        bound = limit if hit_cap is None else min(hit_cap, limit)
+        self.memo = LookupMemo(s.epoch, request, bound, hit, s.block_size)
+
+    def _hit_current(self, request: NewRequest, cap: int, hit_tokens: int,
+                     ids: Sequence[Sequence[int]] | None) -> bool:
+        """Whether a lookup of ``request`` capped at ``cap`` blocks finds now
+        a hit of ``hit_tokens`` (with ``ids``: those block ids per group).
+        The remembered dry lookup answers where it provably gives what a
+        lookup now would (``LookupMemo.covers``); else a capped dry lookup
+        (sized: no id read, when no id is compared)."""
+        s = self._s
+        memo = self.memo
+        if memo is not None and memo.covers(request, cap, s.epoch) and (ids is None or memo.ids is not None):
+            return memo.hit * s.block_size == hit_tokens and (ids is None or memo.same_ids(ids))
+        if ids is None:
+            return self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens == hit_tokens
+        now = self.lookup_only(request, count_stats=False, hit_cap=cap)
+        return now.num_tokens == hit_tokens and all(list(ids[g]) == now.block_ids[g] for g in range(s.num_groups))
 
     def _unheld_in_hit(self, hit: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """int64[1] on the device: the blocks of a dry lookup's hit (``hit``:
@@ -388,3 +420,48 @@ class Admission:
             if r.lora_id is not None and nb < s.rows.max_blocks:
                 (later,) = hashing.extra_key_digests(key, 1, bs, lora_id=r.lora_id, first_block=max(nb, 1))
                 extras[row, nb:] = up(np.asarray(hashing.digests_to_lanes([later]).view(np.int64), dtype=np.int64))
+
+
+class LookupMemo:
+    """A dry lookup the manager made (``Admission._dry_lookup``): the
+    normalised request it looked up (its token array is the manager's own,
+    made by the argument checks: no caller holds it), the most blocks it
+    could hit (its cap and its own last-token limit), its hit in blocks, the
+    hit's ids per group when they were read (``lookup_only``: a copy, window
+    nulls in place), the block size and the mutation epoch it saw
+    (``DeviceState.epoch``)."""
+
+    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids")
+
+    def __init__(self, epoch: int, request: NewRequest, bound: int, hit: int, block_size: int) -> None:
+        self.epoch, self.request, self.bound, self.hit, self.block_size = epoch, request, bound, hit, block_size
+        self.ids: list[list[int]] | None = None
+
+    def covers(self, request: NewRequest, cap: int, epoch: int) -> bool:
+        """Whether a lookup of ``request`` capped at ``cap`` blocks now must
+        give this one's result. A capped lookup reads the pool and the digests
+        of the first ``cap`` blocks only, which chain over those blocks'
+        tokens and the extra keys; its hit is the largest every group can
+        serve under its bound (``kernels/lookup.py``, ``_request_hit``: the
+        same from any bound at or above it, the same ids below it). So: no
+        call has passed a point of first change since (``epoch``: the pool,
+        the rows and the cache are as they were), this lookup's bound covers
+        ``cap`` and its hit is exactly ``cap``, and the request's id, extra
+        keys and host tokens over those blocks equal the remembered ones
+        (vLLM's adapter looks up the prompt cut after its last possible hit
+        block, then admits the whole prompt). Tokens on the device are never
+        compared: the host does not read them."""
+        mine, tokens = self.request, request.token_ids
+        if epoch != self.epoch or self.hit != cap or self.bound < cap or isinstance(tokens, torch.Tensor):
+            return False
+        if (request.request_id, request.lora_id, request.cache_salt, request.skip_prefix_cache,
+                request.mm_items) != (mine.request_id, mine.lora_id, mine.cache_salt, mine.skip_prefix_cache,
+                                      mine.mm_items):
+            return False
+        n = cap * self.block_size
+        return len(tokens) >= n and bool(np.array_equal(np.asarray(tokens)[:n], np.asarray(mine.token_ids)[:n]))
+
+    def same_ids(self, ids: Sequence[Sequence[int]]) -> bool:
+        """Whether ``ids`` (per group) are the remembered hit's ids."""
+        assert self.ids is not None
+        return len(ids) == len(self.ids) and all(list(a) == b for a, b in zip(ids, self.ids, strict=True))

@@ -586,6 +586,16 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return result
 
     # ------------------------------------------------------------- checking
+    def _begin_changes(self) -> None:
+        """The running call's point of first change (``gpukv.core.failstop``),
+        which also advances the mutation epoch (``DeviceState.epoch``): every
+        call that may change the pool, the rows or the cache passes here
+        before it does, so a dry lookup remembered at an epoch still current
+        is what a lookup of the same request would find now (the admission's
+        ``LookupMemo``)."""
+        self._changing = True
+        self._shared.epoch += 1
+
     def _state(self, request_id: str) -> int:
         """A running request's row (InvalidTypeError: an id not a plain str; UnknownRequestError: one not held)."""
         if type(request_id) is not str:

@@ -68,6 +68,9 @@ class DeviceState:
     free_lower_bound: int
     #: Nested step accountings under way (``gpukv.device.calls.StepAccounting``).
     counting_depth: int = 0
+    #: The mutation epoch: advanced at every call's point of first change (``DeviceManager._begin_changes``),
+    #: which every call that may change the pool, the rows or the cache passes first; unchanged, nothing changed.
+    epoch: int = 0
     #: Counted on the host from the hits each step reads anyway.
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
