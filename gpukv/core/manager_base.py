@@ -204,8 +204,9 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         ``allocate_slots``. True when its blocks fit, False (nothing changed)
         when they do not. Its ids are in the manager's block table (for a
         model runner that reads it there) and ``get_block_ids``. The device
-        manager reads the device twice (the hit's size, then the step's
-        status), never a block id."""
+        manager reads the step's status, and the hit's size again only when
+        something may have changed since ``read_prefix_hit`` looked it up
+        (else that lookup is the check); never a block id."""
         if not isinstance(request, NewRequest):
             raise InvalidTypeError(f"must be a NewRequest, got {type(request).__name__}", argument="request",
                                    fix="pass the NewRequest read_prefix_hit looked up")
