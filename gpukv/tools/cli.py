@@ -1155,7 +1155,7 @@ def _check_plot(path: str) -> None:
     """A plot's format and matplotlib, checked before anything runs."""
     try:
         plot.check_path(path)
-        plot.require()
+        plot.require_matplotlib()
     except (ValueError, ImportError) as e:
         raise CliError(f"--plot {e}") from None
 

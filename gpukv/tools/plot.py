@@ -1,6 +1,6 @@
 """Figures of a replay and of a capacity sweep, with matplotlib (the optional
 ``plot`` extra). The output format follows the file's extension (``.png``,
-``.svg``, ``.pdf``); without matplotlib, ``require()`` raises an
+``.svg``, ``.pdf``); without matplotlib, ``require_matplotlib()`` raises an
 ``ImportError`` whose message names the extra."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ EXTRA_HINT = "pip install matplotlib (or pip install -e '.[plot]' in a gpukv clo
 FORMATS = (".png", ".svg", ".pdf")
 
 
-def require() -> Any:
+def require_matplotlib() -> Any:
     """``matplotlib.pyplot`` on a file-only backend, or an ImportError naming the extra."""
     try:
         import matplotlib
@@ -41,7 +41,7 @@ def replay_figure(report: dict, path: str | Path) -> None:
     that never evicts), blocks in use against the pool, and the manager's
     time per step on a log scale (marked when Triton's interpreter ran it).
     Legends sit above their panels, off the curves."""
-    plt = require()
+    plt = require_matplotlib()
     fmt = check_path(path)
     s = report["summary"]
     c = report.get("config", {})
@@ -133,7 +133,7 @@ def sweep_figure(result: dict, path: str | Path) -> None:
     cache capacity, with the ceiling of a cache that never evicts; sizes that
     cannot hold ``max_model_len`` or rejected requests are marked. The
     capacity axis is logarithmic, its ticks the sizes swept, in the sweep's unit."""
-    plt = require()
+    plt = require_matplotlib()
     fmt = check_path(path)
     points = result["points"]
     unit = result["capacity_unit"]

@@ -26,7 +26,7 @@ included: ``PrefixCacheStats.vllm085_query_blocks`` / ``..._hit_blocks``) and
 0.33.0's (``vllm:num_preemptions_total`` is what both expose).
 
 ``prometheus-client`` is imported only when metrics are asked for; without
-it, ``require()`` raises an ``ImportError`` whose message names the extra.
+it, ``require_prometheus_client()`` raises an ``ImportError`` whose message names the extra.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ EXTRA_HINT = "pip install prometheus-client (or pip install -e '.[metrics]' in a
 STEP_SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
 
-def require() -> Any:
+def require_prometheus_client() -> Any:
     """The ``prometheus_client`` module, or an ImportError naming the extra."""
     try:
         import prometheus_client
@@ -98,7 +98,7 @@ class ServingMetrics:
 
     def __init__(self, registry: Any = None, *, model_name: str = "gpukv", engine: int | str = 0,
                  vllm085: bool = False) -> None:
-        pc = require()
+        pc = require_prometheus_client()
         self._pc = pc
         self.registry = registry if registry is not None else pc.CollectorRegistry()
         self.labels = {"model_name": str(model_name), "engine": str(engine)}

@@ -217,7 +217,7 @@ def test_replay_plot_draws_three_panels(tmp_path):
 def _panel(blocks, num_blocks):
     from gpukv.tools import plot
 
-    plt = plot.require()
+    plt = plot.require_matplotlib()
     fig, ax = plt.subplots(figsize=(8, 3), constrained_layout=True)
     plot._blocks_panel(ax, blocks, num_blocks)
     fig.canvas.draw()
