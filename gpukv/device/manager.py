@@ -286,6 +286,12 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return MappingProxyType(self._reqs)
 
     @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream the manager's work runs on (None without CUDA):
+        what a reader of ``block_table`` orders its reads after."""
+        return self._stream
+
+    @property
     def blocks_held_per_row(self) -> np.ndarray:
         """int64[rows]: the block positions each row holds (every group),
         the host's counts themselves (read, do not write)."""

@@ -21,7 +21,7 @@ MANAGERS = [ReferenceManager, DeviceManager]
 # tells gpukv.device.graphs when to capture anew (the decode's parts are private:
 # one decode call runs them, under its call lock), and what a model runner
 # reads of its rows (gpukv.vllm.v0_33.binding).
-DEVICE_ONLY = {"rows_generation", "block_table", "request_rows", "blocks_held_per_row"}
+DEVICE_ONLY = {"rows_generation", "block_table", "request_rows", "blocks_held_per_row", "stream"}
 
 
 def public(cls) -> set[str]:

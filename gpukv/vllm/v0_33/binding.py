@@ -141,7 +141,7 @@ class TableBinding:
     @property
     def stream(self) -> Any:
         """The CUDA stream gpukv's kernels run on (None without CUDA)."""
-        return getattr(self.manager, "_stream", None)
+        return None if self.manager is None else self.manager.stream
 
     def reset(self) -> None:
         """Unbound, as at start-up (tests; a new engine in the same process)."""
