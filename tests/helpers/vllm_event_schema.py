@@ -16,7 +16,7 @@ class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+    """The tagged base: each event is encoded with its class name as the tag."""
 
 
 class BlockStored(VllmEvent):
@@ -46,7 +46,7 @@ class BlockRemoved(VllmEvent):
 
 
 class AllBlocksCleared(VllmEvent):
-    pass
+    """The cache was cleared: no field but the tag."""
 
 
 class VllmKVEventBatch(VllmEventBatch):
