@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpukv.core.checks import as_int32_tokens
 from gpukv.core.requests import NewRequest
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels.prefill import PLAN_ARRAYS
@@ -43,7 +42,7 @@ class AdmissionPlan:
     lookahead: np.ndarray  # int64[K]
     max_new_blocks: int  # the most blocks the step can pop, per group
     bucket: tuple
-    packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts [TP]
+    packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts (their ids only: <= TP)
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
 
 
@@ -55,22 +54,28 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     array per bucket (the step then allocates nothing on the host
     either)."""
     bs, K = block_size, len(new)
-    ntok = np.fromiter((len(r.token_ids) for r in new), np.int64, K)
-    chunk = np.fromiter((n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-                         for r, n in zip(new, ntok.tolist(), strict=True)), np.int64, K)
-    lookahead = np.fromiter((r.num_lookahead_tokens for r in new), np.int64, K)
-    skip = np.fromiter((r.skip_prefix_cache for r in new), np.int64, K)
-    max_hit = np.where(skip != 0, 0, (ntok - 1) // bs)
-    if hit_caps is not None:
-        max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
-    off = np.cumsum(ntok) - ntok
     # A request computes at most ``most_new`` tokens past its hit, so it takes
     # at most ceil((most_new + lookahead) / bs) new blocks per group and
     # caches at most most_new // bs blocks past its hit.
-    most_new = chunk if token_budget is None else np.minimum(chunk, max(token_budget, 1))
-    most_blocks = -(-(most_new + lookahead) // bs)
-    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(int(max_hit.max())), pow2_at_least(int(ntok.sum())),
-              pow2_at_least(int(most_blocks.max())), pow2_at_least(int((most_new // bs).max())))
+    budget = None if token_budget is None else max(token_budget, 1)
+    table = []  # per request, the PLAN_ARRAYS columns (plain ints: a few requests, no numpy call per column)
+    max_hit, most_blocks, most_cached = [], [], []
+    off = 0
+    for i, r in enumerate(new):
+        n = len(r.token_ids)
+        chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+        lookahead = r.num_lookahead_tokens
+        hit = 0 if r.skip_prefix_cache else (n - 1) // bs
+        if hit_caps is not None:
+            hit = min(hit, int(hit_caps[i]))
+        most_new = chunk if budget is None else min(chunk, budget)
+        max_hit.append(hit)
+        most_blocks.append(-(-(most_new + lookahead) // bs))
+        most_cached.append(most_new // bs)
+        table.append((rows[i], n, n // bs, -(-n // bs), hit, chunk, lookahead, int(r.skip_prefix_cache), off))
+        off += n
+    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(max(max_hit)), pow2_at_least(off),
+              pow2_at_least(max(most_blocks)), pow2_at_least(max(most_cached)))
     KP = bucket[0]
     cached = host_plans.get(bucket) if host_plans is not None else None
     if cached is None:
@@ -82,21 +87,23 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
     base = HEADER + len(PLAN_ARRAYS) * KP
     cols = packed[HEADER: base].reshape(len(PLAN_ARRAYS), KP)
-    rows_np = np.asarray(rows, dtype=np.int64)
-    for i, values in enumerate((rows_np, ntok, ntok // bs, -(-ntok // bs), max_hit, chunk, lookahead, skip, off)):
-        cols[i, :K] = values
+    columns = np.array(table, dtype=np.int64).T
+    cols[:, :K] = columns
     cols[:, K:] = 0  # padding: no row's blocks (a bucket's arrays are reused)
-    host_tokens: list[Any] = [r.token_ids for r in new if not isinstance(r.token_ids, torch.Tensor)]
+    # Each prompt's ids (normalised: int64 in [0, 2**32)) cast straight into
+    # place as uint32, the int32 bit pattern the device stores: one pass.
+    ids = packed[base:].view(np.uint32)
     device_tokens: list[tuple[int, torch.Tensor]] = []
-    if len(host_tokens) == K:
-        packed[base: base + int(ntok.sum())] = as_int32_tokens(np.concatenate(host_tokens))
-    else:  # some prompts are on the device already: they are copied into place, unread
-        for r, o, n in zip(new, off.tolist(), ntok.tolist(), strict=True):
-            if isinstance(r.token_ids, torch.Tensor):
-                device_tokens.append((o, r.token_ids))
-            else:
-                packed[base + o: base + o + n] = as_int32_tokens(np.asarray(r.token_ids))
-    return AdmissionPlan(rows_np, ntok, chunk, lookahead, int(most_blocks.sum()), bucket, packed, device_tokens)
+    for r, start in zip(new, columns[-1].tolist(), strict=True):
+        tokens = r.token_ids
+        if isinstance(tokens, torch.Tensor):  # on the device already: copied into place, unread
+            device_tokens.append((start, tokens))
+        else:
+            np.copyto(ids[start: start + len(tokens)], tokens, casting="unsafe")
+    # (only the prompts' ids are sent: the bucket's tail, up to twice as long,
+    # is read by no request, so the device buffer keeps what it held)
+    return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), bucket,
+                         packed[: base + off], device_tokens)
 
 
 @dataclass
