@@ -773,11 +773,19 @@ def normalize_computed(computed: Any, limits: ManagerLimits) -> ComputedBlocks |
     if num % bs or len(groups) != G or any(len(g) != num // bs for g in groups):
         raise InvalidInputError("the computed blocks do not match this manager's groups and block size",
                                 argument="computed", fix=fix)
+    top = limits.num_blocks - 1
     for k, g in enumerate(groups):
+        if _plain_ids_within(g, top):  # (the common case: no Python per block; the loop gives the same ints)
+            continue
         for p, b in enumerate(g):
-            groups[k][p] = check_int(b, f"computed.block_ids[{k}][{p}]", minimum=0,
-                                     maximum=limits.num_blocks - 1, fix=fix)
+            groups[k][p] = check_int(b, f"computed.block_ids[{k}][{p}]", minimum=0, maximum=top, fix=fix)
     return ComputedBlocks(groups, num)
+
+
+def _plain_ids_within(ids: list, top: int) -> bool:
+    """Whether every item of ``ids`` is a plain int in ``[0, top]`` (what
+    ``check_int`` passes unchanged), in C-level passes."""
+    return not ids or (list(map(type, ids)).count(int) == len(ids) and min(ids) >= 0 and max(ids) <= top)
 
 
 # ------------------------------------------------------------ construction
@@ -874,7 +882,10 @@ def check_computed_for(request: NewRequest, computed: ComputedBlocks | None, lim
                                 argument="computed", fix=fix)
     for g, window in enumerate(limits.sliding_windows):
         first_real = 0 if window is None else max(0, hit - -(-(window - 1) // bs))
-        for p, b in enumerate(computed.block_ids[g]):
+        ids = computed.block_ids[g]
+        if ids[:first_real].count(0) == first_real and 0 not in ids[first_real:]:  # (C-level: the common case)
+            continue
+        for p, b in enumerate(ids):
             if (b == 0) != (p < first_real):
                 where = "the null block" if b == 0 else f"block {b}"
                 raise InvalidInputError(f"computed.block_ids[{g}][{p}] is {where}; a lookup gives the null block "
