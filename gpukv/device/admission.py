@@ -321,7 +321,7 @@ class Admission:
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
         s = self._s
-        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget)
+        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)

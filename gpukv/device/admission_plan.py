@@ -12,6 +12,7 @@ kept between steps, so the step allocates nothing on the device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,12 +48,15 @@ class AdmissionPlan:
 
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
-                   host_plans: dict | None = None, token_budget: int | None = None) -> AdmissionPlan:
+                   host_plans: dict | None = None, token_budget: int | None = None,
+                   dry: bool = False) -> AdmissionPlan:
     """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
     the most blocks it may hit; None: no cap; ``token_budget``: the step's
     budget for new requests, None: none). ``host_plans`` caches one packed
     array per bucket (the step then allocates nothing on the host
-    either)."""
+    either). ``dry``: a lookup only, which takes and caches no block, so its
+    bucket's new-block and caching sizes are 1 whatever the prompts (fewer
+    buckets: a lookup's depends on its prompt's length alone)."""
     bs, K = block_size, len(new)
     # A request computes at most ``most_new`` tokens past its hit, so it takes
     # at most ceil((most_new + lookahead) / bs) new blocks per group and
@@ -75,7 +79,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
         table.append((rows[i], n, n // bs, -(-n // bs), hit, chunk, lookahead, int(r.skip_prefix_cache), off))
         off += n
     bucket = (pow2_at_least(max(K, 8)), pow2_at_least(max(max_hit)), pow2_at_least(off),
-              pow2_at_least(max(most_blocks)), pow2_at_least(max(most_cached)))
+              1 if dry else pow2_at_least(max(most_blocks)), 1 if dry else pow2_at_least(max(most_cached)))
     KP = bucket[0]
     cached = host_plans.get(bucket) if host_plans is not None else None
     if cached is None:
@@ -134,22 +138,35 @@ class AdmissionBuffers:
 
     @classmethod
     def create(cls, bucket: tuple, num_groups: int, device: torch.device) -> AdmissionBuffers:
+        """The bucket's buffers, zeroed: views into one int32 and one int64
+        allocation (two operations where one per buffer took 19), each view
+        starting 64-byte aligned, as Triton specialises pointers on it."""
         KP, P, TP, A, C = bucket
         G = num_groups
-        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
-        plan = torch.zeros(HEADER + len(PLAN_ARRAYS) * KP + TP, **i32)
+        EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
+        i32 = _carve(torch.int32, device, plan=(HEADER + len(PLAN_ARRAYS) * KP + TP,), zeros=(KP,),
+                     cache=(KP, P, G), head=(KP, P), next=(KP * P,), same=(KP * P,), resolved=(KP, P), hit=(KP,),
+                     start=(KP,), touch=(EH,), alloc=(5, EA), record=(4, EC), popped=(EA,), hit_blocks=(EH,),
+                     pending=(EH,))
+        i64 = _carve(torch.int64, device, status=(lookup_ops.NUM_STATUS,), record_scratch=(4, EC),
+                     record_seq=(EC,))
+        plan = i32["plan"]
         views = {name: plan[HEADER + i * KP: HEADER + (i + 1) * KP] for i, name in enumerate(PLAN_ARRAYS)}
         views["num_requests"] = plan[:1]
         views["token_budget"] = plan[1:2]
         views["tokens"] = plan[HEADER + len(PLAN_ARRAYS) * KP:]
-        EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
-        return cls(plan=plan, views=views, zeros=torch.zeros(KP, **i32), cache=torch.zeros((KP, P, G), **i32),
-                   head=torch.zeros((KP, P), **i32), next=torch.zeros(KP * P, **i32),
-                   same=torch.zeros(KP * P, **i32), resolved=torch.zeros((KP, P), **i32),
-                   hit=torch.zeros(KP, **i32), start=torch.zeros(KP, **i32),
-                   status=torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=device),
-                   touch=torch.zeros(EH, **i32), alloc=torch.zeros((5, EA), **i32),
-                   record=torch.zeros((4, EC), **i32), popped=torch.zeros(EA, **i32),
-                   hit_blocks=torch.zeros(EH, **i32), pending=torch.zeros(EH, **i32),
-                   record_scratch=torch.zeros((4, EC), dtype=torch.int64, device=device),
-                   record_seq=torch.zeros(EC, dtype=torch.int64, device=device))
+        buffers: dict[str, Any] = {**i32, **i64}
+        return cls(views=views, **buffers)
+
+
+def _carve(dtype: torch.dtype, device: torch.device, **shapes: tuple) -> dict[str, torch.Tensor]:
+    """Zeroed contiguous tensors of these shapes, by name: views into one
+    allocation of ``dtype``, each at a 64-byte aligned offset."""
+    align = 64 // dtype.itemsize
+    offsets, end = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = end
+        end += -(-math.prod(shape) // align) * align
+    flat = torch.zeros(end, dtype=dtype, device=device)
+    return {name: flat[o: o + math.prod(shape)].view(shape) for (name, shape), o in zip(shapes.items(),
+                                                                                      offsets.values(), strict=True)}
