@@ -94,20 +94,27 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     columns = np.array(table, dtype=np.int64).T
     cols[:, :K] = columns
     cols[:, K:] = 0  # padding: no row's blocks (a bucket's arrays are reused)
-    # Each prompt's ids (normalised: int64 in [0, 2**32)) cast straight into
-    # place as uint32, the int32 bit pattern the device stores: one pass.
-    ids = packed[base:].view(np.uint32)
-    device_tokens: list[tuple[int, torch.Tensor]] = []
-    for r, start in zip(new, columns[-1].tolist(), strict=True):
-        tokens = r.token_ids
-        if isinstance(tokens, torch.Tensor):  # on the device already: copied into place, unread
-            device_tokens.append((start, tokens))
-        else:
-            np.copyto(ids[start: start + len(tokens)], tokens, casting="unsafe")
+    device_tokens = _place_prompts(new, packed[base:], columns[-1].tolist())
     # (only the prompts' ids are sent: the bucket's tail, up to twice as long,
     # is read by no request, so the device buffer keeps what it held)
     return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), bucket,
                          packed[: base + off], device_tokens)
+
+
+def _place_prompts(new: list[NewRequest], region: np.ndarray, starts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """Each host prompt's ids (normalised: int64 in ``[0, 2**32)``) cast
+    straight into ``region`` (int32) at its start as uint32, the int32 bit
+    pattern the device stores: one pass. Returns the prompts already on the
+    device, (start, tensor), to copy into place after the upload, unread."""
+    ids = region.view(np.uint32)
+    device_tokens: list[tuple[int, torch.Tensor]] = []
+    for r, start in zip(new, starts, strict=True):
+        tokens = r.token_ids
+        if isinstance(tokens, torch.Tensor):
+            device_tokens.append((start, tokens))
+        else:
+            np.copyto(ids[start: start + len(tokens)], tokens, casting="unsafe")
+    return device_tokens
 
 
 @dataclass
