@@ -287,11 +287,6 @@ def check_token_ids(token_ids: Any, what: str) -> np.ndarray | torch.Tensor:
     return normalize_token_ids(token_ids, what)
 
 
-def as_int32_tokens(tokens: np.ndarray) -> np.ndarray:
-    """Normalised (uint32) token ids in the int32 bit pattern the device stores."""
-    return tokens.astype(np.int64).astype(np.uint32).view(np.int32)
-
-
 def token_array_for_host(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
     """Normalised token ids as an int64 host array: a CUDA tensor is read here
     (its ids taken modulo 2**32, as the device manager stores them)."""
@@ -778,11 +773,19 @@ def normalize_computed(computed: Any, limits: ManagerLimits) -> ComputedBlocks |
     if num % bs or len(groups) != G or any(len(g) != num // bs for g in groups):
         raise InvalidInputError("the computed blocks do not match this manager's groups and block size",
                                 argument="computed", fix=fix)
+    top = limits.num_blocks - 1
     for k, g in enumerate(groups):
+        if _plain_ids_within(g, top):  # (the common case: no Python per block; the loop gives the same ints)
+            continue
         for p, b in enumerate(g):
-            groups[k][p] = check_int(b, f"computed.block_ids[{k}][{p}]", minimum=0,
-                                     maximum=limits.num_blocks - 1, fix=fix)
+            groups[k][p] = check_int(b, f"computed.block_ids[{k}][{p}]", minimum=0, maximum=top, fix=fix)
     return ComputedBlocks(groups, num)
+
+
+def _plain_ids_within(ids: list, top: int) -> bool:
+    """Whether every item of ``ids`` is a plain int in ``[0, top]`` (what
+    ``check_int`` passes unchanged), in C-level passes."""
+    return not ids or (list(map(type, ids)).count(int) == len(ids) and min(ids) >= 0 and max(ids) <= top)
 
 
 # ------------------------------------------------------------ construction
@@ -879,7 +882,10 @@ def check_computed_for(request: NewRequest, computed: ComputedBlocks | None, lim
                                 argument="computed", fix=fix)
     for g, window in enumerate(limits.sliding_windows):
         first_real = 0 if window is None else max(0, hit - -(-(window - 1) // bs))
-        for p, b in enumerate(computed.block_ids[g]):
+        ids = computed.block_ids[g]
+        if ids[:first_real].count(0) == first_real and 0 not in ids[first_real:]:  # (C-level: the common case)
+            continue
+        for p, b in enumerate(ids):
             if (b == 0) != (p < first_real):
                 where = "the null block" if b == 0 else f"block {b}"
                 raise InvalidInputError(f"computed.block_ids[{g}][{p}] is {where}; a lookup gives the null block "
@@ -917,18 +923,19 @@ def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, n
     from dataclasses import replace
 
     n = len(request.token_ids)
+    chunk, lookahead = request.num_tokens_to_compute, request.num_lookahead_tokens
     if num_tokens is not None:
         fix = f"pass an int from 1 to the {n - hit_tokens} tokens the hit leaves, or None for all"
-        k = check_int(num_tokens, "num_tokens", minimum=1, fix=fix)
-        if hit_tokens + k > n:
-            raise InvalidInputError(f"{hit_tokens} hit tokens plus num_tokens={k} is more than the request's {n} "
-                                    "tokens", argument="num_tokens", fix=fix)
-        request = replace(request, num_tokens_to_compute=k)
+        chunk = check_int(num_tokens, "num_tokens", minimum=1, fix=fix)
+        if hit_tokens + chunk > n:
+            raise InvalidInputError(f"{hit_tokens} hit tokens plus num_tokens={chunk} is more than the request's "
+                                    f"{n} tokens", argument="num_tokens", fix=fix)
     if num_lookahead_tokens is not None:
-        la = check_lookahead(num_lookahead_tokens, "num_lookahead_tokens")
+        lookahead = check_lookahead(num_lookahead_tokens, "num_lookahead_tokens")
         hit = hit_tokens // limits.block_size
-        computed = hit_tokens + new_tokens_at_admission(hit, n, request.num_tokens_to_compute, limits.block_size)
-        check_computed_length(computed, la, limits, "num_lookahead_tokens", request.request_id)
-        request = replace(request, num_lookahead_tokens=la)
+        computed = hit_tokens + new_tokens_at_admission(hit, n, chunk, limits.block_size)
+        check_computed_length(computed, lookahead, limits, "num_lookahead_tokens", request.request_id)
+    if (chunk, lookahead) != (request.num_tokens_to_compute, request.num_lookahead_tokens):
+        request = replace(request, num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)  # (one copy)
     check_admissible(request, limits, "num_lookahead_tokens", "request.token_ids")
     return request

@@ -61,6 +61,7 @@ class Admission:
         self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
         #: The last dry lookup (``_dry_lookup``), None after one on device tokens.
         self.memo: LookupMemo | None = None
+        self._unblocked: torch.Tensor | None = None  # int32[1] 0: a dry lookup's ``blocked`` flag
 
     # ------------------------------------------------------------- rounds
     def round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool, graphs=None,
@@ -231,15 +232,19 @@ class Admission:
         s = self._s
         row = s.rows.take()
         try:
-            blocked = torch.zeros(1, dtype=torch.int32, device=s.device)
+            if self._unblocked is None:  # (the kernel only reads it: made once)
+                self._unblocked = torch.zeros(1, dtype=torch.int32, device=s.device)
             caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
-            _, hit, _, cache = self.admit([request], [row], blocked, caps, dry=True)
-            parts = [hit.to(torch.int64)] + ([self._unheld_in_hit(hit, cache[0])] if sized else [])
+            _, hit, _, cache = self.admit([request], [row], self._unblocked, caps, dry=True)
             tokens = request.token_ids
             device_tokens = isinstance(tokens, torch.Tensor)
-            if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
-                parts.append(self.device_tokens_bad([tokens]))
-            values = self._calls.read(torch.cat(parts))
+            if sized or device_tokens:
+                parts = [hit.to(torch.int64)] + ([self._unheld_in_hit(hit, cache[0])] if sized else [])
+                if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
+                    parts.append(self.device_tokens_bad([tokens]))
+                values = self._calls.read(torch.cat(parts))
+            else:  # the hit alone: read as it is (no cast, no concatenation)
+                values = self._calls.read(hit)
             if device_tokens:
                 self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
             n = int(values[0])
@@ -316,7 +321,7 @@ class Admission:
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
         s = self._s
-        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget)
+        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)

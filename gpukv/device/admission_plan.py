@@ -12,13 +12,13 @@ kept between steps, so the step allocates nothing on the device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from gpukv.core.checks import as_int32_tokens
 from gpukv.core.requests import NewRequest
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels.prefill import PLAN_ARRAYS
@@ -43,34 +43,43 @@ class AdmissionPlan:
     lookahead: np.ndarray  # int64[K]
     max_new_blocks: int  # the most blocks the step can pop, per group
     bucket: tuple
-    packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts [TP]
+    packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts (their ids only: <= TP)
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
 
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
-                   host_plans: dict | None = None, token_budget: int | None = None) -> AdmissionPlan:
+                   host_plans: dict | None = None, token_budget: int | None = None,
+                   dry: bool = False) -> AdmissionPlan:
     """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
     the most blocks it may hit; None: no cap; ``token_budget``: the step's
     budget for new requests, None: none). ``host_plans`` caches one packed
     array per bucket (the step then allocates nothing on the host
-    either)."""
+    either). ``dry``: a lookup only, which takes and caches no block, so its
+    bucket's new-block and caching sizes are 1 whatever the prompts (fewer
+    buckets: a lookup's depends on its prompt's length alone)."""
     bs, K = block_size, len(new)
-    ntok = np.fromiter((len(r.token_ids) for r in new), np.int64, K)
-    chunk = np.fromiter((n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
-                         for r, n in zip(new, ntok.tolist(), strict=True)), np.int64, K)
-    lookahead = np.fromiter((r.num_lookahead_tokens for r in new), np.int64, K)
-    skip = np.fromiter((r.skip_prefix_cache for r in new), np.int64, K)
-    max_hit = np.where(skip != 0, 0, (ntok - 1) // bs)
-    if hit_caps is not None:
-        max_hit = np.minimum(max_hit, np.asarray(hit_caps, dtype=np.int64))
-    off = np.cumsum(ntok) - ntok
     # A request computes at most ``most_new`` tokens past its hit, so it takes
     # at most ceil((most_new + lookahead) / bs) new blocks per group and
     # caches at most most_new // bs blocks past its hit.
-    most_new = chunk if token_budget is None else np.minimum(chunk, max(token_budget, 1))
-    most_blocks = -(-(most_new + lookahead) // bs)
-    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(int(max_hit.max())), pow2_at_least(int(ntok.sum())),
-              pow2_at_least(int(most_blocks.max())), pow2_at_least(int((most_new // bs).max())))
+    budget = None if token_budget is None else max(token_budget, 1)
+    table = []  # per request, the PLAN_ARRAYS columns (plain ints: a few requests, no numpy call per column)
+    max_hit, most_blocks, most_cached = [], [], []
+    off = 0
+    for i, r in enumerate(new):
+        n = len(r.token_ids)
+        chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+        lookahead = r.num_lookahead_tokens
+        hit = 0 if r.skip_prefix_cache else (n - 1) // bs
+        if hit_caps is not None:
+            hit = min(hit, int(hit_caps[i]))
+        most_new = chunk if budget is None else min(chunk, budget)
+        max_hit.append(hit)
+        most_blocks.append(-(-(most_new + lookahead) // bs))
+        most_cached.append(most_new // bs)
+        table.append((rows[i], n, n // bs, -(-n // bs), hit, chunk, lookahead, int(r.skip_prefix_cache), off))
+        off += n
+    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(max(max_hit)), pow2_at_least(off),
+              1 if dry else pow2_at_least(max(most_blocks)), 1 if dry else pow2_at_least(max(most_cached)))
     KP = bucket[0]
     cached = host_plans.get(bucket) if host_plans is not None else None
     if cached is None:
@@ -82,21 +91,30 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
     base = HEADER + len(PLAN_ARRAYS) * KP
     cols = packed[HEADER: base].reshape(len(PLAN_ARRAYS), KP)
-    rows_np = np.asarray(rows, dtype=np.int64)
-    for i, values in enumerate((rows_np, ntok, ntok // bs, -(-ntok // bs), max_hit, chunk, lookahead, skip, off)):
-        cols[i, :K] = values
+    columns = np.array(table, dtype=np.int64).T
+    cols[:, :K] = columns
     cols[:, K:] = 0  # padding: no row's blocks (a bucket's arrays are reused)
-    host_tokens: list[Any] = [r.token_ids for r in new if not isinstance(r.token_ids, torch.Tensor)]
+    device_tokens = _place_prompts(new, packed[base:], columns[-1].tolist())
+    # (only the prompts' ids are sent: the bucket's tail, up to twice as long,
+    # is read by no request, so the device buffer keeps what it held)
+    return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), bucket,
+                         packed[: base + off], device_tokens)
+
+
+def _place_prompts(new: list[NewRequest], region: np.ndarray, starts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """Each host prompt's ids (normalised: int64 in ``[0, 2**32)``) cast
+    straight into ``region`` (int32) at its start as uint32, the int32 bit
+    pattern the device stores: one pass. Returns the prompts already on the
+    device, (start, tensor), to copy into place after the upload, unread."""
+    ids = region.view(np.uint32)
     device_tokens: list[tuple[int, torch.Tensor]] = []
-    if len(host_tokens) == K:
-        packed[base: base + int(ntok.sum())] = as_int32_tokens(np.concatenate(host_tokens))
-    else:  # some prompts are on the device already: they are copied into place, unread
-        for r, o, n in zip(new, off.tolist(), ntok.tolist(), strict=True):
-            if isinstance(r.token_ids, torch.Tensor):
-                device_tokens.append((o, r.token_ids))
-            else:
-                packed[base + o: base + o + n] = as_int32_tokens(np.asarray(r.token_ids))
-    return AdmissionPlan(rows_np, ntok, chunk, lookahead, int(most_blocks.sum()), bucket, packed, device_tokens)
+    for r, start in zip(new, starts, strict=True):
+        tokens = r.token_ids
+        if isinstance(tokens, torch.Tensor):
+            device_tokens.append((start, tokens))
+        else:
+            np.copyto(ids[start: start + len(tokens)], tokens, casting="unsafe")
+    return device_tokens
 
 
 @dataclass
@@ -127,22 +145,35 @@ class AdmissionBuffers:
 
     @classmethod
     def create(cls, bucket: tuple, num_groups: int, device: torch.device) -> AdmissionBuffers:
+        """The bucket's buffers, zeroed: views into one int32 and one int64
+        allocation (two operations where one per buffer took 19), each view
+        starting 64-byte aligned, as Triton specialises pointers on it."""
         KP, P, TP, A, C = bucket
         G = num_groups
-        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
-        plan = torch.zeros(HEADER + len(PLAN_ARRAYS) * KP + TP, **i32)
+        EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
+        i32 = _carve(torch.int32, device, plan=(HEADER + len(PLAN_ARRAYS) * KP + TP,), zeros=(KP,),
+                     cache=(KP, P, G), head=(KP, P), next=(KP * P,), same=(KP * P,), resolved=(KP, P), hit=(KP,),
+                     start=(KP,), touch=(EH,), alloc=(5, EA), record=(4, EC), popped=(EA,), hit_blocks=(EH,),
+                     pending=(EH,))
+        i64 = _carve(torch.int64, device, status=(lookup_ops.NUM_STATUS,), record_scratch=(4, EC),
+                     record_seq=(EC,))
+        plan = i32["plan"]
         views = {name: plan[HEADER + i * KP: HEADER + (i + 1) * KP] for i, name in enumerate(PLAN_ARRAYS)}
         views["num_requests"] = plan[:1]
         views["token_budget"] = plan[1:2]
         views["tokens"] = plan[HEADER + len(PLAN_ARRAYS) * KP:]
-        EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
-        return cls(plan=plan, views=views, zeros=torch.zeros(KP, **i32), cache=torch.zeros((KP, P, G), **i32),
-                   head=torch.zeros((KP, P), **i32), next=torch.zeros(KP * P, **i32),
-                   same=torch.zeros(KP * P, **i32), resolved=torch.zeros((KP, P), **i32),
-                   hit=torch.zeros(KP, **i32), start=torch.zeros(KP, **i32),
-                   status=torch.zeros(lookup_ops.NUM_STATUS, dtype=torch.int64, device=device),
-                   touch=torch.zeros(EH, **i32), alloc=torch.zeros((5, EA), **i32),
-                   record=torch.zeros((4, EC), **i32), popped=torch.zeros(EA, **i32),
-                   hit_blocks=torch.zeros(EH, **i32), pending=torch.zeros(EH, **i32),
-                   record_scratch=torch.zeros((4, EC), dtype=torch.int64, device=device),
-                   record_seq=torch.zeros(EC, dtype=torch.int64, device=device))
+        buffers: dict[str, Any] = {**i32, **i64}
+        return cls(views=views, **buffers)
+
+
+def _carve(dtype: torch.dtype, device: torch.device, **shapes: tuple) -> dict[str, torch.Tensor]:
+    """Zeroed contiguous tensors of these shapes, by name: views into one
+    allocation of ``dtype``, each at a 64-byte aligned offset."""
+    align = 64 // dtype.itemsize
+    offsets, end = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = end
+        end += -(-math.prod(shape) // align) * align
+    flat = torch.zeros(end, dtype=dtype, device=device)
+    return {name: flat[o: o + math.prod(shape)].view(shape) for (name, shape), o in zip(shapes.items(),
+                                                                                      offsets.values(), strict=True)}

@@ -34,6 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpukv.core.metrics import StepCounters
 from gpukv.kernels import capture
 
+#: numpy's dtypes of the uploads the manager makes, as torch's (a dict look-up,
+#: where asking torch builds a tensor every upload).
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
 
 class Staging:
     """Uploads of int arrays through two alternating pinned buffers."""
@@ -135,7 +139,9 @@ class Staging:
         out.copy_(self._fixed[key][0][self._cur], non_blocking=True)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
-        dtype = torch.from_numpy(array[:0].reshape(-1)).dtype
+        dtype = _TORCH_DTYPES.get(array.dtype)
+        if dtype is None:  # (any other dtype: torch names it)
+            dtype = torch.from_numpy(array[:0].reshape(-1)).dtype
         if array.size == 0:
             return torch.empty(array.shape, dtype=dtype)
         nbytes = array.nbytes

@@ -10,6 +10,7 @@ import torch
 from gpukv.errors import InvalidInputError
 
 from .harness import Engine, KVView, VllmScheduler, gpukv033, is_async, make_requests, make_scheduler
+from .streams import StreamConfig, run_stream
 
 
 @pytest.mark.parametrize("options", [dict(sliding_window=32), dict(sliding_window=32, hybrid=True)])
@@ -106,3 +107,33 @@ def test_bad_allocations_are_refused_and_change_nothing():
     # the uncached block was freed first, so it is reused first
     assert kvm.allocate_slots(request, 8, 32, blocks).get_block_ids() == ([3],)
     kvm.check_invariants()
+
+
+@pytest.mark.parametrize(("num_blocks", "reads"), [(400, False), (40, True)], ids=["roomy", "tight"])
+def test_a_watermarked_admission_reads_its_hits_unheld_blocks_only_where_the_fit_turns_on_them(
+        num_blocks, reads, monkeypatch):
+    """vLLM's watermark counts a hit's blocks no request holds as blocks to
+    take. Where the blocks to take plus every block of the hit fit under the
+    watermark by the host's free count, the adapter reads nothing more (the
+    fit holds whatever the read gives); in a tight pool it reads the count,
+    and every step equals vLLM's either way."""
+    from gpukv.core import manager_base
+
+    calls = [0]
+    real = manager_base.SharedManagerAPI.read_num_unheld
+
+    def counted(self, block_ids):
+        calls[0] += 1
+        return real(self, block_ids)
+
+    monkeypatch.setattr(manager_base.SharedManagerAPI, "read_num_unheld", counted)
+    hits = 0
+    for seed in (0, 1):
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=num_blocks,
+                              max_num_batched_tokens=512, max_num_seqs=12, num_requests=32, watermark=0.15)
+        expected = run_stream(VllmScheduler, config, check_tables=False)
+        got = run_stream(gpukv033.UnbatchedReferenceScheduler, config, check_tables=False)
+        assert got == expected
+        hits += sum(1 for step in expected for *_, hit in step.new if hit)
+    assert hits > 0
+    assert (calls[0] > 0) == reads, (calls[0], hits)

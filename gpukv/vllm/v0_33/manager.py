@@ -475,17 +475,14 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
         if not (full_sequence_must_fit or watermark or reserved_blocks):
             return True
-        if isinstance(computed, PrefixHit):
-            touched = computed.num_unheld_blocks
-        else:
-            touched = _num_evictable(self.manager, computed.block_ids) if computed is not None and hit else 0
+        touched = _HitTouches(self, computed)
         hit_blocks = hit // self.block_size
         if full_sequence_must_fit:  # (a request admitted holds none)
             full = self.groups.blocks_to_admit(min(request.num_tokens, self.max_model_len), hit_blocks, capped=True)
-            if not self._fits(full + touched, watermark, 0):
+            if not touched.fit(full, watermark, 0):
                 return False
-        return not (watermark or reserved_blocks) or self._fits(
-            self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False) + touched, watermark, reserved_blocks)
+        return not (watermark or reserved_blocks) or touched.fit(
+            self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False), watermark, reserved_blocks)
 
     def _grow(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int) -> Any:
         """More blocks for a running request: gpukv appends what vLLM appended
@@ -592,6 +589,37 @@ def _hit_ids(computed: ComputedBlocks | PrefixHit | None, adapter: KVCacheManage
     if isinstance(computed, ComputedBlocks):
         return computed.block_ids
     return [[] for _ in range(adapter.num_kv_cache_groups)]
+
+
+class _HitTouches:
+    """The blocks an admission's hit takes out of the free queue (its blocks
+    no request holds), for vLLM's fit checks (``_admission_fits``): a
+    ``PrefixHit`` carries them; a ``ComputedBlocks`` hit's are read from the
+    device (``_num_evictable``) only where the fit turns on them, once. Where
+    the blocks to take plus every block of the hit fit within the free
+    blocks' lower bound (a host count), the fit holds whatever that read
+    would give, so the decision is the read's."""
+
+    __slots__ = ("adapter", "computed", "count")
+
+    def __init__(self, adapter: KVCacheManager, computed: ComputedBlocks | PrefixHit | None) -> None:
+        self.adapter, self.computed = adapter, computed
+        self.count: int | None = 0
+        if isinstance(computed, PrefixHit):
+            self.count = computed.num_unheld_blocks
+        elif computed is not None and computed.num_tokens:
+            self.count = None  # (read when needed)
+
+    def fit(self, num_blocks: int, watermark: int, reserved: int) -> bool:
+        """``KVCacheManager._fits`` of ``num_blocks`` plus the hit's touches."""
+        adapter = self.adapter
+        if self.count is None:
+            assert isinstance(self.computed, ComputedBlocks)
+            most = sum(len(g) for g in self.computed.block_ids)  # (at least the blocks it touches)
+            if num_blocks + most + watermark + reserved <= adapter.manager.free_blocks_lower_bound():
+                return True
+            self.count = _num_evictable(adapter.manager, self.computed.block_ids)
+        return adapter._fits(num_blocks + self.count, watermark, reserved)
 
 
 def _num_evictable(manager: BlockManager, hit_ids: Sequence[Sequence[int]]) -> int:

@@ -1,0 +1,92 @@
+"""An admission's host work that must not grow with the prompt in Python:
+the checks of a hit handed back (``normalize_computed``,
+``check_computed_for``) pass plain ids without a Python call per block and
+name the first bad one as before; the device plan sends each prompt's ids
+once, cast into place, and only them (``plan_admission``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpukv.core import checks
+from gpukv.core.blocks import ManagerLimits
+from gpukv.core.requests import ComputedBlocks, NewRequest
+from gpukv.device.admission_plan import HEADER, plan_admission
+from gpukv.errors import CapacityError, InvalidInputError, InvalidTypeError
+from gpukv.kernels.prefill import PLAN_ARRAYS
+
+LIMITS = ManagerLimits(block_size=16, num_blocks=10_000, sliding_windows=(None,), max_model_len=200_000)
+
+
+def counting_check_int(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = checks.check_int
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "check_int", counted)
+    return calls
+
+
+def test_a_long_hit_is_checked_without_a_call_per_block_and_bad_ids_are_still_named(monkeypatch):
+    calls = counting_check_int(monkeypatch)
+    ids = list(range(1, 4097))
+    got = checks.normalize_computed(ComputedBlocks([ids], 4096 * 16), LIMITS)
+    assert got == ComputedBlocks([list(range(1, 4097))], 4096 * 16) and calls[0] == 1  # (num_tokens only)
+    # Anything but plain ids in range takes the id-by-id path: numpy ints become ints, the rest is named.
+    mixed = checks.normalize_computed(ComputedBlocks([[3, np.int64(4), 5]], 48), LIMITS)
+    assert mixed.block_ids == [[3, 4, 5]] and type(mixed.block_ids[0][1]) is int
+    with pytest.raises(InvalidTypeError, match="must be an int") as e:
+        checks.normalize_computed(ComputedBlocks([[3, True, 5]], 48), LIMITS)
+    assert e.value.argument == "computed.block_ids[0][1]"
+    with pytest.raises(CapacityError) as e:
+        checks.normalize_computed(ComputedBlocks([[3, 4, 10_000]], 48), LIMITS)
+    assert e.value.argument == "computed.block_ids[0][2]"
+    with pytest.raises(InvalidInputError) as e:
+        checks.normalize_computed(ComputedBlocks([[-1, 4, 5]], 48), LIMITS)
+    assert e.value.argument == "computed.block_ids[0][0]"
+
+
+@pytest.mark.parametrize(("full", "window", "bad"), [
+    ([1, 2, 3, 4], [0, 0, 7, 8], None),
+    ([1, 2, 0, 4], [0, 0, 7, 8], "computed.block_ids[0][2] is the null block"),
+    ([1, 2, 3, 4], [0, 2, 7, 8], "computed.block_ids[1][1] is block 2"),
+    ([1, 2, 3, 4], [0, 0, 0, 8], "computed.block_ids[1][2] is the null block"),
+])
+def test_a_hits_null_blocks_are_exactly_where_its_window_puts_them(full, window, bad):
+    """Group 0 full attention (no null block), group 1 a window of 32 tokens:
+    a hit of 4 blocks of 16 has the null block at positions 0 and 1 there,
+    checked group by group in C-level passes; the first misplaced one named."""
+    limits = ManagerLimits(block_size=16, num_blocks=100, sliding_windows=(None, 32))
+    request = checks.normalize_new_request(NewRequest("a", list(range(80))), "request", 16)[0]
+    computed = ComputedBlocks([full, window], 64)
+    if bad is None:
+        checks.check_computed_for(request, computed, limits)
+        return
+    with pytest.raises(InvalidInputError) as e:
+        checks.check_computed_for(request, computed, limits)
+    assert bad in str(e.value) and e.value.argument == "computed"
+
+
+def test_the_plan_sends_each_prompts_ids_once_and_only_them():
+    big = 2**32 - 1  # (stored as the int32 bit pattern -1)
+    new = [checks.normalize_new_request(NewRequest(rid, tokens), "new", 4)[0]
+           for rid, tokens in (("a", [5, big, 7, 2**31]), ("b", [1, 2, 3, 4, 5]))]
+    plans: dict = {}
+    plan = plan_admission(new, [3, 9], 4, host_plans=plans)
+    KP, P, TP, A, C = plan.bucket
+    assert plan.bucket == (8, 1, 16, 2, 1)
+    base = HEADER + len(PLAN_ARRAYS) * KP
+    assert len(plan.packed) == base + 9  # the prompts' 9 ids, not the bucket's 16
+    assert plan.packed[base:].tolist() == [5, -1, 7, -(2**31), 1, 2, 3, 4, 5]
+    cols = plan.packed[HEADER: base].reshape(len(PLAN_ARRAYS), KP)
+    assert cols[:, :2].T.tolist() == [[3, 4, 1, 1, 0, 4, 0, 0, 0], [9, 5, 1, 2, 1, 5, 0, 0, 4]]
+    assert cols[:, 2:].tolist() == [[0] * 6] * len(PLAN_ARRAYS)
+    assert plan.packed[:2].tolist() == [2, -1] and plan.max_new_blocks == 1 + 2
+    # The bucket's host array is reused: the next plan of that bucket writes over it.
+    again = plan_admission(new[::-1], [9, 3], 4, host_plans=plans)
+    assert again.packed.base is plan.packed.base and again.packed[base:].tolist() == [1, 2, 3, 4, 5, 5, -1, 7,
+                                                                                      -(2**31)]
