@@ -100,12 +100,14 @@ class PrecheckedRunningBatch(RunningBatch):
     normalized: RunningRows | None = None
 
 
-def prechecked_batch(rows: np.ndarray, new_token_ids: np.ndarray, counts: np.ndarray, num_tokens: np.ndarray,
+def prechecked_batch(rows: np.ndarray, new_token_ids: np.ndarray, counts: np.ndarray | None, num_tokens: np.ndarray,
                      chunks: np.ndarray, lookahead: np.ndarray) -> PrecheckedRunningBatch:
     """A ``PrecheckedRunningBatch`` of int64 arrays: ``rows``, the flat
-    ``new_token_ids`` (``counts`` per row, in row order), the rows' known
-    tokens before the append, their chunks and lookahead slots."""
-    run = RunningRows(rows, _ragged_layout(new_token_ids, counts), counts, num_tokens, chunks, lookahead)
+    ``new_token_ids`` (``counts`` per row, in row order; None: one per row,
+    a decode), the rows' known tokens before the append, their chunks and
+    lookahead slots."""
+    tokens = new_token_ids.reshape(len(rows), 1) if counts is None else _ragged_layout(new_token_ids, counts)
+    run = RunningRows(rows, tokens, counts, num_tokens, chunks, lookahead)
     return PrecheckedRunningBatch(rows, new_token_ids, counts, chunks, lookahead, normalized=run)
 
 
