@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpukv.core.requests import RunningUpdate, StepResult
-from gpukv.core.running_batch import RunningRows
+from gpukv.core.running_batch import RunningRows, largest_element
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import capture
 from gpukv.kernels import decode as decode_ops
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from gpukv.device.reads import DeviceReads
     from gpukv.device.state import DeviceCalls, DeviceState
 
-#: The largest element of a non-empty array: the ufunc's reduce, without
-#: ``ndarray.max``'s Python wrapper (a decode plan takes three).
-_max = np.maximum.reduce
+#: The largest element of a non-empty int array (``largest_element``: a
+#: quarter of ``np.maximum.reduce``'s cost; a decode plan takes four).
+largest = largest_element
 
 #: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
 UPLOADED = frozenset({"rows", "ntok", "nnew", "comp0", "comp1", "held", "need", "cum",
@@ -65,7 +65,7 @@ def block_counter(block_size: int):
     block size is a power of two (numpy's integer division is the slower)."""
     if block_size & (block_size - 1):
         return lambda a: a // block_size
-    shift = block_size.bit_length() - 1
+    shift = np.array(block_size.bit_length() - 1, dtype=np.int64)  # (0-d: numpy takes it faster than an int)
     return lambda a: a >> shift
 
 
@@ -239,14 +239,14 @@ class DecodePath:
         ntok1 = n + nnew
         comp1 = ntok1 if chunks is None else comp0 + chunks
         blocks_of = self._blocks_of  # (a shift where the block size is a power of two)
-        held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + bs - 1)))  # lookahead blocks held are kept
+        held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + (bs - 1))))  # lookahead blocks held are kept
         need_pg = held1 - held0
         cum = np.add.accumulate(need_pg * G if G > 1 else need_pg)  # new blocks, all groups
         filled = blocks_of(comp1) - blocks_of(comp0)
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        need_max, filled_max = int(_max(need_pg)), int(_max(filled))
-        la_max = lookahead if type(lookahead) is int else int(_max(lookahead))
+        need_max, filled_max = largest(need_pg), largest(filled)
+        la_max = lookahead if isinstance(lookahead, int) else largest(lookahead)
         A = max(-(-(k + la_max) // bs), pow2_at_least(need_max))
         C = max(-(-k // bs), pow2_at_least(filled_max))
         stops = released = None
@@ -262,7 +262,7 @@ class DecodePath:
             phases = ALL_DECODE_PHASES
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
             # (a known block fills whether or not a computed one does: a row appending beyond its chunk)
-            fills_known = k > 0 and int(_max(n % bs + nnew)) >= bs
+            fills_known = k > 0 and (largest(n % bs) + nnew if type(nnew) is int else largest(n % bs + nnew)) >= bs
             phases = decode_phases(most_released > 0, need_max > 0, fills_known, filled_max > 0)
         self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
         total = int(cum[-1])

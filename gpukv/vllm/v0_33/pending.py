@@ -44,7 +44,6 @@ from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block, decode_tokens, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
-_all = np.logical_and.reduce  # (the ufunc's reduce, without ``ndarray.all``'s Python wrapper)
 
 
 def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tokens: int,
@@ -249,7 +248,7 @@ class PendingGrowth:
         # (one array of every call's ints, its columns each contiguous: rows, known, before, computed, targets, slots)
         rows, known, before, computed, targets, slots = np.fromiter(self.counts, np.int64, 6 * n).reshape(n, 6).T.copy()
         counts: np.ndarray | None = known - before
-        if _all(counts == 1):  # (a batch of decodes: one token each, read in one pass; no ragged layout)
+        if np.count_nonzero(counts == 1) == n:  # (decodes, one token each: read in one pass, no ragged layout)
             tokens, counts = decode_tokens(self.calls, before.tolist()), None
         else:
             tokens = new_tokens(self.calls, before.tolist(), known.tolist())
