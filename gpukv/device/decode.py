@@ -91,6 +91,9 @@ class DecodePlan:
     # The phases with work (``DECODE_PHASES``); an eager step launches only
     # those, a graph replays them all.
     phases: frozenset[str] = frozenset()
+    # The named views of this step's host plan array it was written into
+    # (``DecodePath.host_plan``; None: looked up again by ``stage``).
+    host: dict | None = None
 
     def blocks_popped(self, num_fit: int) -> int:
         """The blocks the first ``num_fit`` rows took (the only ones popped)."""
@@ -264,10 +267,10 @@ class DecodePath:
             # (a known block fills whether or not a computed one does: a row appending beyond its chunk)
             fills_known = k > 0 and (largest(n % bs) + nnew if type(nnew) is int else largest(n % bs + nnew)) >= bs
             phases = decode_phases(most_released > 0, need_max > 0, fills_known, filled_max > 0)
-        self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
+        host = self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
         total = int(cum[-1])
         return DecodePlan(rows, bucket, total, cum, held0, ntok1, comp1, held1, stops,
-                          total <= self._s.free_lower_bound, phases)
+                          total <= self._s.free_lower_bound, phases, host)
 
     def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Per (request, group): where the null blocks end once the window
@@ -278,9 +281,10 @@ class DecodePath:
             stops[:, g] = np.maximum(self._policies[g].released_until(num_tokens, held), starts[:, g])
         return stops
 
-    def _write_plan(self, bucket: tuple, rows: np.ndarray, counts: tuple, stops, released) -> None:
+    def _write_plan(self, bucket: tuple, rows: np.ndarray, counts: tuple, stops, released) -> dict:
         """The plan's uploaded arrays, into this step's host array of the
-        bucket: per row its counts, and the window releases."""
+        bucket: per row its counts, and the window releases. Returns the
+        array's named views (``host_plan``)."""
         B = len(rows)
         v = self.host_plan(bucket)
         v["rows"][:B] = rows
@@ -298,6 +302,7 @@ class DecodePath:
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
+        return v
 
     def host_plan(self, bucket: tuple) -> dict:
         """Named views of this step's host plan array of the bucket (the
@@ -342,7 +347,7 @@ class DecodePath:
             bufs = self.buffers[plan.bucket] = decode_buffers(plan.bucket, self.layout(plan.bucket), self.device)
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
-            self.host_plan(plan.bucket)["tokens"][: len(tokens)] = tokens
+            (self.host_plan(plan.bucket) if plan.host is None else plan.host)["tokens"][: len(tokens)] = tokens
         self._s.staging.upload_host(("decode", plan.bucket), bufs.uploaded)
         if on_device:  # (as int64, int32 sign-extended: decode_fit checks the range)
             bufs.new_tokens[: len(plan.rows)].copy_(tokens)
@@ -415,9 +420,11 @@ class DecodePath:
         window), and the table's rebuild when what they popped makes it due
         (after the fit is known: rows that did not fit popped nothing)."""
         self._launches.rebuild_if_due(plan.blocks_popped(n_fit))
-        rows, done = self._rows, plan.rows[:n_fit]
-        rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
-            plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
+        done, known, computed, held = plan.rows, plan.num_tokens, plan.computed, plan.held
+        if n_fit < len(done):  # (only the first rows got theirs; all of them, the common case, take no slices)
+            done, known, computed, held = done[:n_fit], known[:n_fit], computed[:n_fit], held[:n_fit]
+        rows = self._rows
+        rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = known, computed, held
         if plan.window_stops is not None:
             rows.null_until[plan.rows] = plan.window_stops
 
