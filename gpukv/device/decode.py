@@ -402,7 +402,8 @@ class DecodePath:
         of a graph.)"""
         s = self._s
         B = len(plan.rows)
-        self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        if not self._events_off:  # (the entries' count read only for a log: two tensor shapes a step otherwise)
+            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         if plan.fits_known:
             n_fit = B
             s.free_lower_bound -= plan.num_new_blocks
@@ -478,7 +479,8 @@ class DecodePath:
             self._blocked.zero_()
             return None
         plan, bufs = self.launch_running(running)
-        self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        if not self._events_off:  # (the entries' count read only for a log: two tensor shapes a step otherwise)
+            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
         n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
         return RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok, plan)
