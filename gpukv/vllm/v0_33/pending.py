@@ -44,6 +44,9 @@ from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block, decode_tokens, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
+#: The ints ``PendingGrowth`` keeps per call, flat, in this order (``_batch`` reads them as one array).
+_FIELDS = ("row", "known", "before", "computed", "target", "slots")
+_COMPUTED, _TARGET = _FIELDS.index("computed"), _FIELDS.index("target")
 
 
 def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tokens: int,
@@ -114,12 +117,12 @@ class PendingGrowth:
 
     def _clear(self) -> None:
         self._num_applied += len(getattr(self, "calls", ()))
-        # The calls in order, with no object and no Python per field per call (one append and one extend):
-        # their vLLM requests (``calls``); six ints each, flat (``_FIELDS``: its row, vLLM's known tokens at the call,
-        # gpukv's known and computed tokens before it, its computed tokens after it (``growth``'s target), the
-        # slots it needs after it), read as one array by ``_batch``; and, for the few calls that take blocks,
-        # (call index, blocks taken from the free queue in all groups, the blocks handed back or None).
-        self.calls: list[Any] = []  # (one per call: non-empty while calls are pending)
+        # The calls in order, with no tuple per call (one append and one extend): their vLLM requests; their
+        # ints, flat (``_FIELDS``: its row, vLLM's known tokens at the call, gpukv's known and computed tokens
+        # before it, its computed tokens after it (``growth``'s target), the slots it needs after it); and, for
+        # the few calls that take blocks, (call index, blocks taken from the free queue in all groups, the
+        # blocks handed back or None).
+        self.calls: list[Any] = []  # (non-empty while calls are pending)
         self.counts: list[int] = []
         self.growing: list[tuple[int, int, Any]] = []
         self.taken = 0  # blocks the calls so far take, per the host
@@ -222,8 +225,8 @@ class PendingGrowth:
         popped = [0] * len(self.calls)
         for i, taken, _ in self.growing:
             popped[i] = taken
-        counts = self.counts
-        calls = [StepCall(r, popped[i], groups * (counts[6 * i + 4] // bs - counts[6 * i + 3] // bs) if caching else 0)
+        targets, computed = self.counts[_TARGET::len(_FIELDS)], self.counts[_COMPUTED::len(_FIELDS)]
+        calls = [StepCall(r, popped[i], groups * (targets[i] // bs - computed[i] // bs) if caching else 0)
                  for i, r in enumerate(self.calls)]
         for i in range(result.num_admitted):
             request, hit = admitting[i], result.num_computed_tokens[i] // bs
@@ -244,9 +247,10 @@ class PendingGrowth:
         target, and reserves the rest of its slots as lookahead. Built from
         the adapter's records (rows held, gpukv's known and computed tokens),
         so gpukv takes it as checked (``PrecheckedRunningBatch``)."""
-        n = len(self.calls)
-        # (one array of every call's ints, its columns each contiguous: rows, known, before, computed, targets, slots)
-        rows, known, before, computed, targets, slots = np.fromiter(self.counts, np.int64, 6 * n).reshape(n, 6).T.copy()
+        n, width = len(self.calls), len(_FIELDS)
+        # (one array of every call's ints, one contiguous row per field)
+        rows, known, before, computed, targets, slots = np.fromiter(self.counts, np.int64, width * n).reshape(
+            n, width).T.copy()
         counts: np.ndarray | None = known - before
         if np.count_nonzero(counts == 1) == n:  # (decodes, one token each: read in one pass, no ragged layout)
             tokens, counts = decode_tokens(self.calls, before.tolist()), None
