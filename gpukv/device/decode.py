@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpukv.core.requests import RunningUpdate, StepResult
-from gpukv.core.running_batch import RunningRows
+from gpukv.core.running_batch import RunningRows, largest_element
 from gpukv.errors import InvalidInputError
 from gpukv.kernels import capture
 from gpukv.kernels import decode as decode_ops
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from gpukv.device.reads import DeviceReads
     from gpukv.device.state import DeviceCalls, DeviceState
 
-#: The largest element of a non-empty array: the ufunc's reduce, without
-#: ``ndarray.max``'s Python wrapper (a decode plan takes three).
-_max = np.maximum.reduce
+#: The largest element of a non-empty int array (``largest_element``: a
+#: quarter of ``np.maximum.reduce``'s cost; a decode plan takes four).
+largest = largest_element
 
 #: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
 UPLOADED = frozenset({"rows", "ntok", "nnew", "comp0", "comp1", "held", "need", "cum",
@@ -65,7 +65,7 @@ def block_counter(block_size: int):
     block size is a power of two (numpy's integer division is the slower)."""
     if block_size & (block_size - 1):
         return lambda a: a // block_size
-    shift = block_size.bit_length() - 1
+    shift = np.array(block_size.bit_length() - 1, dtype=np.int64)  # (0-d: numpy takes it faster than an int)
     return lambda a: a >> shift
 
 
@@ -91,6 +91,9 @@ class DecodePlan:
     # The phases with work (``DECODE_PHASES``); an eager step launches only
     # those, a graph replays them all.
     phases: frozenset[str] = frozenset()
+    # The named views of this step's host plan array it was written into
+    # (``DecodePath.host_plan``; None: looked up again by ``stage``).
+    host: dict | None = None
 
     def blocks_popped(self, num_fit: int) -> int:
         """The blocks the first ``num_fit`` rows took (the only ones popped)."""
@@ -239,14 +242,14 @@ class DecodePath:
         ntok1 = n + nnew
         comp1 = ntok1 if chunks is None else comp0 + chunks
         blocks_of = self._blocks_of  # (a shift where the block size is a power of two)
-        held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + bs - 1)))  # lookahead blocks held are kept
+        held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + (bs - 1))))  # lookahead blocks held are kept
         need_pg = held1 - held0
         cum = np.add.accumulate(need_pg * G if G > 1 else need_pg)  # new blocks, all groups
         filled = blocks_of(comp1) - blocks_of(comp0)
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        need_max, filled_max = int(_max(need_pg)), int(_max(filled))
-        la_max = lookahead if type(lookahead) is int else int(_max(lookahead))
+        need_max, filled_max = largest(need_pg), largest(filled)
+        la_max = lookahead if isinstance(lookahead, int) else largest(lookahead)
         A = max(-(-(k + la_max) // bs), pow2_at_least(need_max))
         C = max(-(-k // bs), pow2_at_least(filled_max))
         stops = released = None
@@ -262,12 +265,12 @@ class DecodePath:
             phases = ALL_DECODE_PHASES
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
             # (a known block fills whether or not a computed one does: a row appending beyond its chunk)
-            fills_known = k > 0 and int(_max(n % bs + nnew)) >= bs
+            fills_known = k > 0 and (largest(n % bs) + nnew if type(nnew) is int else largest(n % bs + nnew)) >= bs
             phases = decode_phases(most_released > 0, need_max > 0, fills_known, filled_max > 0)
-        self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
+        host = self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
         total = int(cum[-1])
         return DecodePlan(rows, bucket, total, cum, held0, ntok1, comp1, held1, stops,
-                          total <= self._s.free_lower_bound, phases)
+                          total <= self._s.free_lower_bound, phases, host)
 
     def _window_stops(self, num_tokens: np.ndarray, starts: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Per (request, group): where the null blocks end once the window
@@ -278,9 +281,10 @@ class DecodePath:
             stops[:, g] = np.maximum(self._policies[g].released_until(num_tokens, held), starts[:, g])
         return stops
 
-    def _write_plan(self, bucket: tuple, rows: np.ndarray, counts: tuple, stops, released) -> None:
+    def _write_plan(self, bucket: tuple, rows: np.ndarray, counts: tuple, stops, released) -> dict:
         """The plan's uploaded arrays, into this step's host array of the
-        bucket: per row its counts, and the window releases."""
+        bucket: per row its counts, and the window releases. Returns the
+        array's named views (``host_plan``)."""
         B = len(rows)
         v = self.host_plan(bucket)
         v["rows"][:B] = rows
@@ -298,6 +302,7 @@ class DecodePath:
             v["r_pos"][:B] = np.maximum(stops[:, wg][:, :, None] - 1 - ell, 0)
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
+        return v
 
     def host_plan(self, bucket: tuple) -> dict:
         """Named views of this step's host plan array of the bucket (the
@@ -342,7 +347,7 @@ class DecodePath:
             bufs = self.buffers[plan.bucket] = decode_buffers(plan.bucket, self.layout(plan.bucket), self.device)
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
-            self.host_plan(plan.bucket)["tokens"][: len(tokens)] = tokens
+            (self.host_plan(plan.bucket) if plan.host is None else plan.host)["tokens"][: len(tokens)] = tokens
         self._s.staging.upload_host(("decode", plan.bucket), bufs.uploaded)
         if on_device:  # (as int64, int32 sign-extended: decode_fit checks the range)
             bufs.new_tokens[: len(plan.rows)].copy_(tokens)
@@ -397,7 +402,8 @@ class DecodePath:
         of a graph.)"""
         s = self._s
         B = len(plan.rows)
-        self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        if not self._events_off:  # (the entries' count read only for a log: two tensor shapes a step otherwise)
+            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         if plan.fits_known:
             n_fit = B
             s.free_lower_bound -= plan.num_new_blocks
@@ -415,9 +421,11 @@ class DecodePath:
         window), and the table's rebuild when what they popped makes it due
         (after the fit is known: rows that did not fit popped nothing)."""
         self._launches.rebuild_if_due(plan.blocks_popped(n_fit))
-        rows, done = self._rows, plan.rows[:n_fit]
-        rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = (
-            plan.num_tokens[:n_fit], plan.computed[:n_fit], plan.held[:n_fit])
+        done, known, computed, held = plan.rows, plan.num_tokens, plan.computed, plan.held
+        if n_fit < len(done):  # (only the first rows got theirs; all of them, the common case, take no slices)
+            done, known, computed, held = done[:n_fit], known[:n_fit], computed[:n_fit], held[:n_fit]
+        rows = self._rows
+        rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = known, computed, held
         if plan.window_stops is not None:
             rows.null_until[plan.rows] = plan.window_stops
 
@@ -471,7 +479,8 @@ class DecodePath:
             self._blocked.zero_()
             return None
         plan, bufs = self.launch_running(running)
-        self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        if not self._events_off:  # (the entries' count read only for a log: two tensor shapes a step otherwise)
+            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
         read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
         n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
         return RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok, plan)

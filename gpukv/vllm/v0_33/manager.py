@@ -86,8 +86,6 @@ __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_
 #: recognised by identity (any other object, equal or not, takes the full path).
 _ZERO = 0
 _NO_GROUPS = ()
-#: ``_running_call``'s answer for a request the running loop's call is not for.
-_NOT_RUNNING = object()
 
 
 def watermark_blocks(watermark: Any, num_blocks: int) -> int:
@@ -296,8 +294,15 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
                 and num_external_computed_tokens is _ZERO and num_encoder_tokens is _ZERO
                 and reserved_blocks is _ZERO and skip_zeroing_group_ids is _NO_GROUPS
                 and num_new_tokens > 0 and num_lookahead_tokens >= 0):
-            blocks = self._running_call(request, num_new_tokens, num_lookahead_tokens)
-            if blocks is not _NOT_RUNNING:
+            # vLLM's running loop's call, answered on the host (``pending.add``), after the checks the full path
+            # makes, in its order (a refusal raised here is the one it raises); any other request takes that path.
+            known = check_request(request, self.max_model_len)
+            held = self._held.get(request.request_id)
+            if held is not None and request.status is self._running_status and self.can_batch:
+                blocks = self.pending.add(request, held, known, num_new_tokens, num_lookahead_tokens)
+                if blocks is not None:
+                    self.num_scheduled_tokens += num_new_tokens
+                    self.num_scheduled_requests += 1
                 return blocks
         if num_external_computed_tokens or delay_cache_blocks or skip_zeroing_group_ids:
             raise UnsupportedConfigError("external (KV-connector) tokens, delayed caching and zeroing are not "
@@ -317,8 +322,8 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
             if self.batching and self.can_batch and not reserved_blocks:
-                blocks = self.pending.add(request, self._held[request.request_id], num_new_tokens,
-                                          num_lookahead_tokens, self.max_model_len)
+                blocks = self.pending.add(request, self._held[request.request_id], request.num_tokens,
+                                          num_new_tokens, num_lookahead_tokens)
                 if blocks is not None:
                     self.num_scheduled_tokens += num_new_tokens
                     self.num_scheduled_requests += 1
@@ -333,23 +338,6 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             return entry.new_blocks
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
-
-    def _running_call(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> Any:
-        """``allocate_slots`` as vLLM's running loop calls it inside
-        ``schedule()`` (every other argument its default, the counts checked
-        by the caller): a running request's call answered on the host
-        (``pending.add``), with the checks the full path makes, in its order
-        (a refusal raised here is the one it raises); ``_NOT_RUNNING`` for a
-        request that call is not for (the full path answers it)."""
-        check_request(request, self.max_model_len)
-        held = self._held.get(request.request_id)
-        if held is None or request.status is not self._running_status or not self.can_batch:
-            return _NOT_RUNNING
-        blocks = self.pending.add(request, held, num_new_tokens, num_lookahead_tokens, self.max_model_len)
-        if blocks is not None:
-            self.num_scheduled_tokens += num_new_tokens
-            self.num_scheduled_requests += 1
-        return blocks
 
     @flushing
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:

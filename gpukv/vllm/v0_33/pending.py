@@ -41,9 +41,12 @@ from gpukv.core.requests import NewRequest, StepResult
 from gpukv.core.running_batch import PrecheckedRunningBatch, prechecked_batch
 from gpukv.errors import GpukvInputError
 from gpukv.vllm.v0_33.events import StepCall
-from gpukv.vllm.v0_33.views import Block, new_tokens
+from gpukv.vllm.v0_33.views import Block, decode_tokens, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
+#: The ints ``PendingGrowth`` keeps per call, flat, in this order (``_batch`` reads them as one array).
+_FIELDS = ("row", "known", "before", "computed", "target", "slots")
+_COMPUTED, _TARGET = _FIELDS.index("computed"), _FIELDS.index("target")
 
 
 def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tokens: int,
@@ -99,6 +102,7 @@ class PendingGrowth:
         self._adapter = adapter
         self._lazy_cls = pending_blocks_class(adapter.blocks_class)
         self._block_size = adapter.block_size  # (read once: ``add`` runs once per running request per step)
+        self._max_model_len = adapter.max_model_len
         self._no_blocks = adapter.empty_kv_cache_blocks
         self._num_applied = 0  # calls answered on the host and cleared since construction (``num_calls``)
         self.num_steps = 0  # gpukv steps they were applied in
@@ -113,33 +117,36 @@ class PendingGrowth:
 
     def _clear(self) -> None:
         self._num_applied += len(getattr(self, "calls", ()))
-        # One tuple per call (one append, no Python per field): its row, vLLM request, vLLM's known tokens at
-        # the call, gpukv's known and computed tokens before it, its computed tokens after it (``growth``'s
-        # target), the slots it needs after it, the blocks it takes from the free queue (all groups) and the
-        # blocks handed back (None when no block is new).
-        self.calls: list[tuple[int, Any, int, int, int, int, int, int, Any]] = []
+        # The calls in order, with no tuple per call (one append and one extend): their vLLM requests; their
+        # ints, flat (``_FIELDS``: its row, vLLM's known tokens at the call, gpukv's known and computed tokens
+        # before it, its computed tokens after it (``growth``'s target), the slots it needs after it); and, for
+        # the few calls that take blocks, (call index, blocks taken from the free queue in all groups, the
+        # blocks handed back or None).
+        self.calls: list[Any] = []  # (non-empty while calls are pending)
+        self.counts: list[int] = []
+        self.growing: list[tuple[int, int, Any]] = []
         self.taken = 0  # blocks the calls so far take, per the host
         self.spare: int | None = None  # free blocks known to be left for the next call
 
     def __len__(self) -> int:
         return len(self.calls)
 
-    def add(self, request: Any, held: list[int], num_new_tokens: int, num_lookahead_tokens: int,
-            max_model_len: int) -> Any:
+    def add(self, request: Any, held: list[int], known: int, num_new_tokens: int, num_lookahead_tokens: int) -> Any:
         """vLLM's ``allocate_slots(request, num_new_tokens,
-        num_lookahead_tokens=...)`` for a running request at row ``held[0]``
-        holding ``held[1]`` blocks per group with ``held[2]`` tokens
-        computed and ``held[3]`` known in gpukv (the adapter's record, which
-        this updates): its new blocks (the empty instance when none are new,
-        else blocks filled at the flush), or None when they do not fit."""
+        num_lookahead_tokens=...)`` for a running request with ``known``
+        tokens (its ``num_tokens``) at row ``held[0]`` holding ``held[1]``
+        blocks per group with ``held[2]`` tokens computed and ``held[3]``
+        known in gpukv (the adapter's record, which this updates): its new
+        blocks (the empty instance when none are new, else blocks filled at
+        the flush), or None when they do not fit."""
         row, num_held, computed, before = held
-        known = request.num_tokens
         _, slots, target = growth(request.num_computed_tokens, known, computed, num_new_tokens, num_lookahead_tokens,
-                                  max_model_len)
+                                  self._max_model_len)
         new_per_group = -(-slots // self._block_size) - num_held
         if new_per_group > 0:  # (about one call in block_size)
             return self._add_growing(request, held, known, target, slots, new_per_group)
-        self.calls.append((row, request, known, before, computed, target, slots, 0, None))
+        self.calls.append(request)
+        self.counts.extend((row, known, before, computed, target, slots))
         held[2] = target
         held[3] = known  # (the step appends vLLM's tokens past gpukv's)
         return self._no_blocks
@@ -154,7 +161,9 @@ class PendingGrowth:
             return None
         held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
         blocks = None if a.ids_on_device else self._lazy_cls(self)
-        self.calls.append((row, request, known, before, computed, target, slots, popped, blocks))
+        self.growing.append((len(self.calls), popped, blocks))
+        self.calls.append(request)
+        self.counts.extend((row, known, before, computed, target, slots))
         held[2] = target
         held[3] = known
         return a.empty_kv_cache_blocks if blocks is None else blocks
@@ -187,7 +196,7 @@ class PendingGrowth:
             return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
         try:
-            wants_ids = ids and (bool(new) or any(call[8] is not None for call in self.calls))
+            wants_ids = ids and (bool(new) or any(blocks is not None for _, _, blocks in self.growing))
             running = self._batch() if self.calls else ()
             result = self._adapter.manager.step(running=running, new=new, token_budget=token_budget,
                                                 block_ids=wants_ids)
@@ -196,7 +205,7 @@ class PendingGrowth:
                 raise AssertionError(f"gpukv refused running request {result.running_failed_at} of a batch the "
                                      "host counted as fitting: the host's block arithmetic is wrong")
             if wants_ids:
-                for i, blocks in enumerate([call[8] for call in self.calls]):
+                for i, _, blocks in self.growing:
                     if blocks is not None:
                         blocks.filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
             if self._adapter.event_translator.active:
@@ -213,8 +222,12 @@ class PendingGrowth:
         one: the running loop's, then the run's admissions'."""
         a = self._adapter
         caching, bs, groups = a.enable_caching, a.block_size, a.num_kv_cache_groups
-        calls = [StepCall(r, popped, groups * (t // bs - c // bs) if caching else 0)
-                 for _, r, _, _, c, t, _, popped, _ in self.calls]
+        popped = [0] * len(self.calls)
+        for i, taken, _ in self.growing:
+            popped[i] = taken
+        targets, computed = self.counts[_TARGET::len(_FIELDS)], self.counts[_COMPUTED::len(_FIELDS)]
+        calls = [StepCall(r, popped[i], groups * (targets[i] // bs - computed[i] // bs) if caching else 0)
+                 for i, r in enumerate(self.calls)]
         for i in range(result.num_admitted):
             request, hit = admitting[i], result.num_computed_tokens[i] // bs
             full = (result.num_computed_tokens[i] + result.num_new_tokens[i]) // bs
@@ -225,8 +238,8 @@ class PendingGrowth:
     def _reread(self) -> None:
         """gpukv refused the step and changed nothing: the adapter's records,
         which ``add`` moved ahead, read back from the manager (host only)."""
-        for call in self.calls:
-            self._adapter.note_held(call[1].request_id)
+        for request in self.calls:
+            self._adapter.note_held(request.request_id)
 
     def _batch(self) -> PrecheckedRunningBatch:
         """The pending calls as a ``RunningBatch``: each appends the tokens
@@ -234,12 +247,13 @@ class PendingGrowth:
         target, and reserves the rest of its slots as lookahead. Built from
         the adapter's records (rows held, gpukv's known and computed tokens),
         so gpukv takes it as checked (``PrecheckedRunningBatch``)."""
-        rows, requests, known, before, computed, targets, slots, _, _ = zip(*self.calls, strict=True)
-        tokens = new_tokens(requests, before, known)
-        n = len(rows)
-        before_np = np.fromiter(before, np.int64, n)
-        counts = np.fromiter(known, np.int64, n) - before_np
-        targets_np = np.fromiter(targets, np.int64, n)
-        return prechecked_batch(np.fromiter(rows, np.int64, n), tokens, counts, before_np,
-                                targets_np - np.fromiter(computed, np.int64, n),
-                                np.fromiter(slots, np.int64, n) - targets_np)
+        n, width = len(self.calls), len(_FIELDS)
+        # (one array of every call's ints, one contiguous row per field)
+        rows, known, before, computed, targets, slots = np.fromiter(self.counts, np.int64, width * n).reshape(
+            n, width).T.copy()
+        counts: np.ndarray | None = known - before
+        if np.count_nonzero(counts == 1) == n:  # (decodes, one token each: read in one pass, no ragged layout)
+            tokens, counts = decode_tokens(self.calls, before.tolist()), None
+        else:
+            tokens = new_tokens(self.calls, before.tolist(), known.tolist())
+        return prechecked_batch(rows, tokens, counts, before, targets - computed, slots - targets)

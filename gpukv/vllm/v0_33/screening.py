@@ -31,10 +31,11 @@ from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 
 
-def check_request(request: Any, max_model_len: int) -> None:
+def check_request(request: Any, max_model_len: int) -> int:
     """A request the adapter can follow: some tokens, within
     ``max_model_len``, no multimodal inputs or prompt embeddings (whose
-    extra keys gpukv does not derive as vLLM 0.33 does)."""
+    extra keys gpukv does not derive as vLLM 0.33 does). Returns its
+    ``num_tokens`` (read once here: the running loop's call needs it too)."""
     rid = getattr(request, "request_id", None)
     if not isinstance(rid, str):
         raise InvalidTypeError(f"expected a vLLM Request, got {type(request).__name__}", argument="request",
@@ -51,6 +52,7 @@ def check_request(request: Any, max_model_len: int) -> None:
         raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
                                      "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
                                      fix="send text prompts, or use vLLM's own scheduler")
+    return num_tokens
 
 
 def prompt_refusal(request: Any, max_model_len: int, check: Any) -> GpukvInputError | None:

@@ -81,6 +81,23 @@ def token_slice(request: Any, start: int, stop: int) -> Any:
 _token_buffer = attrgetter("_all_token_ids")  # (vLLM 0.34's TokenBuffer of a request)
 
 
+def decode_tokens(requests: Sequence[Any], starts: Sequence[int]) -> np.ndarray:
+    """``new_tokens(requests, starts, [s + 1 for s in starts])``: each
+    request's one new token (a batch of decodes)."""
+    decoded = _decode_tokens(requests, starts)
+    return _sliced_tokens(requests, starts, [s + 1 for s in starts]) if decoded is None else decoded
+
+
+def _decode_tokens(requests: Sequence[Any], starts: Sequence[int]) -> np.ndarray | None:
+    """Each request's token at ``starts[i]`` read from vLLM 0.34's
+    ``TokenBuffer`` in one pass in C (``map``), no Python call per request;
+    None when they are not such buffers (or one is shorter than said)."""
+    try:
+        return np.fromiter(map(array.__getitem__, map(_token_buffer, requests), starts), np.int64, len(starts))
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
 def new_tokens(requests: Sequence[Any], starts: Sequence[int], stops: Sequence[int]) -> np.ndarray:
     """Each request's known tokens ``starts[i]`` to ``stops[i]`` (the
     running loop's new ones: a few each), flat, as an int64 array: from
@@ -88,14 +105,18 @@ def new_tokens(requests: Sequence[Any], starts: Sequence[int], stops: Sequence[i
     one array, no Python int per token; else ``token_slice``'s. A batch of
     decodes (one token each) is read in one pass in C (``map``), no Python
     call per request."""
-    out = array("i")
-    get = array.__getitem__
     n = len(starts)
     if n and list(map(sub, stops, starts)).count(1) == n == len(requests) == len(stops):
-        try:
-            return np.fromiter(map(get, map(_token_buffer, requests), starts), np.int64, n)
-        except (AttributeError, TypeError, IndexError):
-            pass  # (not vLLM 0.34's int32 buffers, or one shorter than said: the loop below, as before)
+        decoded = _decode_tokens(requests, starts)
+        if decoded is not None:
+            return decoded
+    return _sliced_tokens(requests, starts, stops)
+
+
+def _sliced_tokens(requests: Sequence[Any], starts: Sequence[int], stops: Sequence[int]) -> np.ndarray:
+    """``new_tokens``, one slice per request."""
+    out = array("i")
+    get = array.__getitem__
     try:
         for r, a, b in zip(requests, starts, stops, strict=True):
             if b > a:
