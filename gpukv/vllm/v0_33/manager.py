@@ -463,7 +463,7 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
             RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
         if not (full_sequence_must_fit or watermark or reserved_blocks):
             return True
-        touched = _HitTouches(self, computed)
+        touched = _HitTouches(self.manager, computed)
         hit_blocks = hit // self.block_size
         if full_sequence_must_fit:  # (a request admitted holds none)
             full = self.groups.blocks_to_admit(min(request.num_tokens, self.max_model_len), hit_blocks, capped=True)
@@ -524,11 +524,8 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         record[1:] = self.manager.num_blocks_held(rid), int(computed), int(known)
 
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
-        """vLLM's fit check: the blocks to take plus the watermark within the
-        free blocks less ``reserved`` (past the manager's lower bound, its free
-        count: the device manager's host mirror, no device read)."""
-        need = num_blocks + watermark + reserved
-        return need <= self.manager.free_blocks_lower_bound() or need <= self.manager.read_num_free_blocks()
+        """vLLM's fit check (``blocks_fit``) on this adapter's manager."""
+        return blocks_fit(self.manager, num_blocks, watermark, reserved)
 
     def _num_cached_blocks(self, request: Any) -> int:
         """Leading blocks of a held request that are cached: the full blocks
@@ -588,10 +585,10 @@ class _HitTouches:
     blocks' lower bound (a host count), the fit holds whatever that read
     would give, so the decision is the read's."""
 
-    __slots__ = ("adapter", "computed", "count")
+    __slots__ = ("manager", "computed", "count")
 
-    def __init__(self, adapter: KVCacheManager, computed: ComputedBlocks | PrefixHit | None) -> None:
-        self.adapter, self.computed = adapter, computed
+    def __init__(self, manager: BlockManager, computed: ComputedBlocks | PrefixHit | None) -> None:
+        self.manager, self.computed = manager, computed
         self.count: int | None = 0
         if isinstance(computed, PrefixHit):
             self.count = computed.num_unheld_blocks
@@ -599,15 +596,23 @@ class _HitTouches:
             self.count = None  # (read when needed)
 
     def fit(self, num_blocks: int, watermark: int, reserved: int) -> bool:
-        """``KVCacheManager._fits`` of ``num_blocks`` plus the hit's touches."""
-        adapter = self.adapter
+        """``blocks_fit`` of ``num_blocks`` plus the hit's touches."""
+        manager = self.manager
         if self.count is None:
             assert isinstance(self.computed, ComputedBlocks)
             most = sum(len(g) for g in self.computed.block_ids)  # (at least the blocks it touches)
-            if num_blocks + most + watermark + reserved <= adapter.manager.free_blocks_lower_bound():
+            if num_blocks + most + watermark + reserved <= manager.free_blocks_lower_bound():
                 return True
-            self.count = _num_evictable(adapter.manager, self.computed.block_ids)
-        return adapter._fits(num_blocks + self.count, watermark, reserved)
+            self.count = _num_evictable(manager, self.computed.block_ids)
+        return blocks_fit(manager, num_blocks + self.count, watermark, reserved)
+
+
+def blocks_fit(manager: BlockManager, num_blocks: int, watermark: int, reserved: int) -> bool:
+    """vLLM's fit check: the blocks to take plus the watermark within the
+    free blocks less ``reserved`` (past the manager's lower bound, its free
+    count: the device manager's host mirror, no device read)."""
+    need = num_blocks + watermark + reserved
+    return need <= manager.free_blocks_lower_bound() or need <= manager.read_num_free_blocks()
 
 
 def _num_evictable(manager: BlockManager, hit_ids: Sequence[Sequence[int]]) -> int:
