@@ -411,7 +411,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
     @mutating
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-cache stats since the last call (then zeroed); host only."""
-        self._begin_changes()
+        self._begin_changes(cache=False)
         shared = self._shared
         stats, shared.stats = shared.stats, PrefixCacheStats()
         stats.reset, self._reset_flag = self._reset_flag, False
@@ -438,7 +438,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         oldest first; empty unless built with ``enable_kv_cache_events``. A
         batch is made at each read of the step status; events of steps that
         read nothing (a decode the host proved fits) are read here, one read."""
-        self._begin_changes()
+        self._begin_changes(cache=False)
         if self._events.pending:
             with self._counting():
                 self._reads.events()
@@ -592,15 +592,17 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return result
 
     # ------------------------------------------------------------- checking
-    def _begin_changes(self) -> None:
+    def _begin_changes(self, *, cache: bool = True) -> None:
         """The running call's point of first change (``gpukv.core.failstop``),
         which also advances the mutation epoch (``DeviceState.epoch``): every
         call that may change the pool, the rows or the cache passes here
         before it does, so a dry lookup remembered at an epoch still current
         is what a lookup of the same request would find now (the admission's
-        ``LookupMemo``)."""
+        ``LookupMemo``). ``cache=False``: a call that changes host records
+        only (the stats handed out, the events taken) leaves the epoch."""
         self._changing = True
-        self._shared.epoch += 1
+        if cache:
+            self._shared.epoch += 1
 
     def _state(self, request_id: str) -> int:
         """A running request's row (InvalidTypeError: an id not a plain str; UnknownRequestError: one not held)."""

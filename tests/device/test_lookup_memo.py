@@ -218,3 +218,27 @@ def test_tokens_on_the_device_keep_the_recheck():
     assert dev.allocate_slots(req, computed=c) == [[4]]
     # The re-check's two reads (the hit with the tokens' verdict, its ids), the step's, the new ids'.
     assert dev.counters.d2h == 4
+
+
+
+@pytest.mark.parametrize("taken", ["stats", "events"])
+def test_stats_or_events_taken_between_keep_the_skip(taken):
+    """Handing out the stats or the events changes no block, row or cache
+    entry: the admission after them still skips its re-check."""
+    ref = ReferenceManager(16, 2, hash_key=KEY, enable_kv_cache_events=True)
+    dev = DeviceManager(16, 2, hash_key=KEY, max_model_len=64, enable_kv_cache_events=True)
+    for m in (ref, dev):
+        m.step(new=[NewRequest("p", PROMPT)])
+        m.free("p")
+    req = NewRequest("a", [*PROMPT[:6], 9, 9, 9])
+    c_ref, c_dev = ref.get_computed_blocks(req), dev.get_computed_blocks(req)
+    assert c_dev == c_ref == ComputedBlocks([[1, 2, 3]], 6)
+    if taken == "stats":
+        assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
+    else:
+        events = [[b.events for b in m.take_events()] for m in (ref, dev)]
+        assert events[0] == events[1] != []
+    out, reads, _ = counted_allocate(dev, req, c_dev)
+    assert out == ref.allocate_slots(req, computed=c_ref) == [[4, 5]]
+    assert reads == 2  # the step's status and the new blocks' ids: no re-check's reads
+    assert_same(ref, dev)
