@@ -307,9 +307,9 @@ def test_every_mutating_call_marks_its_point_of_first_change(make, monkeypatch):
     marks = []
     real = cls._begin_changes
 
-    def spy(self):
+    def spy(self, **kwargs):
         marks.append(True)
-        real(self)
+        real(self, **kwargs)
 
     # Before the manager is built: the device manager hands its parts its bound calls at construction.
     monkeypatch.setattr(cls, "_begin_changes", spy)
