@@ -37,9 +37,6 @@ if TYPE_CHECKING:
     from gpukv.device.reads import DeviceReads
     from gpukv.device.state import DeviceCalls, DeviceState
 
-#: The largest element of a non-empty int array (``largest_element``: a
-#: quarter of ``np.maximum.reduce``'s cost; a decode plan takes four).
-largest = largest_element
 
 #: The arrays of a decode plan the host uploads (the rest ``decode_fit`` writes).
 UPLOADED = frozenset({"rows", "ntok", "nnew", "comp0", "comp1", "held", "need", "cum",
@@ -248,8 +245,8 @@ class DecodePath:
         filled = blocks_of(comp1) - blocks_of(comp0)
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
-        need_max, filled_max = largest(need_pg), largest(filled)
-        la_max = lookahead if isinstance(lookahead, int) else largest(lookahead)
+        need_max, filled_max = largest_element(need_pg), largest_element(filled)
+        la_max = lookahead if isinstance(lookahead, int) else largest_element(lookahead)
         A = max(-(-(k + la_max) // bs), pow2_at_least(need_max))
         C = max(-(-k // bs), pow2_at_least(filled_max))
         stops = released = None
@@ -265,7 +262,7 @@ class DecodePath:
             phases = ALL_DECODE_PHASES
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
             # (a known block fills whether or not a computed one does: a row appending beyond its chunk)
-            fills_known = k > 0 and (largest(n % bs) + nnew if type(nnew) is int else largest(n % bs + nnew)) >= bs
+            fills_known = k > 0 and largest_element(n % bs + nnew) >= bs
             phases = decode_phases(most_released > 0, need_max > 0, fills_known, filled_max > 0)
         host = self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
         total = int(cum[-1])
@@ -303,6 +300,13 @@ class DecodePath:
             v["r_valid"][:B] = ell < released[:, :, None]
             v["r_valid"][B:] = 0
         return v
+
+    def _expect_events(self, bufs) -> None:
+        """With a KV-event log, the entries this step's launches may record
+        (its buffers' allocation and caching widths); without one, nothing
+        (two tensor shapes a step saved)."""
+        if not self._events_off:
+            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
 
     def host_plan(self, bucket: tuple) -> dict:
         """Named views of this step's host plan array of the bucket (the
@@ -402,8 +406,7 @@ class DecodePath:
         of a graph.)"""
         s = self._s
         B = len(plan.rows)
-        if not self._events_off:  # (the entries' count read only for a log: two tensor shapes a step otherwise)
-            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        self._expect_events(bufs)
         if plan.fits_known:
             n_fit = B
             s.free_lower_bound -= plan.num_new_blocks
@@ -479,8 +482,7 @@ class DecodePath:
             self._blocked.zero_()
             return None
         plan, bufs = self.launch_running(running)
-        if not self._events_off:  # (the entries' count read only for a log: two tensor shapes a step otherwise)
-            self._events.expect(bufs.views["alloc"].shape[1] + bufs.views["record"].shape[1])
+        self._expect_events(bufs)
         read = not plan.fits_known or isinstance(running.tokens, torch.Tensor)
         n_ok = bufs.status[decode_ops.ST_FIT: decode_ops.ST_FIT + 1] if read else None
         return RunningPhase(plan.rows, plan.held_before, plan.held, plan.num_new_blocks, n_ok, plan)

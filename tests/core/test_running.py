@@ -326,15 +326,21 @@ def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong
     m.check_invariants()
 
 
+def _decode_batch_of_two(m, tokens: list[int]):
+    """Two requests admitted on ``m`` ("a" with 6 tokens, "b" with 4), and a
+    prechecked decode batch appending ``tokens`` (one a row, no counts)."""
+    res = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6]), NewRequest("b", [7, 8, 9, 10])])
+    rows = np.array(res.rows, dtype=np.int64)
+    known = m.row_token_counts(rows)[0]
+    return rows, prechecked_batch(rows, np.array(tokens, dtype=np.int64), None, known, np.ones(2, dtype=np.int64),
+                                  np.zeros(2, dtype=np.int64))
+
+
 @pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
 def test_a_prechecked_decode_batch_has_one_token_a_row_and_no_counts(kind):
     # counts None: one token per row ([B, 1], as vLLM's decodes), the step as with counts of ones.
     m = managers()[kind]
-    res = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6]), NewRequest("b", [7, 8, 9, 10])])
-    rows = np.array(res.rows, dtype=np.int64)
-    known = m.row_token_counts(rows)[0]
-    batch = prechecked_batch(rows, np.array([30, 31], dtype=np.int64), None, known, np.ones(2, dtype=np.int64),
-                             np.zeros(2, dtype=np.int64))
+    rows, batch = _decode_batch_of_two(m, [30, 31])
     assert batch.normalized.tokens.tolist() == [[30], [31]]
     assert batch.normalized.counts is None
     assert m.step(running=batch, block_ids=True).running_block_ids == [[[], [4]]]  # ("b"'s 5th token: a block)
@@ -346,11 +352,7 @@ def test_a_prechecked_decode_batch_has_one_token_a_row_and_no_counts(kind):
 @pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
 def test_a_prechecked_decode_batch_with_a_token_out_of_range_changes_nothing(kind):
     m = managers()[kind]
-    res = m.step(new=[NewRequest("a", [1, 2, 3, 4, 5, 6]), NewRequest("b", [7, 8, 9, 10])])
-    rows = np.array(res.rows, dtype=np.int64)
-    known = m.row_token_counts(rows)[0]
-    batch = prechecked_batch(rows, np.array([30, 2**32], dtype=np.int64), None, known, np.ones(2, dtype=np.int64),
-                             np.zeros(2, dtype=np.int64))
+    _, batch = _decode_batch_of_two(m, [30, 2**32])
     before = state_of(m)
     with pytest.raises(InvalidInputError, match="outside") as err:
         m.step(running=batch)
