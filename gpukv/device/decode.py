@@ -66,6 +66,23 @@ def block_counter(block_size: int):
     return lambda a: a >> shift
 
 
+def block_offset(block_size: int):
+    """``tokens -> tokens % block_size`` for int64 arrays: a mask where the
+    block size is a power of two (``block_counter``'s reason)."""
+    if block_size & (block_size - 1):
+        return lambda a: a % block_size
+    mask = np.array(block_size - 1, dtype=np.int64)
+    return lambda a: a & mask
+
+
+@functools.cache
+def as_0d(value: int) -> np.ndarray:
+    """``value`` as a 0-d int64 array: an array and a 0-d one add in about
+    half the time an array and a Python int do (numpy converts the int at
+    every operation), which counts on the tens of rows of a decode."""
+    return np.array(value, dtype=np.int64)
+
+
 @dataclass
 class DecodePlan:
     """A batched decode step as the host plans it (``DecodePath.plan``):
@@ -207,6 +224,7 @@ class DecodePath:
         self.block_size = state.block_size
         self.num_groups = state.num_groups
         self._blocks_of = block_counter(state.block_size)  # full blocks in a number of tokens
+        self._offset_of = block_offset(state.block_size)  # tokens past the last full block
         self._policies = state.policies
         self._window_groups = [g for g, w in enumerate(state.sliding_windows) if w is not None]
         self._events_off = state.events.log is None
@@ -236,17 +254,19 @@ class DecodePath:
         n = rs.num_tokens[rows] if num_tokens is None else num_tokens
         comp0, held0 = rs.num_computed[rows], rs.num_held[rows]
         nnew = k if num_new is None else num_new
-        ntok1 = n + nnew
+        ntok1 = n + (as_0d(k) if num_new is None else num_new)  # (ints as 0-d arrays here and below: as_0d)
         comp1 = ntok1 if chunks is None else comp0 + chunks
         blocks_of = self._blocks_of  # (a shift where the block size is a power of two)
-        held1 = np.maximum(held0, blocks_of(comp1 + (lookahead + (bs - 1))))  # lookahead blocks held are kept
+        la_max = lookahead if isinstance(lookahead, int) else largest_element(lookahead)
+        # (lookahead blocks held are kept)
+        ahead = as_0d(lookahead + bs - 1) if isinstance(lookahead, int) else lookahead + as_0d(bs - 1)
+        held1 = np.maximum(held0, blocks_of(comp1 + ahead))
         need_pg = held1 - held0
         cum = np.add.accumulate(need_pg * G if G > 1 else need_pg)  # new blocks, all groups
         filled = blocks_of(comp1) - blocks_of(comp0)
         # Entries per row and group: what a plain decode of k tokens can need
         # (so a steady decode keeps one bucket), more when a row needs more.
         need_max, filled_max = largest_element(need_pg), largest_element(filled)
-        la_max = lookahead if isinstance(lookahead, int) else largest_element(lookahead)
         A = max(-(-(k + la_max) // bs), pow2_at_least(need_max))
         C = max(-(-k // bs), pow2_at_least(filled_max))
         stops = released = None
@@ -262,7 +282,9 @@ class DecodePath:
             phases = ALL_DECODE_PHASES
         else:  # the phases with work: a block to release, to pop, to hash (a known one filled), to cache
             # (a known block fills whether or not a computed one does: a row appending beyond its chunk)
-            fills_known = k > 0 and largest_element(n % bs + nnew) >= bs
+            offsets = self._offset_of(n)
+            fills_known = k > 0 and (largest_element(offsets) + k if num_new is None
+                                     else largest_element(offsets + num_new)) >= bs
             phases = decode_phases(most_released > 0, need_max > 0, fills_known, filled_max > 0)
         host = self._write_plan(bucket, rows, (n, nnew, comp0, comp1, held0, need_pg, cum), stops, released)
         total = int(cum[-1])

@@ -515,3 +515,42 @@ def test_the_new_tokens_are_each_requests_slice_flat_whatever_its_buffer():
         got = gpukv033.views.new_tokens(requests, [17, 19, 15], [20, 20, 17])
         assert got.dtype == np.int64 and got.tolist() == want
         assert gpukv033.views.new_tokens(requests, [20, 20, 20], [20, 20, 20]).tolist() == []
+
+
+def test_a_running_calls_record_follows_growths_rule():
+    """``PendingGrowth.add`` computes ``growth``'s rule inline (it runs once
+    per running request per step): the target and slots it records, and the
+    adapter's record it moves, are ``growth``'s, for every mix of counts
+    around the caps (known tokens, gpukv's computed ones, max_model_len)."""
+    fields = gpukv033.pending._FIELDS
+
+    class Manager:
+        def free_blocks_lower_bound(self):
+            return 1 << 20
+
+    class Adapter:
+        blocks_class, block_size, max_model_len, empty_kv_cache_blocks = tuple, 4, 40, ()
+        ids_on_device, num_kv_cache_groups, manager = True, 1, Manager()
+
+    class Request:
+        def __init__(self, num_computed_tokens):
+            self.num_computed_tokens = num_computed_tokens
+
+    checked = 0
+    for vllm_computed in (0, 5, 30, 39, 40, 41, 45):
+        for known in (6, 31, 40):
+            for computed in (0, 6, 31, 40):
+                for new, lookahead in ((1, 0), (3, 2), (9, 0), (1, 7)):
+                    pending = PendingGrowth(Adapter())
+                    for num_held in (0, 10):  # (10 blocks of 4: no call takes one; 0: every call with slots does)
+                        held = [7, num_held, computed, 5]
+                        pending.add(Request(vllm_computed), held, known, new, lookahead)
+                        record = dict(zip(fields, pending.counts[-len(fields):], strict=True))
+                        _, slots, target = gpukv033.pending.growth(vllm_computed, known, computed, new, lookahead,
+                                                                   Adapter.max_model_len)
+                        assert (record["target"], record["slots"]) == (target, slots)
+                        assert (record["row"], record["before"], record["known"], record["computed"]) == (
+                            7, 5, known, computed)
+                        assert held == [7, max(num_held, -(-slots // 4)), target, known]
+                        checked += 1
+    assert checked == 7 * 3 * 4 * 4 * 2

@@ -44,8 +44,10 @@ from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block, decode_tokens, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
-#: The ints ``PendingGrowth`` keeps per call, flat, in this order (``_batch`` reads them as one array).
-_FIELDS = ("row", "known", "before", "computed", "target", "slots")
+#: The ints ``PendingGrowth`` keeps per call, flat, in this order (``_batch`` reads them as one array). Each
+#: of the batch's per-row counts is the difference of two neighbours (new tokens ``known - before``, chunk
+#: ``target - computed``, lookahead ``slots - target``): one subtraction of the array from itself, shifted.
+_FIELDS = ("row", "before", "known", "computed", "target", "slots")
 _COMPUTED, _TARGET = _FIELDS.index("computed"), _FIELDS.index("target")
 
 
@@ -57,8 +59,10 @@ def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tok
     ``computed``: ``(total, slots, target)``, vLLM's computed tokens before
     the call, the slots it needs after it, and the tokens gpukv computes (so
     caches): vLLM's computed after the call, capped at its known tokens,
-    never below gpukv's ``computed``. The one home of the rule for both
-    paths (``KVCacheManager._grow``, ``add``)."""
+    never below gpukv's ``computed``. The rule's home: the per-request path
+    calls it (``KVCacheManager._grow``); ``PendingGrowth.add``, run once per
+    running request per step, computes it inline, held equal to it by
+    ``tests/test_vllm033/test_batched.py``."""
     total = num_computed_tokens if num_computed_tokens < max_model_len else max_model_len
     slots = total + num_new_tokens + num_lookahead_tokens
     target = total + num_new_tokens
@@ -140,13 +144,24 @@ class PendingGrowth:
         blocks (the empty instance when none are new, else blocks filled at
         the flush), or None when they do not fit."""
         row, num_held, computed, before = held
-        _, slots, target = growth(request.num_computed_tokens, known, computed, num_new_tokens, num_lookahead_tokens,
-                                  self._max_model_len)
+        # ``growth``'s rule, inline (this runs once per running request per step; ``test_batched`` holds the two
+        # equal): the slots after the call capped at max_model_len, the target at the known tokens and never
+        # below gpukv's computed ones. (vLLM's computed tokens need no cap of their own here: past
+        # max_model_len, both caps hold whatever they are.)
+        most = self._max_model_len
+        target = request.num_computed_tokens + num_new_tokens
+        slots = target + num_lookahead_tokens
+        if slots > most:
+            slots = most
+        if target > known:
+            target = known
+        if target < computed:
+            target = computed
         new_per_group = -(-slots // self._block_size) - num_held
         if new_per_group > 0:  # (about one call in block_size)
             return self._add_growing(request, held, known, target, slots, new_per_group)
         self.calls.append(request)
-        self.counts.extend((row, known, before, computed, target, slots))
+        self.counts.extend((row, before, known, computed, target, slots))
         held[2] = target
         held[3] = known  # (the step appends vLLM's tokens past gpukv's)
         return self._no_blocks
@@ -163,7 +178,7 @@ class PendingGrowth:
         blocks = None if a.ids_on_device else self._lazy_cls(self)
         self.growing.append((len(self.calls), popped, blocks))
         self.calls.append(request)
-        self.counts.extend((row, known, before, computed, target, slots))
+        self.counts.extend((row, before, known, computed, target, slots))
         held[2] = target
         held[3] = known
         return a.empty_kv_cache_blocks if blocks is None else blocks
@@ -248,12 +263,15 @@ class PendingGrowth:
         the adapter's records (rows held, gpukv's known and computed tokens),
         so gpukv takes it as checked (``PrecheckedRunningBatch``)."""
         n, width = len(self.calls), len(_FIELDS)
-        # (one array of every call's ints, one contiguous row per field)
-        rows, known, before, computed, targets, slots = np.fromiter(self.counts, np.int64, width * n).reshape(
-            n, width).T.copy()
-        counts: np.ndarray | None = known - before
-        if np.count_nonzero(counts == 1) == n:  # (decodes, one token each: read in one pass, no ragged layout)
-            tokens, counts = decode_tokens(self.calls, before.tolist()), None
+        # (one array of every call's ints, one contiguous row per field, and their neighbours' differences)
+        fields = np.fromiter(self.counts, np.int64, width * n).reshape(n, width).T.copy()
+        rows, before, known = fields[0], fields[1], fields[2]
+        _, counts, _, chunks, lookahead = fields[1:] - fields[:-1]
+        # (every row adds one token, a decode: read in one pass, no ragged layout; counts are >= 0, so one
+        # largest and one smallest element say it, cheaper than a comparison and its count)
+        if counts.item(counts.argmax()) == 1 == counts.item(counts.argmin()):
+            tokens, ragged = decode_tokens(self.calls, before.tolist()), None
         else:
-            tokens = new_tokens(self.calls, before.tolist(), known.tolist())
-        return prechecked_batch(rows, tokens, counts, before, targets - computed, slots - targets)
+            tokens, ragged = new_tokens(self.calls, before.tolist(), known.tolist()), counts
+        # (no lookahead, the common case, handed as the int 0: the plan then adds a constant, not an array)
+        return prechecked_batch(rows, tokens, ragged, before, chunks, lookahead if np.count_nonzero(lookahead) else 0)
