@@ -74,6 +74,7 @@ from gpukv.vllm.v0_33.views import (
     InertHooks,
     NoBlockPool,
     PrefixCacheStatsRules,
+    empty_blocks_class,
     has_blocks,
     id_blocks_class,
     token_ids,
@@ -161,7 +162,9 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.blocks_class = KVCacheBlocks
         self._id_blocks_cls = id_blocks_class(KVCacheBlocks)  # (the Block objects built only when read)
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        # (the instance every call that takes no new block hands back: its ids answered without vLLM's loop)
+        no_blocks = tuple(() for _ in range(self.num_kv_cache_groups))
+        self.empty_kv_cache_blocks = empty_blocks_class(KVCacheBlocks)(no_blocks)
         self.coordinator = CoordinatorView(kv_cache_config, self.enable_caching)
         self.block_pool = NoBlockPool()
         self.mamba_shared_prefix_checkpoint = False

@@ -32,6 +32,8 @@ order after it (``gpukv.vllm.v0_33.events``: ``drain_step``). Window groups
 
 from __future__ import annotations
 
+import functools
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +51,12 @@ _LAZY_CLASSES: dict[type, type] = {}
 #: ``target - computed``, lookahead ``slots - target``): one subtraction of the array from itself, shifted.
 _FIELDS = ("row", "before", "known", "computed", "target", "slots")
 _COMPUTED, _TARGET = _FIELDS.index("computed"), _FIELDS.index("target")
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(count: int) -> struct.Struct:
+    """The ``struct`` of ``count`` native int64s (one per batch size seen)."""
+    return struct.Struct(f"={count}q")
 
 
 def growth(num_computed_tokens: int, num_tokens: int, computed: int, num_new_tokens: int,
@@ -263,8 +271,9 @@ class PendingGrowth:
         the adapter's records (rows held, gpukv's known and computed tokens),
         so gpukv takes it as checked (``PrecheckedRunningBatch``)."""
         n, width = len(self.calls), len(_FIELDS)
-        # (one array of every call's ints, one contiguous row per field, and their neighbours' differences)
-        fields = np.fromiter(self.counts, np.int64, width * n).reshape(n, width).T.copy()
+        # (one array of every call's ints, one contiguous row per field, and their neighbours' differences; the
+        # ints packed by ``struct`` in one C call, half of ``np.fromiter``'s time on a list)
+        fields = np.frombuffer(_packer(width * n).pack(*self.counts), np.int64).reshape(n, width).T.copy()
         rows, before, known = fields[0], fields[1], fields[2]
         _, counts, _, chunks, lookahead = fields[1:] - fields[:-1]
         # (every row adds one token, a decode: read in one pass, no ragged layout; counts are >= 0, so one

@@ -186,6 +186,49 @@ def id_blocks_class(blocks_cls: type) -> type:
     return cls
 
 
+class NoBlocks:
+    """What the subclass of vLLM's ``KVCacheBlocks`` made by
+    ``empty_blocks_class`` answers: no block in any group. The adapter
+    hands its one instance back for every call that takes no new block (the
+    running loop's, about ``block_size - 1`` calls in ``block_size``), and
+    vLLM's scheduler asks each for its ids (``get_block_ids(allow_none=True)``
+    in ``_make_cached_request_data``): answered here without the generator
+    vLLM's method runs over the groups."""
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Any = None) -> tuple[list[int], ...] | None:
+        """vLLM's ``KVCacheBlocks.get_block_ids`` of no block: None with
+        ``allow_none``, else a fresh empty list per group (those of
+        ``group_ids``; all: None)."""
+        if allow_none:
+            return None
+        return tuple([] for _ in (self.blocks if group_ids is None else group_ids))  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to vLLM's ``KVCacheBlocks`` of the same (empty) groups, as
+        the instance vLLM's manager keeps is (a dataclass compares only its
+        own class: vLLM's instance defers to this)."""
+        if not isinstance(other, self._vllm_class):  # type: ignore[attr-defined]
+            return NotImplemented
+        return tuple(other.blocks) == tuple(self.blocks)  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # (as vLLM's: a mutable dataclass)
+
+
+_EMPTY_BLOCKS_CLASSES: dict[type, type] = {}
+
+
+def empty_blocks_class(blocks_cls: type) -> type:
+    """vLLM's ``KVCacheBlocks`` class ``blocks_cls`` with ``NoBlocks``'
+    ``get_block_ids`` (one subclass per vLLM class; build it with empty
+    groups only)."""
+    cls = _EMPTY_BLOCKS_CLASSES.get(blocks_cls)
+    if cls is None:
+        cls = _EMPTY_BLOCKS_CLASSES[blocks_cls] = type("EmptyKVCacheBlocks", (NoBlocks, blocks_cls), {
+            "__doc__": "vLLM's ``KVCacheBlocks`` of no block in any group.", "__module__": __name__,
+            "_vllm_class": blocks_cls})
+    return cls
+
+
 def has_blocks(blocks: Any) -> bool:
     """Whether a ``KVCacheBlocks`` (or None) holds a block in some group,
     without building an ``IdBlocks``' ``Block`` objects."""
