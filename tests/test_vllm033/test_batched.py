@@ -554,3 +554,41 @@ def test_a_running_calls_record_follows_growths_rule():
                         assert held == [7, max(num_held, -(-slots // 4)), target, known]
                         checked += 1
     assert checked == 7 * 3 * 4 * 4 * 2
+
+
+def test_a_call_that_takes_no_block_hands_back_blocks_that_answer_as_vllms_without_its_loop():
+    """The empty blocks a running call that takes no new block gets: the
+    answers and equality of vLLM's empty ``KVCacheBlocks``, and vLLM's
+    ``get_block_ids(allow_none=True)`` (asked of every running request each
+    step) made with no call inside it (vLLM's runs a generator over the
+    groups)."""
+    import sys
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    kv, _, requests = _adapter_with_running()
+    kv.batching = True
+    requests[0].num_computed_tokens = 15  # (one new token fits the block it holds)
+    got = kv.allocate_slots(requests[0], 1)
+    kv.batching = False
+    kv.flush()
+    vllms = KVCacheBlocks(((),))
+    assert got is kv.empty_kv_cache_blocks and got == vllms and vllms == got and not got != vllms
+    assert got != KVCacheBlocks(([7],)) and KVCacheBlocks(([7],)) != got
+    for kwargs in ({}, {"allow_none": True}, {"allow_none": False}, {"group_ids": [0]},
+                   {"allow_none": True, "group_ids": [0]}):
+        assert got.get_block_ids(**kwargs) == vllms.get_block_ids(**kwargs)
+    first, second = got.get_block_ids(), got.get_block_ids()
+    assert first == ([],) and first[0] is not second[0]  # (fresh lists: vLLM's caller may extend them)
+    calls = []
+
+    def count(frame, event, arg):  # noqa: ARG001  (sys.setprofile's signature)
+        if event in ("call", "c_call"):
+            calls.append(frame.f_code.co_name if event == "call" else arg.__name__)
+
+    sys.setprofile(count)
+    try:
+        got.get_block_ids(allow_none=True)
+    finally:
+        sys.setprofile(None)
+    assert calls == ["get_block_ids", "setprofile"]  # (the method itself, then the profiler's own removal)
