@@ -50,7 +50,7 @@ _LAZY_CLASSES: dict[type, type] = {}
 #: of the batch's per-row counts is the difference of two neighbours (new tokens ``known - before``, chunk
 #: ``target - computed``, lookahead ``slots - target``): one subtraction of the array from itself, shifted.
 _FIELDS = ("row", "before", "known", "computed", "target", "slots")
-_COMPUTED, _TARGET = _FIELDS.index("computed"), _FIELDS.index("target")
+_BEFORE, _KNOWN, _COMPUTED, _TARGET = (_FIELDS.index(f) for f in ("before", "known", "computed", "target"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -274,13 +274,14 @@ class PendingGrowth:
         # (one array of every call's ints, one contiguous row per field, and their neighbours' differences; the
         # ints packed by ``struct`` in one C call, half of ``np.fromiter``'s time on a list)
         fields = np.frombuffer(_packer(width * n).pack(*self.counts), np.int64).reshape(n, width).T.copy()
-        rows, before, known = fields[0], fields[1], fields[2]
+        rows, before = fields[0], fields[1]
         _, counts, _, chunks, lookahead = fields[1:] - fields[:-1]
         # (every row adds one token, a decode: read in one pass, no ragged layout; counts are >= 0, so one
         # largest and one smallest element say it, cheaper than a comparison and its count)
+        starts = self.counts[_BEFORE::width]  # (the list's own ints: no array read back)
         if counts.item(counts.argmax()) == 1 == counts.item(counts.argmin()):
-            tokens, ragged = decode_tokens(self.calls, before.tolist()), None
+            tokens, ragged = decode_tokens(self.calls, starts), None
         else:
-            tokens, ragged = new_tokens(self.calls, before.tolist(), known.tolist()), counts
+            tokens, ragged = new_tokens(self.calls, starts, self.counts[_KNOWN::width]), counts
         # (no lookahead, the common case, handed as the int 0: the plan then adds a constant, not an array)
         return prechecked_batch(rows, tokens, ragged, before, chunks, lookahead if np.count_nonzero(lookahead) else 0)
