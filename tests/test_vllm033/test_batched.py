@@ -573,7 +573,8 @@ def test_a_call_that_takes_no_block_hands_back_blocks_that_answer_as_vllms_witho
     kv.batching = False
     kv.flush()
     vllms = KVCacheBlocks(((),))
-    assert got is kv.empty_kv_cache_blocks and got == vllms and vllms == got and not got != vllms
+    assert got is kv.empty_kv_cache_blocks and got == vllms and vllms == got
+    assert (got != vllms) is False and (vllms != got) is False
     assert got != KVCacheBlocks(([7],)) and KVCacheBlocks(([7],)) != got
     for kwargs in ({}, {"allow_none": True}, {"allow_none": False}, {"group_ids": [0]},
                    {"allow_none": True, "group_ids": [0]}):
