@@ -515,6 +515,8 @@ def test_the_new_tokens_are_each_requests_slice_flat_whatever_its_buffer():
         got = gpukv033.views.new_tokens(requests, [17, 19, 15], [20, 20, 17])
         assert got.dtype == np.int64 and got.tolist() == want
         assert gpukv033.views.new_tokens(requests, [20, 20, 20], [20, 20, 20]).tolist() == []
+        decoded = gpukv033.views.decode_tokens(requests, [17, 19, 15])  # (one token each: read in one pass)
+        assert decoded.dtype == np.int64 and decoded.tolist() == [17, 119, 215]
 
 
 def test_a_running_calls_record_follows_growths_rule():

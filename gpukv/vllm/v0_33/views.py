@@ -90,11 +90,14 @@ def decode_tokens(requests: Sequence[Any], starts: Sequence[int]) -> np.ndarray:
 
 def _decode_tokens(requests: Sequence[Any], starts: Sequence[int]) -> np.ndarray | None:
     """Each request's token at ``starts[i]`` read from vLLM 0.34's
-    ``TokenBuffer`` in one pass in C (``map``), no Python call per request;
-    None when they are not such buffers (or one is shorter than said)."""
+    ``TokenBuffer`` (an ``array``) or vLLM 0.33's list in one pass in C
+    (``map``), no Python call per request; None when the buffers are not all
+    of the first one's kind (or one is shorter than said)."""
+    first = getattr(requests[0], "_all_token_ids", None) if len(requests) else None
+    get = array.__getitem__ if isinstance(first, array) else list.__getitem__
     try:
-        return np.fromiter(map(array.__getitem__, map(_token_buffer, requests), starts), np.int64, len(starts))
-    except (AttributeError, TypeError, IndexError):
+        return np.fromiter(map(get, map(_token_buffer, requests), starts), np.int64, len(starts))
+    except (AttributeError, TypeError, IndexError, OverflowError):
         return None
 
 
