@@ -232,10 +232,8 @@ class Admission:
         s = self._s
         row = s.rows.take()
         try:
-            if self._unblocked is None:  # (the kernel only reads it: made once)
-                self._unblocked = torch.zeros(1, dtype=torch.int32, device=s.device)
             caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
-            _, hit, _, cache = self.admit([request], [row], self._unblocked, caps, dry=True)
+            _, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
             tokens = request.token_ids
             device_tokens = isinstance(tokens, torch.Tensor)
             if sized or device_tokens:
@@ -255,6 +253,14 @@ class Admission:
             s.rows.give_back_unused([row])
         self._remember(request, hit_cap, n)
         return n, int(values[1]) if sized else 0, cache
+
+    def unblocked(self) -> torch.Tensor:
+        """int32[1] 0 on the device: a dry lookup's ``blocked`` flag, made
+        once and never written (the kernel only reads it), so the dry lookup's
+        kept launches stay valid to replay."""
+        if self._unblocked is None:
+            self._unblocked = torch.zeros(1, dtype=torch.int32, device=self._s.device)
+        return self._unblocked
 
     def _remember(self, request: NewRequest, hit_cap: int | None, hit: int) -> None:
         """A dry lookup's result kept for the admission that follows
@@ -339,8 +345,9 @@ class Admission:
             graphs = None
         self._part(plan.bucket, bufs, "rows", write_rows, graphs)
         self.write_extra_keys(new, rows)  # (host work, only for requests with extra keys)
-        if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
-            self._find_and_admit(bufs, blocked)
+        if dry:  # a lookup only (``get_computed_blocks``): its own part, replayed as the step's are
+            assert blocked is self.unblocked()  # (a replay relaunches on the kept flag)
+            self._part(plan.bucket, bufs, "lookup", lambda: self._find_and_admit(bufs, blocked), None)
             return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)], bufs.cache
 
         def admit_and_take() -> None:
