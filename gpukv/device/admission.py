@@ -58,7 +58,6 @@ class Admission:
         self._reads = reads
         self._launches = launches
         self.buffers: dict[tuple, AdmissionBuffers] = {}
-        self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
         #: The last dry lookup (``_dry_lookup``), None after one on device tokens.
         self.memo: LookupMemo | None = None
         self._unblocked: torch.Tensor | None = None  # int32[1] 0: a dry lookup's ``blocked`` flag
@@ -130,6 +129,14 @@ class Admission:
         window groups' null blocks before their hits, their ids."""
         s = self._s
         bs, rs = s.block_size, s.rows
+        if len(rows) == 1:  # (one request, an admission through the adapter: plain ints, no array built)
+            (req,), (row,), h, c = admitted, rows, int(hits[0]), int(comp[0])
+            rs.num_tokens[row], rs.num_computed[row] = len(req.token_ids), c
+            rs.num_held[row] = -(-(c + req.num_lookahead_tokens) // bs)
+            rs.null_until[row] = [0 if w < 0 else max(0, h - w) for w in s.window_blocks]
+            s.reqs[req.request_id] = row
+            s.row_ids[row] = req.request_id
+            return
         adm = np.asarray(rows, dtype=np.int64)
         h = np.asarray(hits, dtype=np.int64)
         n = np.fromiter((len(r.token_ids) for r in admitted), np.int64, len(admitted))
@@ -327,11 +334,12 @@ class Admission:
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
         s = self._s
-        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry)
+        staging = s.staging
+        plan = plan_admission(new, rows, s.block_size, hit_caps, staging.host_array, token_budget, dry)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)
-        s.staging.upload(plan.packed, out=bufs.plan)
+        staging.upload_host(("admission", plan.bucket), bufs.plan, len(plan.packed))  # (written in place: one copy)
         if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``lookup_only``)
             errors = s.pool.free_queue.counter("error")
             errors.bitwise_or_(self.device_tokens_bad([t for _, t in plan.device_tokens]))
