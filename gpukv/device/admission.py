@@ -130,10 +130,10 @@ class Admission:
         s = self._s
         bs, rs = s.block_size, s.rows
         if len(rows) == 1:  # (one request, an admission through the adapter: plain ints, no array built)
-            (req,), (row,), h, c = admitted, rows, int(hits[0]), int(comp[0])
-            rs.num_tokens[row], rs.num_computed[row] = len(req.token_ids), c
-            rs.num_held[row] = -(-(c + req.num_lookahead_tokens) // bs)
-            rs.null_until[row] = [0 if w < 0 else max(0, h - w) for w in s.window_blocks]
+            (req,), (row,), hit, done = admitted, rows, int(hits[0]), int(comp[0])
+            rs.num_tokens[row], rs.num_computed[row] = len(req.token_ids), done
+            rs.num_held[row] = -(-(done + req.num_lookahead_tokens) // bs)
+            rs.null_until[row] = [0 if w < 0 else max(0, hit - w) for w in s.window_blocks]
             s.reqs[req.request_id] = row
             s.row_ids[row] = req.request_id
             return
