@@ -58,6 +58,7 @@ class Admission:
         self._reads = reads
         self._launches = launches
         self.buffers: dict[tuple, AdmissionBuffers] = {}
+        self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
         #: The last dry lookup (``_dry_lookup``), None after one on device tokens.
         self.memo: LookupMemo | None = None
         self._unblocked: torch.Tensor | None = None  # int32[1] 0: a dry lookup's ``blocked`` flag
@@ -334,12 +335,11 @@ class Admission:
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
         s = self._s
-        staging = s.staging
-        plan = plan_admission(new, rows, s.block_size, hit_caps, staging.host_array, token_budget, dry)
+        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)
-        staging.upload_host(("admission", plan.bucket), bufs.plan, len(plan.packed))  # (written in place: one copy)
+        s.staging.upload(plan.packed, out=bufs.plan)
         if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``lookup_only``)
             errors = s.pool.free_queue.counter("error")
             errors.bitwise_or_(self.device_tokens_bad([t for _, t in plan.device_tokens]))

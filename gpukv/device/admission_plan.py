@@ -13,7 +13,6 @@ kept between steps, so the step allocates nothing on the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,18 +48,15 @@ class AdmissionPlan:
 
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
-                   host_array: Callable[[tuple, int], np.ndarray] | None = None, token_budget: int | None = None,
+                   host_plans: dict | None = None, token_budget: int | None = None,
                    dry: bool = False) -> AdmissionPlan:
     """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
     the most blocks it may hit; None: no cap; ``token_budget``: the step's
-    budget for new requests, None: none). ``host_array(key, size)`` gives
-    the int32 host array the plan is written into, kept per key (the
-    staging's ``Staging.host_array``, sent as it is with ``upload_host``:
-    the step then allocates and copies nothing more on the host; the key
-    is ``("admission", bucket)``); None: a fresh one. ``dry``: a lookup
-    only, which takes and caches no block, so its bucket's new-block and
-    caching sizes are 1 whatever the prompts (fewer buckets: a lookup's
-    depends on its prompt's length alone)."""
+    budget for new requests, None: none). ``host_plans`` caches one packed
+    array per bucket (the step then allocates nothing on the host
+    either). ``dry``: a lookup only, which takes and caches no block, so its
+    bucket's new-block and caching sizes are 1 whatever the prompts (fewer
+    buckets: a lookup's depends on its prompt's length alone)."""
     bs, K = block_size, len(new)
     # A request computes at most ``most_new`` tokens past its hit, so it takes
     # at most ceil((most_new + lookahead) / bs) new blocks per group and
@@ -85,8 +81,12 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     bucket = (pow2_at_least(max(K, 8)), pow2_at_least(max(max_hit)), pow2_at_least(off),
               1 if dry else pow2_at_least(max(most_blocks)), 1 if dry else pow2_at_least(max(most_cached)))
     KP = bucket[0]
-    size = HEADER + len(PLAN_ARRAYS) * KP + bucket[2]
-    packed = np.zeros(size, dtype=np.int32) if host_array is None else host_array(("admission", bucket), size)
+    cached = host_plans.get(bucket) if host_plans is not None else None
+    if cached is None:
+        cached = np.zeros(HEADER + len(PLAN_ARRAYS) * KP + bucket[2], dtype=np.int32)
+        if host_plans is not None:
+            host_plans[bucket] = cached
+    packed = cached
     packed[0] = K
     packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
     base = HEADER + len(PLAN_ARRAYS) * KP

@@ -132,16 +132,11 @@ class Staging:
             pair = self._fixed[key] = (tensors, tuple(t.numpy() for t in tensors))
         return pair[1][self._cur]
 
-    def upload_host(self, key: object, out: torch.Tensor, count: int | None = None) -> None:
+    def upload_host(self, key: object, out: torch.Tensor) -> None:
         """Copy this step's ``host_array(key)`` into ``out`` (a device buffer
-        of its size), without waiting; with ``count``, only its first
-        ``count`` elements (``out`` 1-D)."""
+        of its size), without waiting."""
         self.counters.h2d += 1
-        host = self._fixed[key][0][self._cur]
-        if count is None:
-            out.copy_(host, non_blocking=True)
-        else:
-            out[:count].copy_(host[:count], non_blocking=True)
+        out.copy_(self._fixed[key][0][self._cur], non_blocking=True)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         dtype = _TORCH_DTYPES.get(array.dtype)

@@ -75,12 +75,8 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
     big = 2**32 - 1  # (stored as the int32 bit pattern -1)
     new = [checks.normalize_new_request(NewRequest(rid, tokens), "new", 4)[0]
            for rid, tokens in (("a", [5, big, 7, 2**31]), ("b", [1, 2, 3, 4, 5]))]
-    arrays: dict = {}
-
-    def host_array(key, size):  # (``Staging.host_array``: one array per key, kept)
-        return arrays.setdefault(key, np.zeros(size, dtype=np.int32))
-
-    plan = plan_admission(new, [3, 9], 4, host_array=host_array)
+    plans: dict = {}
+    plan = plan_admission(new, [3, 9], 4, host_plans=plans)
     KP, P, TP, A, C = plan.bucket
     assert plan.bucket == (8, 1, 16, 2, 1)
     base = HEADER + len(PLAN_ARRAYS) * KP
@@ -90,8 +86,7 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
     assert cols[:, :2].T.tolist() == [[3, 4, 1, 1, 0, 4, 0, 0, 0], [9, 5, 1, 2, 1, 5, 0, 0, 4]]
     assert cols[:, 2:].tolist() == [[0] * 6] * len(PLAN_ARRAYS)
     assert plan.packed[:2].tolist() == [2, -1] and plan.max_new_blocks == 1 + 2
-    assert list(arrays) == [("admission", plan.bucket)]
     # The bucket's host array is reused: the next plan of that bucket writes over it.
-    again = plan_admission(new[::-1], [9, 3], 4, host_array=host_array)
+    again = plan_admission(new[::-1], [9, 3], 4, host_plans=plans)
     assert again.packed.base is plan.packed.base and again.packed[base:].tolist() == [1, 2, 3, 4, 5, 5, -1, 7,
                                                                                       -(2**31)]

@@ -93,9 +93,9 @@ class PinnedOnCpu(Staging):
         self.gpu.write((key, self._cur))
         return super().host_array(key, size)
 
-    def upload_host(self, key, out, count=None):
+    def upload_host(self, key, out):
         self.gpu.copy((key, self._cur))
-        super().upload_host(key, out, count)
+        super().upload_host(key, out)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         host = super()._host_view(array)
