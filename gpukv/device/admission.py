@@ -130,6 +130,14 @@ class Admission:
         window groups' null blocks before their hits, their ids."""
         s = self._s
         bs, rs = s.block_size, s.rows
+        if len(rows) == 1:  # (one request, an admission through the adapter: plain ints, no array built)
+            (req,), (row,), hit, done = admitted, rows, int(hits[0]), int(comp[0])
+            rs.num_tokens[row], rs.num_computed[row] = len(req.token_ids), done
+            rs.num_held[row] = -(-(done + req.num_lookahead_tokens) // bs)
+            rs.null_until[row] = [0 if w < 0 else max(0, hit - w) for w in s.window_blocks]
+            s.reqs[req.request_id] = row
+            s.row_ids[row] = req.request_id
+            return
         adm = np.asarray(rows, dtype=np.int64)
         h = np.asarray(hits, dtype=np.int64)
         n = np.fromiter((len(r.token_ids) for r in admitted), np.int64, len(admitted))
@@ -232,10 +240,8 @@ class Admission:
         s = self._s
         row = s.rows.take()
         try:
-            if self._unblocked is None:  # (the kernel only reads it: made once)
-                self._unblocked = torch.zeros(1, dtype=torch.int32, device=s.device)
             caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
-            _, hit, _, cache = self.admit([request], [row], self._unblocked, caps, dry=True)
+            _, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
             tokens = request.token_ids
             device_tokens = isinstance(tokens, torch.Tensor)
             if sized or device_tokens:
@@ -255,6 +261,14 @@ class Admission:
             s.rows.give_back_unused([row])
         self._remember(request, hit_cap, n)
         return n, int(values[1]) if sized else 0, cache
+
+    def unblocked(self) -> torch.Tensor:
+        """int32[1] 0 on the device: a dry lookup's ``blocked`` flag, made
+        once and never written (the kernel only reads it), so the dry lookup's
+        kept launches stay valid to replay."""
+        if self._unblocked is None:
+            self._unblocked = torch.zeros(1, dtype=torch.int32, device=self._s.device)
+        return self._unblocked
 
     def _remember(self, request: NewRequest, hit_cap: int | None, hit: int) -> None:
         """A dry lookup's result kept for the admission that follows
@@ -339,8 +353,9 @@ class Admission:
             graphs = None
         self._part(plan.bucket, bufs, "rows", write_rows, graphs)
         self.write_extra_keys(new, rows)  # (host work, only for requests with extra keys)
-        if dry:  # a lookup only (``get_computed_blocks``): not worth preparing
-            self._find_and_admit(bufs, blocked)
+        if dry:  # a lookup only (``get_computed_blocks``): its own part, replayed as the step's are
+            assert blocked is self.unblocked()  # (a replay relaunches on the kept flag)
+            self._part(plan.bucket, bufs, "lookup", lambda: self._find_and_admit(bufs, blocked), None)
             return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)], bufs.cache
 
         def admit_and_take() -> None:

@@ -100,3 +100,47 @@ def test_a_free_replays_the_launches_its_size_buckets_first_free_kept():
         m.check_invariants()
     assert kept[0] is kept[1] is kept[2]  # prepared once, replayed since
     assert m.read_num_free_blocks() == 255 - 6  # only r3's 6 blocks are held
+
+
+def replay_marks(monkeypatch) -> list[bool]:
+    """Per launch from now on, whether it was a kept launch replayed."""
+    marks: list[bool] = []
+    note = capture.note_launch
+
+    def noted(name, *args):
+        marks.append(capture.replaying())
+        note(name, *args)
+
+    monkeypatch.setattr(capture, "note_launch", noted)
+    return marks
+
+
+def test_a_dry_lookup_replays_the_launches_its_buckets_first_lookup_kept(monkeypatch):
+    from gpukv.reference.manager import ReferenceManager
+    from workload import assert_same
+
+    ms = (ReferenceManager(64, 4, hash_key=bytes(16)), DeviceManager(64, 4, hash_key=bytes(16), max_model_len=256))
+    for m in ms:  # 5 blocks cached, free
+        m.step(new=[NewRequest("c", list(range(21)))])
+        m.free("c")
+    ref, dev = ms
+    marks = replay_marks(monkeypatch)
+    # 21 tokens: one bucket (a hit of at most 5 blocks: 8 positions, 32 tokens) for all these lookups.
+    first = NewRequest("a", [*range(12), 7, 7, 7, 7, 7, 7, 7, 7, 7])
+    assert dev.get_computed_blocks(first) == ref.get_computed_blocks(first)
+    assert dev.get_computed_blocks(first).num_tokens == 12
+    # The first lookup of the bucket launches write_rows, hash, lookup, chains and admit, keeping them.
+    assert marks == [False] * 5 + [True] * 5
+    bufs = dev._admission.buffers[(8, 8, 32, 1, 1)]  # (a dry lookup takes and caches no block: A = C = 1)
+    kept = bufs.prepared["lookup"][1]
+    for i, tokens in enumerate(([*range(20), 9], [*range(8), 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])):
+        marks.clear()
+        req = NewRequest(f"b{i}", tokens)
+        assert dev.get_computed_blocks(req) == ref.get_computed_blocks(req)
+        assert counts(dev) == (5, 1, 2)  # the plan's upload; the hit, its ids
+        assert dev.read_prefix_hit(req) == ref.read_prefix_hit(req)
+        assert counts(dev) == (5, 1, 1)  # the hit with its unheld blocks
+        assert marks == [True] * 10  # both lookups: every launch a replay
+    assert dev.get_computed_blocks(NewRequest("d", [*range(20), 9])).num_tokens == 20
+    assert bufs.prepared["lookup"][1] is kept and len(dev._admission.buffers) == 2  # the step's and this
+    assert_same(ref, dev)
