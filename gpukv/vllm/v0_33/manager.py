@@ -56,17 +56,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpukv.core.protocol import BlockManager
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_8.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
+from gpukv.vllm.v0_33.admission_fit import blocks_fit, watermark_blocks
 from gpukv.vllm.v0_33.admissions import AdmittedRun
 from gpukv.vllm.v0_33.binding import BINDING
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.lookups import CacheLookups, flushing
 from gpukv.vllm.v0_33.pending import PendingGrowth, growth
+from gpukv.vllm.v0_33.request_admission import RequestAdmission
 from gpukv.vllm.v0_33.screening import check_request
 from gpukv.vllm.v0_33.views import (
     Block,
@@ -77,7 +78,6 @@ from gpukv.vllm.v0_33.views import (
     empty_blocks_class,
     has_blocks,
     id_blocks_class,
-    token_ids,
 )
 
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "check_request",
@@ -87,14 +87,6 @@ __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_
 #: recognised by identity (any other object, equal or not, takes the full path).
 _ZERO = 0
 _NO_GROUPS = ()
-
-
-def watermark_blocks(watermark: Any, num_blocks: int) -> int:
-    """The blocks vLLM's watermark (a fraction of the pool) keeps free at admission."""
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or watermark < 0:
-        raise InvalidInputError(f"watermark must be a number >= 0, got {watermark!r}", argument="watermark",
-                                fix="pass the scheduler config's watermark (0.0 by default)")
-    return int(watermark * num_blocks)
 
 
 def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
@@ -119,7 +111,7 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
     return ReferenceManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]
 
 
-class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
+class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, InertHooks):
     """vLLM 0.33's ``vllm.v1.core.kv_cache_manager.KVCacheManager``, on gpukv.
 
     Arguments: vLLM's ``kv_cache_config`` and ``max_model_len``, its
@@ -417,64 +409,6 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
                           cache_salt=request.cache_salt, skip_prefix_cache=features.skips_cache(request),
                           num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)
 
-    def _admit(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int, blocks: Any,
-               num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
-               has_scheduled_reqs: bool) -> Any:
-        """Admit a request gpukv does not hold, with its last lookup's hit."""
-        if request.num_computed_tokens:
-            raise UnsupportedConfigError(f"request {request.request_id!r} comes with {request.num_computed_tokens} "
-                                         "computed tokens but holds no blocks (a KV-connector path)",
-                                         argument="request", fix="run without a KV connector")
-        computed = _handed_back_hit(self._looked_up.get(request.request_id), request, num_new_computed_tokens,
-                                    blocks)
-        hit = computed.num_tokens if computed is not None else 0
-        need_slot = min(hit + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        target = min(hit + num_new_tokens, request.num_tokens)
-        if not self._admission_fits(request, computed, need_slot, full_sequence_must_fit, reserved_blocks,
-                                    has_scheduled_reqs):
-            return None
-        new_request = self.gpukv_request(request, token_ids(request))
-        new: list[list[int]] | None
-        if self.ids_on_device:
-            assert not isinstance(computed, ComputedBlocks)  # (its lookups gave a PrefixHit: the hit known by its size)
-            admitted = self.manager.admit(new_request, computed, num_tokens=target - hit,
-                                          num_lookahead_tokens=need_slot - target)
-            new = [[] for _ in range(self.num_kv_cache_groups)] if admitted else None
-        else:
-            assert not isinstance(computed, PrefixHit)  # (its lookups gave the hit's ids)
-            new = self.manager.allocate_slots(new_request, computed=computed, num_tokens=target - hit,
-                                              num_lookahead_tokens=need_slot - target)
-        self._looked_up.pop(request.request_id, None)
-        if new is None:
-            return None
-        all_ids = None if self.ids_on_device else [list(h) + g for h, g in zip(_hit_ids(computed, self), new,
-                                                                                strict=True)]
-        self._record_admission(request, all_ids, self.manager.row_of(request.request_id))
-        self._drain(request)
-        return self.new_kv_cache_blocks(new)
-
-    def _admission_fits(self, request: Any, computed: ComputedBlocks | PrefixHit | None, need_slot: int,
-                        full_sequence_must_fit: bool, reserved_blocks: int, has_scheduled_reqs: bool) -> bool:
-        """vLLM's admission checks that are stricter than gpukv's fit: the
-        whole prompt (``full_sequence_must_fit``, before any window
-        release), the watermark, ``reserved_blocks``; a hit's blocks no
-        request holds count as blocks to take."""
-        from vllm.v1.request import RequestStatus
-
-        hit = computed.num_tokens if computed is not None else 0
-        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
-        if not (full_sequence_must_fit or watermark or reserved_blocks):
-            return True
-        touched = _HitTouches(self.manager, computed)
-        hit_blocks = hit // self.block_size
-        if full_sequence_must_fit:  # (a request admitted holds none)
-            full = self.groups.blocks_to_admit(min(request.num_tokens, self.max_model_len), hit_blocks, capped=True)
-            if not touched.fit(full, watermark, 0):
-                return False
-        return not (watermark or reserved_blocks) or touched.fit(
-            self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False), watermark, reserved_blocks)
-
     def _grow(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int) -> Any:
         """More blocks for a running request: gpukv appends what vLLM appended
         and computes (so caches) vLLM's cached tokens; the rest of vLLM's
@@ -511,21 +445,6 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
         return self.manager.allocate_slots(rid, tokens, num_tokens=chunk, num_lookahead_tokens=lookahead,
                                            num_processed_tokens=processed)
 
-    def _record_admission(self, request: Any, block_ids: list[list[int]] | None, row: int) -> None:
-        """The ledger of a request gpukv admitted (``block_ids``: all of its
-        blocks, None where they stay on the device; ``row`` its row)."""
-        rid = request.request_id
-        self._requests[rid] = request
-        self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
-        self._held[rid] = [row, 0, 0, 0]
-        self.note_held(rid)
-
-    def note_held(self, rid: str) -> None:
-        """The adapter's record of what request ``rid`` holds, read back from the manager (host only)."""
-        record = self._held[rid]
-        (known,), (computed,) = self.manager.row_token_counts([record[0]])  # (host only)
-        record[1:] = self.manager.num_blocks_held(rid), int(computed), int(known)
-
     def _fits(self, num_blocks: int, watermark: int, reserved: int) -> bool:
         """vLLM's fit check (``blocks_fit``) on this adapter's manager."""
         return blocks_fit(self.manager, num_blocks, watermark, reserved)
@@ -547,81 +466,6 @@ class KVCacheManager(CacheLookups, PrefixCacheStatsRules, InertHooks):
     def _drain(self, request: Any | None) -> None:
         if self.event_translator.active:
             self.event_translator.drain(self.manager, request)
-
-
-def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks | PrefixHit] | None, request: Any,
-                     num_new_computed_tokens: int, blocks: Any) -> ComputedBlocks | PrefixHit | None:
-    """gpukv's hit for the computed blocks vLLM hands back to ``allocate_slots``:
-    those of the request's last lookup (``looked_up``: what vLLM got, gpukv's
-    hit; with ``ids_on_device`` an instance with no ids), or none."""
-    handed_back = looked_up is not None and blocks is looked_up[0]
-    if not handed_back and not has_blocks(blocks):
-        if num_new_computed_tokens:
-            raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} without computed blocks",
-                                    argument="new_computed_blocks", fix="pass what get_computed_blocks returned")
-        return None
-    if looked_up is None or (not handed_back and blocks.get_block_ids() != looked_up[0].get_block_ids()):
-        raise InvalidInputError(f"new_computed_blocks are not the hit of request {request.request_id!r}'s last "
-                                "lookup", argument="new_computed_blocks",
-                                fix="call get_computed_blocks(request) and pass its blocks unchanged")
-    computed = looked_up[1]
-    if num_new_computed_tokens != computed.num_tokens:
-        raise InvalidInputError(f"num_new_computed_tokens={num_new_computed_tokens} is not the hit's "
-                                f"{computed.num_tokens} tokens", argument="num_new_computed_tokens",
-                                fix="pass the token count get_computed_blocks returned")
-    return computed
-
-
-def _hit_ids(computed: ComputedBlocks | PrefixHit | None, adapter: KVCacheManager) -> list[list[int]]:
-    """The hit's block ids per group (none for no hit)."""
-    if isinstance(computed, ComputedBlocks):
-        return computed.block_ids
-    return [[] for _ in range(adapter.num_kv_cache_groups)]
-
-
-class _HitTouches:
-    """The blocks an admission's hit takes out of the free queue (its blocks
-    no request holds), for vLLM's fit checks (``_admission_fits``): a
-    ``PrefixHit`` carries them; a ``ComputedBlocks`` hit's are read from the
-    device (``_num_evictable``) only where the fit turns on them, once. Where
-    the blocks to take plus every block of the hit fit within the free
-    blocks' lower bound (a host count), the fit holds whatever that read
-    would give, so the decision is the read's."""
-
-    __slots__ = ("manager", "computed", "count")
-
-    def __init__(self, manager: BlockManager, computed: ComputedBlocks | PrefixHit | None) -> None:
-        self.manager, self.computed = manager, computed
-        self.count: int | None = 0
-        if isinstance(computed, PrefixHit):
-            self.count = computed.num_unheld_blocks
-        elif computed is not None and computed.num_tokens:
-            self.count = None  # (read when needed)
-
-    def fit(self, num_blocks: int, watermark: int, reserved: int) -> bool:
-        """``blocks_fit`` of ``num_blocks`` plus the hit's touches."""
-        manager = self.manager
-        if self.count is None:
-            assert isinstance(self.computed, ComputedBlocks)
-            most = sum(len(g) for g in self.computed.block_ids)  # (at least the blocks it touches)
-            if num_blocks + most + watermark + reserved <= manager.free_blocks_lower_bound():
-                return True
-            self.count = _num_evictable(manager, self.computed.block_ids)
-        return blocks_fit(manager, num_blocks + self.count, watermark, reserved)
-
-
-def blocks_fit(manager: BlockManager, num_blocks: int, watermark: int, reserved: int) -> bool:
-    """vLLM's fit check: the blocks to take plus the watermark within the
-    free blocks less ``reserved`` (past the manager's lower bound, its free
-    count: the device manager's host mirror, no device read)."""
-    need = num_blocks + watermark + reserved
-    return need <= manager.free_blocks_lower_bound() or need <= manager.read_num_free_blocks()
-
-
-def _num_evictable(manager: BlockManager, hit_ids: Sequence[Sequence[int]]) -> int:
-    """Hit blocks no request holds: a hit takes them out of the free queue,
-    so they count as blocks to take (vLLM's fit check); one device read."""
-    return manager.read_num_unheld([b for group in hit_ids for b in group])
 
 
 def _check_counts(num_new_tokens: Any, num_new_computed_tokens: Any, num_lookahead_tokens: Any,
