@@ -935,8 +935,10 @@ def apply_allocate_args(request: NewRequest, hit_tokens: int, num_tokens: Any, n
         computed = hit_tokens + new_tokens_at_admission(hit, n, chunk, limits.block_size)
         check_computed_length(computed, lookahead, limits, "num_lookahead_tokens", request.request_id)
     if (chunk, lookahead) != (request.num_tokens_to_compute, request.num_lookahead_tokens):
-        r = request  # (one copy; built field by field: ``dataclasses.replace`` costs several times more)
-        request = NewRequest(r.request_id, r.token_ids, r.lora_id, r.mm_items, r.cache_salt, r.skip_prefix_cache,
-                             r.block_hashes, chunk, lookahead, r.num_preemptions)
+        r = request  # (one copy, field by field: ``dataclasses.replace`` costs several times more)
+        request = NewRequest(r.request_id, r.token_ids, lora_id=r.lora_id, mm_items=r.mm_items,
+                             cache_salt=r.cache_salt, skip_prefix_cache=r.skip_prefix_cache,
+                             block_hashes=r.block_hashes, num_tokens_to_compute=chunk,
+                             num_lookahead_tokens=lookahead, num_preemptions=r.num_preemptions)
     check_admissible(request, limits, "num_lookahead_tokens", "request.token_ids")
     return request

@@ -90,3 +90,20 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
     again = plan_admission(new[::-1], [9, 3], 4, host_plans=plans)
     assert again.packed.base is plan.packed.base and again.packed[base:].tolist() == [1, 2, 3, 4, 5, 5, -1, 7,
                                                                                       -(2**31)]
+
+
+def test_allocate_args_change_only_the_chunk_and_the_lookahead():
+    """``allocate_slots``' counts make a copy of the request that differs
+    in those two fields alone: every other field (whatever fields the request
+    type grows) is carried over as it was."""
+    import dataclasses
+
+    from gpukv.core.hashing import MMItem
+
+    fields = dataclasses.fields(NewRequest)
+    request = NewRequest("r", np.arange(40, dtype=np.int64), lora_id=3, cache_salt="s", skip_prefix_cache=False,
+                         mm_items=(MMItem(0, 4, "img"),), block_hashes=[b"h"], num_preemptions=2)
+    copied = checks.apply_allocate_args(request, 16, 10, 5, LIMITS)
+    assert (copied.num_tokens_to_compute, copied.num_lookahead_tokens) == (10, 5)
+    kept = [f.name for f in fields if f.name not in ("num_tokens_to_compute", "num_lookahead_tokens")]
+    assert all(getattr(copied, name) is getattr(request, name) for name in kept), kept
