@@ -75,12 +75,16 @@ def block_offset(block_size: int):
     return lambda a: a & mask
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def as_0d(value: int) -> np.ndarray:
     """``value`` as a 0-d int64 array: an array and a 0-d one add in about
     half the time an array and a Python int do (numpy converts the int at
-    every operation), which counts on the tens of rows of a decode."""
-    return np.array(value, dtype=np.int64)
+    every operation), which counts on the tens of rows of a decode. Shared
+    by every caller, so read-only; a bounded cache, since a lookahead's
+    values reach it too."""
+    value_0d = np.array(value, dtype=np.int64)
+    value_0d.flags.writeable = False
+    return value_0d
 
 
 @dataclass
@@ -253,8 +257,9 @@ class DecodePath:
         rs = self._rows
         n = rs.num_tokens[rows] if num_tokens is None else num_tokens
         comp0, held0 = rs.num_computed[rows], rs.num_held[rows]
-        nnew = k if num_new is None else num_new
-        ntok1 = n + (as_0d(k) if num_new is None else num_new)  # (ints as 0-d arrays here and below: as_0d)
+        # (ints as 0-d arrays here and below: as_0d)
+        nnew, added = (k, as_0d(k)) if num_new is None else (num_new, num_new)
+        ntok1 = n + added
         comp1 = ntok1 if chunks is None else comp0 + chunks
         blocks_of = self._blocks_of  # (a shift where the block size is a power of two)
         la_max = lookahead if isinstance(lookahead, int) else largest_element(lookahead)

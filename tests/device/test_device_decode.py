@@ -2,9 +2,10 @@
 totals, phases and uploaded arrays, worked by hand) and its layout."""
 
 import numpy as np
+import pytest
 
 from gpukv.core.requests import NewRequest
-from gpukv.device.decode import decode_layout, decode_phases
+from gpukv.device.decode import as_0d, decode_layout, decode_phases
 from gpukv.device.manager import DeviceManager
 
 KEY = bytes(range(16))
@@ -66,3 +67,12 @@ def test_finish_brings_the_rows_mirror_up_to_date():
 def _batch(rows, tokens):
     from gpukv.core.running_batch import RunningBatch
     return RunningBatch(rows, tokens, None, None, 0)
+
+
+def test_shared_0d_constants_are_read_only():
+    """``as_0d`` hands every caller the same array: none may change it."""
+    seven = as_0d(7)
+    assert seven is as_0d(7) and seven.shape == () and int(seven) == 7
+    with pytest.raises(ValueError, match="read-only"):
+        seven[()] = 8
+    assert int(as_0d(7)) == 7
