@@ -827,6 +827,13 @@ def check_size(value: Any, name: str, minimum: int, maximum: int | None = None) 
     return int(value)
 
 
+def check_max_num_batched_tokens(value: Any) -> int | None:
+    """The constructors' ``max_num_batched_tokens``: None (no bound) or a
+    size in ``[1, MAX_TOKEN_BUDGET]`` (the engine's most tokens a step
+    computes; the device manager sizes its admission buffers by it)."""
+    return None if value is None else check_size(value, "max_num_batched_tokens", 1, MAX_TOKEN_BUDGET)
+
+
 def resolve_key(hash_key: Any) -> bytes:
     """``gpukv.core.hashing.resolve_hash_key`` with its errors as ``gpukv.errors``
     classes naming ``hash_key`` (the messages never show the key)."""

@@ -48,15 +48,18 @@ if TYPE_CHECKING:
 class Admission:
     """The admission of one device manager (``state``: its rows, pool,
     requests, stats and staging; ``calls``: its read, step, checks and call
-    markers; ``reads``; ``launches``: the verbs shared with the decode),
-    with the per-bucket host plans and device buffers it reuses."""
+    markers; ``reads``; ``launches``: the verbs shared with the decode;
+    ``max_chunk``: the most tokens the engine computes for a request in one
+    step, None: no bound, ``plan_admission``'s sizes), with the per-bucket
+    host plans and device buffers it reuses."""
 
     def __init__(self, state: DeviceState, calls: DeviceCalls, reads: DeviceReads,
-                 launches: SharedLaunches) -> None:
+                 launches: SharedLaunches, max_chunk: int | None = None) -> None:
         self._s = state
         self._calls = calls
         self._reads = reads
         self._launches = launches
+        self._max_chunk = max_chunk
         self.buffers: dict[tuple, AdmissionBuffers] = {}
         self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
         #: The last dry lookup (``_dry_lookup``), None after one on device tokens.
@@ -335,7 +338,7 @@ class Admission:
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
         s = self._s
-        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry)
+        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry, self._max_chunk)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)

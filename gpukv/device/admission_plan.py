@@ -49,37 +49,49 @@ class AdmissionPlan:
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
                    host_plans: dict | None = None, token_budget: int | None = None,
-                   dry: bool = False) -> AdmissionPlan:
+                   dry: bool = False, max_chunk: int | None = None) -> AdmissionPlan:
     """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
     the most blocks it may hit; None: no cap; ``token_budget``: the step's
     budget for new requests, None: none). ``host_plans`` caches one packed
     array per bucket (the step then allocates nothing on the host
     either). ``dry``: a lookup only, which takes and caches no block, so its
-    bucket's new-block and caching sizes are 1 whatever the prompts (fewer
-    buckets: a lookup's depends on its prompt's length alone)."""
+    bucket's new-block and caching sizes are 1.
+
+    The bucket follows the prompts' lengths (and lookaheads) alone, never
+    the hit caps, the chunks or the budget: sized for the most a prompt can
+    hit, take and cache, whatever part of it this step computes, where
+    ``max_chunk`` (the engine's most tokens a step computes; None: no
+    bound) caps what a longer prompt can take and cache in one step. Sizes that
+    followed the capped hit and the chunk made a bucket for nearly every
+    admission of real traffic (each with its launches prepared and its
+    buffers zeroed anew); by the prompt, the admissions of one power-of-two
+    length class share one and replay its launches. The extra positions
+    and entries are masked off on the device (idle programs)."""
     bs, K = block_size, len(new)
     # A request computes at most ``most_new`` tokens past its hit, so it takes
     # at most ceil((most_new + lookahead) / bs) new blocks per group and
     # caches at most most_new // bs blocks past its hit.
     budget = None if token_budget is None else max(token_budget, 1)
     table = []  # per request, the PLAN_ARRAYS columns (plain ints: a few requests, no numpy call per column)
-    max_hit, most_blocks, most_cached = [], [], []
+    most_blocks = []
+    size_hit = size_new = size_cached = 0  # the bucket's, by the prompts alone
     off = 0
     for i, r in enumerate(new):
         n = len(r.token_ids)
         chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
         lookahead = r.num_lookahead_tokens
-        hit = 0 if r.skip_prefix_cache else (n - 1) // bs
-        if hit_caps is not None:
-            hit = min(hit, int(hit_caps[i]))
+        limit = 0 if r.skip_prefix_cache else (n - 1) // bs
+        hit = limit if hit_caps is None else min(limit, int(hit_caps[i]))
         most_new = chunk if budget is None else min(chunk, budget)
-        max_hit.append(hit)
         most_blocks.append(-(-(most_new + lookahead) // bs))
-        most_cached.append(most_new // bs)
+        size_hit = max(size_hit, limit)
+        sized = n if max_chunk is None else max(min(n, max_chunk), most_new)  # (never below its need)
+        size_new = max(size_new, -(-(sized + lookahead) // bs))
+        size_cached = max(size_cached, sized // bs)
         table.append((rows[i], n, n // bs, -(-n // bs), hit, chunk, lookahead, int(r.skip_prefix_cache), off))
         off += n
-    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(max(max_hit)), pow2_at_least(off),
-              1 if dry else pow2_at_least(max(most_blocks)), 1 if dry else pow2_at_least(max(most_cached)))
+    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(size_hit), pow2_at_least(off),
+              1 if dry else pow2_at_least(size_new), 1 if dry else pow2_at_least(size_cached))
     KP = bucket[0]
     cached = host_plans.get(bucket) if host_plans is not None else None
     if cached is None:

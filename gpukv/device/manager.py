@@ -69,6 +69,7 @@ from gpukv.core.blocks import ManagerLimits, check_count
 from gpukv.core.checks import (
     check_block_spans,
     check_group,
+    check_max_num_batched_tokens,
     check_request_ids,
     check_size,
     check_step_outputs,
@@ -168,7 +169,14 @@ class DeviceManager(CallContext, SharedManagerAPI):
     On CUDA it runs on a stream of its own: a call made on another stream
     does not wait for that stream's work (only for device tensors it takes
     from it), runs on the manager's stream, and makes the caller's stream
-    wait for its work (the module docstring, "Streams")."""
+    wait for its work (the module docstring, "Streams").
+
+    ``max_num_batched_tokens``: the most tokens the engine computes in one
+    step (vLLM's ``max_num_batched_tokens``; None: no bound). It changes
+    no decision: an admission's device buffers are sized by the prompt's
+    length (``gpukv.device.admission_plan``), and by this where a prompt is
+    longer, so a long prompt's admission does not size its entries by the
+    whole prompt when a step computes at most this much of it."""
 
     _PROPERTIES_WAIT = True  # (``num_free_blocks``, ``num_evictions``, ``usage``: deprecated here)
 
@@ -185,9 +193,11 @@ class DeviceManager(CallContext, SharedManagerAPI):
         max_num_reqs: int = 64,
         device: torch.device | str | None = None,
         enable_kv_cache_events: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         num_blocks, block_size, windows, max_model_len, max_num_reqs, device, key = _checked_args(
             num_blocks, block_size, sliding_windows, max_model_len, max_num_reqs, device, hash_key)
+        self._max_chunk = check_max_num_batched_tokens(max_num_batched_tokens)
         self.device = device
         # The manager's own stream, every call runs on it (module docstring, "Streams"); None without CUDA.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -249,7 +259,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         self._launches = SharedLaunches(s)  # what more than one part launches
         self._decode = DecodePath(s, calls, self._reads, self._launches)
         self._gather = OutputGather(s, self._launches)  # what a step hands back (``gpukv.device.outputs``)
-        self._admission = Admission(s, calls, self._reads, self._launches)
+        self._admission = Admission(s, calls, self._reads, self._launches, self._max_chunk)
         self._releases = Releases(s, self._launches)
 
     @property

@@ -44,6 +44,7 @@ from gpukv.core.checks import (
     check_block_spans,
     check_computed_for,
     check_group,
+    check_max_num_batched_tokens,
     check_prefix_hit,
     check_request_ids,
     check_size,
@@ -128,11 +129,15 @@ class ReferenceManager(SharedManagerAPI):
         max_num_reqs: int = 64,
         device: torch.device | str | None = None,
         enable_kv_cache_events: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """Arguments as the device manager's (``gpukv.device.manager``); ``device``
         is where ``block_table_for`` puts its tensor: None or the CPU (this
         manager's state is host memory). ``enable_kv_cache_events``: keep
-        ``gpukv.events.schema`` batches for ``take_events``."""
+        ``gpukv.events.schema`` batches for ``take_events``.
+        ``max_num_batched_tokens`` is checked as the device manager's; it
+        sizes that manager's device buffers, and this one has none."""
+        check_max_num_batched_tokens(max_num_batched_tokens)
         self.device = _host_device(device)
         self.block_size = check_size(block_size, "block_size", 1)
         max_num_reqs = check_size(max_num_reqs, "max_num_reqs", 1, MAX_NUM_REQS)

@@ -92,6 +92,28 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
                                                                                       -(2**31)]
 
 
+def test_the_bucket_follows_the_prompt_not_the_hit_cap_or_the_chunk():
+    """Sizes by the prompt alone (hit positions, new and cached entries), or
+    by ``max_chunk`` where the prompt is longer; never below the step's need."""
+    bs = 16
+
+    def bucket(n, chunk=None, cap=None, lookahead=0, max_chunk=None, budget=None):
+        req = checks.normalize_new_request(NewRequest("r", list(range(n)), num_tokens_to_compute=chunk,
+                                                      num_lookahead_tokens=lookahead), "new", bs)[0]
+        return plan_admission([req], [0], bs, None if cap is None else [cap], token_budget=budget,
+                              max_chunk=max_chunk).bucket
+
+    # 300 tokens: 18 hit positions (32), 19 new blocks (32), 18 to cache (32), 512 token slots.
+    assert {bucket(300), bucket(300, chunk=20, cap=12), bucket(300, cap=0), bucket(300, chunk=100, budget=40)} == {
+        (8, 32, 512, 32, 32)}
+    assert bucket(300, lookahead=300) == (8, 32, 512, 64, 32)
+    # A prompt longer than the engine's step: its new and cached entries sized by the step.
+    assert bucket(5000, chunk=100, max_chunk=1024) == (8, 512, 8192, 64, 64)
+    assert bucket(5000, chunk=100) == (8, 512, 8192, 512, 512)
+    assert bucket(5000, max_chunk=1024) == (8, 512, 8192, 512, 512)  # (a chunk past it: sized by its need)
+    assert bucket(300, max_chunk=1024) == bucket(300)
+
+
 def test_allocate_args_change_only_the_chunk_and_the_lookahead():
     """``allocate_slots``' counts make a copy of the request that differs
     in those two fields alone: every other field (whatever fields the request

@@ -1,7 +1,8 @@
 """The admission's per-bucket device buffers: made in one zeroed allocation
-per dtype (each buffer a 64-byte aligned view), and a lookup's bucket sized
-by its prompt alone (it takes and caches no block), so lookups of prompts
-that differ only in what an admission would take share one."""
+per dtype (each buffer a 64-byte aligned view), and buckets sized by the
+prompts alone: lookups of prompts that differ only in what an admission would
+take share one, and an admission of a prompt length already seen reuses its
+bucket whatever its hit and chunk."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_lookups_share_a_bucket_sized_by_their_prompt_and_give_the_references_hi
     computed = dev.get_computed_blocks(lookups[1])
     assert dev.allocate_slots(lookups[1], computed=computed) == ref.allocate_slots(
         lookups[1], computed=ref.get_computed_blocks(lookups[1]))
-    # The admission's own bucket: a hit of 2 blocks, 13 new blocks, 12 to cache.
-    assert set(dev._admission.buffers) - primed == {(8, 16, 32, 1, 1), (8, 2, 32, 16, 16)}
+    # The admission (a hit of 2 blocks, 13 new blocks, 12 to cache) is sized by
+    # its prompt of 29 tokens alone: the priming step's bucket, no new one.
+    assert set(dev._admission.buffers) - primed == {(8, 16, 32, 1, 1)}
     assert_same(ref, dev)

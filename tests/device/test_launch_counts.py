@@ -144,3 +144,36 @@ def test_a_dry_lookup_replays_the_launches_its_buckets_first_lookup_kept(monkeyp
     assert dev.get_computed_blocks(NewRequest("d", [*range(20), 9])).num_tokens == 20
     assert bufs.prepared["lookup"][1] is kept and len(dev._admission.buffers) == 2  # the step's and this
     assert_same(ref, dev)
+
+
+def test_admissions_of_one_prompt_length_replay_one_bucket_whatever_their_hits_and_chunks(monkeypatch):
+    """A step's bucket follows its prompts' lengths alone: admissions of
+    50-token prompts with hits of 0 to 9 blocks and chunks of 5 to 50 tokens
+    all replay the launches the priming step (40 tokens, the same power-of-two
+    sizes) kept, and give the reference's hits and blocks."""
+    from gpukv.reference.manager import ReferenceManager
+    from workload import assert_same
+
+    ms = (ReferenceManager(128, 4, hash_key=bytes(16)), DeviceManager(128, 4, hash_key=bytes(16), max_model_len=256))
+    for m in ms:  # 10 blocks cached, free
+        m.step(new=[NewRequest("c", list(range(40)))])
+        m.free("c")
+    ref, dev = ms
+    primed = set(dev._admission.buffers)
+    assert primed == {(8, 16, 64, 16, 16)}
+    marks = replay_marks(monkeypatch)
+    hits = []
+    for i, (shared, chunk) in enumerate(((0, None), (8, 5), (20, None), (36, 13), (39, 7))):
+        req = NewRequest(f"r{i}", list(range(shared)) + [1000 + i] * (50 - shared))
+        got, want = dev.get_computed_blocks(req), ref.get_computed_blocks(req)
+        assert got == want
+        hits.append(got.num_tokens)
+        marks.clear()
+        rest = 50 - got.num_tokens if chunk is None else chunk
+        assert dev.allocate_slots(req, computed=got, num_tokens=rest) == ref.allocate_slots(
+            req, computed=want, num_tokens=rest)
+        assert marks and all(marks), (i, marks)  # every launch of the admission a replay
+    assert hits == [0, 8, 20, 36, 36]
+    # The lookups' one bucket (A = C = 1) beside the primed one; no bucket per hit or chunk.
+    assert set(dev._admission.buffers) - primed == {(8, 16, 64, 1, 1)}
+    assert_same(ref, dev)

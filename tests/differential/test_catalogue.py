@@ -860,6 +860,11 @@ CONSTRUCTOR_CASES = [
     ("max-num-reqs-2**31", dict(max_num_reqs=2**31), CapacityError, "max_num_reqs"),
     ("hash-key-short", dict(hash_key=b"short"), InvalidInputError, "hash_key"),
     ("hash-key-int", dict(hash_key=5), InvalidTypeError, "hash_key"),
+    ("max-num-batched-tokens-0", dict(max_num_batched_tokens=0), InvalidInputError, "max_num_batched_tokens"),
+    ("max-num-batched-tokens-bool", dict(max_num_batched_tokens=True), InvalidTypeError, "max_num_batched_tokens"),
+    ("max-num-batched-tokens-float", dict(max_num_batched_tokens=8192.0), InvalidTypeError,
+     "max_num_batched_tokens"),
+    ("max-num-batched-tokens-2**31", dict(max_num_batched_tokens=2**31), CapacityError, "max_num_batched_tokens"),
 ]
 
 

@@ -137,3 +137,19 @@ def test_a_watermarked_admission_reads_its_hits_unheld_blocks_only_where_the_fit
         hits += sum(1 for step in expected for *_, hit in step.new if hit)
     assert hits > 0
     assert (calls[0] > 0) == reads, (calls[0], hits)
+
+
+def test_the_device_manager_sizes_an_admission_by_vllms_token_budget():
+    """A prompt longer than the step's token budget is admitted a chunk at a
+    time: the device manager's admission bucket sizes its new and cached
+    entries by vLLM's budget (``max_num_scheduled_tokens``), not by the
+    whole prompt; its lookup positions and token slots by the prompt."""
+    scheduler = make_scheduler(gpukv033.DeviceScheduler, max_num_batched_tokens=256, max_model_len=4096)
+    engine = Engine(scheduler)
+    engine.add(make_requests(1, 2000, max_tokens=1))
+    engine.step()
+    assert scheduler.requests["0"].num_computed_tokens == 256
+    manager = scheduler.kv_cache_manager.manager
+    steps = [b for b in manager._admission.buffers if b[3:] != (1, 1)]  # (a dry lookup's are (1, 1))
+    assert steps == [(8, 128, 2048, 16, 16)]  # 124 hit positions, 2,000 tokens; 256 tokens: 16 blocks
+    manager.check_invariants()

@@ -90,7 +90,8 @@ _NO_GROUPS = ()
 
 
 def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
-                 max_model_len: int, enable_caching: bool, enable_kv_cache_events: bool, max_num_reqs: int) -> Any:
+                 max_model_len: int, enable_caching: bool, enable_kv_cache_events: bool, max_num_reqs: int,
+                 max_num_batched_tokens: int | None = None) -> Any:
     """The gpukv manager under the adapter (device on CUDA or when asked,
     else the reference), one group per window (None: full attention), with
     vLLM 0.33's free order (``uncached_first``). Under ``gpukv.vllm.Worker``
@@ -101,7 +102,7 @@ def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tup
     max_num_reqs, max_model_len = BINDING.sized(resolved, block_size, len(windows), max_num_reqs, max_model_len)
     kwargs = dict(sliding_windows=list(windows), enable_caching=enable_caching, uncached_first=True,
                   max_model_len=max_model_len, max_num_reqs=max_num_reqs,
-                  enable_kv_cache_events=enable_kv_cache_events)
+                  enable_kv_cache_events=enable_kv_cache_events, max_num_batched_tokens=max_num_batched_tokens)
     if resolved == "device":
         from gpukv.device.manager import DeviceManager
 
@@ -120,7 +121,9 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
     ``max_in_flight_tokens`` (sizes window groups' admission caps; None:
     ``max_model_len``, vLLM's default);
     ``backend`` ("auto", "reference", "device") picks the gpukv manager
-    underneath (``.manager``), ``max_num_reqs`` its first request rows.
+    underneath (``.manager``), ``max_num_reqs`` its first request rows,
+    ``max_num_batched_tokens`` the scheduler's (the device manager sizes its
+    admission buffers by it; None: by the prompts alone).
 
     ``batching`` (set by ``gpukv.vllm.v0_33``'s schedulers for the span of a
     ``schedule()``): running requests' allocations are answered on the host
@@ -132,7 +135,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, *, enable_caching: bool = True,
                  log_stats: bool = False, enable_kv_cache_events: bool = False, watermark: float = 0.0,
-                 max_in_flight_tokens: int | None = None, backend: str = "auto", max_num_reqs: int = 64) -> None:
+                 max_in_flight_tokens: int | None = None, backend: str = "auto", max_num_reqs: int = 64,
+                 max_num_batched_tokens: int | None = None) -> None:
         from vllm.v1.core.kv_cache_manager import (  # type: ignore[attr-defined,unused-ignore]  # (vLLM 0.33 only)
             KVCacheBlocks,
         )
@@ -169,7 +173,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
                                     windows=self.groups.windows, max_model_len=max_model_len,
                                     enable_caching=self.enable_caching,
-                                    enable_kv_cache_events=self.event_translator.active, max_num_reqs=max_num_reqs)
+                                    enable_kv_cache_events=self.event_translator.active, max_num_reqs=max_num_reqs,
+                                    max_num_batched_tokens=max_num_batched_tokens)
         # The requests gpukv holds for vLLM, by id (their block hashes name the cached blocks).
         self._requests: dict[str, Any] = {}
         # Their [row, block positions per group, gpukv's computed tokens, its known tokens]: the batched path's

@@ -104,7 +104,8 @@ class _GpukvManagerMixin:
             log_stats=me.log_stats, enable_kv_cache_events=me.enable_kv_cache_events,
             watermark=me.scheduler_config.watermark, max_in_flight_tokens=me.vllm_config.max_in_flight_tokens,
             backend=self.backend,
-            max_num_reqs=min(max(1, me.max_num_running_reqs), 64))  # (rows grow past it)
+            max_num_reqs=min(max(1, me.max_num_running_reqs), 64),  # (rows grow past it)
+            max_num_batched_tokens=getattr(me, "max_num_scheduled_tokens", None))  # (None: sized by the prompts)
         # gpukv hashes every token itself: the engine, built on after this, needs no block hasher.
         self._flag_to_restore = engine_hashing.hand_over(me, me.kv_cache_manager.reads_vllm_hashes)
         self.engine_hashes_blocks = bool(me.cache_config.enable_prefix_caching)

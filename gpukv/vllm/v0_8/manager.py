@@ -85,12 +85,14 @@ class BatchOutcome:
 
 
 def make_backend(backend: str, *, num_blocks: int, block_size: int, sliding_window: int | None,
-                 max_model_len: int, enable_caching: bool, max_num_reqs: int) -> Any:
+                 max_model_len: int, enable_caching: bool, max_num_reqs: int,
+                 max_num_batched_tokens: int | None = None) -> Any:
     """The gpukv manager under the adapter: the device manager on CUDA (or when
     asked for), else the reference. vLLM's free order (``uncached_first=False``)."""
     backend = resolve_backend(backend)
     kwargs = dict(sliding_windows=[sliding_window], enable_caching=enable_caching, uncached_first=False,
-                  max_model_len=max_model_len, max_num_reqs=max_num_reqs)
+                  max_model_len=max_model_len, max_num_reqs=max_num_reqs,
+                  max_num_batched_tokens=max_num_batched_tokens)
     if backend == "device":
         from gpukv.device.manager import DeviceManager
 
@@ -124,13 +126,16 @@ class KVCacheManager:
 
     Constructor arguments are vLLM's; ``backend`` ("auto", "reference",
     "device") picks the gpukv manager underneath (``.manager``), ``lookup``
-    ("vllm", "all") the resumed-request lookup rule (module docstring), and
-    ``max_num_reqs`` the request rows it starts with (they grow).
+    ("vllm", "all") the resumed-request lookup rule (module docstring),
+    ``max_num_reqs`` the request rows it starts with (they grow) and
+    ``max_num_batched_tokens`` the scheduler's (the device manager sizes its
+    admission buffers by it; None: by the prompts alone).
     """
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, enable_caching: bool = True,
                  caching_hash_algo: str = "builtin", use_eagle: bool = False, log_stats: bool = False, *,
-                 backend: str = "auto", lookup: str = "vllm", max_num_reqs: int = 64) -> None:
+                 backend: str = "auto", lookup: str = "vllm", max_num_reqs: int = 64,
+                 max_num_batched_tokens: int | None = None) -> None:
         from vllm.v1.metrics.stats import PrefixCacheStats
 
         if lookup not in LOOKUPS:
@@ -152,7 +157,7 @@ class KVCacheManager:
         self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
                                     sliding_window=self.sliding_window,
                                     max_model_len=max_model_len, enable_caching=self.enable_caching,
-                                    max_num_reqs=max_num_reqs)
+                                    max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_batched_tokens)
         # The requests gpukv holds for vLLM, by id: their rows (``gpukv.device.rows``).
         self._rows: dict[str, int] = {}
         # Requests freed here and not yet in gpukv, in order (the next call frees them first).

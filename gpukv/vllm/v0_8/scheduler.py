@@ -91,6 +91,7 @@ class Scheduler(BatchedOutput, BatchedUpdate):
             log_stats=self.log_stats,
             backend=self.backend,
             max_num_reqs=self.max_num_running_reqs,
+            max_num_batched_tokens=self.max_num_scheduled_tokens,
         )
         if self.batched is None:
             self.batched = True
