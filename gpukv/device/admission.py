@@ -367,7 +367,8 @@ class Admission:
 
         self._part(plan.bucket, bufs, "admit", admit_and_take, graphs)
         self._launches.rebuild_if_due(plan.max_new_blocks * s.num_groups)
-        s.events.expect(bufs.alloc.shape[1] + bufs.record.shape[1])
+        # (events: at most one per block popped or cached, whatever the bucket's padding)
+        s.events.expect((plan.max_new_blocks + plan.max_cached_blocks) * s.num_groups)
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
 
     def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:

@@ -42,6 +42,7 @@ class AdmissionPlan:
     chunk: np.ndarray  # int64[K] the most tokens computed beyond the hit
     lookahead: np.ndarray  # int64[K]
     max_new_blocks: int  # the most blocks the step can pop, per group
+    max_cached_blocks: int  # the most blocks the step can cache, per group
     bucket: tuple
     packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts (their ids only: <= TP)
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
@@ -73,7 +74,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     # caches at most most_new // bs blocks past its hit.
     budget = None if token_budget is None else max(token_budget, 1)
     table = []  # per request, the PLAN_ARRAYS columns (plain ints: a few requests, no numpy call per column)
-    most_blocks = []
+    most_blocks, most_cached = [], []
     size_hit = size_new = size_cached = 0  # the bucket's, by the prompts alone
     off = 0
     for i, r in enumerate(new):
@@ -84,6 +85,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
         hit = limit if hit_caps is None else min(limit, int(hit_caps[i]))
         most_new = chunk if budget is None else min(chunk, budget)
         most_blocks.append(-(-(most_new + lookahead) // bs))
+        most_cached.append(most_new // bs)
         size_hit = max(size_hit, limit)
         sized = n if max_chunk is None else max(min(n, max_chunk), most_new)  # (never below its need)
         size_new = max(size_new, -(-(sized + lookahead) // bs))
@@ -109,7 +111,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     device_tokens = _place_prompts(new, packed[base:], columns[-1].tolist())
     # (only the prompts' ids are sent: the bucket's tail, up to twice as long,
     # is read by no request, so the device buffer keeps what it held)
-    return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), bucket,
+    return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), sum(most_cached), bucket,
                          packed[: base + off], device_tokens)
 
 

@@ -23,3 +23,29 @@ def test_with_a_log_launches_raise_the_bound_and_a_reset_is_one_batch():
     (batch,) = ev.take()
     assert [type(e) for e in batch.events] == [AllBlocksCleared] and batch.dropped == 0
     assert ev.take() == []
+
+
+def test_an_admissions_drain_reads_only_the_rows_its_blocks_can_write(monkeypatch):
+    """A step's drain reads as many event rows as blocks it can pop or cache
+    (here 2 new blocks and 1 to cache), not its bucket's padded entries
+    (8 request slots of a bucket sized by the 300-token prompt), and gives
+    the reference's events."""
+    from gpukv.core.requests import NewRequest
+    from gpukv.device.manager import DeviceManager
+    from gpukv.reference.manager import ReferenceManager
+
+    seen = []
+    drain = DeviceEventLog.drain_parts
+
+    def noted(log):
+        seen.append(log.bound)
+        return drain(log)
+
+    monkeypatch.setattr(DeviceEventLog, "drain_parts", noted)
+    ms = [cls(64, 16, hash_key=bytes(16), max_model_len=512, enable_kv_cache_events=True)
+          for cls in (ReferenceManager, DeviceManager)]
+    for m in ms:
+        m.step(new=[NewRequest("a", list(range(300)), num_tokens_to_compute=20)])
+    assert seen == [3]
+    ref, dev = (m.take_events() for m in ms)
+    assert [b.events for b in ref] == [b.events for b in dev] and [len(b.events) for b in dev] == [1]
