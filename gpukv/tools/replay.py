@@ -187,7 +187,7 @@ def make_manager(opts: ReplayOptions):
 
         return DeviceManager(opts.num_blocks, opts.block_size, uncached_first=opts.uncached_first,
                              hash_key=opts.hash_key, max_model_len=opts.max_model_len,
-                             max_num_reqs=2 * opts.max_num_seqs)
+                             max_num_reqs=2 * opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens)
     raise ValueError(f"unknown backend {opts.backend!r}: use 'reference' or 'device'")
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from conftest import SHARED
+from gpukv.core.requests import NewRequest
 from gpukv.tools.cli import main
 from gpukv.tools.replay import Replay, ReplayOptions, no_eviction_hit_rate
 from gpukv.tools.traces import builtin_trace_path, conversation_trace_path, load_trace, parse_step_trace
@@ -542,3 +543,15 @@ def test_the_report_does_not_import_the_replay():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     assert "gpukv.tools.replay" not in imported
+
+
+def test_the_device_manager_sizes_admissions_by_the_replays_token_budget():
+    """The replay hands its step's token budget to the device manager, which
+    sizes a long prompt's admission entries by it (``plan_admission``)."""
+    from gpukv.tools.replay import make_manager
+
+    m = make_manager(ReplayOptions(backend="device", num_blocks=64, block_size=16, max_model_len=4096,
+                                   max_num_batched_tokens=512))
+    m.step(new=[NewRequest("a", list(range(2000)), num_tokens_to_compute=512)])
+    assert [b for b in m._admission.buffers] == [(8, 128, 2048, 32, 32)]  # (512 tokens: 32 blocks, not 125)
+    m.check_invariants()
