@@ -61,7 +61,6 @@ class Admission:
         self._launches = launches
         self._max_chunk = max_chunk
         self.buffers: dict[tuple, AdmissionBuffers] = {}
-        self.plans: dict[tuple, np.ndarray] = {}  # ``plan_admission``'s host arrays, by bucket
         #: The last dry lookup (``_dry_lookup``), None after one on device tokens.
         self.memo: LookupMemo | None = None
         self._unblocked: torch.Tensor | None = None  # int32[1] 0: a dry lookup's ``blocked`` flag
@@ -338,11 +337,15 @@ class Admission:
         tokens each request has computed after the step (int32[K]; and with
         ``dry`` the cached hits, int32[KP, P, G])."""
         s = self._s
-        plan = plan_admission(new, rows, s.block_size, hit_caps, self.plans, token_budget, dry, self._max_chunk)
+        plan = plan_admission(new, rows, s.block_size, hit_caps, self._host_array, token_budget, dry,
+                              self._max_chunk)
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)
-        s.staging.upload(plan.packed, out=bufs.plan)
+        if plan.fixed:  # (written in the staging's array: sent as it is, one copy)
+            s.staging.upload_host(("admission", plan.bucket), bufs.plan, len(plan.packed))
+        else:
+            s.staging.upload(plan.packed, out=bufs.plan)
         if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``lookup_only``)
             errors = s.pool.free_queue.counter("error")
             errors.bitwise_or_(self.device_tokens_bad([t for _, t in plan.device_tokens]))
@@ -370,6 +373,13 @@ class Admission:
         # (events: at most one per block popped or cached, whatever the bucket's padding)
         s.events.expect((plan.max_new_blocks + plan.max_cached_blocks) * s.num_groups)
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
+
+    def _host_array(self, bucket: tuple, size: int) -> np.ndarray | None:
+        """The staging's host array for a plan of ``bucket`` (``plan_admission``'s
+        ``host_array``): pinned on CUDA, kept per bucket, so the plan is
+        written once and sent with one copy; None where this step sent it
+        already."""
+        return self._s.staging.unsent_host_array(("admission", bucket), size)
 
     def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
         """One fixed part of the admission's launches: a CUDA graph replay

@@ -13,6 +13,7 @@ kept between steps, so the step allocates nothing on the device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,9 @@ from gpukv.core.requests import NewRequest
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels.prefill import PLAN_ARRAYS
 from gpukv.kernels.toolkit import pow2_at_least
+
+#: ``plan_admission``'s source of host arrays: (bucket, int32 elements) -> the array, or None.
+HostArray = Callable[[tuple, int], "np.ndarray | None"]
 
 #: int32 slots before the plan's columns: ``num_requests``, ``token_budget``
 #: (< 0: none), then padding (the columns stay 32-byte aligned, as Triton
@@ -45,18 +49,21 @@ class AdmissionPlan:
     max_cached_blocks: int  # the most blocks the step can cache, per group
     bucket: tuple
     packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts (their ids only: <= TP)
+    fixed: bool  # ``packed`` is a prefix of the array ``host_array`` gave (else a new array)
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
 
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
-                   host_plans: dict | None = None, token_budget: int | None = None,
+                   host_array: HostArray | None = None, token_budget: int | None = None,
                    dry: bool = False, max_chunk: int | None = None) -> AdmissionPlan:
     """The plan of admitting ``new`` into ``rows`` (``hit_caps``: per request
     the most blocks it may hit; None: no cap; ``token_budget``: the step's
-    budget for new requests, None: none). ``host_plans`` caches one packed
-    array per bucket (the step then allocates nothing on the host
-    either). ``dry``: a lookup only, which takes and caches no block, so its
-    bucket's new-block and caching sizes are 1.
+    budget for new requests, None: none). ``host_array(bucket, size)``
+    gives the int32 host array to write the bucket's plan into (the
+    staging's, kept per bucket and sent as it is: the step then allocates
+    and copies nothing more on the host), or None for a new one (also
+    without ``host_array``). ``dry``: a lookup only, which takes and caches
+    no block, so its bucket's new-block and caching sizes are 1.
 
     The bucket follows the prompts' lengths (and lookaheads) alone, never
     the hit caps, the chunks or the budget: sized for the most a prompt can
@@ -95,12 +102,11 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     bucket = (pow2_at_least(max(K, 8)), pow2_at_least(size_hit), pow2_at_least(off),
               1 if dry else pow2_at_least(size_new), 1 if dry else pow2_at_least(size_cached))
     KP = bucket[0]
-    cached = host_plans.get(bucket) if host_plans is not None else None
-    if cached is None:
-        cached = np.zeros(HEADER + len(PLAN_ARRAYS) * KP + bucket[2], dtype=np.int32)
-        if host_plans is not None:
-            host_plans[bucket] = cached
-    packed = cached
+    size = HEADER + len(PLAN_ARRAYS) * KP + bucket[2]
+    packed = None if host_array is None else host_array(bucket, size)
+    fixed = packed is not None
+    if packed is None:
+        packed = np.zeros(size, dtype=np.int32)
     packed[0] = K
     packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
     base = HEADER + len(PLAN_ARRAYS) * KP
@@ -112,7 +118,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     # (only the prompts' ids are sent: the bucket's tail, up to twice as long,
     # is read by no request, so the device buffer keeps what it held)
     return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), sum(most_cached), bucket,
-                         packed[: base + off], device_tokens)
+                         packed[: base + off], fixed, device_tokens)
 
 
 def _place_prompts(new: list[NewRequest], region: np.ndarray, starts: list[int]) -> list[tuple[int, torch.Tensor]]:

@@ -55,6 +55,7 @@ class Staging:
         self._open = False  # inside a step (``begin_step`` .. ``end_step``)
         # ``host_array``'s arrays: key -> (two host tensors, their numpy views)
         self._fixed: dict = {}
+        self._sent: set = set()  # the keys ``upload_host`` sent in this step
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
@@ -69,6 +70,7 @@ class Staging:
             self._bufs[self._cur] = self._alloc(self._want)
         self._off = 0
         self._keep = []
+        self._sent.clear()
         self._open = True
 
     def end_step(self) -> None:
@@ -132,11 +134,26 @@ class Staging:
             pair = self._fixed[key] = (tensors, tuple(t.numpy() for t in tensors))
         return pair[1][self._cur]
 
-    def upload_host(self, key: object, out: torch.Tensor) -> None:
+    def unsent_host_array(self, key: object, size: int) -> np.ndarray | None:
+        """``host_array(key, size)`` where this step has not sent it yet, else
+        None (outside a step too): a step that sends one key twice (an
+        admission's second round in a bucket) must not write over a copy
+        still pending, so its caller uploads a new array instead."""
+        if not self._open or key in self._sent:
+            return None
+        return self.host_array(key, size)
+
+    def upload_host(self, key: object, out: torch.Tensor, count: int | None = None) -> None:
         """Copy this step's ``host_array(key)`` into ``out`` (a device buffer
-        of its size), without waiting."""
+        of its size), or only its first ``count`` elements (into ``out``'s
+        first; ``out`` one-dimensional), without waiting."""
         self.counters.h2d += 1
-        out.copy_(self._fixed[key][0][self._cur], non_blocking=True)
+        self._sent.add(key)
+        src = self._fixed[key][0][self._cur]
+        if count is None:
+            out.copy_(src, non_blocking=True)
+        else:
+            out[:count].copy_(src[:count], non_blocking=True)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         dtype = _TORCH_DTYPES.get(array.dtype)

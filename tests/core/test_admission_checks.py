@@ -75,8 +75,13 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
     big = 2**32 - 1  # (stored as the int32 bit pattern -1)
     new = [checks.normalize_new_request(NewRequest(rid, tokens), "new", 4)[0]
            for rid, tokens in (("a", [5, big, 7, 2**31]), ("b", [1, 2, 3, 4, 5]))]
-    plans: dict = {}
-    plan = plan_admission(new, [3, 9], 4, host_plans=plans)
+    arrays: dict = {}
+
+    def host_array(bucket, size):
+        return arrays.setdefault(bucket, np.zeros(size, dtype=np.int32))
+
+    plan = plan_admission(new, [3, 9], 4, host_array=host_array)
+    assert plan.fixed and plan.packed.base is arrays[plan.bucket]
     KP, P, TP, A, C = plan.bucket
     assert plan.bucket == (8, 1, 16, 2, 1)
     base = HEADER + len(PLAN_ARRAYS) * KP
@@ -87,9 +92,12 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
     assert cols[:, 2:].tolist() == [[0] * 6] * len(PLAN_ARRAYS)
     assert plan.packed[:2].tolist() == [2, -1] and plan.max_new_blocks == 1 + 2
     # The bucket's host array is reused: the next plan of that bucket writes over it.
-    again = plan_admission(new[::-1], [9, 3], 4, host_plans=plans)
+    again = plan_admission(new[::-1], [9, 3], 4, host_array=host_array)
     assert again.packed.base is plan.packed.base and again.packed[base:].tolist() == [1, 2, 3, 4, 5, 5, -1, 7,
                                                                                       -(2**31)]
+    # Where no host array is given (or none is free), the plan is a new array, the same plan.
+    alone = plan_admission(new[::-1], [9, 3], 4, host_array=lambda _bucket, _size: None)
+    assert not alone.fixed and alone.packed.tolist() == again.packed.tolist()
 
 
 def test_the_bucket_follows_the_prompt_not_the_hit_cap_or_the_chunk():

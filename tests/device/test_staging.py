@@ -93,9 +93,9 @@ class PinnedOnCpu(Staging):
         self.gpu.write((key, self._cur))
         return super().host_array(key, size)
 
-    def upload_host(self, key, out):
+    def upload_host(self, key, out, count=None):
         self.gpu.copy((key, self._cur))
-        super().upload_host(key, out)
+        super().upload_host(key, out, count)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         host = super()._host_view(array)
@@ -186,6 +186,55 @@ def test_host_arrays_alternate_with_the_steps_and_are_written_only_after_their_c
     s._cur ^= 1  # (as if this step skipped its wait: the array it gets was sent last step)
     s.host_array("plan", 4)
     assert gpu.hazards
+
+
+def test_a_host_array_sent_in_a_step_is_not_handed_out_again_in_that_step(gpu):
+    """``unsent_host_array``: a key's array, unless this step sent it already
+    (a copy from it may be pending) or no step is open; ``upload_host``
+    with a count sends only the array's first elements."""
+    s = PinnedOnCpu(torch.device("cpu"), StepCounters(), gpu, nbytes=1024)
+    assert s.unsent_host_array("plan", 6) is None  # (outside a step)
+    out = torch.full((6,), -1, dtype=torch.int32)
+    s.begin_step()
+    host = s.unsent_host_array("plan", 6)
+    assert host is not None and host.tolist() == [0] * 6
+    host[:] = [1, 2, 3, 4, 5, 6]
+    s.upload_host("plan", out, 4)
+    assert out.tolist() == [1, 2, 3, 4, -1, -1]
+    assert s.unsent_host_array("plan", 6) is None  # (sent in this step)
+    assert s.unsent_host_array("other", 2) is not None
+    s.end_step()
+    s.begin_step()
+    again = s.unsent_host_array("plan", 6)
+    assert again is not None and again is not host  # (the other parity's)
+    s.end_step()
+    assert not gpu.hazards, gpu.hazards
+
+
+def test_admission_plans_go_from_host_arrays_and_a_second_one_in_a_step_uploads_anew(gpu):
+    """An admission's plan is written in the staging's host array of its
+    bucket and sent from there; a second plan of that bucket in the same
+    step (a round after a deferral) goes through a new upload instead, so
+    the first copy's source is never written while pending."""
+    m = DeviceManager(64, 4, hash_key=KEY, max_model_len=256, max_num_reqs=16, device="cpu")
+    m._staging = PinnedOnCpu(m.device, m.counters, gpu)
+    assert m.step(new=[NewRequest("a", list(range(9))), NewRequest("b", list(range(5)))]).ok
+    sent = [c[0][0] for c in gpu.copies if isinstance(c[0], tuple)]
+    assert [k[0] for k in sent] == ["admission"]
+    admission = m._admission
+    request = m._normalize((), (), [NewRequest("c", list(range(7)))], single=True).new[0]
+    row = m._rows.take()
+    with m._counting():
+        before = len(gpu.copies)
+        admission.admit([request], [row], admission.unblocked(), dry=True)
+        first = gpu.copies[before:]
+        admission.admit([request], [row], admission.unblocked(), dry=True)
+        second = gpu.copies[before + len(first):]
+    m._rows.give_back_unused([row])
+    assert [c[0][0][0] for c in first] == ["admission"]
+    assert len(second) == 1 and isinstance(second[0][0], int)  # (a staging buffer's region)
+    assert not gpu.hazards, gpu.hazards
+    m.check_invariants()
 
 
 def test_decodes_between_other_steps_never_overwrite_a_pending_plan(gpu):
