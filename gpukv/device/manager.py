@@ -407,6 +407,15 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return int(self._rows.num_held[self._state(request_id)])
 
     @reading
+    def request_counts(self, request_id: str) -> tuple[int, int, int, int]:
+        """A running request's row, block positions held per group, computed
+        and known tokens, in one call (``row_of``, ``num_blocks_held``,
+        ``num_computed_tokens`` and its ``row_token_counts``); host only."""
+        row = self._state(request_id)
+        rows = self._rows
+        return row, int(rows.num_held[row]), int(rows.num_computed[row]), int(rows.num_tokens[row])
+
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included (host only)."""
         return int(self._rows.num_computed[self._state(request_id)])

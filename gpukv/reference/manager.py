@@ -262,6 +262,14 @@ class ReferenceManager(SharedManagerAPI):
         return [self._requests[rid].blocks[group][start:end] for rid, start, end in spans]
 
     @reading
+    def request_counts(self, request_id: str) -> tuple[int, int, int, int]:
+        """A running request's row, block positions held per group, computed
+        and known tokens, in one call (``row_of``, ``num_blocks_held``,
+        ``num_computed_tokens`` and its ``row_token_counts``)."""
+        st = self._state(request_id)
+        return st.row, len(st.blocks[0]), st.num_computed_tokens, len(st.tokens)
+
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included."""
         return self._state(request_id).num_computed_tokens

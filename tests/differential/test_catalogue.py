@@ -483,6 +483,8 @@ CASES = [
     ("get-block-ids-unhashable-id", lambda m: m.get_block_ids(UnhashableId("a")), InvalidTypeError, "request_id"),
     ("row-of-odd-id", lambda m: m.row_of(OddId("zz")), InvalidTypeError, "request_id"),
     ("row-of-int-id", lambda m: m.row_of(0), InvalidTypeError, "request_id"),
+    ("request-counts-int-id", lambda m: m.request_counts(0), InvalidTypeError, "request_id"),
+    ("request-counts-unknown", lambda m: m.request_counts("zz"), UnknownRequestError, "request_id"),
     ("num-computed-unhashable-id", lambda m: m.num_computed_tokens(UnhashableId("a")), InvalidTypeError,
      "request_id"),
     ("block-hashes-list-id", lambda m: m.block_hashes(["a"]), InvalidTypeError, "request_id"),

@@ -1104,6 +1104,11 @@ class ServingLoop(RuleBasedStateMachine):
             assert dev.get_block_ids(rid) == ref.get_block_ids(rid), rid
             assert dev.num_computed_tokens(rid) == ref.num_computed_tokens(rid), rid
             assert dev.block_hashes(rid) == ref.block_hashes(rid), rid
+            # (the adapter's record of a request, in one call: the four calls it stands for)
+            row = ref.row_of(rid)
+            assert dev.request_counts(rid) == ref.request_counts(rid) == (
+                row, ref.num_blocks_held(rid), ref.num_computed_tokens(rid),
+                int(ref.row_token_counts([row])[0][0])), rid
         # Both hand out the same rows (gpukv.device.rows); check_invariants finds leaks.
         assert {r: dev.row_of(r) for r in ref.request_ids()} == {r: ref.row_of(r) for r in ref.request_ids()}
 

@@ -177,7 +177,6 @@ class RunEntry:
     """One request of an ``AdmittedRun``: what vLLM's calls get back."""
 
     request: Any
-    row: int  # its gpukv row
     computed: ComputedBlocks  # gpukv's hit
     hit_blocks: Any  # the KVCacheBlocks get_computed_blocks returns
     new_blocks: Any  # the KVCacheBlocks allocate_slots returns
@@ -229,11 +228,11 @@ class AdmittedRun:
                                 if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
         ids = result.admitted_block_ids
         for i in range(result.num_admitted):
-            self.entries.append(self._admission(run[i], result.rows[i], result.num_computed_tokens[i],
+            self.entries.append(self._admission(run[i], result.num_computed_tokens[i],
                                                 None if ids is None else [group[i] for group in ids],
                                                 result.num_new_tokens[i]))
 
-    def _admission(self, request: Any, row: int, hit: int, block_ids: list[list[int]] | None,
+    def _admission(self, request: Any, hit: int, block_ids: list[list[int]] | None,
                    num_new_tokens: int) -> RunEntry:
         a = self._adapter
         num_hit = hit // a.block_size
@@ -242,12 +241,12 @@ class AdmittedRun:
             # (a hit's blocks are an instance of their own: vLLM hands them back to allocate_slots)
             hit_blocks = a.blocks_class(tuple([] for _ in range(a.num_kv_cache_groups))) if hit \
                 else a.empty_kv_cache_blocks
-            return RunEntry(request, row, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
+            return RunEntry(request, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
         hit_ids = [ids[:num_hit] for ids in block_ids]
         computed = ComputedBlocks(hit_ids, hit)
         hit_blocks = a.id_blocks(tuple(hit_ids), request, num_hit)
         new_blocks = a.new_kv_cache_blocks([ids[num_hit:] for ids in block_ids])
-        return RunEntry(request, row, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
+        return RunEntry(request, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
 
     def lookup(self, request: Any) -> RunEntry | None:
         """The run's answer to ``get_computed_blocks(request)`` (the run is

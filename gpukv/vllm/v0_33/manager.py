@@ -334,7 +334,7 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         entry = self.admissions.allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                          num_lookahead_tokens)
         if entry is not None:
-            self._record_admission(request, entry.block_ids, entry.row)
+            self._record_admission(request, entry.block_ids)
             return entry.new_blocks
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)

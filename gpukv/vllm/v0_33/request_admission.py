@@ -69,7 +69,7 @@ class RequestAdmission:
             return None
         hit_ids = _hit_ids(computed, self.num_kv_cache_groups)
         all_ids = None if self.ids_on_device else [list(h) + g for h, g in zip(hit_ids, new, strict=True)]
-        self._record_admission(request, all_ids, self.manager.row_of(request.request_id))
+        self._record_admission(request, all_ids)
         self._drain(request)
         return self.new_kv_cache_blocks(new)
 
@@ -95,20 +95,19 @@ class RequestAdmission:
         return not (watermark or reserved_blocks) or touched.fit(
             self.groups.blocks_to_admit(need_slot, hit_blocks, capped=False), watermark, reserved_blocks)
 
-    def _record_admission(self, request: Any, block_ids: list[list[int]] | None, row: int) -> None:
+    def _record_admission(self, request: Any, block_ids: list[list[int]] | None) -> None:
         """The ledger of a request gpukv admitted (``block_ids``: all of its
-        blocks, None where they stay on the device; ``row`` its row)."""
+        blocks, None where they stay on the device)."""
         rid = request.request_id
         self._requests[rid] = request
         self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
-        self._held[rid] = [row, 0, 0, 0]
-        self.note_held(rid)
+        self._held[rid] = list(self.manager.request_counts(rid))
 
     def note_held(self, rid: str) -> None:
-        """The adapter's record of what request ``rid`` holds, read back from the manager (host only)."""
-        record = self._held[rid]
-        (known,), (computed,) = self.manager.row_token_counts([record[0]])  # (host only)
-        record[1:] = self.manager.num_blocks_held(rid), int(computed), int(known)
+        """The adapter's record of what request ``rid`` holds (its row, block
+        positions per group, computed and known tokens), read back from the
+        manager (host only; the record's list kept: the batched path holds it)."""
+        self._held[rid][:] = self.manager.request_counts(rid)
 
 
 def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks | PrefixHit] | None, request: Any,
