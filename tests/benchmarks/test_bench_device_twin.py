@@ -30,19 +30,26 @@ def test_twin_uploads_through_the_pinned_path_on_one_thread(two_threads):  # noq
     counts = bench.DeviceCounts(harness, DeviceScheduler, [bench.Workload("admission-heavy", 2, 2)], 3 + 8)
     real_staging = counts.real.sched.kv_cache_manager.manager._staging
     twin_staging = counts.twin.sched.kv_cache_manager.manager._staging
-    threads: dict[str, list[int]] = {"real": [], "twin": []}
+    seen: dict[str, list[tuple[str, int]]] = {"real": [], "twin": []}  # (upload path, torch threads)
     for name, staging in (("real", real_staging), ("twin", twin_staging)):
-        def host_view(array, _view=staging._host_view, _seen=threads[name]):
-            _seen.append(torch.get_num_threads())
+        def host_view(array, _view=staging._host_view, _seen=seen[name]):
+            _seen.append(("staging buffer", torch.get_num_threads()))
             return _view(array)
 
-        staging._host_view = host_view
+        def upload_host(key, out, count=None, _up=staging.upload_host, _seen=seen[name], _staging=staging):
+            _seen.append(("host array" if _staging._pinned else "plain", torch.get_num_threads()))
+            return _up(key, out, count)
+
+        staging._host_view, staging.upload_host = host_view, upload_host
     rows = counts.run(1, 2)["admission-heavy"]
     assert len(rows) == 2 and all(r["host_ms"] > 0 for r in rows)
-    # The twin copied every upload into its staging buffer, as a GPU host does, torch on one thread;
-    # the real (interpreted) scheduler's uploads stay plain CPU tensors.
-    assert threads["twin"] and set(threads["twin"]) == {1}
-    assert threads["real"] == []
+    # The twin's uploads take the pinned path, as a GPU host does (a staging buffer's views, or a host
+    # array's one copy: a step's plans, the admission's included), torch on one thread; the real
+    # (interpreted) scheduler's uploads stay plain CPU tensors.
+    paths = {path for path, _ in seen["twin"]}
+    assert "host array" in paths and paths <= {"staging buffer", "host array"}
+    assert {threads for _, threads in seen["twin"]} == {1}
+    assert seen["real"] and {path for path, _ in seen["real"]} == {"plain"}
     assert torch.get_num_threads() == 2  # (restored after)
 
 
