@@ -374,12 +374,12 @@ class Admission:
         s.events.expect((plan.max_new_blocks + plan.max_cached_blocks) * s.num_groups)
         return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
 
-    def _host_array(self, bucket: tuple, size: int) -> np.ndarray | None:
+    def _host_array(self, bucket: tuple, size: int) -> np.ndarray:
         """The staging's host array for a plan of ``bucket`` (``plan_admission``'s
         ``host_array``): pinned on CUDA, kept per bucket, so the plan is
-        written once and sent with one copy; None where this step sent it
-        already."""
-        return self._s.staging.unsent_host_array(("admission", bucket), size)
+        written once and sent with one copy (a second plan of the bucket in
+        a step gets a staging region: ``Staging.host_array``)."""
+        return self._s.staging.host_array(("admission", bucket), size)
 
     def _part(self, bucket: tuple, bufs: AdmissionBuffers, part: str, launch, graphs) -> None:
         """One fixed part of the admission's launches: a CUDA graph replay

@@ -56,6 +56,7 @@ class Staging:
         # ``host_array``'s arrays: key -> (two host tensors, their numpy views)
         self._fixed: dict = {}
         self._sent: set = set()  # the keys ``upload_host`` sent in this step
+        self._again: dict = {}  # key -> this step's second (or later) array of it: a staging region
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
@@ -71,6 +72,7 @@ class Staging:
         self._off = 0
         self._keep = []
         self._sent.clear()
+        self._again.clear()
         self._open = True
 
     def end_step(self) -> None:
@@ -119,41 +121,63 @@ class Staging:
         return self._cur
 
     def host_array(self, key: object, size: int) -> np.ndarray:
-        """This step's int32 host array for ``key`` (``size`` elements, kept
-        between steps), to fill and then send with ``upload_host``. Two per
-        key alternate with the steps, as the staging buffers do (pinned on
+        """This step's int32 host array for ``key`` (``size`` elements), to
+        fill and then send with ``upload_host``. Two per key, kept between
+        steps, alternate with the steps as the staging buffers do (pinned on
         CUDA, and the same step events guard them), so a pending copy never
-        reads what the host writes. A plan written in place this way is sent
-        with one copy: ``upload`` would copy it into a staging buffer and
-        build tensor views of it first, every step."""
+        reads what the host writes: a plan written in place this way is sent
+        with one copy, where ``upload`` would copy it into a staging buffer
+        and build tensor views of it first, every step.
+
+        A key this step sent already (an admission's or a gather's second
+        round in one step) gets a region of this step's staging buffer
+        instead, zeroed: its kept array may still be the source of that
+        pending copy."""
         if not self._open:
             raise RuntimeError("Staging.host_array is for use inside a step (begin_step ... end_step)")
+        if key in self._sent:
+            again = self._again[key] = self._region(4 * size).view(torch.int32)
+            array = again.numpy()
+            array[:] = 0
+            return array
         pair = self._fixed.get(key)
         if pair is None:
             tensors = tuple(self._alloc(4 * size).view(torch.int32).zero_() for _ in range(2))
             pair = self._fixed[key] = (tensors, tuple(t.numpy() for t in tensors))
         return pair[1][self._cur]
 
-    def unsent_host_array(self, key: object, size: int) -> np.ndarray | None:
-        """``host_array(key, size)`` where this step has not sent it yet, else
-        None (outside a step too): a step that sends one key twice (an
-        admission's second round in a bucket) must not write over a copy
-        still pending, so its caller uploads a new array instead."""
-        if not self._open or key in self._sent:
-            return None
-        return self.host_array(key, size)
-
     def upload_host(self, key: object, out: torch.Tensor, count: int | None = None) -> None:
         """Copy this step's ``host_array(key)`` into ``out`` (a device buffer
         of its size), or only its first ``count`` elements (into ``out``'s
-        first; ``out`` one-dimensional), without waiting."""
+        first; ``out`` one-dimensional), without waiting. A key sent again in
+        a step must have been asked of ``host_array`` again since (its
+        caller wrote the new array, not the one a copy may still read)."""
+        src = self._again.pop(key, None)
+        if src is None:
+            if key in self._sent:
+                raise RuntimeError(f"Staging.upload_host: {key!r} was sent in this step already, and its array "
+                                   "may still be the source of that copy: ask host_array for it again and write "
+                                   "that one")
+            src = self._fixed[key][0][self._cur]
         self.counters.h2d += 1
         self._sent.add(key)
-        src = self._fixed[key][0][self._cur]
         if count is None:
             out.copy_(src, non_blocking=True)
         else:
             out[:count].copy_(src[:count], non_blocking=True)
+
+    def _region(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of this step's staging buffer (8-byte aligned; a one-off
+        buffer, kept to the step's end, when the step outgrew it)."""
+        start = -(-self._off // 8) * 8
+        buf = self._bufs[self._cur]
+        if start + nbytes > len(buf):  # this step outgrew the buffer: a one-off one now, a bigger one later
+            self._want = max(self._want, 2 * (start + nbytes))
+            region = self._alloc(nbytes)
+            self._keep.append(region)
+            return region
+        self._off = start + nbytes
+        return buf[start: start + nbytes]
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         dtype = _TORCH_DTYPES.get(array.dtype)
@@ -161,16 +185,7 @@ class Staging:
             dtype = torch.from_numpy(array[:0].reshape(-1)).dtype
         if array.size == 0:
             return torch.empty(array.shape, dtype=dtype)
-        nbytes = array.nbytes
-        start = -(-self._off // 8) * 8
-        buf = self._bufs[self._cur]
-        if start + nbytes > len(buf):  # this step outgrew the buffer: a one-off one now, a bigger one later
-            self._want = max(self._want, 2 * (start + nbytes))
-            region = self._alloc(nbytes)
-            self._keep.append(region)
-        else:
-            region = buf[start: start + nbytes]
-            self._off = start + nbytes
+        region = self._region(array.nbytes)
         host = region.view(dtype).view(array.shape)
         host.numpy()[...] = array
         return host

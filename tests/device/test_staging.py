@@ -19,18 +19,30 @@ from gpukv.core.metrics import StepCounters
 from gpukv.core.requests import NewRequest
 from gpukv.device.manager import DeviceManager
 from gpukv.device.staging import Staging
+from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
 
 
+def _span(host) -> tuple[int, int]:
+    """The host bytes ``[start, end)`` of a tensor or a numpy array."""
+    if isinstance(host, torch.Tensor):
+        return host.data_ptr(), host.data_ptr() + host.numel() * host.element_size()
+    start = host.__array_interface__["data"][0]
+    return start, start + host.nbytes
+
+
 class LaggingGpu:
     """Copies issued in order; a copy is done once the host waited on an event
-    recorded after it (the GPU never gets ahead of what the host waited for)."""
+    recorded after it (the GPU never gets ahead of what the host waited for).
+    Host memory is told apart by address: each copy keeps its source alive,
+    so no later allocation can take its bytes while the model watches them."""
 
     def __init__(self) -> None:
         self.issued = 0  # copies issued so far (copy n is the n-th, from 1)
         self.done = 0  # copies 1..done are known complete
-        self.copies: list[tuple[int, int, int, int]] = []  # (buffer, start, end, n)
+        self.copies: list[tuple[object, int, int, int]] = []  # (source's name, start, end, n)
+        self._sources: list = []
         self.hazards: list[str] = []
 
     def event(self):
@@ -49,36 +61,25 @@ class LaggingGpu:
 
         return Event
 
-    def write_and_copy(self, staging: Staging, host: torch.Tensor) -> None:
-        """The host wrote ``host`` (a view of a staging buffer) and issues a copy from it."""
-        ptr, nbytes = host.data_ptr(), host.numel() * host.element_size()
-        for b, buf in enumerate(staging._bufs):
-            base = buf.data_ptr()
-            if base <= ptr < base + len(buf):
-                start, end = ptr - base, ptr - base + nbytes
-                for cb, cs, ce, n in self.copies:
-                    if cb == b and cs < end and start < ce and n > self.done:
-                        self.hazards.append(f"host wrote bytes [{start}, {end}) of buffer {b} while copy {n} "
-                                            f"of [{cs}, {ce}) may still be pending (no waited-on event after it)")
-                self.issued += 1
-                self.copies.append((b, start, end, self.issued))
-                return
-        self.issued += 1  # a one-off region: fresh memory
+    def write(self, host, name: object) -> None:
+        """The host is about to write the whole of ``host`` (``name``: what it is)."""
+        start, end = _span(host)
+        for source, cs, ce, n in self.copies:
+            if cs < end and start < ce and n > self.done:
+                self.hazards.append(f"host wrote {name!r} while copy {n} from {source!r} may still be pending "
+                                    "(no waited-on event after it)")
 
-    def write(self, where: tuple) -> None:
-        """The host is about to write the whole of ``where`` (a ``host_array``)."""
-        for cb, _cs, _ce, n in self.copies:
-            if cb == where and n > self.done:
-                self.hazards.append(f"host wrote host array {where} while copy {n} from it may still be pending")
-
-    def copy(self, where: tuple) -> None:
+    def copy(self, host, name: object) -> None:
+        """A non-blocking copy from ``host`` is issued."""
         self.issued += 1
-        self.copies.append((where, 0, 0, self.issued))
+        self._sources.append(host)
+        self.copies.append((name, *_span(host), self.issued))
 
 
 class PinnedOnCpu(Staging):
     """``Staging``'s pinned path on the CPU: plain buffers, every write and
-    copy reported to ``gpu``."""
+    copy reported to ``gpu`` (named "staging" for a staging buffer's
+    region, else by the ``host_array`` key)."""
 
     def __init__(self, device, counters, gpu: LaggingGpu, nbytes: int = 1 << 16) -> None:
         self._pinned = True
@@ -90,17 +91,23 @@ class PinnedOnCpu(Staging):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def host_array(self, key, size):
-        self.gpu.write((key, self._cur))
-        return super().host_array(key, size)
+        array = super().host_array(key, size)
+        self.gpu.write(array, key)
+        return array
 
     def upload_host(self, key, out, count=None):
-        self.gpu.copy((key, self._cur))
+        src = self._again.get(key)
+        if src is None and key not in self._sent:
+            src = self._fixed[key][0][self._cur]
+        if src is not None:  # (else refused: nothing is copied)
+            self.gpu.copy(src if count is None else src[:count], key)
         super().upload_host(key, out, count)
 
     def _host_view(self, array: np.ndarray) -> torch.Tensor:
         host = super()._host_view(array)
         if array.size:
-            self.gpu.write_and_copy(self, host)
+            self.gpu.write(host, "staging")
+            self.gpu.copy(host, "staging")
         return host
 
 
@@ -188,39 +195,59 @@ def test_host_arrays_alternate_with_the_steps_and_are_written_only_after_their_c
     assert gpu.hazards
 
 
-def test_a_host_array_sent_in_a_step_is_not_handed_out_again_in_that_step(gpu):
-    """``unsent_host_array``: a key's array, unless this step sent it already
-    (a copy from it may be pending) or no step is open; ``upload_host``
-    with a count sends only the array's first elements."""
+def test_a_key_sent_in_a_step_gets_a_staging_region_if_asked_again_in_it(gpu):
+    """``host_array`` of a key this step sent already: a zeroed region of the
+    step's staging buffer, not the kept array (a copy from it may be
+    pending); each further ask another region; the next step the kept array
+    of its parity again. ``upload_host`` with a count sends only the first
+    elements, and refuses a key sent again with no new ask (its caller would
+    have written the array the first copy still reads)."""
     s = PinnedOnCpu(torch.device("cpu"), StepCounters(), gpu, nbytes=1024)
-    assert s.unsent_host_array("plan", 6) is None  # (outside a step)
     out = torch.full((6,), -1, dtype=torch.int32)
     s.begin_step()
-    host = s.unsent_host_array("plan", 6)
-    assert host is not None and host.tolist() == [0] * 6
-    host[:] = [1, 2, 3, 4, 5, 6]
+    kept = s.host_array("plan", 6)
+    assert kept.tolist() == [0] * 6
+    kept[:] = [1, 2, 3, 4, 5, 6]
     s.upload_host("plan", out, 4)
     assert out.tolist() == [1, 2, 3, 4, -1, -1]
-    assert s.unsent_host_array("plan", 6) is None  # (sent in this step)
-    assert s.unsent_host_array("other", 2) is not None
+    again = s.host_array("plan", 6)
+    assert again.tolist() == [0] * 6 and not np.shares_memory(again, kept)
+    buf = s._bufs[s._cur]
+    assert buf.data_ptr() <= again.__array_interface__["data"][0] < buf.data_ptr() + len(buf)
+    again[:] = [7, 8, 9, 10, 11, 12]
+    s.upload_host("plan", out)
+    assert out.tolist() == [7, 8, 9, 10, 11, 12] and kept.tolist() == [1, 2, 3, 4, 5, 6]
+    third = s.host_array("plan", 6)
+    assert not np.shares_memory(third, again)
+    third[:] = 3
+    s.upload_host("plan", out)
+    assert out.tolist() == [3] * 6
+    h2d = s.counters.h2d
+    with pytest.raises(RuntimeError, match="sent in this step already"):
+        s.upload_host("plan", out)  # (no new ask since the last send)
+    assert s.counters.h2d == h2d and out.tolist() == [3] * 6
+    other = s.host_array("other", 2)  # (another key: its own kept array)
+    assert not np.shares_memory(other, buf.numpy())
     s.end_step()
     s.begin_step()
-    again = s.unsent_host_array("plan", 6)
-    assert again is not None and again is not host  # (the other parity's)
+    nxt = s.host_array("plan", 6)
+    assert not np.shares_memory(nxt, kept) and not np.shares_memory(nxt, buf.numpy())  # (the other parity's)
+    s.end_step()
+    s.begin_step()
+    assert np.shares_memory(s.host_array("plan", 6), kept)
     s.end_step()
     assert not gpu.hazards, gpu.hazards
 
 
-def test_admission_plans_go_from_host_arrays_and_a_second_one_in_a_step_uploads_anew(gpu):
+def test_admission_plans_go_from_host_arrays_and_a_second_one_in_a_step_from_a_region(gpu):
     """An admission's plan is written in the staging's host array of its
     bucket and sent from there; a second plan of that bucket in the same
-    step (a round after a deferral) goes through a new upload instead, so
-    the first copy's source is never written while pending."""
+    step (a round after a deferral) is written in a staging region, so the
+    first copy's source is never written while pending."""
     m = DeviceManager(64, 4, hash_key=KEY, max_model_len=256, max_num_reqs=16, device="cpu")
     m._staging = PinnedOnCpu(m.device, m.counters, gpu)
     assert m.step(new=[NewRequest("a", list(range(9))), NewRequest("b", list(range(5)))]).ok
-    sent = [c[0][0] for c in gpu.copies if isinstance(c[0], tuple)]
-    assert [k[0] for k in sent] == ["admission"]
+    assert [c[0][0] for c in gpu.copies] == ["admission"]
     admission = m._admission
     request = m._normalize((), (), [NewRequest("c", list(range(7)))], single=True).new[0]
     row = m._rows.take()
@@ -231,8 +258,31 @@ def test_admission_plans_go_from_host_arrays_and_a_second_one_in_a_step_uploads_
         admission.admit([request], [row], admission.unblocked(), dry=True)
         second = gpu.copies[before + len(first):]
     m._rows.give_back_unused([row])
-    assert [c[0][0][0] for c in first] == ["admission"]
-    assert len(second) == 1 and isinstance(second[0][0], int)  # (a staging buffer's region)
+    assert len(first) == len(second) == 1 and first[0][0] == second[0][0] and first[0][0][0] == "admission"
+    buf = m._staging._bufs[m._staging._cur]
+    assert first[0][1] != second[0][1] and buf.data_ptr() <= second[0][1] < buf.data_ptr() + len(buf)
+    assert not gpu.hazards, gpu.hazards
+    m.check_invariants()
+
+
+def test_a_deferred_rounds_gather_never_overwrites_its_first_rounds_pending_plan(gpu):
+    """A step that defers (b's hit is evicted by a's pops, ``test_manager``'s
+    hand-worked case) with its block ids read: each round lays out and
+    sends the output gather of the same bucket; the second is written in a
+    staging region, and the step's block ids are the reference's."""
+    ref = ReferenceManager(10, 2, hash_key=KEY)
+    m = DeviceManager(10, 2, hash_key=KEY, device="cpu")
+    m._staging = PinnedOnCpu(m.device, m.counters, gpu)
+    new = [NewRequest("a", list(range(300, 312))), NewRequest("b", [7, 8, 9]), NewRequest("c", list(range(300, 305)))]
+    results = []
+    for mgr in (ref, m):
+        mgr.step(new=[NewRequest("p", [7, 8, 9]), NewRequest("r", [50, 51, 52, 53, 54, 55, 56])])
+        mgr.step(finished=["p", "r"])
+        before = len(gpu.copies)
+        results.append(mgr.step(new=new, block_ids=True))
+    gathers = [c for c in gpu.copies[before:] if c[0][0] == "gather"]
+    assert len(gathers) == 2 and gathers[0][0] == gathers[1][0] and gathers[0][1] != gathers[1][1]
+    assert results[1].admitted_block_ids == results[0].admitted_block_ids == [[[6, 2, 7, 8, 9, 1], [5, 4], [6, 2, 3]]]
     assert not gpu.hazards, gpu.hazards
     m.check_invariants()
 
@@ -249,7 +299,7 @@ def test_decodes_between_other_steps_never_overwrite_a_pending_plan(gpu):
             m.block_table_for(["a"])
         if k % 3 == 0:
             assert m.step(new=[NewRequest(f"c{k}", [50 + k] * 3)]).ok
-    sent = [c[0][0][0] for c in gpu.copies if isinstance(c[0], tuple)]
+    sent = [c[0][0] for c in gpu.copies if isinstance(c[0], tuple)]
     assert sent.count("decode") == 6  # every decode sent its plan, its tokens in the same upload
     assert "decode tokens" not in sent
     assert not gpu.hazards, gpu.hazards
