@@ -67,16 +67,23 @@ class Admission:
 
     # ------------------------------------------------------------- rounds
     def round(self, new, result: StepResult, hit_caps, token_budget: int | None, count_stats: bool, graphs=None,
-              lead: Sequence[torch.Tensor] = (), tail: StepGather | None = None) -> tuple[bool, list]:
+              lead: Sequence[torch.Tensor] = (), tail: StepGather | None = None,
+              hit_touches: Sequence[int] | None = None) -> tuple[bool, list]:
         """Admit the new requests after the ``result.num_admitted`` admitted
         so far (all of them in the step's first round; after a deferral,
         ``_admit_kernel``, the rest), with what the budget has left, in one
         read that also carries ``lead`` (int64[1] tensors); ``result`` grows.
-        Returns whether it deferred again, and ``lead``'s values."""
+        ``hit_touches``: ``hit_caps`` are the hits a lookup finds now, and
+        these the blocks of each hit no request holds (the manager's own
+        lookup read them in this state): where that makes the outcome
+        certain, the round reads nothing (``known_fit``). Returns whether it
+        deferred again, and ``lead``'s values."""
         s = self._s
         done = result.num_admitted
         rest = new[done:]
         budget_left = None if token_budget is None else token_budget - sum(result.num_new_tokens)
+        known = None if hit_touches is None or done or lead or tail is not None else \
+            self.known_fit(rest, hit_caps, hit_touches, budget_left)
         rows = [s.rows.take() for _ in rest]
         try:
             status, hits, computed = self.admit(rest, rows, s.blocked, None if hit_caps is None else hit_caps[done:],
@@ -84,21 +91,60 @@ class Admission:
         except BaseException:
             s.rows.give_back_unused(rows)  # no row leaks, whatever went wrong
             raise
+        part = StepResult()
+        if known is not None:
+            host, taken = known
+            s.free_lower_bound -= taken  # (exact: the blocks the admission takes, as a read would have set it)
+            deferred = self.finish(rest, rows, host, part, count_stats)
+            self._merge(result, part)
+            return deferred, []
         gathered = [] if tail is None else tail.parts((np.asarray(rows, dtype=np.int64), self.most_blocks(rest)),
                                                       first=done)
         host = self._reads.step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
                                      computed.to(torch.int64), *gathered])
-        part = StepResult()
         deferred = self.finish(rest, rows, host[len(lead):], part, count_stats)
         if tail is not None:
             adm = np.asarray(part.rows, dtype=np.int64)
             tail.took(host[len(lead) + lookup_ops.NUM_STATUS + 2 * len(rest):], adm, s.rows.num_held[adm])
+        self._merge(result, part)
+        return deferred, host[: len(lead)]
+
+    @staticmethod
+    def _merge(result: StepResult, part: StepResult) -> None:
+        """A round's ``part`` added to the step's ``result``."""
         result.num_admitted += part.num_admitted
         result.num_computed_tokens += part.num_computed_tokens
         result.rows += part.rows
         result.num_new_tokens += part.num_new_tokens
         result.refused_hit_tokens = part.refused_hit_tokens
-        return deferred, host[: len(lead)]
+
+    def known_fit(self, new: Sequence[NewRequest], hit_caps, hit_touches: Sequence[int],
+                  budget_left: int | None) -> tuple[list[int], int] | None:
+        """What a round's read would say, where the host knows it: one
+        request (no deferral), its hit exact (``hit_caps``, ``round``) and
+        its first touches known (``hit_touches``), no token budget, no
+        KV-event log (the events ride on the read), tokens on the host, and
+        every block it takes (``_charge``'s new blocks and the touches) under
+        the host's lower bound of free blocks, so the device admits it. The
+        values ``finish`` reads (status, hit, computed tokens) and the blocks
+        taken; None: read them."""
+        s = self._s
+        if len(new) != 1 or budget_left is not None or s.events.log is not None:
+            return None
+        (r,) = new
+        if isinstance(r.token_ids, torch.Tensor):
+            return None
+        bs, n = s.block_size, len(r.token_ids)
+        limit = 0 if r.skip_prefix_cache else (n - 1) // bs
+        hit = min(limit, int(hit_caps[0]))
+        chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
+        computed = hit * bs + min(n - hit * bs, chunk)
+        taken = (-(-(computed + r.num_lookahead_tokens) // bs) - hit) * s.num_groups + int(hit_touches[0])
+        if taken > s.free_lower_bound:
+            return None
+        status = [0] * lookup_ops.NUM_STATUS
+        status[lookup_ops.ST_ADMITTED], status[lookup_ops.ST_USED] = 1, taken
+        return [*status, hit, computed], taken
 
     def most_blocks(self, new: Sequence[NewRequest]) -> np.ndarray:
         """The most block positions each new request can hold after its
@@ -187,8 +233,9 @@ class Admission:
                 if not self._hit_current(request, cap, computed.num_tokens, computed.block_ids):
                     raise stale_computed_blocks()
             # (the dry lookup above wrote only a free row and scratch buffers)
+            touches = self._touches_known(request, cap)
             self._calls.begin_changes()
-            res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap])
+            res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap], hit_touches=touches)
         if res.num_admitted == 0:
             return None
         got = res.num_computed_tokens[0]
@@ -209,9 +256,23 @@ class Admission:
         with self._calls.counting():
             if cap and not self._hit_current(request, cap, hit_tokens, None):
                 raise stale_computed_blocks()
+            touches = self._touches_known(request, cap)
             self._calls.begin_changes()
-            res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap])
+            res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap], hit_touches=touches)
         return res.num_admitted == 1
+
+    def _touches_known(self, request: NewRequest, cap: int) -> list[int] | None:
+        """The first touches of the hit of ``cap`` blocks just checked to be
+        what a lookup of ``request`` finds now (``_hit_current``): none
+        without a hit; else the unheld blocks the remembered sized lookup
+        read, where it covers this one (``LookupMemo.covers``); None when not
+        known (the step then reads its outcome)."""
+        if cap == 0:
+            return [0]
+        memo = self.memo
+        if memo is None or memo.unheld is None or not memo.covers(request, cap, self._s.epoch):
+            return None
+        return [memo.unheld]
 
     def lookup_only(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> ComputedBlocks:
         """The hit a step would give this request now (at most ``hit_cap``
@@ -261,8 +322,9 @@ class Admission:
                 self.count_lookups([request], [n])
         finally:
             s.rows.give_back_unused([row])
-        self._remember(request, hit_cap, n)
-        return n, int(values[1]) if sized else 0, cache
+        unheld = int(values[1]) if sized else None
+        self._remember(request, hit_cap, n, unheld)
+        return n, unheld or 0, cache
 
     def unblocked(self) -> torch.Tensor:
         """int32[1] 0 on the device: a dry lookup's ``blocked`` flag, made
@@ -272,10 +334,11 @@ class Admission:
             self._unblocked = torch.zeros(1, dtype=torch.int32, device=self._s.device)
         return self._unblocked
 
-    def _remember(self, request: NewRequest, hit_cap: int | None, hit: int) -> None:
+    def _remember(self, request: NewRequest, hit_cap: int | None, hit: int, unheld: int | None) -> None:
         """A dry lookup's result kept for the admission that follows
-        (``_hit_current``), with the most blocks it could hit; nothing kept
-        for tokens on the device (never compared on the host)."""
+        (``_hit_current``, ``_touches_known``), with the most blocks it could
+        hit and (a sized lookup) its unheld blocks; nothing kept for tokens
+        on the device (never compared on the host)."""
         s = self._s
         if isinstance(request.token_ids, torch.Tensor):
             self.memo = None
@@ -283,6 +346,7 @@ class Admission:
         limit = 0 if request.skip_prefix_cache or not s.enable_caching else (len(request.token_ids) - 1) // s.block_size
         bound = limit if hit_cap is None else min(hit_cap, limit)
         self.memo = LookupMemo(s.epoch, request, bound, hit, s.block_size)
+        self.memo.unheld = unheld
 
     def _hit_current(self, request: NewRequest, cap: int, hit_tokens: int,
                      ids: Sequence[Sequence[int]] | None) -> bool:
@@ -462,14 +526,16 @@ class LookupMemo:
     made by the argument checks: no caller holds it), the most blocks it
     could hit (its cap and its own last-token limit), its hit in blocks, the
     hit's ids per group when they were read (``lookup_only``: a copy, window
-    nulls in place), the block size and the mutation epoch it saw
+    nulls in place), or the hit's blocks no request holds when they were
+    (``lookup_size``), the block size and the mutation epoch it saw
     (``DeviceState.epoch``)."""
 
-    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids")
+    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids", "unheld")
 
     def __init__(self, epoch: int, request: NewRequest, bound: int, hit: int, block_size: int) -> None:
         self.epoch, self.request, self.bound, self.hit, self.block_size = epoch, request, bound, hit, block_size
         self.ids: list[list[int]] | None = None
+        self.unheld: int | None = None
 
     def covers(self, request: NewRequest, cap: int, epoch: int) -> bool:
         """Whether a lookup of ``request`` capped at ``cap`` blocks now must

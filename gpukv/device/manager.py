@@ -579,12 +579,14 @@ class DeviceManager(CallContext, SharedManagerAPI):
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,
-              token_budget: int | None = None, graphs=None, outputs: StepOutputs = _NO_OUTPUTS) -> StepResult:
+              token_budget: int | None = None, graphs=None, outputs: StepOutputs = _NO_OUTPUTS,
+              hit_touches=None) -> StepResult:
         """A step on normalised arguments (``_normalize``), its phases in
         order: releases, the running requests (as the decode runs them), the
         admission's rounds; nothing here refuses input. The one read of the
-        step (none when nothing is unknown), one more per admission round
-        after a deferral."""
+        step (none when nothing is unknown: ``hit_touches``,
+        ``Admission.round``), one more per admission round after a
+        deferral."""
         if finished:  # phase 1
             self._releases.requests(finished)
         run = self._decode.run_phase(running)  # phase 2
@@ -597,7 +599,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         host, deferred = None, False
         if new:  # phases 3-5
             deferred, host = self._admission.round(new, result, hit_caps, token_budget, count_stats, graphs, lead,
-                                                   tail)
+                                                   tail, hit_touches)
         elif lead or tail is not None:
             host = self._reads.step_status(lead + ([] if tail is None else tail.parts()))
             if tail is not None:

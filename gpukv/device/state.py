@@ -83,7 +83,8 @@ class StepCall(Protocol):
     """``DeviceCalls.step``'s signature: a step on normalised arguments."""
 
     def __call__(self, finished: Any, running: Any, new: Any, *, count_stats: bool = ..., hit_caps: Any = ...,
-                 token_budget: int | None = ..., graphs: Any = ..., outputs: StepOutputs = ...) -> StepResult:
+                 token_budget: int | None = ..., graphs: Any = ..., outputs: StepOutputs = ...,
+                 hit_touches: Any = ...) -> StepResult:
         ...
 
 

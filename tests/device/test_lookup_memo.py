@@ -54,14 +54,69 @@ def test_allocate_after_its_lookup_skips_the_recheck():
     assert_same(ref, dev)
 
 
-def test_admit_after_read_prefix_hit_reads_once():
+def test_admit_after_read_prefix_hit_reads_nothing_where_the_bound_proves_the_fit():
+    """The lookup read the hit's size and its unheld blocks: with the hit's
+    three free blocks to touch and one new block (7 tokens, blocks of 2)
+    under the host's bound of free blocks, the admission's outcome is
+    certain: no read, and the bound drops by exactly the 4 blocks taken."""
     ref, dev = primed()
     req = NewRequest("a", [*PROMPT[:6], 9])
     hit = dev.read_prefix_hit(req)
     assert hit == ref.read_prefix_hit(req) == PrefixHit(6, 3)
-    assert dev.admit(req, hit) is True and dev.counters.d2h == 1  # the step's status only
+    bound = dev.free_blocks_lower_bound()
+    assert bound >= 4
+    assert dev.admit(req, hit) is True and dev.counters.d2h == 0
     assert ref.admit(req, hit) is True
+    assert dev.free_blocks_lower_bound() == bound - 4
+    assert dev.read_num_free_blocks() == ref.num_free_blocks >= bound - 4
+    assert dev.request_counts("a") == ref.request_counts("a")
     assert_same(ref, dev)
+    dev.check_invariants()
+
+
+@pytest.mark.parametrize("chunk, lookahead", [(None, 0), (1, 0), (None, 3), (1, 5)])
+def test_an_admission_whose_fit_the_bound_does_not_prove_reads_its_outcome_once(chunk, lookahead):
+    """The same admission with the host's bound one block short of what it
+    takes (new blocks for the chunk and lookahead, and the touches): the
+    step reads its status (the device decides), admits it all the same, and
+    the read sets the bound to the exact free count."""
+    ref, dev = primed()
+    req = NewRequest("a", [*PROMPT[:6], 9, 9, 9, 9])
+    hit = dev.read_prefix_hit(req)
+    computed = 6 + (4 if chunk is None else chunk)
+    taken = (-(-(computed + lookahead) // 2) - 3) + 3
+    dev._shared.free_lower_bound = taken - 1  # (still a lower bound: the device decides)
+    assert dev.admit(req, hit, num_tokens=chunk, num_lookahead_tokens=lookahead) is True
+    assert dev.counters.d2h == 1
+    assert ref.admit(req, hit, num_tokens=chunk, num_lookahead_tokens=lookahead) is True
+    assert dev.free_blocks_lower_bound() == ref.num_free_blocks == 16 - 1 - taken
+    assert_same(ref, dev)
+    dev.check_invariants()
+    # With the bound exactly covering, the same admission (after a free) reads nothing.
+    for m in (ref, dev):
+        m.free("a")
+    hit = dev.read_prefix_hit(req)
+    assert hit == ref.read_prefix_hit(req)
+    dev._shared.free_lower_bound = taken
+    assert dev.admit(req, hit, num_tokens=chunk, num_lookahead_tokens=lookahead) is True
+    assert dev.counters.d2h == 0 and dev.free_blocks_lower_bound() == 0
+    assert ref.admit(req, hit, num_tokens=chunk, num_lookahead_tokens=lookahead) is True
+    assert_same(ref, dev)
+    dev.check_invariants()
+
+
+def test_an_admission_without_a_hit_reads_only_its_new_ids():
+    """No hit (nothing to touch, nothing to check): ``allocate_slots`` reads
+    only the new blocks' ids, ``admit`` nothing."""
+    ref, dev = primed()
+    got = [m.allocate_slots(NewRequest("a", [50, 51, 52]), computed=None) for m in (ref, dev)]
+    assert got[1] == got[0] and len(got[0][0]) == 2
+    assert dev.counters.d2h == 1 and dev.get_block_ids("a") == ref.get_block_ids("a")
+    for m in (ref, dev):
+        assert m.admit(NewRequest("b", [60, 61, 62]), PrefixHit(0, 0)) is True
+    assert dev.counters.d2h == 0
+    assert_same(ref, dev)
+    dev.check_invariants()
 
 
 def before_lookup(ms, kind):
