@@ -304,11 +304,13 @@ class Admission:
         row = s.rows.take()
         try:
             caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
-            _, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
+            status, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
             tokens = request.token_ids
             device_tokens = isinstance(tokens, torch.Tensor)
             if sized or device_tokens:
-                parts = [hit.to(torch.int64)] + ([self._unheld_in_hit(hit, cache[0])] if sized else [])
+                # (sized: the dry admission's first touches of its one request, the hit's unheld blocks)
+                parts = [hit.to(torch.int64)] + ([status[lookup_ops.ST_TOUCHES: lookup_ops.ST_TOUCHES + 1]]
+                                                 if sized else [])
                 if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
                     parts.append(self.device_tokens_bad([tokens]))
                 values = self._calls.read(torch.cat(parts))
@@ -363,18 +365,6 @@ class Admission:
             return self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens == hit_tokens
         now = self.lookup_only(request, count_stats=False, hit_cap=cap)
         return now.num_tokens == hit_tokens and all(list(ids[g]) == now.block_ids[g] for g in range(s.num_groups))
-
-    def _unheld_in_hit(self, hit: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """int64[1] on the device: the blocks of a dry lookup's hit (``hit``:
-        int32[1] blocks; ``cache``: int32[P, G], the ids at each position)
-        that no request holds; a window group's positions before its last W
-        hit positions (null in the hit) and the null block not counted."""
-        s = self._s
-        pos = torch.arange(cache.shape[0], device=s.device).unsqueeze(1)
-        n, w = hit.to(torch.int64), s.win_dev.to(torch.int64)
-        live = (pos < n) & ((w < 0) | (pos >= n - w))
-        ids = torch.where(live, cache.to(torch.int64), 0)
-        return ((s.pool.ref_cnt[ids] == 0) & (ids != 0)).sum().view(1)
 
     def device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token

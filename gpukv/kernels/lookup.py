@@ -66,7 +66,8 @@ ST_QUERY_TOKENS = 5  # stats: prompt tokens asked
 ST_HIT_TOKENS = 6  # stats: tokens hit
 ST_NEW_BLOCKS = 7  # blocks the admitted requests pop (their new blocks)
 ST_DEFERRED = 8  # 1: the loop stopped before a request whose hit the earlier ones' pops evict (look it up again)
-NUM_STATUS = 9
+ST_TOUCHES = 9  # first touches of the requests looked up and not deferred, admitted or not (a lookup's unheld blocks)
+NUM_STATUS = 10
 
 # Constexpr copies for the kernels: the real compiler reads only constexpr
 # globals in a kernel (the interpreter reads any).
@@ -79,6 +80,7 @@ _ST_QUERY_TOKENS: tl.constexpr = tl.constexpr(ST_QUERY_TOKENS)
 _ST_HIT_TOKENS: tl.constexpr = tl.constexpr(ST_HIT_TOKENS)
 _ST_NEW_BLOCKS: tl.constexpr = tl.constexpr(ST_NEW_BLOCKS)
 _ST_DEFERRED: tl.constexpr = tl.constexpr(ST_DEFERRED)
+_ST_TOUCHES: tl.constexpr = tl.constexpr(ST_TOUCHES)
 # "No request" / "no position": larger than any request index or block
 # position (``toolkit.BIG``).
 _BIG: tl.constexpr = tl.constexpr(BIG)
@@ -430,8 +432,10 @@ def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_p
     (``start[i]``, ``_mark_admitted``) while its new blocks and first
     touches fit the ``num_free`` free blocks; past the first refused or
     deferred request, hit -1. Returns (deferred, admitted, blocks used,
-    the five lookup stats, new blocks popped)."""
+    the five lookup stats, new blocks popped, first touches of the requests
+    charged: admitted or refused for room)."""
     used, new_total, admitted = tl.zeros((), tl.int64), tl.zeros((), tl.int64), tl.zeros((), tl.int64)
+    looked_touches = tl.zeros((), tl.int64)
     deferred, doomed, budget_left = tl.zeros((), tl.int64), tl.zeros((), tl.int64), budget
     requests, queries, hits = tl.zeros((), tl.int64), tl.zeros((), tl.int64), tl.zeros((), tl.int64)
     qtok, htok = tl.zeros((), tl.int64), tl.zeros((), tl.int64)
@@ -452,6 +456,7 @@ def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_p
                 tl.store(hit_ptr + i, -1)
             else:
                 new, n_new = _charge(comp_ptr, num_tokens_ptr, lookahead_ptr, i, hit, budget, budget_left, BS, G)
+                looked_touches += touches
                 requests, queries, hits, qtok, htok = _count_lookup(requests, queries, hits, qtok, htok,
                                                                     num_blocks_ptr, num_tokens_ptr, i, skip, hit, BS)
                 tl.store(hit_ptr + i, hit)
@@ -469,11 +474,12 @@ def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_p
                 tl.debug_barrier()  # later requests read this request's hit (and touch marks)
         else:  # not considered (an earlier one was refused or deferred): no hit
             tl.store(hit_ptr + i, -1)
-    return deferred, admitted, used, requests, queries, hits, qtok, htok, new_total
+    return deferred, admitted, used, requests, queries, hits, qtok, htok, new_total, looked_touches
 
 
 @triton.jit
-def _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total):
+def _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total,
+                  looked_touches):
     """The admission's counts into ``status`` (layout ``ST_*``)."""
     tl.store(status_ptr + _ST_DEFERRED, deferred)
     tl.store(status_ptr + _ST_ADMITTED, admitted)
@@ -484,6 +490,7 @@ def _store_status(status_ptr, deferred, admitted, used, requests, queries, hits,
     tl.store(status_ptr + _ST_QUERY_TOKENS, qtok)
     tl.store(status_ptr + _ST_HIT_TOKENS, htok)
     tl.store(status_ptr + _ST_NEW_BLOCKS, new_total)
+    tl.store(status_ptr + _ST_TOUCHES, looked_touches)
 
 
 @triton.jit(do_not_specialize=["P", "CMASK"])
@@ -536,13 +543,13 @@ def _admit_kernel(
     never change from step to step (it can be replayed). Cost: see the
     module docstring."""
     stamp = tl.load(stamp_ptr)
-    deferred, admitted, used, requests, queries, hits, qtok, htok, new_total = _admit_requests(
+    deferred, admitted, used, requests, queries, hits, qtok, htok, new_total, touches = _admit_requests(
         cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr,
         comp_ptr, lookahead_ptr, skip_ptr, win_ptr, tl.load(nreq_ptr), P, ref_ptr, touched_ptr, stamp,
         tl.load(free_ptr).to(tl.int64), (tl.load(blocked_ptr) == 0).to(tl.int32), tl.load(budget_ptr).to(tl.int64),
         hit_ptr, ring_ptr, qpos_ptr, tl.load(qctr_ptr + HEAD), tl.load(qctr_ptr + TAIL), CMASK, BS, G, TILE)
     tl.store(stamp_ptr, stamp + 1)
-    _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total)
+    _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total, touches)
 
 
 def _direct_chains(pending: torch.Tensor, K: int, P: int, dev) -> tuple:

@@ -228,6 +228,7 @@ def test_admission_walks_no_chain_where_the_cache_hits(pending_walks):
     new_blocks = (-(-n // bs) - S) + (K - 1) * (-(-n // bs) - P)
     assert status[lookup.ST_ADMITTED] == K and status[lookup.ST_NEW_BLOCKS] == new_blocks
     assert status[lookup.ST_USED] == new_blocks + S  # request 0 touches the S free cached blocks first
+    assert status[lookup.ST_TOUCHES] == S  # (the later requests' touches of them are not first ones)
     walked = [(i, p) for i, ps in pending_walks for p in ps]
     assert walked, "the counter saw no walk (the interpreter no longer calls the module's _pending?)"
     assert all(p >= S for _, p in walked), sorted({(i, p) for i, p in walked if p < S})
@@ -258,3 +259,17 @@ def test_a_pending_hit_in_one_group_resolves_where_another_group_hits_the_cache(
     assert hit == [2, P]
     assert resolved[1] == [-1, -1, 0, 0]
     assert status[lookup.ST_ADMITTED] == 2
+
+
+@pytest.mark.parametrize("num_free", [0, 3, 100])
+def test_first_touches_are_counted_for_a_request_refused_for_room(num_free):
+    """``ST_TOUCHES``: the first touches of every request charged, admitted
+    or refused for room (a lookup's unheld blocks, which ``read_prefix_hit``
+    reads from it): one request hitting S free cached blocks."""
+    P, S, bs = 6, 4, 2
+    cache = [[[p + 1 if p < S else -1] for p in range(P)]]
+    n = P * bs + 1
+    hit, _, status = _admit_chains(cache, max_hit=[P], n_tok=[n], bs=bs, num_free=num_free)
+    need = -(-n // bs) - S + S
+    assert hit == [S] and status[lookup.ST_ADMITTED] == int(need <= num_free)
+    assert status[lookup.ST_TOUCHES] == S and status[lookup.ST_USED] == (need if need <= num_free else 0)
