@@ -125,9 +125,11 @@ def test_without_stats_frees_fold_into_the_next_step(cls: type) -> None:
 @pytest.mark.parametrize("cls", scheduler_params("device-unbatched"))
 def test_unbatched_device_reads_once_per_request(cls: type) -> None:
     """vLLM's loop on the device manager, for comparison: a read per lookup
-    and per admission; a running request's call reads nothing (the free
-    count from the host mirror), the step the common prefix only."""
-    assert per_step(cls, 4, 2)[0] == [13, 1]
+    and one per admission, its new blocks' ids (no request hits, so the host
+    knows each admission's outcome: no status read, ``Admission.known_fit``);
+    a running request's call reads nothing (the free count from the host
+    mirror), the step the common prefix only."""
+    assert per_step(cls, 4, 2)[0] == [4 + 4 + 1, 1]
 
 
 # ---------------------------------------------------------------- preemption mid-batch
