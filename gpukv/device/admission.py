@@ -33,7 +33,7 @@ from gpukv.core.checks import (
     stale_computed_blocks,
 )
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, StepResult
-from gpukv.device.admission_plan import AdmissionBuffers, plan_admission
+from gpukv.device.admission_plan import AdmissionBuffers, hit_limit, plan_admission
 from gpukv.device.outputs import StepGather
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import lookup as lookup_ops
@@ -135,8 +135,7 @@ class Admission:
         if isinstance(r.token_ids, torch.Tensor):
             return None
         bs, n = s.block_size, len(r.token_ids)
-        limit = 0 if r.skip_prefix_cache else (n - 1) // bs
-        hit = min(limit, int(hit_caps[0]))
+        hit = min(hit_limit(r, bs), int(hit_caps[0]))
         chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
         computed = hit * bs + min(n - hit * bs, chunk)
         taken = (-(-(computed + r.num_lookahead_tokens) // bs) - hit) * s.num_groups + int(hit_touches[0])
@@ -345,7 +344,7 @@ class Admission:
         if isinstance(request.token_ids, torch.Tensor):
             self.memo = None
             return
-        limit = 0 if request.skip_prefix_cache or not s.enable_caching else (len(request.token_ids) - 1) // s.block_size
+        limit = hit_limit(request, s.block_size) if s.enable_caching else 0
         bound = limit if hit_cap is None else min(hit_cap, limit)
         self.memo = LookupMemo(s.epoch, request, bound, hit, s.block_size)
         self.memo.unheld = unheld
@@ -396,10 +395,8 @@ class Admission:
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)
-        if plan.fixed:  # (written in the staging's array: sent as it is, one copy)
-            s.staging.upload_host(("admission", plan.bucket), bufs.plan, len(plan.packed))
-        else:
-            s.staging.upload(plan.packed, out=bufs.plan)
+        # (written in the staging's array, ``_host_array``: sent as it is, one copy)
+        s.staging.upload_host(("admission", plan.bucket), bufs.plan, len(plan.packed))
         if plan.device_tokens and not dry:  # (a dry lookup reads its own verdict: ``lookup_only``)
             errors = s.pool.free_queue.counter("error")
             errors.bitwise_or_(self.device_tokens_bad([t for _, t in plan.device_tokens]))

@@ -53,6 +53,13 @@ class AdmissionPlan:
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
 
 
+def hit_limit(request: NewRequest, block_size: int) -> int:
+    """The most blocks a lookup of ``request`` can hit: its full blocks
+    before its last token (a hit never covers the last token), none when it
+    skips the prefix cache."""
+    return 0 if request.skip_prefix_cache else (len(request.token_ids) - 1) // block_size
+
+
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
                    host_array: HostArray | None = None, token_budget: int | None = None,
                    dry: bool = False, max_chunk: int | None = None) -> AdmissionPlan:
@@ -88,7 +95,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
         n = len(r.token_ids)
         chunk = n if r.num_tokens_to_compute is None else r.num_tokens_to_compute
         lookahead = r.num_lookahead_tokens
-        limit = 0 if r.skip_prefix_cache else (n - 1) // bs
+        limit = hit_limit(r, bs)
         hit = limit if hit_caps is None else min(limit, int(hit_caps[i]))
         most_new = chunk if budget is None else min(chunk, budget)
         most_blocks.append(-(-(most_new + lookahead) // bs))
