@@ -156,6 +156,7 @@ from device_twin import (  # noqa: E402  (the honest twin, shared with bench_sch
     twin_cells,
     twin_head,
 )
+from gpukv.kernels import capture  # noqa: E402
 from gpukv.tools.traces import conversation_trace_path, load_trace, mooncake_tokens  # noqa: E402
 
 BS = 16
@@ -409,6 +410,22 @@ def worker_bound(options: dict, bound: bool) -> Iterator[None]:
         BINDING.reset()
 
 
+def prepare_as_on_cuda(real: TraceRun, twin: TraceRun | None) -> None:
+    """What the device scheduler does when built on CUDA
+    (``prepare_admissions_at_start``): every admission bucket a prompt up to
+    ``max_model_len`` can meet prepared before the first step, so no
+    admission is timed on a first-time launch. Done here for the interpreted
+    run (its kernels run: they change nothing a call reads) and its twin
+    (kernel bodies skipped, as in all its launches); on CUDA the scheduler
+    did it itself."""
+    if real.sched.kv_cache_manager.manager.device.type == "cuda":
+        return
+    real.sched.prepare_admissions()
+    if twin is not None:
+        with capture.kernel_bodies_skipped():
+            twin.sched.prepare_admissions()
+
+
 def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
                    ref: Work, worker: bool = False) -> tuple[dict, str | None]:
     """The device scheduler on the plan vLLM's runs followed (fill, warm-up,
@@ -421,6 +438,8 @@ def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: di
         real = TraceRun(h, cls, prompts, target, options)
         cuda = real.sched.kv_cache_manager.manager.device.type == "cuda"
         twin = None if cuda else TraceRun(h, cls, prompts, target, options)
+    if args.prepare:
+        prepare_as_on_cuda(real, twin)
     if worker and not all(r.sched.kv_cache_manager.ids_on_device for r in (real, twin) if r is not None):
         raise SystemExit(f"{cls.__name__} at {target}: the worker's binding did not take (block ids still read back)")
     device = DeviceTwin(real, twin, _step_out, digest)
@@ -555,6 +574,8 @@ def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options:
             TraceRun(h, cls, prompts, target, options)
     if twin is None:
         raise SystemExit("the device per admission is the interpreter twin's: it needs a machine without CUDA")
+    if args.prepare:
+        prepare_as_on_cuda(real, twin)
     device = DeviceTwin(real, twin, _step_out, digest)
     lookup, allocate = _admission_key(h)
     device.attribute("get_computed_blocks", lambda run: run.sched.kv_cache_manager, lookup)
@@ -731,6 +752,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--device: also the device scheduler built as under gpukv.vllm.Worker (its runner reads "
                         "gpukv's tables: no block id read back, none in SchedulerOutput), a column beside the "
                         "unbound one")
+    p.add_argument("--cold-buckets", dest="prepare", action="store_false",
+                   help="--device: skip the admission buckets' preparation the scheduler makes at start on CUDA "
+                        "(prepare_admissions_at_start), so each prompt length's first admission pays its "
+                        "first-time launches, as before it")
     p.add_argument("--launch-samples", type=int, default=5,
                    help="--device without CUDA: samples of each step's launch path (5)")
     p.add_argument("--gpu-costs", help="--device without CUDA: the stated costs, us, as name=us,... over the "

@@ -75,7 +75,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -113,17 +113,21 @@ WORKLOADS = {
 
 
 class GpukvTables:
-    """gpukv's block tables as its step leaves them, with the attributes
-    ``gpukv.vllm.v0_33.binding`` reads of a device manager (the table
-    int32[1, rows, W], each row's block count on the host, request ids to
-    rows, the rows' generation, the stream)."""
+    """gpukv's block tables as its step leaves them, with the accessors
+    ``gpukv.vllm.v0_33.binding`` reads of a device manager (``block_table``,
+    int32[1, rows, W]; ``blocks_held_per_row``, each row's block count on
+    the host; ``request_rows``, request ids to rows; ``rows_generation``;
+    ``stream``)."""
 
     def __init__(self, device: torch.device) -> None:
         table = torch.zeros((1, MAX_NUM_REQS, WIDTH), dtype=torch.int32, device=device)
         self._rows = SimpleNamespace(block_table=table, num_held=np.zeros(MAX_NUM_REQS, dtype=np.int64))
         self.rows_generation = 0
         self._reqs: dict[str, int] = {}
-        self._stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self.request_rows = MappingProxyType(self._reqs)
+        self.block_table = table
+        self.blocks_held_per_row = self._rows.num_held
+        self.stream = torch.cuda.Stream() if device.type == "cuda" else None
 
 
 @dataclass

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from gpukv.core.blocks import ManagerLimits
-from gpukv.core.checks import normalize_token_ids
+from gpukv.core.checks import check_size, normalize_token_ids
 from gpukv.core.failstop import FailStop, mutating, reading
+from gpukv.core.limits import MAX_LOOKAHEAD
 from gpukv.core.protocol import manager_args_from_config
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate, Step
 from gpukv.core.running_batch import RunningBatch, RunningRows, normalize_rows, normalize_running, taken_as_checked
@@ -211,6 +212,38 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
             raise InvalidTypeError(f"must be a NewRequest, got {type(request).__name__}", argument="request",
                                    fix="pass the NewRequest read_prefix_hit looked up")
         return self._admit_sized(request, hit, num_tokens, num_lookahead_tokens)
+
+    @mutating
+    def prepare_admissions(self, max_prompt_len: int | None = None, *, num_lookahead_tokens: int = 0) -> int:
+        """Before serving: what the first admission of each prompt length
+        would otherwise do on the serving path, done now for every prompt up
+        to ``max_prompt_len`` tokens (None: ``max_model_len``) with
+        ``num_lookahead_tokens`` reserved (vLLM reserves none for a new
+        prompt) and chunks up to ``max_num_batched_tokens``. The device
+        manager makes each admission bucket's buffers and plan array and runs
+        its launches once on a plan admitting no request, keeping them (the
+        kernels compiled on a GPU), so each first admission replays them
+        (``gpukv.device.admission_plan.single_prompt_buckets``: a step admitting
+        several prompts, or a prompt that skips the prefix cache, can still
+        meet a bucket of its own); the reference launches nothing. Changes
+        nothing any other call reads or returns. Returns how many buckets
+        it prepared (0 on the reference, and for those prepared before)."""
+        limit = self.limits.max_model_len
+        if max_prompt_len is not None:
+            max_prompt_len = check_size(max_prompt_len, "max_prompt_len", 1, limit)
+        elif limit is not None:
+            max_prompt_len = limit
+        else:
+            raise InvalidInputError("no max_model_len to take as the longest prompt", argument="max_prompt_len",
+                                    fix="pass the longest prompt to prepare for")
+        num_lookahead_tokens = check_size(num_lookahead_tokens, "num_lookahead_tokens", 0, MAX_LOOKAHEAD)
+        self._begin_changes()  # (a fault past here, a launch or a compile failing, stops the manager)
+        return self._prepare_admissions(max_prompt_len, num_lookahead_tokens)
+
+    def _prepare_admissions(self, max_prompt_len: int, num_lookahead_tokens: int) -> int:  # noqa: ARG002
+        """``prepare_admissions`` (its arguments checked): nothing to prepare
+        for a manager that launches nothing."""
+        return 0
 
     @abstractmethod
     def _admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,

@@ -114,6 +114,9 @@ class BlockManager(Protocol):
                        num_processed_tokens: int | None = None) -> list[list[int]] | None: ...
     def free(self, request_id: str) -> None: ...
 
+    # before serving
+    def prepare_admissions(self, max_prompt_len: int | None = None, *, num_lookahead_tokens: int = 0) -> int: ...
+
     # batched calls
     def step(self, finished: Sequence[str] = (), running: Sequence[RunningUpdate] | RunningBatch = (),
              new: Sequence[NewRequest] = (), *, token_budget: int | None = None, block_ids: bool = False,

@@ -33,7 +33,7 @@ from gpukv.core.checks import (
     stale_computed_blocks,
 )
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, StepResult
-from gpukv.device.admission_plan import AdmissionBuffers, hit_limit, plan_admission
+from gpukv.device.admission_plan import AdmissionBuffers, AdmissionPlan, empty_plan, hit_limit, plan_admission
 from gpukv.device.outputs import StepGather
 from gpukv.kernels import decode as decode_ops
 from gpukv.kernels import lookup as lookup_ops
@@ -392,6 +392,30 @@ class Admission:
         s = self._s
         plan = plan_admission(new, rows, s.block_size, hit_caps, self._host_array, token_budget, dry,
                               self._max_chunk)
+        return self._launch(plan, new, rows, blocked, dry, graphs)
+
+    def prepared(self, bucket: tuple, dry: bool) -> bool:
+        """Whether ``bucket``'s launches (a dry lookup's, or a step's) are kept."""
+        bufs = self.buffers.get(bucket)
+        kept = None if bufs is None else bufs.prepared.get("lookup" if dry else "admit")
+        return kept is not None and kept[0] == self._s.rows.generation
+
+    def prepare(self, bucket: tuple, dry: bool) -> None:
+        """``bucket``'s buffers made and its launches prepared by a round
+        admitting no request: every program of its kernels finds no request
+        and writes only the bucket's own buffers, so nothing a lookup or a
+        step reads changes, and the first admission of the bucket replays
+        its launches (no first-time launch, no buffer zeroed, on the serving
+        path). With KV-cache events on no launch is kept
+        (``SharedLaunches.replayed``): the buffers are made and the kernels
+        compiled."""
+        plan = empty_plan(bucket, self._host_array)
+        self._launch(plan, [], [], self.unblocked() if dry else self._s.blocked, dry, None)
+
+    def _launch(self, plan: AdmissionPlan, new, rows, blocked, dry: bool, graphs):
+        """``admit``'s device part: ``plan`` into its bucket's buffers, then
+        the bucket's parts (each prepared once, then replayed)."""
+        s = self._s
         bufs = self.buffers.get(plan.bucket)
         if bufs is None:
             bufs = self.buffers[plan.bucket] = AdmissionBuffers.create(plan.bucket, s.num_groups, s.device)

@@ -101,13 +101,12 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
         most_blocks.append(-(-(most_new + lookahead) // bs))
         most_cached.append(most_new // bs)
         size_hit = max(size_hit, limit)
-        sized = n if max_chunk is None else max(min(n, max_chunk), most_new)  # (never below its need)
+        sized = _entries_sized(n, most_new, max_chunk)
         size_new = max(size_new, -(-(sized + lookahead) // bs))
         size_cached = max(size_cached, sized // bs)
         table.append((rows[i], n, n // bs, -(-n // bs), hit, chunk, lookahead, int(r.skip_prefix_cache), off))
         off += n
-    bucket = (pow2_at_least(max(K, 8)), pow2_at_least(size_hit), pow2_at_least(off),
-              1 if dry else pow2_at_least(size_new), 1 if dry else pow2_at_least(size_cached))
+    bucket = bucket_of(K, size_hit, off, size_new, size_cached, dry)
     KP = bucket[0]
     size = HEADER + len(PLAN_ARRAYS) * KP + bucket[2]
     packed = None if host_array is None else host_array(bucket, size)
@@ -126,6 +125,71 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     # is read by no request, so the device buffer keeps what it held)
     return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), sum(most_cached), bucket,
                          packed[: base + off], fixed, device_tokens)
+
+
+def empty_plan(bucket: tuple, host_array: HostArray | None = None) -> AdmissionPlan:
+    """A plan of ``bucket`` admitting no request (``Admission.prepare``):
+    the header and the columns, zero requests, no token budget."""
+    KP = bucket[0]
+    base = HEADER + len(PLAN_ARRAYS) * KP
+    packed = None if host_array is None else host_array(bucket, base + bucket[2])
+    fixed = packed is not None
+    if packed is None:
+        packed = np.zeros(base, dtype=np.int32)
+    packed[:base] = 0
+    packed[1] = -1
+    none = np.zeros(0, dtype=np.int64)
+    return AdmissionPlan(none, none, none, none, 0, 0, bucket, packed[:base], fixed, [])
+
+
+def bucket_of(num_requests: int, size_hit: int, num_tokens: int, size_new: int, size_cached: int,
+              dry: bool) -> tuple:
+    """The bucket (KP, P, TP, A, C) of a plan of ``num_requests`` prompts of
+    ``num_tokens`` tokens in all, whose longest possible hit is ``size_hit``
+    blocks and whose most new blocks and caching entries per request are
+    ``size_new`` and ``size_cached`` (a dry lookup's are 1)."""
+    return (pow2_at_least(max(num_requests, 8)), pow2_at_least(size_hit), pow2_at_least(num_tokens),
+            1 if dry else pow2_at_least(size_new), 1 if dry else pow2_at_least(size_cached))
+
+
+def _entries_sized(num_tokens: int, most_new: int, max_chunk: int | None) -> int:
+    """The tokens a prompt's new-block and caching entries are sized for:
+    the whole prompt, or the engine's step where the prompt is longer
+    (never below what this step computes)."""
+    return num_tokens if max_chunk is None else max(min(num_tokens, max_chunk), most_new)
+
+
+def single_prompt_buckets(max_prompt_len: int, block_size: int, max_chunk: int | None = None,
+                          num_lookahead_tokens: int = 0) -> list[tuple[tuple, bool]]:
+    """Every (bucket, dry) one prompt of 1 to ``max_prompt_len`` tokens can
+    meet: its dry lookup's and its admission's, prefix caching on, any hit,
+    its chunks at most ``max_chunk`` tokens (the engine's step; None: no
+    bound) and ``num_lookahead_tokens`` reserved. What an engine prepares
+    before serving (``DeviceManager.prepare_admissions``), smallest first.
+    A prompt that skips the prefix cache, a larger lookahead, or a step
+    admitting several prompts at once can meet others."""
+    bs = block_size
+
+    def buckets_at(n: int) -> tuple[tuple, tuple]:  # (the dry lookup's, the admission's)
+        limit = (n - 1) // bs  # (``hit_limit``'s)
+        sized = _entries_sized(n, n if max_chunk is None else min(n, max_chunk), max_chunk)
+        new, cached = -(-(sized + num_lookahead_tokens) // bs), sized // bs
+        return bucket_of(1, limit, n, new, cached, True), bucket_of(1, limit, n, new, cached, False)
+
+    # Every size grows with n, so the lengths that share a pair of buckets are
+    # one interval: its end is found by bisection (a few dozen intervals).
+    out: dict[tuple[tuple, bool], None] = {}
+    n = 1
+    while n <= max_prompt_len:
+        pair = buckets_at(n)
+        lo, hi = n, max_prompt_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if buckets_at(mid) == pair else (lo, mid - 1)
+        out.setdefault((pair[0], True), None)
+        out.setdefault((pair[1], False), None)
+        n = lo + 1
+    return list(out)
 
 
 def _place_prompts(new: list[NewRequest], region: np.ndarray, starts: list[int]) -> list[tuple[int, torch.Tensor]]:

@@ -90,6 +90,7 @@ from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUp
 from gpukv.core.running_batch import RunningBatch
 from gpukv.core.windows import policies
 from gpukv.device.admission import Admission
+from gpukv.device.admission_plan import single_prompt_buckets
 from gpukv.device.calls import CallContext, OwnStream
 from gpukv.device.decode import (
     DECODE_PHASES,
@@ -576,6 +577,16 @@ class DeviceManager(CallContext, SharedManagerAPI):
             decode = self._decode
             plan, bufs = decode.launch_running(run, graphs)
             return decode.finish(plan, bufs)
+
+    def _prepare_admissions(self, max_prompt_len: int, num_lookahead_tokens: int) -> int:
+        adm = self._admission
+        todo = [(b, dry) for b, dry in single_prompt_buckets(max_prompt_len, self.block_size, self._max_chunk,
+                                                             num_lookahead_tokens)
+                if not adm.prepared(b, dry)]
+        with self._counting():
+            for bucket, dry in todo:
+                adm.prepare(bucket, dry)
+        return len(todo)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,

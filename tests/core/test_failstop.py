@@ -298,6 +298,7 @@ def _good_calls(m):
         ("make_prefix_cache_stats", lambda: m.make_prefix_cache_stats()),
         ("take_events", lambda: m.take_events()),
         ("reset_prefix_cache", lambda: m.reset_prefix_cache()),
+        ("prepare_admissions", lambda: m.prepare_admissions(6)),
     ]
 
 

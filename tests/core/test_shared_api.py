@@ -7,7 +7,13 @@ import pytest
 from gpukv import NewRequest, PrefixHit
 from gpukv.core.manager_base import SharedManagerAPI
 from gpukv.device.manager import DeviceManager
-from gpukv.errors import InvalidInputError, InvalidTypeError, StaleComputedBlocksError, UnknownRequestError
+from gpukv.errors import (
+    CapacityError,
+    InvalidInputError,
+    InvalidTypeError,
+    StaleComputedBlocksError,
+    UnknownRequestError,
+)
 from gpukv.reference.manager import ReferenceManager
 
 KEY = bytes(range(16))
@@ -21,7 +27,8 @@ def _both():
 def test_both_managers_take_it_from_one_place():
     for cls in (ReferenceManager, DeviceManager):
         assert issubclass(cls, SharedManagerAPI)
-        for name in ("allocate_slots", "read_usage", "row_token_counts", "from_config", "_normalize_step"):
+        for name in ("allocate_slots", "read_usage", "row_token_counts", "from_config", "_normalize_step",
+                     "prepare_admissions"):
             assert name not in vars(cls), f"{cls.__name__} writes {name} again"
 
 
@@ -101,3 +108,25 @@ def test_admit_refuses_a_stale_or_malformed_hit_and_changes_nothing():
         assert _state(m) == before and "b" not in m.request_ids()
         assert m.admit(request, PrefixHit(2, 0)) is True
         m.check_invariants()
+
+
+def test_prepare_admissions_refuses_alike_and_the_reference_prepares_nothing():
+    ref, dev = _both()
+    for m in (ref, dev):
+        for bad, error in ((0, InvalidInputError), (33, CapacityError), (True, InvalidTypeError),
+                           (8.0, InvalidTypeError)):
+            with pytest.raises(error, match="max_prompt_len"):
+                m.prepare_admissions(bad)
+        for bad, error in ((-1, InvalidInputError), ("2", InvalidTypeError)):
+            with pytest.raises(error, match="num_lookahead_tokens"):
+                m.prepare_admissions(8, num_lookahead_tokens=bad)
+    assert dev._admission.buffers == {}  # (refused before anything was made)
+    assert ref.prepare_admissions() == ref.prepare_admissions(8, num_lookahead_tokens=3) == 0
+    unbounded = ReferenceManager(8, 2, hash_key=KEY)  # (no max_model_len: the longest prompt must be given)
+    with pytest.raises(InvalidInputError, match="max_prompt_len.*pass the longest prompt"):
+        unbounded.prepare_admissions()
+    assert unbounded.prepare_admissions(1000) == 0
+    # Block size 2, prompts of 1-8 tokens. Steps (hit positions, token slots, new blocks, cached blocks):
+    # 1 token (1, 1, 1, 1), 2 (1, 2, 1, 1), 3 (1, 4, 2, 1), 4 (1, 4, 2, 2), 5 (2, 8, 4, 2), 6 (2, 8, 4, 4),
+    # 7-8 (4, 8, 4, 4); lookups (hit positions, token slots): (1, 1), (1, 2), (1, 4), (2, 8), (4, 8).
+    assert dev.prepare_admissions(8) == 7 + 5

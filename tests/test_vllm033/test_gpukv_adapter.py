@@ -153,3 +153,49 @@ def test_the_device_manager_sizes_an_admission_by_vllms_token_budget():
     steps = [b for b in manager._admission.buffers if b[3:] != (1, 1)]  # (a dry lookup's are (1, 1))
     assert steps == [(8, 128, 2048, 16, 16)]  # 124 hit positions, 2,000 tokens; 256 tokens: 16 blocks
     manager.check_invariants()
+
+
+def _decided(out) -> tuple | None:
+    """What a ``SchedulerOutput`` decides: tokens per request, and each new
+    request's hit and block ids."""
+    if out is None:
+        return None
+    return (dict(out.num_scheduled_tokens),
+            [(r.req_id, r.num_computed_tokens, r.block_ids) for r in out.scheduled_new_reqs])
+
+
+class _PreparedUnbatched(gpukv033.UnbatchedDeviceScheduler):
+    prepare_admissions_at_start = True
+
+
+def test_a_scheduler_that_prepares_admissions_at_start_replays_them_and_decides_alike():
+    """Built with ``prepare_admissions_at_start`` (the default on CUDA), the
+    device manager has a row for every running request and every admission
+    bucket a prompt up to ``max_model_len`` can meet (chunks up to vLLM's
+    budget) prepared before the first request; each admission then replays
+    kept launches, and every step's decisions are those of a scheduler
+    that prepares nothing (the default under the interpreter)."""
+    from gpukv.device.admission_plan import single_prompt_buckets
+
+    options = dict(max_num_batched_tokens=96, max_model_len=160, num_blocks=200, max_num_seqs=80)
+    prepared, plain = make_scheduler(_PreparedUnbatched, **options), make_scheduler(
+        gpukv033.UnbatchedDeviceScheduler, **options)
+    adm = prepared.kv_cache_manager.manager._admission
+    assert plain.kv_cache_manager.manager._admission.buffers == {}
+    # Rows for every running request when preparing (a growth would drop the kept launches); else 64 at first.
+    assert [s.kv_cache_manager.manager.block_table.shape[1] for s in (prepared, plain)] == [80, 64]
+    listed = single_prompt_buckets(160, 16, 96)
+    assert set(adm.buffers) == {b for b, _ in listed} and all(adm.prepared(b, dry) for b, dry in listed)
+    kept = {b: dict(bufs.prepared) for b, bufs in adm.buffers.items()}
+
+    def prompt(i: int) -> list[int]:  # (a shared prefix of 2 blocks, then 1 to 120 own tokens)
+        return list(range(32)) + [1000 + i] * (1 + 13 * i % 120)
+
+    engines = [Engine(s) for s in (prepared, plain)]
+    for e in engines:
+        e.add(make_requests(9, prompt=prompt, max_tokens=3))
+    for _ in range(40):
+        first, second = (_decided(e.step()) for e in engines)
+        assert first == second
+    assert all(e.finished().keys() == {str(i) for i in range(9)} for e in engines)
+    assert {b: dict(bufs.prepared) for b, bufs in adm.buffers.items()} == kept  # nothing made or prepared anew

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
 from gpukv.vllm.discarded import unlink_free_list
+from gpukv.vllm.v0_8.manager import resolve_backend
 from gpukv.vllm.v0_33 import engine_hashing
 from gpukv.vllm.v0_33.admissions import plain_run
 from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
@@ -91,6 +93,15 @@ class _GpukvManagerMixin:
     scheduler: False when gpukv took the hashing over
     (``gpukv.vllm.v0_33.engine_hashing``) or prefix caching is off."""
     _flag_to_restore = False
+    prepare_admissions_at_start: bool | None = None
+    """Whether the device manager prepares every admission bucket a prompt up
+    to ``max_model_len`` can meet when the scheduler is built
+    (``DeviceManager.prepare_admissions``: kernels compiled and launches kept
+    before serving, not on the first admission of each prompt length).
+    None: on CUDA only (under Triton's interpreter every program of those
+    launches runs on the host: about a minute at 128k tokens). When it does,
+    the manager's request rows are made for ``max_num_seqs`` at once (else 64,
+    grown when needed): a growth would drop every prepared launch."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         check_conformance()  # (the installed vLLM asks of its manager only what gpukv answers)
@@ -99,16 +110,35 @@ class _GpukvManagerMixin:
         check_scheduler(me)
         _refuse_unsupported(me, kv_cache_config)
         unlink_free_list(me.kv_cache_manager)  # (vLLM's, replaced: freed now, not by a later full collection)
+        prepare = self.prepare_admissions_at_start
+        prepare = resolve_backend(self.backend) == "device" and (torch.cuda.is_available() if prepare is None
+                                                                 else prepare)
+        # Rows for every running request when preparing (a growth would drop every prepared launch), else 64
+        # at first, grown past when needed.
+        rows = max(1, me.max_num_running_reqs) if prepare else min(max(1, me.max_num_running_reqs), 64)
         me.kv_cache_manager = KVCacheManager(
             kv_cache_config, me.max_model_len, enable_caching=bool(me.cache_config.enable_prefix_caching),
             log_stats=me.log_stats, enable_kv_cache_events=me.enable_kv_cache_events,
             watermark=me.scheduler_config.watermark, max_in_flight_tokens=me.vllm_config.max_in_flight_tokens,
             backend=self.backend,
-            max_num_reqs=min(max(1, me.max_num_running_reqs), 64),  # (rows grow past it)
+            max_num_reqs=rows,
             max_num_batched_tokens=getattr(me, "max_num_scheduled_tokens", None))  # (None: sized by the prompts)
+        if prepare:
+            self.prepare_admissions()
         # gpukv hashes every token itself: the engine, built on after this, needs no block hasher.
         self._flag_to_restore = engine_hashing.hand_over(me, me.kv_cache_manager.reads_vllm_hashes)
         self.engine_hashes_blocks = bool(me.cache_config.enable_prefix_caching)
+
+    def prepare_admissions(self) -> int:
+        """The device manager's admission buckets for every prompt up to
+        ``max_model_len`` prepared (``DeviceManager.prepare_admissions``),
+        what the constructor does when ``prepare_admissions_at_start`` says
+        so; how many it prepared (0 on the reference manager)."""
+        me: Any = self
+        kv = me.kv_cache_manager
+        if kv.backend != "device":
+            return 0
+        return kv.manager.prepare_admissions(min(me.max_model_len, kv.manager.max_model_len))
 
     def add_request(self, request: Any) -> None:
         """vLLM's ``add_request``; a request the adapter cannot serve is
