@@ -108,7 +108,10 @@ reads gpukv's block tables on the device (``worker_bound``): the adapter
 reads no block id back and vLLM's SchedulerOutput carries none, the
 configuration gpukv's worker runs (Model Runner V2). Under it the admission pass's
 device run is bound too (the adapter's lookup then reads the hit's size,
-``read_prefix_hit``, and the admission reads no id back).
+``read_prefix_hit``, and the admission reads no id back). Every device
+scheduler is built as on CUDA, its admission buckets prepared before its
+first step (``prepare_as_on_cuda``; ``--cold-buckets``: not, so each prompt
+length class's first admission pays its first-time launches).
 
     PYTHONPATH=. VENV/bin/python benchmarks/bench_mooncake.py [--quick] [--device [--worker]] [--json PATH]
 
