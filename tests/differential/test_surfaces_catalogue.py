@@ -579,6 +579,7 @@ HOOK_CASES = [
     ("reset_prefix_cache", lambda m: m.reset_prefix_cache()),
     ("make_prefix_cache_stats", lambda m: m.make_prefix_cache_stats()),
     ("take_events", lambda m: m.take_events()),
+    ("prepare_admissions", lambda m: m.prepare_admissions(8)),
     ("read_num_free_blocks", lambda m: m.read_num_free_blocks()),
     ("get_block_ids", lambda m: m.get_block_ids("x")),
     ("row_token_counts", lambda m: m.row_token_counts([0])),
@@ -622,7 +623,7 @@ def test_the_hook_catalogue_names_every_mutating_call():
 
     mutating = {n for n in dir(DeviceManager) if getattr(getattr(DeviceManager, n), "mutates", False)}
     assert mutating <= {c[0] for c in HOOK_CASES}
-    assert len({c[0] for c in HOOK_CASES}) == len(HOOK_CASES) == 14
+    assert len({c[0] for c in HOOK_CASES}) == len(HOOK_CASES) == 15
 
 
 @pytest.mark.parametrize("name, call", HOOK_CASES, ids=[c[0] for c in HOOK_CASES])
