@@ -418,15 +418,19 @@ def prepare_as_on_cuda(real: TraceRun, twin: TraceRun | None) -> None:
     (``prepare_admissions_at_start``): every admission bucket a prompt up to
     ``max_model_len`` can meet prepared before the first step, so no
     admission is timed on a first-time launch. Done here for the interpreted
-    run (its kernels run: they change nothing a call reads) and its twin
-    (kernel bodies skipped, as in all its launches); on CUDA the scheduler
-    did it itself."""
+    run and its twin with the kernel bodies skipped (the launches still
+    kept, and their bodies run when replayed): a round admitting no request
+    changes nothing a call reads (``tests/device/test_prepare_admissions.py``),
+    and its buffers are then as a bucket's first admission finds them, while
+    running its programs under the interpreter would take a minute a run at
+    128k tokens. Every hit is still checked against vLLM's. On CUDA the
+    scheduler did it itself."""
     if real.sched.kv_cache_manager.manager.device.type == "cuda":
         return
-    real.sched.prepare_admissions()
-    if twin is not None:
-        with capture.kernel_bodies_skipped():
-            twin.sched.prepare_admissions()
+    with capture.kernel_bodies_skipped():
+        for run in (real, twin):
+            if run is not None:
+                run.sched.prepare_admissions()
 
 
 def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
