@@ -26,7 +26,7 @@ from gpukv.kernels.prefill import PLAN_ARRAYS
 from gpukv.kernels.toolkit import pow2_at_least
 
 #: ``plan_admission``'s source of host arrays: (bucket, int32 elements) -> the array, or None.
-HostArray = Callable[[tuple, int], "np.ndarray | None"]
+HostArray = Callable[[tuple, int], np.ndarray]
 
 #: int32 slots before the plan's columns: ``num_requests``, ``token_budget``
 #: (< 0: none), then padding (the columns stay 32-byte aligned, as Triton
@@ -49,15 +49,20 @@ class AdmissionPlan:
     max_cached_blocks: int  # the most blocks the step can cache, per group
     bucket: tuple
     packed: np.ndarray  # int32: the header, PLAN_ARRAYS, each [KP], then the prompts (their ids only: <= TP)
-    fixed: bool  # ``packed`` is a prefix of the array ``host_array`` gave (else a new array)
     device_tokens: list  # (offset, CUDA tensor): prompts already on the device, copied in after the upload
 
 
 def hit_limit(request: NewRequest, block_size: int) -> int:
-    """The most blocks a lookup of ``request`` can hit: its full blocks
-    before its last token (a hit never covers the last token), none when it
-    skips the prefix cache."""
-    return 0 if request.skip_prefix_cache else (len(request.token_ids) - 1) // block_size
+    """The most blocks a lookup of ``request`` can hit: ``longest_hit`` of
+    its prompt, none when it skips the prefix cache."""
+    return 0 if request.skip_prefix_cache else longest_hit(len(request.token_ids), block_size)
+
+
+def longest_hit(num_tokens: int, block_size: int) -> int:
+    """The most blocks a prompt of ``num_tokens`` can hit: its full blocks
+    before its last token (a hit never covers the last token, which the
+    step computes)."""
+    return (num_tokens - 1) // block_size
 
 
 def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_caps=None,
@@ -68,8 +73,9 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     budget for new requests, None: none). ``host_array(bucket, size)``
     gives the int32 host array to write the bucket's plan into (the
     staging's, kept per bucket and sent as it is: the step then allocates
-    and copies nothing more on the host), or None for a new one (also
-    without ``host_array``). ``dry``: a lookup only, which takes and caches
+    and copies nothing more on the host, so a plan ``Admission`` launches
+    is always written there); without it, a new array (a plan only read).
+    ``dry``: a lookup only, which takes and caches
     no block, so its bucket's new-block and caching sizes are 1.
 
     The bucket follows the prompts' lengths (and lookaheads) alone, never
@@ -109,10 +115,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     bucket = bucket_of(K, size_hit, off, size_new, size_cached, dry)
     KP = bucket[0]
     size = HEADER + len(PLAN_ARRAYS) * KP + bucket[2]
-    packed = None if host_array is None else host_array(bucket, size)
-    fixed = packed is not None
-    if packed is None:
-        packed = np.zeros(size, dtype=np.int32)
+    packed = np.zeros(size, dtype=np.int32) if host_array is None else host_array(bucket, size)
     packed[0] = K
     packed[1] = -1 if token_budget is None else min(token_budget, np.iinfo(np.int32).max)
     base = HEADER + len(PLAN_ARRAYS) * KP
@@ -124,7 +127,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     # (only the prompts' ids are sent: the bucket's tail, up to twice as long,
     # is read by no request, so the device buffer keeps what it held)
     return AdmissionPlan(columns[0], columns[1], columns[5], columns[6], sum(most_blocks), sum(most_cached), bucket,
-                         packed[: base + off], fixed, device_tokens)
+                         packed[: base + off], device_tokens)
 
 
 def empty_plan(bucket: tuple, host_array: HostArray | None = None) -> AdmissionPlan:
@@ -132,14 +135,11 @@ def empty_plan(bucket: tuple, host_array: HostArray | None = None) -> AdmissionP
     the header and the columns, zero requests, no token budget."""
     KP = bucket[0]
     base = HEADER + len(PLAN_ARRAYS) * KP
-    packed = None if host_array is None else host_array(bucket, base + bucket[2])
-    fixed = packed is not None
-    if packed is None:
-        packed = np.zeros(base, dtype=np.int32)
+    packed = np.zeros(base, dtype=np.int32) if host_array is None else host_array(bucket, base + bucket[2])
     packed[:base] = 0
     packed[1] = -1
     none = np.zeros(0, dtype=np.int64)
-    return AdmissionPlan(none, none, none, none, 0, 0, bucket, packed[:base], fixed, [])
+    return AdmissionPlan(none, none, none, none, 0, 0, bucket, packed[:base], [])
 
 
 def bucket_of(num_requests: int, size_hit: int, num_tokens: int, size_new: int, size_cached: int,
@@ -171,7 +171,7 @@ def single_prompt_buckets(max_prompt_len: int, block_size: int, max_chunk: int |
     bs = block_size
 
     def buckets_at(n: int) -> tuple[tuple, tuple]:  # (the dry lookup's, the admission's)
-        limit = (n - 1) // bs  # (``hit_limit``'s)
+        limit = longest_hit(n, bs)
         sized = _entries_sized(n, n if max_chunk is None else min(n, max_chunk), max_chunk)
         new, cached = -(-(sized + num_lookahead_tokens) // bs), sized // bs
         return bucket_of(1, limit, n, new, cached, True), bucket_of(1, limit, n, new, cached, False)

@@ -81,7 +81,7 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
         return arrays.setdefault(bucket, np.zeros(size, dtype=np.int32))
 
     plan = plan_admission(new, [3, 9], 4, host_array=host_array)
-    assert plan.fixed and plan.packed.base is arrays[plan.bucket]
+    assert plan.packed.base is arrays[plan.bucket]
     KP, P, TP, A, C = plan.bucket
     assert plan.bucket == (8, 1, 16, 2, 1)
     base = HEADER + len(PLAN_ARRAYS) * KP
@@ -95,9 +95,9 @@ def test_the_plan_sends_each_prompts_ids_once_and_only_them():
     again = plan_admission(new[::-1], [9, 3], 4, host_array=host_array)
     assert again.packed.base is plan.packed.base and again.packed[base:].tolist() == [1, 2, 3, 4, 5, 5, -1, 7,
                                                                                       -(2**31)]
-    # Where no host array is given (or none is free), the plan is a new array, the same plan.
-    alone = plan_admission(new[::-1], [9, 3], 4, host_array=lambda _bucket, _size: None)
-    assert not alone.fixed and alone.packed.tolist() == again.packed.tolist()
+    # Where no host array is given, the plan is a new array, the same plan.
+    alone = plan_admission(new[::-1], [9, 3], 4)
+    assert alone.packed.base is not again.packed.base and alone.packed.tolist() == again.packed.tolist()
 
 
 def test_the_bucket_follows_the_prompt_not_the_hit_cap_or_the_chunk():

@@ -92,18 +92,17 @@ _NO_GROUPS = ()
 def make_backend(backend: str, *, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
                  max_model_len: int, enable_caching: bool, enable_kv_cache_events: bool, max_num_reqs: int,
                  max_num_batched_tokens: int | None = None) -> Any:
-    """The gpukv manager under the adapter (device on CUDA or when asked,
-    else the reference), one group per window (None: full attention), with
+    """The gpukv manager under the adapter, ``backend`` ("device" or
+    "reference", as ``resolve_backend`` gives it), one group per window (None: full attention), with
     vLLM 0.33's free order (``uncached_first``). Under ``gpukv.vllm.Worker``
     the device manager is sized to the model runner's tables and published
     to it (``gpukv.vllm.v0_33.binding``)."""
 
-    resolved = resolve_backend(backend)
-    max_num_reqs, max_model_len = BINDING.sized(resolved, block_size, len(windows), max_num_reqs, max_model_len)
+    max_num_reqs, max_model_len = BINDING.sized(backend, block_size, len(windows), max_num_reqs, max_model_len)
     kwargs = dict(sliding_windows=list(windows), enable_caching=enable_caching, uncached_first=True,
                   max_model_len=max_model_len, max_num_reqs=max_num_reqs,
                   enable_kv_cache_events=enable_kv_cache_events, max_num_batched_tokens=max_num_batched_tokens)
-    if resolved == "device":
+    if backend == "device":
         from gpukv.device.manager import DeviceManager
 
         return BINDING.publish(DeviceManager(num_blocks, block_size, **kwargs))  # type: ignore[arg-type]

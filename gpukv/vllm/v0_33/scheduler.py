@@ -110,9 +110,9 @@ class _GpukvManagerMixin:
         check_scheduler(me)
         _refuse_unsupported(me, kv_cache_config)
         unlink_free_list(me.kv_cache_manager)  # (vLLM's, replaced: freed now, not by a later full collection)
+        backend = resolve_backend(self.backend)
         prepare = self.prepare_admissions_at_start
-        prepare = resolve_backend(self.backend) == "device" and (torch.cuda.is_available() if prepare is None
-                                                                 else prepare)
+        prepare = backend == "device" and (torch.cuda.is_available() if prepare is None else prepare)
         # Rows for every running request when preparing (a growth would drop every prepared launch), else 64
         # at first, grown past when needed.
         rows = max(1, me.max_num_running_reqs) if prepare else min(max(1, me.max_num_running_reqs), 64)
@@ -120,7 +120,7 @@ class _GpukvManagerMixin:
             kv_cache_config, me.max_model_len, enable_caching=bool(me.cache_config.enable_prefix_caching),
             log_stats=me.log_stats, enable_kv_cache_events=me.enable_kv_cache_events,
             watermark=me.scheduler_config.watermark, max_in_flight_tokens=me.vllm_config.max_in_flight_tokens,
-            backend=self.backend,
+            backend=backend,
             max_num_reqs=rows,
             max_num_batched_tokens=getattr(me, "max_num_scheduled_tokens", None))  # (None: sized by the prompts)
         if prepare:
