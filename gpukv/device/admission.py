@@ -45,6 +45,14 @@ if TYPE_CHECKING:
     from gpukv.device.state import DeviceCalls, DeviceState
 
 
+def _hit_and_touches(words: list) -> list:
+    """A dry lookup's hit and first touches from its status words
+    ``ST_HITS..ST_TOUCHES``: it looks its one request up whatever the free
+    blocks (no budget, nothing popped before it, never deferred), so the
+    step's blocks-hit stat is that request's hit."""
+    return [words[0], words[lookup_ops.ST_TOUCHES - lookup_ops.ST_HITS]]
+
+
 class Admission:
     """The admission of one device manager (``state``: its rows, pool,
     requests, stats and staging; ``calls``: its read, step, checks and call
@@ -306,14 +314,14 @@ class Admission:
             status, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
             tokens = request.token_ids
             device_tokens = isinstance(tokens, torch.Tensor)
-            if sized or device_tokens:
-                # (sized: the dry admission's first touches of its one request, the hit's unheld blocks)
+            # (sized: the dry admission's first touches of its one request, the hit's unheld blocks)
+            if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
                 parts = [hit.to(torch.int64)] + ([status[lookup_ops.ST_TOUCHES: lookup_ops.ST_TOUCHES + 1]]
                                                  if sized else [])
-                if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
-                    parts.append(self.device_tokens_bad([tokens]))
-                values = self._calls.read(torch.cat(parts))
-            else:  # the hit alone: read as it is (no cast, no concatenation)
+                values = self._calls.read(torch.cat([*parts, self.device_tokens_bad([tokens])]))
+            elif sized:  # two status words, read as they are (no cast, no concatenation): ``_hit_and_touches``
+                values = _hit_and_touches(self._calls.read(status[lookup_ops.ST_HITS: lookup_ops.ST_TOUCHES + 1]))
+            else:  # the hit alone: read as it is
                 values = self._calls.read(hit)
             if device_tokens:
                 self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal

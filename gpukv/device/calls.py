@@ -35,12 +35,15 @@ def on_device(values: list) -> list[torch.Tensor]:
 class StepAccounting:
     """``CallContext._counting``'s context: a plain class, not a generator
     (it wraps every step, and a generator-based context manager costs a few
-    microseconds of the decode's host budget)."""
+    microseconds of the decode's host budget). ``lookup``: a call that
+    changes no block (a lookup): the free count stays as the host's mirror
+    of it has it, so the mirror is not copied again (a torch operation)."""
 
-    __slots__ = ("s", "base", "torch_ops")
+    __slots__ = ("s", "base", "torch_ops", "lookup")
 
-    def __init__(self, state: DeviceState) -> None:
+    def __init__(self, state: DeviceState, lookup: bool = False) -> None:
         self.s = state
+        self.lookup = lookup
 
     def __enter__(self) -> None:
         s = self.s
@@ -49,7 +52,8 @@ class StepAccounting:
             return
         c = s.counters
         c.h2d = c.d2h = c.torch_ops = 0
-        s.mirror.fresh = False  # the step may change the free count
+        if not self.lookup:
+            s.mirror.fresh = False  # the step may change the free count
         self.base = capture.launches()
         s.staging.begin_step()
         self.torch_ops = TorchOpCounter(c) if c.count_torch_ops else None
@@ -66,7 +70,7 @@ class StepAccounting:
         c = s.counters
         c.launches = capture.launches() - self.base
         c.steps += 1
-        refresh = exc[0] is None
+        refresh = exc[0] is None and not self.lookup
         if refresh:
             s.mirror.refresh()  # (before end_step: the step's event covers the copy)
         s.staging.end_step()
@@ -110,10 +114,11 @@ class CallContext:
     #: The stream of the call under way when it came from another stream than the manager's (else None).
     _caller_stream: Any = None
 
-    def _counting(self) -> StepAccounting:
+    def _counting(self, lookup: bool = False) -> StepAccounting:
         """One step's accounting (``counters``) and staging buffer; nested
-        calls (a lookup inside an admission) count in the outer step."""
-        return StepAccounting(self._shared)
+        calls (a lookup inside an admission) count in the outer step.
+        ``lookup``: the call changes no block (``StepAccounting``)."""
+        return StepAccounting(self._shared, lookup)
 
     @property
     def _read(self) -> Callable[[torch.Tensor], list]:

@@ -223,6 +223,9 @@ class DecodePath:
         self._pool = state.pool
         self._events = state.events
         self._blocked = state.blocked
+        #: ``_blocked`` is 0 on the device: zeroed (or made) since the last running phase launched (only
+        #: ``decode_fit`` writes it), so a step with no running phase zeroes it only when a phase ran since.
+        self._blocked_clear = True
         self._reqs = state.reqs
         self.device = state.device
         self.block_size = state.block_size
@@ -468,6 +471,7 @@ class DecodePath:
         plan = self.plan(run.rows, run.tokens.shape[1], run.num_tokens, chunks=run.chunks, lookahead=run.lookahead,
                          num_new=run.counts, processed=run.processed)
         bufs = self.stage(plan, run.tokens)
+        self._blocked_clear = False  # (``decode_fit`` writes it, whatever happens past here)
         if graphs is None:
             self.launch(plan.bucket, bufs, plan.phases)
             return plan, bufs
@@ -506,7 +510,9 @@ class DecodePath:
         if not isinstance(running, RunningRows):
             running = self.running_rows(running) if running else None
         if running is None or not len(running.rows):
-            self._blocked.zero_()
+            if not self._blocked_clear:
+                self._blocked.zero_()
+                self._blocked_clear = True
             return None
         plan, bufs = self.launch_running(running)
         self._expect_events(bufs)

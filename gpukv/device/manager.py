@@ -468,7 +468,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
     def get_computed_blocks(self, request: NewRequest) -> ComputedBlocks:
         """Look a new request up (counts in the stats); changes no block."""
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
-        with self._counting():  # (the point of first change is in the lookup: counting it in the stats)
+        with self._counting(lookup=True):  # (the point of first change is in the lookup: counting it in the stats)
             return self._admission.lookup_only(request, count_stats=True)
 
     @mutating
@@ -478,7 +478,7 @@ class DeviceManager(CallContext, SharedManagerAPI):
         in one read of two numbers; its block ids stay on the device (for
         ``admit``)."""
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
-        with self._counting():
+        with self._counting(lookup=True):
             return self._admission.lookup_size(request, count_stats=True)
 
     def _admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,

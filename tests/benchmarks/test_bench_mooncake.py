@@ -138,6 +138,9 @@ def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
             assert d["steps"] == a["admissions"]  # (the device admitted vLLM's requests, no more, no fewer)
             assert d["launches"]["min"] > 0 and set(d["counts"]) == set(bench.COUNTED)
             assert d["ratio_p50"] == d["honest_ms"]["p50"] / a["vllm_p50_ms"]
+            # (vLLM's pass again after the device runs: the ratio against each vLLM pass)
+            vllm = sorted([a["vllm_p50_ms"], a["vllm_after_p50_ms"]])
+            assert d["ratio_p50_range"] == [d["honest_ms"]["p50"] / vllm[1], d["honest_ms"]["p50"] / vllm[0]]
             assert d["honest_ms"]["p50"] > d["host_ms"]["p50"] > 0, bucket
         if a["admissions"]:  # (bound, the lookup's hit is read as a size, the admitted ids not at all)
             assert a["worker"]["reads"]["mean"] < a["device"]["reads"]["mean"]
@@ -145,8 +148,10 @@ def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     head = lines.index("Per admission, gpukv's UnbatchedDeviceScheduler's honest twin (its admission calls "
                        "attributed: the same requests, vLLM's plan):") + 1
-    assert lines[head].startswith("| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms "
-                                  "| launches/admission | torch ops (x 5 us) | uploads (x 4 us) |")
+    assert lines[head].startswith("| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms, "
+                                  "before / after the device runs | launches/admission | torch ops (x 5 us) "
+                                  "| uploads (x 4 us) |")
+    assert lines[head].endswith("| ratio device/vLLM p50 [against each vLLM pass] |")
     assert [line.split(" | ")[:3] for line in lines[head + 2:head + 6]] == [
         ["| 64-255", "none", "1"], ["| 256-1023", "none", "3"], ["| 64-255", "worker", "1"],
         ["| 256-1023", "worker", "3"]]

@@ -177,3 +177,50 @@ def test_admissions_of_one_prompt_length_replay_one_bucket_whatever_their_hits_a
     # The lookups' one bucket (A = C = 1) beside the primed one; no bucket per hit or chunk.
     assert set(dev._admission.buffers) - primed == {(8, 16, 64, 1, 1)}
     assert_same(ref, dev)
+
+
+def test_a_lookup_and_an_admission_run_only_their_uploads_and_the_free_counts_copy():
+    """Torch operations per call, all of them (each a kernel launch on a
+    GPU, beside Triton's): a sized lookup runs only its plan's upload (its
+    hit and unheld blocks are read from its status words as they are, and
+    the host's mirror of the free count is left as it is: a lookup changes
+    no block); an admission its upload and the mirror's copy; a step with
+    no running phase zeroes the flag a running update that did not fit sets
+    only when a running phase ran since (the admission reads it)."""
+    from gpukv.core.metrics import StepCounters
+    from gpukv.device.staging import TorchOpCounter
+    from gpukv.reference.manager import ReferenceManager
+    from workload import assert_same
+
+    def ops(call):
+        counted = StepCounters()
+        with TorchOpCounter(counted):
+            out = call()
+        return out, counted.torch_ops
+
+    ms = (ReferenceManager(16, 4, hash_key=bytes(16)), DeviceManager(16, 4, hash_key=bytes(16), max_model_len=64))
+    for m in ms:  # 5 blocks cached, free
+        m.step(new=[NewRequest("c", list(range(21)))])
+        m.free("c")
+    ref, dev = ms
+    dev.prepare_admissions()  # (every bucket's buffers made: none is made in a counted call)
+    assert dev.read_num_free_blocks() == 15  # (the host's bound of free blocks: the admission's fit is known)
+    req = NewRequest("a", [*range(12), *[7] * 28])  # 40 tokens: a hit of 3 blocks, 10 blocks held
+    hit, n = ops(lambda: dev.read_prefix_hit(req))
+    assert hit == ref.read_prefix_hit(req) and hit.num_tokens == 12
+    assert n == 1 and counts(dev)[1:] == (1, 1)  # the upload; one read
+    admitted, n = ops(lambda: dev.admit(req, hit))
+    assert admitted and ref.admit(req, ref.read_prefix_hit(req))
+    assert n == 2 and counts(dev)[1:] == (1, 0)  # the upload, the mirror's copy; no read
+    # A running update that does not fit (6 blocks more, 5 free) sets the flag; the admission-only step
+    # after it zeroes it (one operation more) and admits; the next one has nothing to zero.
+    for m in ms:
+        assert m.step(running=[RunningUpdate("a", [1] * 24)]).running_failed_at == 0
+    got = []
+    for i in range(2):
+        new = [NewRequest(f"n{i}", [100 + i] * 5)]
+        res, n = ops(lambda new=new: dev.step(new=new))
+        assert res.num_admitted == ref.step(new=new).num_admitted == 1
+        got.append(n)
+    assert got == [5, 4]  # the upload, the read's two casts (hits, computed tokens), the mirror's copy
+    assert_same(ref, dev)
