@@ -313,18 +313,16 @@ class Admission:
             caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
             status, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
             tokens = request.token_ids
-            device_tokens = isinstance(tokens, torch.Tensor)
             # (sized: the dry admission's first touches of its one request, the hit's unheld blocks)
             if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
                 parts = [hit.to(torch.int64)] + ([status[lookup_ops.ST_TOUCHES: lookup_ops.ST_TOUCHES + 1]]
                                                  if sized else [])
                 values = self._calls.read(torch.cat([*parts, self.device_tokens_bad([tokens])]))
+                self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
             elif sized:  # two status words, read as they are (no cast, no concatenation): ``_hit_and_touches``
                 values = _hit_and_touches(self._calls.read(status[lookup_ops.ST_HITS: lookup_ops.ST_TOUCHES + 1]))
             else:  # the hit alone: read as it is
                 values = self._calls.read(hit)
-            if device_tokens:
-                self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
             n = int(values[0])
             if count_stats:
                 self._calls.begin_changes()  # get_computed_blocks' point of first change
