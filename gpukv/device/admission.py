@@ -500,15 +500,14 @@ class Admission:
         s = self._s
         pool, table = s.pool, s.rows.block_table
         prefill_ops.admission_entries(bufs.views, bufs.status, bufs.hit, bufs.start, bufs.cache, s.win_dev,
-                                      bufs.touch, bufs.alloc, bufs.record, block_size=s.block_size)
-        pool.touch(bufs.cache.view(-1), bufs.touch)
+                                      bufs.alloc, bufs.record, block_size=s.block_size, ref_cnt=pool.ref_cnt,
+                                      free_queue=pool.free_queue)
         grp, row, pos, want, rank = bufs.alloc
         count = bufs.status[lookup_ops.ST_NEW_BLOCKS: lookup_ops.ST_NEW_BLOCKS + 1]
         pool.allocate(count, want, grp, row, pos, block_table=table, rank=rank, popped=bufs.popped,
                       on_popped=s.events.popped_hook())
         prefill_ops.place_hits(bufs.views, bufs.status, bufs.hit, bufs.cache, bufs.resolved, s.win_dev,
-                               bufs.hit_blocks, bufs.pending, block_table=table)
-        pool.touch(bufs.hit_blocks, bufs.pending)
+                               block_table=table, ref_cnt=pool.ref_cnt, free_queue=pool.free_queue)
         self._launches.cache_blocks(*bufs.record, scratch=bufs.record_scratch, seq=bufs.record_seq)
 
     def write_extra_keys(self, new: Sequence[NewRequest], rows: list[int]) -> None:

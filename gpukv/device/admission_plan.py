@@ -224,12 +224,9 @@ class AdmissionBuffers:
     hit: torch.Tensor  # int32[KP]
     start: torch.Tensor  # int32[KP]
     status: torch.Tensor  # int64[NUM_STATUS]
-    touch: torch.Tensor  # int32[KP * P * G]
     alloc: torch.Tensor  # int32[5, KP * G * A]
     record: torch.Tensor  # int32[4, KP * G * C]
     popped: torch.Tensor  # int32[KP * G * A]
-    hit_blocks: torch.Tensor  # int32[KP * P * G]
-    pending: torch.Tensor  # int32[KP * P * G]
     record_scratch: torch.Tensor  # int64[4, KP * G * C]
     record_seq: torch.Tensor  # int64[KP * G * C]
     prepared: dict = field(default_factory=dict)  # part -> (rows generation, replayable launches)
@@ -241,11 +238,10 @@ class AdmissionBuffers:
         starting 64-byte aligned, as Triton specialises pointers on it."""
         KP, P, TP, A, C = bucket
         G = num_groups
-        EH, EA, EC = KP * P * G, KP * G * A, KP * G * C
+        EA, EC = KP * G * A, KP * G * C
         i32 = _carve(torch.int32, device, plan=(HEADER + len(PLAN_ARRAYS) * KP + TP,), zeros=(KP,),
                      cache=(KP, P, G), head=(KP, P), next=(KP * P,), same=(KP * P,), resolved=(KP, P), hit=(KP,),
-                     start=(KP,), touch=(EH,), alloc=(5, EA), record=(4, EC), popped=(EA,), hit_blocks=(EH,),
-                     pending=(EH,))
+                     start=(KP,), alloc=(5, EA), record=(4, EC), popped=(EA,))
         i64 = _carve(torch.int64, device, status=(lookup_ops.NUM_STATUS,), record_scratch=(4, EC),
                      record_seq=(EC,))
         plan = i32["plan"]

@@ -1,7 +1,10 @@
 """The device-resident block pool: the state the kernels change, and the
-verbs that change it (``release``, ``touch``, ``allocate``, ``record``, as
-vLLM's ``BlockPool`` has them), each one launcher call with the pool's own
+verbs that change it (``release``, ``allocate``, ``record``, as vLLM's
+``BlockPool`` has them), each one launcher call with the pool's own
 tensors, so the manager hands a kernel its entries and nothing of the pool.
+vLLM's fourth verb, ``touch``, has no launch of its own: the admission's
+launches that find its hits touch them (``gpukv.kernels.prefill``, through
+``gpukv.kernels.blocks.add_references``), one launch fewer each.
 
 One object owns every device tensor of the pool, sized once at construction:
 
@@ -77,10 +80,6 @@ class DevicePool:
         block_ops.release(block_table, group, row, pos, call, ref_cnt=self.ref_cnt, last_seen=self.last_seen,
                           fq=self.free_queue, table=self.table, uncached_first=self.uncached_first, valid=valid,
                           scratch=scratch, workspace=workspace)
-
-    def touch(self, blocks, valid) -> None:
-        """A reference more for each valid block; free ones leave the free queue (a hit)."""
-        block_ops.touch(blocks, valid, ref_cnt=self.ref_cnt, fq=self.free_queue)
 
     def allocate(self, count, want, group, row, pos, *, block_table, rank=None, popped=None,
                  on_popped=None) -> None:

@@ -7,7 +7,8 @@ record.
   it back to the free queue: to the back if cached, else to the front. Which
   thread's atomic happens to see the count reach 0 does not matter.
 * ``touch``: hits add a reference; a hit on a free block takes it out of the
-  free queue (``free_queue.remove``).
+  free queue in the same launch (``add_references``, which the admission's
+  own launches call for their hits: ``gpukv.kernels.prefill``).
 * ``place``: blocks popped from the free queue go to the table positions that
   asked for them, in order (rank = prefix sum over the positions), with one
   reference each, and lose their hash-table entry (lazy eviction) in the
@@ -28,6 +29,7 @@ import triton.language as tl
 from gpukv.kernels import free_queue as fq_ops
 from gpukv.kernels import hash_table as table_ops
 from gpukv.kernels.block_hash import parent_digest
+from gpukv.kernels.free_queue import take_out_blocks
 from gpukv.kernels.hash_table import erase_blocks
 from gpukv.kernels.toolkit import ENTRY_TILE, INDEX_DTYPES, INT32, INT64, MASK_DTYPES, check_tensor
 
@@ -156,34 +158,55 @@ def release(block_table, group, row, pos, call, *, ref_cnt, last_seen, fq, table
     fq_ops.push(fq, blocks, where, call, workspace=workspace)
 
 
+@triton.jit
+def add_references(ref_ptr, ring_ptr, fq_pos_ptr, fq_ctr_ptr, b, v, N, CMASK, TILE: tl.constexpr):
+    """A reference more for each block ``b`` (int32[TILE]) of a tile where
+    ``v``: ids ``<= 0`` are skipped, an id ``>= N`` counts nothing and sets
+    ``ERR_BAD_BLOCK`` in the free queue's error word. The one lane (of all
+    programs) that takes a block's count from 0 takes the block out of the
+    free queue (``free_queue.take_out_blocks``), since a block is queued
+    exactly while its count is 0. Counts and claims are atomic: any number
+    of programs, in any order, leave the same counts and queue. Shared by
+    ``_touch_kernel`` and the admission's entries and hit placement
+    (``prefill``), which touch their hits in their own launches."""
+    v = v & (b > 0)
+    inside = v & (b < N)
+    old = tl.atomic_add(ref_ptr + tl.where(inside, b, 0), tl.where(inside, 1, 0), mask=inside)
+    take_out_blocks(ring_ptr, fq_pos_ptr, fq_ctr_ptr, b, (inside & (old == 0)) | (v & (b >= N)), N, CMASK, TILE)
+
+
 @triton.jit(do_not_specialize=["K"])
 def _touch_kernel(
-    blk_ptr,              # int32[K] blocks hit (<= 0: skipped)
+    blk_ptr,              # int32[K] blocks hit (<= 0: skipped; >= N: ERR_BAD_BLOCK in the free queue's error word)
     valid_ptr,            # bool/int8/uint8/int32[K] entry k counts where != 0
     ref_ptr,              # int32[N] blocks' reference counts (one added per entry)
-    was_free_ptr,         # int32[K] out: 1 where the entry took its block's count from 0
+    ring_ptr,             # int32[C] the free queue's ring (a tombstone where a block leaves it)
+    fq_pos_ptr,           # int64[N] ... each queued block's position (-1 where a block leaves it)
+    fq_ctr_ptr,           # int64[NUM_COUNTERS] ... its counters (NUM_FREE, NUM_TOMB, ERROR)
     K,                    # entries
+    N,                    # blocks in the pool (ids 0..N-1)
+    CMASK,                # the ring's slots - 1
     TILE: tl.constexpr,   # entries per program (a power of two)
 ):
+    """Each valid entry adds a reference to its block (``add_references``)."""
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     lane = offs < K
     b = tl.load(blk_ptr + offs, mask=lane, other=0)
-    v = lane & (tl.load(valid_ptr + offs, mask=lane, other=0) != 0) & (b > 0)
-    old = tl.atomic_add(ref_ptr + tl.where(v, b, 0), tl.where(v, 1, 0), mask=v)
-    tl.store(was_free_ptr + offs, (v & (old == 0)).to(tl.int32), mask=lane)
+    v = lane & (tl.load(valid_ptr + offs, mask=lane, other=0) != 0)
+    add_references(ref_ptr, ring_ptr, fq_pos_ptr, fq_ctr_ptr, b, v, N, CMASK, TILE)
 
 
 def touch(blocks, valid, *, ref_cnt, fq) -> None:
-    """Add a reference to each valid block; free ones leave the free queue."""
+    """Add a reference to each valid block; free ones leave the free queue.
+    One launch."""
     check_tensor(blocks, "blocks", dtypes=INT32)
     check_tensor(valid, "valid", dtypes=MASK_DTYPES)
     check_tensor(ref_cnt, "ref_cnt", dtypes=INT32)
     K = blocks.numel()
     if K == 0:
         return
-    was_free = torch.empty(K, dtype=torch.int32, device=blocks.device)
-    _touch_kernel[(triton.cdiv(K, _TILE),)](blocks, valid, ref_cnt, was_free, K, TILE=_TILE)
-    fq_ops.remove(fq, blocks, was_free)
+    _touch_kernel[(triton.cdiv(K, _TILE),)](blocks, valid, ref_cnt, fq.ring, fq.pos, fq.counters, K, fq.num_blocks,
+                                            fq.capacity - 1, TILE=_TILE)
 
 
 @triton.jit(do_not_specialize=["E", "R", "cap", "N"])

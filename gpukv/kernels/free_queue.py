@@ -249,6 +249,19 @@ def _remove_kernel(
     if HAS_VALID:
         m = m & (tl.load(valid_ptr + idx, mask=m, other=0) != 0)
     b = tl.load(blk_ptr + idx, mask=m, other=0)
+    take_out_blocks(ring_ptr, pos_ptr, ctr_ptr, b, m, N, CMASK, TILE)
+
+
+@triton.jit
+def take_out_blocks(ring_ptr, pos_ptr, ctr_ptr, b, m, N, CMASK, TILE: tl.constexpr):
+    """Take a tile of blocks ``b`` (int32[TILE]) out of the queue where ``m``:
+    ids ``<= 0`` and blocks not queued are skipped, an id ``>= N`` sets
+    ``ERR_BAD_BLOCK``; each block taken out leaves a tombstone. A block is
+    claimed by ``atomic_xchg`` on its ``pos``, so a block listed by several
+    lanes or programs is taken out once, by whichever runs first: any
+    number of programs, in any order. Shared by ``_remove_kernel`` and the
+    touches (``blocks.add_references``), which take out each block whose
+    count they took from 0."""
     ok = m & (b > 0) & (b < N)
     bad = m & (b >= N)
     # Claim: exactly one lane (of all programs) sees a block's old position.

@@ -36,21 +36,24 @@ same for every step of a bucket, so they are prepared once and replayed
 5. (``_admit_kernel``: the hits, who is admitted, ``start``: each admitted
    request's first new block in the step's pop order);
 6. ``admission_entries``: the first touches (cache hits of admitted
-   requests, in the cache's layout), the allocation entries
+   requests, in the cache's layout: a reference each, and a hit on a free
+   block takes it out of the free queue), the allocation entries
    (group/row/pos/want/rank, ``[5, KP * G * A]``, A = the most new blocks a
    request takes per group, a bucket size) and the caching entries
    (group/row/pos/valid, ``[4, KP * G * C]``, C = the most full blocks a
    chunk holds), masked past the admitted requests;
-7. (touch, allocate: ``gpukv.device.pool``);
+7. (allocate: ``gpukv.device.pool``);
 8. ``place_hits``: every admitted request's hits into its block table (a
    pending hit takes the block the earlier request just got; a window
    group's positions before its last W hit blocks hold the null block), and
-   the pending hits as touches (a reference each, never from the free queue);
-9. (touch, record).
+   the pending hits' references (a reference each, never from the free queue);
+9. (record).
 
 Every launch but the admission itself is parallel over its entries; none
 reads the host; the host reads the step's status once, after the last.
-Deterministic: no atomics.
+Deterministic: the only atomics are the touches' (``blocks.add_references``:
+count additions, and claims that let one lane take a block out of the free
+queue), whose results do not depend on the order programs run in.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import triton
 import triton.language as tl
 
 from gpukv.kernels import lookup as lookup_ops
+from gpukv.kernels.blocks import add_references
 from gpukv.kernels.toolkit import (
     BIG,
     DEFAULT_WARPS,
@@ -72,6 +76,7 @@ from gpukv.kernels.toolkit import (
     num_warps,
     zero_like,
 )
+from gpukv.kernels.free_queue import FreeQueue
 from gpukv.kernels.hash_table import probe_oldest
 from gpukv.kernels.lookup import inputs_equal
 
@@ -230,20 +235,24 @@ def _admission_entries_kernel(
     hit_ptr, start_ptr,      # int32[KP] hits, first new block in the step's pop order
     rows_ptr, comp_ptr, lookahead_ptr,  # int32[KP] the plan's
     cache_ptr, win_ptr,      # int32[KP, P, G] cached hits; int32[G] window blocks (-1: full attention)
-    touch_ptr,               # int32[KP * P * G] out: a first-touch candidate (a real cached hit)
     alloc_ptr,               # int32[5, KP * G * A] out: group, row, pos, want, rank
     record_ptr,              # int32[4, KP * G * C] out: group, row, pos, valid
+    ref_ptr,                 # int32[N] blocks' reference counts (one added per first touch)
+    ring_ptr, fq_pos_ptr, fq_ctr_ptr,  # the free queue's ring, positions, counters (a touched free block leaves)
     KP, P, A, C,             # bucket requests, positions, alloc and record entries per request and group
+    N, CMASK,                # blocks in the pool; the free queue's ring slots - 1
     G: tl.constexpr,         # KV-cache groups
     BS: tl.constexpr,        # block size (tokens)
     TILE: tl.constexpr,      # entries of each layout per program (a power of two)
 ):
-    """Each program one tile of each of the three entry layouts."""
+    """Each program one tile of each of the three entry layouts; the first
+    touches (an admitted request's real cached hits, in the cache's layout)
+    are made here (``blocks.add_references``), before the next launch pops."""
     admitted = tl.load(status_ptr + _ST_ADMITTED)
     e = tl.program_id(0) * TILE + tl.arange(0, TILE)
     # first touches: the cache's own layout (i, p, g)
-    m, _, _, _, _, _, real, c = _hit_entries(e, KP, P, G, admitted, hit_ptr, win_ptr, cache_ptr)
-    tl.store(touch_ptr + e, (real & (c >= 0)).to(tl.int32), mask=m)
+    _, _, _, _, _, _, real, c = _hit_entries(e, KP, P, G, admitted, hit_ptr, win_ptr, cache_ptr)
+    add_references(ref_ptr, ring_ptr, fq_pos_ptr, fq_ctr_ptr, c, real & (c >= 0), N, CMASK, TILE)
     # allocation: positions hit + a of each group, a < the new blocks per group
     EA = KP * G * A
     m = e < EA
@@ -278,14 +287,17 @@ def _place_hits_kernel(
     cache_ptr, resolved_ptr,        # int32[KP, P, G] cached hits; int32[KP, P] pending hits' requests
     win_ptr,                        # int32[G] window blocks (-1: full attention)
     bt_ptr, R, MB,                  # int32[G, R, MB] block tables (written: the hits)
-    blocks_ptr,                     # int32[KP * P * G] out: each hit entry's block
-    pending_ptr,                    # int32[KP * P * G] out: 1 where that block is a pending hit's
+    ref_ptr,                        # int32[N] blocks' reference counts (one added per pending hit)
+    ring_ptr, fq_pos_ptr, fq_ctr_ptr,  # the free queue's ring, positions, counters (read: no pending block is free)
     KP, P,                          # bucket requests, positions per request
+    N, CMASK,                       # blocks in the pool; the free queue's ring slots - 1
     G: tl.constexpr,                # KV-cache groups
     TILE: tl.constexpr,             # entries per program (a power of two)
 ):
     """Per (i, p, g) entry of an admitted request's hit: the block into its
-    table. Reads earlier requests' tables only where they allocated (a
+    table, and a pending hit's reference to the block its earlier request
+    just got (``blocks.add_references``: held, so it never leaves the free
+    queue here). Reads earlier requests' tables only where they allocated (a
     pending hit's block is new to its owner), so no lane reads what another
     writes."""
     admitted = tl.load(status_ptr + _ST_ADMITTED)
@@ -299,8 +311,7 @@ def _place_hits_kernel(
     blk = tl.where(real, tl.where(c >= 0, c, theirs), 0)
     r = tl.load(rows_ptr + i, mask=in_hit, other=0).to(tl.int64)
     tl.store(bt_ptr + (g64 * R + r) * MB + p64, blk, mask=in_hit)
-    tl.store(blocks_ptr + e, blk, mask=m)
-    tl.store(pending_ptr + e, pend.to(tl.int32), mask=m)
+    add_references(ref_ptr, ring_ptr, fq_pos_ptr, fq_ctr_ptr, blk, pend, N, CMASK, TILE)
 
 
 # ----------------------------------------------------------------- launchers
@@ -338,28 +349,31 @@ def chains(plan: dict, head: torch.Tensor, nxt: torch.Tensor, ok: torch.Tensor, 
         BS=block_size, BS_P2=triton.next_power_of_2(block_size), TILE=_TILE)
 
 
-def admission_entries(plan: dict, status, hit, start, cache, window_blocks, touch, alloc, record, *,
-                      block_size: int) -> None:
+def admission_entries(plan: dict, status, hit, start, cache, window_blocks, alloc, record, *, block_size: int,
+                      ref_cnt: torch.Tensor, free_queue: FreeQueue) -> None:
     """Launch ``_admission_entries_kernel`` (``alloc`` int32[5, KP * G * A],
-    ``record`` int32[4, KP * G * C]; A and C read from their shapes)."""
+    ``record`` int32[4, KP * G * C]; A and C read from their shapes): the
+    entries, and the first touches into ``ref_cnt`` and ``free_queue``."""
     KP, P, G = cache.shape
     A, C = alloc.shape[1] // (KP * G), record.shape[1] // (KP * G)
-    check_tensor(touch, "touch", dtypes=INT32, min_numel=KP * P * G, contiguous=True)
+    fq = free_queue
     largest = max(KP * P * G, alloc.shape[1], record.shape[1])
     _admission_entries_kernel[(triton.cdiv(largest, _ROW_TILE),)](
-        status, hit, start, plan["rows"], plan["comp"], plan["lookahead"], cache, window_blocks, touch, alloc,
-        record, KP, P, A, C, G=G, BS=block_size, TILE=_ROW_TILE)
+        status, hit, start, plan["rows"], plan["comp"], plan["lookahead"], cache, window_blocks, alloc, record,
+        ref_cnt, fq.ring, fq.pos, fq.counters, KP, P, A, C, fq.num_blocks, fq.capacity - 1, G=G, BS=block_size,
+        TILE=_ROW_TILE)
 
 
-def place_hits(plan: dict, status, hit, cache, resolved, window_blocks, blocks, pending, *, block_table) -> None:
-    """Launch ``_place_hits_kernel`` (``blocks``/``pending`` int32[KP * P * G])."""
+def place_hits(plan: dict, status, hit, cache, resolved, window_blocks, *, block_table, ref_cnt: torch.Tensor,
+               free_queue: FreeQueue) -> None:
+    """Launch ``_place_hits_kernel``: the hits into ``block_table``, the
+    pending hits' references into ``ref_cnt``."""
     KP, P, G = cache.shape
     _, R, MB = block_table.shape
-    check_tensor(blocks, "blocks", dtypes=INT32, min_numel=KP * P * G, contiguous=True)
-    check_tensor(pending, "pending", dtypes=INT32, min_numel=KP * P * G, contiguous=True)
+    fq = free_queue
     _place_hits_kernel[(triton.cdiv(KP * P * G, _ROW_TILE),)](
-        status, hit, plan["rows"], cache, resolved, window_blocks, block_table, R, MB, blocks, pending, KP, P,
-        G=G, TILE=_ROW_TILE)
+        status, hit, plan["rows"], cache, resolved, window_blocks, block_table, R, MB, ref_cnt, fq.ring, fq.pos,
+        fq.counters, KP, P, fq.num_blocks, fq.capacity - 1, G=G, TILE=_ROW_TILE)
 
 
 from gpukv.kernels import capture  # noqa: E402

@@ -80,7 +80,8 @@ def _device() -> DeviceManager:
 # admission probes and verifies inside ``prefill._lookup_kernel``).
 NOT_LAUNCHED = {"block_hash._blake3_bytes_kernel", "block_hash._hash_block_chains_kernel", "free_queue._compact_kernel",
                 "slot_mapping._slot_mapping_kernel", "hash_table._find_kernel", "lookup._verify_kernel",
-                "hash_table._erase_kernel"}  # (the allocation's erase runs inside blocks._place_kernel)
+                "hash_table._erase_kernel",  # (the allocation's erase runs inside blocks._place_kernel)
+                "blocks._touch_kernel", "free_queue._remove_kernel"}  # (the admission's launches touch its hits)
 
 
 def _kernels():

@@ -20,14 +20,14 @@ KEY = bytes(range(16))
 def test_a_buckets_buffers_are_views_of_one_zeroed_allocation_per_dtype():
     bufs = AdmissionBuffers.create((8, 4, 32, 2, 2), 2, torch.device("cpu"))
     int32 = [bufs.plan, bufs.zeros, bufs.cache, bufs.head, bufs.next, bufs.same, bufs.resolved, bufs.hit,
-             bufs.start, bufs.touch, bufs.alloc, bufs.record, bufs.popped, bufs.hit_blocks, bufs.pending]
+             bufs.start, bufs.alloc, bufs.record, bufs.popped]
     int64 = [bufs.status, bufs.record_scratch, bufs.record_seq]
     for group, dtype in ((int32, torch.int32), (int64, torch.int64)):
         assert {t.untyped_storage().data_ptr() for t in group} == {group[0].untyped_storage().data_ptr()}
         assert all(t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 64 == 0 for t in group)
         assert all(int(t.abs().sum()) == 0 for t in group)
     assert [tuple(t.shape) for t in int32] == [(8 + 9 * 8 + 32,), (8,), (8, 4, 2), (8, 4), (32,), (32,), (8, 4),
-                                               (8,), (8,), (64,), (5, 32), (4, 32), (32,), (64,), (64,)]
+                                               (8,), (8,), (5, 32), (4, 32), (32,)]
     assert [tuple(t.shape) for t in int64] == [(bufs.status.numel(),), (4, 32), (32,)]
     # No two buffers overlap: writing each in turn leaves the others as they were.
     for i, t in enumerate(int32):

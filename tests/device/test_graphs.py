@@ -68,7 +68,7 @@ def test_an_admission_launches_the_same_sequence_per_bucket_whatever_it_admits()
     assert max(len(recs) for recs in capture.records.values()) >= 8  # a bucket, replayed
     for key, recs in capture.records.items():
         assert all(r == recs[0] for r in recs), key
-        assert len(recs[0]) == (1 if key[1] == "rows" else 15), key  # 16 launches an admission, as eager
+        assert len(recs[0]) == (1 if key[1] == "rows" else 11), key  # 12 launches an admission, as eager
     graphed.check_invariants()
 
 

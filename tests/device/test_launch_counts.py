@@ -22,8 +22,8 @@ SHARED = list(range(128))
 # "decode": rows of staggered lengths, so that in every step some need a new
 # block and some fill one (every phase runs: a serving batch's steady state).
 EXPECTED = {
-    "full": {"admit": (16, 1, 1), "decode": (7, 1, 0), "append": (1, 1, 0), "finish": (3, 1, 0)},
-    "window": {"admit": (16, 1, 1), "decode": (10, 1, 0), "append": (1, 1, 0), "finish": (3, 1, 0)},
+    "full": {"admit": (12, 1, 1), "decode": (7, 1, 0), "append": (1, 1, 0), "finish": (3, 1, 0)},
+    "window": {"admit": (12, 1, 1), "decode": (10, 1, 0), "append": (1, 1, 0), "finish": (3, 1, 0)},
 }
 # An eager decode launches only the phases with work (the host knows from its
 # plan): rows of equal length (16 a block) decoding 17 steps in lockstep.

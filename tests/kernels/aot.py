@@ -360,6 +360,18 @@ def _direct_free_queue(mod, dev) -> None:
     mod.maybe_compact(fq, 4)
 
 
+def _direct_blocks(mod, dev) -> None:
+    """``touch`` on its own (the manager's admission touches its hits inside
+    its own launches, through the same ``add_references``)."""
+    import torch
+
+    from gpukv.kernels import free_queue
+    i32 = dict(dtype=torch.int32, device=dev)
+    fq = free_queue.FreeQueue.create(40, dev)
+    mod.touch(torch.tensor([3, 3, 5, 0], **i32), torch.tensor([1, 1, 0, 1], **i32),
+              ref_cnt=torch.zeros(40, **i32), fq=fq)
+
+
 def _direct_hash_table(mod, dev) -> None:
     import torch
     i32 = dict(dtype=torch.int32, device=dev)
@@ -413,6 +425,7 @@ def _direct_lookup(mod, dev) -> None:
 #: Per kernel module, the launcher calls ``direct_launches`` makes (modules
 #: that are not there are skipped).
 _DIRECT = {
+    "blocks": _direct_blocks,
     "free_queue": _direct_free_queue,
     "hash_table": _direct_hash_table,
     "block_hash": _direct_block_hash,
@@ -422,8 +435,8 @@ _DIRECT = {
 
 def direct_launches() -> None:
     """What a manager never launches, or launches in only one variant,
-    through the public launchers: forced and conditional free-queue
-    compaction, a push without call ids, a counted remove, a forced table
+    through the public launchers: a touch on its own, forced and conditional
+    free-queue compaction, a push without call ids, a counted remove, a forced table
     rebuild, an unmasked lookup, an insert under a lane permutation (the
     tests' thread-schedule hook), chained hashing with and without extra keys
     and at an odd block size, BLAKE3 of byte strings in its three

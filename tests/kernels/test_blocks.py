@@ -54,6 +54,48 @@ def test_touch_takes_free_blocks_out_once_and_counts_every_hit():
     blocks.touch(i32([4, 4, 6, 0]), i32([1, 1, 1, 1]), ref_cnt=ref, fq=fq)
     assert ref.tolist() == [0, 0, 0, 0, 2, 0, 1, 0]
     assert fq.to_list() == [1, 2, 3, 5, 7]
+    assert fq.read_error_flags() == 0
+
+
+def test_touch_across_programs_takes_each_free_block_out_once_where_its_count_left_0():
+    """600 entries (three programs of 256): the free blocks 1..199 hit two or
+    three times (entries far apart, in different programs), the held blocks
+    200..219 once more (never queued), the null block and padding, invalid
+    entries: each block's count grows by its valid entries, each block that
+    was free leaves the queue exactly once, the rest keep their order."""
+    N = 1024
+    fq, table, ref, bt = setup(num_blocks=N)
+    fq_ops.remove(fq, i32(list(range(200, 220))))  # held: out of the queue, count 1
+    ref[200:220] = 1
+    ids = list(range(1, 200)) * 2 + list(range(200, 220)) + [0, -1] + list(range(1, 181))
+    valid = [1] * len(ids)
+    valid[0] = 0  # block 1's first entry does not count (its two others do)
+    valid[400] = 0  # nor held block 202's
+    blocks.touch(i32(ids), i32(valid), ref_cnt=ref, fq=fq)
+    want = [0] * N
+    want[200:220] = [1] * 20
+    for b, v in zip(ids, valid, strict=True):
+        if v and b > 0:
+            want[b] += 1
+    assert len(ids) == 600 and want[1] == 2 and want[2] == 3 and want[199] == 2 and want[202] == 1
+    assert ref.tolist() == want
+    assert fq.to_list() == list(range(220, N))
+    fq.check_invariants()
+
+
+def test_touch_flags_a_block_id_outside_the_pool_and_counts_nothing_for_it():
+    """Ids 8 and 100 in a pool of 8: flagged, and no count written past the
+    pool's (the counts are the head of a larger tensor here, whose tail must
+    stay 0)."""
+    fq, table, _, bt = setup()
+    counts = torch.zeros(128, dtype=torch.int32)
+    ref = counts[:8]
+    blocks.touch(i32([3, 8, 100]), i32([1, 1, 1]), ref_cnt=ref, fq=fq)
+    assert ref.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert not counts[8:].any()
+    assert fq.to_list() == [1, 2, 4, 5, 6, 7]
+    assert fq.read_error_flags() == fq_ops._BAD
+    fq.check_invariants(allow_errors=True)
 
 
 def test_allocate_evicts_cached_blocks_it_pops():

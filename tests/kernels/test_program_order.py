@@ -144,10 +144,13 @@ def test_device_manager_matches_the_reference_in_any_program_order(order, seed):
         assert dev.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
         chunked_session(seed, (None, 6), steps=8)
     # The small tiles made launches of several programs: all but the one-program kernels.
-    # (The allocation's erases run inside ``_place_kernel``: the manager launches no ``_erase_kernel``.)
+    # (The allocation's erases run inside ``_place_kernel``, and the hits' touches inside
+    # ``_admission_entries_kernel`` and ``_place_hits_kernel``: the manager launches no ``_erase_kernel``,
+    # ``_touch_kernel`` or ``_remove_kernel``.)
     several = [name for name, n in ran.launches if n > 1]
     assert len(several) > len(ran.launches) / 2, ran.launches
-    assert {"_insert_kernel", "_place_kernel", "_remove_kernel", "_lookup_kernel"} <= set(several)
+    assert {"_insert_kernel", "_place_kernel", "_admission_entries_kernel", "_place_hits_kernel",
+            "_lookup_kernel"} <= set(several)
 
 
 # --------------------------------------------------------------------------
