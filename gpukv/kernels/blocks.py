@@ -175,6 +175,12 @@ def add_references(ref_ptr, ring_ptr, fq_pos_ptr, fq_ctr_ptr, b, v, N, CMASK, TI
     take_out_blocks(ring_ptr, fq_pos_ptr, fq_ctr_ptr, b, (inside & (old == 0)) | (v & (b >= N)), N, CMASK, TILE)
 
 
+def reference_args(ref_cnt: torch.Tensor, fq: fq_ops.FreeQueue) -> tuple:
+    """What ``add_references`` reads, in the order every kernel that calls
+    it takes them: ``ref_ptr, ring_ptr, fq_pos_ptr, fq_ctr_ptr, N, CMASK``."""
+    return ref_cnt, fq.ring, fq.pos, fq.counters, fq.num_blocks, fq.capacity - 1
+
+
 @triton.jit(do_not_specialize=["K"])
 def _touch_kernel(
     blk_ptr,              # int32[K] blocks hit (<= 0: skipped; >= N: ERR_BAD_BLOCK in the free queue's error word)
@@ -183,9 +189,9 @@ def _touch_kernel(
     ring_ptr,             # int32[C] the free queue's ring (a tombstone where a block leaves it)
     fq_pos_ptr,           # int64[N] ... each queued block's position (-1 where a block leaves it)
     fq_ctr_ptr,           # int64[NUM_COUNTERS] ... its counters (NUM_FREE, NUM_TOMB, ERROR)
-    K,                    # entries
     N,                    # blocks in the pool (ids 0..N-1)
     CMASK,                # the ring's slots - 1
+    K,                    # entries
     TILE: tl.constexpr,   # entries per program (a power of two)
 ):
     """Each valid entry adds a reference to its block (``add_references``)."""
@@ -205,8 +211,7 @@ def touch(blocks, valid, *, ref_cnt, fq) -> None:
     K = blocks.numel()
     if K == 0:
         return
-    _touch_kernel[(triton.cdiv(K, _TILE),)](blocks, valid, ref_cnt, fq.ring, fq.pos, fq.counters, K, fq.num_blocks,
-                                            fq.capacity - 1, TILE=_TILE)
+    _touch_kernel[(triton.cdiv(K, _TILE),)](blocks, valid, *reference_args(ref_cnt, fq), K, TILE=_TILE)
 
 
 @triton.jit(do_not_specialize=["E", "R", "cap", "N"])

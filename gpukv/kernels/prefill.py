@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from gpukv.kernels import lookup as lookup_ops
-from gpukv.kernels.blocks import add_references
+from gpukv.kernels.blocks import add_references, reference_args
 from gpukv.kernels.toolkit import (
     BIG,
     DEFAULT_WARPS,
@@ -239,8 +239,8 @@ def _admission_entries_kernel(
     record_ptr,              # int32[4, KP * G * C] out: group, row, pos, valid
     ref_ptr,                 # int32[N] blocks' reference counts (one added per first touch)
     ring_ptr, fq_pos_ptr, fq_ctr_ptr,  # the free queue's ring, positions, counters (a touched free block leaves)
-    KP, P, A, C,             # bucket requests, positions, alloc and record entries per request and group
     N, CMASK,                # blocks in the pool; the free queue's ring slots - 1
+    KP, P, A, C,             # bucket requests, positions, alloc and record entries per request and group
     G: tl.constexpr,         # KV-cache groups
     BS: tl.constexpr,        # block size (tokens)
     TILE: tl.constexpr,      # entries of each layout per program (a power of two)
@@ -289,8 +289,8 @@ def _place_hits_kernel(
     bt_ptr, R, MB,                  # int32[G, R, MB] block tables (written: the hits)
     ref_ptr,                        # int32[N] blocks' reference counts (one added per pending hit)
     ring_ptr, fq_pos_ptr, fq_ctr_ptr,  # the free queue's ring, positions, counters (read: no pending block is free)
-    KP, P,                          # bucket requests, positions per request
     N, CMASK,                       # blocks in the pool; the free queue's ring slots - 1
+    KP, P,                          # bucket requests, positions per request
     G: tl.constexpr,                # KV-cache groups
     TILE: tl.constexpr,             # entries per program (a power of two)
 ):
@@ -302,7 +302,7 @@ def _place_hits_kernel(
     writes."""
     admitted = tl.load(status_ptr + _ST_ADMITTED)
     e = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    m, i, g, p, hit, in_hit, real, c = _hit_entries(e, KP, P, G, admitted, hit_ptr, win_ptr, cache_ptr)
+    _, i, g, p, hit, in_hit, real, c = _hit_entries(e, KP, P, G, admitted, hit_ptr, win_ptr, cache_ptr)
     pend = real & (c < 0)
     who = tl.load(resolved_ptr + i * P + p, mask=pend, other=0)
     g64, p64 = g.to(tl.int64), p.to(tl.int64)
@@ -356,12 +356,10 @@ def admission_entries(plan: dict, status, hit, start, cache, window_blocks, allo
     entries, and the first touches into ``ref_cnt`` and ``free_queue``."""
     KP, P, G = cache.shape
     A, C = alloc.shape[1] // (KP * G), record.shape[1] // (KP * G)
-    fq = free_queue
     largest = max(KP * P * G, alloc.shape[1], record.shape[1])
     _admission_entries_kernel[(triton.cdiv(largest, _ROW_TILE),)](
         status, hit, start, plan["rows"], plan["comp"], plan["lookahead"], cache, window_blocks, alloc, record,
-        ref_cnt, fq.ring, fq.pos, fq.counters, KP, P, A, C, fq.num_blocks, fq.capacity - 1, G=G, BS=block_size,
-        TILE=_ROW_TILE)
+        *reference_args(ref_cnt, free_queue), KP, P, A, C, G=G, BS=block_size, TILE=_ROW_TILE)
 
 
 def place_hits(plan: dict, status, hit, cache, resolved, window_blocks, *, block_table, ref_cnt: torch.Tensor,
@@ -370,10 +368,9 @@ def place_hits(plan: dict, status, hit, cache, resolved, window_blocks, *, block
     pending hits' references into ``ref_cnt``."""
     KP, P, G = cache.shape
     _, R, MB = block_table.shape
-    fq = free_queue
     _place_hits_kernel[(triton.cdiv(KP * P * G, _ROW_TILE),)](
-        status, hit, plan["rows"], cache, resolved, window_blocks, block_table, R, MB, ref_cnt, fq.ring, fq.pos,
-        fq.counters, KP, P, fq.num_blocks, fq.capacity - 1, G=G, TILE=_ROW_TILE)
+        status, hit, plan["rows"], cache, resolved, window_blocks, block_table, R, MB,
+        *reference_args(ref_cnt, free_queue), KP, P, G=G, TILE=_ROW_TILE)
 
 
 from gpukv.kernels import capture  # noqa: E402
