@@ -103,8 +103,11 @@ its count, and the twin host time's slope in prompt blocks (admissions of
 64 blocks and more); not on CUDA. vLLM's admission run is made again after
 the device runs (its work checked equal), and the device's ratio is given
 against each of vLLM's two p50s (vLLM's figures have read up to 1.9x apart
-between runs of one tree); the step table's device columns likewise give
-their ratio to a vLLM run made after them, in brackets. Every admission is sampled, the fill's included (as
+between runs of one tree). The step table's device columns give, in
+brackets, their ratio to a vLLM run stepped in lockstep with the timed run
+(its step i just before the device's step i, untimed for the device: the
+twin's steps without CUDA, the real run's on CUDA), with that run's p50:
+both figures from the same minutes of the machine's load. Every admission is sampled, the fill's included (as
 vLLM's and the reference's), so every step's launches are recorded: about
 1 s of interpreter time per long admission. ``--worker`` adds a column: the
 device scheduler built as under ``gpukv.vllm.Worker``, whose model runner
@@ -385,18 +388,12 @@ def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argp
             if worker and not args.worker:
                 continue
             t0 = time.perf_counter()
-            row[key], why = measure_device(h, classes["device"], prompts, target, options, args, first, worker)
+            row[key], why = measure_device(h, classes["device"], prompts, target, options, args, first, worker,
+                                           beside_cls=classes["vllm"])
             whys += [why] if why else []
             print(f"  device scheduler{' (worker binding)' if worker else ''} at {target}: "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
         row["launch_path_unmeasured"] = "; ".join(whys) or None
-        # vLLM's run again, after the device runs: the device's ratio is given against both (vLLM's step
-        # figure has read 0.5 ms and 1.0 ms in runs of one tree).
-        gc.collect()
-        again = TraceRun(h, classes["vllm"], prompts, target, options)
-        ts, _ = again.run(args.fill_steps, args.warmup, args.steps)
-        same_work(f"{classes['vllm'].__name__} again at {target}", first, again)
-        row["vllm_after"] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
     return row
 
 
@@ -445,13 +442,18 @@ def prepare_as_on_cuda(real: TraceRun, twin: TraceRun | None) -> None:
 
 
 def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
-                   ref: Work, worker: bool = False) -> tuple[dict, str | None]:
+                   ref: Work, worker: bool = False, beside_cls: type | None = None) -> tuple[dict, str | None]:
     """The device scheduler on the plan vLLM's runs followed (fill, warm-up,
     timed steps), checked to do vLLM's work; without CUDA its honest twin
     (``benchmarks/device_twin.py``): the summary of its timed steps, and why
     the launch path could not be measured (None when it was). ``worker``:
-    both schedulers built under the gpukv worker's binding (``worker_bound``)."""
+    both schedulers built under the gpukv worker's binding (``worker_bound``).
+    ``beside_cls`` (vLLM's scheduler): a run of it stepped in lockstep with
+    the timed one, each of its steps just before the device's same step
+    (``_LockstepRun``), its timed steps in the summary's ``vllm_beside``:
+    a ratio of two figures taken in one window of the machine's load."""
     gc.collect()
+    beside = None if beside_cls is None else _LockstepRun(TraceRun(h, beside_cls, prompts, target, options))
     with worker_bound(options, worker):
         real = TraceRun(h, cls, prompts, target, options)
         cuda = real.sched.kv_cache_manager.manager.device.type == "cuda"
@@ -464,18 +466,43 @@ def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: di
     rows: list[tuple[bool, dict]] = []
 
     def step(timed: bool) -> None:
+        if cuda and beside is not None:  # (on CUDA the real run is the timed one)
+            beside.step(timed)
         rows.append((timed, device.real_step(timed)))
 
     real.run(args.fill_steps, args.warmup, args.steps, step)
     same_work(f"{cls.__name__} at {target}", ref, real)
     if device.twin is not None:
-        device.twin_steps([row for _, row in rows])
+        flags = [t for t, _ in rows]
+        device.twin_steps([row for _, row in rows], (lambda i: beside.step(flags[i])) if beside else lambda _i: None)
     timed = [row for t, row in rows if t]
     for _, row in rows:
         row.pop("recorded_reads", None)
         row.pop("digest")
     why = None if cuda else add_launch_path({"device": timed}, args.costs, args.launch_samples)
-    return device_summary(timed), why
+    summary = device_summary(timed)
+    if beside is not None:
+        same_work(f"{beside_cls.__name__} stepped beside {cls.__name__} at {target}", ref, beside.run)
+        summary["vllm_beside"] = {"p50_ms": pct(beside.times, 50), "p99_ms": pct(beside.times, 99),
+                                  "steps": len(beside.times)}
+    return summary, why
+
+
+class _LockstepRun:
+    """A vLLM run stepped beside the device scheduler's timed run, one step
+    before each of its steps (outside their timing), so both figures come
+    from the same minutes of the machine: a separate run's p50 has read up
+    to 1.6x apart from the next run's on this machine. ``times``: its timed
+    steps' ms (arrivals + schedule + update, as ``TraceRun.step``)."""
+
+    def __init__(self, run: TraceRun) -> None:
+        self.run = run
+        self.times: list[float] = []
+
+    def step(self, timed: bool) -> None:
+        ms = self.run.step()
+        if timed:
+            self.times.append(ms)
 
 
 # ------------------------------------------------------------------ per admission
@@ -693,7 +720,7 @@ def print_step_table(rows: list[dict]) -> None:
     columns = [(key, name) for key, name in DEVICE_COLUMNS if any(key in r for r in rows)]
     print("| target | running (mean, min-max) | prefix hits | vLLM p50 (p99) ms | gpukv reference p50 (p99) ms "
           "| ratio gpukv/vLLM p50 [per repeat] |"
-          + "".join(f" {name} p50 (p99) ms | ratio {key}/vLLM p50 [against vLLM's run after the device runs] |"
+          + "".join(f" {name} p50 (p99) ms | ratio {key}/vLLM p50 [against vLLM stepped beside it, its p50 ms] |"
                     for key, name in columns))
     print("| ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: | ---: |" * len(columns))
     for r in rows:
@@ -703,11 +730,12 @@ def print_step_table(rows: list[dict]) -> None:
                 f"| {100 * r['hit_tokens'] / r['prompt_tokens']:.0f}% of {r['requests_scheduled']} prompts "
                 f"| {v['p50_ms']:.3f} ({v['p99_ms']:.3f}) | {g['p50_ms']:.3f} ({g['p99_ms']:.3f}) "
                 f"| {r['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}] |")
-        after = r.get("vllm_after", v)["p50_ms"]
         for key, _ in columns:
-            f = _device_figure(r.get(key, {}))
-            line += (f" {f['p50']:.3f} ({f['p99']:.3f}) | {f['p50'] / v['p50_ms']:.2f}x [{f['p50'] / after:.2f}x] |"
-                     if f else " - | - |")
+            d = r.get(key, {})
+            f = _device_figure(d)
+            beside = d.get("vllm_beside", v)["p50_ms"]
+            line += (f" {f['p50']:.3f} ({f['p99']:.3f}) | {f['p50'] / v['p50_ms']:.2f}x [{f['p50'] / beside:.2f}x,"
+                     f" {beside:.3f}] |" if f else " - | - |")
         print(line)
 
 

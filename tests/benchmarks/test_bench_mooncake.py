@@ -98,15 +98,18 @@ def test_quick_run_with_the_device_twin(tmp_path, capsys):
     assert lines[lines.index("vLLM's Scheduler against gpukv's ReferenceScheduler and DeviceScheduler"
                              + ("" if result["cuda"] else " (its honest twin: host time + stated GPU costs)")
                              + ":") + 1].endswith("| gpukv device p50 (p99) ms | ratio device/vLLM p50 [against "
-                                                  "vLLM's run after the device runs] | gpukv device, worker "
-                                                  "binding p50 (p99) ms | ratio worker/vLLM p50 [against vLLM's "
-                                                  "run after the device runs] |")
-    # vLLM's run again after the device runs (its work checked equal): the bracketed ratio's figure.
-    assert row["vllm_after"]["steps"] == 5 and 0 < row["vllm_after"]["p50_ms"] <= row["vllm_after"]["p99_ms"]
-    f = device.get("honest_ms") or device.get("wall_ms")
-    if f:
-        line = next(x for x in lines if x.startswith("| 4 | "))  # (the step table, before the counts)
-        assert f"| {f['p50'] / row['vllm']['p50_ms']:.2f}x [{f['p50'] / row['vllm_after']['p50_ms']:.2f}x] |" in line
+                                                  "vLLM stepped beside it, its p50 ms] | gpukv device, worker "
+                                                  "binding p50 (p99) ms | ratio worker/vLLM p50 [against vLLM "
+                                                  "stepped beside it, its p50 ms] |")
+    # vLLM stepped in lockstep with each device column's timed run (its work checked equal): the bracket's figure.
+    line = next(x for x in lines if x.startswith("| 4 | "))  # (the step table, before the counts)
+    for d in (device, worker):
+        beside = d["vllm_beside"]
+        assert beside["steps"] == 5 and 0 < beside["p50_ms"] <= beside["p99_ms"]
+        f = d.get("honest_ms") or d.get("wall_ms")
+        if f:
+            assert (f"| {f['p50'] / row['vllm']['p50_ms']:.2f}x [{f['p50'] / beside['p50_ms']:.2f}x, "
+                    f"{beside['p50_ms']:.3f}] |") in line
     if result["cuda"]:
         return
     assert set(device["counts"]) == {"torch_op", "upload", "event_record", "event_wait", "read", "stream_query"}
