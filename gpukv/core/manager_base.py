@@ -225,9 +225,14 @@ class SharedManagerAPI(FailStop, metaclass=ABCMeta):
         kernels compiled on a GPU), so each first admission replays them
         (``gpukv.device.admission_plan.single_prompt_buckets``: a step admitting
         several prompts, or a prompt that skips the prefix cache, can still
-        meet a bucket of its own); the reference launches nothing. Changes
-        nothing any other call reads or returns. Returns how many buckets
-        it prepared (0 on the reference, and for those prepared before)."""
+        meet a bucket of its own); likewise each release bucket the free of
+        one request of up to ``max_prompt_len`` tokens and the lookahead can
+        meet, with a release of no entry
+        (``gpukv.device.releases.single_request_buckets``; a step finishing
+        several requests at once can meet a larger one); the reference
+        launches nothing. Changes nothing any other call reads or returns.
+        Returns how many buckets it prepared, admission and release (0 on
+        the reference, and for those prepared before)."""
         limit = self.limits.max_model_len
         if max_prompt_len is not None:
             max_prompt_len = check_size(max_prompt_len, "max_prompt_len", 1, limit)

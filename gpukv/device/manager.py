@@ -104,7 +104,7 @@ from gpukv.device.launches import SharedLaunches
 from gpukv.device.outputs import OutputGather, step_gather, take_step_outputs
 from gpukv.device.pool import DevicePool
 from gpukv.device.reads import DeviceReads, FreeCountMirror
-from gpukv.device.releases import ReleaseBuffers, Releases
+from gpukv.device.releases import ReleaseBuffers, Releases, single_request_buckets
 from gpukv.device.rows import DeviceRows, entry_layout  # (entry_layout: imported from here by older code)
 from gpukv.device.staging import Staging, StepCounters
 from gpukv.device.state import DeviceCalls, DeviceState
@@ -579,14 +579,18 @@ class DeviceManager(CallContext, SharedManagerAPI):
             return decode.finish(plan, bufs)
 
     def _prepare_admissions(self, max_prompt_len: int, num_lookahead_tokens: int) -> int:
-        adm = self._admission
+        adm, rel = self._admission, self._releases
         todo = [(b, dry) for b, dry in single_prompt_buckets(max_prompt_len, self.block_size, self._max_chunk,
                                                              num_lookahead_tokens)
                 if not adm.prepared(b, dry)]
+        frees = [ep for ep in single_request_buckets(max_prompt_len + num_lookahead_tokens, self.block_size,
+                                                     self.num_groups) if not rel.prepared(ep)]
         with self._counting():
             for bucket, dry in todo:
                 adm.prepare(bucket, dry)
-        return len(todo)
+            for ep in frees:
+                rel.prepare(ep)
+        return len(todo) + len(frees)
 
     # The step ----------------------------------------------------------------
     def _step(self, finished, running, new, *, count_stats: bool = True, hit_caps=None,

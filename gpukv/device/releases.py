@@ -7,7 +7,9 @@ into fixed buffers of a bucket (entries padded to a power of two from 16,
 the padding masked off); the first release of a bucket runs the pool's
 ``release`` and keeps its launches, later ones replay them: a free launched
 anew went through Triton's whole launch path three times, and its
-launchers' checks, every step that finished a request.
+launchers' checks, every step that finished a request. A bucket can be
+prepared before serving (``prepare``: a release of no entry), so that no
+free pays that first time on the serving path.
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ class ReleaseBuffers:
                    workspace=torch.zeros(EP, dtype=torch.int64, device=device))
 
 
+#: The smallest release bucket (entries padded to a power of two from it).
+MIN_BUCKET = 16
+
+
+def single_request_buckets(max_tokens: int, block_size: int, num_groups: int) -> list[int]:
+    """The release buckets (padded entry counts) the free of one request
+    holding at most ``max_tokens`` token slots can meet, smallest first:
+    powers of two from 16 to the one that takes every position of every
+    group."""
+    most = pow2_at_least(max(-(-max_tokens // block_size) * num_groups, MIN_BUCKET))
+    return [MIN_BUCKET << k for k in range((most // MIN_BUCKET).bit_length())]
+
+
+
 class Releases:
     """The releases of one device manager (``state``: its requests, rows,
     pool and staging; ``launches``: the kept-launch replay), with the
@@ -73,18 +89,39 @@ class Releases:
         """Release the blocks at these block-table entries (``call``: the
         free call each belongs to, never decreasing): one upload into the
         bucket's buffers, its launches kept or replayed."""
-        s = self._s
         E = len(grp)
-        EP = pow2_at_least(max(E, 16))
-        bufs = self.buffers.get(EP)
-        if bufs is None:
-            bufs = self.buffers[EP] = ReleaseBuffers.create(EP, s.device)
-        host = s.staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
+        EP = pow2_at_least(max(E, MIN_BUCKET))
+        host = self._s.staging.host_array(("release", EP), 5 * EP).reshape(5, EP)
         host[:4, :E] = (grp, rows, pos, call)
         host[4, :E] = 1
         if E < EP:  # padding: no entry, and a call of its own after the last (calls never decrease)
             host[3, E:] = int(call[-1]) + 1
             host[4, E:] = 0
+        self._run(EP)
+
+    def prepared(self, EP: int) -> bool:
+        """Whether bucket ``EP``'s launches are kept."""
+        bufs = self.buffers.get(EP)
+        kept = None if bufs is None else bufs.prepared.get("release")
+        return kept is not None and kept[0] == self._s.rows.generation
+
+    def prepare(self, EP: int) -> None:
+        """Bucket ``EP``'s buffers made and its launches kept by a release
+        of no entry (every entry masked off, in one call: no count, table
+        slot or queue entry changes), so the first free of that size
+        replays them. With KV-cache events no launch is kept
+        (``SharedLaunches.replayed``): the buffers are made and the kernels
+        compiled."""
+        self._s.staging.host_array(("release", EP), 5 * EP)[:] = 0
+        self._run(EP)
+
+    def _run(self, EP: int) -> None:
+        """Bucket ``EP``'s entries, written in its host array, uploaded in
+        one copy; its launches kept or replayed."""
+        s = self._s
+        bufs = self.buffers.get(EP)
+        if bufs is None:
+            bufs = self.buffers[EP] = ReleaseBuffers.create(EP, s.device)
         s.staging.upload_host(("release", EP), bufs.plan)
         self._launches.replayed(bufs.prepared, "release", lambda: self._launch(bufs))
 

@@ -120,7 +120,7 @@ def test_prepare_admissions_refuses_alike_and_the_reference_prepares_nothing():
         for bad, error in ((-1, InvalidInputError), ("2", InvalidTypeError)):
             with pytest.raises(error, match="num_lookahead_tokens"):
                 m.prepare_admissions(8, num_lookahead_tokens=bad)
-    assert dev._admission.buffers == {}  # (refused before anything was made)
+    assert dev._admission.buffers == dev._releases.buffers == {}  # (refused before anything was made)
     assert ref.prepare_admissions() == ref.prepare_admissions(8, num_lookahead_tokens=3) == 0
     unbounded = ReferenceManager(8, 2, hash_key=KEY)  # (no max_model_len: the longest prompt must be given)
     with pytest.raises(InvalidInputError, match="max_prompt_len.*pass the longest prompt"):
@@ -128,5 +128,7 @@ def test_prepare_admissions_refuses_alike_and_the_reference_prepares_nothing():
     assert unbounded.prepare_admissions(1000) == 0
     # Block size 2, prompts of 1-8 tokens. Steps (hit positions, token slots, new blocks, cached blocks):
     # 1 token (1, 1, 1, 1), 2 (1, 2, 1, 1), 3 (1, 4, 2, 1), 4 (1, 4, 2, 2), 5 (2, 8, 4, 2), 6 (2, 8, 4, 4),
-    # 7-8 (4, 8, 4, 4); lookups (hit positions, token slots): (1, 1), (1, 2), (1, 4), (2, 8), (4, 8).
-    assert dev.prepare_admissions(8) == 7 + 5
+    # 7-8 (4, 8, 4, 4); lookups (hit positions, token slots): (1, 1), (1, 2), (1, 4), (2, 8), (4, 8). A free
+    # of up to 8 tokens: 4 positions of one group, padded to the smallest release bucket (16 entries).
+    assert dev.prepare_admissions(8) == 7 + 5 + 1
+    assert list(dev._releases.buffers) == [16]

@@ -1,7 +1,8 @@
 """``DeviceManager.prepare_admissions``: every admission bucket a prompt can
-meet made and its launches kept before serving, by rounds that admit no
-request, so the first admission of a bucket replays its launches; nothing
-a call reads changes."""
+meet, and every release bucket its free can, made and its launches kept
+before serving, by rounds that admit no request and releases of no entry,
+so the first admission or free of a bucket replays its launches; nothing a
+call reads changes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from gpukv.core.requests import NewRequest
 from gpukv.device.admission_plan import plan_admission, single_prompt_buckets
 from gpukv.device.manager import DeviceManager
+from gpukv.device.releases import single_request_buckets
 from gpukv.reference.manager import ReferenceManager
 from workload import KEY, assert_same, check, drive, state_of
 
@@ -55,14 +57,16 @@ def _primed() -> tuple[ReferenceManager, DeviceManager]:
     """A reference and a device manager after the same random steps: held,
     cached and freed blocks."""
     ref = ReferenceManager(40, 4, hash_key=KEY)
-    dev = DeviceManager(40, 4, hash_key=KEY, max_model_len=64, max_num_batched_tokens=32)
+    dev = DeviceManager(40, 4, hash_key=KEY, max_model_len=80, max_num_batched_tokens=32)
     drive([ref, dev], seed=3, num_steps=6, check=check)
     return ref, dev
 
 
 def _kept(dev: DeviceManager) -> dict:
-    """The admission's kept launches, by bucket and part (their identity)."""
-    return {b: {part: id(kept) for part, kept in bufs.prepared.items()} for b, bufs in dev._admission.buffers.items()}
+    """The admission's and the releases' kept launches, by bucket and part
+    (their identity)."""
+    return {b: {part: id(kept) for part, kept in bufs.prepared.items()}
+            for b, bufs in [*dev._admission.buffers.items(), *dev._releases.buffers.items()]}
 
 
 def _state(dev: DeviceManager) -> tuple:
@@ -79,8 +83,10 @@ def _state(dev: DeviceManager) -> tuple:
 def test_preparing_changes_nothing_a_call_reads_and_later_steps_match_the_reference():
     ref, dev = _primed()
     before = _state(dev)
-    todo = [b for b in single_prompt_buckets(64, 4, 32) if not dev._admission.prepared(*b)]
-    assert dev.prepare_admissions() == len(todo) > 0
+    todo = [b for b in single_prompt_buckets(80, 4, 32) if not dev._admission.prepared(*b)]
+    frees = [ep for ep in single_request_buckets(80, 4, 1) if not dev._releases.prepared(ep)]
+    assert frees == [32]  # (a free of up to 20 blocks; the random steps freed smaller ones: bucket 16 kept)
+    assert dev.prepare_admissions() == len(todo) + len(frees) > 1
     assert _state(dev) == before
     assert_same(ref, dev)
     assert dev.prepare_admissions() == 0  # (every bucket kept: nothing left to prepare)
@@ -89,14 +95,14 @@ def test_preparing_changes_nothing_a_call_reads_and_later_steps_match_the_refere
 def test_a_manager_prepared_at_start_decides_as_the_reference():
     ref = ReferenceManager(40, 4, hash_key=KEY)
     dev = DeviceManager(40, 4, hash_key=KEY, max_model_len=64)
-    assert dev.prepare_admissions() == len(single_prompt_buckets(64, 4))
+    assert dev.prepare_admissions() == len(single_prompt_buckets(64, 4)) + len(single_request_buckets(64, 4, 1))
     drive([ref, dev], seed=4, num_steps=12, check=check)
 
 
 def test_after_preparing_admissions_of_every_length_replay_kept_launches():
     ref = ReferenceManager(64, 4, hash_key=KEY)
     dev = DeviceManager(64, 4, hash_key=KEY, max_model_len=48, max_num_batched_tokens=16)
-    assert dev.prepare_admissions() == len(single_prompt_buckets(48, 4, 16))
+    assert dev.prepare_admissions() == len(single_prompt_buckets(48, 4, 16)) + len(single_request_buckets(48, 4, 1))
     kept = _kept(dev)
     for n in (1, 3, 4, 5, 16, 17, 21, 33, 47, 48):  # (prefixes of one sequence: the longer ones hit)
         req = NewRequest(f"r{n}", list(range(100, 100 + n)))
@@ -105,6 +111,27 @@ def test_after_preparing_admissions_of_every_length_replay_kept_launches():
             chunk = min(16, len(req.token_ids) - computed.num_tokens)
             assert m.allocate_slots(req, computed=computed, num_tokens=chunk) is not None
         assert_same(ref, dev)
+    assert _kept(dev) == kept  # no bucket made, no launch prepared anew
+
+
+def test_after_preparing_frees_of_every_size_replay_kept_launches():
+    # Block size 2, prompts up to 80 tokens: frees of up to 40 positions, in release buckets of 16, 32 and 64
+    # entries (a power of two from 16). Requests of 10, 40 and 70 tokens hold 5, 20 and 35 blocks.
+    ref = ReferenceManager(96, 2, hash_key=KEY)
+    dev = DeviceManager(96, 2, hash_key=KEY, max_model_len=80)
+    assert single_request_buckets(80, 2, 1) == [16, 32, 64]
+    assert dev.prepare_admissions() == len(single_prompt_buckets(80, 2)) + 3
+    kept = _kept(dev)
+    for n in (10, 40, 70):
+        req = NewRequest(f"r{n}", list(range(1000 * n, 1000 * n + n)))
+        for m in (ref, dev):
+            assert m.allocate_slots(req, computed=m.get_computed_blocks(req)) is not None
+    assert dev.read_num_free_blocks() == ref.read_num_free_blocks() == 95 - 5 - 20 - 35
+    for n in (70, 10, 40):
+        for m in (ref, dev):
+            m.free(f"r{n}")
+        assert_same(ref, dev)
+    assert dev.read_num_free_blocks() == 95 and dev.free_queue() == ref.free_queue()
     assert _kept(dev) == kept  # no bucket made, no launch prepared anew
 
 

@@ -95,9 +95,10 @@ class _GpukvManagerMixin:
     _flag_to_restore = False
     prepare_admissions_at_start: bool | None = None
     """Whether the device manager prepares every admission bucket a prompt up
-    to ``max_model_len`` can meet when the scheduler is built
-    (``DeviceManager.prepare_admissions``: kernels compiled and launches kept
-    before serving, not on the first admission of each prompt length).
+    to ``max_model_len`` can meet, and every release bucket its free can, when
+    the scheduler is built (``DeviceManager.prepare_admissions``: kernels
+    compiled and launches kept before serving, not on the first admission of
+    each prompt length or the first free of each size).
     None: on CUDA only (under Triton's interpreter every program of those
     launches runs on the host: about a minute at 128k tokens). When it does,
     the manager's request rows are made for ``max_num_seqs`` at once (else 64,
@@ -130,8 +131,8 @@ class _GpukvManagerMixin:
         self.engine_hashes_blocks = bool(me.cache_config.enable_prefix_caching)
 
     def prepare_admissions(self) -> int:
-        """The device manager's admission buckets for every prompt up to
-        ``max_model_len`` prepared (``DeviceManager.prepare_admissions``),
+        """The device manager's admission and release buckets for every prompt
+        up to ``max_model_len`` prepared (``DeviceManager.prepare_admissions``),
         what the constructor does when ``prepare_admissions_at_start`` says
         so; how many it prepared (0 on the reference manager)."""
         me: Any = self
