@@ -60,7 +60,6 @@ def single_request_buckets(max_tokens: int, block_size: int, num_groups: int) ->
     return [MIN_BUCKET << k for k in range((most // MIN_BUCKET).bit_length())]
 
 
-
 class Releases:
     """The releases of one device manager (``state``: its requests, rows,
     pool and staging; ``launches``: the kept-launch replay), with the
