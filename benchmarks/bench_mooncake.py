@@ -103,7 +103,8 @@ its count, and the twin host time's slope in prompt blocks (admissions of
 64 blocks and more); not on CUDA. vLLM's admission run is made again after
 the device runs (its work checked equal), and the device's ratio is given
 against each of vLLM's two p50s (vLLM's figures have read up to 1.9x apart
-between runs of one tree). The step table's device columns give, in
+between runs of one tree), and against a vLLM run stepped in lockstep with
+the twin's steps (its admissions timed alike, in the same minutes). The step table's device columns give, in
 brackets, their ratio to a vLLM run stepped in lockstep with the timed run
 (its step i just before the device's step i, untimed for the device: the
 twin's steps without CUDA, the real run's on CUDA), with that run's p50:
@@ -555,6 +556,7 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
     its host time's slope in prompt blocks (``add_device_admissions``)."""
     samples: dict[str, list[tuple[str, float, float]]] = {"vllm": [], "gpukv": [], "vllm_after": []}
     device: dict[str, list[dict]] = defaultdict(list)  # column: one pseudo-row per admission
+    beside: dict[str, list[tuple[str, float, float]]] = defaultdict(list)  # column: vLLM's lockstep samples
     for target in targets:
         options = config(prompts, target)
         runs = {}
@@ -567,8 +569,10 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
                 if worker and not args.worker:
                     continue
                 t0 = time.perf_counter()
-                device[key] += device_admissions(h, classes["device"], prompts, target, options, args,
-                                                 runs["vllm"], worker)
+                admitted, lockstep = device_admissions(h, classes["device"], prompts, target, options, args,
+                                                       runs["vllm"], worker, classes["vllm"])
+                device[key] += admitted
+                beside[key] += lockstep
                 print(f"  device per admission{' (worker binding)' if worker else ''} at {target}: "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
             # vLLM's pass again, after the device runs: the device's ratio is given against both (vLLM's
@@ -590,7 +594,7 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
             if after:
                 row["vllm_after_p50_ms"] = pct(after, 50)
         rows.append(row)
-    return rows, add_device_admissions(rows, device, args) if device else {}
+    return rows, add_device_admissions(rows, device, beside, args) if device else {}
 
 
 def admission_run(h, cls: type, prompts: list[Prompt], target: int, options: dict,
@@ -620,12 +624,16 @@ def _admission_key(h):
 
 
 def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
-                      ref: TraceRun, worker: bool) -> list[dict]:
+                      ref: TraceRun, worker: bool, beside_cls: type) -> tuple[list[dict], list[tuple]]:
     """The device twin per admission (module docstring): ``cls`` (gpukv's
     unbatched device scheduler) on ``ref``'s plan, checked to do its work,
     every step's launches recorded and each admission's calls attributed
     (``DeviceTwin.attribute``); one pseudo-row per admission, as
-    ``device_twin``'s per step (``launch_list`` still in, ``bucket`` added)."""
+    ``device_twin``'s per step (``launch_list`` still in, ``bucket`` added).
+    Beside them, ``beside_cls`` (vLLM's scheduler) stepped in lockstep with
+    the twin's steps (each of its steps just before the twin's same step),
+    its admissions timed as ``admission_run``'s: (bucket, hashing ms, calls
+    ms) per admitted request, figures from the same minutes as the twin's."""
     gc.collect()
     with worker_bound(options, worker):
         real = TraceRun(h, cls, prompts, target, options)
@@ -644,10 +652,15 @@ def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options:
     same_work(f"per admission, {cls.__name__}{' (worker binding)' if worker else ''} at {target}", ref, real)
     if worker and not all(r.sched.kv_cache_manager.ids_on_device for r in (real, twin)):
         raise SystemExit(f"{cls.__name__} at {target}: the worker's binding did not take (block ids still read back)")
-    device.twin_steps(rows)
+    gc.collect()
+    lockstep = TraceRun(h, beside_cls, prompts, target, options)
+    timer = AdmissionTimer(h, lockstep)
+    device.twin_steps(rows, lambda _i: lockstep.step())
+    same_work(f"per admission, {beside_cls.__name__} stepped beside {cls.__name__} at {target}", ref, lockstep)
     blocks = {str(p.index): p.blocks for p in prompts}
-    return [dict(a, bucket=bucket_of(blocks[rid]), blocks=blocks[rid])
-            for rid, a in admissions_of([c for r in rows for c in r["calls"]]).items()]
+    admitted = [dict(a, bucket=bucket_of(blocks[rid]), blocks=blocks[rid])
+                for rid, a in admissions_of([c for r in rows for c in r["calls"]]).items()]
+    return admitted, [(bucket_of(blocks[rid]), hs, cs) for rid, (hs, cs) in timer.samples.items()]
 
 
 def admissions_of(calls: list[dict]) -> dict[str, dict]:
@@ -673,10 +686,12 @@ def admissions_of(calls: list[dict]) -> dict[str, dict]:
 
 
 def add_device_admissions(rows: list[dict], device: dict[str, list[dict]],
+                          beside: dict[str, list[tuple[str, float, float]]],
                           args: argparse.Namespace) -> dict[str, float | None]:
     """The device columns of the per-admission rows: each bucket's admissions'
     honest figure (``device_twin.add_launch_path``: the launch path of their
-    own launches) summarised, its ratio to vLLM's total p50, and the twin
+    own launches) summarised, its ratio to vLLM's total p50 and to the p50 of
+    vLLM stepped beside the twin (``beside``, per column), and the twin
     host time's slope in prompt blocks over the admissions of 64 blocks and
     more (a flat host cost: about 0), returned per column, in us a block."""
     by_key = {f"{key} {r['bucket']}": [a for a in admitted if a["bucket"] == r["bucket"]]
@@ -695,6 +710,10 @@ def add_device_admissions(rows: list[dict], device: dict[str, list[dict]],
                 d["ratio_p50"] = figure["p50"] / r["vllm_p50_ms"]
                 vllm = [r["vllm_p50_ms"], r.get("vllm_after_p50_ms", r["vllm_p50_ms"])]
                 d["ratio_p50_range"] = [figure["p50"] / max(vllm), figure["p50"] / min(vllm)]
+            lockstep = [hs + cs for b, hs, cs in beside.get(key, ()) if b == r["bucket"]]
+            if figure and lockstep:
+                d["vllm_beside_p50_ms"] = pct(lockstep, 50)
+                d["ratio_beside"] = figure["p50"] / d["vllm_beside_p50_ms"]
             r[key] = d
     for r in rows:
         r["launch_path_unmeasured"] = why
@@ -772,8 +791,9 @@ def print_device_admission_table(rows: list[dict], slopes: dict[str, float | Non
     total p50 (the table above); then the twin host time's slope."""
     head = twin_head(costs).replace("launches/step", "launches/admission")
     print(f"| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms, before / after the "
-          f"device runs | {head} | ratio device/vLLM p50 [against each vLLM pass] |")
-    print("| --- | --- |" + " ---: |" * 14)
+          f"device runs | {head} | ratio device/vLLM p50 [against each vLLM pass] | vLLM stepped beside it: p50 ms, "
+          f"ratio |")
+    print("| --- | --- |" + " ---: |" * 15)
     for key, _ in DEVICE_COLUMNS:
         for r in rows:
             d = r.get(key)
@@ -785,8 +805,10 @@ def print_device_admission_table(rows: list[dict], slopes: dict[str, float | Non
                 ratio = f"{d['ratio_p50']:.2f}x [{lo:.2f}-{hi:.2f}]"
             vllm = "-" if "vllm_p50_ms" not in r else f"{r['vllm_p50_ms']:.3f}" + (
                 f" / {r['vllm_after_p50_ms']:.3f}" if "vllm_after_p50_ms" in r else "")
+            lockstep = (f"{d['vllm_beside_p50_ms']:.3f}, {d['ratio_beside']:.2f}x" if "ratio_beside" in d
+                        else "-")
             print(f"| {r['bucket']} | {'worker' if key == 'worker' else 'none'} | {d['steps']} "
-                  f"| {d['blocks_mean']:.0f} | {vllm} | " + " | ".join(twin_cells(d)) + f" | {ratio} |")
+                  f"| {d['blocks_mean']:.0f} | {vllm} | " + " | ".join(twin_cells(d)) + f" | {ratio} | {lockstep} |")
     for key, slope in slopes.items():
         text = "-" if slope is None else f"{slope:.3f} us"
         print(f"Twin host time per admission, slope in prompt blocks from 64 up ({key}): {text} a block.")

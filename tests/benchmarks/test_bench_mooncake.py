@@ -151,6 +151,8 @@ def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
             # (vLLM's pass again after the device runs: the ratio against each vLLM pass)
             vllm = sorted([a["vllm_p50_ms"], a["vllm_after_p50_ms"]])
             assert d["ratio_p50_range"] == [d["honest_ms"]["p50"] / vllm[1], d["honest_ms"]["p50"] / vllm[0]]
+            # (vLLM stepped in lockstep with the twin: its admissions of the bucket, timed alike)
+            assert d["ratio_beside"] == d["honest_ms"]["p50"] / d["vllm_beside_p50_ms"] and d["vllm_beside_p50_ms"] > 0
             assert d["honest_ms"]["p50"] > d["host_ms"]["p50"] > 0, bucket
         if a["admissions"]:  # (bound, the lookup's hit is read as a size, the admitted ids not at all)
             assert a["worker"]["reads"]["mean"] < a["device"]["reads"]["mean"]
@@ -161,10 +163,13 @@ def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
     assert lines[head].startswith("| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms, "
                                   "before / after the device runs | launches/admission | torch ops (x 5 us) "
                                   "| uploads (x 4 us) |")
-    assert lines[head].endswith("| ratio device/vLLM p50 [against each vLLM pass] |")
+    assert lines[head].endswith("| ratio device/vLLM p50 [against each vLLM pass] | vLLM stepped beside it: p50 ms, "
+                                "ratio |")
     assert [line.split(" | ")[:3] for line in lines[head + 2:head + 6]] == [
         ["| 64-255", "none", "1"], ["| 256-1023", "none", "3"], ["| 64-255", "worker", "1"],
         ["| 256-1023", "worker", "3"]]
+    d = rows["256-1023"]["worker"]
+    assert lines[head + 5].endswith(f"| {d['vllm_beside_p50_ms']:.3f}, {d['ratio_beside']:.2f}x |")
 
 
 def test_admission_sums_its_calls_up_to_the_allocation_that_admits():
