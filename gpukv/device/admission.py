@@ -403,8 +403,7 @@ class Admission:
     def prepared(self, bucket: tuple, dry: bool) -> bool:
         """Whether ``bucket``'s launches (a dry lookup's, or a step's) are kept."""
         bufs = self.buffers.get(bucket)
-        kept = None if bufs is None else bufs.prepared.get("lookup" if dry else "admit")
-        return kept is not None and kept[0] == self._s.rows.generation
+        return bufs is not None and self._launches.is_kept(bufs.prepared, "lookup" if dry else "admit")
 
     def prepare(self, bucket: tuple, dry: bool) -> None:
         """``bucket``'s buffers made and its launches prepared by a round

@@ -48,14 +48,18 @@ class SharedLaunches:
         if s.events.log is not None:
             launch()
             return
-        kept = prepared.get(part)
-        generation = s.rows.generation
-        if kept is not None and kept[0] == generation:
-            capture.run_prepared(kept[1])
+        if self.is_kept(prepared, part):
+            capture.run_prepared(prepared[part][1])
             return
         with capture.preparing() as launches:
             launch()
-        prepared[part] = (generation, launches)
+        prepared[part] = (s.rows.generation, launches)
+
+    def is_kept(self, prepared: dict, part: str) -> bool:
+        """Whether ``prepared[part]`` holds launches ``replayed`` replays:
+        kept since the row tensors were last reallocated."""
+        kept = prepared.get(part)
+        return kept is not None and kept[0] == self._s.rows.generation
 
     def hash_rows(self, rows_t, starts_t, counts_t) -> None:
         """Chained digests of blocks ``[start, start + count)`` of each row, on

@@ -101,8 +101,7 @@ class Releases:
     def prepared(self, EP: int) -> bool:
         """Whether bucket ``EP``'s launches are kept."""
         bufs = self.buffers.get(EP)
-        kept = None if bufs is None else bufs.prepared.get("release")
-        return kept is not None and kept[0] == self._s.rows.generation
+        return bufs is not None and self._launches.is_kept(bufs.prepared, "release")
 
     def prepare(self, EP: int) -> None:
         """Bucket ``EP``'s buffers made and its launches kept by a release
