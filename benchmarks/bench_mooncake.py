@@ -66,6 +66,18 @@ request every step as vLLM's run; if not, the benchmark exits with status 1.
 p50 and p99 are over every timed step of every repeat; the ratio is gpukv /
 vLLM at p50, with the range of the per-repeat p50 ratios.
 
+The step split: two more runs of vLLM's scheduler per row (their work
+checked equal), stepped in lockstep: one with its KV-cache manager timed
+(``ManagerTimer``: every call into the manager, its block pool and its
+coordinator, which the scheduler calls directly too, its ``usage`` property
+and the engine's block hasher), one plain. Per step, the plain step less the
+time inside the manager is at most what is outside it (the wrappers add to
+the manager's figure only, and to the timed run's step, which is given too).
+What is outside the manager is vLLM's scheduler code, which runs unchanged
+under gpukv's schedulers: no manager's step goes below it, so ``outside /
+step`` bounds from below the ratio to vLLM any manager can reach on that
+row's traffic.
+
 Per admission (``--admissions``): one more pair of runs per target, vLLM's
 ``Scheduler`` against gpukv's ``UnbatchedReferenceScheduler``, with the
 manager's calls timed per request: for vLLM, its hashing of the prompt when
@@ -349,6 +361,115 @@ def same_work(label: str, ref: Work | TraceRun, got: TraceRun) -> None:
 
 
 # ------------------------------------------------------------------ the step table
+class ManagerTimer:
+    """Thread time a vLLM scheduler's run spends in its KV-cache manager,
+    step by step: every public method of the manager, its ``usage``
+    property, the public methods of its block pool and coordinator as the
+    scheduler sees them (it calls some of theirs directly: ``_TimedView``),
+    and the engine's block hasher (the arrivals' hashing). Inside a timed
+    call the manager's code sees its own block pool and coordinator, so
+    its calls into them pay no wrapper; a call into the manager made inside
+    a timed one counts once, in it. ``clock``: seconds (a stand-in in
+    tests). What is left of the step is scheduler code that runs unchanged
+    whatever the manager (module docstring, "the step split")."""
+
+    def __init__(self, run: TraceRun, clock=time.thread_time) -> None:
+        self.run, self.clock = run, clock
+        self.seconds = 0.0  # inside the manager since the last ``step``
+        self.calls = 0  # timed calls (outermost) since the last ``step``
+        self._depth = 0
+        kvm = self._kvm = run.sched.kv_cache_manager
+        for name in dir(type(kvm)):
+            attr = getattr(type(kvm), name, None)
+            if not name.startswith("_") and callable(attr) and not isinstance(attr, type):
+                setattr(kvm, name, self._timed(getattr(kvm, name)))
+        usage = getattr(type(kvm), "usage", None)
+        if isinstance(usage, property):  # (a property: timed on a subclass made for this instance)
+            kvm.__class__ = type(type(kvm).__name__, (type(kvm),), {"usage": property(self._timed(usage.fget))})
+        if run.hasher is not None:
+            run.hasher = self._timed(run.hasher)
+        self._own = {name: getattr(kvm, name) for name in ("block_pool", "coordinator")
+                     if getattr(kvm, name, None) is not None}
+        self._views = {name: _TimedView(obj, self._timed) for name, obj in self._own.items()}
+        self._show(self._views)
+
+    def _show(self, objects: dict) -> None:
+        for name, obj in objects.items():
+            setattr(self._kvm, name, obj)
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth += 1
+            self.calls += 1
+            self._show(self._own)
+            t0 = self.clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += self.clock() - t0
+                self._show(self._views)
+                self._depth -= 1
+
+        return timed
+
+    def step(self) -> tuple[float, float, int]:
+        """One engine step (``TraceRun.step`` by this clock): its ms, the ms
+        inside the manager and the timed calls."""
+        self.seconds, self.calls = 0.0, 0
+        ms = self.run.step(self.clock)
+        return ms, self.seconds * 1e3, self.calls
+
+
+class _TimedView:
+    """``obj`` (a manager's block pool or coordinator) as the scheduler sees
+    it under ``ManagerTimer``: its public methods through ``timed``, every
+    other attribute its own."""
+
+    def __init__(self, obj: Any, timed) -> None:
+        self._obj, self._timed, self._methods = obj, timed, {}
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._obj, name)
+        if name.startswith("_") or not callable(value):
+            return value
+        method = self._methods.get(name)
+        if method is None:
+            method = self._methods[name] = self._timed(value)
+        return method
+
+
+def measure_split(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
+                  ref: Work) -> dict:
+    """Two more runs of vLLM's ``cls``, checked to do ``ref``'s work and
+    stepped in lockstep: one with its manager timed (``ManagerTimer``), and
+    one plain, each of whose steps runs just before the timed run's same
+    step. Per step, the plain step's ms less the manager's ms in the timed
+    one is at most what was outside the manager (the wrappers can only add
+    to the manager's figure, their clock readings): its p50 and mean, its
+    share of the plain step's p50 (a lower bound on the floor no manager's
+    step goes below), the manager's p50 and mean, the timed calls per step,
+    and the timed run's own step p50 (wrappers and all)."""
+    gc.collect()
+    run, plain = TraceRun(h, cls, prompts, target, options), TraceRun(h, cls, prompts, target, options)
+    timer = ManagerTimer(run)
+
+    def step(_timed: bool) -> tuple[float, float, float, int]:
+        return (plain.step(), *timer.step())
+
+    steps, _ = run.run(args.fill_steps, args.warmup, args.steps, step)
+    for r in (run, plain):
+        same_work(f"{cls.__name__} at {target}, for its step split", ref, r)
+    step_ms, manager = [s for s, *_ in steps], [m for _, _, m, _ in steps]
+    outside = [s - m for s, m in zip(step_ms, manager, strict=True)]
+    return {"steps": len(steps), "calls_mean": float(np.mean([c for *_, c in steps])),
+            "step_p50_ms": pct(step_ms, 50), "timed_step_p50_ms": pct([t for _, t, _, _ in steps], 50),
+            "manager_p50_ms": pct(manager, 50), "manager_mean_ms": float(np.mean(manager)),
+            "outside_p50_ms": pct(outside, 50), "outside_mean_ms": float(np.mean(outside)),
+            "outside_share": pct(outside, 50) / pct(step_ms, 50)}
+
+
 def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argparse.Namespace) -> dict:
     """vLLM and gpukv alternating over repeats at one target: one row."""
     options = config(prompts, target)
@@ -383,6 +504,7 @@ def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argp
         row[name] = {"p50_ms": pct(ts, 50), "p99_ms": pct(ts, 99), "steps": len(ts)}
     row["ratio_p50"] = row["gpukv"]["p50_ms"] / row["vllm"]["p50_ms"]
     row["ratio_p50_per_repeat"] = per_repeat
+    row["vllm_split"] = measure_split(h, classes["vllm"], prompts, target, options, args, first)
     if "device" in classes:
         whys = []
         for key, worker in (("device", False), ("worker", True)):
@@ -758,6 +880,18 @@ def print_step_table(rows: list[dict]) -> None:
         print(line)
 
 
+def print_split_table(rows: list[dict]) -> None:
+    """vLLM's step split (``measure_split``): one line per target."""
+    print("| target | vLLM step p50 ms | the same, its manager timed | timed calls/step | in its manager + hashing "
+          "p50 (mean) ms, at most | outside it p50 (mean) ms, at least | outside / step p50, at least |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        d = r["vllm_split"]
+        print(f"| {r['target']} | {d['step_p50_ms']:.3f} | {d['timed_step_p50_ms']:.3f} | {d['calls_mean']:.0f} "
+              f"| {d['manager_p50_ms']:.3f} ({d['manager_mean_ms']:.3f}) "
+              f"| {d['outside_p50_ms']:.3f} ({d['outside_mean_ms']:.3f}) | {d['outside_share']:.2f} |")
+
+
 def print_device_table(rows: list[dict], costs: GpuCosts) -> None:
     """The honest twin's counts and parts per step, each stated cost beside
     its count: one line per target and device column."""
@@ -933,6 +1067,10 @@ def report(h, args: argparse.Namespace, tables: list[dict], per_admission: dict,
         device = f" and {t['device']}" + ("" if cuda else " (its honest twin: host time + stated GPU costs)")
         print(f"\nvLLM's {t['scheduler']} against gpukv's {t['gpukv']}{device if t['device'] else ''}:")
         print_step_table(t["rows"])
+        print(f"\nvLLM's {t['scheduler']} step split (two more runs in lockstep: one plain, one with its KV-cache "
+              "manager's calls and its arrivals' hashing timed through wrappers; outside them: scheduler code that "
+              "runs whatever the manager):")
+        print_split_table(t["rows"])
         if t["device"] and not cuda:
             print(f"\n{t['device']}'s honest twin, per timed step (one run on vLLM's plan):")
             print_device_table(t["rows"], args.costs)

@@ -6,6 +6,7 @@ requests of the Mooncake trace, so the benchmark cannot rot: its structure
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,15 +31,86 @@ def test_quick_run_structure(tmp_path, capsys):
                 assert r[name]["steps"] == result["repeats"] * result["steps"] == 10
                 assert 0 < r[name]["p50_ms"] <= r[name]["p99_ms"]
             assert r["ratio_p50"] > 0 and len(r["ratio_p50_per_repeat"]) == 2
+        # vLLM's step split: one more vLLM run (its work checked equal), every step's manager calls timed.
+        for r in table["rows"]:
+            d = r["vllm_split"]
+            assert d["steps"] == result["steps"] and d["calls_mean"] > 0
+            assert 0 < d["manager_p50_ms"] < d["timed_step_p50_ms"] and d["outside_share"] < 1
+            assert d["outside_share"] == d["outside_p50_ms"] / d["step_p50_ms"]
     buckets = [a["bucket"] for a in result["admissions"]]
     assert buckets == ["1-63", "64-255", "256-1023", "1024+"]
     assert sum(a["admissions"] for a in result["admissions"]) == 4 + 9  # (every request the two runs admitted)
 
     lines = capsys.readouterr().out.splitlines()
-    tables = [i for i, line in enumerate(lines) if line.startswith("| target |")]
+    tables = [i for i, line in enumerate(lines) if line.startswith("| target | running")]
     assert len(tables) == 2
+    assert sum(line.startswith("| target | vLLM step p50 ms | the same, its manager timed |") for line in lines) == 2
     assert [line.split(" | ")[0] for line in lines[tables[0] + 2:tables[0] + 4]] == ["| 4", "| 8"]
     assert any(line.startswith("| prompt blocks of 16 | admissions |") for line in lines)
+
+
+class _Pool:
+    def take(self):
+        return 7
+
+
+class _Manager:
+    def __init__(self):
+        self.block_pool, self.coordinator = _Pool(), None
+
+    def allocate(self):
+        assert type(self.block_pool) is _Pool  # (inside a timed call the manager sees its own pool)
+        return self.block_pool.take()
+
+    def free(self):
+        assert self.usage == 0.5  # (a call into the manager inside a timed one: counted in it, once)
+
+    @property
+    def usage(self):
+        return 0.5
+
+
+class _Run:
+    """A stand-in for ``TraceRun``: a step calls the manager, its pool and the hasher."""
+
+    def __init__(self):
+        self.sched = SimpleNamespace(kv_cache_manager=_Manager())
+        self.hasher = lambda _request: []
+
+    def step(self, clock):
+        t0 = clock()
+        kvm = self.sched.kv_cache_manager
+        assert kvm.allocate() == 7 and kvm.free() is None and kvm.usage == 0.5 and self.hasher(None) == []
+        assert kvm.block_pool.take() == 7
+        return (clock() - t0) * 1e3
+
+
+class _Ticks:
+    """A clock that reads one second more at each reading."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_manager_timer_counts_each_call_once():
+    """``ManagerTimer``: each call the scheduler makes into the manager, its
+    block pool, its ``usage`` property and the hasher timed once (inside a
+    timed call the manager sees its own pool, unwrapped), what they return
+    unchanged, exactly by a clock that ticks once per reading."""
+    bench = load_benchmark("bench_mooncake")
+    run = _Run()
+    timer = bench.ManagerTimer(run, clock=_Ticks())
+    assert isinstance(run.sched.kv_cache_manager, _Manager)
+    # The step reads the clock 12 times: its own 2, and 2 for each of its 5 timed calls (the calls inside
+    # allocate and free read nothing), each of which spans one tick.
+    assert timer.step() == (11_000.0, 5_000.0, 5)
+    assert timer.step() == (11_000.0, 5_000.0, 5)  # (per step: the counts start again)
+    pool = run.sched.kv_cache_manager.block_pool
+    assert type(pool) is not _Pool and pool.take() == 7  # (the scheduler's view between calls)
 
 
 def test_materialised_prompts_share_the_trace_prefixes():
