@@ -31,7 +31,7 @@ def test_quick_run_structure(tmp_path, capsys):
                 assert r[name]["steps"] == result["repeats"] * result["steps"] == 10
                 assert 0 < r[name]["p50_ms"] <= r[name]["p99_ms"]
             assert r["ratio_p50"] > 0 and len(r["ratio_p50_per_repeat"]) == 2
-        # vLLM's step split: one more vLLM run (its work checked equal), every step's manager calls timed.
+        # vLLM's step split: two more vLLM runs (their work checked equal), one with its manager's calls timed.
         for r in table["rows"]:
             d = r["vllm_split"]
             assert d["steps"] == result["steps"] and d["calls_mean"] > 0
