@@ -452,19 +452,21 @@ def measure_split(h, cls: type, prompts: list[Prompt], target: int, options: dic
     step goes below), the manager's p50 and mean, the timed calls per step,
     and the timed run's own step p50 (wrappers and all)."""
     gc.collect()
-    run, plain = TraceRun(h, cls, prompts, target, options), TraceRun(h, cls, prompts, target, options)
+    run = TraceRun(h, cls, prompts, target, options)
+    plain = _LockstepRun(TraceRun(h, cls, prompts, target, options))
     timer = ManagerTimer(run)
 
-    def step(_timed: bool) -> tuple[float, float, float, int]:
-        return (plain.step(), *timer.step())
+    def step(timed: bool) -> tuple[float, float, int]:
+        plain.step(timed)
+        return timer.step()
 
     steps, _ = run.run(args.fill_steps, args.warmup, args.steps, step)
-    for r in (run, plain):
+    for r in (run, plain.run):
         same_work(f"{cls.__name__} at {target}, for its step split", ref, r)
-    step_ms, manager = [s for s, *_ in steps], [m for _, _, m, _ in steps]
+    step_ms, manager = plain.times, [m for _, m, _ in steps]
     outside = [s - m for s, m in zip(step_ms, manager, strict=True)]
     return {"steps": len(steps), "calls_mean": float(np.mean([c for *_, c in steps])),
-            "step_p50_ms": pct(step_ms, 50), "timed_step_p50_ms": pct([t for _, t, _, _ in steps], 50),
+            "step_p50_ms": pct(step_ms, 50), "timed_step_p50_ms": pct([t for t, _, _ in steps], 50),
             "manager_p50_ms": pct(manager, 50), "manager_mean_ms": float(np.mean(manager)),
             "outside_p50_ms": pct(outside, 50), "outside_mean_ms": float(np.mean(outside)),
             "outside_share": pct(outside, 50) / pct(step_ms, 50)}
@@ -612,8 +614,9 @@ def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: di
 
 
 class _LockstepRun:
-    """A vLLM run stepped beside the device scheduler's timed run, one step
-    before each of its steps (outside their timing), so both figures come
+    """A vLLM run stepped beside another timed run (the device scheduler's,
+    or vLLM's with its manager timed: ``measure_split``), one step before
+    each of its steps (outside their timing), so both figures come
     from the same minutes of the machine: a separate run's p50 has read up
     to 1.6x apart from the next run's on this machine. ``times``: its timed
     steps' ms (arrivals + schedule + update, as ``TraceRun.step``)."""
