@@ -76,7 +76,13 @@ the manager's figure only, and to the timed run's step, which is given too).
 What is outside the manager is vLLM's scheduler code, which runs unchanged
 under gpukv's schedulers: no manager's step goes below it, so ``outside /
 step`` bounds from below the ratio to vLLM any manager can reach on that
-row's traffic.
+row's traffic. With ``--device``, each device column's twin gets the same
+split (without CUDA): a second twin goes through the steps the timed one
+went through (the same recorded reads) with its manager's calls timed the
+same way, kernels out; each step's launch path and stated GPU costs, all of
+which are made inside those calls, are added from the timed twin's same
+step. Beside vLLM's own manager figure this says what gpukv's calls cost
+against vLLM's manager's, and what is left of the twin's step outside them.
 
 Per admission (``--admissions``): one more pair of runs per target, vLLM's
 ``Scheduler`` against gpukv's ``UnbatchedReferenceScheduler``, with the
@@ -176,6 +182,7 @@ from device_twin import (  # noqa: E402  (the honest twin, shared with bench_sch
     digest,
     launch_cost,
     pct,
+    replay_copy,
     twin_cells,
     twin_head,
 )
@@ -366,7 +373,10 @@ class ManagerTimer:
     step by step: every public method of the manager, its ``usage``
     property, the public methods of its block pool and coordinator as the
     scheduler sees them (it calls some of theirs directly: ``_TimedView``),
-    and the engine's block hasher (the arrivals' hashing). Inside a timed
+    and the engine's block hasher (the arrivals' hashing); on gpukv's
+    adapter also its pending step (``PendingGrowth.flush``), which vLLM's
+    scheduler runs from outside any manager call when it reads a running
+    request's new blocks before the adapter applied them. Inside a timed
     call the manager's code sees its own block pool and coordinator, so
     its calls into them pay no wrapper; a call into the manager made inside
     a timed one counts once, in it. ``clock``: seconds (a stand-in in
@@ -388,6 +398,9 @@ class ManagerTimer:
             kvm.__class__ = type(type(kvm).__name__, (type(kvm),), {"usage": property(self._timed(usage.fget))})
         if run.hasher is not None:
             run.hasher = self._timed(run.hasher)
+        pending = getattr(kvm, "pending", None)  # (gpukv's adapter: see ``twin_manager_split``)
+        if pending is not None:
+            pending.flush = self._timed(pending.flush)
         self._own = {name: getattr(kvm, name) for name in ("block_pool", "coordinator")
                      if getattr(kvm, name, None) is not None}
         self._views = {name: _TimedView(obj, self._timed) for name, obj in self._own.items()}
@@ -417,9 +430,17 @@ class ManagerTimer:
     def step(self) -> tuple[float, float, int]:
         """One engine step (``TraceRun.step`` by this clock): its ms, the ms
         inside the manager and the timed calls."""
-        self.seconds, self.calls = 0.0, 0
+        self.take()
         ms = self.run.step(self.clock)
-        return ms, self.seconds * 1e3, self.calls
+        return ms, *self.take()
+
+    def take(self) -> tuple[float, int]:
+        """The ms inside the manager and the timed calls since the last
+        ``take`` (or ``step``), then counted again from zero: a step's, for
+        a run stepped by someone else (``twin_manager_split``)."""
+        out = self.seconds * 1e3, self.calls
+        self.seconds, self.calls = 0.0, 0
+        return out
 
 
 class _TimedView:
@@ -597,8 +618,9 @@ def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: di
 
     real.run(args.fill_steps, args.warmup, args.steps, step)
     same_work(f"{cls.__name__} at {target}", ref, real)
+    flags = [t for t, _ in rows]
+    spare = [replay_copy(row) for _, row in rows] if device.twin is not None else []
     if device.twin is not None:
-        flags = [t for t, _ in rows]
         device.twin_steps([row for _, row in rows], (lambda i: beside.step(flags[i])) if beside else lambda _i: None)
     timed = [row for t, row in rows if t]
     for _, row in rows:
@@ -606,11 +628,59 @@ def measure_device(h, cls: type, prompts: list[Prompt], target: int, options: di
         row.pop("digest")
     why = None if cuda else add_launch_path({"device": timed}, args.costs, args.launch_samples)
     summary = device_summary(timed)
+    if spare:
+        with worker_bound(options, worker):
+            second = TraceRun(h, cls, prompts, target, options)
+        if args.prepare:
+            prepare_as_on_cuda(second, None)
+        summary["manager_split"] = twin_manager_split(device, second, spare, flags, timed)
     if beside is not None:
         same_work(f"{beside_cls.__name__} stepped beside {cls.__name__} at {target}", ref, beside.run)
         summary["vllm_beside"] = {"p50_ms": pct(beside.times, 50), "p99_ms": pct(beside.times, 99),
                                   "steps": len(beside.times)}
     return summary, why
+
+
+def twin_manager_split(device: DeviceTwin, twin: TraceRun, rows: list[dict], flags: list[bool],
+                       timed: list[dict]) -> dict:
+    """The twin's step split (module docstring): ``twin``, a fresh run of the
+    device scheduler, through the steps ``rows`` recorded (``replay_copy``s
+    made before the timed twin's run; ``flags``: which were timed) with its
+    manager's calls timed (``ManagerTimer``, the twin's clock: thread time
+    less the skipped launches'); each timed step's calls get the launch path
+    and stated costs of the timed twin's same step (``timed``, where
+    measured). Returns the calls per step, the calls' host time and with the
+    GPU parts (p50, mean), the second twin's own step (its wrappers' cost
+    in it), and, as vLLM's split takes it, what of the timed twin's step is
+    outside the calls: its host time less the calls' (p50; at least, as the
+    calls' figure carries their clock readings). The adapter's batched step
+    is timed wherever it runs: unbound, vLLM's ``schedule()`` reading a
+    running request's new blocks applies the pending allocations from
+    outside any manager call (``PendingGrowth.flush``, timed too)."""
+    device.set_twin(twin)
+    timer = ManagerTimer(twin, clock=lambda: time.thread_time() - capture.kernel_seconds())
+    taken: list[tuple[float, int]] = []
+
+    def before(i: int) -> None:
+        if i:
+            taken.append(timer.take())
+        else:
+            timer.take()
+
+    gc.collect()
+    device.twin_steps(rows, before)
+    taken.append(timer.take())
+    host = [ms for (ms, _), t in zip(taken, flags, strict=True) if t]
+    calls = [n for (_, n), t in zip(taken, flags, strict=True) if t]
+    steps = [r["host_ms"] for r, t in zip(rows, flags, strict=True) if t]
+    gpu = [(r["honest_ms"] - r["host_ms"]) if r.get("honest_ms") is not None else 0.0 for r in timed]
+    with_gpu = [m + g for m, g in zip(host, gpu, strict=True)]
+    return {"steps": len(host), "calls_mean": float(np.mean(calls)),
+            "manager_host_p50_ms": pct(host, 50), "manager_host_mean_ms": float(np.mean(host)),
+            "manager_p50_ms": pct(with_gpu, 50), "manager_mean_ms": float(np.mean(with_gpu)),
+            "gpu_parts_measured": all(r.get("honest_ms") is not None for r in timed),
+            "timed_step_p50_ms": pct(steps, 50),
+            "outside_p50_ms": pct([r["host_ms"] - m for r, m in zip(timed, host, strict=True)], 50)}
 
 
 class _LockstepRun:
@@ -895,6 +965,27 @@ def print_split_table(rows: list[dict]) -> None:
               f"| {d['outside_p50_ms']:.3f} ({d['outside_mean_ms']:.3f}) | {d['outside_share']:.2f} |")
 
 
+def print_twin_split_table(rows: list[dict]) -> None:
+    """The device twins' step split (``twin_manager_split``) beside vLLM's
+    manager: one line per target and device column."""
+    print("| target | binding | gpukv's calls/step | in gpukv's calls p50 (mean) ms, twin host | the same with "
+          "launch path and stated costs | vLLM's manager + hashing p50 (mean) ms | ratio gpukv/vLLM, means "
+          "| the second twin's step p50 ms, its calls timed | outside gpukv's calls p50 ms, at least |")
+    print("| ---: | --- |" + " ---: |" * 7)
+    for r in rows:
+        v = r["vllm_split"]
+        for key, _ in DEVICE_COLUMNS:
+            d = r.get(key, {}).get("manager_split")
+            if d is None:
+                continue
+            gpu = f"{d['manager_p50_ms']:.3f} ({d['manager_mean_ms']:.3f})" if d["gpu_parts_measured"] else "-"
+            print(f"| {r['target']} | {'worker' if key == 'worker' else 'none'} | {d['calls_mean']:.0f} "
+                  f"| {d['manager_host_p50_ms']:.3f} ({d['manager_host_mean_ms']:.3f}) | {gpu} "
+                  f"| {v['manager_p50_ms']:.3f} ({v['manager_mean_ms']:.3f}) "
+                  f"| {d['manager_mean_ms'] / v['manager_mean_ms']:.2f}x | {d['timed_step_p50_ms']:.3f} "
+                  f"| {d['outside_p50_ms']:.3f} |")
+
+
 def print_device_table(rows: list[dict], costs: GpuCosts) -> None:
     """The honest twin's counts and parts per step, each stated cost beside
     its count: one line per target and device column."""
@@ -1080,6 +1171,9 @@ def report(h, args: argparse.Namespace, tables: list[dict], per_admission: dict,
             whys = sorted({r["launch_path_unmeasured"] for r in t["rows"] if r.get("launch_path_unmeasured")})
             if whys:
                 print(f"The launch path was not measured ({'; '.join(whys)}): no honest figure.")
+            print(f"\n{t['device']}'s step split (a second twin through the same steps, its manager's calls timed "
+                  "as vLLM's are; the launch path and stated costs of each step are made inside the calls):")
+            print_twin_split_table(t["rows"])
     if admissions:
         print("\nPer admission (vLLM's Scheduler against gpukv's UnbatchedReferenceScheduler; calls timed through "
               "wrappers):")

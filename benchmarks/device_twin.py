@@ -53,6 +53,7 @@ change here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -254,20 +255,29 @@ class DeviceTwin:
 
         m._read = recording
         if twin is not None:
-            tm = twin.sched.kv_cache_manager.manager
-            pinned_stand_in(tm._staging)
-
-            def replaying(_t):  # stands in for _read(t): the answer comes from the record
-                tm.counters.d2h += 1
-                if not self.reads:
-                    raise SystemExit("the timing twin read more than the real scheduler")
-                return self.reads.pop(0)
-
-            tm._read = replaying
+            self.set_twin(twin)
         self.calls: list[dict] = []  # the attributed calls of the real step under way
         self.twin_calls: list[tuple] = []  # and of the twin's: (key, method, returned, host ms)
         self.recorded: list = []  # the real step's recorded launches
         self.inside = False  # in an attributed call (calls inside it are its own)
+
+    def set_twin(self, twin: Any) -> None:
+        """``twin`` (a fresh run of the real one's class on the same requests)
+        hooked up as the timing twin: its reads answered from the record, its
+        uploads through the pinned path's Python. A second twin can then go
+        through the steps the first went through (``twin_steps`` on copies of
+        their rows made before: ``replay_copy``)."""
+        self.twin = twin
+        tm = twin.sched.kv_cache_manager.manager
+        pinned_stand_in(tm._staging)
+
+        def replaying(_t):  # stands in for _read(t): the answer comes from the record
+            tm.counters.d2h += 1
+            if not self.reads:
+                raise SystemExit("the timing twin read more than the real scheduler")
+            return self.reads.pop(0)
+
+        tm._read = replaying
 
     def attribute(self, name: str, owner: Callable[[Any], Any], key: Callable[..., Any]) -> None:
         """Split each step by call: the method ``name`` of ``owner(run)`` (the
@@ -388,6 +398,13 @@ class DeviceTwin:
         for call, (*_, call_ms) in zip(row["calls"], self.twin_calls, strict=True):
             call["host_ms"] = call_ms
         row["host_ms"] = ms
+
+
+def replay_copy(row: dict) -> dict:
+    """What ``twin_steps`` needs of a real step's ``row`` for another twin,
+    copied (a twin's run consumes the row's recorded reads)."""
+    return {"recorded_reads": copy.deepcopy(row["recorded_reads"]), "digest": row["digest"],
+            "launches": row["launches"], "calls": [dict(c) for c in row["calls"]]}
 
 
 def add_launch_path(rows_by_key: dict[str, list[dict]], costs: GpuCosts, samples: int) -> str | None:

@@ -545,12 +545,15 @@ class LookupMemo:
     (``lookup_size``), the block size and the mutation epoch it saw
     (``DeviceState.epoch``)."""
 
-    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids", "unheld")
+    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids", "unheld", "_proved")
 
     def __init__(self, epoch: int, request: NewRequest, bound: int, hit: int, block_size: int) -> None:
         self.epoch, self.request, self.bound, self.hit, self.block_size = epoch, request, bound, hit, block_size
         self.ids: list[list[int]] | None = None
         self.unheld: int | None = None
+        # The last (request, cap, epoch) proved covered: an admission asks twice of its one normalised request
+        # (the manager's own object, which no caller holds), and the second answer needs no token comparison.
+        self._proved: tuple | None = None
 
     def covers(self, request: NewRequest, cap: int, epoch: int) -> bool:
         """Whether a lookup of ``request`` capped at ``cap`` blocks now must
@@ -566,6 +569,9 @@ class LookupMemo:
         (vLLM's adapter looks up the prompt cut after its last possible hit
         block, then admits the whole prompt). Tokens on the device are never
         compared: the host does not read them."""
+        proved = self._proved
+        if proved is not None and proved[0] is request and proved[1] == cap and proved[2] == epoch:
+            return True
         mine, tokens = self.request, request.token_ids
         if epoch != self.epoch or self.hit != cap or self.bound < cap or isinstance(tokens, torch.Tensor):
             return False
@@ -574,7 +580,10 @@ class LookupMemo:
                                       mine.mm_items):
             return False
         n = cap * self.block_size
-        return len(tokens) >= n and bool(np.array_equal(np.asarray(tokens)[:n], np.asarray(mine.token_ids)[:n]))
+        if len(tokens) < n or not np.array_equal(np.asarray(tokens)[:n], np.asarray(mine.token_ids)[:n]):
+            return False
+        self._proved = (request, cap, epoch)
+        return True
 
     def same_ids(self, ids: Sequence[Sequence[int]]) -> bool:
         """Whether ``ids`` (per group) are the remembered hit's ids."""

@@ -54,9 +54,20 @@ class _Pool:
         return 7
 
 
+class _Pending:
+    """gpukv's adapter's pending step (``PendingGrowth``): run from inside a manager call or from the scheduler."""
+
+    def __init__(self):
+        self.flushes = 0
+
+    def flush(self):
+        self.flushes += 1
+
+
 class _Manager:
     def __init__(self):
         self.block_pool, self.coordinator = _Pool(), None
+        self.pending = _Pending()
 
     def allocate(self):
         assert type(self.block_pool) is _Pool  # (inside a timed call the manager sees its own pool)
@@ -64,6 +75,7 @@ class _Manager:
 
     def free(self):
         assert self.usage == 0.5  # (a call into the manager inside a timed one: counted in it, once)
+        self.pending.flush()  # (and the pending step inside one)
 
     @property
     def usage(self):
@@ -82,6 +94,7 @@ class _Run:
         kvm = self.sched.kv_cache_manager
         assert kvm.allocate() == 7 and kvm.free() is None and kvm.usage == 0.5 and self.hasher(None) == []
         assert kvm.block_pool.take() == 7
+        kvm.pending.flush()  # (the scheduler reading a pending block: the step runs outside any manager call)
         return (clock() - t0) * 1e3
 
 
@@ -98,19 +111,26 @@ class _Ticks:
 
 def test_manager_timer_counts_each_call_once():
     """``ManagerTimer``: each call the scheduler makes into the manager, its
-    block pool, its ``usage`` property and the hasher timed once (inside a
+    block pool, its ``usage`` property, the hasher and gpukv's pending step
+    (from the scheduler; inside a manager call it is the call's) timed once (inside a
     timed call the manager sees its own pool, unwrapped), what they return
     unchanged, exactly by a clock that ticks once per reading."""
     bench = load_benchmark("bench_mooncake")
     run = _Run()
     timer = bench.ManagerTimer(run, clock=_Ticks())
     assert isinstance(run.sched.kv_cache_manager, _Manager)
-    # The step reads the clock 12 times: its own 2, and 2 for each of its 5 timed calls (the calls inside
+    # The step reads the clock 14 times: its own 2, and 2 for each of its 6 timed calls (the calls inside
     # allocate and free read nothing), each of which spans one tick.
-    assert timer.step() == (11_000.0, 5_000.0, 5)
-    assert timer.step() == (11_000.0, 5_000.0, 5)  # (per step: the counts start again)
-    pool = run.sched.kv_cache_manager.block_pool
+    assert timer.step() == (13_000.0, 6_000.0, 6)
+    assert timer.step() == (13_000.0, 6_000.0, 6)  # (per step: the counts start again)
+    kvm = run.sched.kv_cache_manager
+    assert kvm.pending.flushes == 4
+    pool = kvm.block_pool
     assert type(pool) is not _Pool and pool.take() == 7  # (the scheduler's view between calls)
+    # A run stepped by someone else (the twin's split) takes the figures since the last take: the view's take
+    # above and this flush, a tick each.
+    kvm.pending.flush()
+    assert timer.take() == (2_000.0, 2) and timer.take() == (0.0, 0)
 
 
 def test_materialised_prompts_share_the_trace_prefixes():
@@ -192,6 +212,16 @@ def test_quick_run_with_the_device_twin(tmp_path, capsys):
         "none", "worker"]
     if row["launch_path_unmeasured"] is None:
         assert device["honest_ms"]["p50"] > device["host_ms"]["p50"]
+    # The twins' step split: a second twin through the same steps (checked alike), its manager's calls timed.
+    for d in (device, worker):
+        split = d["manager_split"]
+        assert split["steps"] == 5 and split["calls_mean"] > 0
+        assert 0 < split["manager_host_p50_ms"] < split["timed_step_p50_ms"]
+        assert split["gpu_parts_measured"] is (row["launch_path_unmeasured"] is None)
+        if split["gpu_parts_measured"]:
+            assert split["manager_mean_ms"] > split["manager_host_mean_ms"]
+    head = next(i for i, x in enumerate(lines) if x.startswith("| target | binding | gpukv's calls/step |"))
+    assert [x.split(" | ")[:2] for x in lines[head + 2:head + 4]] == [["| 4", "none"], ["| 4", "worker"]]
 
 
 def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
