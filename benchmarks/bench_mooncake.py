@@ -659,17 +659,10 @@ def twin_manager_split(device: DeviceTwin, twin: TraceRun, rows: list[dict], fla
     outside any manager call (``PendingGrowth.flush``, timed too)."""
     device.set_twin(twin)
     timer = ManagerTimer(twin, clock=lambda: time.thread_time() - capture.kernel_seconds())
-    taken: list[tuple[float, int]] = []
-
-    def before(i: int) -> None:
-        if i:
-            taken.append(timer.take())
-        else:
-            timer.take()
-
+    taken: list[tuple[float, int]] = []  # (each step's figures, taken when the next one starts)
     gc.collect()
-    device.twin_steps(rows, before)
-    taken.append(timer.take())
+    device.twin_steps(rows, lambda _i: taken.append(timer.take()))
+    taken = [*taken[1:], timer.take()]
     host = [ms for (ms, _), t in zip(taken, flags, strict=True) if t]
     calls = [n for (_, n), t in zip(taken, flags, strict=True) if t]
     steps = [r["host_ms"] for r, t in zip(rows, flags, strict=True) if t]

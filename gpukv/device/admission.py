@@ -231,16 +231,17 @@ class Admission:
         request = apply_allocate_args(request, computed.num_tokens if computed is not None else 0, num_tokens,
                                       num_lookahead_tokens, s.limits)
         with self._calls.counting():
-            cap = 0
+            cap, memo = 0, None
             if computed is not None:
                 # Checked before anything changes: the given hit must still be
                 # what a lookup capped at its length finds now (a longer hit
                 # would move a window group's null blocks).
                 cap = computed.num_tokens // s.block_size
-                if not self._hit_current(request, cap, computed.num_tokens, computed.block_ids):
+                current, memo = self._hit_current(request, cap, computed.num_tokens, computed.block_ids)
+                if not current:
                     raise stale_computed_blocks()
             # (the dry lookup above wrote only a free row and scratch buffers)
-            touches = self._touches_known(request, cap)
+            touches = self._touches_known(cap, memo)
             self._calls.begin_changes()
             res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap], hit_touches=touches)
         if res.num_admitted == 0:
@@ -259,25 +260,26 @@ class Admission:
         (request,) = self._calls.normalize((), (), [request], single=True, defer_admissible=True).new
         hit_tokens = check_prefix_hit(hit, request, s.limits)
         request = apply_allocate_args(request, hit_tokens, num_tokens, num_lookahead_tokens, s.limits)
-        cap = hit_tokens // s.block_size
+        cap, memo = hit_tokens // s.block_size, None
         with self._calls.counting():
-            if cap and not self._hit_current(request, cap, hit_tokens, None):
-                raise stale_computed_blocks()
-            touches = self._touches_known(request, cap)
+            if cap:
+                current, memo = self._hit_current(request, cap, hit_tokens, None)
+                if not current:
+                    raise stale_computed_blocks()
+            touches = self._touches_known(cap, memo)
             self._calls.begin_changes()
             res = self._calls.step((), (), [request], count_stats=False, hit_caps=[cap], hit_touches=touches)
         return res.num_admitted == 1
 
-    def _touches_known(self, request: NewRequest, cap: int) -> list[int] | None:
+    @staticmethod
+    def _touches_known(cap: int, memo: LookupMemo | None) -> list[int] | None:
         """The first touches of the hit of ``cap`` blocks just checked to be
-        what a lookup of ``request`` finds now (``_hit_current``): none
-        without a hit; else the unheld blocks the remembered sized lookup
-        read, where it covers this one (``LookupMemo.covers``); None when not
+        current by ``memo`` (``_hit_current``'s): none without a hit; else
+        the unheld blocks it read, where it was a sized lookup; None when not
         known (the step then reads its outcome)."""
         if cap == 0:
             return [0]
-        memo = self.memo
-        if memo is None or memo.unheld is None or not memo.covers(request, cap, self._s.epoch):
+        if memo is None or memo.unheld is None:
             return None
         return [memo.unheld]
 
@@ -356,20 +358,25 @@ class Admission:
         self.memo.unheld = unheld
 
     def _hit_current(self, request: NewRequest, cap: int, hit_tokens: int,
-                     ids: Sequence[Sequence[int]] | None) -> bool:
+                     ids: Sequence[Sequence[int]] | None) -> tuple[bool, LookupMemo | None]:
         """Whether a lookup of ``request`` capped at ``cap`` blocks finds now
-        a hit of ``hit_tokens`` (with ``ids``: those block ids per group).
-        The remembered dry lookup answers where it provably gives what a
-        lookup now would (``LookupMemo.covers``); else a capped dry lookup
-        (sized: no id read, when no id is compared)."""
+        a hit of ``hit_tokens`` (with ``ids``: those block ids per group),
+        and the dry lookup that says so, for the admission's touches
+        (``_touches_known``). The remembered dry lookup answers where it
+        provably gives what a lookup now would (``LookupMemo.covers``: the
+        tokens compared once an admission); else a capped dry lookup of this
+        request (sized: no id read, when no id is compared), remembered in
+        turn (None: tokens on the device, never remembered)."""
         s = self._s
         memo = self.memo
         if memo is not None and memo.covers(request, cap, s.epoch) and (ids is None or memo.ids is not None):
-            return memo.hit * s.block_size == hit_tokens and (ids is None or memo.same_ids(ids))
+            return memo.hit * s.block_size == hit_tokens and (ids is None or memo.same_ids(ids)), memo
         if ids is None:
-            return self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens == hit_tokens
+            current = self.lookup_size(request, count_stats=False, hit_cap=cap).num_tokens == hit_tokens
+            return current, self.memo
         now = self.lookup_only(request, count_stats=False, hit_cap=cap)
-        return now.num_tokens == hit_tokens and all(list(ids[g]) == now.block_ids[g] for g in range(s.num_groups))
+        current = now.num_tokens == hit_tokens and all(list(ids[g]) == now.block_ids[g] for g in range(s.num_groups))
+        return current, self.memo
 
     def device_tokens_bad(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """int64[1] on the device: ``ERR_BAD_TOKEN`` if any id of these token
@@ -545,15 +552,12 @@ class LookupMemo:
     (``lookup_size``), the block size and the mutation epoch it saw
     (``DeviceState.epoch``)."""
 
-    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids", "unheld", "_proved")
+    __slots__ = ("epoch", "request", "bound", "hit", "block_size", "ids", "unheld")
 
     def __init__(self, epoch: int, request: NewRequest, bound: int, hit: int, block_size: int) -> None:
         self.epoch, self.request, self.bound, self.hit, self.block_size = epoch, request, bound, hit, block_size
         self.ids: list[list[int]] | None = None
         self.unheld: int | None = None
-        # The last (request, cap, epoch) proved covered: an admission asks twice of its one normalised request
-        # (the manager's own object, which no caller holds), and the second answer needs no token comparison.
-        self._proved: tuple | None = None
 
     def covers(self, request: NewRequest, cap: int, epoch: int) -> bool:
         """Whether a lookup of ``request`` capped at ``cap`` blocks now must
@@ -569,9 +573,6 @@ class LookupMemo:
         (vLLM's adapter looks up the prompt cut after its last possible hit
         block, then admits the whole prompt). Tokens on the device are never
         compared: the host does not read them."""
-        proved = self._proved
-        if proved is not None and proved[0] is request and proved[1] == cap and proved[2] == epoch:
-            return True
         mine, tokens = self.request, request.token_ids
         if epoch != self.epoch or self.hit != cap or self.bound < cap or isinstance(tokens, torch.Tensor):
             return False
@@ -580,10 +581,7 @@ class LookupMemo:
                                       mine.mm_items):
             return False
         n = cap * self.block_size
-        if len(tokens) < n or not np.array_equal(np.asarray(tokens)[:n], np.asarray(mine.token_ids)[:n]):
-            return False
-        self._proved = (request, cap, epoch)
-        return True
+        return len(tokens) >= n and bool(np.array_equal(np.asarray(tokens)[:n], np.asarray(mine.token_ids)[:n]))
 
     def same_ids(self, ids: Sequence[Sequence[int]]) -> bool:
         """Whether ``ids`` (per group) are the remembered hit's ids."""

@@ -247,28 +247,31 @@ def test_the_memo_covers_only_what_it_proves():
     assert LookupMemo(7, NewRequest("a", tokens), 2, 1, 2).covers(same, 1, 7) is True
 
 
-def test_the_memo_compares_an_admissions_tokens_once(monkeypatch):
-    """An admission asks twice of its one normalised request (the hit's
-    check, then its touches): the tokens are compared once; another
-    request object, another cap or a later epoch is proved anew."""
+def test_an_admission_compares_its_tokens_once(monkeypatch):
+    """The memo that proved an admission's hit current (``_hit_current``)
+    also gives its first touches: the hit's tokens are compared once an
+    admission, through either entry point, and the answers are the
+    reference's."""
     compared = []
     equal = np.array_equal
     monkeypatch.setattr(np, "array_equal", lambda a, b: compared.append(len(a)) or equal(a, b))
-    tokens = np.array([1, 2, 3, 4, 5], dtype=np.int64)
-    memo = LookupMemo(7, NewRequest("a", tokens), 2, 2, 2)
-    same = NewRequest("a", tokens.copy())
-    assert memo.covers(same, 2, 7) and memo.covers(same, 2, 7)
-    assert compared == [4]
-    assert memo.covers(same, 2, 8) is False and memo.covers(same, 1, 7) is False and compared == [4]
-    assert memo.covers(NewRequest("a", np.array([1, 2, 3, 9, 5])), 2, 7) is False and compared == [4, 4]
-    assert memo.covers(same, 2, 7) is True and compared == [4, 4]  # (a refusal forgets nothing proved)
-    # Through the manager: a bound admission after its lookup compares the prompt's hit tokens once.
     ref, dev = primed()
     req = NewRequest("a", [*PROMPT[:6], 9])
     assert ref.admit(req, ref.read_prefix_hit(req)) is True  # (the reference compares tokens of its own)
     hit = dev.read_prefix_hit(req)
     compared.clear()
     assert dev.admit(req, hit) is True and compared == [6]
+    assert dev.counters.d2h == 0  # (the touches known: no read)
+    assert_same(ref, dev)
+    for m in (ref, dev):
+        m.free("a")
+    c_ref = ref.get_computed_blocks(req)
+    expected = ref.allocate_slots(req, computed=c_ref)
+    c_dev = dev.get_computed_blocks(req)
+    assert c_dev == c_ref
+    compared.clear()
+    assert dev.allocate_slots(req, computed=c_dev) == expected == [[4]]
+    assert compared == [6]
     assert_same(ref, dev)
 
 
