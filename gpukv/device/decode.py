@@ -223,8 +223,9 @@ class DecodePath:
         self._pool = state.pool
         self._events = state.events
         self._blocked = state.blocked
-        #: ``_blocked`` is 0 on the device: zeroed (or made) since the last running phase launched (only
-        #: ``decode_fit`` writes it), so a step with no running phase zeroes it only when a phase ran since.
+        #: ``_blocked`` is 0 on the device: zeroed (or made), or written 0 by the last running phase (only
+        #: ``decode_fit`` writes it: 1 when a real row did not fit), so a step with no running phase zeroes
+        #: it only after a phase in which a row did not fit.
         self._blocked_clear = True
         self._reqs = state.reqs
         self.device = state.device
@@ -455,7 +456,9 @@ class DecodePath:
         (after the fit is known: rows that did not fit popped nothing)."""
         self._launches.rebuild_if_due(plan.blocks_popped(n_fit))
         done, known, computed, held = plan.rows, plan.num_tokens, plan.computed, plan.held
-        if n_fit < len(done):  # (only the first rows got theirs; all of them, the common case, take no slices)
+        if n_fit == len(done):  # (``decode_fit`` wrote 0: every real row fit)
+            self._blocked_clear = True
+        else:  # (only the first rows got theirs; all of them, the common case, take no slices)
             done, known, computed, held = done[:n_fit], known[:n_fit], computed[:n_fit], held[:n_fit]
         rows = self._rows
         rows.num_tokens[done], rows.num_computed[done], rows.num_held[done] = known, computed, held

@@ -186,7 +186,8 @@ def test_a_lookup_and_an_admission_run_only_their_uploads_and_the_free_counts_co
     the host's mirror of the free count is left as it is: a lookup changes
     no block); an admission its upload and the mirror's copy; a step with
     no running phase zeroes the flag a running update that did not fit sets
-    only when a running phase ran since (the admission reads it)."""
+    (the admission reads it) only when one did not fit since: a running
+    phase in which every update fit wrote it 0."""
     from gpukv.core.metrics import StepCounters
     from gpukv.device.staging import TorchOpCounter
     from gpukv.reference.manager import ReferenceManager
@@ -223,4 +224,12 @@ def test_a_lookup_and_an_admission_run_only_their_uploads_and_the_free_counts_co
         assert res.num_admitted == ref.step(new=new).num_admitted == 1
         got.append(n)
     assert got == [5, 4]  # the upload, the read's two casts (hits, computed tokens), the mirror's copy
+    # A running update that fits (a sixth token in n0's two blocks) writes the flag 0: the admission-only
+    # step after it has nothing to zero.
+    for m in ms:
+        assert m.step(running=[RunningUpdate("n0", [1])]).running_failed_at is None
+    new = [NewRequest("n2", [102] * 2)]  # one block: the last free one
+    res, n = ops(lambda: dev.step(new=new))
+    assert res.num_admitted == ref.step(new=new).num_admitted == 1
+    assert n == 4
     assert_same(ref, dev)
