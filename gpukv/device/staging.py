@@ -191,8 +191,13 @@ class Staging:
         return host
 
 
-_METADATA_OPS = ("view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "reshape", "alias",
-                 "permute", "transpose", "detach", "split", "unbind", "t.default", "lift_fresh", "_local_scalar")
+#: The aten operations that launch no kernel on a GPU (views, reshapes,
+#: aliases, detaching, and the scalar read of a host tensor), by their exact
+#: names (a part of a name would take ``cat``, ``sort`` or ``sqrt`` for
+#: ``t``, and ``index_select`` for ``select``).
+_METADATA_OPS = frozenset({"view", "_unsafe_view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze",
+                           "reshape", "alias", "permute", "transpose", "t", "detach", "split", "split_with_sizes",
+                           "unbind", "lift_fresh", "_local_scalar_dense"})
 
 
 class TorchOpCounter(TorchDispatchMode):
@@ -206,7 +211,6 @@ class TorchOpCounter(TorchDispatchMode):
         self.counters = counters
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if not capture.in_kernel() and not any(m in name for m in _METADATA_OPS):
+        if not capture.in_kernel() and func.overloadpacket.__name__ not in _METADATA_OPS:
             self.counters.torch_ops += 1
         return func(*args, **(kwargs or {}))

@@ -304,3 +304,31 @@ def test_decodes_between_other_steps_never_overwrite_a_pending_plan(gpu):
     assert "decode tokens" not in sent
     assert not gpu.hazards, gpu.hazards
     m.check_invariants()
+
+
+def test_the_torch_op_counter_counts_every_kernel_and_no_view():
+    """Each operation that runs a kernel counts one, whatever its name holds
+    (``cat``, ``sort`` and ``sqrt`` end in ``t``, ``index_select`` holds
+    ``select``, both names of views); a view, a slice, a transpose or a
+    detach counts none."""
+    from gpukv.device.staging import TorchOpCounter
+
+    a = torch.arange(6, dtype=torch.int64)
+    f = a.to(torch.float32)
+    kernels = {"cat": lambda: torch.cat([a, a]), "sort": lambda: torch.sort(a), "sqrt": lambda: f.sqrt(),
+               "index_select": lambda: a.index_select(0, a[:2]), "argsort": lambda: torch.argsort(a),
+               "bitwise_not": lambda: torch.bitwise_not(a), "add": lambda: a + 1, "copy_": lambda: a.clone().copy_(a)}
+    views = {"view": lambda: a.view(2, 3), "slice": lambda: a[1:4], "select": lambda: a[2],
+             "t": lambda: a.view(2, 3).t(), "dtype view": lambda: a.view(torch.int32), "detach": lambda: a.detach(),
+             "unbind": lambda: a.view(2, 3).unbind()}
+
+    def count(op) -> int:
+        counted = StepCounters()
+        with TorchOpCounter(counted):
+            op()
+        return counted.torch_ops
+
+    assert {name: count(op) for name, op in kernels.items()} == {"cat": 1, "sort": 1, "sqrt": 1, "index_select": 1,
+                                                                 "argsort": 1, "bitwise_not": 1, "add": 1,
+                                                                 "copy_": 2}  # (the clone, the copy)
+    assert {name: count(op) for name, op in views.items()} == dict.fromkeys(views, 0)
