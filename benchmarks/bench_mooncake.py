@@ -94,9 +94,9 @@ which hash the prompt themselves (gpukv keys its cache by its own digests;
 the engine hashes nothing for it).
 The unbatched class because gpukv's batched path admits a run of waiting
 requests as one gpukv step inside the run's first lookup, a cost no single
-admission owns. Admissions are bucketed by prompt length in blocks of 16
-(1-63, 64-255, 256-1023, 1024 and more); the table gives p50 per bucket and
-the ratio of the p50s. This pass times each call through a wrapper, so its
+admission owns (the device pass below shares it out). Admissions are
+bucketed by prompt length in blocks of 16 (1-63, 64-255, 256-1023, 1024
+and more); the table gives p50 per bucket and the ratio of the p50s. This pass times each call through a wrapper, so its
 figures are not the step table's.
 
 The device manager (``--device``, off by default): gpukv's
@@ -118,7 +118,18 @@ reference) attributed through ``DeviceTwin.attribute``: the twin's host time
 in those calls, the launch path of their own launches, and their counted
 operations at the stated costs; a table per bucket, each stated cost beside
 its count, and the twin host time's slope in prompt blocks (admissions of
-64 blocks and more); not on CUDA. vLLM's admission run is made again after
+64 blocks and more); not on CUDA. Beside it, what an engine runs: gpukv's
+batched ``DeviceScheduler``, whose waiting run (every request vLLM's loop
+will admit this step) is one gpukv step made inside the run's first
+lookup. That step would also apply the running loop's answered
+allocations (its running phase, no admission's cost), so here they are
+applied as a step of their own just before that lookup, outside the timed
+calls (``apply_running_growth_first``; the decisions are the same, and
+checked): the admission's step then pays alone the fixed cost it shares
+with the running phase in the engine. A run's figures (its calls, their
+launch path and stated costs) are shared equally by the K requests it
+admitted (``share_admitting_steps``), and the table gives the mean K and,
+apart, the admissions made alone (K = 1). vLLM's admission run is made again after
 the device runs (its work checked equal), and the device's ratio is given
 against each of vLLM's two p50s (vLLM's figures have read up to 1.9x apart
 between runs of one tree), and against a vLLM run stepped in lockstep with
@@ -753,15 +764,16 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
             samples[name] += got
         same_work(f"per admission, {classes['gpukv'].__name__} at {target}", runs["vllm"], runs["gpukv"])
         if "device" in classes:
-            for key, worker in (("device", False), ("worker", True)):
+            for key, batched, worker in ADMISSION_COLUMNS:
                 if worker and not args.worker:
                     continue
                 t0 = time.perf_counter()
-                admitted, lockstep = device_admissions(h, classes["device"], prompts, target, options, args,
-                                                       runs["vllm"], worker, classes["vllm"])
+                cls = classes["batched" if batched else "device"]
+                admitted, lockstep = device_admissions(h, cls, prompts, target, options, args, runs["vllm"], worker,
+                                                       classes["vllm"], batched)
                 device[key] += admitted
                 beside[key] += lockstep
-                print(f"  device per admission{' (worker binding)' if worker else ''} at {target}: "
+                print(f"  {cls.__name__} per admission{' (worker binding)' if worker else ''} at {target}: "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
             # vLLM's pass again, after the device runs: the device's ratio is given against both (vLLM's
             # figures have read up to 1.9x apart between runs of one tree).
@@ -812,16 +824,20 @@ def _admission_key(h):
 
 
 def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options: dict, args: argparse.Namespace,
-                      ref: TraceRun, worker: bool, beside_cls: type) -> tuple[list[dict], list[tuple]]:
+                      ref: TraceRun, worker: bool, beside_cls: type,
+                      batched: bool = False) -> tuple[list[dict], list[tuple]]:
     """The device twin per admission (module docstring): ``cls`` (gpukv's
-    unbatched device scheduler) on ``ref``'s plan, checked to do its work,
-    every step's launches recorded and each admission's calls attributed
-    (``DeviceTwin.attribute``); one pseudo-row per admission, as
-    ``device_twin``'s per step (``launch_list`` still in, ``bucket`` added).
-    Beside them, ``beside_cls`` (vLLM's scheduler) stepped in lockstep with
-    the twin's steps (each of its steps just before the twin's same step),
-    its admissions timed as ``admission_run``'s: (bucket, hashing ms, calls
-    ms) per admitted request, figures from the same minutes as the twin's."""
+    unbatched device scheduler; with ``batched`` its batched one, the
+    running loop's growth applied first, outside the admission's calls:
+    ``apply_running_growth_first``) on ``ref``'s plan, checked to do its
+    work, every step's launches recorded and each admission's calls
+    attributed (``DeviceTwin.attribute``); one pseudo-row per admission, as
+    ``device_twin``'s per step (``launch_list`` still in, ``bucket`` and the
+    ``step`` that admitted it added). Beside them, ``beside_cls`` (vLLM's
+    scheduler) stepped in lockstep with the twin's steps (each of its steps
+    just before the twin's same step), its admissions timed as
+    ``admission_run``'s: (bucket, hashing ms, calls ms) per admitted
+    request, figures from the same minutes as the twin's."""
     gc.collect()
     with worker_bound(options, worker):
         real = TraceRun(h, cls, prompts, target, options)
@@ -835,6 +851,9 @@ def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options:
     lookup, allocate = _admission_key(h)
     device.attribute("get_computed_blocks", lambda run: run.sched.kv_cache_manager, lookup)
     device.attribute("allocate_slots", lambda run: run.sched.kv_cache_manager, allocate)
+    if batched:
+        for run in (real, twin):
+            apply_running_growth_first(run.sched.kv_cache_manager)
     rows: list[dict] = []
     real.run(args.fill_steps, args.warmup, args.steps, lambda _timed: rows.append(device.real_step(True)))
     same_work(f"per admission, {cls.__name__}{' (worker binding)' if worker else ''} at {target}", ref, real)
@@ -846,15 +865,36 @@ def device_admissions(h, cls: type, prompts: list[Prompt], target: int, options:
     device.twin_steps(rows, lambda _i: lockstep.step())
     same_work(f"per admission, {beside_cls.__name__} stepped beside {cls.__name__} at {target}", ref, lockstep)
     blocks = {str(p.index): p.blocks for p in prompts}
-    admitted = [dict(a, bucket=bucket_of(blocks[rid]), blocks=blocks[rid])
-                for rid, a in admissions_of([c for r in rows for c in r["calls"]]).items()]
+    calls = [dict(c, step=i) for i, r in enumerate(rows) for c in r["calls"]]
+    admitted = [dict(a, bucket=bucket_of(blocks[rid]), blocks=blocks[rid]) for rid, a in admissions_of(calls).items()]
     return admitted, [(bucket_of(blocks[rid]), hs, cs) for rid, (hs, cs) in timer.samples.items()]
+
+
+def apply_running_growth_first(adapter: Any) -> None:
+    """The batched device scheduler's admission timed alone: its waiting run
+    is admitted as one gpukv step inside the run's first lookup, which also
+    applies the running loop's answered allocations (``PendingGrowth.flush``:
+    that step's running phase, no admission's cost). Here they are applied
+    as a step of their own just before that lookup, outside the attributed
+    calls, so the admission's step is the waiting run alone, paying the
+    whole fixed cost of a step that in the engine it shares with the
+    running phase. The decisions are the same (the run's step applies them
+    first too; the run is checked to do vLLM's work)."""
+    lookup = adapter.get_computed_blocks  # (the attributed one: this wraps it from outside)
+
+    def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+        if adapter.pending.calls:
+            adapter.pending.flush()
+        return lookup(request, *args, **kwargs)
+
+    adapter.get_computed_blocks = get_computed_blocks
 
 
 def admissions_of(calls: list[dict]) -> dict[str, dict]:
     """Each admitted request's calls (``DeviceTwin.attribute``'s records, in
     order) summed up to the allocation that admitted it: a pseudo-row
-    ``device_twin.device_summary`` reads."""
+    ``device_twin.device_summary`` reads, with the ``step`` of that
+    allocation where the calls carry one."""
     open_: dict[str, dict] = {}
     done: dict[str, dict] = {}
     for c in calls:
@@ -870,7 +910,30 @@ def admissions_of(calls: list[dict]) -> dict[str, dict]:
             a["counts"][k] += c["counts"][k]
         if c["call"] == "allocate_slots" and c["returned"]:
             done[rid] = open_.pop(rid)
+            if "step" in c:
+                done[rid]["step"] = c["step"]
     return done
+
+
+#: Per-admission figures a step admitting several requests shares out equally (``share_admitting_steps``).
+SHARED_FIELDS = ("launches", "replayed", "reads", "host_ms", "launch_path_ms", "stated_ms", "honest_ms")
+
+
+def share_admitting_steps(admitted: list[dict]) -> None:
+    """The batched scheduler admits a waiting run of K requests in one gpukv
+    step, made inside the first one's lookup (the others' calls are answered
+    from it): each of the K gets the mean of their figures (``SHARED_FIELDS``
+    and the counts), and ``shared`` = K (1: admitted alone). In place, after
+    the launch path (``add_launch_path``), so that each launch is timed once."""
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for a in admitted:
+        by_step[a["step"]].append(a)
+    for group in by_step.values():
+        means = {f: float(np.mean([a[f] for a in group])) for f in SHARED_FIELDS
+                 if all(a.get(f) is not None for a in group)}
+        counts = {c: float(np.mean([a["counts"][c] for a in group])) for c in group[0]["counts"]}
+        for a in group:
+            a.update(means, shared=len(group), counts=dict(counts))
 
 
 def add_device_admissions(rows: list[dict], device: dict[str, list[dict]],
@@ -886,12 +949,19 @@ def add_device_admissions(rows: list[dict], device: dict[str, list[dict]],
               for key, admitted in device.items() for r in rows}
     why = add_launch_path(by_key, args.costs, args.launch_samples)
     for key in device:
+        if key in BATCHED_KEYS:
+            share_admitting_steps(device[key])
         for r in rows:
             mine = by_key[f"{key} {r['bucket']}"]
             if not mine:
                 continue
             d = device_summary(mine)
             d.pop("first_host_ms", None)
+            if key in BATCHED_KEYS:
+                alone = [a["honest_ms"] for a in mine if a["shared"] == 1 and a.get("honest_ms") is not None]
+                d["shared_mean"] = float(np.mean([a["shared"] for a in mine]))
+                d["alone"] = {"admissions": sum(a["shared"] == 1 for a in mine),
+                              "honest_p50_ms": pct(alone, 50) if alone else None}
             d["blocks_mean"] = float(np.mean([a["blocks"] for a in mine]))
             figure = d.get("honest_ms")
             if figure and r.get("vllm_p50_ms"):
@@ -921,6 +991,10 @@ def _device_figure(d: dict) -> dict | None:
 
 #: The device columns: a row's key, and its name in the tables.
 DEVICE_COLUMNS = (("device", "gpukv device"), ("worker", "gpukv device, worker binding"))
+#: The per-admission device columns: (key, the batched scheduler's, bound as under gpukv's worker).
+ADMISSION_COLUMNS = (("device", False, False), ("worker", False, True), ("batched", True, False),
+                     ("batched_worker", True, True))
+BATCHED_KEYS = frozenset(key for key, batched, _ in ADMISSION_COLUMNS if batched)
 
 
 def print_step_table(rows: list[dict]) -> None:
@@ -1011,11 +1085,11 @@ def print_device_admission_table(rows: list[dict], slopes: dict[str, float | Non
     each stated cost beside its count, and its honest p50 against vLLM's
     total p50 (the table above); then the twin host time's slope."""
     head = twin_head(costs).replace("launches/step", "launches/admission")
-    print(f"| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms, before / after the "
-          f"device runs | {head} | ratio device/vLLM p50 [against each vLLM pass] | vLLM stepped beside it: p50 ms, "
-          f"ratio |")
-    print("| --- | --- |" + " ---: |" * 15)
-    for key, _ in DEVICE_COLUMNS:
+    print(f"| prompt blocks of 16 | scheduler | binding | admissions | mean blocks | vLLM total p50 ms, before / after "
+          f"the device runs | {head} | ratio device/vLLM p50 [against each vLLM pass] | vLLM stepped beside it: p50 "
+          f"ms, ratio | admissions per step, mean; admitted alone: count, honest p50 ms |")
+    print("| --- | --- | --- |" + " ---: |" * 16)
+    for key, batched, worker in ADMISSION_COLUMNS:
         for r in rows:
             d = r.get(key)
             if d is None:
@@ -1028,8 +1102,13 @@ def print_device_admission_table(rows: list[dict], slopes: dict[str, float | Non
                 f" / {r['vllm_after_p50_ms']:.3f}" if "vllm_after_p50_ms" in r else "")
             lockstep = (f"{d['vllm_beside_p50_ms']:.3f}, {d['ratio_beside']:.2f}x" if "ratio_beside" in d
                         else "-")
-            print(f"| {r['bucket']} | {'worker' if key == 'worker' else 'none'} | {d['steps']} "
-                  f"| {d['blocks_mean']:.0f} | {vllm} | " + " | ".join(twin_cells(d)) + f" | {ratio} | {lockstep} |")
+            alone = "-"
+            if batched:
+                p50 = d["alone"]["honest_p50_ms"]
+                alone = f"{d['shared_mean']:.2f}; {d['alone']['admissions']}, " + ("-" if p50 is None else f"{p50:.3f}")
+            print(f"| {r['bucket']} | {'batched' if batched else 'unbatched'} | {'worker' if worker else 'none'} "
+                  f"| {d['steps']} | {d['blocks_mean']:.0f} | {vllm} | " + " | ".join(twin_cells(d))
+                  + f" | {ratio} | {lockstep} | {alone} |")
     for key, slope in slopes.items():
         text = "-" if slope is None else f"{slope:.3f} us"
         print(f"Twin host time per admission, slope in prompt blocks from 64 up ({key}): {text} a block.")
@@ -1127,7 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
             print("note: the device per admission is the interpreter twin's (no CUDA); on a GPU not measured",
                   file=sys.stderr)
         elif args.device:
-            classes["device"] = gk.UnbatchedDeviceScheduler
+            classes["device"], classes["batched"] = gk.UnbatchedDeviceScheduler, gk.DeviceScheduler
         admissions, slopes = measure_admissions(h, classes, prompts, args.targets, args)
         print(f"  per admission: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     report(h, args, tables, {"rows": admissions, "device_host_us_per_block": slopes}, time.perf_counter() - t_all)
@@ -1171,9 +1250,11 @@ def report(h, args: argparse.Namespace, tables: list[dict], per_admission: dict,
         print("\nPer admission (vLLM's Scheduler against gpukv's UnbatchedReferenceScheduler; calls timed through "
               "wrappers):")
         print_admission_table(admissions)
-        if any(key in r for r in admissions for key, _ in DEVICE_COLUMNS):
-            print("\nPer admission, gpukv's UnbatchedDeviceScheduler's honest twin (its admission calls "
-                  "attributed: the same requests, vLLM's plan):")
+        if any(key in r for r in admissions for key, _, _ in ADMISSION_COLUMNS):
+            print("\nPer admission, gpukv's device schedulers' honest twins on vLLM's plan, the same requests "
+                  "(unbatched: UnbatchedDeviceScheduler, each admission's lookup and allocation attributed; batched: "
+                  "DeviceScheduler, each waiting run's one step, the running loop's growth applied as a step of its "
+                  "own before it, shared equally by the run's admissions):")
             print_device_admission_table(admissions, per_admission["device_host_us_per_block"], args.costs)
     if args.json:
         with open(args.json, "w") as f:

@@ -459,8 +459,12 @@ def twin_head(costs: GpuCosts) -> str:
 
 
 def count_cell(d: dict, key: str) -> str:
+    """A count's mean, and its range where it varies (a count shared out by
+    several admissions, ``share_admitting_steps``, is a fraction: one decimal)."""
     c = d[key]
-    return f"{c['mean']:.1f}" + (f" ({c['min']}-{c['max']})" if c["min"] != c["max"] else "")
+    low, high = (f"{x:.1f}" if isinstance(x, float) and not x.is_integer() else f"{int(x)}"
+                 for x in (c["min"], c["max"]))
+    return f"{c['mean']:.1f}" + (f" ({low}-{high})" if c["min"] != c["max"] else "")
 
 
 def twin_cells(d: dict) -> list[str]:

@@ -242,7 +242,7 @@ def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
     assert [(b, a["admissions"]) for b, a in rows.items()] == [("1-63", 0), ("64-255", 1), ("256-1023", 3),
                                                                 ("1024+", 0)]
     for bucket, a in rows.items():
-        for key in ("device", "worker"):
+        for key in ("device", "worker", "batched", "batched_worker"):
             if not a["admissions"]:
                 assert key not in a
                 continue
@@ -256,22 +256,85 @@ def test_quick_run_with_the_device_twin_per_admission(tmp_path, capsys):
             # (vLLM stepped in lockstep with the twin: its admissions of the bucket, timed alike)
             assert d["ratio_beside"] == d["honest_ms"]["p50"] / d["vllm_beside_p50_ms"] and d["vllm_beside_p50_ms"] > 0
             assert d["honest_ms"]["p50"] > d["host_ms"]["p50"] > 0, bucket
+            if key.startswith("batched"):  # (a run's step shared by its admissions; those made alone apart)
+                assert 1 <= d["shared_mean"] <= a["admissions"] and 0 <= d["alone"]["admissions"] <= a["admissions"]
+                assert (d["alone"]["honest_p50_ms"] is None) == (d["alone"]["admissions"] == 0)
         if a["admissions"]:  # (bound, the lookup's hit is read as a size, the admitted ids not at all)
             assert a["worker"]["reads"]["mean"] < a["device"]["reads"]["mean"]
-    assert set(result["device_host_us_per_block"]) == {"device", "worker"}
+            # (batched: one step an admission at most, where the unbatched path makes a lookup and a step)
+            assert a["batched_worker"]["launches"]["max"] < a["worker"]["launches"]["min"]
+    assert set(result["device_host_us_per_block"]) == {"device", "worker", "batched", "batched_worker"}
     lines = capsys.readouterr().out.splitlines()
-    head = lines.index("Per admission, gpukv's UnbatchedDeviceScheduler's honest twin (its admission calls "
-                       "attributed: the same requests, vLLM's plan):") + 1
-    assert lines[head].startswith("| prompt blocks of 16 | binding | admissions | mean blocks | vLLM total p50 ms, "
-                                  "before / after the device runs | launches/admission | torch ops (x 5 us) "
-                                  "| uploads (x 4 us) |")
+    head = next(i for i, x in enumerate(lines) if x.startswith("Per admission, gpukv's device schedulers' honest "
+                                                                "twins on vLLM's plan")) + 1
+    assert lines[head].startswith("| prompt blocks of 16 | scheduler | binding | admissions | mean blocks | vLLM "
+                                  "total p50 ms, before / after the device runs | launches/admission | torch ops "
+                                  "(x 5 us) | uploads (x 4 us) |")
     assert lines[head].endswith("| ratio device/vLLM p50 [against each vLLM pass] | vLLM stepped beside it: p50 ms, "
-                                "ratio |")
-    assert [line.split(" | ")[:3] for line in lines[head + 2:head + 6]] == [
-        ["| 64-255", "none", "1"], ["| 256-1023", "none", "3"], ["| 64-255", "worker", "1"],
-        ["| 256-1023", "worker", "3"]]
+                                "ratio | admissions per step, mean; admitted alone: count, honest p50 ms |")
+    assert [line.split(" | ")[:4] for line in lines[head + 2:head + 10]] == [
+        ["| 64-255", "unbatched", "none", "1"], ["| 256-1023", "unbatched", "none", "3"],
+        ["| 64-255", "unbatched", "worker", "1"], ["| 256-1023", "unbatched", "worker", "3"],
+        ["| 64-255", "batched", "none", "1"], ["| 256-1023", "batched", "none", "3"],
+        ["| 64-255", "batched", "worker", "1"], ["| 256-1023", "batched", "worker", "3"]]
     d = rows["256-1023"]["worker"]
-    assert lines[head + 5].endswith(f"| {d['vllm_beside_p50_ms']:.3f}, {d['ratio_beside']:.2f}x |")
+    assert lines[head + 5].endswith(f"| {d['vllm_beside_p50_ms']:.3f}, {d['ratio_beside']:.2f}x | - |")
+    d = rows["256-1023"]["batched_worker"]
+    alone = d["alone"]["honest_p50_ms"]
+    assert lines[head + 9].endswith(f"| {d['shared_mean']:.2f}; {d['alone']['admissions']}, "
+                                    + ("-" if alone is None else f"{alone:.3f}") + " |")
+
+
+def test_a_step_admitting_several_requests_is_shared_equally_by_them():
+    """The batched scheduler's waiting run is one gpukv step made inside the
+    first request's lookup: each request it admitted gets the mean of the
+    run's figures and counts, and how many shared it; an admission alone in
+    its step keeps its own."""
+    bench = load_benchmark("bench_mooncake")
+
+    def admitted(step, host_ms, launches, reads, honest_ms):
+        return {"step": step, "host_ms": host_ms, "launches": launches, "replayed": launches, "reads": reads,
+                "launch_path_ms": 0.01 * launches, "stated_ms": 0.015 * reads, "honest_ms": honest_ms,
+                "counts": {"read": reads, "upload": launches // 6}}
+
+    rows = [admitted(3, 0.30, 12, 1, 0.5), admitted(3, 0.02, 0, 0, 0.02), admitted(4, 0.25, 12, 1, 0.4),
+            admitted(3, 0.04, 0, 0, 0.08)]
+    bench.share_admitting_steps(rows)
+    for a in (rows[0], rows[1], rows[3]):  # (step 3 admitted three)
+        assert a == {"step": 3, "host_ms": pytest.approx(0.12), "launches": 4.0, "replayed": 4.0,
+                     "reads": pytest.approx(1 / 3), "launch_path_ms": pytest.approx(0.04),
+                     "stated_ms": pytest.approx(0.005), "honest_ms": pytest.approx(0.2), "shared": 3,
+                     "counts": {"read": pytest.approx(1 / 3), "upload": pytest.approx(2 / 3)}}
+    assert rows[2] == dict(admitted(4, 0.25, 12, 1, 0.4), shared=1)
+
+
+def test_the_batched_runs_admission_is_timed_without_the_running_phase():
+    """``apply_running_growth_first``: the running loop's answered
+    allocations are applied before the lookup they would ride on, outside
+    it, and only when there are some; the lookup's answer is the adapter's."""
+    bench = load_benchmark("bench_mooncake")
+    order: list = []
+
+    class Pending:
+        calls: list = []
+
+        def flush(self):
+            order.append(("flush", list(self.calls)))
+            self.calls.clear()
+
+    class Adapter:
+        pending = Pending()
+
+        def get_computed_blocks(self, request, max_cache_hit_length=None):
+            order.append(("lookup", request, max_cache_hit_length))
+            return "blocks", 32, 0
+
+    adapter = Adapter()
+    bench.apply_running_growth_first(adapter)
+    adapter.pending.calls.extend(["r1", "r2"])
+    assert adapter.get_computed_blocks("a") == ("blocks", 32, 0)
+    assert adapter.get_computed_blocks("b", 16) == ("blocks", 32, 0)
+    assert order == [("flush", ["r1", "r2"]), ("lookup", "a", None), ("lookup", "b", 16)]
 
 
 def test_admission_sums_its_calls_up_to_the_allocation_that_admits():
@@ -294,3 +357,7 @@ def test_admission_sums_its_calls_up_to_the_allocation_that_admits():
                         "launch_list": ["a1", "a2", "a4", "a5"], "counts": dict.fromkeys(bench.COUNTED, 12)}
     assert got["b"] == {"launches": 9, "replayed": 2, "reads": 2, "host_ms": 4.5, "launch_list": ["b3", "b6"],
                         "counts": dict.fromkeys(bench.COUNTED, 9)}
+    # (calls tagged with their engine step: an admission keeps the step of the allocation that admitted it)
+    tagged = bench.admissions_of([dict(c, step=i // 3) for i, c in enumerate(calls)])
+    assert {rid: a["step"] for rid, a in tagged.items()} == {"a": 1, "b": 1}
+    assert [dict(a, step=None) for a in tagged.values()] == [dict(a, step=None) for a in got.values()]
