@@ -929,6 +929,9 @@ def share_admitting_steps(admitted: list[dict]) -> None:
     for a in admitted:
         by_step[a["step"]].append(a)
     for group in by_step.values():
+        if len(group) == 1:  # (admitted alone: its own figures)
+            group[0]["shared"] = 1
+            continue
         means = {f: float(np.mean([a[f] for a in group])) for f in SHARED_FIELDS
                  if all(a.get(f) is not None for a in group)}
         counts = {c: float(np.mean([a["counts"][c] for a in group])) for c in group[0]["counts"]}

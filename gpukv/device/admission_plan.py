@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpukv.core.limits import MAX_TOKEN_BUDGET
 from gpukv.core.requests import NewRequest
 from gpukv.kernels import lookup as lookup_ops
 from gpukv.kernels.prefill import PLAN_ARRAYS
@@ -32,9 +33,6 @@ HostArray = Callable[[tuple, int], np.ndarray]
 #: (< 0: none), then padding (the columns stay 32-byte aligned, as Triton
 #: specialises pointers on it).
 HEADER = 8
-
-#: The largest token budget the plan's int32 header holds (a larger one bounds no prompt the engine takes).
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass
@@ -120,7 +118,7 @@ def plan_admission(new: list[NewRequest], rows: list[int], block_size: int, hit_
     size = HEADER + len(PLAN_ARRAYS) * KP + bucket[2]
     packed = np.zeros(size, dtype=np.int32) if host_array is None else host_array(bucket, size)
     packed[0] = K
-    packed[1] = -1 if token_budget is None else min(token_budget, _INT32_MAX)
+    packed[1] = -1 if token_budget is None else min(token_budget, MAX_TOKEN_BUDGET)
     base = HEADER + len(PLAN_ARRAYS) * KP
     cols = packed[HEADER: base].reshape(len(PLAN_ARRAYS), KP)
     columns = np.array(table, dtype=np.int64).T
