@@ -15,7 +15,9 @@ replaces only its ``kv_cache_manager``), so a difference is the manager's:
 
 Workloads (block size 16, one full-attention group, prefix caching on, the
 pool sized so that nothing is evicted during a run, the token budget and
-``max_num_seqs`` so that every request is scheduled every step):
+``max_num_seqs`` so that every request is scheduled every step; under vLLM
+0.33 on, ``--sliding-window TOKENS`` makes the group a sliding window, and
+``--hybrid`` puts a full-attention group beside it):
 
 * ``decode-heavy N``: N requests decode one token each per step; each step
   the ``max(1, N // 64)`` oldest finish (they sample the EOS token) and as
@@ -190,6 +192,8 @@ class Workload:
     kind: str  # "decode-heavy" or "admission-heavy"
     n: int  # requests decoding
     admit: int = 16  # admission-heavy: new requests a step
+    window: int | None = None  # a sliding-window group of this many tokens (None: one full-attention group)
+    hybrid: bool = False  # with window: a full-attention group, then the window group
 
     @property
     def replace(self) -> int:
@@ -206,9 +210,11 @@ class Workload:
         blocks = self.n * (-(-(PROMPT_LEN + BS + steps) // BS))
         blocks += steps * (self.replace * (-(-(PROMPT_LEN + BS + steps) // BS))
                            + (self.admit * (-(-(ADMIT_LEN + 1) // BS)) if self.kind == "admission-heavy" else 0))
+        groups = {} if self.window is None else dict(sliding_window=self.window, hybrid=self.hybrid)
+        blocks *= 2 if self.hybrid else 1  # (each request holds blocks in both groups, from one pool)
         return dict(max_num_seqs=self.n + max(self.replace, self.admit) + 8, max_num_batched_tokens=budget,
                     max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, num_blocks=blocks + 64,
-                    block_size=BS)
+                    block_size=BS, **groups)
 
 
 class Run:
@@ -421,13 +427,35 @@ def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
                    help="smoke run (options given still apply): " + ", ".join(f"{k}={v}" for k, v in quick.items()))
     p.add_argument("--schedulers", nargs="+", choices=names, default=names,
                    help=f"vLLM {version.prefix}x's scheduler classes to measure (default: {' '.join(names)})")
+    p.add_argument("--sliding-window", type=int, metavar="TOKENS",
+                   help="vLLM 0.33 on: the model's one KV-cache group a sliding window of TOKENS tokens (default: "
+                        "full attention)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="with --sliding-window: a full-attention group beside the window group")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.sliding_window is not None and (version.prefix == "0.8." or args.sliding_window < 2):
+        p.error("--sliding-window needs vLLM 0.33 or later (the installed harness builds full attention only) "
+                "and a window of 2 tokens or more")
+    if args.hybrid and args.sliding_window is None:
+        p.error("--hybrid needs --sliding-window TOKENS (the window group beside the full-attention one)")
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.costs = GpuCosts.parse(args.gpu_costs)
     return args
+
+
+def _workload(kind: str, n: int, args: argparse.Namespace) -> Workload:
+    return Workload(kind, n, args.admit, args.sliding_window, args.hybrid)
+
+
+def _groups_note(args: argparse.Namespace) -> str:
+    """The model's KV-cache groups, as the header says them."""
+    if args.sliding_window is None:
+        return "one full-attention group"
+    window = f"a {args.sliding_window}-token sliding-window group"
+    return f"a full-attention group and {window}" if args.hybrid else window
 
 
 def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | None]:
@@ -437,7 +465,7 @@ def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | N
     rows: dict[tuple[str, int], list[dict]] = {}
     for n in args.device_n:
         t0 = time.perf_counter()
-        works = [Workload(kind, n, args.admit) for kind in args.workloads]
+        works = [_workload(kind, n, args) for kind in args.workloads]
         got = DeviceCounts(h, cls, works, len(works) * (args.device_warmup + args.device_steps) + 8).run(
             args.device_warmup, args.device_steps)
         for kind, r in got.items():
@@ -454,7 +482,7 @@ def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | N
 def _measure_row(h, classes: dict, kind: str, n: int, args: argparse.Namespace, device_cls: type, cuda: bool) -> dict:
     """vLLM and the reference, alternating over repeats (and on CUDA the
     device scheduler after them): one row of the table."""
-    work = Workload(kind, n, args.admit)
+    work = _workload(kind, n, args)
     times: dict[str, list[float]] = {"vllm": [], "reference": []}
     per_repeat: list[float] = []
     device: list[dict] = []
@@ -588,8 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         load = "load average unknown"
     print(f"Scheduling step (schedule() + update_from_output()) under vLLM {found}'s v1 "
           f"{' and '.join(m.name for m in modes)}: {where}; gpukv {gpukv.__version__}, vLLM {found}, "
-          f"torch {torch.__version__}; {load} at the end. p50 (p99) ms over {args.repeats} x {args.steps} steps, "
-          "vLLM and reference alternating per repeat.")
+          f"torch {torch.__version__}; {load} at the end. The model's KV cache: {_groups_note(args)}. p50 (p99) ms "
+          f"over {args.repeats} x {args.steps} steps, vLLM and reference alternating per repeat.")
     for mode, rows, _ in measured:
         if len(modes) > 1:
             print(f"\nvLLM's {mode.name} against gpukv's {mode.reference} and {mode.device}{_step_note(mode)}:")
@@ -607,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"where": where, "cuda": cuda, "gpukv": gpukv.__version__, "vllm": found,
                        "torch": torch.__version__, "python": sys.version.split()[0], "load": load,
-                       "schedulers": [m.name for m in modes],
+                       "schedulers": [m.name for m in modes], "sliding_window": args.sliding_window,
+                       "hybrid": args.hybrid,
                        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                        "device_n": None if cuda else args.device_n, "gpu_costs": vars(args.costs),
                        "launch_path_unmeasured": "; ".join(whys) or None,

@@ -117,13 +117,16 @@ class PrecheckedRunningBatch(RunningBatch):
 
 
 def prechecked_batch(rows: np.ndarray, new_token_ids: np.ndarray, counts: np.ndarray | None, num_tokens: np.ndarray,
-                     chunks: np.ndarray, lookahead: int | np.ndarray) -> PrecheckedRunningBatch:
+                     chunks: np.ndarray, lookahead: int | np.ndarray,
+                     processed: np.ndarray | None = None) -> PrecheckedRunningBatch:
     """A ``PrecheckedRunningBatch`` of int64 arrays: ``rows``, the flat
     ``new_token_ids`` (``counts`` per row, in row order; None: one per row,
     a decode), the rows' known tokens before the append, their chunks and
-    lookahead slots (one int for every row, or one per row)."""
+    lookahead slots (one int for every row, or one per row), and the tokens
+    window groups release behind (``RunningRows.processed``; None: the
+    computed ones)."""
     tokens = new_token_ids.reshape(len(rows), 1) if counts is None else _ragged_layout(new_token_ids, counts)
-    run = RunningRows(rows, tokens, counts, num_tokens, chunks, lookahead)
+    run = RunningRows(rows, tokens, counts, num_tokens, chunks, lookahead, processed)
     return PrecheckedRunningBatch(rows, new_token_ids, counts, chunks, lookahead, normalized=run)
 
 
@@ -160,6 +163,13 @@ def taken_as_checked(batch: Any, in_use: np.ndarray, num_tokens: np.ndarray) -> 
     if any_set(num_tokens[rows] != run.num_tokens):
         raise InvalidInputError("a prechecked batch's known tokens are not the manager's (built from stale "
                                 "counts)", argument="running", fix=fix)
+    processed = run.processed
+    if processed is not None and (not isinstance(processed, np.ndarray) or processed.dtype != np.int64
+                                  or processed.shape != rows.shape or any_set(processed < 0)
+                                  or any_set(processed > run.num_tokens + run.num_new)):
+        # (a release behind tokens no row will know would free blocks its window still reads)
+        raise InvalidInputError("a prechecked batch's processed tokens must be int64[B], each from 0 to its row's "
+                                "known tokens after the append", argument="running", fix=fix)
     # (the token ids stay checked here whoever built the batch: a hit is exact whatever tokens arrive)
     tokens = run.tokens
     if isinstance(tokens, np.ndarray) and tokens.size and not _ids_in_range(tokens):  # (one reduction when all

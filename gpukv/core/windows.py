@@ -12,7 +12,9 @@ A group's policy answers three questions, in blocks of the pool's block size:
   now on can see (released, the null block held in their place);
   ``released_until(num_processed, held)``: where a release behind
   ``num_processed`` tokens stops in a request holding ``held`` blocks
-  (vLLM's ``remove_skipped_blocks``: the skipped blocks, at most those held).
+  (vLLM's ``remove_skipped_blocks``: the skipped blocks, at most those held);
+  ``release_at(num_null)``: the fewest processed tokens whose release frees
+  a block past ``num_null`` leading null ones.
 
 ``boundary_blocks`` is the same rule as a number for the device kernels: the
 blocks a group must see at a hit boundary, -1 for full attention
@@ -52,6 +54,10 @@ class FullAttention:
     def released_until(self, num_processed: int | np.ndarray, held: int | np.ndarray) -> int | np.ndarray:  # noqa: ARG002
         return 0 * num_processed
 
+    def release_at(self, num_null: int) -> int | None:  # noqa: ARG002
+        """Never: full attention releases nothing."""
+        return None
+
     def blocks_held(self, hits: np.ndarray, num_alloc: np.ndarray) -> np.ndarray:
         """Pool blocks a request holds after a hit of ``hits`` blocks with
         ``num_alloc`` block positions in all: one per position."""
@@ -85,6 +91,13 @@ class SlidingWindow:
         allocated yet; a later release catches up, tail first)."""
         return np.minimum(self.skipped(num_processed), held)
 
+    def release_at(self, num_null: int) -> int | None:
+        """The fewest processed tokens whose release reaches past the first
+        ``num_null`` blocks (``skipped`` above ``num_null``): a release behind
+        fewer frees nothing in a request whose first ``num_null`` blocks are
+        null already."""
+        return (num_null + 1) * self.block_size + self.window - 1
+
     def blocks_held(self, hits: np.ndarray, num_alloc: np.ndarray) -> np.ndarray:
         """The hit's last ``boundary_blocks`` real blocks (null before them)
         and every block after the hit."""
@@ -97,6 +110,18 @@ Policy = FullAttention | SlidingWindow
 def policies(windows: Sequence[int | None], block_size: int) -> list[Policy]:
     """One policy per KV-cache group (None: full attention)."""
     return [FullAttention() if w is None else SlidingWindow(w, block_size) for w in windows]
+
+
+def first_release_at(group_policies: Sequence[Policy], num_null: Sequence[int]) -> int:
+    """The fewest processed tokens whose release frees a block in some group
+    of a request holding ``num_null`` leading null blocks per group (a model
+    with a window group: else ``ValueError``). A running call whose processed
+    tokens are fewer frees nothing, so the free queue it takes from is the
+    one before it."""
+    ats = [a for p, n in zip(group_policies, num_null, strict=True) if (a := p.release_at(n)) is not None]
+    if not ats:
+        raise ValueError("no group has a sliding window: nothing is ever released")
+    return min(ats)
 
 
 def group_hit(available: Sequence[bool], boundary_blocks: int) -> int:

@@ -417,6 +417,13 @@ class DeviceManager(CallContext, SharedManagerAPI):
         return row, int(rows.num_held[row]), int(rows.num_computed[row]), int(rows.num_tokens[row])
 
     @reading
+    def num_null_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Per group, the leading block positions the request holds as the
+        null block (a hit's blocks before its window, and the blocks its
+        window released; 0 in a full-attention group); host only."""
+        return tuple(int(n) for n in self._rows.null_until[self._state(request_id)])
+
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included (host only)."""
         return int(self._rows.num_computed[self._state(request_id)])

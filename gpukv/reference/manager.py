@@ -270,6 +270,13 @@ class ReferenceManager(SharedManagerAPI):
         return st.row, len(st.blocks[0]), st.num_computed_tokens, len(st.tokens)
 
     @reading
+    def num_null_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Per group, the leading block positions the request holds as the
+        null block (a hit's blocks before its window, and the blocks its
+        window released; 0 in a full-attention group)."""
+        return tuple(_leading_nulls(blocks) for blocks in self._state(request_id).blocks)
+
+    @reading
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request computed so far, its hit included."""
         return self._state(request_id).num_computed_tokens
@@ -408,8 +415,10 @@ class ReferenceManager(SharedManagerAPI):
             self._releases.request(rid)
         grown, work = self._running.work(running)
         if any(w is not None for w in self.sliding_windows):  # full attention releases nothing
-            processed = ([None] * len(grown) if isinstance(running, RunningRows)
-                         else [u.num_processed_tokens for u in running])
+            if isinstance(running, RunningRows):
+                processed = [None] * len(grown) if running.processed is None else running.processed.tolist()
+            else:
+                processed = [u.num_processed_tokens for u in running]
             for st, p in zip(grown, processed, strict=True):
                 self._releases.skipped(st, p)
         held_before = [len(st.blocks[0]) for st in grown] if outputs.block_ids else []
@@ -510,3 +519,11 @@ class ReferenceManager(SharedManagerAPI):
                               num_tokens=lambda rid: len(self._requests[rid].tokens),
                               num_computed=lambda rid: self._requests[rid].num_computed_tokens, single=single,
                               defer_admissible=defer_admissible, keep_device_tokens=False)
+
+
+def _leading_nulls(blocks: Sequence[int]) -> int:
+    """How many of ``blocks`` lead with the null block."""
+    n = 0
+    while n < len(blocks) and blocks[n] == NULL_BLOCK:
+        n += 1
+    return n

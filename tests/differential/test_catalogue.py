@@ -485,6 +485,8 @@ CASES = [
     ("row-of-int-id", lambda m: m.row_of(0), InvalidTypeError, "request_id"),
     ("request-counts-int-id", lambda m: m.request_counts(0), InvalidTypeError, "request_id"),
     ("request-counts-unknown", lambda m: m.request_counts("zz"), UnknownRequestError, "request_id"),
+    ("num-null-blocks-int-id", lambda m: m.num_null_blocks(0), InvalidTypeError, "request_id"),
+    ("num-null-blocks-unknown", lambda m: m.num_null_blocks("zz"), UnknownRequestError, "request_id"),
     ("num-computed-unhashable-id", lambda m: m.num_computed_tokens(UnhashableId("a")), InvalidTypeError,
      "request_id"),
     ("block-hashes-list-id", lambda m: m.block_hashes(["a"]), InvalidTypeError, "request_id"),

@@ -1109,6 +1109,9 @@ class ServingLoop(RuleBasedStateMachine):
             assert dev.request_counts(rid) == ref.request_counts(rid) == (
                 row, ref.num_blocks_held(rid), ref.num_computed_tokens(rid),
                 int(ref.row_token_counts([row])[0][0])), rid
+            # (a window's released blocks and a hit's blocks before its window: the null block leads)
+            nulls = tuple(next((i for i, b in enumerate(g) if b != 0), len(g)) for g in ref.get_block_ids(rid))
+            assert dev.num_null_blocks(rid) == ref.num_null_blocks(rid) == nulls, rid
         # Both hand out the same rows (gpukv.device.rows); check_invariants finds leaks.
         assert {r: dev.row_of(r) for r in ref.request_ids()} == {r: ref.row_of(r) for r in ref.request_ids()}
 

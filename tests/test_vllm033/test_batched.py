@@ -9,7 +9,8 @@ Held to vLLM's own scheduler step by step on random streams, with KV
 events (a step's events regrouped into vLLM's per-call order) and without,
 with and without speculative decoding (n-gram drafts), with roomy and tight
 pools (preemption inside the running loop, after some calls are pending;
-runs refused part way); sliding windows keep one call per request;
+runs refused part way); in sliding-window models the running calls that
+release no block, the others one call each, as vLLM's release frees;
 counted (one gpukv step per loop, flat in the requests);
 and taken apart (the blocks handed back fill at the flush, a refusal keeps
 nothing, every reader flushes first, a host count gpukv disagrees with
@@ -31,7 +32,9 @@ from gpukv.errors import InvalidInputError
 # (vLLM's and gpukv's 0.33 names through the harness, which skips this module where vLLM 0.33 is not importable)
 from .harness import (
     Engine,
+    RequestStatus,
     VllmAsyncScheduler,
+    VllmKVCacheManager,
     VllmScheduler,
     gpukv033,
     is_async,
@@ -160,12 +163,78 @@ def test_unbatched_classes_make_one_call_per_request(monkeypatch):
     assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
 
 
-def test_windows_keep_the_per_request_path(monkeypatch):
+def _count_vllm_releases(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch vLLM's ``allocate_slots`` to count the running requests' calls
+    whose window release dropped a block (freed, or still held by another
+    request: either way the null block takes its place)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    freed, running = [0], [False]
+    release, allocate = KVCacheCoordinator.remove_skipped_blocks, VllmKVCacheManager.allocate_slots
+
+    def nulls(coordinator, request_id):
+        return sum(b.is_null for m in coordinator.single_type_managers for b in m.req_to_blocks.get(request_id, ()))
+
+    def remove_skipped_blocks(self, request_id, *args, **kwargs):
+        before = nulls(self, request_id)
+        release(self, request_id, *args, **kwargs)
+        freed[0] += running[0] and nulls(self, request_id) > before
+
+    def allocate_slots(self, request, *args, **kwargs):
+        running[0] = request.status == RequestStatus.RUNNING
+        try:
+            return allocate(self, request, *args, **kwargs)
+        finally:
+            running[0] = False
+
+    monkeypatch.setattr(KVCacheCoordinator, "remove_skipped_blocks", remove_skipped_blocks)
+    monkeypatch.setattr(VllmKVCacheManager, "allocate_slots", allocate_slots)
+    return freed
+
+
+def _count_releasing_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch ``PendingGrowth.add`` to count the calls it leaves to the
+    per-request path because they release a block."""
+    releasing, add = [0], PendingGrowth.add
+
+    def counted(self, *args, **kwargs):
+        blocks = add(self, *args, **kwargs)
+        releasing[0] += blocks is gpukv033.pending.RELEASES
+        return blocks
+
+    monkeypatch.setattr(PendingGrowth, "add", counted)
+    return releasing
+
+
+WINDOW_SHAPES = [pytest.param(dict(sliding_window=17, num_blocks=12), id="window"),
+                 pytest.param(dict(sliding_window=20, hybrid=True, num_blocks=16), id="hybrid"),
+                 pytest.param(dict(sliding_window=24, hybrid=True, num_blocks=12), id="hybrid-tight")]
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("kv_events", [False, True], ids=["no-events", "events"])
+@pytest.mark.parametrize("shape", WINDOW_SHAPES)
+def test_window_models_batch_the_running_calls_that_release_nothing(cls, kv_events, shape, monkeypatch):
+    """Sliding-window and hybrid models, synchronous and async (tokens in
+    flight: releases behind the processed tokens), with KV events and
+    without: every step equals vLLM's; the running loop's calls are batched
+    except those whose window release frees a block, which are exactly the
+    calls where vLLM's release freed one (each made on the per-request path
+    in its turn: those where it dropped one, freed or still shared); no
+    waiting run is admitted as one step."""
     counting = _Counting(monkeypatch)
-    run_stream(gpukv033.ReferenceScheduler, StreamConfig(seed=0, kv_events=False, sliding_window=17,
-                                                         num_speculative_tokens=0, max_num_batched_tokens=32,
-                                                         num_blocks=12))
-    assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    freed, releasing = _count_vllm_releases(monkeypatch), _count_releasing_calls(monkeypatch)
+    for seed in SEEDS[:2]:
+        config = StreamConfig(**(dict(seed=seed, kv_events=kv_events, num_speculative_tokens=0,
+                                      max_num_batched_tokens=32) | shape))
+        freed[0] = releasing[0] = 0
+        expected = run_stream(vllm_cls, config, check_tables=False)
+        _assert_same_steps(expected, run_stream(cls, config))
+        assert releasing[0] == freed[0] > 0, (releasing[0], freed[0])
+    calls, steps, _ = counting.totals()
+    assert calls > steps > 0, (calls, steps)
+    assert counting.admitted() == (0, 0)
 
 
 STREAM_SHAPES = [pytest.param(dict(num_blocks=20), id="running"),
@@ -532,7 +601,7 @@ def test_a_running_calls_record_follows_growths_rule():
 
     class Adapter:
         blocks_class, block_size, max_model_len, empty_kv_cache_blocks = tuple, 4, 40, ()
-        ids_on_device, num_kv_cache_groups, manager = True, 1, Manager()
+        ids_on_device, num_kv_cache_groups, manager, release_at = True, 1, Manager(), None
 
     class Request:
         def __init__(self, num_computed_tokens):

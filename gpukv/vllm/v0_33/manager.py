@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
+from gpukv.core.windows import first_release_at
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_8.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
@@ -66,7 +67,7 @@ from gpukv.vllm.v0_33.binding import BINDING
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.lookups import CacheLookups, flushing
-from gpukv.vllm.v0_33.pending import PendingGrowth, growth
+from gpukv.vllm.v0_33.pending import RELEASES, PendingGrowth, growth
 from gpukv.vllm.v0_33.request_admission import RequestAdmission
 from gpukv.vllm.v0_33.screening import check_request
 from gpukv.vllm.v0_33.views import (
@@ -184,8 +185,13 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         # Each request's last lookup, handed back by allocate_slots: (what vLLM got, gpukv's hit).
         self._looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]] = {}
         self.batching = False
-        # The batched path answers on the host only what host arithmetic decides (module docstring).
-        self.can_batch = not self.groups.has_windows
+        # The batched path answers on the host only what host arithmetic decides (module docstring): in a window
+        # model, the running calls that release no block (``gpukv.vllm.v0_33.pending``), and no waiting run.
+        self.can_batch_waiting = not self.groups.has_windows
+        self._group_policies = self.groups.policies
+        # Window models: per held request, the fewest processed tokens at which its next call releases a block
+        # (None: no window group, nothing released).
+        self.release_at: dict[str, int] | None = {} if self.groups.has_windows else None
         self.pending = PendingGrowth(self)  # (the running loop's calls, answered, not yet applied)
         self.admissions = AdmittedRun(self)  # (the waiting loop's run of admissions, answered from one step)
         self.waiting_run: Any = None  # (set by the scheduler: the run of waiting requests to admit as one step)
@@ -297,12 +303,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
             # makes, in its order (a refusal raised here is the one it raises); any other request takes that path.
             known = check_request(request, self.max_model_len)
             held = self._held.get(request.request_id)
-            if held is not None and request.status is self._running_status and self.can_batch:
-                blocks = self.pending.add(request, held, known, num_new_tokens, num_lookahead_tokens)
-                if blocks is not None:
-                    self.num_scheduled_tokens += num_new_tokens
-                    self.num_scheduled_requests += 1
-                return blocks
+            if held is not None and request.status is self._running_status:
+                return self._answer_running(request, held, known, num_new_tokens, num_lookahead_tokens)
         if num_external_computed_tokens or delay_cache_blocks or skip_zeroing_group_ids:
             raise UnsupportedConfigError("external (KV-connector) tokens, delayed caching and zeroing are not "
                                          "followed by gpukv's adapter", argument="num_external_computed_tokens",
@@ -320,13 +322,9 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
                 raise InvalidInputError(f"request {request.request_id!r} is running; computed blocks are for "
                                         "admission only", argument="new_computed_blocks",
                                         fix="pass no computed blocks for a running request")
-            if self.batching and self.can_batch and not reserved_blocks:
-                blocks = self.pending.add(request, self._held[request.request_id], request.num_tokens,
-                                          num_new_tokens, num_lookahead_tokens)
-                if blocks is not None:
-                    self.num_scheduled_tokens += num_new_tokens
-                    self.num_scheduled_requests += 1
-                return blocks
+            if self.batching and not reserved_blocks:
+                return self._answer_running(request, self._held[request.request_id], request.num_tokens,
+                                            num_new_tokens, num_lookahead_tokens)
             self.flush()
             return self._grow(request, num_new_tokens, num_lookahead_tokens, reserved_blocks)
         self.flush()
@@ -337,6 +335,21 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
             return entry.new_blocks
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+
+    def _answer_running(self, request: Any, held: list[int], known: int, num_new_tokens: int,
+                        num_lookahead_tokens: int) -> Any:
+        """A running request's call on the batched path: answered on the host
+        (``pending.add``), or, for a window model's call that releases a
+        block, made on the per-request path after the calls before it are
+        applied (vLLM's own order: its release, then its fit)."""
+        blocks = self.pending.add(request, held, known, num_new_tokens, num_lookahead_tokens)
+        if blocks is RELEASES:
+            self.flush()
+            blocks = self._grow(request, num_new_tokens, num_lookahead_tokens, 0)
+        if blocks is not None:
+            self.num_scheduled_tokens += num_new_tokens
+            self.num_scheduled_requests += 1
+        return blocks
 
     @flushing
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -366,6 +379,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         rid, self._admitted = request.request_id, None
         self._looked_up.pop(rid, None)
         self._held.pop(rid, None)
+        if self.release_at is not None:
+            self.release_at.pop(rid, None)
         self.refused.pop(rid, None)
         if self._requests.pop(rid, None) is not None:
             self.manager.free(rid)
@@ -401,6 +416,12 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
                           int(m.row_token_counts([m.row_of(rid)])[0][0])]:
                 raise AssertionError(f"request {rid!r}: the adapter's row, block positions, computed and known "
                                      f"tokens {record} are not the manager's")
+        if self.release_at is not None:
+            for rid in self._held:
+                at = first_release_at(self._group_policies, m.num_null_blocks(rid))
+                if self.release_at.get(rid) != at:
+                    raise AssertionError(f"request {rid!r}: the adapter's next window release at "
+                                         f"{self.release_at.get(rid)} processed tokens is not the manager's {at}")
         if held != set(self._requests) or held != set(self._held):
             raise AssertionError(f"the adapter's requests {sorted(self._requests)} are not the manager's "
                                  f"{sorted(held)}")

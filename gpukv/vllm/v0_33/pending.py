@@ -25,9 +25,21 @@ request got a new block, the one read of its block ids, whatever the number
 of running requests.
 
 With KV events on, the step's events are regrouped into vLLM's per-call
-order after it (``gpukv.vllm.v0_33.events``: ``drain_step``). Window groups
-(vLLM releases their blocks between the calls) keep the per-request path
-(``KVCacheManager.batching``).
+order after it (``gpukv.vllm.v0_33.events``: ``drain_step``).
+
+Window groups: vLLM's call first releases the blocks its window no longer
+reaches, behind the request's processed tokens (the computed ones less
+those in flight), then takes its new blocks from the free queue; a
+released block no prefix names goes to the queue's front, where the next
+take finds it. gpukv's step releases every row's blocks first, then takes
+each row's. The two agree on a run of calls none of which releases a
+block, and only those are answered here: a call whose processed tokens
+reach the request's next release (``release_at``, from the null blocks it
+holds: ``gpukv.core.windows``) is ``RELEASES``, and the adapter applies the
+calls before it and makes that one on the per-request path, in vLLM's
+order. Each answered call's processed tokens ride with its row
+(``RunningRows.processed``), so the step releases behind them, as vLLM's
+call does: nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block, decode_tokens, new_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
+#: ``PendingGrowth.add``'s answer for a window model's call that releases a block (module docstring).
+RELEASES = object()
 #: The ints ``PendingGrowth`` keeps per call, flat, in this order (``_batch`` reads them as one array). Each
 #: of the batch's per-row counts is the difference of two neighbours (new tokens ``known - before``, chunk
 #: ``target - computed``, lookahead ``slots - target``): one subtraction of the array from itself, shifted.
@@ -108,7 +122,7 @@ class PendingGrowth:
     gpukv step: ``add`` a request's call (None when it does not fit, nothing
     kept then), ``flush`` them all. ``adapter``: the
     ``gpukv.vllm.v0_33.KVCacheManager`` (its ``manager``, ``block_size``,
-    ``num_kv_cache_groups``, ``empty_kv_cache_blocks``)."""
+    ``num_kv_cache_groups``, ``empty_kv_cache_blocks``, ``release_at``)."""
 
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
@@ -116,6 +130,7 @@ class PendingGrowth:
         self._block_size = adapter.block_size  # (read once: ``add`` runs once per running request per step)
         self._max_model_len = adapter.max_model_len
         self._no_blocks = adapter.empty_kv_cache_blocks
+        self._release_at = adapter.release_at  # (window models: a running call's next release; else None)
         self._num_applied = 0  # calls answered on the host and cleared since construction (``num_calls``)
         self.num_steps = 0  # gpukv steps they were applied in
         self.num_reads = 0  # free counts read from the device (a call past the host's bound)
@@ -136,6 +151,7 @@ class PendingGrowth:
         # blocks handed back or None).
         self.calls: list[Any] = []  # (non-empty while calls are pending)
         self.counts: list[int] = []
+        self.processed: list[int] = []  # (window models only: each call's processed tokens)
         self.growing: list[tuple[int, int, Any]] = []
         self.taken = 0  # blocks the calls so far take, per the host
         self.spare: int | None = None  # free blocks known to be left for the next call
@@ -150,7 +166,10 @@ class PendingGrowth:
         blocks per group with ``held[2]`` tokens computed and ``held[3]``
         known in gpukv (the adapter's record, which this updates): its new
         blocks (the empty instance when none are new, else blocks filled at
-        the flush), or None when they do not fit."""
+        the flush), None when they do not fit, or ``RELEASES`` (a window
+        model's call that releases a block: nothing kept)."""
+        if self._release_at is not None and self._releases(request):
+            return RELEASES
         row, num_held, computed, before = held
         # ``growth``'s rule, inline (this runs once per running request per step; ``test_batched`` holds the two
         # equal): the slots after the call capped at max_model_len, the target at the known tokens and never
@@ -181,6 +200,8 @@ class PendingGrowth:
         row, num_held, computed, before = held
         popped = new_per_group * a.num_kv_cache_groups
         if not self._take(popped):
+            if self._release_at is not None:
+                self.processed.pop()  # (the call is not kept)
             return None
         held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
         blocks = None if a.ids_on_device else self._lazy_cls(self)
@@ -190,6 +211,21 @@ class PendingGrowth:
         held[2] = target
         held[3] = known
         return a.empty_kv_cache_blocks if blocks is None else blocks
+
+    def _releases(self, request: Any) -> bool:
+        """Whether a window model's call for ``request`` releases a block
+        (its processed tokens, ``KVCacheManager._grow``'s rule, reach its
+        ``release_at``); else the processed tokens are kept with the call."""
+        total = request.num_computed_tokens
+        if total > self._max_model_len:
+            total = self._max_model_len
+        processed = total - request.num_in_flight_tokens
+        if processed < 0:
+            processed = 0
+        if processed >= self._release_at[request.request_id]:
+            return True
+        self.processed.append(processed)
+        return False
 
     def _take(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more fit after what the calls so far take
@@ -256,7 +292,7 @@ class PendingGrowth:
             full = (result.num_computed_tokens[i] + result.num_new_tokens[i]) // bs
             calls.append(StepCall(request, groups * (a.manager.num_blocks_held(request.request_id) - hit),
                                   groups * (full - hit) if caching else 0))
-        a.event_translator.drain_step(a.manager, calls, groups)
+        a.event_translator.drain_step(a.manager, calls)
 
     def _reread(self) -> None:
         """gpukv refused the step and changed nothing: the adapter's records,
@@ -284,4 +320,6 @@ class PendingGrowth:
         else:
             tokens, ragged = new_tokens(self.calls, starts, self.counts[_KNOWN::width]), counts
         # (no lookahead, the common case, handed as the int 0: the plan then adds a constant, not an array)
-        return prechecked_batch(rows, tokens, ragged, before, chunks, lookahead if np.count_nonzero(lookahead) else 0)
+        processed = None if self._release_at is None else np.array(self.processed, dtype=np.int64)
+        return prechecked_batch(rows, tokens, ragged, before, chunks, lookahead if np.count_nonzero(lookahead) else 0,
+                                processed)

@@ -15,8 +15,10 @@ device read for the whole running loop, not one of each per request), and
 a run of plain waiting requests is admitted in that same step, vLLM's
 calls for them answered from it (``gpukv.vllm.v0_33.admissions``); other
 admissions make one call each. KV events are regrouped into vLLM's per-call
-order after the step (``gpukv.vllm.v0_33.events``). Models with
-sliding-window groups take the per-request path throughout; ``Unbatched*``
+order after the step (``gpukv.vllm.v0_33.events``). In models with
+sliding-window groups the running loop is batched too, but for the calls
+whose window release frees a block (each made on the per-request path in
+its turn), and every admission takes the per-request path; ``Unbatched*``
 classes always do.
 
 Configurations the adapter does not follow are refused at construction with

@@ -1,0 +1,51 @@
+"""``benchmarks/bench_scheduler.py --sliding-window`` (a window model's step,
+vLLM 0.33 on) runs in process at tiny sizes, so the option cannot rot; and
+is refused where it cannot run. Skipped, as ``tests/test_vllm033/`` is,
+where vLLM 0.33's generation is not importable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tests.test_vllm033.harness  # noqa: F401  (skips this module without vLLM 0.33 or later)
+from benchmark_module import load_benchmark
+
+
+def test_quick_window_run_structure(tmp_path, capsys):
+    bench = load_benchmark("bench_scheduler")
+    out = tmp_path / "windows.json"
+    assert bench.main(["--quick", "--sliding-window", "32", "--hybrid", "--schedulers", "Scheduler", "--device-n",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["sliding_window"], result["hybrid"], result["schedulers"]) == (32, True, ["Scheduler"])
+    rows = result["rows"]
+    assert [(r["workload"], r["n"]) for r in rows] == [("decode-heavy", 2), ("admission-heavy", 2)]
+    for r in rows:
+        for name in ("vllm", "reference"):
+            assert r[name]["steps"] == result["repeats"] * result["steps"]
+    printed = capsys.readouterr().out
+    assert "The model's KV cache: a full-attention group and a 32-token sliding-window group." in printed
+
+
+def test_a_window_run_takes_the_window_into_the_schedulers_config():
+    bench = load_benchmark("bench_scheduler")
+    config = bench.Workload("decode-heavy", 4, 2, 32, True).config(3)
+    plain = bench.Workload("decode-heavy", 4, 2).config(3)
+    assert (config["sliding_window"], config["hybrid"]) == (32, True)
+    assert "sliding_window" not in plain
+    assert config["num_blocks"] - 64 == 2 * (plain["num_blocks"] - 64)  # (both groups hold blocks, from one pool)
+
+
+@pytest.mark.parametrize(("argv", "version", "says"), [
+    (["--sliding-window", "32"], 0, "--sliding-window needs vLLM 0.33 or later"),
+    (["--sliding-window", "1"], 1, "a window of 2 tokens or more"),
+    (["--hybrid"], 1, "--hybrid needs --sliding-window TOKENS"),
+])
+def test_window_options_are_refused_where_they_cannot_run(argv, version, says, capsys):
+    bench = load_benchmark("bench_scheduler")
+    with pytest.raises(SystemExit) as exit_info:
+        bench._args(argv, bench.VERSIONS[version])
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
