@@ -46,6 +46,7 @@ class StreamConfig:
     bounded_hits: bool = False
     cache_aware_window: int = 0  # vLLM 0.34 on: cache-aware admission over the first N waiting requests
     watermark: float = 0.0  # the scheduler config's watermark (fraction of the pool kept free at admission)
+    prefix_caching: bool = True  # False: no block is ever cached (a window's released blocks all uncached)
 
 
 @dataclass
@@ -166,7 +167,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
-                               watermark=config.watermark)
+                               watermark=config.watermark, enable_prefix_caching=config.prefix_caching)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=tables or (BlockTables() if check_tables else None))

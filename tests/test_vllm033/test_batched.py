@@ -163,22 +163,27 @@ def test_unbatched_classes_make_one_call_per_request(monkeypatch):
     assert counting.totals() == (0, 0, 0) and counting.admitted() == (0, 0)
 
 
-def _count_vllm_releases(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _count_vllm_releases(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Patch vLLM's ``allocate_slots`` to count the running requests' calls
     whose window release dropped a block (freed, or still held by another
-    request: either way the null block takes its place)."""
+    request: either way the null block takes its place): ``cached`` when
+    every block it dropped carried a hash, ``uncached`` when one did not."""
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
-    freed, running = [0], [False]
+    counts, running = {"cached": 0, "uncached": 0}, [False]
     release, allocate = KVCacheCoordinator.remove_skipped_blocks, VllmKVCacheManager.allocate_slots
 
-    def nulls(coordinator, request_id):
-        return sum(b.is_null for m in coordinator.single_type_managers for b in m.req_to_blocks.get(request_id, ()))
+    def blocks_of(coordinator, request_id):
+        return [list(m.req_to_blocks.get(request_id, ())) for m in coordinator.single_type_managers]
 
     def remove_skipped_blocks(self, request_id, *args, **kwargs):
-        before = nulls(self, request_id)
+        before = blocks_of(self, request_id)
         release(self, request_id, *args, **kwargs)
-        freed[0] += running[0] and nulls(self, request_id) > before
+        after = blocks_of(self, request_id)
+        dropped = [b for old, new in zip(before, after, strict=True) for b, now in zip(old, new, strict=False)
+                   if not b.is_null and now.is_null]
+        if running[0] and dropped:
+            counts["cached" if all(b.block_hash is not None for b in dropped) else "uncached"] += 1
 
     def allocate_slots(self, request, *args, **kwargs):
         running[0] = request.status == RequestStatus.RUNNING
@@ -189,49 +194,74 @@ def _count_vllm_releases(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(KVCacheCoordinator, "remove_skipped_blocks", remove_skipped_blocks)
     monkeypatch.setattr(VllmKVCacheManager, "allocate_slots", allocate_slots)
-    return freed
+    return counts
 
 
-def _count_releasing_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Patch ``PendingGrowth.add`` to count the calls it leaves to the
-    per-request path because they release a block."""
-    releasing, add = [0], PendingGrowth.add
+def _count_releasing_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Patch ``PendingGrowth`` to count the running calls whose window
+    release drops a block: ``batched`` (answered on the host, the release in
+    the step) and ``per_request`` (left to the per-request path,
+    ``RELEASES``); and ``unfit``, the calls left there that release nothing
+    but need more blocks than were free before the step while a release is
+    pending."""
+    counts, add, keep = {"batched": 0, "per_request": 0, "unfit": 0}, PendingGrowth.add, PendingGrowth._keep_window
+    processed_tokens = gpukv033.window_releases.processed_tokens
 
-    def counted(self, *args, **kwargs):
-        blocks = add(self, *args, **kwargs)
-        releasing[0] += blocks is gpukv033.pending.RELEASES
+    def counted_add(self, request, held, *args, **kwargs):
+        rid, processed = request.request_id, processed_tokens(request, self._max_model_len)
+        releases = self._windows.stops_after(rid, processed, held[1]) is not None
+        blocks = add(self, request, held, *args, **kwargs)
+        if blocks is gpukv033.pending.RELEASES:
+            counts["per_request" if releases else "unfit"] += 1
         return blocks
 
-    monkeypatch.setattr(PendingGrowth, "add", counted)
-    return releasing
+    def counted_keep(self, request_id, window):
+        counts["batched"] += window[1] is not None and window[1] != self._windows.null_blocks[request_id]
+        keep(self, request_id, window)
+
+    monkeypatch.setattr(PendingGrowth, "add", counted_add)
+    monkeypatch.setattr(PendingGrowth, "_keep_window", counted_keep)
+    return counts
 
 
 WINDOW_SHAPES = [pytest.param(dict(sliding_window=17, num_blocks=12), id="window"),
                  pytest.param(dict(sliding_window=20, hybrid=True, num_blocks=16), id="hybrid"),
-                 pytest.param(dict(sliding_window=24, hybrid=True, num_blocks=12), id="hybrid-tight")]
+                 pytest.param(dict(sliding_window=24, hybrid=True, num_blocks=12), id="hybrid-tight"),
+                 pytest.param(dict(sliding_window=17, hybrid=True, num_blocks=16, prefix_caching=False),
+                              id="hybrid-uncached")]
 
 
 @pytest.mark.parametrize("cls", REFERENCE)
 @pytest.mark.parametrize("kv_events", [False, True], ids=["no-events", "events"])
 @pytest.mark.parametrize("shape", WINDOW_SHAPES)
-def test_window_models_batch_the_running_calls_that_release_nothing(cls, kv_events, shape, monkeypatch):
+def test_window_models_batch_the_running_calls_vllms_order_allows(cls, kv_events, shape, monkeypatch):
     """Sliding-window and hybrid models, synchronous and async (tokens in
     flight: releases behind the processed tokens), with KV events and
-    without: every step equals vLLM's; the running loop's calls are batched
-    except those whose window release frees a block, which are exactly the
-    calls where vLLM's release freed one (each made on the per-request path
-    in its turn: those where it dropped one, freed or still shared); no
-    waiting run is admitted as one step."""
+    without, prefix caching on and off: every step equals vLLM's. The
+    running loop's calls are batched, those whose release drops only cached
+    blocks too; a release that may drop an uncached block, or a take past
+    the blocks free before the step while a release is pending, takes the
+    per-request path. Counted against vLLM's own calls: the releasing calls
+    gpukv batched or left are exactly those where vLLM's release dropped a
+    block, and every call whose release dropped an uncached one was left.
+    No waiting run is admitted as one step."""
     counting = _Counting(monkeypatch)
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
-    freed, releasing = _count_vllm_releases(monkeypatch), _count_releasing_calls(monkeypatch)
+    vllm_counts, gpukv_counts = _count_vllm_releases(monkeypatch), _count_releasing_calls(monkeypatch)
+    batched = 0
     for seed in SEEDS[:2]:
         config = StreamConfig(**(dict(seed=seed, kv_events=kv_events, num_speculative_tokens=0,
                                       max_num_batched_tokens=32) | shape))
-        freed[0] = releasing[0] = 0
+        for counts in (vllm_counts, gpukv_counts):
+            counts.update(dict.fromkeys(counts, 0))
         expected = run_stream(vllm_cls, config, check_tables=False)
         _assert_same_steps(expected, run_stream(cls, config))
-        assert releasing[0] == freed[0] > 0, (releasing[0], freed[0])
+        assert gpukv_counts["batched"] + gpukv_counts["per_request"] == sum(vllm_counts.values()) > 0
+        assert gpukv_counts["per_request"] >= vllm_counts["uncached"]
+        if not config.prefix_caching:  # (every released block uncached: none batched)
+            assert gpukv_counts["batched"] == 0 and vllm_counts["cached"] == 0
+        batched += gpukv_counts["batched"]
+    assert batched > 0 or not shape.get("prefix_caching", True)
     calls, steps, _ = counting.totals()
     assert calls > steps > 0, (calls, steps)
     assert counting.admitted() == (0, 0)
@@ -601,7 +631,7 @@ def test_a_running_calls_record_follows_growths_rule():
 
     class Adapter:
         blocks_class, block_size, max_model_len, empty_kv_cache_blocks = tuple, 4, 40, ()
-        ids_on_device, num_kv_cache_groups, manager, release_at = True, 1, Manager(), None
+        ids_on_device, num_kv_cache_groups, manager, windows = True, 1, Manager(), None
 
     class Request:
         def __init__(self, num_computed_tokens):

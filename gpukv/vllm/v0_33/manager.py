@@ -57,7 +57,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit, RunningUpdate
-from gpukv.core.windows import first_release_at
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_8.manager import resolve_backend
 from gpukv.vllm.v0_33 import features
@@ -80,6 +79,7 @@ from gpukv.vllm.v0_33.views import (
     has_blocks,
     id_blocks_class,
 )
+from gpukv.vllm.v0_33.window_releases import WindowReleases, processed_tokens
 
 __all__ = ["Block", "KVCacheManager", "UnsupportedConfigError", "check_kv_cache_config", "check_request",
            "make_backend"]
@@ -186,12 +186,12 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         self._looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]] = {}
         self.batching = False
         # The batched path answers on the host only what host arithmetic decides (module docstring): in a window
-        # model, the running calls that release no block (``gpukv.vllm.v0_33.pending``), and no waiting run.
+        # model, the running calls whose release vLLM's order allows in one step (``window_releases``), and no
+        # waiting run.
         self.can_batch_waiting = not self.groups.has_windows
-        self._group_policies = self.groups.policies
-        # Window models: per held request, the fewest processed tokens at which its next call releases a block
-        # (None: no window group, nothing released).
-        self.release_at: dict[str, int] | None = {} if self.groups.has_windows else None
+        # (window models: what each held request's next running call releases; None: nothing is ever released)
+        self.windows = (WindowReleases(self.groups.policies, self.block_size, self.enable_caching)
+                        if self.groups.has_windows else None)
         self.pending = PendingGrowth(self)  # (the running loop's calls, answered, not yet applied)
         self.admissions = AdmittedRun(self)  # (the waiting loop's run of admissions, answered from one step)
         self.waiting_run: Any = None  # (set by the scheduler: the run of waiting requests to admit as one step)
@@ -379,8 +379,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         rid, self._admitted = request.request_id, None
         self._looked_up.pop(rid, None)
         self._held.pop(rid, None)
-        if self.release_at is not None:
-            self.release_at.pop(rid, None)
+        if self.windows is not None:
+            self.windows.forget(rid)
         self.refused.pop(rid, None)
         if self._requests.pop(rid, None) is not None:
             self.manager.free(rid)
@@ -416,12 +416,9 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
                           int(m.row_token_counts([m.row_of(rid)])[0][0])]:
                 raise AssertionError(f"request {rid!r}: the adapter's row, block positions, computed and known "
                                      f"tokens {record} are not the manager's")
-        if self.release_at is not None:
+        if self.windows is not None:
             for rid in self._held:
-                at = first_release_at(self._group_policies, m.num_null_blocks(rid))
-                if self.release_at.get(rid) != at:
-                    raise AssertionError(f"request {rid!r}: the adapter's next window release at "
-                                         f"{self.release_at.get(rid)} processed tokens is not the manager's {at}")
+                self.windows.check(rid, m.num_null_blocks(rid))
         if held != set(self._requests) or held != set(self._held):
             raise AssertionError(f"the adapter's requests {sorted(self._requests)} are not the manager's "
                                  f"{sorted(held)}")
@@ -442,9 +439,9 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         ones less those in flight (``kv_cache_manager.py:555-568``)."""
         rid = request.request_id
         _, num_held, computed, held = self._held[rid]
-        total, need_slot, target = growth(request.num_computed_tokens, request.num_tokens, computed,
-                                          num_new_tokens, num_lookahead_tokens, self.max_model_len)
-        processed = max(0, total - request.num_in_flight_tokens)
+        _, need_slot, target = growth(request.num_computed_tokens, request.num_tokens, computed,
+                                      num_new_tokens, num_lookahead_tokens, self.max_model_len)
+        processed = processed_tokens(request, self.max_model_len)
         to_take = self.num_kv_cache_groups * max(-(-need_slot // self.block_size) - num_held, 0)
         if reserved_blocks and not self._fits(to_take, 0, reserved_blocks):
             return None
@@ -453,9 +450,9 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
             raise AssertionError(f"request {rid!r}: vLLM schedules {num_new_tokens} tokens past "
                                  f"{request.num_computed_tokens} computed, none of them past gpukv's {computed}")
         new = self._extend(rid, request.all_token_ids[held:], chunk, need_slot - target, processed)
+        self.note_held(rid)  # (a call that does not fit still made its window's release, as vLLM's does)
         if new is None:
             return None
-        self.note_held(rid)
         self._drain(request)
         return self.new_kv_cache_blocks(new)
 

@@ -27,19 +27,16 @@ of running requests.
 With KV events on, the step's events are regrouped into vLLM's per-call
 order after it (``gpukv.vllm.v0_33.events``: ``drain_step``).
 
-Window groups: vLLM's call first releases the blocks its window no longer
-reaches, behind the request's processed tokens (the computed ones less
-those in flight), then takes its new blocks from the free queue; a
-released block no prefix names goes to the queue's front, where the next
-take finds it. gpukv's step releases every row's blocks first, then takes
-each row's. The two agree on a run of calls none of which releases a
-block, and only those are answered here: a call whose processed tokens
-reach the request's next release (``release_at``, from the null blocks it
-holds: ``gpukv.core.windows``) is ``RELEASES``, and the adapter applies the
-calls before it and makes that one on the per-request path, in vLLM's
-order. Each answered call's processed tokens ride with its row
-(``RunningRows.processed``), so the step releases behind them, as vLLM's
-call does: nothing.
+Window groups (``gpukv.vllm.v0_33.window_releases``): vLLM's call first
+releases the blocks its window no longer reaches, then takes its new blocks;
+gpukv's step releases every row's blocks first, then takes each row's. The
+two agree on calls that release nothing or only cached blocks (to the free
+queue's tail) while every take fits in the blocks free before the step, and
+only those are answered here, each with its processed tokens riding with
+its row (``RunningRows.processed``), so the step releases behind them what
+vLLM's call does. A call that may free an uncached block, or that fits only
+if the step's releases count, is ``RELEASES``: the adapter applies the calls
+before it and makes that one on the per-request path, in vLLM's order.
 """
 
 from __future__ import annotations
@@ -56,9 +53,10 @@ from gpukv.core.running_batch import PrecheckedRunningBatch, prechecked_batch
 from gpukv.errors import GpukvInputError
 from gpukv.vllm.v0_33.events import StepCall
 from gpukv.vllm.v0_33.views import Block, decode_tokens, new_tokens
+from gpukv.vllm.v0_33.window_releases import processed_tokens
 
 _LAZY_CLASSES: dict[type, type] = {}
-#: ``PendingGrowth.add``'s answer for a window model's call that releases a block (module docstring).
+#: ``PendingGrowth.add``'s answer for a window model's call the step cannot make as vLLM does (module docstring).
 RELEASES = object()
 #: The ints ``PendingGrowth`` keeps per call, flat, in this order (``_batch`` reads them as one array). Each
 #: of the batch's per-row counts is the difference of two neighbours (new tokens ``known - before``, chunk
@@ -122,7 +120,7 @@ class PendingGrowth:
     gpukv step: ``add`` a request's call (None when it does not fit, nothing
     kept then), ``flush`` them all. ``adapter``: the
     ``gpukv.vllm.v0_33.KVCacheManager`` (its ``manager``, ``block_size``,
-    ``num_kv_cache_groups``, ``empty_kv_cache_blocks``, ``release_at``)."""
+    ``num_kv_cache_groups``, ``empty_kv_cache_blocks``, ``windows``)."""
 
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
@@ -130,7 +128,7 @@ class PendingGrowth:
         self._block_size = adapter.block_size  # (read once: ``add`` runs once per running request per step)
         self._max_model_len = adapter.max_model_len
         self._no_blocks = adapter.empty_kv_cache_blocks
-        self._release_at = adapter.release_at  # (window models: a running call's next release; else None)
+        self._windows = adapter.windows  # (window models: what a running call releases; else None)
         self._num_applied = 0  # calls answered on the host and cleared since construction (``num_calls``)
         self.num_steps = 0  # gpukv steps they were applied in
         self.num_reads = 0  # free counts read from the device (a call past the host's bound)
@@ -152,6 +150,7 @@ class PendingGrowth:
         self.calls: list[Any] = []  # (non-empty while calls are pending)
         self.counts: list[int] = []
         self.processed: list[int] = []  # (window models only: each call's processed tokens)
+        self.releasing = False  # (window models: whether a pending call releases blocks)
         self.growing: list[tuple[int, int, Any]] = []
         self.taken = 0  # blocks the calls so far take, per the host
         self.spare: int | None = None  # free blocks known to be left for the next call
@@ -167,10 +166,12 @@ class PendingGrowth:
         known in gpukv (the adapter's record, which this updates): its new
         blocks (the empty instance when none are new, else blocks filled at
         the flush), None when they do not fit, or ``RELEASES`` (a window
-        model's call that releases a block: nothing kept)."""
-        if self._release_at is not None and self._releases(request):
-            return RELEASES
+        model's call for the per-request path: nothing kept)."""
         row, num_held, computed, before = held
+        if self._windows is not None:
+            window = self._window_release(request, num_held, computed)
+            if window is RELEASES:
+                return RELEASES
         # ``growth``'s rule, inline (this runs once per running request per step; ``test_batched`` holds the two
         # equal): the slots after the call capped at max_model_len, the target at the known tokens and never
         # below gpukv's computed ones. (vLLM's computed tokens need no cap of their own here: past
@@ -186,46 +187,60 @@ class PendingGrowth:
             target = computed
         new_per_group = -(-slots // self._block_size) - num_held
         if new_per_group > 0:  # (about one call in block_size)
-            return self._add_growing(request, held, known, target, slots, new_per_group)
+            return self._add_growing(request, held, known, target, slots, new_per_group,
+                                     None if self._windows is None else window)
         self.calls.append(request)
         self.counts.extend((row, before, known, computed, target, slots))
+        if self._windows is not None:
+            self._keep_window(request.request_id, window)
         held[2] = target
         held[3] = known  # (the step appends vLLM's tokens past gpukv's)
         return self._no_blocks
 
     def _add_growing(self, request: Any, held: list[int], known: int, target: int, slots: int,
-                     new_per_group: int) -> Any:
-        """``add`` for a call that takes ``new_per_group`` blocks per group."""
+                     new_per_group: int, window: Any) -> Any:
+        """``add`` for a call that takes ``new_per_group`` blocks per group
+        (``window``: ``_window_release``'s answer, None without windows)."""
         a = self._adapter
         row, num_held, computed, before = held
         popped = new_per_group * a.num_kv_cache_groups
         if not self._take(popped):
-            if self._release_at is not None:
-                self.processed.pop()  # (the call is not kept)
-            return None
+            # (past the blocks free before the step, a release of this call or one before it may make room, and
+            # its take may reach a released block: vLLM's order decides, on the per-request path)
+            return RELEASES if self.releasing or (window is not None and window[1] is not None) else None
         held[1] = num_held + new_per_group  # (gpukv's step holds max(held, ceil(slots / block_size)) positions)
         blocks = None if a.ids_on_device else self._lazy_cls(self)
         self.growing.append((len(self.calls), popped, blocks))
         self.calls.append(request)
         self.counts.extend((row, before, known, computed, target, slots))
+        if window is not None:
+            self._keep_window(request.request_id, window)
         held[2] = target
         held[3] = known
         return a.empty_kv_cache_blocks if blocks is None else blocks
 
-    def _releases(self, request: Any) -> bool:
-        """Whether a window model's call for ``request`` releases a block
-        (its processed tokens, ``KVCacheManager._grow``'s rule, reach its
-        ``release_at``); else the processed tokens are kept with the call."""
-        total = request.num_computed_tokens
-        if total > self._max_model_len:
-            total = self._max_model_len
-        processed = total - request.num_in_flight_tokens
-        if processed < 0:
-            processed = 0
-        if processed >= self._release_at[request.request_id]:
-            return True
+    def _window_release(self, request: Any, num_held: int, computed: int) -> Any:
+        """A window model's call: ``(processed tokens, None)`` when its
+        release frees nothing, ``(processed, null-block stops)`` when it frees
+        only cached blocks, ``RELEASES`` when it may free an uncached one."""
+        windows = self._windows
+        assert windows is not None
+        rid = request.request_id
+        processed = processed_tokens(request, self._max_model_len)
+        if processed < windows.release_at[rid]:
+            return processed, None
+        stops = windows.stops_after(rid, processed, num_held)
+        if stops is None or windows.all_cached(stops, computed):
+            return processed, stops
+        return RELEASES
+
+    def _keep_window(self, request_id: str, window: tuple[int, list[int] | None]) -> None:
+        """A kept call's processed tokens, and its release noted."""
+        processed, stops = window
         self.processed.append(processed)
-        return False
+        if stops is not None:
+            self.releasing = True
+            self._windows.note(request_id, stops)  # type: ignore[union-attr]
 
     def _take(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more fit after what the calls so far take
@@ -320,6 +335,6 @@ class PendingGrowth:
         else:
             tokens, ragged = new_tokens(self.calls, starts, self.counts[_KNOWN::width]), counts
         # (no lookahead, the common case, handed as the int 0: the plan then adds a constant, not an array)
-        processed = None if self._release_at is None else np.array(self.processed, dtype=np.int64)
+        processed = None if self._windows is None else np.array(self.processed, dtype=np.int64)
         return prechecked_batch(rows, tokens, ragged, before, chunks, lookahead if np.count_nonzero(lookahead) else 0,
                                 processed)

@@ -11,11 +11,11 @@ from typing import Any
 
 from gpukv.core.protocol import BlockManager
 from gpukv.core.requests import ComputedBlocks, NewRequest, PrefixHit
-from gpukv.core.windows import Policy, first_release_at
 from gpukv.errors import InvalidInputError
 from gpukv.vllm.v0_33.admission_fit import HitTouches
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 from gpukv.vllm.v0_33.views import has_blocks, token_ids
+from gpukv.vllm.v0_33.window_releases import WindowReleases
 
 
 class RequestAdmission:
@@ -31,8 +31,7 @@ class RequestAdmission:
     watermark_blocks: int
     _admitted: tuple[str, list[list[int]]] | None
     _held: dict[str, list[int]]
-    release_at: dict[str, int] | None
-    _group_policies: list[Policy]
+    windows: WindowReleases | None
     _looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]]
     _requests: dict[str, Any]
     # (the adapter's own methods these call: annotations only, so none is shadowed)
@@ -105,21 +104,20 @@ class RequestAdmission:
         self._requests[rid] = request
         self._admitted = None if block_ids is None else (rid, block_ids)  # (vLLM's get_blocks comes next)
         self._held[rid] = list(self.manager.request_counts(rid))
-        self._note_release_at(rid)
+        self._note_windows(rid)
 
     def note_held(self, rid: str) -> None:
         """The adapter's record of what request ``rid`` holds (its row, block
         positions per group, computed and known tokens), read back from the
         manager (host only; the record's list kept: the batched path holds it)."""
         self._held[rid][:] = self.manager.request_counts(rid)
-        self._note_release_at(rid)
+        self._note_windows(rid)
 
-    def _note_release_at(self, rid: str) -> None:
-        """In a window model, the fewest processed tokens at which request
-        ``rid``'s next call releases a block (``release_at``: the batched
-        path answers only calls below it)."""
-        if self.release_at is not None:
-            self.release_at[rid] = first_release_at(self._group_policies, self.manager.num_null_blocks(rid))
+    def _note_windows(self, rid: str) -> None:
+        """In a window model, the null blocks request ``rid`` leads with, so
+        what its next running call releases (``windows``)."""
+        if self.windows is not None:
+            self.windows.note(rid, self.manager.num_null_blocks(rid))
 
 
 def _handed_back_hit(looked_up: tuple[Any, ComputedBlocks | PrefixHit] | None, request: Any,

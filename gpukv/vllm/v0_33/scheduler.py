@@ -17,9 +17,10 @@ calls for them answered from it (``gpukv.vllm.v0_33.admissions``); other
 admissions make one call each. KV events are regrouped into vLLM's per-call
 order after the step (``gpukv.vllm.v0_33.events``). In models with
 sliding-window groups the running loop is batched too, but for the calls
-whose window release frees a block (each made on the per-request path in
-its turn), and every admission takes the per-request path; ``Unbatched*``
-classes always do.
+whose window release may free an uncached block (each made on the
+per-request path in its turn: ``gpukv.vllm.v0_33.window_releases``), and
+every admission takes the per-request path; ``Unbatched*`` classes always
+do.
 
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
