@@ -110,7 +110,7 @@ def _bends_the_loop(s: Any, adapter: Any, throttle_prefills: bool) -> bool:
 
     return bool(s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
                 or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
-                or s.prefix_replay_tokens or not adapter.can_batch_waiting or adapter.event_translator.index
+                or s.prefix_replay_tokens or adapter.event_translator.index
                 or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None))
 
 

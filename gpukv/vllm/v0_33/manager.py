@@ -186,9 +186,7 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         self._looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]] = {}
         self.batching = False
         # The batched path answers on the host only what host arithmetic decides (module docstring): in a window
-        # model, the running calls whose release vLLM's order allows in one step (``window_releases``), and no
-        # waiting run.
-        self.can_batch_waiting = not self.groups.has_windows
+        # model, the running calls whose release vLLM's order allows in one step (``window_releases``).
         # (window models: what each held request's next running call releases; None: nothing is ever released)
         self.windows = (WindowReleases(self.groups.policies, self.block_size, self.enable_caching)
                         if self.groups.has_windows else None)

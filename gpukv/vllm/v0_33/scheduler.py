@@ -19,8 +19,9 @@ order after the step (``gpukv.vllm.v0_33.events``). In models with
 sliding-window groups the running loop is batched too, but for the calls
 whose window release may free an uncached block (each made on the
 per-request path in its turn: ``gpukv.vllm.v0_33.window_releases``), and
-every admission takes the per-request path; ``Unbatched*`` classes always
-do.
+so are waiting runs, but in a hybrid model that caches (its shared-prefix
+boundary needs each lookup group's own hit); ``Unbatched*`` classes never
+batch.
 
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
