@@ -79,7 +79,8 @@ class RunningRows:
     the append; ``chunks`` None or int64[B]; ``lookahead`` an int or int64[B];
     ``processed`` None (window groups release behind the computed tokens) or
     int64[B], the tokens they release behind (``RunningUpdate``s'
-    ``num_processed_tokens``; a ``RunningBatch`` has none). Built once per
+    ``num_processed_tokens``, or a prechecked batch's; a ``RunningBatch``
+    has none). Built once per
     step and read, never changed: not frozen, because a frozen dataclass's
     construction costs about 0.6 us more (every field set through
     ``object.__setattr__``)."""

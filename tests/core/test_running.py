@@ -296,7 +296,8 @@ def test_a_prechecked_batch_is_taken_without_a_second_normalisation(kind, monkey
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
-@pytest.mark.parametrize("wrong", ["known", "row", "negative", "past the last", "twice", "token"])
+@pytest.mark.parametrize("wrong", ["known", "row", "negative", "past the last", "twice", "token", "processed < 0",
+                                   "processed past the known", "processed int32"])
 def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong):
     m = managers()[kind]
     rows, batch = _prechecked_pair(m)
@@ -313,6 +314,11 @@ def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong
     elif wrong == "twice":  # one row named twice ("a"'s, with "a"'s count)
         twice = replace(run, rows=rows[[0, 0]], num_tokens=run.num_tokens[[0, 0]])
         batch, match = replace(batch, normalized=twice), "names a row twice"
+    elif wrong.startswith("processed"):  # a release behind tokens no row has, or not int64[B]
+        processed = {"processed < 0": [-1, 0], "processed past the known": [7, 8], "processed int32": [1, 1]}[wrong]
+        dtype = np.int32 if wrong == "processed int32" else np.int64
+        batch = replace(batch, normalized=replace(run, processed=np.array(processed, dtype=dtype)))
+        match = "processed tokens must be int64"
     else:  # a token id gpukv cannot hold (the adapter's screening bypassed): refused, whoever built the batch
         batch = prechecked_batch(rows, np.array([30, 31, -3, 33], dtype=np.int64), run.counts, run.num_tokens,
                                  run.counts, np.zeros(2, dtype=np.int64))
@@ -323,6 +329,22 @@ def test_a_prechecked_batch_that_is_not_the_managers_changes_nothing(kind, wrong
     assert err.value.argument == argument
     assert state_of(m) == before
     assert m.row_token_counts(rows)[0].tolist() == [6, 4]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["reference", "device"])
+def test_a_prechecked_batchs_window_releases_behind_its_processed_tokens(kind):
+    # A 5-token window, blocks of 4: 12 known tokens, "a" at 3 blocks. Behind 12 computed tokens the window
+    # skips (12 - 4) // 4 = 2 blocks; behind 8 processed ones (4 in flight) only 1.
+    m = managers(windows=(5,))[kind]
+    res = m.step(new=[NewRequest("a", list(range(1, 13)))])
+    rows = np.array(res.rows, dtype=np.int64)
+    known = m.row_token_counts(rows)[0]
+    one = np.ones(1, dtype=np.int64)
+    batch = prechecked_batch(rows, np.array([50], dtype=np.int64), None, known, one, 0, np.array([8], np.int64))
+    assert m.step(running=batch, block_ids=True).running_block_ids == [[[4]]]
+    assert m.num_null_blocks("a") == (1,)
+    assert m.get_block_ids("a") == [[0, 2, 3, 4]]
     m.check_invariants()
 
 

@@ -185,9 +185,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         # Each request's last lookup, handed back by allocate_slots: (what vLLM got, gpukv's hit).
         self._looked_up: dict[str, tuple[Any, ComputedBlocks | PrefixHit]] = {}
         self.batching = False
-        # The batched path answers on the host only what host arithmetic decides (module docstring): in a window
-        # model, the running calls whose release vLLM's order allows in one step (``window_releases``).
-        # (window models: what each held request's next running call releases; None: nothing is ever released)
+        # The batched path answers on the host only what host arithmetic decides (module docstring); in a window
+        # model, what each held request's next running call releases (``window_releases``; None: no window).
         self.windows = (WindowReleases(self.groups.policies, self.block_size, self.enable_caching)
                         if self.groups.has_windows else None)
         self.pending = PendingGrowth(self)  # (the running loop's calls, answered, not yet applied)
@@ -337,9 +336,10 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
     def _answer_running(self, request: Any, held: list[int], known: int, num_new_tokens: int,
                         num_lookahead_tokens: int) -> Any:
         """A running request's call on the batched path: answered on the host
-        (``pending.add``), or, for a window model's call that releases a
-        block, made on the per-request path after the calls before it are
-        applied (vLLM's own order: its release, then its fit)."""
+        (``pending.add``), or, for a window model's call one step cannot make
+        as vLLM does (``RELEASES``), made on the per-request path after the
+        calls before it are applied (vLLM's own order: its release, its fit,
+        its take)."""
         blocks = self.pending.add(request, held, known, num_new_tokens, num_lookahead_tokens)
         if blocks is RELEASES:
             self.flush()

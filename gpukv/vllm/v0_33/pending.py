@@ -236,11 +236,13 @@ class PendingGrowth:
 
     def _keep_window(self, request_id: str, window: tuple[int, list[int] | None]) -> None:
         """A kept call's processed tokens, and its release noted."""
+        windows = self._windows
+        assert windows is not None
         processed, stops = window
         self.processed.append(processed)
         if stops is not None:
             self.releasing = True
-            self._windows.note(request_id, stops)  # type: ignore[union-attr]
+            windows.note(request_id, stops)
 
     def _take(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more fit after what the calls so far take
