@@ -175,6 +175,35 @@ def test_window_model_runs_are_vllms_step_by_step(cls, budget, watermark, num_sp
     assert (counting.chunked() > 0) == (budget < 512), counting.chunked()  # (512 takes every prompt whole)
 
 
+@pytest.mark.parametrize("cls", REFERENCE)
+def test_a_hybrid_runs_boundaries_are_vllms_lookups(cls, monkeypatch):
+    """A hybrid model that caches (two lookup groups): a batched run answers
+    each lookup with the shared-prefix boundary vLLM's own lookup gives at
+    that point of its loop (the lone hit of the full-attention group, read
+    from the event index as it stood before the request's own events).
+    Every step's boundaries equal vLLM's, and runs answered some above 0."""
+    counting = _Counting(monkeypatch)
+    answered: list[int] = []
+    lookup = AdmittedRun.lookup
+
+    def recorded(self, request):
+        entry = lookup(self, request)
+        if entry is not None:
+            answered.append(entry.boundary)
+        return entry
+
+    monkeypatch.setattr(AdmittedRun, "lookup", recorded)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=40,
+                              max_num_batched_tokens=256, max_num_seqs=12, num_requests=32, sliding_window=20,
+                              hybrid=True)
+        expected = run_stream(vllm_cls, config, check_tables=False)
+        _assert_same_steps(expected, run_stream(cls, config))
+    assert counting.admitted()[1] > 0
+    assert any(b > 0 for b in answered), answered
+
+
 def test_unbatched_classes_make_one_call_per_request(monkeypatch):
     counting = _Counting(monkeypatch)
     config = StreamConfig(seed=0, kv_events=False)
@@ -264,9 +293,7 @@ def test_window_models_batch_what_vllms_order_allows(cls, kv_events, shape, monk
     per-request path. Counted against vLLM's own calls: the releasing calls
     gpukv batched or left are exactly those where vLLM's release dropped a
     block, and every call whose release dropped an uncached one was left.
-    A window-only model's waiting runs are admitted as one step too (a
-    hybrid one's are not while it caches: its shared-prefix boundary needs
-    each lookup group's own hit)."""
+    Waiting runs are admitted as one step too."""
     counting = _Counting(monkeypatch)
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
     vllm_counts, gpukv_counts = _count_vllm_releases(monkeypatch), _count_releasing_calls(monkeypatch)
@@ -287,11 +314,7 @@ def test_window_models_batch_what_vllms_order_allows(cls, kv_events, shape, monk
     calls, steps, _ = counting.totals()
     assert calls > steps > 0, (calls, steps)
     runs, admitted = counting.admitted()
-    if shape.get("hybrid") and shape.get("prefix_caching", True):  # (the shared-prefix boundary needs each
-        # lookup group's lone hit, which gpukv's step does not report: its admissions are one call each)
-        assert (runs, admitted) == (0, 0)
-    else:
-        assert runs > 0 and admitted > 0, (runs, admitted)
+    assert runs > 0 and admitted > 0, (runs, admitted)
 
 
 STREAM_SHAPES = [pytest.param(dict(num_blocks=20), id="running"),

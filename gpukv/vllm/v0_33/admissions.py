@@ -24,7 +24,10 @@ past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
 (no pause, no held-KV queue, no prefill throttling, no priority policy, no
-replayed windows). Under speculative decoding the budget is vLLM's
+replayed windows). With more than one lookup group each lookup's
+shared-prefix boundary is read from the event index just before the
+request's own events are regrouped (``PendingGrowth.flush``'s
+``boundaries``), where the index stands as vLLM's cache did at its lookup. Under speculative decoding the budget is vLLM's
 ``min(token_budget, input_budget - draft_slots)`` (each scheduled request
 takes its draft slots from ``input_budget``), each admission asks for
 ``num_lookahead_tokens`` slots more, and a prompt vLLM may pad to ``1 +
@@ -71,7 +74,7 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
     when the step may bend the loop."""
     s = scheduler
     lookahead = s.num_lookahead_tokens
-    if _bends_the_loop(s, adapter, throttle_prefills):
+    if _bends_the_loop(s, throttle_prefills):
         return WaitingRun([], None, lookahead)
     draft_slots = _draft_slots(s)
     tokens = s.max_num_scheduled_tokens - num_scheduled_tokens  # (vLLM's token_budget and input_budget left)
@@ -102,7 +105,7 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
     return WaitingRun(run, None, lookahead)
 
 
-def _bends_the_loop(s: Any, adapter: Any, throttle_prefills: bool) -> bool:
+def _bends_the_loop(s: Any, throttle_prefills: bool) -> bool:
     """Whether vLLM's waiting loop may decide something this step besides
     each request's hit and fit (then no run is predicted)."""
     from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
@@ -110,7 +113,7 @@ def _bends_the_loop(s: Any, adapter: Any, throttle_prefills: bool) -> bool:
 
     return bool(s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
                 or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
-                or s.prefix_replay_tokens or adapter.event_translator.index
+                or s.prefix_replay_tokens
                 or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None))
 
 
@@ -183,6 +186,7 @@ class RunEntry:
     block_ids: list[list[int]] | None  # all its blocks, per group (None: they stay on the device)
     num_new_tokens: int  # the tokens it computes past the hit (all of them, or the run's last one's chunk)
     looked_up: bool = False
+    boundary: int = 0  # the shared-prefix boundary get_computed_blocks returns (more than one lookup group)
 
 
 class AdmittedRun:
@@ -220,17 +224,19 @@ class AdmittedRun:
         if not run or run[0] is not request:
             return
         a = self._adapter
+        boundaries: list[int] = []
         result = a.pending.flush(new=[a.gpukv_request(r, token_ids(r), lookahead=self.lookahead) for r in run],
-                                 token_budget=token_budget, admitting=run)
+                                 token_budget=token_budget, admitting=run, boundaries=boundaries)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
         self.num_chunked += sum(1 for i in range(result.num_admitted)
                                 if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
         ids = result.admitted_block_ids
         for i in range(result.num_admitted):
-            self.entries.append(self._admission(run[i], result.num_computed_tokens[i],
-                                                None if ids is None else [group[i] for group in ids],
-                                                result.num_new_tokens[i]))
+            entry = self._admission(run[i], result.num_computed_tokens[i],
+                                    None if ids is None else [group[i] for group in ids], result.num_new_tokens[i])
+            entry.boundary = boundaries[i] if boundaries else 0
+            self.entries.append(entry)
 
     def _admission(self, request: Any, hit: int, block_ids: list[list[int]] | None,
                    num_new_tokens: int) -> RunEntry:

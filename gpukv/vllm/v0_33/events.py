@@ -35,7 +35,7 @@ report).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,10 +87,12 @@ class EventTranslator:
         """Translate what ``manager`` logged since the last drain (one call)."""
         self._translate(manager, [e for batch in manager.take_events() for e in batch.events], request)
 
-    def drain_step(self, manager: BlockManager, calls: Sequence[StepCall]) -> None:
+    def drain_step(self, manager: BlockManager, calls: Sequence[StepCall],
+                   before: Callable[[int], None] | None = None) -> None:
         """Translate what one batched step logged as vLLM's ``calls`` would
         have, one after another (module docstring): each call's removals,
-        then its stores."""
+        then its stores; ``before(i)`` runs just before call ``i``'s, when
+        the index stands as vLLM's cache did at that call's lookup."""
         from gpukv.events import schema as gk
 
         removed: list[Any] = []
@@ -108,7 +110,9 @@ class EventTranslator:
             raise AssertionError(f"a batched step logged {len(removed)} removals and {len(stored)} stores, more "
                                  "than its calls popped or other than they cached")
         popped = cached = 0
-        for call in calls:
+        for i, call in enumerate(calls):
+            if before is not None:
+                before(i)
             own = removed[max(popped, first_evicting) - first_evicting:
                           max(popped + call.num_popped, first_evicting) - first_evicting]
             self._translate(manager, own + stored[cached:cached + call.num_stored], call.request)

@@ -69,7 +69,7 @@ class CacheLookups:
         in a hybrid) when longer than the hit, else 0."""
         entry = self.admissions.lookup(request) if self.batching and max_cache_hit_length is None else None
         if entry is not None:
-            return entry.hit_blocks, entry.computed.num_tokens, 0
+            return entry.hit_blocks, entry.computed.num_tokens, entry.boundary
         self.flush()  # (the per-request path)
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
@@ -114,6 +114,17 @@ class CacheLookups:
         if self.ids_on_device:
             return self.manager.read_prefix_hit(capped)
         return self.manager.get_computed_blocks(capped)
+
+    def run_boundary(self, request: Any, num_hit_tokens: int) -> int:
+        """The shared-prefix boundary vLLM's lookup gives a batched run's
+        request (no hit bound of its own: ``plain_run``) whose hit is
+        ``num_hit_tokens``, from the cache as the event index stands now
+        (``AdmittedRun`` asks just before the request's own events)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        limit = features.max_cache_hit_length(request, None)
+        return self._shared_prefix_boundary(request, min(limit, request.num_tokens - 1) // self.block_size,
+                                            num_hit_tokens)
 
     def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
         """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup

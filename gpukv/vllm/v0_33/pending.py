@@ -260,14 +260,16 @@ class PendingGrowth:
         return True
 
     def flush(self, new: Sequence[NewRequest] = (), token_budget: int | None = None,
-              admitting: Sequence[Any] = ()) -> StepResult | None:
+              admitting: Sequence[Any] = (), boundaries: list[int] | None = None) -> StepResult | None:
         """Apply the pending calls as one gpukv step, in call order, and fill
         the blocks handed back; ``new`` (a run of admissions,
         ``gpukv.vllm.v0_33.admissions``; ``admitting``: their vLLM requests)
         are admitted in the same step, after them, as vLLM's waiting loop
         comes after its running loop, within ``token_budget`` tokens (None:
         each whole). Returns the step's result (None when there was nothing
-        to do)."""
+        to do). ``boundaries``: filled with each admitted request's
+        shared-prefix boundary, as vLLM's lookup would give it in turn (with
+        an event index: ``KVCacheManager.run_boundary``; else left empty)."""
         if not self.calls and not new:
             return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
@@ -285,7 +287,7 @@ class PendingGrowth:
                     if blocks is not None:
                         blocks.filled = tuple([Block(b) for b in group[i]] for group in result.running_block_ids)
             if self._adapter.event_translator.active:
-                self._drain(result, admitting)
+                self._drain(result, admitting, boundaries)
             return result
         except GpukvInputError:
             self._reread()
@@ -293,9 +295,10 @@ class PendingGrowth:
         finally:
             self._clear()
 
-    def _drain(self, result: StepResult, admitting: Sequence[Any]) -> None:
+    def _drain(self, result: StepResult, admitting: Sequence[Any], boundaries: list[int] | None) -> None:
         """The step's KV events, as vLLM's calls would have made them one by
-        one: the running loop's, then the run's admissions'."""
+        one: the running loop's, then the run's admissions' (each admission's
+        shared-prefix boundary into ``boundaries`` just before its events)."""
         a = self._adapter
         caching, bs, groups = a.enable_caching, a.block_size, a.num_kv_cache_groups
         popped = [0] * len(self.calls)
@@ -309,7 +312,15 @@ class PendingGrowth:
             full = (result.num_computed_tokens[i] + result.num_new_tokens[i]) // bs
             calls.append(StepCall(request, groups * (a.manager.num_blocks_held(request.request_id) - hit),
                                   groups * (full - hit) if caching else 0))
-        a.event_translator.drain_step(a.manager, calls)
+        before = None
+        if boundaries is not None and a.event_translator.index:
+            first = len(self.calls)
+
+            def before(i: int) -> None:
+                if i >= first:
+                    boundaries.append(a.run_boundary(admitting[i - first], result.num_computed_tokens[i - first]))
+
+        a.event_translator.drain_step(a.manager, calls, before)
 
     def _reread(self) -> None:
         """gpukv refused the step and changed nothing: the adapter's records,
