@@ -27,7 +27,8 @@ path. All this only in a step with nothing else that bends vLLM's loop
 replayed windows). With more than one lookup group each lookup's
 shared-prefix boundary is read from the event index just before the
 request's own events are regrouped (``PendingGrowth.flush``'s
-``boundaries``), where the index stands as vLLM's cache did at its lookup. Under speculative decoding the budget is vLLM's
+``boundaries``), where the index stands as vLLM's cache did at its lookup.
+Under speculative decoding the budget is vLLM's
 ``min(token_budget, input_budget - draft_slots)`` (each scheduled request
 takes its draft slots from ``input_budget``), each admission asks for
 ``num_lookahead_tokens`` slots more, and a prompt vLLM may pad to ``1 +
