@@ -649,6 +649,33 @@ def test_a_stale_record_of_gpukvs_tokens_is_refused_and_read_back():
     kv.check_invariants()
 
 
+def test_a_refused_window_step_releases_nothing_and_its_records_are_read_back():
+    """A window model's batched calls, one releasing a cached block (noted
+    on the host before the step), refused as a whole (a stale record):
+    nothing released, the window records read back from the manager."""
+    scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=8, max_num_batched_tokens=512,
+                               max_model_len=256, num_blocks=64, sliding_window=17)
+    engine = Engine(scheduler)
+    requests = make_requests(2, 40, max_tokens=100, ignore_eos=True, scheduler=scheduler)
+    engine.add(requests)
+    engine.step()
+    kv = scheduler.kv_cache_manager
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 40  # (a 17-token window behind 40 tokens: block 0 out of reach, and cached)
+    held = [kv.manager.get_block_ids(r.request_id) for r in requests]
+    kv._held[requests[1].request_id][3] -= 1  # (a wrong record: gpukv knows one token more)
+    for r in requests:
+        kv.allocate_slots(r, 1)
+    assert [kv.windows.null_blocks[r.request_id] for r in requests] == [[1], [1]]  # (noted, not yet applied)
+    with pytest.raises(InvalidInputError, match="known tokens are not the manager's"):
+        kv.flush()
+    assert [kv.manager.get_block_ids(r.request_id) for r in requests] == held  # (no block released)
+    assert [kv.windows.null_blocks[r.request_id] for r in requests] == [[0], [0]]  # (read back)
+    kv.batching = False
+    kv.check_invariants()
+
+
 def test_the_new_tokens_are_each_requests_slice_flat_whatever_its_buffer():
     """vLLM 0.34's int32 ``TokenBuffer`` (an ``array``), 0.33's list, and a
     mix of the two: the same flat tokens, in order, none for an empty span."""
