@@ -234,13 +234,12 @@ class AdmittedRun:
                                 if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
         ids = result.admitted_block_ids
         for i in range(result.num_admitted):
-            entry = self._admission(run[i], result.num_computed_tokens[i],
-                                    None if ids is None else [group[i] for group in ids], result.num_new_tokens[i])
-            entry.boundary = boundaries[i] if boundaries else 0
-            self.entries.append(entry)
+            self.entries.append(self._admission(run[i], result.num_computed_tokens[i],
+                                                None if ids is None else [group[i] for group in ids],
+                                                result.num_new_tokens[i], boundaries[i] if boundaries else 0))
 
-    def _admission(self, request: Any, hit: int, block_ids: list[list[int]] | None,
-                   num_new_tokens: int) -> RunEntry:
+    def _admission(self, request: Any, hit: int, block_ids: list[list[int]] | None, num_new_tokens: int,
+                   boundary: int) -> RunEntry:
         a = self._adapter
         num_hit = hit // a.block_size
         if block_ids is None:  # (the ids stay on the device: vLLM's output carries none, ``ids_on_device``)
@@ -248,12 +247,13 @@ class AdmittedRun:
             # (a hit's blocks are an instance of their own: vLLM hands them back to allocate_slots)
             hit_blocks = a.blocks_class(tuple([] for _ in range(a.num_kv_cache_groups))) if hit \
                 else a.empty_kv_cache_blocks
-            return RunEntry(request, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens)
+            return RunEntry(request, computed, hit_blocks, a.empty_kv_cache_blocks, None, num_new_tokens,
+                            boundary=boundary)
         hit_ids = [ids[:num_hit] for ids in block_ids]
         computed = ComputedBlocks(hit_ids, hit)
         hit_blocks = a.id_blocks(tuple(hit_ids), request, num_hit)
         new_blocks = a.new_kv_cache_blocks([ids[num_hit:] for ids in block_ids])
-        return RunEntry(request, computed, hit_blocks, new_blocks, block_ids, num_new_tokens)
+        return RunEntry(request, computed, hit_blocks, new_blocks, block_ids, num_new_tokens, boundary=boundary)
 
     def lookup(self, request: Any) -> RunEntry | None:
         """The run's answer to ``get_computed_blocks(request)`` (the run is

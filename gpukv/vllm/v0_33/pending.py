@@ -168,6 +168,7 @@ class PendingGrowth:
         the flush), None when they do not fit, or ``RELEASES`` (a window
         model's call for the per-request path: nothing kept)."""
         row, num_held, computed, before = held
+        window = None  # (a window model's call: its processed tokens and release, ``_window_release``)
         if self._windows is not None:
             window = self._window_release(request, num_held, computed)
             if window is RELEASES:
@@ -187,11 +188,10 @@ class PendingGrowth:
             target = computed
         new_per_group = -(-slots // self._block_size) - num_held
         if new_per_group > 0:  # (about one call in block_size)
-            return self._add_growing(request, held, known, target, slots, new_per_group,
-                                     None if self._windows is None else window)
+            return self._add_growing(request, held, known, target, slots, new_per_group, window)
         self.calls.append(request)
         self.counts.extend((row, before, known, computed, target, slots))
-        if self._windows is not None:
+        if window is not None:
             self._keep_window(request.request_id, window)
         held[2] = target
         held[3] = known  # (the step appends vLLM's tokens past gpukv's)
