@@ -113,7 +113,10 @@ class StepResult:
     ``rows``. ``refused_hit_tokens``: the hit, in tokens, of the new request
     the step looked up and refused (its blocks did not fit: vLLM's waiting
     loop stops there, and counts its lookup in the stats), None when none
-    was.
+    was. ``full_attention_hit_tokens[i]``: the longest prefix, in tokens, that
+    admitted request ``i``'s full-attention groups alone could serve at its
+    lookup (``ComputedBlocks.full_attention_hit_tokens``; None in a model
+    without both kinds of group, or when no request was admitted).
     """
 
     running_failed_at: int | None = None
@@ -122,6 +125,7 @@ class StepResult:
     rows: list[int] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     refused_hit_tokens: int | None = None
+    full_attention_hit_tokens: list[int] | None = None
     # With ``step(..., block_ids=True)``: per group, each running update's new
     # blocks (the updates that got theirs, in order), and each admitted
     # request's blocks (all of them, its hit included).
@@ -160,10 +164,19 @@ class StepOutputs:
 @dataclass
 class ComputedBlocks:
     """A request's prefix-cache hit: per group, the block at each hit position
-    (the null block where a sliding window does not reach)."""
+    (the null block where a sliding window does not reach).
+
+    ``full_attention_hit_tokens``: the longest prefix, in tokens, that the
+    full-attention groups alone could serve (whole blocks, within the same
+    limit as the hit; the cache as the lookup saw it), so at least
+    ``num_tokens``; longer where a sliding-window group holds less. None in
+    a model without both kinds of group (``gpukv.core.windows.is_hybrid``),
+    where it would be the hit. A serving engine's hybrid lookup reports it
+    (vLLM's shared-prefix boundary)."""
 
     block_ids: list[list[int]]
     num_tokens: int
+    full_attention_hit_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,7 @@ class PrefixHit:
 
     num_tokens: int
     num_unheld_blocks: int
+    full_attention_hit_tokens: int | None = None  # (as ``ComputedBlocks``')
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,13 @@ def policies(windows: Sequence[int | None], block_size: int) -> list[Policy]:
     return [FullAttention() if w is None else SlidingWindow(w, block_size) for w in windows]
 
 
+def is_hybrid(windows: Sequence[int | None]) -> bool:
+    """Whether groups of these windows (None: full attention) have both
+    kinds: the model's lookups then report the full-attention groups' own
+    hit beside the hit (``ComputedBlocks.full_attention_hit_tokens``)."""
+    return None in windows and any(w is not None for w in windows)
+
+
 def first_release_at(group_policies: Sequence[Policy], num_null: Sequence[int]) -> int:
     """The fewest processed tokens whose release frees a block in some group
     of a request holding ``num_null`` leading null blocks per group (a model

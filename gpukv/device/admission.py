@@ -99,8 +99,9 @@ class Admission:
             self.known_fit(rest, hit_caps, hit_touches, budget_left)
         rows = [s.rows.take() for _ in rest]
         try:
-            status, hits, computed = self.admit(rest, rows, s.blocked, None if hit_caps is None else hit_caps[done:],
-                                                token_budget=budget_left, graphs=graphs)
+            status, hits, computed, full = self.admit(rest, rows, s.blocked,
+                                                      None if hit_caps is None else hit_caps[done:],
+                                                      token_budget=budget_left, graphs=graphs)
         except BaseException:
             s.rows.give_back_unused(rows)  # no row leaks, whatever went wrong
             raise
@@ -113,12 +114,13 @@ class Admission:
             return deferred, []
         gathered = [] if tail is None else tail.parts((np.asarray(rows, dtype=np.int64), self.most_blocks(rest)),
                                                       first=done)
-        host = self._reads.step_status([*lead, status[: lookup_ops.NUM_STATUS], hits.to(torch.int64),
-                                     computed.to(torch.int64), *gathered])
+        outputs = [hits, computed, full] if s.hybrid else [hits, computed]
+        host = self._reads.step_status([*lead, status[: lookup_ops.NUM_STATUS],
+                                        *(t.to(torch.int64) for t in outputs), *gathered])
         deferred = self.finish(rest, rows, host[len(lead):], part, count_stats)
         if tail is not None:
             adm = np.asarray(part.rows, dtype=np.int64)
-            tail.took(host[len(lead) + lookup_ops.NUM_STATUS + 2 * len(rest):], adm, s.rows.num_held[adm])
+            tail.took(host[len(lead) + lookup_ops.NUM_STATUS + len(outputs) * len(rest):], adm, s.rows.num_held[adm])
         self._merge(result, part)
         return deferred, host[: len(lead)]
 
@@ -130,6 +132,8 @@ class Admission:
         result.rows += part.rows
         result.num_new_tokens += part.num_new_tokens
         result.refused_hit_tokens = part.refused_hit_tokens
+        if part.full_attention_hit_tokens is not None:
+            result.full_attention_hit_tokens = (result.full_attention_hit_tokens or []) + part.full_attention_hit_tokens
 
     def known_fit(self, new: Sequence[NewRequest], hit_caps, hit_touches: Sequence[int],
                   budget_left: int | None) -> tuple[list[int], int] | None:
@@ -139,8 +143,9 @@ class Admission:
         KV-event log (the events ride on the read), tokens on the host, and
         every block it takes (``_charge``'s new blocks and the touches) under
         the host's lower bound of free blocks, so the device admits it. The
-        values ``finish`` reads (status, hit, computed tokens) and the blocks
-        taken; None: read them."""
+        values ``finish`` reads (status, hit, computed tokens, and a hybrid
+        model's full-attention hit: the hit, as the cap bounds it too) and
+        the blocks taken; None: read them."""
         s = self._s
         if len(new) != 1 or budget_left is not None or s.events.log is not None:
             return None
@@ -156,7 +161,7 @@ class Admission:
             return None
         status = [0] * lookup_ops.NUM_STATUS
         status[lookup_ops.ST_ADMITTED], status[lookup_ops.ST_USED] = 1, taken
-        return [*status, hit, computed], taken
+        return [*status, hit, computed, *((hit,) if s.hybrid else ())], taken
 
     def most_blocks(self, new: Sequence[NewRequest]) -> np.ndarray:
         """The most block positions each new request can hold after its
@@ -170,6 +175,7 @@ class Admission:
         s = self._s
         K, S = len(new), lookup_ops.NUM_STATUS
         stat, hits, comp = host[:S], host[S: S + K], host[S + K: S + 2 * K]
+        full = host[S + 2 * K: S + 3 * K] if s.hybrid else None
         if count_stats:
             self.count_lookups(new, hits)
         admitted = int(stat[lookup_ops.ST_ADMITTED])
@@ -178,6 +184,8 @@ class Admission:
         if admitted < K and hits[admitted] >= 0:  # looked up, then refused
             result.refused_hit_tokens = int(hits[admitted]) * bs
         result.num_computed_tokens = [int(h) * bs for h in hits[:admitted]]
+        if full is not None and admitted:
+            result.full_attention_hit_tokens = [int(f) * bs for f in full[:admitted]]
         result.num_new_tokens = [int(c) - int(h) * bs for c, h in zip(comp[:admitted], hits[:admitted], strict=True)]
         result.rows = cand_rows[:admitted]
         if admitted:
@@ -293,40 +301,45 @@ class Admission:
         """The hit a step would give this request now (at most ``hit_cap``
         blocks), changing no block: its blocks read back."""
         s = self._s
-        n, _, cache = self._dry_lookup(request, count_stats, hit_cap, sized=False)
+        n, _, cache, full = self._dry_lookup(request, count_stats, hit_cap, sized=False)
         blocks = self._calls.read(cache[0, :n].T) if n else [[] for _ in range(s.num_groups)]
         for g, w in enumerate(s.window_blocks):
             if w >= 0:  # a window group holds the null block before its last W hit positions
                 blocks[g] = [0 if p < n - w else b for p, b in enumerate(blocks[g])]
         if self.memo is not None:  # (the lookup just remembered: its ids, a copy no caller holds)
             self.memo.ids = [list(g) for g in blocks]
-        return ComputedBlocks(blocks, n * s.block_size)
+        return ComputedBlocks(blocks, n * s.block_size, None if full is None else full * s.block_size)
 
     def lookup_size(self, request: NewRequest, count_stats: bool, hit_cap: int | None = None) -> PrefixHit:
         """The size of the hit a step would give this request now (at most
         ``hit_cap`` blocks) and how many of its blocks no request holds, in
         one read; no block id leaves the device, no block changes."""
-        n, unheld, _ = self._dry_lookup(request, count_stats, hit_cap, sized=True)
-        return PrefixHit(n * self._s.block_size, unheld)
+        n, unheld, _, full = self._dry_lookup(request, count_stats, hit_cap, sized=True)
+        return PrefixHit(n * self._s.block_size, unheld, None if full is None else full * self._s.block_size)
 
     def _dry_lookup(self, request: NewRequest, count_stats: bool, hit_cap: int | None,
-                    sized: bool) -> tuple[int, int, torch.Tensor]:
+                    sized: bool) -> tuple[int, int, torch.Tensor, int | None]:
         """A lookup that admits nothing, on a row taken and given back: the
-        hit in blocks, (with ``sized``) its unheld blocks, and the cached
-        hits buffer (int32[KP, P, G]: request 0's row holds the hit's ids),
-        read in one read with the verdict on device tokens."""
+        hit in blocks, (with ``sized``) its unheld blocks, the cached hits
+        buffer (int32[KP, P, G]: request 0's row holds the hit's ids) and the
+        full-attention hit in blocks (a hybrid model's; else None), read
+        in one read with the verdict on device tokens."""
         s = self._s
         row = s.rows.take()
         try:
             caps = [0] if not s.enable_caching else None if hit_cap is None else [hit_cap]
-            status, hit, _, cache = self.admit([request], [row], self.unblocked(), caps, dry=True)
+            status, hit, _, cache, full = self.admit([request], [row], self.unblocked(), caps, dry=True)
             tokens = request.token_ids
-            # (sized: the dry admission's first touches of its one request, the hit's unheld blocks)
-            if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
-                parts = [hit.to(torch.int64)] + ([status[lookup_ops.ST_TOUCHES: lookup_ops.ST_TOUCHES + 1]]
-                                                 if sized else [])
-                values = self._calls.read(torch.cat([*parts, self.device_tokens_bad([tokens])]))
-                self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
+            on_device = isinstance(tokens, torch.Tensor)
+            if on_device or s.hybrid:  # (in one read: the hit, its unheld blocks, the full-attention hit, the verdict)
+                # (sized: the dry admission's first touches of its one request, the hit's unheld blocks)
+                parts = [hit.to(torch.int64), *([status[lookup_ops.ST_TOUCHES: lookup_ops.ST_TOUCHES + 1]] if sized
+                                                else []), *([full.to(torch.int64)] if s.hybrid else [])]
+                if isinstance(tokens, torch.Tensor):  # checked on the device: the verdict rides with the hit
+                    parts.append(self.device_tokens_bad([tokens]))
+                values = self._calls.read(torch.cat(parts))
+                if on_device:
+                    self._reads.check_errors(values[-1], "request.token_ids")  # before any change: a refusal
             elif sized:  # two status words, read as they are (no cast, no concatenation): ``_hit_and_touches``
                 values = _hit_and_touches(self._calls.read(status[lookup_ops.ST_HITS: lookup_ops.ST_TOUCHES + 1]))
             else:  # the hit alone: read as it is
@@ -339,7 +352,7 @@ class Admission:
             s.rows.give_back_unused([row])
         unheld = int(values[1]) if sized else None
         self._remember(request, hit_cap, n, unheld)
-        return n, unheld or 0, cache
+        return n, unheld or 0, cache, int(values[1 + sized]) if s.hybrid else None
 
     def unblocked(self) -> torch.Tensor:
         """int32[1] 0 on the device: a dry lookup's ``blocked`` flag, made
@@ -405,9 +418,10 @@ class Admission:
         Planned on the host from the requests' lengths and uploaded once;
         every entry after that is derived on the device
         (``gpukv.kernels.prefill``), by launches prepared once per bucket and
-        replayed. Returns the admission's status, the hits (int32[K]) and the
-        tokens each request has computed after the step (int32[K]; and with
-        ``dry`` the cached hits, int32[KP, P, G])."""
+        replayed. Returns the admission's status, the hits (int32[K]), the
+        tokens each request has computed after the step (int32[K]), (with
+        ``dry``) the cached hits (int32[KP, P, G]), and the full-attention
+        hits (int32[K], written for a hybrid model only)."""
         s = self._s
         plan = plan_admission(new, rows, s.block_size, hit_caps, self._host_array, token_budget, dry,
                               self._max_chunk)
@@ -455,7 +469,8 @@ class Admission:
         if dry:  # a lookup only (``get_computed_blocks``): its own part, replayed as the step's are
             assert blocked is self.unblocked()  # (a replay relaunches on the kept flag)
             self._part(plan.bucket, bufs, "lookup", lambda: self._find_and_admit(bufs, blocked), None)
-            return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)], bufs.cache
+            k = len(new)
+            return bufs.status, bufs.hit[:k], bufs.views["comp"][:k], bufs.cache, bufs.full_hit[:k]
 
         def admit_and_take() -> None:
             self._find_and_admit(bufs, blocked)
@@ -465,7 +480,7 @@ class Admission:
         self._launches.rebuild_if_due(plan.max_new_blocks * s.num_groups)
         # (events: at most one per block popped or cached, whatever the bucket's padding)
         s.events.expect((plan.max_new_blocks + plan.max_cached_blocks) * s.num_groups)
-        return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)]
+        return bufs.status, bufs.hit[: len(new)], bufs.views["comp"][: len(new)], bufs.full_hit[: len(new)]
 
     def _host_array(self, bucket: tuple, size: int) -> np.ndarray:
         """The staging's host array for a plan of ``bucket`` (``plan_admission``'s
@@ -501,7 +516,8 @@ class Admission:
                          block_size=bs, hit_out=bufs.hit, status=bufs.status, window_blocks=s.win_dev,
                          chains=(bufs.head, bufs.next, bufs.same), resolved=bufs.resolved, start=bufs.start,
                          compute=v["comp"], lookahead=v["lookahead"], num_requests=v["num_requests"],
-                         token_budget=v["token_budget"], free_queue=pool.free_queue)
+                         token_budget=v["token_budget"], free_queue=pool.free_queue,
+                         full_hit_out=bufs.full_hit if s.hybrid else None)
 
     def _take_admitted_blocks(self, bufs: AdmissionBuffers) -> None:
         """The admitted requests' blocks: first touches of their cached hits,

@@ -223,6 +223,7 @@ class AdmissionBuffers:
     same: torch.Tensor  # int32[KP * P]
     resolved: torch.Tensor  # int32[KP, P]
     hit: torch.Tensor  # int32[KP]
+    full_hit: torch.Tensor  # int32[KP]: each request's full-attention hit (a hybrid model's)
     start: torch.Tensor  # int32[KP]
     status: torch.Tensor  # int64[NUM_STATUS]
     alloc: torch.Tensor  # int32[5, KP * G * A]
@@ -242,7 +243,7 @@ class AdmissionBuffers:
         EA, EC = KP * G * A, KP * G * C
         i32 = _carve(torch.int32, device, plan=(HEADER + len(PLAN_ARRAYS) * KP + TP,), zeros=(KP,),
                      cache=(KP, P, G), head=(KP, P), next=(KP * P,), same=(KP * P,), resolved=(KP, P), hit=(KP,),
-                     start=(KP,), alloc=(5, EA), record=(4, EC), popped=(EA,))
+                     full_hit=(KP,), start=(KP,), alloc=(5, EA), record=(4, EC), popped=(EA,))
         i64 = _carve(torch.int64, device, status=(lookup_ops.NUM_STATUS,), record_scratch=(4, EC),
                      record_seq=(EC,))
         plan = i32["plan"]

@@ -21,6 +21,7 @@ import torch
 
 from gpukv.core.blocks import ManagerLimits
 from gpukv.core.metrics import PrefixCacheStats
+from gpukv.core.windows import is_hybrid
 
 if TYPE_CHECKING:
     from gpukv.core.requests import Step, StepOutputs, StepResult
@@ -77,6 +78,11 @@ class DeviceState:
     @property
     def num_groups(self) -> int:
         return len(self.sliding_windows)
+
+    def __post_init__(self) -> None:
+        #: Whether the model has both full-attention and sliding-window groups: its lookups report the
+        #: full-attention groups' own hit (read once: an admission asks several times).
+        self.hybrid = is_hybrid(self.sliding_windows)
 
 
 class StepCall(Protocol):

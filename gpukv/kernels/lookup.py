@@ -14,7 +14,11 @@ Two kernels, run once per step over every new request of the step:
   plus the free cached blocks it is the first of the step to hit; requests are
   admitted in order while their needs fit. This is the one place where the
   semantics are sequential (a request's admission depends on the earlier
-  ones'), so it runs over requests, not blocks.
+  ones'), so it runs over requests, not blocks. In a model with both kinds
+  of group it also reports each request's full-attention hit (what its
+  full-attention groups alone serve); a request whose full-attention blocks
+  past its hit the earlier requests' pops take is deferred, as one whose
+  hit they take, and looked up again with the pops done.
 
 The admission's cost: sequential over the step's K new requests (a request's
 admission depends on the blocks the earlier ones took), parallel over each
@@ -65,7 +69,7 @@ ST_HITS = 4  # stats: blocks hit
 ST_QUERY_TOKENS = 5  # stats: prompt tokens asked
 ST_HIT_TOKENS = 6  # stats: tokens hit
 ST_NEW_BLOCKS = 7  # blocks the admitted requests pop (their new blocks)
-ST_DEFERRED = 8  # 1: the loop stopped before a request whose hit the earlier ones' pops evict (look it up again)
+ST_DEFERRED = 8  # 1: the loop stopped before a request whose hit (or full-attention blocks) the earlier pops evict
 ST_TOUCHES = 9  # first touches of the requests looked up and not deferred, admitted or not (a lookup's unheld blocks)
 NUM_STATUS = 10
 
@@ -324,6 +328,48 @@ def _request_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_p
 
 
 @triton.jit
+def _full_attention_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P, max_hit, BS,
+                        G: tl.constexpr, TILE: tl.constexpr):
+    """Request ``i``'s full-attention hit (blocks): the longest prefix, at
+    most ``max_hit``, that every full-attention group can serve alone, its
+    windowed groups left out (one first-miss pass per full-attention group)."""
+    longest = max_hit
+    for g in tl.static_range(G):
+        W = tl.load(win_ptr + g)
+        if W < 0:
+            longest = tl.minimum(longest, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
+                                                     longest, g, W, BS, G, TILE))
+    return longest
+
+
+@triton.jit
+def _full_attention_evicted(cache_ptr, win_ptr, ref_ptr, touched_ptr, qpos_ptr, stamp, i, P, hit, longest, reach,
+                            G: tl.constexpr, TILE: tl.constexpr):
+    """Whether the earlier requests' pops (the free-queue entries before
+    ``reach``) take one of request ``i``'s full-attention blocks past its
+    ``hit`` and below ``longest`` (a free cached block no admitted request
+    touched). vLLM looks the request up after those pops, when another copy
+    of the block, or an earlier request's, may serve the position or none
+    does: the admission defers it, as for its hit's own blocks, and the next
+    round looks it up with the pops done."""
+    lanes = tl.arange(0, TILE)
+    taken = tl.zeros((), tl.int32)
+    for p0 in range(0, P, TILE):
+        p = p0 + lanes
+        past = (p >= hit) & (p < longest)
+        for g in tl.static_range(G):
+            full = (zero_like(p) + tl.load(win_ptr + g)) < 0  # (the group's kind on every lane: a mask's shape)
+            c = tl.load(cache_ptr + (i * P + p) * G + g, mask=past & full, other=-1)
+            real = c >= 0
+            cs = tl.where(real, c, 0)
+            free = real & (tl.load(ref_ptr + cs, mask=real, other=1) == 0)
+            untouched = free & (tl.load(touched_ptr + cs, mask=free, other=stamp) != stamp)
+            q = tl.load(qpos_ptr + cs, mask=untouched, other=-1)
+            taken = tl.maximum(taken, tl.max((untouched & (q >= 0) & (q < reach)).to(tl.int32)))
+    return taken != 0
+
+
+@triton.jit
 def _first_touches(cache_ptr, win_ptr, ref_ptr, touched_ptr, qpos_ptr, stamp, i, P, hit, tail, G: tl.constexpr,
                    TILE: tl.constexpr):
     """Request ``i``'s first touches: its free cached hits (reference count
@@ -421,8 +467,8 @@ def _mark_admitted(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win
 @triton.jit
 def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr, max_hit_ptr, num_blocks_ptr,
                     num_tokens_ptr, comp_ptr, lookahead_ptr, skip_ptr, win_ptr, K, P, ref_ptr, touched_ptr, stamp,
-                    num_free, go, budget, hit_ptr, ring_ptr, qpos_ptr, reach, tail, CMASK, BS, G: tl.constexpr,
-                    TILE: tl.constexpr):
+                    num_free, go, budget, hit_ptr, full_ptr, ring_ptr, qpos_ptr, reach, tail, CMASK, BS,
+                    G: tl.constexpr, TILE: tl.constexpr, FULL: tl.constexpr):
     """vLLM's waiting loop over requests ``0..K-1`` (none with ``go ==
     0``), in order: stop before a request when the budget is spent (it is
     not looked up); else look it up (``_request_hit``); stop before it,
@@ -431,7 +477,10 @@ def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_p
     (``_charge``), count its lookup and store its hit, and admit it
     (``start[i]``, ``_mark_admitted``) while its new blocks and first
     touches fit the ``num_free`` free blocks; past the first refused or
-    deferred request, hit -1. Returns (deferred, admitted, blocks used,
+    deferred request, hit -1. With ``FULL``, each request looked up and not
+    deferred also gets its full-attention hit in ``full[i]`` (its hit where
+    it skips the cache); an earlier pop that takes one of its full-attention
+    blocks past its hit defers it too (``_full_attention_evicted``). Returns (deferred, admitted, blocks used,
     the five lookup stats, new blocks popped, first touches of the requests
     charged: admitted or refused for room)."""
     used, new_total, admitted = tl.zeros((), tl.int64), tl.zeros((), tl.int64), tl.zeros((), tl.int64)
@@ -450,11 +499,23 @@ def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_p
                                                 hit, tail, G, TILE)
             evicted, reach, doomed = _hit_evicted(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total,
                                                   first_pos, CMASK, TILE)
+            longest = hit
+            if FULL:
+                if skip == 0:
+                    longest = _full_attention_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr,
+                                                  i, P, tl.load(max_hit_ptr + i), BS, G, TILE)
+                if (longest > hit) & (new_total > 0):  # (past the hit, the earlier pops may take its blocks)
+                    reach, doomed = _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total,
+                                                  CMASK, TILE)
+                    evicted = evicted | _full_attention_evicted(cache_ptr, win_ptr, ref_ptr, touched_ptr, qpos_ptr,
+                                                                stamp, i, P, hit, longest, reach, G, TILE)
             if evicted:  # an earlier request's pop evicts this hit: vLLM would look it up after
                 go = zero_like(go)
                 deferred += 1
                 tl.store(hit_ptr + i, -1)
             else:
+                if FULL:
+                    tl.store(full_ptr + i, longest)
                 new, n_new = _charge(comp_ptr, num_tokens_ptr, lookahead_ptr, i, hit, budget, budget_left, BS, G)
                 looked_touches += touches
                 requests, queries, hits, qtok, htok = _count_lookup(requests, queries, hits, qtok, htok,
@@ -518,6 +579,7 @@ def _admit_kernel(
     free_ptr,           # int32/int64[1] the free blocks
     blocked_ptr,        # int32/int64[1] != 0: a running update failed, admit nothing
     hit_ptr,            # int32[K] out: each considered request's hit (blocks), -1 past the first refused
+    full_ptr,           # int32[K] out (``FULL``): each request's full-attention hit (blocks), where looked up
     status_ptr,         # int64[NUM_STATUS] out: the step's counts, ``ST_*``
     ring_ptr,           # int32[C] the free queue's ring (``free_queue``: -1 empty or tombstone)
     qpos_ptr,           # int64[N] each block's absolute position in the ring, -1 when not queued
@@ -526,6 +588,7 @@ def _admit_kernel(
     BS,                 # block size (tokens)
     G: tl.constexpr,    # KV-cache groups
     TILE: tl.constexpr,  # positions per step (a power of two)
+    FULL: tl.constexpr,  # report each request's full-attention hit (a model with both kinds of group)
 ):
     """Sequential admission: one program, so deterministic. vLLM's waiting
     loop over the step's requests in order (``_admit_requests``), each one's
@@ -537,7 +600,8 @@ def _admit_kernel(
     admission's pops: ``DeviceManager._step``), admitted while its blocks fit.
     Writes ``hit`` (-1 past the first refused or deferred request, and for
     every request with ``blocked[0] != 0``, which admits and counts
-    nothing), ``comp``, ``resolved``, ``start``, ``touched`` and ``status``.
+    nothing), with ``FULL`` ``full`` (each request looked up and not
+    deferred), ``comp``, ``resolved``, ``start``, ``touched`` and ``status``.
     ``nreq[0]`` (K) and ``stamp[0]`` (this launch's mark in ``touched``,
     bumped at the end) are read on the device, so the launch's arguments
     never change from step to step (it can be replayed). Cost: see the
@@ -547,7 +611,8 @@ def _admit_kernel(
         cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_ptr, max_hit_ptr, num_blocks_ptr, num_tokens_ptr,
         comp_ptr, lookahead_ptr, skip_ptr, win_ptr, tl.load(nreq_ptr), P, ref_ptr, touched_ptr, stamp,
         tl.load(free_ptr).to(tl.int64), (tl.load(blocked_ptr) == 0).to(tl.int32), tl.load(budget_ptr).to(tl.int64),
-        hit_ptr, ring_ptr, qpos_ptr, tl.load(qctr_ptr + HEAD), tl.load(qctr_ptr + TAIL), CMASK, BS, G, TILE)
+        hit_ptr, full_ptr, ring_ptr, qpos_ptr, tl.load(qctr_ptr + HEAD), tl.load(qctr_ptr + TAIL), CMASK, BS, G, TILE,
+        FULL)
     tl.store(stamp_ptr, stamp + 1)
     _store_status(status_ptr, deferred, admitted, used, requests, queries, hits, qtok, htok, new_total, touches)
 
@@ -593,7 +658,7 @@ def _queue_tensors(free_queue, num_blocks: int, dev) -> tuple:
 def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt, touched, stamp,
           num_free, blocked, block_size: int, hit_out, status, window_blocks=None, chains=None, resolved=None,
           start=None, compute=None, lookahead=None, num_requests=None, token_budget=None, free_queue=None,
-          tile: int = ADMIT_TILE) -> None:
+          full_hit_out=None, tile: int = ADMIT_TILE) -> None:
     """Run the sequential admission (see ``_admit_kernel``) over the first
     ``num_requests`` (an int or an int32[1] device tensor; default: all K)
     requests; writes each considered
@@ -614,7 +679,11 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     a one-off call) of admissions, bumped by this one. ``free_queue``: the
     pool's ``FreeQueue``, whose order decides which hits the admitted
     requests' pops evict (``ST_DEFERRED``); None: no cached hit is free, or
-    nothing is evicted (a kernel test's pool without a queue)."""
+    nothing is evicted (a kernel test's pool without a queue).
+    ``full_hit_out`` int32[K] receives each looked-up request's
+    full-attention hit (``_full_attention_hit``; a request whose
+    full-attention blocks past its hit the earlier pops take is deferred);
+    None: not computed."""
     check_tensor(cache_hits, "cache_hits", dtypes=INT32, ndim=3)
     K, P, G = cache_hits.shape
     dev = cache_hits.device
@@ -636,13 +705,15 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
         ((head, "chains[0]"), (nxt, "chains[1]"), (ok, "chains[2]"), (resolved, "resolved"), (start, "start"),
          (max_hit, "max_hit"), (num_blocks, "num_blocks"), (num_tokens, "num_tokens"), (compute, "compute"),
          (lookahead, "lookahead"), (token_budget, "token_budget"), (skip, "skip"), (window_blocks, "window_blocks"),
-         (num_requests, "num_requests"), (ref_cnt, "ref_cnt"), (hit_out, "hit_out")),
+         (num_requests, "num_requests"), (ref_cnt, "ref_cnt"), (hit_out, "hit_out"),
+         *(() if full_hit_out is None else ((full_hit_out, "full_hit_out"),))),
         ((touched, "touched"), (stamp, "stamp"), (status, "status")), num_free, blocked)
     ring, qpos, qctr = _queue_tensors(free_queue, ref_cnt.numel(), dev)
     _admit_kernel[(1,)](
         cache_hits, head, nxt, ok, resolved, start, max_hit, num_blocks, num_tokens, compute, lookahead, token_budget,
-        skip, window_blocks, num_requests, P, ref_cnt, touched, stamp, num_free, blocked, hit_out, status, ring, qpos,
-        qctr, ring.numel() - 1, block_size, G=G, TILE=tile,
+        skip, window_blocks, num_requests, P, ref_cnt, touched, stamp, num_free, blocked, hit_out,
+        hit_out if full_hit_out is None else full_hit_out, status, ring, qpos, qctr, ring.numel() - 1, block_size, G=G,
+        TILE=tile, FULL=full_hit_out is not None,
     )
 
 

@@ -9,6 +9,14 @@ admitted when its new blocks and the free cached blocks it is the first to
 touch fit, and computes ``new_tokens_at_admission`` tokens past its hit.
 Admission defers (another round) where vLLM's pops of the earlier admitted
 requests would evict a free cached block the next request hits.
+
+With both full-attention and sliding-window groups, each lookup also
+reports its full-attention hit: the longest prefix the full-attention groups
+alone could serve, against the same cache and pending blocks. Where it
+passes the hit, its blocks past the hit are not the request's to touch, yet
+the earlier requests' pops may evict one: vLLM's lookup, made after those
+pops, may then find another copy of the block, or none, so the request is
+deferred as for a hit's block, and looked up again with the pops done.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import cast
 from gpukv.core.blocks import blocks_after_admission, new_tokens_at_admission
 from gpukv.core.checks import stale_computed_blocks
 from gpukv.core.requests import ComputedBlocks, NewRequest, StepResult
+from gpukv.core.windows import is_hybrid
 from gpukv.errors import InvalidInputError
 from gpukv.reference.digests import RequestState
 from gpukv.reference.pool import NULL_BLOCK
@@ -74,6 +83,11 @@ class AdmissionPlan:
     hits: Sequence[Sequence[int | tuple[int, int]]]
     num_new_blocks: int
     num_computed_tokens: int  # the hit plus the tokens it computes this step
+    # the full-attention groups' own hit (blocks, >= num_hit_blocks), and per position past the hit each of
+    # those groups' blocks there (a block id, or a pending (plan index, position)): ``plan_round`` defers the
+    # request where the earlier requests' pops take one
+    full_attention_hit: int = 0
+    full_attention_blocks: Sequence[Sequence[int | tuple[int, int]]] = ()
 
 
 class ReferenceAdmission:
@@ -84,6 +98,7 @@ class ReferenceAdmission:
     def __init__(self, state: ReferenceState, running: ReferenceRunning) -> None:
         self._s = state
         self._running = running
+        self._hybrid = is_hybrid([policy.window for policy in state.policies])
 
     # -------------------------------------------------------------- a step
     def admit_new(self, new, token_budget: int | None) -> StepResult:
@@ -112,6 +127,7 @@ class ReferenceAdmission:
             rows=[p.state.row for p in plans],
             num_new_tokens=[p.num_computed_tokens - h for p, h in zip(plans, hit_tokens, strict=True)],
             refused_hit_tokens=refused_hit,
+            full_attention_hit_tokens=[p.full_attention_hit * bs for p in plans] if self._hybrid and plans else None,
         )
 
     def plan_round(self, states: list[RequestState],
@@ -122,7 +138,8 @@ class ReferenceAdmission:
         plans (a prefix of ``states``); whether it stopped before a request to
         look it up again once these are admitted (deferred: vLLM pops the
         earlier requests' blocks before it looks the next one up, and those
-        pops evict a free cached block this one hits); and the hit, in
+        pops evict a free cached block this one hits, or one of its
+        full-attention blocks past its hit); and the hit, in
         tokens, of the request it looked up and refused (None: none was)."""
         pool, bs = self._s.pool, self._s.block_size
         num_free = pool.num_free_blocks
@@ -137,7 +154,9 @@ class ReferenceAdmission:
             plan = self.plan(state, plans, budget_left)
             first_touch = {b for g in plan.hits for b in g
                            if isinstance(b, int) and b != NULL_BLOCK and pool.ref_cnt[b] == 0 and b not in touched}
-            if first_touch and evicted.any_of(first_touch, new_blocks):
+            past_hit = {b for blocks in plan.full_attention_blocks for b in blocks
+                        if isinstance(b, int) and pool.ref_cnt[b] == 0 and b not in touched}
+            if (first_touch or past_hit) and evicted.any_of(first_touch | past_hit, new_blocks):
                 return plans, True, None
             self.count_lookup(plan)
             need = plan.num_new_blocks + len(first_touch)
@@ -161,7 +180,7 @@ class ReferenceAdmission:
         self.count_lookup(plan)
         # No earlier plan in this call: every hit is a block id, none a pending (plan, position).
         return ComputedBlocks(cast("list[list[int]]", [[b for b in g] for g in plan.hits]),
-                              plan.num_hit_blocks * s.block_size)
+                              plan.num_hit_blocks * s.block_size, self._full_attention_tokens(plan))
 
     def peek(self, request: NewRequest) -> ComputedBlocks:
         """The request's hit now, changing nothing (no digest remembered,
@@ -169,7 +188,11 @@ class ReferenceAdmission:
         s = self._s
         plan = self.plan(s.digests.new_state(request), [])
         return ComputedBlocks(cast("list[list[int]]", [list(g) for g in plan.hits]),
-                              plan.num_hit_blocks * s.block_size)
+                              plan.num_hit_blocks * s.block_size, self._full_attention_tokens(plan))
+
+    def _full_attention_tokens(self, plan: AdmissionPlan) -> int | None:
+        """A lookup's full-attention hit in tokens (None without both kinds of group)."""
+        return plan.full_attention_hit * self._s.block_size if self._hybrid else None
 
     def plan(self, st: RequestState, plans: list[AdmissionPlan], budget_left: int | None = None) -> AdmissionPlan:
         """Find the request's hit, against the cache and against the blocks the
@@ -180,7 +203,7 @@ class ReferenceAdmission:
         s.digests.extend([st])
         block_at = self._block_finder(st, plans)
         if st.skip_prefix_cache or not s.enable_caching:
-            hit = 0
+            hit = 0  # (nothing looked up: its full-attention hit is 0 too)
         else:
             hit = (len(st.tokens) - 1) // s.block_size
             while True:
@@ -196,7 +219,26 @@ class ReferenceAdmission:
         for g, policy in enumerate(s.policies):
             first_real = policy.first_real(hit)
             hits.append([NULL_BLOCK if i < first_real else block_at(i, g) for i in range(hit)])
-        return self.plan_for_hit(st, hit, hits, budget_left)
+        plan = self.plan_for_hit(st, hit, hits, budget_left)
+        plan.full_attention_hit = hit
+        if not st.skip_prefix_cache and s.enable_caching:
+            self._find_full_attention_hit(plan, block_at)
+        return plan
+
+    def _find_full_attention_hit(self, plan: AdmissionPlan, block_at) -> None:
+        """A hybrid model's lookup: ``plan``'s full-attention groups' own
+        hit, and their blocks past its hit (nothing to find with one kind of
+        group only: the hit is theirs)."""
+        s = self._s
+        if not self._hybrid:
+            return
+        full = [g for g, policy in enumerate(s.policies) if policy.window is None]
+        longest = (len(plan.state.tokens) - 1) // s.block_size
+        for g in full:
+            longest = s.policies[g].hit(Available(functools.partial(lambda i, g: block_at(i, g) is not None, g=g),
+                                                  longest))
+        plan.full_attention_hit = longest
+        plan.full_attention_blocks = [[block_at(i, g) for g in full] for i in range(plan.num_hit_blocks, longest)]
 
     def _block_finder(self, st: RequestState, plans: list[AdmissionPlan]):
         """``block_at(i, g)``: the verified cached block (or pending hit) of

@@ -320,7 +320,8 @@ class ReferenceManager(SharedManagerAPI):
         (request,) = self._normalize((), (), [request], single=True, defer_admissible=True).new
         self._begin_changes()  # the lookup remembers digests and counts in the stats
         hit = self._admission.lookup(request)
-        return PrefixHit(hit.num_tokens, self._num_unheld(sorted({b for g in hit.block_ids for b in g if b})))
+        return PrefixHit(hit.num_tokens, self._num_unheld(sorted({b for g in hit.block_ids for b in g if b})),
+                         hit.full_attention_hit_tokens)
 
     def _admit_sized(self, request: NewRequest, hit: Any, num_tokens: int | None,
                      num_lookahead_tokens: int | None) -> bool:

@@ -133,19 +133,27 @@ def _cache_for(patterns: list[str]) -> list:
     return [[[p + 1 + 100 * g if patterns[g][p] == "1" else -1 for g in range(len(patterns))] for p in range(P)]]
 
 
-def _kernel_hit(patterns: list[str], boundary_blocks: list[int]) -> int:
+def _kernel_hits(patterns: list[str], boundary_blocks: list[int], max_hit: int | None = None,
+                 skip: int = 0) -> tuple[int, int]:
+    """The admission kernel's hit and full-attention hit of one request
+    whose groups hold ``patterns`` (at most ``max_hit`` blocks, default all)."""
     cache = torch.tensor(_cache_for(patterns), dtype=torch.int32)
     P = cache.shape[1]
     hit = torch.full((1,), -1, dtype=torch.int32)
+    full = torch.full((1,), -7, dtype=torch.int32)
     status = torch.zeros(lookup.NUM_STATUS, dtype=torch.int64)
     N = 100 * len(patterns) + P + 1
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    lookup.admit(cache, i32([[-1] * P]), i32([P]), i32([P + 1]), i32([2 * (P + 1)]), i32([0]),
-                 ref_cnt=torch.ones(N, dtype=torch.int32), touched=torch.full((N,), -1, dtype=torch.int64), stamp=0,
-                 num_free=torch.tensor([10 * N]), blocked=i32([0]), block_size=2, hit_out=hit, status=status,
-                 window_blocks=i32(boundary_blocks))
+    lookup.admit(cache, i32([[-1] * P]), i32([P if max_hit is None else max_hit]), i32([P + 1]), i32([2 * (P + 1)]),
+                 i32([skip]), ref_cnt=torch.ones(N, dtype=torch.int32), touched=torch.full((N,), -1, dtype=torch.int64),
+                 stamp=0, num_free=torch.tensor([10 * N]), blocked=i32([0]), block_size=2, hit_out=hit, status=status,
+                 window_blocks=i32(boundary_blocks), full_hit_out=full)
     assert status[lookup.ST_ADMITTED] == 1
-    return int(hit[0])
+    return int(hit[0]), int(full[0])
+
+
+def _kernel_hit(patterns: list[str], boundary_blocks: list[int]) -> int:
+    return _kernel_hits(patterns, boundary_blocks)[0]
 
 
 @pytest.mark.parametrize(("pattern", "window", "want"), [c[1:] for c in GROUP_HIT_CASES],
@@ -161,6 +169,24 @@ def test_hybrid_groups_take_the_hit_every_group_serves():
     assert _kernel_hit(["1110111", "0111111"], [-1, 2]) == 3
     # the window group's only run of 2 is [0, 2); full attention could serve 7
     assert _kernel_hit(["1111111", "1101001"], [-1, 2]) == 2
+
+
+# (the full-attention group's own hit: its first miss, at most the request's
+# bound; the window groups left out; 0 where the request skips the cache)
+FULL_HIT_CASES = [
+    ("window short of full attention", ["1111111", "1101001"], [-1, 2], None, 0, (2, 7)),
+    ("full attention is the bound", ["1110111", "0111111"], [-1, 2], None, 0, (3, 3)),
+    ("two full groups: the first miss of either", ["1111011", "1111101", "0011111"], [-1, -1, 2], None, 0, (4, 4)),
+    ("within the request's bound", ["1111111", "1101001"], [-1, 2], 5, 0, (2, 5)),
+    ("window group first in the config", ["1101001", "1111111"], [2, -1], None, 0, (2, 7)),
+    ("skips the cache", ["1111111", "1101001"], [-1, 2], None, 1, (0, 0)),
+]
+
+
+@pytest.mark.parametrize(("patterns", "windows_", "max_hit", "skip", "want"), [c[1:] for c in FULL_HIT_CASES],
+                         ids=[c[0] for c in FULL_HIT_CASES])
+def test_the_full_attention_hit_is_the_full_groups_own(patterns, windows_, max_hit, skip, want):
+    assert _kernel_hits(patterns, windows_, max_hit, skip) == want
 
 
 # ----------------------------------------------------- the pending walk's cost
