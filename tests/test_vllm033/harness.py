@@ -166,17 +166,25 @@ class FakeModelConfig:
         return 50272
 
 
-def kv_cache_groups(block_size: int, sliding_window: int | None, hybrid: bool) -> list[Any]:
-    """One full-attention group; one sliding-window group (``sliding_window``);
-    or, ``hybrid``, a full-attention group then a sliding-window one."""
+def kv_cache_groups(block_size: int, sliding_window: int | None, hybrid: bool,
+                    second_window: int | None = None) -> list[Any]:
+    """One full-attention group; one sliding-window group (``sliding_window``),
+    and a second one of ``second_window`` tokens (two window specs: vLLM's
+    first lookup group is then a window one); or, ``hybrid``, a
+    full-attention group then a sliding-window one."""
     full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     if sliding_window is None:
         return [KVCacheGroupSpec(["full.0"], full)]
-    window = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                               sliding_window=sliding_window)
+
+    def window(name: str, tokens: int) -> Any:
+        return KVCacheGroupSpec([name], SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                                                          dtype=torch.float32, sliding_window=tokens))
+
+    if second_window is not None:
+        return [window("window.0", sliding_window), window("window.1", second_window)]
     if not hybrid:
-        return [KVCacheGroupSpec(["window.0"], window)]
-    return [KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["window.0"], window)]
+        return [window("window.0", sliding_window)]
+    return [KVCacheGroupSpec(["full.0"], full), window("window.0", sliding_window)]
 
 
 def make_vllm_config(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -219,6 +227,7 @@ def make_scheduler(
     num_speculative_tokens: int | None = None,
     sliding_window: int | None = None,
     hybrid: bool = False,
+    second_window: int | None = None,
     enable_kv_cache_events: bool = False,
     hash_algo: str = "sha256",
     model_runner_v2: bool = True,
@@ -233,7 +242,7 @@ def make_scheduler(
     * ``max_model_len``: None for ``max_num_batched_tokens``.
     * ``num_blocks`` blocks in the pool, block 0 of it the null block;
       ``block_size`` is the scheduler's and the hash block size (one size).
-    * ``sliding_window`` / ``hybrid``: the KV-cache groups (:func:`kv_cache_groups`).
+    * ``sliding_window`` / ``hybrid`` / ``second_window``: the KV-cache groups (:func:`kv_cache_groups`).
     * ``num_speculative_tokens``: an n-gram ``SpeculativeConfig`` (no lookahead
       slots; drafts come back through ``update_draft_token_ids``).
     * ``enable_kv_cache_events``: a ``KVEventsConfig`` with the null publisher,
@@ -261,7 +270,8 @@ def make_scheduler(
         enable_kv_cache_events=enable_kv_cache_events, hash_algo=hash_algo, scheduler_options=scheduler_options,
         watermark=watermark)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid))
+                                    kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid,
+                                                                                    second_window))
     vllm_config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory
     try:
         scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,

@@ -40,6 +40,7 @@ class StreamConfig:
     abort_rate: float = 0.004
     sliding_window: int | None = None  # a sliding-window group of this many tokens (None: full attention only)
     hybrid: bool = False  # with sliding_window: a full-attention group, then the window group
+    second_window: int | None = None  # with sliding_window: a second window group of this many tokens
     max_output_tokens: int = 47  # each request's output budget: 1..this many tokens
     kv_events: bool = True  # False: no KV events (what gpukv's batched running loop needs)
     # vLLM 0.34 on: prompt-logprob requests start scoring at a random prompt token (their hits bounded there)
@@ -166,6 +167,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
                                num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
+                               second_window=config.second_window,
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
                                watermark=config.watermark, enable_prefix_caching=config.prefix_caching)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)

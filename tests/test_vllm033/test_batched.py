@@ -176,11 +176,14 @@ def test_window_model_runs_are_vllms_step_by_step(cls, budget, watermark, num_sp
 
 
 @pytest.mark.parametrize("cls", REFERENCE)
-def test_a_hybrid_runs_boundaries_are_vllms_lookups(cls, monkeypatch):
-    """A hybrid model that caches (two lookup groups): a batched run answers
+@pytest.mark.parametrize("groups", [dict(sliding_window=20, hybrid=True), dict(sliding_window=36, second_window=20)],
+                         ids=["full-attention-led", "window-led"])
+def test_a_hybrid_runs_boundaries_are_vllms_lookups(cls, groups, monkeypatch):
+    """A model that caches with two lookup groups: a batched run answers
     each lookup with the shared-prefix boundary vLLM's own lookup gives at
-    that point of its loop (the lone hit of the full-attention group, read
-    from the event index as it stood before the request's own events).
+    that point of its loop (the lone hit of vLLM's first lookup group: with
+    full attention, gpukv's step's full-attention hit; with two window specs,
+    read from the event index as it stood before the request's own events).
     Every step's boundaries equal vLLM's, and runs answered some above 0."""
     counting = _Counting(monkeypatch)
     answered: list[int] = []
@@ -196,8 +199,7 @@ def test_a_hybrid_runs_boundaries_are_vllms_lookups(cls, monkeypatch):
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
     for seed in SEEDS:
         config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=40,
-                              max_num_batched_tokens=256, max_num_seqs=12, num_requests=32, sliding_window=20,
-                              hybrid=True)
+                              max_num_batched_tokens=256, max_num_seqs=12, num_requests=32, **groups)
         expected = run_stream(vllm_cls, config, check_tables=False)
         _assert_same_steps(expected, run_stream(cls, config))
     assert counting.admitted()[1] > 0
@@ -277,7 +279,8 @@ WINDOW_SHAPES = [pytest.param(dict(sliding_window=17, num_blocks=12), id="window
                  pytest.param(dict(sliding_window=20, hybrid=True, num_blocks=16), id="hybrid"),
                  pytest.param(dict(sliding_window=24, hybrid=True, num_blocks=12), id="hybrid-tight"),
                  pytest.param(dict(sliding_window=17, hybrid=True, num_blocks=16, prefix_caching=False),
-                              id="hybrid-uncached")]
+                              id="hybrid-uncached"),
+                 pytest.param(dict(sliding_window=17, second_window=33, num_blocks=16), id="two-windows")]
 
 
 @pytest.mark.parametrize("cls", REFERENCE)

@@ -42,12 +42,23 @@ def test_vllms_own_scheduler_keeps_the_engines_hasher(cls):
 
 
 @pytest.mark.parametrize("cls", GPUKV)
-@pytest.mark.parametrize("options", [dict(enable_kv_cache_events=True), dict(sliding_window=32, hybrid=True)],
-                         ids=["kv-events", "hybrid-boundary"])
+@pytest.mark.parametrize("options", [dict(enable_kv_cache_events=True), dict(sliding_window=32, second_window=48)],
+                         ids=["kv-events", "window-led-boundary"])
 def test_the_engine_keeps_hashing_where_gpukv_reads_vllms_hashes(cls, options):
+    # (two window specs: vLLM's first lookup group is a window group, whose lone hit comes from the event index)
     scheduler = make_scheduler(cls, num_blocks=32, **options)
     assert scheduler.kv_cache_manager.reads_vllm_hashes is True
     assert scheduler.cache_config.enable_prefix_caching is True and scheduler.engine_hashes_blocks is True
+
+
+@pytest.mark.parametrize("cls", GPUKV)
+def test_a_hybrid_models_boundary_needs_no_vllm_hash(cls):
+    # vLLM's first lookup group is the full-attention one: its lone hit is gpukv's full-attention hit, so no
+    # event stream runs and the engine hashes nothing.
+    scheduler = make_scheduler(cls, num_blocks=32, sliding_window=32, hybrid=True)
+    manager = scheduler.kv_cache_manager
+    assert manager.reads_vllm_hashes is False and manager.event_translator.index is False
+    assert scheduler.cache_config.enable_prefix_caching is False and scheduler.engine_hashes_blocks is False
 
 
 @pytest.mark.parametrize("cls", GPUKV)

@@ -25,9 +25,11 @@ hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
 (no pause, no held-KV queue, no prefill throttling, no priority policy, no
 replayed windows). With more than one lookup group each lookup's
-shared-prefix boundary is read from the event index just before the
-request's own events are regrouped (``PendingGrowth.flush``'s
-``boundaries``), where the index stands as vLLM's cache did at its lookup.
+shared-prefix boundary is the step's full-attention hit of each request
+where vLLM's first lookup group is every full-attention group; else it is
+read from the event index just before the request's own events are
+regrouped (``PendingGrowth.flush``'s ``boundaries``), where the index
+stands as vLLM's cache did at its lookup.
 Under speculative decoding the budget is vLLM's
 ``min(token_budget, input_budget - draft_slots)`` (each scheduled request
 takes its draft slots from ``input_budget``), each admission asks for
@@ -232,11 +234,12 @@ class AdmittedRun:
         self.num_admitted += result.num_admitted
         self.num_chunked += sum(1 for i in range(result.num_admitted)
                                 if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
-        ids = result.admitted_block_ids
+        ids, hits, full = result.admitted_block_ids, result.num_computed_tokens, result.full_attention_hit_tokens
         for i in range(result.num_admitted):
-            self.entries.append(self._admission(run[i], result.num_computed_tokens[i],
-                                                None if ids is None else [group[i] for group in ids],
-                                                result.num_new_tokens[i], boundaries[i] if boundaries else 0))
+            boundary = boundaries[i] if boundaries else \
+                a.run_boundary(run[i], hits[i], full[i]) if full is not None and a.groups.full_attention_leads else 0
+            self.entries.append(self._admission(run[i], hits[i], None if ids is None else [group[i] for group in ids],
+                                                result.num_new_tokens[i], boundary))
 
     def _admission(self, request: Any, hit: int, block_ids: list[list[int]] | None, num_new_tokens: int,
                    boundary: int) -> RunEntry:

@@ -24,7 +24,8 @@ engine core for models it cannot cache.
 vLLM's hashes are kept (the flag left alone) where something still reads
 them: KV events (``BlockStored`` carries vLLM's hashes, which a router
 computes from the tokens itself) and the shared-prefix boundary of models
-with several lookup groups (an index of vLLM's hashes per group); and on a
+whose first lookup group is a window one (an index of vLLM's hashes per
+group; a hybrid model's boundary is gpukv's full-attention hit); and on a
 vLLM whose engine core does not build its scheduler first and its hasher on
 that flag (read from its source, ``engine_builds_hasher_after_scheduler``).
 """

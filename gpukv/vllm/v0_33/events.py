@@ -27,9 +27,10 @@ nothing of the pop; ``tests/test_vllm033/test_streams.py`` compares the
 events with vLLM's, step by step.
 
 The same stream keeps, when asked (``index=True``), which of vLLM's block
-hashes each group has cached: what the shared-prefix boundary needs (the
-hit of one group alone, which gpukv's lookup, every group at once, does not
-report).
+hashes each group has cached: what the shared-prefix boundary needs where
+vLLM's first lookup group is not every full-attention group (the hit of one
+window group alone, which gpukv's lookup does not report; its full-attention
+hit it does).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ themselves: ``gpukv.core.windows``):
 * the hit lookup order of the hybrid coordinator (equal specs looked up
   together, full attention first; ``kv_cache_coordinator.py:718-775``),
   whose first group's lone hit is the shared-prefix boundary's
-  (``kv_cache_coordinator.py:806-941``, ``kv_cache_manager.py:320-325``).
+  (``kv_cache_coordinator.py:806-941``, ``kv_cache_manager.py:320-325``):
+  gpukv's own lookup reports it where that first group is every
+  full-attention group (``full_attention_leads``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,22 @@ class KVGroups:
             required = min(per_group, cap) if capped and cap is not None else per_group
             total += max(required - num_hit_blocks, 0)
         return total
+
+    @property
+    def full_attention_leads(self) -> bool:
+        """Whether vLLM's first lookup group holds every full-attention group
+        and another group follows it (a hybrid model whose full-attention
+        layers share one spec): then its lone hit is the full-attention hit
+        gpukv's lookups report (``ComputedBlocks.full_attention_hit_tokens``)."""
+        full = tuple(g for g, w in enumerate(self.windows) if w is None)
+        return len(self.lookup_order) > 1 and self.lookup_order[0] == full
+
+    @property
+    def needs_hit_index(self) -> bool:
+        """Whether the shared-prefix boundary needs an index of what each
+        group cached: several lookup groups, the first not every
+        full-attention group (vLLM's hashes and the event stream then run)."""
+        return len(self.lookup_order) > 1 and not self.full_attention_leads
 
     def longest_single_group_hit(self, is_cached: Callable[[int, int], bool], max_blocks: int) -> int:
         """The hit, in blocks, of vLLM's first lookup group alone (its

@@ -3,7 +3,8 @@ hit a waiting request starts from, answered from a batched run of
 admissions when one is under way) and 0.34's probe ``get_num_cached_tokens``,
 both gpukv's own lookup on the request's tokens, bounded as vLLM bounds them
 (``features``), and the shared-prefix boundary of models with several lookup
-groups (from the event stream's index of cached hashes)."""
+groups (gpukv's full-attention hit, or the event stream's index of cached
+hashes where vLLM's first lookup group is not every full-attention group)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class CacheLookups:
         limit = features.max_cache_hit_length(request, bound)
         max_hit_blocks = min(limit, request.num_tokens - 1) // self.block_size
         computed = self._lookup(request, max_hit_blocks)
-        boundary = self._shared_prefix_boundary(request, max_hit_blocks, computed.num_tokens)
+        boundary = self._shared_prefix_boundary(request, max_hit_blocks, computed.num_tokens,
+                                                computed.full_attention_hit_tokens)
         if not computed.num_tokens:
             self._looked_up.pop(request.request_id, None)
             return self.empty_kv_cache_blocks, 0, boundary
@@ -115,24 +117,33 @@ class CacheLookups:
             return self.manager.read_prefix_hit(capped)
         return self.manager.get_computed_blocks(capped)
 
-    def run_boundary(self, request: Any, num_hit_tokens: int) -> int:
+    def run_boundary(self, request: Any, num_hit_tokens: int, full_attention_hit_tokens: int | None) -> int:
         """The shared-prefix boundary vLLM's lookup gives a batched run's
         request (no hit bound of its own: ``plain_run``) whose hit is
-        ``num_hit_tokens``, from the cache as the event index stands now
-        (``AdmittedRun`` asks just before the request's own events)."""
+        ``num_hit_tokens`` and full-attention hit ``full_attention_hit_tokens``
+        (the step's); with an event index, from the cache as the index stands
+        now (``PendingGrowth.flush`` asks just before the request's own events)."""
         if not self.prefix_cache_lookup_enabled(request):
             return 0
         limit = features.max_cache_hit_length(request, None)
         return self._shared_prefix_boundary(request, min(limit, request.num_tokens - 1) // self.block_size,
-                                            num_hit_tokens)
+                                            num_hit_tokens, full_attention_hit_tokens)
 
-    def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int) -> int:
+    def _shared_prefix_boundary(self, request: Any, max_hit_blocks: int, num_hit_tokens: int,
+                                full_attention_hit_tokens: int | None) -> int:
         """vLLM's ``shared_prefix_boundary``: the lone hit of its first lookup
         group, in tokens, when longer than the hit (0 otherwise, and always
-        with one lookup group, where the two are one)."""
-        if not self.event_translator.index:
+        with one lookup group, where the two are one). That group is every
+        full-attention group in a hybrid model whose full-attention layers
+        share one spec: its lone hit is gpukv's full-attention hit. Else it
+        is read from the event index."""
+        if self.groups.full_attention_leads:  # (a hybrid model: its lookups report the value)
+            longest = full_attention_hit_tokens or 0
+        elif self.event_translator.index:
+            hashes = request.block_hashes
+            longest = self.groups.longest_single_group_hit(
+                lambda i, g: self.event_translator.is_cached(hashes[i], g),
+                min(max_hit_blocks, len(hashes))) * self.block_size
+        else:
             return 0
-        hashes = request.block_hashes
-        longest = self.groups.longest_single_group_hit(lambda i, g: self.event_translator.is_cached(hashes[i], g),
-                                                       min(max_hit_blocks, len(hashes))) * self.block_size
         return longest if longest > num_hit_tokens else 0

@@ -31,7 +31,9 @@ Where a 0.33 rule lives (one home each):
   the gpukv manager releases behind it (``gpukv.core.windows``:
   ``released_until``); ``cache_blocks`` releases nothing, as vLLM's;
 * the shared-prefix boundary (``get_computed_blocks``' third value): vLLM's
-  first lookup group's lone hit when longer than the hit, from the index of
+  first lookup group's lone hit when longer than the hit: gpukv's
+  full-attention hit where that group is every full-attention group
+  (``ComputedBlocks.full_attention_hit_tokens``), else from the index of
   cached hashes per group that the event stream keeps (``events``);
 * the null block: id 0, one for every group, no hash (``views.Block``);
 * usage ``1 - free / (num_blocks - 1)``, prefix-cache stats in tokens at
@@ -166,10 +168,11 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.backend = resolve_backend(backend)
-        # The boundary needs one group's lone hit: an index of what each group cached (more than one lookup group).
+        # The boundary is one lookup group's lone hit: gpukv's full-attention hit, or else an index of what each
+        # group cached (``KVGroups.needs_hit_index``).
         self.event_translator = EventTranslator(kv_cache_config, self.block_size,
                                                 publish=self.enable_kv_cache_events,
-                                                index=self.enable_caching and len(self.groups.lookup_order) > 1)
+                                                index=self.enable_caching and self.groups.needs_hit_index)
         self.manager = make_backend(self.backend, num_blocks=self.num_gpu_blocks, block_size=self.block_size,
                                     windows=self.groups.windows, max_model_len=max_model_len,
                                     enable_caching=self.enable_caching,
@@ -205,7 +208,7 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
     def reads_vllm_hashes(self) -> bool:
         """Whether the adapter reads vLLM's request block hashes: for KV
         events (vLLM's hashes in ``BlockStored``) and for the shared-prefix
-        boundary's index (more than one lookup group). Else vLLM's engine
+        boundary's index (``KVGroups.needs_hit_index``). Else vLLM's engine
         need not hash (``gpukv.vllm.v0_33.engine_hashing``)."""
         return self.event_translator.active
 

@@ -269,7 +269,8 @@ class PendingGrowth:
         each whole). Returns the step's result (None when there was nothing
         to do). ``boundaries``: filled with each admitted request's
         shared-prefix boundary, as vLLM's lookup would give it in turn (with
-        an event index: ``KVCacheManager.run_boundary``; else left empty)."""
+        an event index: ``KVCacheManager.run_boundary``; else left empty, the
+        step's full-attention hits giving them)."""
         if not self.calls and not new:
             return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
@@ -318,7 +319,8 @@ class PendingGrowth:
 
             def before(i: int) -> None:
                 if i >= first:
-                    boundaries.append(a.run_boundary(admitting[i - first], result.num_computed_tokens[i - first]))
+                    j = i - first  # (the index answers: the step's full-attention hits are not needed)
+                    boundaries.append(a.run_boundary(admitting[j], result.num_computed_tokens[j], None))
 
         a.event_translator.drain_step(a.manager, calls, before)
 

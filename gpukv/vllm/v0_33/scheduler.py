@@ -19,8 +19,10 @@ order after the step (``gpukv.vllm.v0_33.events``). In models with
 sliding-window groups the running loop is batched too, but for the calls
 whose window release may free an uncached block (each made on the
 per-request path in its turn: ``gpukv.vllm.v0_33.window_releases``), and
-so are waiting runs (a hybrid model's shared-prefix boundaries read from the
-event index call by call); ``Unbatched*`` classes never batch.
+so are waiting runs (a hybrid model's shared-prefix boundaries from the
+step's full-attention hits, or read from the event index call by call where
+vLLM's first lookup group is a window one); ``Unbatched*`` classes never
+batch.
 
 Configurations the adapter does not follow are refused at construction with
 an ``UnsupportedConfigError`` saying what and what to do
