@@ -235,9 +235,9 @@ class AdmittedRun:
         self.num_chunked += sum(1 for i in range(result.num_admitted)
                                 if result.num_computed_tokens[i] + result.num_new_tokens[i] < run[i].num_tokens)
         ids, hits, full = result.admitted_block_ids, result.num_computed_tokens, result.full_attention_hit_tokens
+        leads = full is not None and a.groups.full_attention_leads  # (the boundaries are the full-attention hits')
         for i in range(result.num_admitted):
-            boundary = boundaries[i] if boundaries else \
-                a.run_boundary(run[i], hits[i], full[i]) if full is not None and a.groups.full_attention_leads else 0
+            boundary = boundaries[i] if boundaries else a.run_boundary(run[i], hits[i], full[i]) if leads else 0
             self.entries.append(self._admission(run[i], hits[i], None if ids is None else [group[i] for group in ids],
                                                 result.num_new_tokens[i], boundary))
 

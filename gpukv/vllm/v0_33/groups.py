@@ -79,7 +79,7 @@ class KVGroups:
             total += max(required - num_hit_blocks, 0)
         return total
 
-    @property
+    @cached_property
     def full_attention_leads(self) -> bool:
         """Whether vLLM's first lookup group holds every full-attention group
         and another group follows it (a hybrid model whose full-attention
@@ -88,7 +88,7 @@ class KVGroups:
         full = tuple(g for g, w in enumerate(self.windows) if w is None)
         return len(self.lookup_order) > 1 and self.lookup_order[0] == full
 
-    @property
+    @cached_property
     def needs_hit_index(self) -> bool:
         """Whether the shared-prefix boundary needs an index of what each
         group cached: several lookup groups, the first not every
