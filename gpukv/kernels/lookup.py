@@ -310,6 +310,21 @@ def _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, want, CMASK
 
 
 @triton.jit
+def _groups_bound(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P, hit, below, BS,
+                  G: tl.constexpr, TILE: tl.constexpr):
+    """``hit`` bounded, in one pass over request ``i``'s groups in order, by
+    the longest hit each group whose window (blocks, -1: full attention) is
+    below ``below`` can serve within the bound so far (``_BIG``: every
+    group; 0: the full-attention groups, whose first misses need one pass)."""
+    for g in tl.static_range(G):
+        window = tl.load(win_ptr + g)
+        if window < below:
+            hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
+                                             hit, g, window, BS, G, TILE))
+    return hit
+
+
+@triton.jit
 def _request_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P, max_hit, skip, BS,
                  G: tl.constexpr, TILE: tl.constexpr):
     """Request ``i``'s hit (blocks): the longest every group can serve, at
@@ -320,26 +335,9 @@ def _request_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_p
     prev = hit + 1
     while hit != prev:
         prev = hit
-        for g in tl.static_range(G):
-            W = tl.load(win_ptr + g)
-            hit = tl.minimum(hit, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
-                                             hit, g, W, BS, G, TILE))
+        hit = _groups_bound(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P, hit, _BIG, BS,
+                            G, TILE)
     return hit
-
-
-@triton.jit
-def _full_attention_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P, max_hit, BS,
-                        G: tl.constexpr, TILE: tl.constexpr):
-    """Request ``i``'s full-attention hit (blocks): the longest prefix, at
-    most ``max_hit``, that every full-attention group can serve alone, its
-    windowed groups left out (one first-miss pass per full-attention group)."""
-    longest = max_hit
-    for g in tl.static_range(G):
-        W = tl.load(win_ptr + g)
-        if W < 0:
-            longest = tl.minimum(longest, _group_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, i, P,
-                                                     longest, g, W, BS, G, TILE))
-    return longest
 
 
 @triton.jit
@@ -502,8 +500,9 @@ def _admit_requests(cache_ptr, pend_ptr, next_ptr, ok_ptr, resolved_ptr, start_p
             longest = hit
             if FULL:
                 if skip == 0:
-                    longest = _full_attention_hit(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr,
-                                                  i, P, tl.load(max_hit_ptr + i), BS, G, TILE)
+                    # (the full-attention groups' own hit: their windowed groups left out)
+                    longest = _groups_bound(cache_ptr, pend_ptr, next_ptr, ok_ptr, hit_ptr, comp_ptr, win_ptr, i, P,
+                                            tl.load(max_hit_ptr + i), 0, BS, G, TILE)
                 if (longest > hit) & (new_total > 0):  # (past the hit, the earlier pops may take its blocks)
                     reach, doomed = _extend_reach(ring_ptr, touched_ptr, stamp, reach, tail, doomed, new_total,
                                                   CMASK, TILE)
@@ -681,7 +680,7 @@ def admit(cache_hits, pending, max_hit, num_blocks, num_tokens, skip, *, ref_cnt
     requests' pops evict (``ST_DEFERRED``); None: no cached hit is free, or
     nothing is evicted (a kernel test's pool without a queue).
     ``full_hit_out`` int32[K] receives each looked-up request's
-    full-attention hit (``_full_attention_hit``; a request whose
+    full-attention hit (``_groups_bound`` over those groups; a request whose
     full-attention blocks past its hit the earlier pops take is deferred);
     None: not computed."""
     check_tensor(cache_hits, "cache_hits", dtypes=INT32, ndim=3)

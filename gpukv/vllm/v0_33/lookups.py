@@ -123,6 +123,8 @@ class CacheLookups:
         ``num_hit_tokens`` and full-attention hit ``full_attention_hit_tokens``
         (the step's); with an event index, from the cache as the index stands
         now (``PendingGrowth.flush`` asks just before the request's own events)."""
+        if self.groups.full_attention_leads:  # (the step's value: its lookup skipped and was bounded as vLLM's)
+            return self._shared_prefix_boundary(request, 0, num_hit_tokens, full_attention_hit_tokens)
         if not self.prefix_cache_lookup_enabled(request):
             return 0
         limit = features.max_cache_hit_length(request, None)
@@ -135,8 +137,9 @@ class CacheLookups:
         group, in tokens, when longer than the hit (0 otherwise, and always
         with one lookup group, where the two are one). That group is every
         full-attention group in a hybrid model whose full-attention layers
-        share one spec: its lone hit is gpukv's full-attention hit. Else it
-        is read from the event index."""
+        share one spec: its lone hit is gpukv's full-attention hit (and
+        ``max_hit_blocks`` unread). Else it is read from the event index,
+        at most ``max_hit_blocks`` blocks."""
         if self.groups.full_attention_leads:  # (a hybrid model: its lookups report the value)
             longest = full_attention_hit_tokens or 0
         elif self.event_translator.index:
