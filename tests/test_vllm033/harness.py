@@ -64,6 +64,7 @@ try:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -84,7 +85,8 @@ except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable
 
 __all__ = [
     "EOS_TOKEN_ID", "SAMPLED_TOKEN_ID", "AllBlocksCleared", "BlockRemoved", "BlockStored", "BlockTables",
-    "DraftTokenIds", "Engine", "EngineCoreOutputs", "EventRecorder", "KVCacheBlocks", "KVView", "ModelRunnerOutput",
+    "DraftTokenIds", "Engine", "EngineCoreOutputs", "EventRecorder", "KVCacheBlocks", "KVView", "LoRARequest",
+    "ModelRunnerOutput",
     "PrefixCacheStats", "Request", "RequestStatus", "SamplingParams", "SchedulerOutput", "VllmAsyncScheduler",
     "VllmKVCacheManager", "VllmScheduler", "coordinator_name", "is_async", "is_gpukv", "make_requests",
     "gpukv033", "make_scheduler", "scheduler_params", "HAS_V1_MODEL_RUNNER", "HAS_COMMON_PREFIX_BLOCKS", "HIT_LIMIT",
@@ -236,6 +238,7 @@ def make_scheduler(
     cache_aware_window: int = 0,
     cache_aware_threshold: float = 0.0,
     watermark: float = 0.0,
+    policy: str = "fcfs",
 ) -> Any:
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
@@ -252,16 +255,18 @@ def make_scheduler(
     * async scheduling is on exactly when ``cls`` is an ``AsyncScheduler``.
     * ``watermark``: the scheduler config's (the fraction of the pool an
       admission leaves free).
+    * ``policy``: the scheduler config's (``"priority"``: the waiting queue by
+      priority, the preempted request the running one of lowest priority).
     * ``cache_aware_window`` (vLLM 0.34 on; skipped before): the scheduler
       config's ``cache_aware_admission_window``, engaging from
       ``cache_aware_threshold`` usage.
     """
-    scheduler_options: dict[str, Any] = {}
+    scheduler_options: dict[str, Any] = {} if policy == "fcfs" else {"policy": policy}
     if cache_aware_window:
         if not HAS_CACHE_AWARE_ADMISSION:
             pytest.skip(f"vLLM {vllm.__version__} has no cache-aware admission")
-        scheduler_options = dict(cache_aware_admission_window=cache_aware_window,
-                                 cache_aware_admission_threshold=cache_aware_threshold)
+        scheduler_options |= dict(cache_aware_admission_window=cache_aware_window,
+                                  cache_aware_admission_threshold=cache_aware_threshold)
     max_model_len = max_num_batched_tokens if max_model_len is None else max_model_len
     vllm_config = make_vllm_config(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -346,6 +351,9 @@ def make_requests(
     block_size: int = 16,
     hash_algo: str = "sha256",
     scheduler: Any = None,
+    lora_request: Any = None,
+    cache_salt: str | None = None,
+    priority: int = 0,
 ) -> list[Any]:
     """``num_requests`` vLLM ``Request``\\ s with ids ``str(first_id + i)``.
 
@@ -354,7 +362,8 @@ def make_requests(
     ``EOS_TOKEN_ID`` unless ``ignore_eos`` (set as the engine does, through
     ``update_from_generation_config``). Block hashes at ``block_size`` with
     ``hash_algo``; with ``scheduler``, those its engine would compute (none
-    when gpukv's scheduler took the hashing over).
+    when gpukv's scheduler took the hashing over). ``lora_request`` (a
+    ``LoRARequest``), ``cache_salt`` and ``priority``: every request's.
     """
     hasher = scheduler.harness_hasher if scheduler is not None else block_hasher(block_size, hash_algo)
     requests = []
@@ -368,7 +377,8 @@ def make_requests(
                                 stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else None, **start)
         params.update_from_generation_config({}, EOS_TOKEN_ID)
         requests.append(Request(request_id=str(rid), prompt_token_ids=tokens, sampling_params=params,
-                                pooling_params=None, arrival_time=0.0, block_hasher=hasher))
+                                pooling_params=None, arrival_time=0.0, block_hasher=hasher,
+                                lora_request=lora_request, cache_salt=cache_salt, priority=priority))
     return requests
 
 

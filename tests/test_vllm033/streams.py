@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from .harness import BlockTables, Engine, KVView, RequestStatus, make_requests, make_scheduler
+from .harness import BlockTables, Engine, KVView, LoRARequest, RequestStatus, make_requests, make_scheduler
 
 PREFIX_BLOCKS = (0, 1, 2, 3)  # a prompt shares 0..3 blocks of one of the prefixes
 NUM_PREFIXES = 3
@@ -48,6 +48,8 @@ class StreamConfig:
     cache_aware_window: int = 0  # vLLM 0.34 on: cache-aware admission over the first N waiting requests
     watermark: float = 0.0  # the scheduler config's watermark (fraction of the pool kept free at admission)
     prefix_caching: bool = True  # False: no block is ever cached (a window's released blocks all uncached)
+    priority: bool = False  # the priority policy, each request a random priority 0..3
+    lora: bool = False  # each request one of LORAS (a base one, reloads and re-pointed ids among them)
 
 
 @dataclass
@@ -125,14 +127,28 @@ def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig, scheduler: Any) -> Any:
+def _lora(name: str, int_id: int, path: str) -> LoRARequest:
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+#: A stream's LoRA adapters (``StreamConfig.lora``): none; one adapter; the same name and path under a new int id
+#: (a reload: vLLM shares its KV); the first int id at another path (re-pointed: it shares nothing); another name.
+LORAS = (None, _lora("sql", 1, "/adapters/sql"), _lora("sql", 2, "/adapters/sql"),
+         _lora("sql", 1, "/adapters/sql-v2"), _lora("chat", 3, "/adapters/chat"))
+
+
+def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig, scheduler: Any,
+             extra: random.Random) -> Any:
     max_tokens = rng.randrange(1, config.max_output_tokens + 1)
     logprobs = 1 if rng.random() < (0.3 if config.bounded_hits else 0.1) else None
     # (within the shared prefixes' three blocks, where hits are: a start past them would bound nothing)
     start = rng.randrange(1, min(len(prompt), 3 * BLOCK_SIZE) + 1) if logprobs and config.bounded_hits else None
     (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=max_tokens,
                                ignore_eos=True, prompt_logprobs=logprobs, prompt_logprob_start=start,
-                               scheduler=scheduler)  # (hashed as the scheduler's engine would: gpukv's needs none)
+                               scheduler=scheduler,  # (hashed as the scheduler's engine would: gpukv's needs none)
+                               # (from their own generator: the streams without them draw what they always drew)
+                               priority=extra.randrange(4) if config.priority else 0,
+                               lora_request=extra.choice(LORAS) if config.lora else None)
     return request
 
 
@@ -169,7 +185,9 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
                                second_window=config.second_window,
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
-                               watermark=config.watermark, enable_prefix_caching=config.prefix_caching)
+                               watermark=config.watermark, enable_prefix_caching=config.prefix_caching,
+                               policy="priority" if config.priority else "fcfs")
+    extra = random.Random(config.seed + 2)  # (priorities and adapters)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=tables or (BlockTables() if check_tables else None))
@@ -180,7 +198,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
     for step in range(max_steps):
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            scheduler.add_request(_request(rng, i, prompts[i], config, scheduler))
+            scheduler.add_request(_request(rng, i, prompts[i], config, scheduler, extra))
         aborted = _maybe_abort(rng, scheduler, config.abort_rate)
         if not pending and not scheduler.has_requests() and not engine.in_flight:
             break

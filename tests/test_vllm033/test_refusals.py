@@ -13,6 +13,7 @@ from gpukv.errors import GpukvInputError
 from .harness import (
     Engine,
     KVView,
+    LoRARequest,
     Request,
     RequestStatus,
     SamplingParams,
@@ -44,12 +45,22 @@ def _token_request(prompt: list[int]) -> Request:
     return request
 
 
+def _lora_request() -> Request:
+    """A LoRA request whose adapter name vLLM's block-hash keys carry as a
+    list: a key gpukv cannot compare, so cannot map to one LoRA id."""
+    (request,) = make_requests(1, first_id=99, max_tokens=4,
+                               lora_request=LoRARequest(lora_name=["sql"], lora_int_id=1, lora_path="/adapters/sql"))
+    request.request_id = "E"
+    return request
+
+
 BAD = {
     "prompt-embeds": (_embeds_request, "prompt embeddings"),
     "over-max-model-len": (lambda: _token_request(list(range(70))), "more than max_model_len=64"),
     "negative-token": (lambda: _token_request([1, 2, -1, 4]), "outside [0, 2**32)"),
     "token-2**32": (lambda: _token_request([1, 2**32, 3]), "is 4294967296, outside [0, 2**32)"),
     "empty-prompt": (lambda: _token_request([]), "has no tokens"),
+    "lora-key-not-comparable": (_lora_request, "keys of its LoRA adapter cannot be compared"),
 }
 
 

@@ -86,7 +86,11 @@ def test_gpukv_stream_is_vllms_step_by_step(cls, seed):
 FEATURE_STREAMS = [pytest.param(dict(bounded_hits=True), id="bounded-hits"),
                    pytest.param(dict(cache_aware_window=4), id="cache-aware"),
                    pytest.param(dict(bounded_hits=True, cache_aware_window=8, kv_events=False,
-                                     num_speculative_tokens=0), id="both-batched")]
+                                     num_speculative_tokens=0), id="both-batched"),
+                   pytest.param(dict(priority=True), id="priority"),
+                   pytest.param(dict(priority=True, kv_events=False, num_speculative_tokens=0), id="priority-batched"),
+                   pytest.param(dict(lora=True), id="lora"),
+                   pytest.param(dict(lora=True, kv_events=False, num_speculative_tokens=0), id="lora-batched")]
 
 
 @pytest.mark.parametrize("cls", GPUKV)
@@ -110,11 +114,18 @@ def test_gpukv_streams_with_bounded_hits_and_cache_aware_admission_are_vllms(cls
 
 def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     """On vLLM's own scheduler: the cache-aware window changes some decision
-    (the stream differs from plain FCFS), and so do the hit bounds (the
+    (the stream differs from plain FCFS), and so do the priority policy (a
+    preempted request is not always the last running one) and the LoRA
+    adapters (they split the cache: fewer hits), and the hit bounds (the
     stream differs from one whose requests' own limits are ignored)."""
     plain = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0]), check_tables=False)
     reordered = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], cache_aware_window=4), check_tables=False)
     assert reordered != plain
+    by_priority = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], priority=True), check_tables=False)
+    assert by_priority != plain and any(r.preempted for r in by_priority)
+    hits = [sum(r.prefix_cache[2] for r in stream if r.prefix_cache) for stream in (
+        plain, run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False))]
+    assert 0 < hits[1] < hits[0]
     if not HIT_LIMIT:
         pytest.skip(f"vLLM {vllm_version()} has no prefix-cache hit limit")
     configs = [StreamConfig(seed=seed, bounded_hits=True) for seed in SEEDS]

@@ -9,7 +9,10 @@ is chosen here, once, by the feature vLLM has:
   through ``Request.get_max_cache_hit_length``) or
   ``Request.skip_reading_prefix_cache`` (0.33: a flag);
 * ``KVCacheManager.get_num_cached_tokens`` (0.34's cache-aware admission
-  probes the cache with it).
+  probes the cache with it);
+* what a LoRA request's block hashes key of its adapter
+  (``kv_cache_utils._gen_lora_extra_hash_keys``: 0.33 and 0.34 its name and
+  path), asked of vLLM itself (``gpukv.vllm.v0_33.lora_ids``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,17 @@ def _request_cls() -> Any:
 
 HIT_LIMIT = hasattr(_request_cls(), "get_max_cache_hit_length")
 """vLLM's ``Request`` bounds hits by ``prefix_cache_hit_limit`` (0.34 on)."""
+
+
+def _lora_hash_keys() -> Any:
+    from vllm.v1.core import kv_cache_utils
+
+    return getattr(kv_cache_utils, "_gen_lora_extra_hash_keys", None)
+
+
+LORA_HASH_KEYS = _lora_hash_keys()
+"""vLLM's rule ``request -> what its block hashes key of the request's LoRA
+adapter`` (a list), or None where vLLM has none by that name."""
 
 
 def skips_cache(request: Any) -> bool:

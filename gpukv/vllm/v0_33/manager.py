@@ -68,6 +68,7 @@ from gpukv.vllm.v0_33.binding import BINDING
 from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.lookups import CacheLookups, flushing
+from gpukv.vllm.v0_33.lora_ids import LoraIds
 from gpukv.vllm.v0_33.pending import RELEASES, PendingGrowth, growth
 from gpukv.vllm.v0_33.request_admission import RequestAdmission
 from gpukv.vllm.v0_33.screening import check_request
@@ -200,6 +201,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         # Requests the scheduler refused after a sampled token gpukv cannot hold: finished in this update, never
         # handed to gpukv again (``gpukv.vllm.v0_33.screening``).
         self.refused: dict[str, str] = {}
+        # gpukv's int for each LoRA adapter, as vLLM's block hashes tell adapters apart (not vLLM's lora_int_id).
+        self.lora_ids = LoraIds()
         # A gpukv worker's model runner reads gpukv's device tables (``binding``): vLLM's SchedulerOutput then
         # carries no block ids, and the batched path reads none back.
         self.ids_on_device = BINDING.reads_block_ids_on_device and self.backend == "device"
@@ -427,8 +430,7 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
     # ------------------------------------------------------------ internals
     def gpukv_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
         """gpukv's ``NewRequest`` of vLLM's ``request`` with these ``tokens``."""
-        lora = request.lora_request
-        return NewRequest(request.request_id, tokens, lora_id=lora.adapter_id if lora else None,
+        return NewRequest(request.request_id, tokens, lora_id=self.lora_ids.id_of(request),
                           cache_salt=request.cache_salt, skip_prefix_cache=features.skips_cache(request),
                           num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)
 

@@ -155,7 +155,8 @@ class _GpukvManagerMixin:
             engine_hashing.take_back(me)
             self._flag_to_restore = False
         if request.request_id not in me.requests:  # (a streaming session's next chunk is the session's)
-            error = prompt_refusal(request, me.kv_cache_manager.max_model_len, check_request)
+            kv = me.kv_cache_manager
+            error = prompt_refusal(request, kv.max_model_len, check_request, kv.lora_ids)
             if error is not None:
                 refuse_at_arrival(me, request, error)
         super().add_request(request)  # type: ignore[misc]

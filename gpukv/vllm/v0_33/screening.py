@@ -3,7 +3,8 @@ the way vLLM refuses a request it cannot start.
 
 A request the adapter cannot follow (no prompt tokens, more than
 ``max_model_len``, multimodal inputs or prompt embeddings, a prompt token
-outside ``[0, 2**32)``; a sampled token outside that range later) must not
+outside ``[0, 2**32)``, a LoRA adapter it cannot key as vLLM does
+(``lora_ids``); a sampled token outside that range later) must not
 be refused inside ``schedule()``: by then the step's running requests may
 already have blocks in gpukv that vLLM never reports (an exception from
 ``schedule()`` discards its output), and vLLM's engine core stops on it. So
@@ -55,11 +56,15 @@ def check_request(request: Any, max_model_len: int) -> int:
     return num_tokens
 
 
-def prompt_refusal(request: Any, max_model_len: int, check: Any) -> GpukvInputError | None:
+def prompt_refusal(request: Any, max_model_len: int, check: Any, lora_ids: Any = None) -> GpukvInputError | None:
     """Why the adapter cannot serve ``request`` (the error ``check(request,
-    max_model_len)`` raises, or one for a prompt token out of range), or None."""
+    max_model_len)`` raises, one for a prompt token out of range, or, with
+    ``lora_ids`` (``gpukv.vllm.v0_33.lora_ids.LoraIds``), one for a LoRA
+    adapter gpukv cannot key as vLLM does), or None."""
     try:
         check(request, max_model_len)
+        if lora_ids is not None:
+            lora_ids.id_of(request)  # (its int given now, at arrival; the same at admission)
         tokens = request.prompt_token_ids
         if tokens is not None and not _int32_in_range(tokens):
             normalize_token_ids(tokens, "request.prompt_token_ids", request.request_id)  # (raises, naming it)

@@ -1,0 +1,94 @@
+"""What else than the tokens decides a hit under vLLM 0.33 and later: the
+request's LoRA adapter and its cache salt, as vLLM's block hashes key them
+(``_gen_lora_extra_hash_keys``: the adapter's name and path, not its int id;
+the salt in the first block's keys). Request A (32 shared tokens, then its
+own 8) runs to the end, then request B (the 32, then other 8) arrives: B
+hits A's two full blocks exactly when vLLM's keys of the two agree. Every
+case runs on vLLM's own scheduler too, so the hand-worked value is vLLM's."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+from gpukv.vllm.v0_33.lora_ids import LoraIds
+
+from .harness import Engine, LoRARequest, make_requests, make_scheduler, scheduler_params
+
+SHARED = list(range(32))  # two full blocks of 16
+BOTH = scheduler_params()
+DEVICE = [pytest.param(cls, id=f"{cls.__name__}") for cls in (__import__("gpukv.vllm.v0_33", fromlist=["x"])
+                                                              .DeviceScheduler,)]
+
+
+def lora(name: str, int_id: int, path: str) -> LoRARequest:
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+ADAPTER = lora("sql", 1, "/adapters/sql")
+CASES = {
+    # (A's LoRA, A's salt, B's LoRA, B's salt): B's hit in tokens
+    "the-same-adapter": ((ADAPTER, None, ADAPTER, None), 32),
+    "reloaded-a-new-int-id": ((ADAPTER, None, lora("sql", 2, "/adapters/sql"), None), 32),
+    "the-int-id-re-pointed-at-another-path": ((ADAPTER, None, lora("sql", 1, "/adapters/sql-v2"), None), 0),
+    "another-name-the-same-int-id-and-path": ((ADAPTER, None, lora("chat", 1, "/adapters/sql"), None), 0),
+    "an-adapter-then-the-base-model": ((ADAPTER, None, None, None), 0),
+    "the-base-model-then-an-adapter": ((None, None, ADAPTER, None), 0),
+    "the-same-salt": ((None, "tenant-1", None, "tenant-1"), 32),
+    "another-salt": ((None, "tenant-1", None, "tenant-2"), 0),
+    "a-salt-then-none": ((None, "tenant-1", None, None), 0),
+    "the-same-adapter-and-salt": ((ADAPTER, "tenant-1", lora("sql", 2, "/adapters/sql"), "tenant-1"), 32),
+    "the-same-adapter-another-salt": ((ADAPTER, "tenant-1", ADAPTER, "tenant-2"), 0),
+}
+
+
+def _b_hit(cls: type, case: str) -> tuple[int, Engine]:
+    (a_lora, a_salt, b_lora, b_salt), _ = CASES[case]
+    scheduler = make_scheduler(cls)
+    engine = Engine(scheduler)
+    engine.add(make_requests(1, prompt=lambda _: SHARED + [100] * 8, first_id=0, max_tokens=1, ignore_eos=True,
+                             lora_request=a_lora, cache_salt=a_salt))
+    engine.run_until_idle()
+    engine.add(make_requests(1, prompt=lambda _: SHARED + [200] * 8, first_id=1, max_tokens=1, ignore_eos=True,
+                             lora_request=b_lora, cache_salt=b_salt))
+    out = engine.step()
+    (new,) = out.scheduled_new_reqs
+    return new.num_computed_tokens, engine
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("cls", BOTH)
+def test_a_hit_needs_vllms_lora_and_salt_keys_to_agree(cls, case):
+    hit, engine = _b_hit(cls, case)
+    assert hit == CASES[case][1]
+    engine.run_until_idle()
+    manager = engine.scheduler.kv_cache_manager
+    if hasattr(manager, "check_invariants"):
+        manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["reloaded-a-new-int-id", "the-int-id-re-pointed-at-another-path"])
+@pytest.mark.parametrize("cls", DEVICE)
+def test_the_device_manager_keys_lora_adapters_as_vllm_does(cls, case):
+    hit, _ = _b_hit(cls, case)
+    assert hit == CASES[case][1]
+
+
+def test_each_distinct_key_gets_its_own_int_in_the_order_first_seen():
+    ids = LoraIds()
+    requests = [make_requests(1, first_id=i, lora_request=r)[0] for i, r in enumerate(
+        [ADAPTER, lora("sql", 7, "/adapters/sql"), lora("sql", 1, "/adapters/sql-v2"), None, ADAPTER,
+         lora("chat", 1, "/adapters/sql")])]
+    assert [ids.id_of(r) for r in requests] == [1, 1, 2, None, 1, 3]
+    assert len(ids) == 3
+
+
+def test_a_lora_request_without_a_known_rule_or_with_an_unhashable_key_is_refused_naming_it():
+    (request,) = make_requests(1, lora_request=ADAPTER)
+    with pytest.raises(UnsupportedConfigError, match="no rule gpukv knows") as err:
+        LoraIds(None).id_of(request)
+    assert err.value.argument == "request.lora_request"
+    with pytest.raises(UnsupportedConfigError, match="cannot be compared"):
+        LoraIds(lambda r: [("lora", ["a", "list"], "/p")]).id_of(request)  # noqa: ARG005
+    base = make_requests(1)[0]
+    assert LoraIds(None).id_of(base) is None  # (no adapter: no rule needed)
