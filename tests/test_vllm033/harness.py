@@ -62,7 +62,15 @@ if not has_async_scheduler():
 
 try:
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        LoRAConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
@@ -239,6 +247,7 @@ def make_scheduler(
     cache_aware_threshold: float = 0.0,
     watermark: float = 0.0,
     policy: str = "fcfs",
+    max_loras: int = 0,
 ) -> Any:
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
@@ -257,6 +266,8 @@ def make_scheduler(
       admission leaves free).
     * ``policy``: the scheduler config's (``"priority"``: the waiting queue by
       priority, the preempted request the running one of lowest priority).
+    * ``max_loras``: a ``LoRAConfig`` allowing that many adapters a step (0:
+      none; LoRA requests then run unconstrained).
     * ``cache_aware_window`` (vLLM 0.34 on; skipped before): the scheduler
       config's ``cache_aware_admission_window``, engaging from
       ``cache_aware_threshold`` usage.
@@ -278,6 +289,8 @@ def make_scheduler(
                                     kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid,
                                                                                     second_window))
     vllm_config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory
+    if max_loras:
+        vllm_config.lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
     try:
         scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                         structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,

@@ -50,6 +50,7 @@ class StreamConfig:
     prefix_caching: bool = True  # False: no block is ever cached (a window's released blocks all uncached)
     priority: bool = False  # the priority policy, each request a random priority 0..3
     lora: bool = False  # each request one of LORAS (a base one, reloads and re-pointed ids among them)
+    max_loras: int = 0  # with lora: a LoRAConfig allowing this many adapters a step (0: none)
 
 
 @dataclass
@@ -186,7 +187,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                second_window=config.second_window,
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
                                watermark=config.watermark, enable_prefix_caching=config.prefix_caching,
-                               policy="priority" if config.priority else "fcfs")
+                               policy="priority" if config.priority else "fcfs", max_loras=config.max_loras)
     extra = random.Random(config.seed + 2)  # (priorities and adapters)
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,

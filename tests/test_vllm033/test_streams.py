@@ -90,7 +90,8 @@ FEATURE_STREAMS = [pytest.param(dict(bounded_hits=True), id="bounded-hits"),
                    pytest.param(dict(priority=True), id="priority"),
                    pytest.param(dict(priority=True, kv_events=False, num_speculative_tokens=0), id="priority-batched"),
                    pytest.param(dict(lora=True), id="lora"),
-                   pytest.param(dict(lora=True, kv_events=False, num_speculative_tokens=0), id="lora-batched")]
+                   pytest.param(dict(lora=True, kv_events=False, num_speculative_tokens=0), id="lora-batched"),
+                   pytest.param(dict(lora=True, max_loras=1), id="lora-one-a-step")]
 
 
 @pytest.mark.parametrize("cls", GPUKV)
@@ -116,7 +117,8 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     """On vLLM's own scheduler: the cache-aware window changes some decision
     (the stream differs from plain FCFS), and so do the priority policy (a
     preempted request is not always the last running one) and the LoRA
-    adapters (they split the cache: fewer hits), and the hit bounds (the
+    adapters (they split the cache: fewer hits; one adapter a step holds
+    requests back), and the hit bounds (the
     stream differs from one whose requests' own limits are ignored)."""
     plain = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0]), check_tables=False)
     reordered = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], cache_aware_window=4), check_tables=False)
@@ -126,6 +128,8 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     hits = [sum(r.prefix_cache[2] for r in stream if r.prefix_cache) for stream in (
         plain, run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False))]
     assert 0 < hits[1] < hits[0]
+    one_a_step = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True, max_loras=1), check_tables=False)
+    assert one_a_step != run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False)
     if not HIT_LIMIT:
         pytest.skip(f"vLLM {vllm_version()} has no prefix-cache hit limit")
     configs = [StreamConfig(seed=seed, bounded_hits=True) for seed in SEEDS]
