@@ -79,6 +79,7 @@ try:
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+    from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
     from vllm.v1.engine import EngineCoreOutputs
@@ -94,7 +95,7 @@ except Exception as exc:  # noqa: BLE001 (any failure to import means: no usable
 __all__ = [
     "EOS_TOKEN_ID", "SAMPLED_TOKEN_ID", "AllBlocksCleared", "BlockRemoved", "BlockStored", "BlockTables",
     "DraftTokenIds", "Engine", "EngineCoreOutputs", "EventRecorder", "KVCacheBlocks", "KVView", "LoRARequest",
-    "ModelRunnerOutput",
+    "ModelRunnerOutput", "PauseState",
     "PrefixCacheStats", "Request", "RequestStatus", "SamplingParams", "SchedulerOutput", "VllmAsyncScheduler",
     "VllmKVCacheManager", "VllmScheduler", "coordinator_name", "is_async", "is_gpukv", "make_requests",
     "gpukv033", "make_scheduler", "scheduler_params", "HAS_V1_MODEL_RUNNER", "HAS_COMMON_PREFIX_BLOCKS", "HIT_LIMIT",
@@ -248,6 +249,7 @@ def make_scheduler(
     watermark: float = 0.0,
     policy: str = "fcfs",
     max_loras: int = 0,
+    prefill_schedule_interval: int = 1,
 ) -> Any:
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
@@ -268,11 +270,15 @@ def make_scheduler(
       priority, the preempted request the running one of lowest priority).
     * ``max_loras``: a ``LoRAConfig`` allowing that many adapters a step (0:
       none; LoRA requests then run unconstrained).
+    * ``prefill_schedule_interval``: the scheduler config's prefill cadence
+      (> 1: prefills held until that many steps passed since the last one).
     * ``cache_aware_window`` (vLLM 0.34 on; skipped before): the scheduler
       config's ``cache_aware_admission_window``, engaging from
       ``cache_aware_threshold`` usage.
     """
     scheduler_options: dict[str, Any] = {} if policy == "fcfs" else {"policy": policy}
+    if prefill_schedule_interval != 1:
+        scheduler_options["prefill_schedule_interval"] = prefill_schedule_interval
     if cache_aware_window:
         if not HAS_CACHE_AWARE_ADMISSION:
             pytest.skip(f"vLLM {vllm.__version__} has no cache-aware admission")

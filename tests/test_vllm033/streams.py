@@ -19,7 +19,16 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from .harness import BlockTables, Engine, KVView, LoRARequest, RequestStatus, make_requests, make_scheduler
+from .harness import (
+    BlockTables,
+    Engine,
+    KVView,
+    LoRARequest,
+    PauseState,
+    RequestStatus,
+    make_requests,
+    make_scheduler,
+)
 
 PREFIX_BLOCKS = (0, 1, 2, 3)  # a prompt shares 0..3 blocks of one of the prefixes
 NUM_PREFIXES = 3
@@ -51,6 +60,9 @@ class StreamConfig:
     priority: bool = False  # the priority policy, each request a random priority 0..3
     lora: bool = False  # each request one of LORAS (a base one, reloads and re-pointed ids among them)
     max_loras: int = 0  # with lora: a LoRAConfig allowing this many adapters a step (0: none)
+    prefill_interval: int = 1  # the prefill cadence (prefill_schedule_interval)
+    bends: bool = False  # each schedule() at random throttled (DP prefill balancing), paused for new requests or all
+    reset_rate: float = 0.0  # before a step with running requests: reset_prefix_cache(reset_running_requests=True)
 
 
 @dataclass
@@ -70,6 +82,7 @@ class StepRecord:
     usage: float | None = None
     events: list[tuple[Any, ...]] = field(default_factory=list)
     aborted: tuple[str, ...] = ()  # finish_requests(..., FINISHED_ABORTED) just before this step
+    reset: bool | None = None  # reset_prefix_cache(reset_running_requests=True)'s answer just before this step
     boundaries: dict[str, int] = field(default_factory=dict)  # new requests' shared_prefix_boundary
 
 
@@ -170,6 +183,25 @@ class _Model:
         return [200 + self.rng.randrange(50) for _ in range(self.num_spec)]
 
 
+def _bend_each_schedule(scheduler: Any, rng: random.Random) -> None:
+    """Each ``schedule()`` of ``scheduler`` made under what bends vLLM's loop,
+    drawn from ``rng``: paused for new requests (15%) or for all (10%), the
+    pause lifted when it returns (so the stream ends), and prefills throttled
+    as a data-parallel engine core does on its off steps (30%)."""
+    schedule = scheduler.schedule
+
+    def bent_schedule(throttle_prefills: bool = False) -> Any:
+        draw = rng.random()
+        scheduler.set_pause_state(PauseState.PAUSED_NEW if draw < 0.15 else
+                                  PauseState.PAUSED_ALL if draw < 0.25 else PauseState.UNPAUSED)
+        try:
+            return schedule(throttle_prefills=throttle_prefills or rng.random() < 0.3)
+        finally:
+            scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    scheduler.schedule = bent_schedule
+
+
 def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, max_steps: int = 400,
                tables: BlockTables | None = None):
     """Run ``config``'s stream on a ``cls`` scheduler; returns its step records.
@@ -187,8 +219,12 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                second_window=config.second_window,
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
                                watermark=config.watermark, enable_prefix_caching=config.prefix_caching,
-                               policy="priority" if config.priority else "fcfs", max_loras=config.max_loras)
+                               policy="priority" if config.priority else "fcfs", max_loras=config.max_loras,
+                               prefill_schedule_interval=config.prefill_interval)
     extra = random.Random(config.seed + 2)  # (priorities and adapters)
+    resets = random.Random(config.seed + 4)
+    if config.bends:
+        _bend_each_schedule(scheduler, random.Random(config.seed + 3))
     model = _Model(random.Random(config.seed + 1), config.num_speculative_tokens)
     engine = Engine(scheduler, sample=model.sample, drafts=model.drafts if config.num_speculative_tokens else None,
                     tables=tables or (BlockTables() if check_tables else None))
@@ -201,6 +237,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
             i = pending.pop(0)
             scheduler.add_request(_request(rng, i, prompts[i], config, scheduler, extra))
         aborted = _maybe_abort(rng, scheduler, config.abort_rate)
+        reset = _maybe_reset(resets, scheduler, config.reset_rate)
         if not pending and not scheduler.has_requests() and not engine.in_flight:
             break
         before = len(engine.results)
@@ -208,6 +245,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
         if out is not None:
             records.append(record_output(out))
             records[-1].aborted = aborted
+            records[-1].reset = reset
             records[-1].boundaries = {rid: scheduler.requests[rid].shared_prefix_boundary
                                       for rid, *_ in records[-1].new if rid in scheduler.requests}
         for results in engine.results[before:]:
@@ -226,6 +264,15 @@ def _maybe_abort(rng: random.Random, scheduler, rate: float) -> tuple[str, ...]:
     victim = rng.choice(live)
     scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
     return (victim,)
+
+
+def _maybe_reset(rng: random.Random, scheduler, rate: float) -> bool | None:
+    """With probability ``rate`` while requests run: the prefix cache reset
+    with every running request preempted (what an engine does after new
+    weights are loaded), its answer; else None."""
+    if not rate or not scheduler.running or rng.random() >= rate:
+        return None
+    return scheduler.reset_prefix_cache(reset_running_requests=True)
 
 
 def coverage(records: list[StepRecord]) -> dict[str, int]:

@@ -91,17 +91,25 @@ FEATURE_STREAMS = [pytest.param(dict(bounded_hits=True), id="bounded-hits"),
                    pytest.param(dict(priority=True, kv_events=False, num_speculative_tokens=0), id="priority-batched"),
                    pytest.param(dict(lora=True), id="lora"),
                    pytest.param(dict(lora=True, kv_events=False, num_speculative_tokens=0), id="lora-batched"),
-                   pytest.param(dict(lora=True, max_loras=1), id="lora-one-a-step")]
+                   pytest.param(dict(lora=True, max_loras=1), id="lora-one-a-step"),
+                   pytest.param(dict(prefill_interval=3), id="prefill-cadence"),
+                   pytest.param(dict(bends=True), id="paused-and-throttled"),
+                   pytest.param(dict(bends=True, kv_events=False, num_speculative_tokens=0),
+                                id="paused-and-throttled-batched"),
+                   pytest.param(dict(reset_rate=0.05), id="cache-resets")]
 
 
 @pytest.mark.parametrize("cls", GPUKV)
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("options", FEATURE_STREAMS)
-def test_gpukv_streams_with_bounded_hits_and_cache_aware_admission_are_vllms(cls, seed, options):
-    """vLLM 0.34's prompt-logprob requests whose hits stop at their first
-    scored token, and its waiting queue reordered by cached prefix (a window
-    over the first waiting requests, from any usage): the same step by step.
-    Skipped where vLLM has neither (0.33)."""
+def test_gpukv_feature_streams_are_vllms(cls, seed, options):
+    """The same step by step with what else vLLM's loop follows: 0.34's
+    prompt-logprob requests whose hits stop at their first scored token (skipped
+    on 0.33) and its waiting queue reordered by cached prefix (a window over
+    the first waiting requests, from any usage); the priority policy; LoRA
+    adapters (keyed as vLLM keys them), one a step or unconstrained; the
+    prefill cadence; pauses and throttled prefills; prefix-cache resets that
+    preempt every running request (after a weight update)."""
     if options.get("bounded_hits") and not HIT_LIMIT:
         pytest.skip(f"vLLM {vllm_version()} has no prefix-cache hit limit")
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
@@ -118,7 +126,9 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     (the stream differs from plain FCFS), and so do the priority policy (a
     preempted request is not always the last running one) and the LoRA
     adapters (they split the cache: fewer hits; one adapter a step holds
-    requests back), and the hit bounds (the
+    requests back), the prefill cadence and the pauses and throttled steps
+    (they hold prefills back), the cache resets (each preempts every running
+    request), and the hit bounds (the
     stream differs from one whose requests' own limits are ignored)."""
     plain = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0]), check_tables=False)
     reordered = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], cache_aware_window=4), check_tables=False)
@@ -128,6 +138,10 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     hits = [sum(r.prefix_cache[2] for r in stream if r.prefix_cache) for stream in (
         plain, run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False))]
     assert 0 < hits[1] < hits[0]
+    for options in (dict(prefill_interval=3), dict(bends=True)):
+        assert run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], **options), check_tables=False) != plain
+    reset = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], reset_rate=0.05), check_tables=False)
+    assert [r.reset for r in reset if r.reset is not None].count(True) >= 2 and any(r.preempted for r in reset)
     one_a_step = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True, max_loras=1), check_tables=False)
     assert one_a_step != run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False)
     if not HIT_LIMIT:
