@@ -137,6 +137,25 @@ def test_admission_runs_are_vllms_step_by_step(cls, num_blocks, monkeypatch):
 
 
 @pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("options", [dict(priority=True), dict(lora=True, max_loras=1),
+                                     dict(lora=True, max_loras=2, priority=True)],
+                         ids=["priority", "lora-one-a-step", "lora-two-a-step-priority"])
+def test_admission_runs_under_the_priority_policy_and_a_lora_config_are_vllms(cls, options, monkeypatch):
+    """The priority policy only orders vLLM's waiting loop (a run follows
+    the queue's priority order), and a LoRA config only adds the ``max_loras``
+    skip of a LoRA request (which ends a run): runs are still admitted as one
+    gpukv step, and every step equals vLLM's."""
+    counting = _Counting(monkeypatch)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=48,
+                              max_num_batched_tokens=512, max_num_seqs=12, num_requests=32, **options)
+        _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
+    runs, admitted = counting.admitted()
+    assert admitted > runs > 0, (runs, admitted)
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
 @pytest.mark.parametrize(("budget", "watermark"), [(48, 0.0), (512, 0.15), (48, 0.15)],
                          ids=["chunked", "watermark", "chunked-watermark"])
 def test_chunked_and_watermarked_runs_are_vllms_step_by_step(cls, budget, watermark, monkeypatch):

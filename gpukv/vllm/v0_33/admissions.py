@@ -23,8 +23,12 @@ it by vLLM's rule (``gpukv.core.blocks.new_tokens_at_admission``: ``min(tokens
 past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
-(no pause, no held-KV queue, no prefill throttling, no priority policy, no
-replayed windows). With more than one lookup group each lookup's
+(no pause, no held-KV queue, no prefill throttling or cadence, no replayed
+windows). Under the priority policy the head is the queue's first in
+priority order (its iteration order, the order vLLM pops it in), whose
+loop decides nothing else either; under a LoRA config a LoRA request ends
+the run (vLLM may skip it for ``max_loras``), the requests before it being
+plain. With more than one lookup group each lookup's
 shared-prefix boundary is the step's full-attention hit of each request
 where vLLM's first lookup group is every full-attention group; else it is
 read from the event index just before the request's own events are
@@ -112,10 +116,9 @@ def _bends_the_loop(s: Any, throttle_prefills: bool) -> bool:
     """Whether vLLM's waiting loop may decide something this step besides
     each request's hit and fit (then no run is predicted)."""
     from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
-    from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
-    return bool(s.policy != SchedulingPolicy.FCFS or s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
-                or throttle_prefills or s.local_prefill_interval > 1 or s.lora_config is not None
+    return bool(s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
+                or throttle_prefills or s.local_prefill_interval > 1
                 or s.prefix_replay_tokens
                 or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None))
 
