@@ -44,6 +44,7 @@ from .harness import (
 from .streams import StreamConfig, coverage, run_stream
 
 AdmittedRun = gpukv033.admissions.AdmittedRun
+LoraSlots = gpukv033.admissions.LoraSlots
 PendingGrowth = gpukv033.pending.PendingGrowth
 
 SEEDS = [0, 1, 2, 3]
@@ -143,9 +144,19 @@ def test_admission_runs_are_vllms_step_by_step(cls, num_blocks, monkeypatch):
 def test_admission_runs_under_the_priority_policy_and_a_lora_config_are_vllms(cls, options, monkeypatch):
     """The priority policy only orders vLLM's waiting loop (a run follows
     the queue's priority order), and a LoRA config only adds the ``max_loras``
-    skip of a LoRA request (which ends a run): runs are still admitted as one
-    gpukv step, and every step equals vLLM's."""
+    skip of a LoRA request (a run takes LoRA requests while their adapters
+    keep the step within it, and ends where vLLM skips one): runs are still
+    admitted as one gpukv step, LoRA requests among them, and every step
+    equals vLLM's."""
     counting = _Counting(monkeypatch)
+    with_lora = []
+    admission = AdmittedRun._admission
+
+    def counted(run, request, *args, **kwargs):
+        with_lora.append(request.lora_request is not None)
+        return admission(run, request, *args, **kwargs)
+
+    monkeypatch.setattr(AdmittedRun, "_admission", counted)
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
     for seed in SEEDS:
         config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=48,
@@ -153,6 +164,7 @@ def test_admission_runs_under_the_priority_policy_and_a_lora_config_are_vllms(cl
         _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
     runs, admitted = counting.admitted()
     assert admitted > runs > 0, (runs, admitted)
+    assert with_lora.count(True) > 0 if options.get("lora") else not any(with_lora)
 
 
 @pytest.mark.parametrize("cls", REFERENCE)
@@ -793,3 +805,21 @@ def test_a_call_that_takes_no_block_hands_back_blocks_that_answer_as_vllms_witho
     finally:
         sys.setprofile(None)
     assert calls == ["get_block_ids", "setprofile"]  # (the method itself, then the profiler's own removal)
+
+
+def test_lora_slots_follow_vllms_max_loras_skip():
+    """vLLM's rule, hand-worked with ``max_loras=2`` and the running loop's
+    scheduled requests on adapter 1: adapter 2 joins (two now), adapter 3
+    would be a third (vLLM skips it: the run ends there), adapter 1 or 2 and
+    the base model always pass; without a LoRA config nothing is counted."""
+    from types import SimpleNamespace
+
+    def request(int_id):
+        lora = None if int_id is None else SimpleNamespace(lora_int_id=int_id)
+        return SimpleNamespace(lora_request=lora)
+
+    slots = LoraSlots(SimpleNamespace(max_loras=2), {1})
+    assert [slots.admit(request(i)) for i in (2, 3, 1, None, 2, 3)] == [True, False, True, True, True, False]
+    unbounded = LoraSlots(None, {1})
+    assert all(unbounded.admit(request(i)) for i in (2, 3, 4, 5))
+    assert LoraSlots(SimpleNamespace(max_loras=1), set()).admit(request(7))  # (the first adapter of the step)

@@ -13,8 +13,8 @@ advance can be made as one step and vLLM's calls answered from it.
 head of the waiting queue (first come, first served), as long as each
 request is one vLLM admits whole whatever its hit (no chunk: its tokens fit
 the token budget left, counted without hits, and the long-prefill
-threshold; a plain waiting or preempted request: no LoRA, multimodal
-input, pooling, computed tokens, stale output, streaming) and a model-runner
+threshold; a plain waiting or preempted request: no multimodal input,
+pooling, computed tokens, stale output, streaming) and a model-runner
 slot is free. The run's last request may instead be one vLLM chunks by the
 budget left (chunked prefill on, no long-prefill threshold, and, under
 vLLM's whole-prompt check ``scheduler_reserve_full_isl``, its prompt
@@ -26,9 +26,10 @@ path. All this only in a step with nothing else that bends vLLM's loop
 (no pause, no held-KV queue, no prefill throttling or cadence, no replayed
 windows). Under the priority policy the head is the queue's first in
 priority order (its iteration order, the order vLLM pops it in), whose
-loop decides nothing else either; under a LoRA config a LoRA request ends
-the run (vLLM may skip it for ``max_loras``), the requests before it being
-plain. With more than one lookup group each lookup's
+loop decides nothing else either; under a LoRA config a LoRA request joins
+the run while its adapter keeps the step within ``max_loras`` (counting the
+running loop's scheduled requests' adapters), and ends it where vLLM would
+skip it (``LoraSlots``). With more than one lookup group each lookup's
 shared-prefix boundary is the step's full-attention hit of each request
 where vLLM's first lookup group is every full-attention group; else it is
 read from the event index just before the request's own events are
@@ -90,6 +91,7 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
     threshold = s.scheduler_config.long_prefill_token_threshold
     padded = _pads_one_token_admissions(s)
+    loras = LoraSlots(s.lora_config, adapter.running_lora_ids)
     run: list[Any] = []
     taken = 0  # (the run's tokens so far, none hit)
     proof = HostFitProof(adapter)
@@ -97,7 +99,8 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
         n = request.num_tokens
         budget = min(tokens, inputs - draft_slots)  # (vLLM's request_token_budget; its loop stops at <= 0)
         if len(run) == slots or budget <= 0 or (threshold and n > threshold) or not _plain(request) or \
-                n + lookahead > adapter.max_model_len or (padded and (n - 1) % adapter.block_size == 0):
+                n + lookahead > adapter.max_model_len or (padded and (n - 1) % adapter.block_size == 0) or \
+                not loras.admit(request):
             break
         slots_needed = n + lookahead
         if n > budget:
@@ -110,6 +113,29 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
         run.append(request)
         tokens, inputs, taken = tokens - n, inputs - n - draft_slots, taken + n
     return WaitingRun(run, None, lookahead)
+
+
+class LoraSlots:
+    """vLLM's ``max_loras`` rule in its waiting loop: a LoRA request whose
+    adapter would be one more than ``max_loras`` among the step's scheduled
+    requests is skipped. ``admit`` says whether the request passes it (and
+    counts its adapter): one that does not ends a run, since vLLM skips it
+    and goes on, which a run cannot (its requests are the queue's head).
+    Without a LoRA config vLLM counts nothing."""
+
+    def __init__(self, lora_config: Any, running_lora_ids: set[int]) -> None:
+        self._max = lora_config.max_loras if lora_config is not None else None
+        self._ids = {i for i in running_lora_ids if i > 0}  # (vLLM counts positive ids only)
+
+    def admit(self, request: Any) -> bool:
+        lora = request.lora_request
+        if self._max is None or not lora:
+            return True
+        if lora.lora_int_id not in self._ids and len(self._ids) >= self._max:
+            return False
+        if lora.lora_int_id > 0:
+            self._ids.add(lora.lora_int_id)
+        return True
 
 
 def _bends_the_loop(s: Any, throttle_prefills: bool) -> bool:
@@ -177,7 +203,7 @@ def _plain(request: Any) -> bool:
 
     return (request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and request.num_computed_tokens == 0
             and not (request.num_stale_output_tokens and not request.drop_stale_output)
-            and request.lora_request is None and not request.mm_features and request.prompt_embeds is None
+            and not request.mm_features and request.prompt_embeds is None
             and request.pooling_params is None and not request.resumable and not features.hit_bounded(request))
 
 
