@@ -17,7 +17,8 @@ Workloads (block size 16, one full-attention group, prefix caching on, the
 pool sized so that nothing is evicted during a run, the token budget and
 ``max_num_seqs`` so that every request is scheduled every step; under vLLM
 0.33 on, ``--sliding-window TOKENS`` makes the group a sliding window, and
-``--hybrid`` puts a full-attention group beside it):
+``--hybrid`` puts a full-attention group beside it; ``--policy priority``
+runs vLLM's priority policy, every request of priority 0):
 
 * ``decode-heavy N``: N requests decode one token each per step; each step
   the ``max(1, N // 64)`` oldest finish (they sample the EOS token) and as
@@ -194,6 +195,7 @@ class Workload:
     admit: int = 16  # admission-heavy: new requests a step
     window: int | None = None  # a sliding-window group of this many tokens (None: one full-attention group)
     hybrid: bool = False  # with window: a full-attention group, then the window group
+    policy: str = "fcfs"  # the scheduler config's policy ("priority": the waiting queue in priority order)
 
     @property
     def replace(self) -> int:
@@ -212,9 +214,10 @@ class Workload:
                            + (self.admit * (-(-(ADMIT_LEN + 1) // BS)) if self.kind == "admission-heavy" else 0))
         groups = {} if self.window is None else dict(sliding_window=self.window, hybrid=self.hybrid)
         blocks *= 2 if self.hybrid else 1  # (each request holds blocks in both groups, from one pool)
+        policy = {} if self.policy == "fcfs" else dict(policy=self.policy)
         return dict(max_num_seqs=self.n + max(self.replace, self.admit) + 8, max_num_batched_tokens=budget,
                     max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, num_blocks=blocks + 64,
-                    block_size=BS, **groups)
+                    block_size=BS, **groups, **policy)
 
 
 class Run:
@@ -434,8 +437,12 @@ def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
                         "full attention)")
     p.add_argument("--hybrid", action="store_true",
                    help="with --sliding-window: a full-attention group beside the window group")
+    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM 0.33 on: the scheduling policy (every request of priority 0; default fcfs)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.policy != "fcfs" and version.prefix == "0.8.":
+        p.error("--policy needs vLLM 0.33 or later (vLLM 0.8.5's v1 scheduler is first come, first served)")
     if args.sliding_window is not None and (version.prefix == "0.8." or args.sliding_window < 2):
         p.error("--sliding-window needs vLLM 0.33 or later (the installed harness builds full attention only) "
                 "and a window of 2 tokens or more")
@@ -449,7 +456,7 @@ def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
 
 
 def _workload(kind: str, n: int, args: argparse.Namespace) -> Workload:
-    return Workload(kind, n, args.admit, args.sliding_window, args.hybrid)
+    return Workload(kind, n, args.admit, args.sliding_window, args.hybrid, args.policy)
 
 
 def _groups_note(args: argparse.Namespace) -> str:
@@ -458,6 +465,10 @@ def _groups_note(args: argparse.Namespace) -> str:
         return "one full-attention group"
     window = f"a {args.sliding_window}-token sliding-window group"
     return f"a full-attention group and {window}" if args.hybrid else window
+
+
+def _policy_note(args: argparse.Namespace) -> str:
+    return "; vLLM's priority policy" if args.policy == "priority" else ""
 
 
 def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | None]:
@@ -618,8 +629,9 @@ def main(argv: list[str] | None = None) -> int:
         load = "load average unknown"
     print(f"Scheduling step (schedule() + update_from_output()) under vLLM {found}'s v1 "
           f"{' and '.join(m.name for m in modes)}: {where}; gpukv {gpukv.__version__}, vLLM {found}, "
-          f"torch {torch.__version__}; {load} at the end. The model's KV cache: {_groups_note(args)}. p50 (p99) ms "
-          f"over {args.repeats} x {args.steps} steps, vLLM and reference alternating per repeat.")
+          f"torch {torch.__version__}; {load} at the end. The model's KV cache: {_groups_note(args)}"
+          f"{_policy_note(args)}. p50 (p99) ms over {args.repeats} x {args.steps} steps, vLLM and reference "
+          f"alternating per repeat.")
     for mode, rows, _ in measured:
         if len(modes) > 1:
             print(f"\nvLLM's {mode.name} against gpukv's {mode.reference} and {mode.device}{_step_note(mode)}:")
@@ -638,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"where": where, "cuda": cuda, "gpukv": gpukv.__version__, "vllm": found,
                        "torch": torch.__version__, "python": sys.version.split()[0], "load": load,
                        "schedulers": [m.name for m in modes], "sliding_window": args.sliding_window,
-                       "hybrid": args.hybrid,
+                       "hybrid": args.hybrid, "policy": args.policy,
                        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                        "device_n": None if cuda else args.device_n, "gpu_costs": vars(args.costs),
                        "launch_path_unmeasured": "; ".join(whys) or None,

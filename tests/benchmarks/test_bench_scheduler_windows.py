@@ -1,6 +1,6 @@
 """``benchmarks/bench_scheduler.py --sliding-window`` (a window model's step,
-vLLM 0.33 on) runs in process at tiny sizes, so the option cannot rot; and
-is refused where it cannot run. Skipped, as ``tests/test_vllm033/`` is,
+vLLM 0.33 on) and ``--policy priority`` run in process at tiny sizes, so the
+options cannot rot; and are refused where they cannot run. Skipped, as ``tests/test_vllm033/`` is,
 where vLLM 0.33's generation is not importable."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def test_a_window_run_takes_the_window_into_the_schedulers_config():
     (["--sliding-window", "32"], 0, "--sliding-window needs vLLM 0.33 or later"),
     (["--sliding-window", "1"], 1, "a window of 2 tokens or more"),
     (["--hybrid"], 1, "--hybrid needs --sliding-window TOKENS"),
+    (["--policy", "priority"], 0, "--policy needs vLLM 0.33 or later"),
 ])
 def test_window_options_are_refused_where_they_cannot_run(argv, version, says, capsys):
     bench = load_benchmark("bench_scheduler")
@@ -49,3 +50,16 @@ def test_window_options_are_refused_where_they_cannot_run(argv, version, says, c
         bench._args(argv, bench.VERSIONS[version])
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_quick_priority_run_structure(tmp_path, capsys):
+    bench = load_benchmark("bench_scheduler")
+    out = tmp_path / "priority.json"
+    assert bench.main(["--quick", "--policy", "priority", "--schedulers", "Scheduler", "--device-n",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["policy"] == "priority"
+    assert all(r["reference"]["steps"] == result["repeats"] * result["steps"] for r in result["rows"])
+    assert "The model's KV cache: one full-attention group; vLLM's priority policy." in capsys.readouterr().out
+    assert bench.Workload("admission-heavy", 4, 2, policy="priority").config(3)["policy"] == "priority"
+    assert "policy" not in bench.Workload("admission-heavy", 4, 2).config(3)
