@@ -808,18 +808,34 @@ def test_a_call_that_takes_no_block_hands_back_blocks_that_answer_as_vllms_witho
 
 
 def test_lora_slots_follow_vllms_max_loras_skip():
-    """vLLM's rule, hand-worked with ``max_loras=2`` and the running loop's
-    scheduled requests on adapter 1: adapter 2 joins (two now), adapter 3
-    would be a third (vLLM skips it: the run ends there), adapter 1 or 2 and
-    the base model always pass; without a LoRA config nothing is counted."""
+    """vLLM's rule, hand-worked with ``max_loras=2`` and running requests on
+    adapter 1 and the base model (every running one counts, scheduled this
+    step or not): adapter 2 joins (two now), adapter 3 would be a third
+    (vLLM skips it: the run ends there), adapter 1 or 2 and the base model
+    always pass; without a LoRA config nothing is counted."""
     from types import SimpleNamespace
 
     def request(int_id):
         lora = None if int_id is None else SimpleNamespace(lora_int_id=int_id)
         return SimpleNamespace(lora_request=lora)
 
-    slots = LoraSlots(SimpleNamespace(max_loras=2), {1})
+    running = [request(1), request(None), request(1)]
+    slots = LoraSlots(SimpleNamespace(max_loras=2), running)
     assert [slots.admit(request(i)) for i in (2, 3, 1, None, 2, 3)] == [True, False, True, True, True, False]
-    unbounded = LoraSlots(None, {1})
+    unbounded = LoraSlots(None, running)
     assert all(unbounded.admit(request(i)) for i in (2, 3, 4, 5))
-    assert LoraSlots(SimpleNamespace(max_loras=1), set()).admit(request(7))  # (the first adapter of the step)
+    assert LoraSlots(SimpleNamespace(max_loras=1), [request(None)]).admit(request(7))  # (the step's first adapter)
+    assert not LoraSlots(SimpleNamespace(max_loras=1), [request(4)]).admit(request(7))
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
+def test_a_lora_run_counts_every_running_requests_adapter(cls):
+    """A stream where a running request waits unscheduled (its output in
+    flight, prefills throttled) on a third adapter: vLLM counts its adapter
+    toward ``max_loras`` all the same and skips a waiting LoRA request that
+    a count of the scheduled requests alone would admit. Found by fuzzing."""
+    config = StreamConfig(seed=8525, num_requests=40, num_blocks=14, max_num_batched_tokens=128, max_num_seqs=12,
+                          num_speculative_tokens=0, kv_events=False, cache_aware_window=4, max_output_tokens=8,
+                          abort_rate=0.02, priority=True, lora=True, max_loras=2, bends=True)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))

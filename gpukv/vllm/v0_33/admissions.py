@@ -27,9 +27,9 @@ path. All this only in a step with nothing else that bends vLLM's loop
 windows). Under the priority policy the head is the queue's first in
 priority order (its iteration order, the order vLLM pops it in), whose
 loop decides nothing else either; under a LoRA config a LoRA request joins
-the run while its adapter keeps the step within ``max_loras`` (counting the
-running loop's scheduled requests' adapters), and ends it where vLLM would
-skip it (``LoraSlots``). With more than one lookup group each lookup's
+the run while its adapter keeps the step within ``max_loras`` (counting
+every running request's adapter, as vLLM does), and ends it where vLLM
+would skip it (``LoraSlots``). With more than one lookup group each lookup's
 shared-prefix boundary is the step's full-attention hit of each request
 where vLLM's first lookup group is every full-attention group; else it is
 read from the event index just before the request's own events are
@@ -91,7 +91,7 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
     threshold = s.scheduler_config.long_prefill_token_threshold
     padded = _pads_one_token_admissions(s)
-    loras = LoraSlots(s.lora_config, adapter.running_lora_ids)
+    loras = LoraSlots(s.lora_config, s.running)
     run: list[Any] = []
     taken = 0  # (the run's tokens so far, none hit)
     proof = HostFitProof(adapter)
@@ -117,15 +117,18 @@ def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_
 
 class LoraSlots:
     """vLLM's ``max_loras`` rule in its waiting loop: a LoRA request whose
-    adapter would be one more than ``max_loras`` among the step's scheduled
-    requests is skipped. ``admit`` says whether the request passes it (and
-    counts its adapter): one that does not ends a run, since vLLM skips it
-    and goes on, which a run cannot (its requests are the queue's head).
-    Without a LoRA config vLLM counts nothing."""
+    adapter would be one more than ``max_loras`` among the running requests'
+    (every one, scheduled this step or not: they may join a later batch) and
+    the loop's admissions so far is skipped. ``admit`` says whether the
+    request passes it (and counts its adapter): one that does not ends a
+    run, since vLLM skips it and goes on, which a run cannot (its requests
+    are the queue's head). Without a LoRA config vLLM counts nothing."""
 
-    def __init__(self, lora_config: Any, running_lora_ids: set[int]) -> None:
+    def __init__(self, lora_config: Any, running: Any) -> None:
         self._max = lora_config.max_loras if lora_config is not None else None
-        self._ids = {i for i in running_lora_ids if i > 0}  # (vLLM counts positive ids only)
+        # (after the running loop, as vLLM counts them; positive ids only, as vLLM's)
+        self._ids = set() if self._max is None else {r.lora_request.lora_int_id for r in running
+                                                      if r.lora_request and r.lora_request.lora_int_id > 0}
 
     def admit(self, request: Any) -> bool:
         lora = request.lora_request

@@ -198,7 +198,6 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         self.waiting_run: Any = None  # (set by the scheduler: the run of waiting requests to admit as one step)
         self.num_scheduled_tokens = 0  # (the running loop's tokens this schedule(), for the waiting run's budget)
         self.num_scheduled_requests = 0  # (and the requests they are for: each takes vLLM's draft slots)
-        self.running_lora_ids: set[int] = set()  # (their LoRA adapters: vLLM's waiting loop counts them to max_loras)
         # Requests the scheduler refused after a sampled token gpukv cannot hold: finished in this update, never
         # handed to gpukv again (``gpukv.vllm.v0_33.screening``).
         self.refused: dict[str, str] = {}
@@ -354,8 +353,6 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
         if blocks is not None:
             self.num_scheduled_tokens += num_new_tokens
             self.num_scheduled_requests += 1
-            if request.lora_request:
-                self.running_lora_ids.add(request.lora_request.lora_int_id)
         return blocks
 
     @flushing

@@ -179,7 +179,6 @@ class _GpukvManagerMixin:
         kv: Any = self.kv_cache_manager  # type: ignore[attr-defined]
         kv.batching = bool(self.batched)
         kv.num_scheduled_tokens = kv.num_scheduled_requests = 0
-        kv.running_lora_ids.clear()
         kv.admissions.reset()
         if kv.batching:
             kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills)
