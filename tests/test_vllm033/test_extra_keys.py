@@ -13,12 +13,11 @@ import pytest
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
 from gpukv.vllm.v0_33.lora_ids import LoraIds
 
-from .harness import Engine, LoRARequest, make_requests, make_scheduler, scheduler_params
+from .harness import Engine, LoRARequest, gpukv033, make_requests, make_scheduler, scheduler_params
 
 SHARED = list(range(32))  # two full blocks of 16
 BOTH = scheduler_params()
-DEVICE = [pytest.param(cls, id=f"{cls.__name__}") for cls in (__import__("gpukv.vllm.v0_33", fromlist=["x"])
-                                                              .DeviceScheduler,)]
+DEVICE = [pytest.param(gpukv033.DeviceScheduler, id="DeviceScheduler")]
 
 
 def lora(name: str, int_id: int, path: str) -> LoRARequest:
