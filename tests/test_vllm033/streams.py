@@ -105,6 +105,18 @@ def record_output(out) -> StepRecord:
     )
 
 
+def recorded_step(engine: Engine, records: list[StepRecord]) -> Any:
+    """One engine step, its output and what its updates returned appended to
+    ``records`` (nothing when there was nothing to schedule); the output."""
+    before = len(engine.results)
+    out = engine.step()
+    if out is not None:
+        records.append(record_output(out))
+    for results in engine.results[before:]:
+        record_results(records[-1], results, engine.scheduler)
+    return out
+
+
 def _event(event) -> tuple[Any, ...]:
     fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "medium",
               "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
@@ -141,14 +153,15 @@ def make_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _lora(name: str, int_id: int, path: str) -> LoRARequest:
+def lora_adapter(name: str, int_id: int, path: str) -> LoRARequest:
+    """A vLLM ``LoRARequest`` (``lora_name``, ``lora_int_id``, ``lora_path``)."""
     return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
 
 
 #: A stream's LoRA adapters (``StreamConfig.lora``): none; one adapter; the same name and path under a new int id
 #: (a reload: vLLM shares its KV); the first int id at another path (re-pointed: it shares nothing); another name.
-LORAS = (None, _lora("sql", 1, "/adapters/sql"), _lora("sql", 2, "/adapters/sql"),
-         _lora("sql", 1, "/adapters/sql-v2"), _lora("chat", 3, "/adapters/chat"))
+LORAS = (None, lora_adapter("sql", 1, "/adapters/sql"), lora_adapter("sql", 2, "/adapters/sql"),
+         lora_adapter("sql", 1, "/adapters/sql-v2"), lora_adapter("chat", 3, "/adapters/chat"))
 
 
 def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig, scheduler: Any,

@@ -11,17 +11,14 @@ from __future__ import annotations
 import pytest
 
 # (vLLM's names and gpukv's adapter through the harness, which skips this module where vLLM 0.33 is not importable)
-from .harness import Engine, LoRARequest, gpukv033, make_requests, make_scheduler, scheduler_params
+from .harness import Engine, gpukv033, make_requests, make_scheduler, scheduler_params
+from .streams import lora_adapter as lora
 
 UnsupportedConfigError = gpukv033.UnsupportedConfigError
 LoraIds = gpukv033.lora_ids.LoraIds
 SHARED = list(range(32))  # two full blocks of 16
 BOTH = scheduler_params()
 DEVICE = [pytest.param(gpukv033.DeviceScheduler, id="DeviceScheduler")]
-
-
-def lora(name: str, int_id: int, path: str) -> LoRARequest:
-    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
 
 
 ADAPTER = lora("sql", 1, "/adapters/sql")

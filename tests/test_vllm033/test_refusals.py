@@ -26,7 +26,7 @@ from .harness import (
     model_output,
     vllm_version,
 )
-from .streams import record_output, record_results
+from .streams import recorded_step
 
 GPUKV = [pytest.param(gpukv033.ReferenceScheduler, id="ref"),
          pytest.param(gpukv033.ReferenceAsyncScheduler, id="ref-async"),
@@ -74,11 +74,7 @@ def _run(cls: type, bad: Request | None, steps: int = 6) -> tuple[list, list, En
     for step in range(steps):
         if step == 1 and bad is not None:
             scheduler.add_request(bad)
-        before = len(engine.results)
-        out = engine.step()
-        records.append(record_output(out))
-        for results in engine.results[before:]:
-            record_results(records[-1], results, scheduler)
+        recorded_step(engine, records)
     engine.drain()
     return records, engine.results, engine
 

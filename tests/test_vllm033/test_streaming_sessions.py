@@ -21,7 +21,7 @@ from .harness import (
     make_requests,
     make_scheduler,
 )
-from .streams import record_output, record_results
+from .streams import recorded_step
 
 GPUKV = [pytest.param(cls, id=cls.__name__) for cls in (
     gpukv033.ReferenceScheduler, gpukv033.ReferenceAsyncScheduler, gpukv033.UnbatchedReferenceScheduler)]
@@ -42,15 +42,9 @@ def _session(cls, num_speculative_tokens, kv_events):
     engine = Engine(scheduler, drafts=(lambda _: [7] * num_speculative_tokens) if num_speculative_tokens else None)
     records: list = []
 
-    def steps(n):
+    def steps(n):  # (a step with nothing to schedule, the session paused, records nothing)
         for _ in range(n):
-            before = len(engine.results)
-            out = engine.step()
-            if out is None:  # (nothing to schedule: the session paused, nothing else waiting)
-                continue
-            records.append(record_output(out))
-            for results in engine.results[before:]:
-                record_results(records[-1], results, scheduler)
+            recorded_step(engine, records)
 
     def pause():
         session = scheduler.requests["S"]
