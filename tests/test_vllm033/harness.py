@@ -83,7 +83,14 @@ try:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
     from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
     from vllm.v1.metrics.stats import PrefixCacheStats
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
@@ -178,18 +185,21 @@ class FakeModelConfig:
 
 
 def kv_cache_groups(block_size: int, sliding_window: int | None, hybrid: bool,
-                    second_window: int | None = None) -> list[Any]:
+                    second_window: int | None = None, mla: bool = False) -> list[Any]:
     """One full-attention group; one sliding-window group (``sliding_window``),
     and a second one of ``second_window`` tokens (two window specs: vLLM's
     first lookup group is then a window one); or, ``hybrid``, a
-    full-attention group then a sliding-window one."""
-    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    full-attention group then a sliding-window one. ``mla``: MLA layers
+    (``MLAAttentionSpec``, ``SlidingWindowMLASpec``: one latent per token)."""
+    full_spec, window_spec = (MLAAttentionSpec, SlidingWindowMLASpec) if mla else (FullAttentionSpec,
+                                                                                    SlidingWindowSpec)
+    full = full_spec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     if sliding_window is None:
         return [KVCacheGroupSpec(["full.0"], full)]
 
     def window(name: str, tokens: int) -> Any:
-        return KVCacheGroupSpec([name], SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32, sliding_window=tokens))
+        return KVCacheGroupSpec([name], window_spec(block_size=block_size, num_kv_heads=1, head_size=1,
+                                                    dtype=torch.float32, sliding_window=tokens))
 
     if second_window is not None:
         return [window("window.0", sliding_window), window("window.1", second_window)]
@@ -239,6 +249,7 @@ def make_scheduler(
     sliding_window: int | None = None,
     hybrid: bool = False,
     second_window: int | None = None,
+    mla: bool = False,
     enable_kv_cache_events: bool = False,
     hash_algo: str = "sha256",
     model_runner_v2: bool = True,
@@ -256,7 +267,7 @@ def make_scheduler(
     * ``max_model_len``: None for ``max_num_batched_tokens``.
     * ``num_blocks`` blocks in the pool, block 0 of it the null block;
       ``block_size`` is the scheduler's and the hash block size (one size).
-    * ``sliding_window`` / ``hybrid`` / ``second_window``: the KV-cache groups (:func:`kv_cache_groups`).
+    * ``sliding_window`` / ``hybrid`` / ``second_window`` / ``mla``: the KV-cache groups (:func:`kv_cache_groups`).
     * ``num_speculative_tokens``: an n-gram ``SpeculativeConfig`` (no lookahead
       slots; drafts come back through ``update_draft_token_ids``).
     * ``enable_kv_cache_events``: a ``KVEventsConfig`` with the null publisher,
@@ -293,7 +304,7 @@ def make_scheduler(
         watermark=watermark)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=kv_cache_groups(block_size, sliding_window, hybrid,
-                                                                                    second_window))
+                                                                                    second_window, mla))
     vllm_config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets after profiling memory
     if max_loras:
         vllm_config.lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)

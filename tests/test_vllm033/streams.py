@@ -50,6 +50,7 @@ class StreamConfig:
     sliding_window: int | None = None  # a sliding-window group of this many tokens (None: full attention only)
     hybrid: bool = False  # with sliding_window: a full-attention group, then the window group
     second_window: int | None = None  # with sliding_window: a second window group of this many tokens
+    mla: bool = False  # MLA layers (MLAAttentionSpec, SlidingWindowMLASpec) in place of the attention groups above
     max_output_tokens: int = 47  # each request's output budget: 1..this many tokens
     kv_events: bool = True  # False: no KV events (what gpukv's batched running loop needs)
     # vLLM 0.34 on: prompt-logprob requests start scoring at a random prompt token (their hits bounded there)
@@ -229,7 +230,7 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=512,
                                num_speculative_tokens=config.num_speculative_tokens or None, block_size=BLOCK_SIZE,
                                sliding_window=config.sliding_window, hybrid=config.hybrid,
-                               second_window=config.second_window,
+                               second_window=config.second_window, mla=config.mla,
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
                                watermark=config.watermark, enable_prefix_caching=config.prefix_caching,
                                policy="priority" if config.priority else "fcfs", max_loras=config.max_loras,

@@ -12,7 +12,11 @@ is chosen here, once, by the feature vLLM has:
   probes the cache with it);
 * what a LoRA request's block hashes key of its adapter
   (``kv_cache_utils._gen_lora_extra_hash_keys``: 0.33 and 0.34 its name and
-  path), asked of vLLM itself (``gpukv.vllm.v0_33.lora_ids``).
+  path), asked of vLLM itself (``gpukv.vllm.v0_33.lora_ids``);
+* which single-type manager vLLM runs a KV-cache group on
+  (``KVCacheSpecRegistry``: by the spec's class and the group's role; MLA
+  layers on the full-attention manager), asked of vLLM itself
+  (``gpukv.vllm.v0_33.groups``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,20 @@ def _lora_hash_keys() -> Any:
 LORA_HASH_KEYS = _lora_hash_keys()
 """vLLM's rule ``request -> what its block hashes key of the request's LoRA
 adapter`` (a list), or None where vLLM has none by that name."""
+
+
+def _spec_registry() -> Any:
+    try:
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    except ImportError:
+        return None
+    return KVCacheSpecRegistry
+
+
+KV_CACHE_SPEC_REGISTRY = _spec_registry()
+"""vLLM's registry of which single-type manager runs a KV-cache spec
+(``get_manager_class(spec, role)``), or None where vLLM has none (its
+managers then follow the spec's class alone)."""
 
 
 def skips_cache(request: Any) -> bool:

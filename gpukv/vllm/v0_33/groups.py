@@ -2,10 +2,11 @@
 
 ``check_kv_cache_config`` turns vLLM's ``KVCacheConfig`` into
 :class:`KVGroups` (or refuses it with an ``UnsupportedConfigError`` saying
-what and what to do): full-attention and sliding-window groups of one block
-size. :class:`KVGroups` is the home of vLLM 0.33's per-group block counts that
-the adapter checks before calling gpukv (gpukv applies the windows
-themselves: ``gpukv.core.windows``):
+what and what to do): the groups vLLM runs on its full-attention and
+sliding-window managers (MLA's included), of one block size.
+:class:`KVGroups` is the home of vLLM 0.33's per-group block counts that the
+adapter checks before calling gpukv (gpukv applies the windows themselves:
+``gpukv.core.windows``):
 
 * the admission reservation (``full_sequence_must_fit``) of a window group is
   capped at ``SlidingWindowSpec.max_admission_blocks_per_request``
@@ -29,12 +30,13 @@ from typing import Any
 
 from gpukv.core.windows import Policy, policies
 from gpukv.errors import InvalidInputError
+from gpukv.vllm.v0_33 import features
 
 
 class UnsupportedConfigError(InvalidInputError):
     """A vLLM 0.33 configuration or call the gpukv adapter does not follow
-    (``gpukv.vllm.v0_33``'s module docstring lists them): the message says
-    what and what to do instead."""
+    (``docs/design.md`` lists them and says why): the message says what and
+    what to do instead."""
 
 
 def refuse(what: str, fix: str, argument: str = "vllm_config") -> UnsupportedConfigError:
@@ -120,9 +122,10 @@ class _Available(Sequence[bool]):
 
 def check_kv_cache_config(kv_cache_config: Any, max_model_len: int | None = None,
                           max_in_flight_tokens: int | None = None) -> KVGroups:
-    """The groups of a KV-cache config the adapter follows: full-attention and
-    sliding-window groups (windows of 2 tokens or more, no extra retained
-    tokens, no sparse retention) of one block size. Anything else is refused.
+    """The groups of a KV-cache config the adapter follows: groups vLLM runs
+    on its full-attention manager (MLA's included) and sliding-window groups
+    (windows of 2 tokens or more, no extra retained tokens, no sparse
+    retention) of one block size. Anything else is refused.
     ``max_in_flight_tokens`` (None: ``max_model_len``, as vLLM's manager
     defaults it) sizes the window groups' admission caps."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -136,22 +139,59 @@ def check_kv_cache_config(kv_cache_config: Any, max_model_len: int | None = None
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
         raise refuse("KV-cache zeroing", "use vLLM's own scheduler for models that need zeroed blocks")
     specs = [group.kv_cache_spec for group in groups]
-    for spec in specs:
-        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
-            raise refuse(f"KV-cache spec {type(spec).__name__}", "only full attention (FullAttentionSpec) and "
-                         "sliding windows (SlidingWindowSpec) run on gpukv; use vLLM's own scheduler")
-        if isinstance(spec, SlidingWindowSpec):
+    kinds = [_attention_kind(group) for group in groups]
+    for group, spec, kind in zip(groups, specs, kinds, strict=True):
+        if kind is None:
+            role = _role(group)
+            raise refuse(f"KV-cache spec {type(spec).__name__}" + ("" if role is None else f" in role {role!r}"),
+                         "only groups vLLM runs on its full-attention or sliding-window manager (full attention, "
+                         "MLA, sliding windows) run on gpukv; use vLLM's own scheduler")
+        if kind is SlidingWindowSpec:
             _check_window(spec, kv_cache_config)
     sizes = sorted({spec.block_size for spec in specs})
     if len(sizes) != 1:
         raise refuse(f"groups of different block sizes {sizes}", "give every group one block size")
-    windows = tuple(spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None for spec in specs)
+    windows = tuple(spec.sliding_window if kind is SlidingWindowSpec else None
+                    for spec, kind in zip(specs, kinds, strict=True))
     in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
     caps = tuple(None if w is None or max_model_len is None
                  else spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
                                                             max_model_len=max_model_len)
                  for w, spec in zip(windows, specs, strict=True))
     return KVGroups(sizes[0], windows, caps, _lookup_order(specs, FullAttentionSpec))
+
+
+def _role(group: Any) -> str | None:
+    """The name of the group's role where vLLM gives it one other than the default (None: none)."""
+    role = getattr(group, "role", None)
+    name = getattr(role, "value", role)
+    return None if name is None or name == "default" else str(name)
+
+
+def _attention_kind(group: Any) -> type | None:
+    """``FullAttentionSpec`` or ``SlidingWindowSpec``: which of vLLM's two
+    managers gpukv follows runs ``group`` (exactly ``FullAttentionManager``
+    or ``SlidingWindowManager``, not a subclass, which changes their rules),
+    asked of vLLM's spec registry where it has one, so that MLA layers
+    (registered on the full-attention manager) run on gpukv; None for any
+    other manager (a group role's included) and for a spec that opts out of
+    prefix caching."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    spec = group.kv_cache_spec
+    registry = features.KV_CACHE_SPEC_REGISTRY
+    if registry is not None:
+        manager = registry.get_manager_class(spec, getattr(group, "role", None))  # (vLLM's own call)
+    else:
+        manager = {FullAttentionSpec: FullAttentionManager, SlidingWindowSpec: SlidingWindowManager}.get(type(spec))
+    if not getattr(spec, "prefix_cacheable", True):
+        return None
+    if manager is FullAttentionManager and isinstance(spec, FullAttentionSpec):
+        return FullAttentionSpec
+    if manager is SlidingWindowManager and isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowSpec
+    return None
 
 
 def _check_window(spec: Any, kv_cache_config: Any) -> None:
