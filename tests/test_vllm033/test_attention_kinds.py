@@ -127,6 +127,17 @@ def test_a_group_role_vllm_runs_on_another_manager_is_refused():
         gpukv033.groups.check_kv_cache_config(_config(spec, role=role.HISPARSE_SOURCE), 512)
 
 
+def test_a_host_resident_group_is_refused():
+    """A group whose blocks come from a pool of their own (vLLM's host pool)."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    if "host_resident" not in KVCacheGroupSpec.__dataclass_fields__:
+        pytest.skip("this vLLM's KV-cache groups have no host pool")
+    spec = harness.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    with pytest.raises(gpukv033.UnsupportedConfigError, match="host-resident KV-cache groups"):
+        gpukv033.groups.check_kv_cache_config(_config(spec, host_resident=True), 512)
+
+
 def test_the_scheduler_refuses_what_the_groups_refuse(monkeypatch):
     """Through the scheduler's constructor, as the engine builds it (the
     harness turns a refusal into a skip that names it)."""

@@ -138,6 +138,9 @@ def check_kv_cache_config(kv_cache_config: Any, max_model_len: int | None = None
         raise refuse("Mamba layers", "use vLLM's own scheduler for Mamba models")
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
         raise refuse("KV-cache zeroing", "use vLLM's own scheduler for models that need zeroed blocks")
+    if any(getattr(group, "host_resident", False) for group in groups):
+        raise refuse("host-resident KV-cache groups (a block pool of their own in host memory)",
+                     "use vLLM's own scheduler: gpukv's manager keeps one pool for every group")
     specs = [group.kv_cache_spec for group in groups]
     kinds = [_attention_kind(group) for group in groups]
     for group, spec, kind in zip(groups, specs, kinds, strict=True):
