@@ -18,7 +18,9 @@ pool sized so that nothing is evicted during a run, the token budget and
 ``max_num_seqs`` so that every request is scheduled every step; under vLLM
 0.33 on, ``--sliding-window TOKENS`` makes the group a sliding window, and
 ``--hybrid`` puts a full-attention group beside it; ``--policy priority``
-runs vLLM's priority policy, every request of priority 0):
+runs vLLM's priority policy, every request of priority 0; ``--prefill-interval
+K`` vLLM's prefill cadence, prefills held until K steps passed since the last
+one while requests decode):
 
 * ``decode-heavy N``: N requests decode one token each per step; each step
   the ``max(1, N // 64)`` oldest finish (they sample the EOS token) and as
@@ -196,6 +198,7 @@ class Workload:
     window: int | None = None  # a sliding-window group of this many tokens (None: one full-attention group)
     hybrid: bool = False  # with window: a full-attention group, then the window group
     policy: str = "fcfs"  # the scheduler config's policy ("priority": the waiting queue in priority order)
+    prefill_interval: int = 1  # the scheduler config's prefill_schedule_interval (> 1: the prefill cadence)
 
     @property
     def replace(self) -> int:
@@ -215,6 +218,8 @@ class Workload:
         groups = {} if self.window is None else dict(sliding_window=self.window, hybrid=self.hybrid)
         blocks *= 2 if self.hybrid else 1  # (each request holds blocks in both groups, from one pool)
         policy = {} if self.policy == "fcfs" else dict(policy=self.policy)
+        if self.prefill_interval > 1:
+            policy["prefill_schedule_interval"] = self.prefill_interval
         return dict(max_num_seqs=self.n + max(self.replace, self.admit) + 8, max_num_batched_tokens=budget,
                     max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, num_blocks=blocks + 64,
                     block_size=BS, **groups, **policy)
@@ -439,8 +444,12 @@ def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
                    help="with --sliding-window: a full-attention group beside the window group")
     p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
                    help="vLLM 0.33 on: the scheduling policy (every request of priority 0; default fcfs)")
+    p.add_argument("--prefill-interval", type=int, default=1, metavar="K",
+                   help="vLLM 0.33 on: the prefill cadence (prefill_schedule_interval; default 1: none)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.prefill_interval != 1 and (version.prefix == "0.8." or args.prefill_interval < 1):
+        p.error("--prefill-interval needs vLLM 0.33 or later and K >= 1")
     if args.policy != "fcfs" and version.prefix == "0.8.":
         p.error("--policy needs vLLM 0.33 or later (vLLM 0.8.5's v1 scheduler is first come, first served)")
     if args.sliding_window is not None and (version.prefix == "0.8." or args.sliding_window < 2):
@@ -456,7 +465,7 @@ def _args(argv: list[str] | None, version: Version) -> argparse.Namespace:
 
 
 def _workload(kind: str, n: int, args: argparse.Namespace) -> Workload:
-    return Workload(kind, n, args.admit, args.sliding_window, args.hybrid, args.policy)
+    return Workload(kind, n, args.admit, args.sliding_window, args.hybrid, args.policy, args.prefill_interval)
 
 
 def _groups_note(args: argparse.Namespace) -> str:
@@ -468,7 +477,8 @@ def _groups_note(args: argparse.Namespace) -> str:
 
 
 def _policy_note(args: argparse.Namespace) -> str:
-    return "; vLLM's priority policy" if args.policy == "priority" else ""
+    cadence = (f"; vLLM's prefill cadence of {args.prefill_interval} steps" if args.prefill_interval > 1 else "")
+    return ("; vLLM's priority policy" if args.policy == "priority" else "") + cadence
 
 
 def _device_twins(h, cls: type, args: argparse.Namespace) -> tuple[dict, str | None]:
@@ -650,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"where": where, "cuda": cuda, "gpukv": gpukv.__version__, "vllm": found,
                        "torch": torch.__version__, "python": sys.version.split()[0], "load": load,
                        "schedulers": [m.name for m in modes], "sliding_window": args.sliding_window,
-                       "hybrid": args.hybrid, "policy": args.policy,
+                       "hybrid": args.hybrid, "policy": args.policy, "prefill_interval": args.prefill_interval,
                        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                        "device_n": None if cuda else args.device_n, "gpu_costs": vars(args.costs),
                        "launch_path_unmeasured": "; ".join(whys) or None,

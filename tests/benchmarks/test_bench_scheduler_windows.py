@@ -43,6 +43,8 @@ def test_a_window_run_takes_the_window_into_the_schedulers_config():
     (["--sliding-window", "1"], 1, "a window of 2 tokens or more"),
     (["--hybrid"], 1, "--hybrid needs --sliding-window TOKENS"),
     (["--policy", "priority"], 0, "--policy needs vLLM 0.33 or later"),
+    (["--prefill-interval", "3"], 0, "--prefill-interval needs vLLM 0.33 or later"),
+    (["--prefill-interval", "0"], 1, "K >= 1"),
 ])
 def test_window_options_are_refused_where_they_cannot_run(argv, version, says, capsys):
     bench = load_benchmark("bench_scheduler")
@@ -63,3 +65,16 @@ def test_quick_priority_run_structure(tmp_path, capsys):
     assert "The model's KV cache: one full-attention group; vLLM's priority policy." in capsys.readouterr().out
     assert bench.Workload("admission-heavy", 4, 2, policy="priority").config(3)["policy"] == "priority"
     assert "policy" not in bench.Workload("admission-heavy", 4, 2).config(3)
+
+
+def test_quick_prefill_cadence_run_structure(tmp_path, capsys):
+    bench = load_benchmark("bench_scheduler")
+    out = tmp_path / "cadence.json"
+    assert bench.main(["--quick", "--prefill-interval", "3", "--schedulers", "Scheduler", "--device-n",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prefill_interval"] == 3
+    assert all(r["reference"]["steps"] == result["repeats"] * result["steps"] for r in result["rows"])
+    assert "one full-attention group; vLLM's prefill cadence of 3 steps." in capsys.readouterr().out
+    assert bench.Workload("admission-heavy", 4, 2, prefill_interval=3).config(3)["prefill_schedule_interval"] == 3
+    assert "prefill_schedule_interval" not in bench.Workload("admission-heavy", 4, 2).config(3)

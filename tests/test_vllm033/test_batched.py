@@ -168,6 +168,57 @@ def test_admission_runs_under_the_priority_policy_and_a_lora_config_are_vllms(cl
 
 
 @pytest.mark.parametrize("cls", REFERENCE)
+@pytest.mark.parametrize("options", [dict(bends=True), dict(prefill_interval=3)], ids=["throttled", "cadence"])
+def test_admission_runs_on_throttled_and_cadence_steps_that_defer_nothing_are_vllms(cls, options, monkeypatch):
+    """A throttled step (the DP engine core's prefill balancing) or one the
+    prefill cadence holds defers prefills only while some running request
+    decodes and the last admitting step was not capacity-bound
+    (``defers_prefills``); on the other such steps vLLM's waiting loop is
+    plain, and a run is admitted as one gpukv step. Every step equals
+    vLLM's, the deferring ones included (admitted one by one)."""
+    counting = _Counting(monkeypatch)
+    predicted: list[int] = []  # the run's length on each step that throttled or had a cadence
+    plain = gpukv033.scheduler.plain_run
+
+    def recording(s, adapter, tokens, throttle_prefills):
+        run = plain(s, adapter, tokens, throttle_prefills)
+        if throttle_prefills or s.local_prefill_interval > 1:
+            predicted.append(len(run.requests))
+        return run
+
+    monkeypatch.setattr(gpukv033.scheduler, "plain_run", recording)
+    vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
+    for seed in SEEDS:
+        config = StreamConfig(seed=seed, kv_events=False, num_speculative_tokens=0, num_blocks=48,
+                              max_num_batched_tokens=512, max_num_seqs=12, num_requests=32, **options)
+        _assert_same_steps(run_stream(vllm_cls, config, check_tables=False), run_stream(cls, config))
+    assert sum(1 for n in predicted if n) > 0, predicted
+    runs, admitted = counting.admitted()
+    assert admitted > runs > 0, (runs, admitted)
+
+
+def test_prefills_are_deferred_as_vllm_defers_them():
+    """``defers_prefills`` by hand, each condition turned in turn."""
+    from types import SimpleNamespace
+
+    def scheduler(**fields):
+        base = dict(prefill_capacity_bound=False, local_prefill_interval=1, num_executed_steps=10,
+                    last_prefill_step=9, running=[SimpleNamespace(is_prefill_chunk=False)])
+        return SimpleNamespace(**(base | fields))
+
+    defers = gpukv033.admissions.defers_prefills
+    assert defers(scheduler(), throttle_prefills=True)
+    assert not defers(scheduler(), throttle_prefills=False)  # (no throttle, no cadence)
+    assert not defers(scheduler(prefill_capacity_bound=True), throttle_prefills=True)
+    assert not defers(scheduler(running=[SimpleNamespace(is_prefill_chunk=True)]), throttle_prefills=True)
+    assert not defers(scheduler(running=[]), throttle_prefills=True)
+    # the cadence: step 11 is 2 after the last prefill (step 9), under an interval of 3; 12 is not
+    assert defers(scheduler(local_prefill_interval=3), throttle_prefills=False)
+    assert not defers(scheduler(local_prefill_interval=3, num_executed_steps=11), throttle_prefills=False)
+    assert not defers(scheduler(local_prefill_interval=3, prefill_capacity_bound=True), throttle_prefills=False)
+
+
+@pytest.mark.parametrize("cls", REFERENCE)
 @pytest.mark.parametrize(("budget", "watermark"), [(48, 0.0), (512, 0.15), (48, 0.15)],
                          ids=["chunked", "watermark", "chunked-watermark"])
 def test_chunked_and_watermarked_runs_are_vllms_step_by_step(cls, budget, watermark, monkeypatch):

@@ -23,8 +23,10 @@ it by vLLM's rule (``gpukv.core.blocks.new_tokens_at_admission``: ``min(tokens
 past the hit, budget left)``, hits charged as vLLM charges them); should its
 hit leave it whole, vLLM's loop goes on past the run on the per-request
 path. All this only in a step with nothing else that bends vLLM's loop
-(no pause, no held-KV queue, no prefill throttling or cadence, no replayed
-windows). Under the priority policy the head is the queue's first in
+(no pause, no held-KV queue, no replayed windows, and no deferred prefills:
+vLLM defers them on a throttled or off-cadence step, by the request's hit,
+unless the step is capacity-bound or no running request decodes;
+``defers_prefills``). Under the priority policy the head is the queue's first in
 priority order (its iteration order, the order vLLM pops it in), whose
 loop decides nothing else either; under a LoRA config a LoRA request joins
 the run while its adapter keeps the step within ``max_loras`` (counting
@@ -147,9 +149,25 @@ def _bends_the_loop(s: Any, throttle_prefills: bool) -> bool:
     from vllm.v1.core.sched.interface import PauseState  # type: ignore[attr-defined,unused-ignore]  # (0.33)
 
     return bool(s._pause_state != PauseState.UNPAUSED or s.kv_holding_waiting
-                or throttle_prefills or s.local_prefill_interval > 1
+                or defers_prefills(s, throttle_prefills)
                 or s.prefix_replay_tokens
                 or s.connector is not None or s.ec_connector is not None or getattr(s, "async_kv_waiting", None))
+
+
+def defers_prefills(s: Any, throttle_prefills: bool) -> bool:
+    """vLLM's ``defer_prefills`` of this ``schedule()``: a throttled step
+    (the DP engine core's prefill balancing) or one the prefill cadence holds
+    defers every prefill, and its waiting loop then stops at the first
+    request its hit leaves more than one token to compute, unless the last
+    admitting step was capacity-bound or no running request decodes (all
+    are prefill chunks). Asked at the waiting loop's first lookup: by then
+    the running loop changed none of it (a preemption skips the waiting
+    loop, and the counts move only after it)."""
+    if s.prefill_capacity_bound or not (throttle_prefills or s.local_prefill_interval > 1):
+        return False
+    if not any(not r.is_prefill_chunk for r in s.running):
+        return False
+    return throttle_prefills or (s.num_executed_steps + 1) - s.last_prefill_step < s.local_prefill_interval
 
 
 def _draft_slots(s: Any) -> int:

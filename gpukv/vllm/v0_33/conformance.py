@@ -39,6 +39,7 @@ REQUEST_FIELDS = (
     "request_id", "num_tokens", "all_token_ids", "num_computed_tokens", "num_in_flight_tokens", "lora_request",
     "cache_salt", "block_hashes", "mm_features", "prompt_embeds", "status", "is_finished", "num_preemptions",
     "pooling_params", "num_stale_output_tokens", "drop_stale_output", "resumable", "prompt_token_ids",
+    "is_prefill_chunk",
 )
 """The ``Request`` fields the adapter reads (besides the read limit)."""
 
@@ -49,7 +50,8 @@ SCHEDULER_FIELDS = (
     "policy", "_pause_state", "kv_holding_waiting", "local_prefill_interval", "lora_config", "num_lookahead_tokens",
     "prefix_replay_tokens", "ec_connector", "max_num_scheduled_tokens", "max_num_active_reqs", "running",
     "num_waiting_for_streaming_input", "waiting", "requests", "grammar_compile_error_reqs",
-    "scheduler_reserve_full_isl", "num_spec_tokens", "num_sampled_tokens_per_step",
+    "scheduler_reserve_full_isl", "num_spec_tokens", "num_sampled_tokens_per_step", "prefill_capacity_bound",
+    "num_executed_steps", "last_prefill_step",
 )
 """The scheduler attributes the adapter reads (``scheduler._refuse_unsupported``, ``admissions.plain_run``,
 ``screening``)."""
