@@ -298,7 +298,9 @@ def token_array_for_host(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
 
 # ------------------------------------------------------------- new requests
 
-def _normalize_mm_items(value: Any, argument: str, label: str, num_tokens: int) -> tuple[MMItem, ...]:
+def normalize_mm_items(value: Any, argument: str, label: str, num_tokens: int) -> tuple[MMItem, ...]:
+    """``value``'s multimodal items, checked (each an ``MMItem`` inside the
+    first ``num_tokens`` tokens, none overlapping another) and sorted."""
     items = as_list(value, argument, "MMItem")
     out = []
     for i, item in enumerate(items):
@@ -378,7 +380,7 @@ def normalize_new_request(r: Any, argument: str, block_size: int, *,
                                argument=f"{argument}.skip_prefix_cache", fix="pass True or False")
     mm: tuple[MMItem, ...] = ()
     if type(r.mm_items) is not tuple or r.mm_items:  # () is the default: nothing to check
-        mm = _normalize_mm_items(r.mm_items, f"{argument}.mm_items", label, n)
+        mm = normalize_mm_items(r.mm_items, f"{argument}.mm_items", label, n)
     if r.block_hashes is not None:
         _check_block_hashes(r.block_hashes, f"{argument}.block_hashes", label, n // block_size)
     chunk = None

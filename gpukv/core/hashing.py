@@ -36,7 +36,7 @@ Byte layouts fixed by this module (changing any of them changes every digest,
 so each carries a version tag):
 
 * root digest  = ``H(b"gpukv:root:v2")``
-* extra keys   = ``H(b"gpukv:extra:v2" + fields)``, see
+* extra keys   = ``H(b"gpukv:extra:v3" + fields)``, see
   :func:`encode_extra_keys` for the fields.
 * key from ``PYTHONHASHSEED`` = first 16 bytes of
   ``sha256(b"gpukv:hash-key:PYTHONHASHSEED:v1\\x00" + str(int(seed)).encode())``,
@@ -105,7 +105,7 @@ HASH_KEY_ENV = "GPUKV_HASH_KEY"
 #: asks of a context string).
 KEY_CONTEXT = "gpukv 2026-12-01 block hash key v2"
 ROOT_MESSAGE = b"gpukv:root:v2"
-EXTRA_PREFIX = b"gpukv:extra:v2"
+EXTRA_PREFIX = b"gpukv:extra:v3"
 SEED_KEY_PREFIX = b"gpukv:hash-key:PYTHONHASHSEED:v1\x00"
 
 #: Most tokens hashed in one BLAKE3 call: 16 + 16 + 4 * 248 = 1024 bytes, one
@@ -698,7 +698,12 @@ def encode_extra_keys(
 
     * ``0x01`` LoRA, if ``lora_id`` is not None: ``lora_id`` as uint64 LE.
     * ``0x02`` one per multimodal item, sorted by (offset, length, hash):
-      ``offset`` uint64 LE || ``length`` uint64 LE || ``hash`` UTF-8.
+      ``offset`` uint64 LE || ``hash`` UTF-8. Not its length: an item is its
+      content (the hash) at a position, as vLLM keys it (the identifier and
+      its offset from the block's start), and the length follows from the
+      content. So the blocks two ranges of one item both overlap agree, and a
+      lookup on a prefix of the prompt may cut an item at its end without
+      changing the keys of the blocks before the cut.
     * ``0x03`` cache salt, if ``cache_salt`` is non-empty: the salt UTF-8
       (an empty salt is no salt, as in vLLM).
 
@@ -710,7 +715,7 @@ def encode_extra_keys(
         lora_id = check_lora_id(lora_id, "lora_id")
         fields.append(_field(TAG_LORA, struct.pack("<Q", lora_id)))
     for item in sorted(_check_mm_items(mm_items), key=_mm_sort_key):
-        payload = struct.pack("<QQ", item.offset, item.length) + item.hash.encode("utf-8")
+        payload = struct.pack("<Q", item.offset) + item.hash.encode("utf-8")
         fields.append(_field(TAG_MM, payload))
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidTypeError(f"must be a str or None, not {type_name(cache_salt)}", argument="cache_salt",
@@ -751,7 +756,7 @@ def extra_key_digests(
     Block ``b`` (tokens ``[b*block_size, (b+1)*block_size)``) has as extra keys
     the LoRA id (every block), each mm item overlapping its token range, and the
     cache salt (block 0 only, so requests with different salts share no block).
-    Its digest is ``H(b"gpukv:extra:v2" + encode_extra_keys(...))`` (:func:`keyed_digest`),
+    Its digest is ``H(b"gpukv:extra:v3" + encode_extra_keys(...))`` (:func:`keyed_digest`),
     or ``NO_EXTRA`` when it has no extra keys.
     """
     key = _check_key(key)

@@ -232,9 +232,9 @@ def test_chain_golden_values():
     ]
     extras = extra_key_digests(VECTOR_KEY, 3, 3, lora_id=7, cache_salt="s")
     assert [d.hex() for d in hash_block_chain(VECTOR_KEY, list(range(9)), 3, extras=extras)] == [
-        "9b1fc4465a7ffb8614028f078d121ec9",
-        "489dda3bbd825898d3b7a8ce5396ae34",
-        "80437c45c5d30ed96c2489ecaa58c132",
+        "58e1bdf699b8f45acad91cb450ee895c",
+        "ec36c3aac31fe9f1b0987225759d75fd",
+        "71e64c790133a1592dc0777ccbafb808",
     ]
 
 
@@ -453,7 +453,7 @@ def test_extra_key_encoding_by_hand():
     lora = encode_extra_keys(lora_id=7)
     assert lora == b"\x01" + struct.pack("<I", 8) + struct.pack("<Q", 7)
     mm = encode_extra_keys(mm_items=[MMItem(5, 10, "ab")])
-    assert mm == b"\x02" + struct.pack("<I", 18) + struct.pack("<QQ", 5, 10) + b"ab"
+    assert mm == b"\x02" + struct.pack("<I", 10) + struct.pack("<Q", 5) + b"ab"  # (offset and hash: no length)
     salt = encode_extra_keys(cache_salt="é")
     assert salt == b"\x03" + struct.pack("<I", 2) + "é".encode()
     both = encode_extra_keys(lora_id=7, mm_items=[MMItem(5, 10, "ab")], cache_salt="é")
@@ -461,7 +461,7 @@ def test_extra_key_encoding_by_hand():
     [digest] = extra_key_digests(
         KEY, 1, 16, lora_id=7, mm_items=[MMItem(5, 10, "ab")], cache_salt="é"
     )
-    assert digest == H(KEY, b"gpukv:extra:v2" + both)
+    assert digest == H(KEY, b"gpukv:extra:v3" + both)
 
 
 def test_lora_changes_every_block():
@@ -496,7 +496,12 @@ def test_mm_items_are_canonical_and_distinguishing():
     one = extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 3, "x")])
     assert one != extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 3, "z")])  # other content
     assert one != extra_key_digests(KEY, 1, 8, mm_items=[MMItem(3, 3, "x")])  # other offset
-    assert one != extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 4, "x")])  # other length
+    # another length: the blocks both ranges overlap agree (vLLM keys an item by its identifier and offset), the
+    # others do not
+    assert one == extra_key_digests(KEY, 1, 8, mm_items=[MMItem(2, 4, "x")])
+    longer = extra_key_digests(KEY, 2, 8, mm_items=[MMItem(2, 10, "x")])  # (tokens 2..11: blocks 0 and 1)
+    assert longer[0] == one[0] and longer[1] != NO_EXTRA
+    assert extra_key_digests(KEY, 2, 8, mm_items=[MMItem(2, 5, "x")])[1] == NO_EXTRA
 
 
 def test_salt_changes_block_zero_only_and_the_whole_chain():

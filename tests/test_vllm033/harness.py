@@ -73,8 +73,10 @@ try:
     )
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -261,6 +263,7 @@ def make_scheduler(
     policy: str = "fcfs",
     max_loras: int = 0,
     prefill_schedule_interval: int = 1,
+    encoder_budget: int = 0,
 ) -> Any:
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
@@ -283,6 +286,9 @@ def make_scheduler(
       none; LoRA requests then run unconstrained).
     * ``prefill_schedule_interval``: the scheduler config's prefill cadence
       (> 1: prefills held until that many steps passed since the last one).
+    * ``encoder_budget``: the encoder's compute budget and cache, in tokens,
+      a multimodal model's (0: a text model's, which schedules no encoder
+      input; the fake model config has no multimodal registry to size them).
     * ``cache_aware_window`` (vLLM 0.34 on; skipped before): the scheduler
       config's ``cache_aware_admission_window``, engaging from
       ``cache_aware_threshold`` usage.
@@ -314,6 +320,10 @@ def make_scheduler(
                         hash_block_size=block_size, include_finished_set=include_finished_set, log_stats=log_stats)
     except gpukv033.UnsupportedConfigError as exc:  # a configuration gpukv refuses, by design (its message says why)
         pytest.skip(f"{cls.__name__} refuses this configuration: {exc}")
+    if encoder_budget:
+        scheduler.max_num_encoder_input_tokens = encoder_budget
+        scheduler.encoder_cache_manager = EncoderCacheManager.create_manager(cache_size=encoder_budget,
+                                                                             vllm_config=vllm_config)
     if enable_kv_cache_events:
         scheduler.kv_event_publisher = EventRecorder()  # what a subscriber to the ZMQ publisher receives
     if HAS_V1_MODEL_RUNNER:
@@ -384,6 +394,7 @@ def make_requests(
     lora_request: Any = None,
     cache_salt: str | None = None,
     priority: int = 0,
+    mm_items: Sequence[tuple[str, int, int]] = (),
 ) -> list[Any]:
     """``num_requests`` vLLM ``Request``\\ s with ids ``str(first_id + i)``.
 
@@ -393,7 +404,9 @@ def make_requests(
     ``update_from_generation_config``). Block hashes at ``block_size`` with
     ``hash_algo``; with ``scheduler``, those its engine would compute (none
     when gpukv's scheduler took the hashing over). ``lora_request`` (a
-    ``LoRARequest``), ``cache_salt`` and ``priority``: every request's.
+    ``LoRARequest``), ``cache_salt`` and ``priority``: every request's; so
+    are ``mm_items``, its multimodal inputs as ``(identifier, offset,
+    length)`` (images, their placeholder ranges in the prompt).
     """
     hasher = scheduler.harness_hasher if scheduler is not None else block_hasher(block_size, hash_algo)
     requests = []
@@ -408,7 +421,11 @@ def make_requests(
         params.update_from_generation_config({}, EOS_TOKEN_ID)
         requests.append(Request(request_id=str(rid), prompt_token_ids=tokens, sampling_params=params,
                                 pooling_params=None, arrival_time=0.0, block_hasher=hasher,
-                                lora_request=lora_request, cache_salt=cache_salt, priority=priority))
+                                lora_request=lora_request, cache_salt=cache_salt, priority=priority,
+                                mm_features=[MultiModalFeatureSpec(data=None, modality="image", identifier=name,
+                                                                   mm_position=PlaceholderRange(offset, length),
+                                                                   mm_hash=name)
+                                             for name, offset, length in mm_items] or None))
     return requests
 
 

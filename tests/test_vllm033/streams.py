@@ -51,6 +51,7 @@ class StreamConfig:
     hybrid: bool = False  # with sliding_window: a full-attention group, then the window group
     second_window: int | None = None  # with sliding_window: a second window group of this many tokens
     mla: bool = False  # MLA layers (MLAAttentionSpec, SlidingWindowMLASpec) in place of the attention groups above
+    mm: bool = False  # images in the prompts (MM_IMAGES: the same placeholders, other content), an encoder budget
     max_output_tokens: int = 47  # each request's output budget: 1..this many tokens
     kv_events: bool = True  # False: no KV events (what gpukv's batched running loop needs)
     # vLLM 0.34 on: prompt-logprob requests start scoring at a random prompt token (their hits bounded there)
@@ -85,6 +86,7 @@ class StepRecord:
     aborted: tuple[str, ...] = ()  # finish_requests(..., FINISHED_ABORTED) just before this step
     reset: bool | None = None  # reset_prefix_cache(reset_running_requests=True)'s answer just before this step
     boundaries: dict[str, int] = field(default_factory=dict)  # new requests' shared_prefix_boundary
+    encoder_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # multimodal inputs scheduled
 
 
 def _groups(block_ids):
@@ -103,6 +105,7 @@ def record_output(out) -> StepRecord:
         spec_decode_tokens={rid: tuple(t) for rid, t in out.scheduled_spec_decode_tokens.items()},
         finished=frozenset(out.finished_req_ids),
         preempted=frozenset(out.preempted_req_ids or ()),
+        encoder_inputs={rid: tuple(inputs) for rid, inputs in out.scheduled_encoder_inputs.items()},
     )
 
 
@@ -165,18 +168,45 @@ LORAS = (None, lora_adapter("sql", 1, "/adapters/sql"), lora_adapter("sql", 2, "
          lora_adapter("sql", 1, "/adapters/sql-v2"), lora_adapter("chat", 3, "/adapters/chat"))
 
 
+#: A stream's images (``StreamConfig.mm``), as (identifier, length): one of two in the shared prefixes' first
+#: two blocks at MM_OFFSET (the same placeholder tokens, other content), or one of three later in a prompt.
+MM_SHARED = (("cat", 20), ("dog", 20))
+MM_OWN = (("a", 5), ("b", 11), ("c", 16))
+MM_OFFSET = 4
+MM_PLACEHOLDER = 9999  # the token every image position holds
+
+
+def _images(extra: random.Random, prompt: list[int]) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """``prompt`` with 0..2 images' placeholders in it, and the images as
+    ``make_requests`` takes them (one identifier, one length)."""
+    items = []
+    if len(prompt) >= MM_OFFSET + 20 and extra.random() < 0.6:
+        name, length = extra.choice(MM_SHARED)
+        items.append((name, MM_OFFSET, length))
+    if extra.random() < 0.5:
+        name, length = extra.choice(MM_OWN)
+        start = MM_OFFSET + 20 if items else 0
+        if len(prompt) - length >= start:
+            items.append((name, extra.randrange(start, len(prompt) - length + 1), length))
+    prompt = list(prompt)
+    for _, offset, length in items:
+        prompt[offset:offset + length] = [MM_PLACEHOLDER] * length
+    return prompt, items
+
+
 def _request(rng: random.Random, i: int, prompt: list[int], config: StreamConfig, scheduler: Any,
              extra: random.Random) -> Any:
     max_tokens = rng.randrange(1, config.max_output_tokens + 1)
     logprobs = 1 if rng.random() < (0.3 if config.bounded_hits else 0.1) else None
     # (within the shared prefixes' three blocks, where hits are: a start past them would bound nothing)
     start = rng.randrange(1, min(len(prompt), 3 * BLOCK_SIZE) + 1) if logprobs and config.bounded_hits else None
+    prompt, images = _images(extra, prompt) if config.mm else (prompt, [])
     (request,) = make_requests(1, prompt=lambda _: prompt, first_id=i, max_tokens=max_tokens,
                                ignore_eos=True, prompt_logprobs=logprobs, prompt_logprob_start=start,
                                scheduler=scheduler,  # (hashed as the scheduler's engine would: gpukv's needs none)
                                # (from their own generator: the streams without them draw what they always drew)
                                priority=extra.randrange(4) if config.priority else 0,
-                               lora_request=extra.choice(LORAS) if config.lora else None)
+                               lora_request=extra.choice(LORAS) if config.lora else None, mm_items=images)
     return request
 
 
@@ -234,7 +264,8 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                enable_kv_cache_events=config.kv_events, cache_aware_window=config.cache_aware_window,
                                watermark=config.watermark, enable_prefix_caching=config.prefix_caching,
                                policy="priority" if config.priority else "fcfs", max_loras=config.max_loras,
-                               prefill_schedule_interval=config.prefill_interval)
+                               prefill_schedule_interval=config.prefill_interval,
+                               encoder_budget=64 if config.mm else 0)
     extra = random.Random(config.seed + 2)  # (priorities and adapters)
     resets = random.Random(config.seed + 4)
     if config.bends:

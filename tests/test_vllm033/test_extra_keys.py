@@ -1,14 +1,18 @@
 """What else than the tokens decides a hit under vLLM 0.33 and later: the
-request's LoRA adapter and its cache salt, as vLLM's block hashes key them
-(``_gen_lora_extra_hash_keys``: the adapter's name and path, not its int id;
-the salt in the first block's keys). Request A (32 shared tokens, then its
-own 8) runs to the end, then request B (the 32, then other 8) arrives: B
-hits A's two full blocks exactly when vLLM's keys of the two agree. Every
-case runs on vLLM's own scheduler too, so the hand-worked value is vLLM's."""
+request's LoRA adapter, its cache salt and its multimodal inputs, as vLLM's
+block hashes key them (``_gen_lora_extra_hash_keys``: the adapter's name and
+path, not its int id; the salt in the first block's keys; each image a
+block's tokens overlap, by its identifier and its offset from the block's
+start). Request A (32 shared tokens, then its own 8) runs to the end, then
+request B (the 32, then other 8) arrives: B hits A's two full blocks exactly
+when vLLM's keys of the two agree. Every case runs on vLLM's own scheduler
+too, so the hand-worked value is vLLM's."""
 
 from __future__ import annotations
 
 import pytest
+
+from gpukv import MMItem
 
 # (vLLM's names and gpukv's adapter through the harness, which skips this module where vLLM 0.33 is not importable)
 from .harness import Engine, gpukv033, make_requests, make_scheduler, scheduler_params
@@ -16,6 +20,7 @@ from .streams import lora_adapter as lora
 
 UnsupportedConfigError = gpukv033.UnsupportedConfigError
 LoraIds = gpukv033.lora_ids.LoraIds
+mm_items = gpukv033.mm_items.mm_items
 SHARED = list(range(32))  # two full blocks of 16
 BOTH = scheduler_params()
 DEVICE = [pytest.param(gpukv033.DeviceScheduler, id="DeviceScheduler")]
@@ -61,6 +66,65 @@ def test_a_hit_needs_vllms_lora_and_salt_keys_to_agree(cls, case):
     manager = engine.scheduler.kv_cache_manager
     if hasattr(manager, "check_invariants"):
         manager.check_invariants()
+
+
+IMAGE = [9999] * 28  # (an image's placeholder tokens: the same whatever the image)
+MM_SHARED = [0, 1, 2, 3] + IMAGE  # 32 tokens: placeholders at 4..31
+MM_CASES = {
+    # (A's images, B's images) as (identifier, offset, length), on MM_SHARED: B's hit in tokens
+    "the-same-image": (([("cat", 4, 20)], [("cat", 4, 20)]), 32),
+    "another-image-the-same-placeholders": (([("cat", 4, 20)], [("dog", 4, 20)]), 0),
+    "the-same-image-at-another-offset": (([("cat", 4, 20)], [("cat", 6, 20)]), 0),
+    "another-image-in-the-second-block-only": (([("cat", 20, 8)], [("dog", 20, 8)]), 16),
+    "an-image-then-none": (([("cat", 4, 20)], []), 0),
+    "none-then-an-image-in-the-second-block": (([], [("cat", 20, 8)]), 16),
+    # one identifier, two lengths (a reused uuid): the blocks both ranges overlap are keyed alike
+    "the-same-image-longer": (([("cat", 4, 20)], [("cat", 4, 28)]), 32),
+    "the-same-image-shorter-ending-in-the-first-block": (([("cat", 4, 20)], [("cat", 4, 8)]), 16),
+}
+
+
+def _b_hit_mm(cls: type, case: str) -> tuple[int, Engine]:
+    (a_images, b_images), _ = MM_CASES[case]
+    scheduler = make_scheduler(cls, encoder_budget=64)
+    engine = Engine(scheduler)
+    engine.add(make_requests(1, prompt=lambda _: MM_SHARED + [100] * 8, first_id=0, max_tokens=1, ignore_eos=True,
+                             mm_items=a_images))
+    engine.run_until_idle()
+    engine.add(make_requests(1, prompt=lambda _: MM_SHARED + [200] * 8, first_id=1, max_tokens=1, ignore_eos=True,
+                             mm_items=b_images))
+    out = engine.step()
+    (new,) = out.scheduled_new_reqs
+    return new.num_computed_tokens, engine
+
+
+@pytest.mark.parametrize("case", MM_CASES)
+@pytest.mark.parametrize("cls", BOTH)
+def test_a_hit_needs_vllms_multimodal_keys_to_agree(cls, case):
+    hit, engine = _b_hit_mm(cls, case)
+    assert hit == MM_CASES[case][1]
+    engine.run_until_idle()
+    manager = engine.scheduler.kv_cache_manager
+    if hasattr(manager, "check_invariants"):
+        manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["another-image-in-the-second-block-only", "the-same-image-longer"])
+@pytest.mark.parametrize("cls", DEVICE)
+def test_the_device_manager_keys_images_as_vllm_does(cls, case):
+    hit, _ = _b_hit_mm(cls, case)
+    assert hit == MM_CASES[case][1]
+
+
+def test_a_lookup_cuts_an_image_at_its_end_and_bad_images_are_refused():
+    (request,) = make_requests(1, prompt=lambda _: MM_SHARED + [100] * 8, mm_items=[("dog", 20, 8), ("cat", 4, 16)])
+    assert mm_items(request) == (MMItem(4, 16, "cat"), MMItem(20, 8, "dog"))  # (sorted by offset)
+    assert mm_items(request, 24) == (MMItem(4, 16, "cat"), MMItem(20, 4, "dog"))
+    assert mm_items(request, 20) == (MMItem(4, 16, "cat"),)
+    (overlapping,) = make_requests(1, prompt=lambda _: MM_SHARED, mm_items=[("cat", 4, 20), ("dog", 20, 8)])
+    with pytest.raises(UnsupportedConfigError, match="a multimodal input gpukv cannot key") as err:
+        mm_items(overlapping)
+    assert "overlap" in str(err.value)
 
 
 @pytest.mark.parametrize("case", ["reloaded-a-new-int-id", "the-int-id-re-pointed-at-another-path"])

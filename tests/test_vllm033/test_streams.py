@@ -96,7 +96,9 @@ FEATURE_STREAMS = [pytest.param(dict(bounded_hits=True), id="bounded-hits"),
                    pytest.param(dict(bends=True), id="paused-and-throttled"),
                    pytest.param(dict(bends=True, kv_events=False, num_speculative_tokens=0),
                                 id="paused-and-throttled-batched"),
-                   pytest.param(dict(reset_rate=0.05), id="cache-resets")]
+                   pytest.param(dict(reset_rate=0.05), id="cache-resets"),
+                   pytest.param(dict(mm=True), id="multimodal"),
+                   pytest.param(dict(mm=True, kv_events=False, num_speculative_tokens=0), id="multimodal-batched")]
 
 
 @pytest.mark.parametrize("cls", GPUKV)
@@ -128,8 +130,9 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     adapters (they split the cache: fewer hits; one adapter a step holds
     requests back), the prefill cadence and the pauses and throttled steps
     (they hold prefills back), the cache resets (each preempts every running
-    request), and the hit bounds (the
-    stream differs from one whose requests' own limits are ignored)."""
+    request), the images (encoder inputs scheduled, hits made), and the hit
+    bounds (the stream differs from one whose requests' own limits are
+    ignored)."""
     plain = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0]), check_tables=False)
     reordered = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], cache_aware_window=4), check_tables=False)
     assert reordered != plain
@@ -142,6 +145,9 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
         assert run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], **options), check_tables=False) != plain
     reset = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], reset_rate=0.05), check_tables=False)
     assert [r.reset for r in reset if r.reset is not None].count(True) >= 2 and any(r.preempted for r in reset)
+    images = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], mm=True), check_tables=False)
+    assert sum(len(r.encoder_inputs) for r in images) >= 3 and coverage(images)["hits"] > 0
+
     one_a_step = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True, max_loras=1), check_tables=False)
     assert one_a_step != run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False)
     if not HIT_LIMIT:
@@ -154,7 +160,17 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     assert sum(b != u for b, u in zip(bounded, unbounded, strict=True)) >= 2
 
 
+def test_gpukv_keys_the_streams_images(monkeypatch):
+    """The multimodal streams hold gpukv to vLLM's image keys: with the
+    images left out of gpukv's keys, its decisions part from vLLM's (hits on
+    the same placeholders of another image)."""
+    monkeypatch.setattr(gpukv033.manager, "mm_items", lambda *_: ())
+    config = StreamConfig(seed=SEEDS[0], mm=True)
+    assert run_stream(gpukv033.ReferenceScheduler, config) != run_stream(VllmScheduler, config, check_tables=False)
+
+
 DEVICE = [pytest.param(gpukv033.DeviceScheduler, {}, id="gpukv-device"),
+          pytest.param(gpukv033.DeviceScheduler, dict(mm=True), id="gpukv-device-multimodal"),
           pytest.param(gpukv033.DeviceAsyncScheduler, dict(max_num_batched_tokens=96, num_blocks=20),
                        id="gpukv-device-async-runs")]
 

@@ -39,7 +39,7 @@ REQUEST_FIELDS = (
     "request_id", "num_tokens", "all_token_ids", "num_computed_tokens", "num_in_flight_tokens", "lora_request",
     "cache_salt", "block_hashes", "mm_features", "prompt_embeds", "status", "is_finished", "num_preemptions",
     "pooling_params", "num_stale_output_tokens", "drop_stale_output", "resumable", "prompt_token_ids",
-    "is_prefill_chunk",
+    "is_prefill_chunk", "num_prompt_tokens",
 )
 """The ``Request`` fields the adapter reads (besides the read limit)."""
 

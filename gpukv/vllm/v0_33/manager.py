@@ -49,8 +49,9 @@ delayed caching, ``evict_blocks``, ``pop_blocks_for_free``), the
 aux-output connector, Mamba, fine-grained partial hits (hash block size below
 the block size) and their copy-on-write, KV-cache zeroing, encoder-decoder
 models, EAGLE's block drop, hash lookahead, decode context parallelism,
-sparse retention and windows under 2 tokens, multimodal and prompt-embedding
-requests.
+sparse retention and windows under 2 tokens, prompt-embedding requests.
+Multimodal requests are followed (their items keyed as vLLM keys them:
+``mm_items``), each admitted on the per-request path.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from gpukv.vllm.v0_33.events import EventTranslator
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.lookups import CacheLookups, flushing
 from gpukv.vllm.v0_33.lora_ids import LoraIds
+from gpukv.vllm.v0_33.mm_items import mm_items
 from gpukv.vllm.v0_33.pending import RELEASES, PendingGrowth, growth
 from gpukv.vllm.v0_33.request_admission import RequestAdmission
 from gpukv.vllm.v0_33.screening import check_request
@@ -431,7 +433,8 @@ class KVCacheManager(CacheLookups, RequestAdmission, PrefixCacheStatsRules, Iner
     def gpukv_request(self, request: Any, tokens: Any, chunk: int | None = None, lookahead: int = 0) -> NewRequest:
         """gpukv's ``NewRequest`` of vLLM's ``request`` with these ``tokens``."""
         return NewRequest(request.request_id, tokens, lora_id=self.lora_ids.id_of(request),
-                          cache_salt=request.cache_salt, skip_prefix_cache=features.skips_cache(request),
+                          mm_items=mm_items(request, len(tokens)), cache_salt=request.cache_salt,
+                          skip_prefix_cache=features.skips_cache(request),
                           num_tokens_to_compute=chunk, num_lookahead_tokens=lookahead)
 
     def _grow(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int) -> Any:

@@ -2,9 +2,9 @@
 the way vLLM refuses a request it cannot start.
 
 A request the adapter cannot follow (no prompt tokens, more than
-``max_model_len``, multimodal inputs or prompt embeddings, a prompt token
-outside ``[0, 2**32)``, a LoRA adapter it cannot key as vLLM does
-(``lora_ids``); a sampled token outside that range later) must not
+``max_model_len``, prompt embeddings, a prompt token outside ``[0, 2**32)``,
+a LoRA adapter or multimodal input it cannot key as vLLM does (``lora_ids``,
+``mm_items``); a sampled token outside that range later) must not
 be refused inside ``schedule()``: by then the step's running requests may
 already have blocks in gpukv that vLLM never reports (an exception from
 ``schedule()`` discards its output), and vLLM's engine core stops on it. So
@@ -30,12 +30,13 @@ from gpukv.core.checks import normalize_token_ids
 from gpukv.core.limits import MAX_TOKEN_ID
 from gpukv.errors import GpukvInputError, InvalidInputError, InvalidTypeError
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError
+from gpukv.vllm.v0_33.mm_items import mm_items
 
 
 def check_request(request: Any, max_model_len: int) -> int:
     """A request the adapter can follow: some tokens, within
-    ``max_model_len``, no multimodal inputs or prompt embeddings (whose
-    extra keys gpukv does not derive as vLLM 0.33 does). Returns its
+    ``max_model_len``, no prompt embeddings (whose extra keys gpukv does
+    not derive as vLLM 0.33 does). Returns its
     ``num_tokens`` (read once here: the running loop's call needs it too)."""
     rid = getattr(request, "request_id", None)
     if not isinstance(rid, str):
@@ -49,10 +50,10 @@ def check_request(request: Any, max_model_len: int) -> int:
         raise InvalidInputError(f"request {rid!r} has {num_tokens} tokens, more than max_model_len="
                                 f"{max_model_len}", argument="request",
                                 fix="finish or truncate requests at max_model_len")
-    if request.mm_features or request.prompt_embeds is not None:
-        raise UnsupportedConfigError(f"request {rid!r} has multimodal inputs or prompt embeddings, which "
-                                     "gpukv's vLLM 0.33 adapter does not hash as vLLM does", argument="request",
-                                     fix="send text prompts, or use vLLM's own scheduler")
+    if request.prompt_embeds is not None:
+        raise UnsupportedConfigError(f"request {rid!r} has prompt embeddings, which gpukv's vLLM 0.33 adapter "
+                                     "does not hash as vLLM does", argument="request",
+                                     fix="send token ids, or use vLLM's own scheduler")
     return num_tokens
 
 
@@ -60,11 +61,13 @@ def prompt_refusal(request: Any, max_model_len: int, check: Any, lora_ids: Any =
     """Why the adapter cannot serve ``request`` (the error ``check(request,
     max_model_len)`` raises, one for a prompt token out of range, or, with
     ``lora_ids`` (``gpukv.vllm.v0_33.lora_ids.LoraIds``), one for a LoRA
-    adapter gpukv cannot key as vLLM does), or None."""
+    adapter gpukv cannot key as vLLM does; one for a multimodal input gpukv
+    cannot key, ``gpukv.vllm.v0_33.mm_items``), or None."""
     try:
         check(request, max_model_len)
         if lora_ids is not None:
             lora_ids.id_of(request)  # (its int given now, at arrival; the same at admission)
+        mm_items(request)
         tokens = request.prompt_token_ids
         if tokens is not None and not _int32_in_range(tokens):
             normalize_token_ids(tokens, "request.prompt_token_ids", request.request_id)  # (raises, naming it)
