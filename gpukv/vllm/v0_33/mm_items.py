@@ -5,14 +5,11 @@ vLLM 0.33 and 0.34 key each full block by every multimodal item its tokens
 overlap, as the item's identifier (its content hash, with the LoRA prefix
 where one applies, or the caller's uuid) and its offset from the block's
 start (``kv_cache_utils._gen_mm_extra_hash_keys``). gpukv keys a block by
-the ``MMItem(offset, length, hash)`` of each item it overlaps
-(``gpukv.core.hashing.extra_key_digests``): handed the identifier as the
-hash and vLLM's placeholder range as offset and length, the same blocks
-carry the same items at the same positions, so the same blocks are shared.
-One case parts: an identifier arriving at one offset with two lengths (a
-caller's uuid reused for other content). vLLM then shares the blocks both
-ranges cover; gpukv shares none of them, so KV computed for one item is
-never reused for another.
+the offset and hash of each ``MMItem(offset, length, hash)`` it overlaps
+(``gpukv.core.hashing.extra_key_digests``; the length only says which blocks
+an item overlaps). Handed the identifier as the hash and vLLM's placeholder
+range as offset and length, the same blocks carry the same keys, so the same
+blocks are shared, two ranges of one identifier included.
 
 An item gpukv cannot key (no identifier, a range outside the prompt, two
 ranges overlapping, an item without vLLM's ``identifier`` and
