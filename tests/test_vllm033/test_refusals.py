@@ -54,6 +54,14 @@ def _lora_request() -> Request:
     return request
 
 
+def _overlapping_images_request() -> Request:
+    """Two images over one token range: a key gpukv cannot derive (vLLM's
+    processor never makes such a request; another front end might)."""
+    (request,) = make_requests(1, 12, first_id=99, max_tokens=4, mm_items=[("cat", 0, 6), ("dog", 4, 6)])
+    request.request_id = "E"
+    return request
+
+
 BAD = {
     "prompt-embeds": (_embeds_request, "prompt embeddings"),
     "over-max-model-len": (lambda: _token_request(list(range(70))), "more than max_model_len=64"),
@@ -61,6 +69,7 @@ BAD = {
     "token-2**32": (lambda: _token_request([1, 2**32, 3]), "is 4294967296, outside [0, 2**32)"),
     "empty-prompt": (lambda: _token_request([]), "has no tokens"),
     "lora-key-not-comparable": (_lora_request, "keys of its LoRA adapter cannot be compared"),
+    "overlapping-images": (_overlapping_images_request, "a multimodal input gpukv cannot key"),
 }
 
 
