@@ -123,7 +123,7 @@ def recorded_step(engine: Engine, records: list[StepRecord]) -> Any:
 
 def _event(event) -> tuple[Any, ...]:
     fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "medium",
-              "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+              "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "lora_id", "lora_name", "extra_keys")
     return (type(event).__name__, *(getattr(event, name, None) for name in fields))
 
 
