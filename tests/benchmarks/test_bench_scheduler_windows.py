@@ -54,27 +54,25 @@ def test_window_options_are_refused_where_they_cannot_run(argv, version, says, c
     assert says in capsys.readouterr().err
 
 
-def test_quick_priority_run_structure(tmp_path, capsys):
-    bench = load_benchmark("bench_scheduler")
-    out = tmp_path / "priority.json"
-    assert bench.main(["--quick", "--policy", "priority", "--schedulers", "Scheduler", "--device-n",
-                       "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["policy"] == "priority"
-    assert all(r["reference"]["steps"] == result["repeats"] * result["steps"] for r in result["rows"])
-    assert "The model's KV cache: one full-attention group; vLLM's priority policy." in capsys.readouterr().out
-    assert bench.Workload("admission-heavy", 4, 2, policy="priority").config(3)["policy"] == "priority"
-    assert "policy" not in bench.Workload("admission-heavy", 4, 2).config(3)
+SCHEDULER_OPTIONS = [
+    # (argv, the JSON's key and value, the header's words, Workload's field and value, make_scheduler's option)
+    pytest.param(["--policy", "priority"], ("policy", "priority"),
+                 "The model's KV cache: one full-attention group; vLLM's priority policy.",
+                 dict(policy="priority"), ("policy", "priority"), id="priority"),
+    pytest.param(["--prefill-interval", "3"], ("prefill_interval", 3),
+                 "one full-attention group; vLLM's prefill cadence of 3 steps.",
+                 dict(prefill_interval=3), ("prefill_schedule_interval", 3), id="prefill-cadence"),
+]
 
 
-def test_quick_prefill_cadence_run_structure(tmp_path, capsys):
+@pytest.mark.parametrize(("argv", "recorded", "header", "workload", "option"), SCHEDULER_OPTIONS)
+def test_quick_run_structure_with_a_scheduler_option(argv, recorded, header, workload, option, tmp_path, capsys):
     bench = load_benchmark("bench_scheduler")
-    out = tmp_path / "cadence.json"
-    assert bench.main(["--quick", "--prefill-interval", "3", "--schedulers", "Scheduler", "--device-n",
-                       "--json", str(out)]) == 0
+    out = tmp_path / "run.json"
+    assert bench.main(["--quick", *argv, "--schedulers", "Scheduler", "--device-n", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["prefill_interval"] == 3
+    assert result[recorded[0]] == recorded[1]
     assert all(r["reference"]["steps"] == result["repeats"] * result["steps"] for r in result["rows"])
-    assert "one full-attention group; vLLM's prefill cadence of 3 steps." in capsys.readouterr().out
-    assert bench.Workload("admission-heavy", 4, 2, prefill_interval=3).config(3)["prefill_schedule_interval"] == 3
-    assert "prefill_schedule_interval" not in bench.Workload("admission-heavy", 4, 2).config(3)
+    assert header in capsys.readouterr().out
+    assert bench.Workload("admission-heavy", 4, 2, **workload).config(3)[option[0]] == option[1]
+    assert option[0] not in bench.Workload("admission-heavy", 4, 2).config(3)

@@ -27,7 +27,7 @@ DEVICE = [pytest.param(gpukv033.DeviceScheduler, id="DeviceScheduler")]
 
 
 ADAPTER = lora("sql", 1, "/adapters/sql")
-CASES = {
+LORA_AND_SALT = {
     # (A's LoRA, A's salt, B's LoRA, B's salt): B's hit in tokens
     "the-same-adapter": ((ADAPTER, None, ADAPTER, None), 32),
     "reloaded-a-new-int-id": ((ADAPTER, None, lora("sql", 2, "/adapters/sql"), None), 32),
@@ -41,36 +41,9 @@ CASES = {
     "the-same-adapter-and-salt": ((ADAPTER, "tenant-1", lora("sql", 2, "/adapters/sql"), "tenant-1"), 32),
     "the-same-adapter-another-salt": ((ADAPTER, "tenant-1", ADAPTER, "tenant-2"), 0),
 }
-
-
-def _b_hit(cls: type, case: str) -> tuple[int, Engine]:
-    (a_lora, a_salt, b_lora, b_salt), _ = CASES[case]
-    scheduler = make_scheduler(cls)
-    engine = Engine(scheduler)
-    engine.add(make_requests(1, prompt=lambda _: SHARED + [100] * 8, first_id=0, max_tokens=1, ignore_eos=True,
-                             lora_request=a_lora, cache_salt=a_salt))
-    engine.run_until_idle()
-    engine.add(make_requests(1, prompt=lambda _: SHARED + [200] * 8, first_id=1, max_tokens=1, ignore_eos=True,
-                             lora_request=b_lora, cache_salt=b_salt))
-    out = engine.step()
-    (new,) = out.scheduled_new_reqs
-    return new.num_computed_tokens, engine
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("cls", BOTH)
-def test_a_hit_needs_vllms_lora_and_salt_keys_to_agree(cls, case):
-    hit, engine = _b_hit(cls, case)
-    assert hit == CASES[case][1]
-    engine.run_until_idle()
-    manager = engine.scheduler.kv_cache_manager
-    if hasattr(manager, "check_invariants"):
-        manager.check_invariants()
-
-
 IMAGE = [9999] * 28  # (an image's placeholder tokens: the same whatever the image)
 MM_SHARED = [0, 1, 2, 3] + IMAGE  # 32 tokens: placeholders at 4..31
-MM_CASES = {
+IMAGES = {
     # (A's images, B's images) as (identifier, offset, length), on MM_SHARED: B's hit in tokens
     "the-same-image": (([("cat", 4, 20)], [("cat", 4, 20)]), 32),
     "another-image-the-same-placeholders": (([("cat", 4, 20)], [("dog", 4, 20)]), 0),
@@ -82,38 +55,41 @@ MM_CASES = {
     "the-same-image-longer": (([("cat", 4, 20)], [("cat", 4, 28)]), 32),
     "the-same-image-shorter-ending-in-the-first-block": (([("cat", 4, 20)], [("cat", 4, 8)]), 16),
 }
+#: Each case: (A's and B's extra ``make_requests`` arguments, the 32 tokens they share, B's hit in tokens).
+CASES = {name: (dict(lora_request=a_lora, cache_salt=a_salt), dict(lora_request=b_lora, cache_salt=b_salt),
+                SHARED, hit) for name, ((a_lora, a_salt, b_lora, b_salt), hit) in LORA_AND_SALT.items()}
+CASES |= {name: (dict(mm_items=a), dict(mm_items=b), MM_SHARED, hit) for name, ((a, b), hit) in IMAGES.items()}
 
 
-def _b_hit_mm(cls: type, case: str) -> tuple[int, Engine]:
-    (a_images, b_images), _ = MM_CASES[case]
-    scheduler = make_scheduler(cls, encoder_budget=64)
+def _b_hit(cls: type, case: str) -> tuple[int, Engine]:
+    a, b, shared, _ = CASES[case]
+    scheduler = make_scheduler(cls, encoder_budget=64)  # (a multimodal model's encoder: images are scheduled)
     engine = Engine(scheduler)
-    engine.add(make_requests(1, prompt=lambda _: MM_SHARED + [100] * 8, first_id=0, max_tokens=1, ignore_eos=True,
-                             mm_items=a_images))
+    engine.add(make_requests(1, prompt=lambda _: shared + [100] * 8, first_id=0, max_tokens=1, ignore_eos=True, **a))
     engine.run_until_idle()
-    engine.add(make_requests(1, prompt=lambda _: MM_SHARED + [200] * 8, first_id=1, max_tokens=1, ignore_eos=True,
-                             mm_items=b_images))
+    engine.add(make_requests(1, prompt=lambda _: shared + [200] * 8, first_id=1, max_tokens=1, ignore_eos=True, **b))
     out = engine.step()
     (new,) = out.scheduled_new_reqs
     return new.num_computed_tokens, engine
 
 
-@pytest.mark.parametrize("case", MM_CASES)
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("cls", BOTH)
-def test_a_hit_needs_vllms_multimodal_keys_to_agree(cls, case):
-    hit, engine = _b_hit_mm(cls, case)
-    assert hit == MM_CASES[case][1]
+def test_a_hit_needs_vllms_lora_salt_and_image_keys_to_agree(cls, case):
+    hit, engine = _b_hit(cls, case)
+    assert hit == CASES[case][3]
     engine.run_until_idle()
     manager = engine.scheduler.kv_cache_manager
     if hasattr(manager, "check_invariants"):
         manager.check_invariants()
 
 
-@pytest.mark.parametrize("case", ["another-image-in-the-second-block-only", "the-same-image-longer"])
+@pytest.mark.parametrize("case", ["reloaded-a-new-int-id", "the-int-id-re-pointed-at-another-path",
+                                  "another-image-in-the-second-block-only", "the-same-image-longer"])
 @pytest.mark.parametrize("cls", DEVICE)
-def test_the_device_manager_keys_images_as_vllm_does(cls, case):
-    hit, _ = _b_hit_mm(cls, case)
-    assert hit == MM_CASES[case][1]
+def test_the_device_manager_keys_lora_adapters_and_images_as_vllm_does(cls, case):
+    hit, _ = _b_hit(cls, case)
+    assert hit == CASES[case][3]
 
 
 def test_a_lookup_cuts_an_image_at_its_end_and_bad_images_are_refused():
@@ -125,13 +101,6 @@ def test_a_lookup_cuts_an_image_at_its_end_and_bad_images_are_refused():
     with pytest.raises(UnsupportedConfigError, match="a multimodal input gpukv cannot key") as err:
         mm_items(overlapping)
     assert "overlap" in str(err.value)
-
-
-@pytest.mark.parametrize("case", ["reloaded-a-new-int-id", "the-int-id-re-pointed-at-another-path"])
-@pytest.mark.parametrize("cls", DEVICE)
-def test_the_device_manager_keys_lora_adapters_as_vllm_does(cls, case):
-    hit, _ = _b_hit(cls, case)
-    assert hit == CASES[case][1]
 
 
 def test_each_distinct_key_gets_its_own_int_in_the_order_first_seen():
