@@ -245,6 +245,7 @@ def make_scheduler(
     max_model_len: int | None = None,
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
+    adaptive_threshold: bool = False,
     num_blocks: int = 10000,
     block_size: int = 16,
     num_speculative_tokens: int | None = None,
@@ -268,6 +269,8 @@ def make_scheduler(
     """A scheduler of class ``cls`` built as ``EngineCore.__init__`` builds one.
 
     * ``max_model_len``: None for ``max_num_batched_tokens``.
+    * ``adaptive_threshold``: the long-prefill threshold floored at a fair
+      share of the budget (``long_prefill_token_threshold_adaptive``).
     * ``num_blocks`` blocks in the pool, block 0 of it the null block;
       ``block_size`` is the scheduler's and the hash block size (one size).
     * ``sliding_window`` / ``hybrid`` / ``second_window`` / ``mla``: the KV-cache groups (:func:`kv_cache_groups`).
@@ -296,6 +299,8 @@ def make_scheduler(
     scheduler_options: dict[str, Any] = {} if policy == "fcfs" else {"policy": policy}
     if prefill_schedule_interval != 1:
         scheduler_options["prefill_schedule_interval"] = prefill_schedule_interval
+    if adaptive_threshold:
+        scheduler_options["long_prefill_token_threshold_adaptive"] = True
     if cache_aware_window:
         if not HAS_CACHE_AWARE_ADMISSION:
             pytest.skip(f"vLLM {vllm.__version__} has no cache-aware admission")

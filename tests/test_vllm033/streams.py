@@ -45,6 +45,8 @@ class StreamConfig:
     num_blocks: int = 20
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 6
+    long_prefill_threshold: int = 0  # the scheduler config's long_prefill_token_threshold (0: none)
+    adaptive_threshold: bool = False  # with it: floored at a fair share of the budget (..._adaptive)
     num_speculative_tokens: int = 2  # 0: no speculative decoding
     abort_rate: float = 0.004
     sliding_window: int | None = None  # a sliding-window group of this many tokens (None: full attention only)
@@ -265,6 +267,8 @@ def run_stream(cls: type, config: StreamConfig, *, check_tables: bool = True, ma
                                watermark=config.watermark, enable_prefix_caching=config.prefix_caching,
                                policy="priority" if config.priority else "fcfs", max_loras=config.max_loras,
                                prefill_schedule_interval=config.prefill_interval,
+                               long_prefill_token_threshold=config.long_prefill_threshold,
+                               adaptive_threshold=config.adaptive_threshold,
                                encoder_budget=64 if config.mm else 0)
     extra = random.Random(config.seed + 2)  # (priorities and adapters)
     resets = random.Random(config.seed + 4)

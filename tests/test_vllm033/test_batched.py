@@ -41,7 +41,7 @@ from .harness import (
     make_requests,
     make_scheduler,
 )
-from .streams import StreamConfig, coverage, run_stream
+from .streams import StreamConfig, coverage, lora_adapter, run_stream
 
 AdmittedRun = gpukv033.admissions.AdmittedRun
 LoraSlots = gpukv033.admissions.LoraSlots
@@ -585,6 +585,44 @@ def test_a_run_ends_with_a_chunked_admission_in_the_same_step(num_blocks, batche
     assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
     assert outputs[VllmScheduler][1] == scheduled
 
+@pytest.mark.parametrize(("budget", "threshold", "adaptive", "scheduled", "per_request"),
+                         [(1024, 24, False, {"1": 8, "2": 24, "3": 20}, 0),
+                          (1024, 8, True, {"1": 8, "2": 60, "3": 20}, 0),
+                          (40, 24, False, {"1": 8, "2": 24, "3": 8}, 1)],
+                         ids=["threshold", "adaptive", "threshold-and-budget"])
+def test_a_run_chunks_each_admission_at_the_long_prefill_threshold(budget, threshold, adaptive, scheduled,
+                                                                   per_request, monkeypatch):
+    """Three waiting prompts: 40 tokens hitting 32 of them, 60, and 20. Under
+    a long-prefill threshold of 24 vLLM computes 8 (past the hit), 24 (the
+    threshold) and 20, and gpukv's run admits all three in one step, each
+    chunked at the threshold. Adaptive, a threshold of 8 is floored at 1024
+    // 3 (three requests waiting): nothing is chunked. With a budget of 40,
+    counted without hits the first takes 24 (its prompt capped at the
+    threshold) and the second's 24 do not fit the 16 left: the run ends with
+    it, chunked by the threshold and by its step's budget (vLLM's 32 left),
+    and vLLM's loop admits the third per request, chunked at the 8 left."""
+    prompts = {0: [7] * 32 + [1] * 8, 1: [7] * 32 + [2] * 8, 2: [9] * 60, 3: [8] * 20}
+    outputs = {}
+    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
+        scheduler = make_scheduler(cls, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128,
+                                   num_blocks=100, long_prefill_token_threshold=threshold,
+                                   adaptive_threshold=adaptive)
+        engine = Engine(scheduler)
+        engine.add(make_requests(1, prompt=lambda i: prompts[i], max_tokens=1, scheduler=scheduler))
+        engine.run_until_idle()  # (its 32-token prefix cached)
+        engine.add(make_requests(3, prompt=lambda i: prompts[i + 1], first_id=1, max_tokens=1, scheduler=scheduler))
+        calls = {"step": 0, "get_computed_blocks": 0, "allocate_slots": 0}
+        if cls is not VllmScheduler:
+            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
+        out = engine.step()
+        outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+                        dict(out.num_scheduled_tokens))
+        if cls is not VllmScheduler:
+            assert calls == {"step": 1, "get_computed_blocks": per_request, "allocate_slots": per_request}
+    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
+    assert outputs[VllmScheduler][1] == scheduled
+
+
 def test_a_lookup_the_run_did_not_expect_raises():
     scheduler = make_scheduler(gpukv033.ReferenceScheduler, max_num_seqs=16, max_num_batched_tokens=1024,
                                max_model_len=256, num_blocks=100)
@@ -877,6 +915,36 @@ def test_lora_slots_follow_vllms_max_loras_skip():
     assert all(unbounded.admit(request(i)) for i in (2, 3, 4, 5))
     assert LoraSlots(SimpleNamespace(max_loras=1), [request(None)]).admit(request(7))  # (the step's first adapter)
     assert not LoraSlots(SimpleNamespace(max_loras=1), [request(4)]).admit(request(7))
+
+
+def test_a_run_goes_past_a_lora_request_vllm_skips(monkeypatch):
+    """``max_loras=1``, a request decoding on adapter 1, and three waiting:
+    one on the base model, one on adapter 2, one on adapter 1. vLLM admits
+    the first, skips the second (a second adapter in the step) before
+    looking it up, and admits the third; gpukv's run leaves the second out
+    and admits the other two in the same gpukv step as the decode, with no
+    call of their own; the skipped request waits on."""
+    sql, chat = lora_adapter("sql", 1, "/adapters/sql"), lora_adapter("chat", 2, "/adapters/chat")
+    outputs = {}
+    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
+        scheduler = make_scheduler(cls, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=128,
+                                   num_blocks=100, max_loras=1)
+        engine = Engine(scheduler)
+        engine.add(make_requests(1, prompt=lambda _: [5] * 20, max_tokens=8, scheduler=scheduler, lora_request=sql))
+        engine.step()
+        for first_id, lora in ((1, None), (2, chat), (3, sql)):
+            engine.add(make_requests(1, prompt=lambda _, k=first_id: [10 + k] * 20, first_id=first_id, max_tokens=8,
+                                     scheduler=scheduler, lora_request=lora))
+        calls = {"step": 0, "get_computed_blocks": 0, "allocate_slots": 0}
+        if cls is not VllmScheduler:
+            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
+        out = engine.step()
+        outputs[cls] = ([(r.req_id, r.block_ids) for r in out.scheduled_new_reqs], dict(out.num_scheduled_tokens),
+                        [r.request_id for r in scheduler.waiting])
+        if cls is not VllmScheduler:
+            assert calls == {"step": 1, "get_computed_blocks": 0, "allocate_slots": 0}
+    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
+    assert outputs[VllmScheduler][1:] == ({"0": 1, "1": 20, "3": 20}, ["2"])
 
 
 @pytest.mark.parametrize("cls", REFERENCE)

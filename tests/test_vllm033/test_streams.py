@@ -98,7 +98,12 @@ FEATURE_STREAMS = [pytest.param(dict(bounded_hits=True), id="bounded-hits"),
                                 id="paused-and-throttled-batched"),
                    pytest.param(dict(reset_rate=0.05), id="cache-resets"),
                    pytest.param(dict(mm=True), id="multimodal"),
-                   pytest.param(dict(mm=True, kv_events=False, num_speculative_tokens=0), id="multimodal-batched")]
+                   pytest.param(dict(mm=True, kv_events=False, num_speculative_tokens=0), id="multimodal-batched"),
+                   pytest.param(dict(long_prefill_threshold=24), id="long-prefill-threshold"),
+                   pytest.param(dict(long_prefill_threshold=24, kv_events=False, num_speculative_tokens=0),
+                                id="long-prefill-threshold-batched"),
+                   pytest.param(dict(long_prefill_threshold=8, adaptive_threshold=True, kv_events=False,
+                                     num_speculative_tokens=0), id="adaptive-threshold-batched")]
 
 
 @pytest.mark.parametrize("cls", GPUKV)

@@ -11,18 +11,22 @@ advance can be made as one step and vLLM's calls answered from it.
 
 ``plain_run`` picks that run when the waiting loop's first lookup comes: the
 head of the waiting queue (first come, first served), as long as each
-request is one vLLM admits whole whatever its hit (no chunk: its tokens fit
-the token budget left, counted without hits, and the long-prefill
-threshold; a plain waiting or preempted request: no multimodal input,
-pooling, computed tokens, stale output, streaming) and a model-runner
-slot is free. The run's last request may instead be one vLLM chunks by the
-budget left (chunked prefill on, no long-prefill threshold, and, under
-vLLM's whole-prompt check ``scheduler_reserve_full_isl``, its prompt
-provably fitting on the host, ``HostFitProof``): gpukv's step then takes the budget and chunks
-it by vLLM's rule (``gpukv.core.blocks.new_tokens_at_admission``: ``min(tokens
-past the hit, budget left)``, hits charged as vLLM charges them); should its
-hit leave it whole, vLLM's loop goes on past the run on the per-request
-path. All this only in a step with nothing else that bends vLLM's loop
+request is one vLLM admits whatever its hit without a chunk of the budget
+(its tokens, or the long-prefill threshold where that is less, fit the
+token budget left, counted without hits; a plain waiting or preempted
+request: no multimodal input, pooling, computed tokens, stale output,
+streaming) and a model-runner slot is free. vLLM's long-prefill threshold
+(``long_prefill_cap``: the step's, as vLLM's ``schedule()`` sets it at its
+start) is each run request's chunk: gpukv's step computes ``min(tokens past
+the hit, threshold)`` as vLLM does. The run's last request may instead be
+one vLLM chunks by the budget left (chunked prefill on and, under vLLM's
+whole-prompt check ``scheduler_reserve_full_isl``, its prompt provably
+fitting on the host, ``HostFitProof``): gpukv's step then takes the budget
+and chunks it by vLLM's rule (``gpukv.core.blocks.new_tokens_at_admission``:
+``min(tokens past the hit, threshold, budget left)``, hits charged as vLLM
+charges them); should its hit leave it whole, vLLM's loop goes on past the
+run on the per-request path. A request the threshold may chunk is a
+chunked admission to the whole-prompt check too. All this only in a step with nothing else that bends vLLM's loop
 (no pause, no held-KV queue, no replayed windows, and no deferred prefills:
 vLLM defers them on a throttled or off-cadence step, by the request's hit,
 unless the step is capacity-bound or no running request decodes;
@@ -30,8 +34,9 @@ unless the step is capacity-bound or no running request decodes;
 priority order (its iteration order, the order vLLM pops it in), whose
 loop decides nothing else either; under a LoRA config a LoRA request joins
 the run while its adapter keeps the step within ``max_loras`` (counting
-every running request's adapter, as vLLM does), and ends it where vLLM
-would skip it (``LoraSlots``). With more than one lookup group each lookup's
+every running request's adapter, as vLLM does), and where vLLM skips one
+(before its lookup: it never reaches the manager) the run leaves it out and
+goes on past it, as vLLM's loop does (``LoraSlots``). With more than one lookup group each lookup's
 shared-prefix boundary is the step's full-attention hit of each request
 where vLLM's first lookup group is every full-attention group; else it is
 read from the event index just before the request's own events are
@@ -69,52 +74,75 @@ from gpukv.vllm.v0_33.views import token_ids
 
 class WaitingRun(NamedTuple):
     """What ``plain_run`` predicts: the requests, in order; the token budget
-    gpukv's step takes for them (None: each admitted whole); the lookahead
-    slots vLLM's waiting loop asks for each (``num_lookahead_tokens``)."""
+    gpukv's step takes for them (None: no request chunked by it); the
+    lookahead slots vLLM's waiting loop asks for each
+    (``num_lookahead_tokens``); the most tokens each computes past its hit
+    (vLLM's long-prefill threshold; None: no cap)."""
 
     requests: list[Any]
     token_budget: int | None
     lookahead: int = 0
+    chunk: int | None = None
 
 
-def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_prefills: bool) -> WaitingRun:
+def long_prefill_cap(scheduler: Any) -> int:
+    """vLLM's long-prefill threshold for the ``schedule()`` about to start
+    (0: none): the config's, with chunked prefill and more than one request
+    running or waiting (alone, a request starves no one), floored at a fair
+    share of the budget where the config asks (``..._adaptive``). Taken
+    before vLLM's ``schedule()`` as vLLM takes it at its start."""
+    config = scheduler.scheduler_config
+    eligible = sum(scheduler.get_request_counts())
+    cap = config.long_prefill_token_threshold if config.enable_chunked_prefill and eligible > 1 else 0
+    if cap > 0 and getattr(config, "long_prefill_token_threshold_adaptive", False):  # (a vLLM without: none)
+        cap = max(cap, config.max_num_batched_tokens // eligible)
+    return cap
+
+
+def plain_run(scheduler: Any, adapter: Any, num_scheduled_tokens: int, throttle_prefills: bool,
+              cap: int = 0) -> WaitingRun:
     """The waiting requests vLLM's loop will look up and admit, in order,
     after the running loop scheduled ``num_scheduled_tokens`` tokens for
-    ``adapter.num_scheduled_requests`` requests (module docstring). Empty
-    when the step may bend the loop."""
+    ``adapter.num_scheduled_requests`` requests, under the long-prefill
+    threshold ``cap`` (``long_prefill_cap``; module docstring). Empty when
+    the step may bend the loop."""
     s = scheduler
     lookahead = s.num_lookahead_tokens
+    chunk = cap or None
     if _bends_the_loop(s, throttle_prefills):
-        return WaitingRun([], None, lookahead)
+        return WaitingRun([], None, lookahead, chunk)
     draft_slots = _draft_slots(s)
     tokens = s.max_num_scheduled_tokens - num_scheduled_tokens  # (vLLM's token_budget and input_budget left)
     inputs = s.scheduler_config.max_num_batched_tokens - num_scheduled_tokens \
         - draft_slots * adapter.num_scheduled_requests
     slots = s.max_num_active_reqs - len(s.running) - s.num_waiting_for_streaming_input
-    threshold = s.scheduler_config.long_prefill_token_threshold
     padded = _pads_one_token_admissions(s)
     loras = LoraSlots(s.lora_config, s.running)
+    whole_prompt = bool(s.scheduler_reserve_full_isl)
     run: list[Any] = []
     taken = 0  # (the run's tokens so far, none hit)
     proof = HostFitProof(adapter)
     for request in s.waiting:
         n = request.num_tokens
+        most = min(n, cap) if cap else n  # (the most tokens vLLM schedules for it, whatever its hit)
         budget = min(tokens, inputs - draft_slots)  # (vLLM's request_token_budget; its loop stops at <= 0)
-        if len(run) == slots or budget <= 0 or (threshold and n > threshold) or not _plain(request) or \
-                n + lookahead > adapter.max_model_len or (padded and (n - 1) % adapter.block_size == 0) or \
-                not loras.admit(request):
+        if len(run) == slots or budget <= 0 or not _plain(request):
+            break
+        if not loras.admit(request):
+            continue  # (vLLM skips it at the check it reaches first once plain, before its lookup)
+        if n + lookahead > adapter.max_model_len or (padded and (n - 1) % adapter.block_size == 0):
             break
         slots_needed = n + lookahead
-        if n > budget:
-            if not threshold and s.scheduler_config.enable_chunked_prefill and \
-                    proof.fits(slots_needed, adapter.watermark_blocks, needed=bool(s.scheduler_reserve_full_isl)):
-                return WaitingRun([*run, request], budget + taken, lookahead)
+        if most > budget:
+            if s.scheduler_config.enable_chunked_prefill and \
+                    proof.fits(slots_needed, adapter.watermark_blocks, needed=whole_prompt):
+                return WaitingRun([*run, request], budget + taken, lookahead, chunk)
             break
-        if not proof.fits(slots_needed, adapter.watermark_blocks, needed=False):
+        if not proof.fits(slots_needed, adapter.watermark_blocks, needed=whole_prompt and most < n):
             break
         run.append(request)
-        tokens, inputs, taken = tokens - n, inputs - n - draft_slots, taken + n
-    return WaitingRun(run, None, lookahead)
+        tokens, inputs, taken = tokens - most, inputs - most - draft_slots, taken + most
+    return WaitingRun(run, None, lookahead, chunk)
 
 
 class LoraSlots:
@@ -122,9 +150,9 @@ class LoraSlots:
     adapter would be one more than ``max_loras`` among the running requests'
     (every one, scheduled this step or not: they may join a later batch) and
     the loop's admissions so far is skipped. ``admit`` says whether the
-    request passes it (and counts its adapter): one that does not ends a
-    run, since vLLM skips it and goes on, which a run cannot (its requests
-    are the queue's head). Without a LoRA config vLLM counts nothing."""
+    request passes it (and counts its adapter): one that does not is left
+    out of a run, which goes on past it as vLLM's loop does. Without a LoRA
+    config vLLM counts nothing."""
 
     def __init__(self, lora_config: Any, running: Any) -> None:
         self._max = lora_config.max_loras if lora_config is not None else None
@@ -273,12 +301,14 @@ class AdmittedRun:
         one gpukv step, with the running loop's pending calls
         (``PendingGrowth.flush``)."""
         self.started = True
-        run, token_budget, self.lookahead = WaitingRun(*waiting_run)
+        run, token_budget, self.lookahead, chunk = WaitingRun(*waiting_run)
         if not run or run[0] is not request:
             return
         a = self._adapter
         boundaries: list[int] = []
-        result = a.pending.flush(new=[a.gpukv_request(r, token_ids(r), lookahead=self.lookahead) for r in run],
+        new = [a.gpukv_request(r, token_ids(r), chunk if chunk is not None and chunk < r.num_tokens else None,
+                               self.lookahead) for r in run]
+        result = a.pending.flush(new=new,
                                  token_budget=token_budget, admitting=run, boundaries=boundaries)
         self.num_runs += 1
         self.num_admitted += result.num_admitted

@@ -51,7 +51,7 @@ SCHEDULER_FIELDS = (
     "prefix_replay_tokens", "ec_connector", "max_num_scheduled_tokens", "max_num_active_reqs", "running",
     "num_waiting_for_streaming_input", "waiting", "requests", "grammar_compile_error_reqs",
     "scheduler_reserve_full_isl", "num_spec_tokens", "num_sampled_tokens_per_step", "prefill_capacity_bound",
-    "num_executed_steps", "last_prefill_step",
+    "num_executed_steps", "last_prefill_step", "get_request_counts",
 )
 """The scheduler attributes the adapter reads (``scheduler._refuse_unsupported``, ``admissions.plain_run``,
 ``screening``)."""

@@ -43,7 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from gpukv.vllm.discarded import unlink_free_list
 from gpukv.vllm.v0_8.manager import resolve_backend
 from gpukv.vllm.v0_33 import engine_hashing
-from gpukv.vllm.v0_33.admissions import plain_run
+from gpukv.vllm.v0_33.admissions import long_prefill_cap, plain_run
 from gpukv.vllm.v0_33.conformance import check_conformance, check_scheduler
 from gpukv.vllm.v0_33.groups import UnsupportedConfigError, check_kv_cache_config
 from gpukv.vllm.v0_33.manager import KVCacheManager
@@ -181,7 +181,8 @@ class _GpukvManagerMixin:
         kv.num_scheduled_tokens = kv.num_scheduled_requests = 0
         kv.admissions.reset()
         if kv.batching:
-            kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills)
+            cap = long_prefill_cap(self)
+            kv.waiting_run = lambda tokens: plain_run(self, kv, tokens, throttle_prefills, cap)
         try:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
