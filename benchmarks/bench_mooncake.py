@@ -23,7 +23,9 @@ the issue's "about 40" and "about 200 running").
 
 The engine. Block size 16, one full-attention group, prefix caching on
 (vLLM's default hash, sha256), chunked prefill on, token budget 8192
-(``max_num_batched_tokens``), ``max_model_len`` the longest request loaded
+(``max_num_batched_tokens``), no long-prefill threshold (vLLM's default;
+``--long-prefill-token-threshold N`` caps each request's prefill chunk at N
+tokens, as the server's option does), ``max_model_len`` the longest request loaded
 (prompt and output). The pool: one null block, plus the blocks of the
 ``target`` largest requests loaded (prompt and output together) and 64 more,
 so that the running set always fits (no preemption: a run that preempts stops
@@ -255,13 +257,13 @@ def bucket_of(blocks: int) -> str:
     raise ValueError(f"a prompt of {blocks} blocks")
 
 
-def config(prompts: list[Prompt], target: int) -> dict:
+def config(prompts: list[Prompt], target: int, long_prefill_token_threshold: int = 0) -> dict:
     """make_scheduler's options (module docstring: the engine)."""
     sizes = sorted((-(-(p.input_length + p.max_tokens) // BS) for p in prompts), reverse=True)
     longest = max(p.input_length + p.max_tokens for p in prompts)
     return dict(max_num_seqs=target, max_num_batched_tokens=BUDGET, max_model_len=-(-longest // BS) * BS,
                 enable_prefix_caching=True, num_blocks=1 + sum(sizes[:target]) + 64, block_size=BS,
-                hash_algo=HASH_ALGO)
+                hash_algo=HASH_ALGO, long_prefill_token_threshold=long_prefill_token_threshold)
 
 
 # ------------------------------------------------------------------ one run
@@ -506,7 +508,7 @@ def measure_split(h, cls: type, prompts: list[Prompt], target: int, options: dic
 
 def measure_row(h, classes: dict, prompts: list[Prompt], target: int, args: argparse.Namespace) -> dict:
     """vLLM and gpukv alternating over repeats at one target: one row."""
-    options = config(prompts, target)
+    options = config(prompts, target, args.long_prefill_token_threshold)
     times: dict[str, list[float]] = {"vllm": [], "gpukv": []}
     running: list[int] = []
     per_repeat: list[float] = []
@@ -757,7 +759,7 @@ def measure_admissions(h, classes: dict, prompts: list[Prompt], targets: list[in
     device: dict[str, list[dict]] = defaultdict(list)  # column: one pseudo-row per admission
     beside: dict[str, list[tuple[str, float, float]]] = defaultdict(list)  # column: vLLM's lockstep samples
     for target in targets:
-        options = config(prompts, target)
+        options = config(prompts, target, args.long_prefill_token_threshold)
         runs = {}
         for name in ("vllm", "gpukv"):
             runs[name], got = admission_run(h, classes[name], prompts, target, options, args)
@@ -1135,6 +1137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help=f"timed steps per run ({full['steps']})")
     p.add_argument("--repeats", type=int, help=f"runs of each, vLLM and gpukv alternating ({full['repeats']})")
     p.add_argument("--schedulers", nargs="+", choices=[m[0] for m in MODES], default=[m[0] for m in MODES])
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="cap each request's prefill chunk at N tokens (vLLM's option; 0: none, its default)")
     p.add_argument("--no-admissions", dest="admissions", action="store_false",
                    help="skip the per-admission pass")
     p.add_argument("--device", action="store_true",
@@ -1166,6 +1170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be at least 1")
     if min(args.targets) < 1:
         p.error("--targets must be at least 1")
+    if args.long_prefill_token_threshold < 0:
+        p.error("--long-prefill-token-threshold must be at least 0 (0: none)")
     if args.worker and not args.device:
         p.error("--worker needs --device")
     args.costs = GpuCosts.parse(args.gpu_costs)
@@ -1228,7 +1234,8 @@ def report(h, args: argparse.Namespace, tables: list[dict], per_admission: dict,
     version = h.vllm_version()
     print(f"Engine step (arrivals' hashing + schedule() + update_from_output()) on the Mooncake conversation "
           f"trace (first {args.max_requests} requests) under vLLM {version}: {where}; gpukv {gpukv.__version__}, "
-          f"torch {torch.__version__}; {load} at the end; {seconds:.0f} s. Thread CPU ms, p50 (p99) over "
+          f"torch {torch.__version__}; {load} at the end; {seconds:.0f} s; long-prefill threshold "
+          f"{args.long_prefill_token_threshold or 'none'}. Thread CPU ms, p50 (p99) over "
           f"{args.repeats} x {args.steps} steps, vLLM and gpukv alternating per repeat; prefix-cache hits and "
           "scheduled tokens equal request by request.")
     cuda = torch.cuda.is_available()
@@ -1265,6 +1272,7 @@ def report(h, args: argparse.Namespace, tables: list[dict], per_admission: dict,
                        "python": sys.version.split()[0], "load": load, "seconds": seconds,
                        "max_requests": args.max_requests, "targets": args.targets, "fill_steps": args.fill_steps,
                        "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+                       "long_prefill_token_threshold": args.long_prefill_token_threshold,
                        "hits_equal": True, "device": args.device, "worker": args.worker, "cuda": cuda,
                        "gpu_costs": vars(args.costs) if args.device else None,
                        "tables": tables, "admissions": admissions,

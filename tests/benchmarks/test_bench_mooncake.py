@@ -49,6 +49,31 @@ def test_quick_run_structure(tmp_path, capsys):
     assert any(line.startswith("| prompt blocks of 16 | admissions |") for line in lines)
 
 
+def test_quick_run_under_a_long_prefill_threshold(tmp_path, capsys, monkeypatch):
+    """``--long-prefill-token-threshold N`` reaches every scheduler the run
+    builds, vLLM's and gpukv's; the work stays equal (the run checks it), and
+    gpukv's batched runs admit the trace's long prompts chunked at N; the
+    summary and the JSON say which threshold."""
+    bench = load_benchmark("bench_mooncake")
+    harness = tests.test_vllm033.harness
+    built = []
+    make = harness.make_scheduler
+
+    def recording(cls, **options):
+        built.append(make(cls, **options))
+        return built[-1]
+
+    monkeypatch.setattr(harness, "make_scheduler", recording)
+    out = tmp_path / "mooncake.json"
+    assert bench.main(["--quick", "--targets", "4", "--no-admissions", "--schedulers", "Scheduler",
+                       "--long-prefill-token-threshold", "256", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["long_prefill_token_threshold"] == 256
+    assert {s.scheduler_config.long_prefill_token_threshold for s in built} == {256}
+    runs = [s.kv_cache_manager.admissions for s in built if hasattr(s.kv_cache_manager, "admissions")]
+    assert runs and all(r.num_chunked > 0 for r in runs)
+    assert "long-prefill threshold 256." in capsys.readouterr().out
+
+
 class _Pool:
     def take(self):
         return 7
