@@ -180,8 +180,8 @@ def test_admission_runs_on_throttled_and_cadence_steps_that_defer_nothing_are_vl
     predicted: list[int] = []  # the run's length on each step that throttled or had a cadence
     plain = gpukv033.scheduler.plain_run
 
-    def recording(s, adapter, tokens, throttle_prefills):
-        run = plain(s, adapter, tokens, throttle_prefills)
+    def recording(s, adapter, tokens, throttle_prefills, cap=0):
+        run = plain(s, adapter, tokens, throttle_prefills, cap)
         if throttle_prefills or s.local_prefill_interval > 1:
             predicted.append(len(run.requests))
         return run
