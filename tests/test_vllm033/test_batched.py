@@ -702,6 +702,30 @@ def test_a_call_that_does_not_fit_keeps_nothing():
     kv.check_invariants()
 
 
+def test_a_count_of_free_blocks_is_not_kept_past_a_call_made_outside_the_batch():
+    """The host's count of free blocks (``PendingGrowth.spare``) holds only
+    while the pending calls are all that changed the pool. Two blocks free: a
+    call that needs three does not fit (nothing pending: the count, 2, is
+    kept), then a call on the per-request path takes both, then a call that
+    needs one does not fit either (the count is read anew, not taken as 2).
+    Found by fuzzing: a window model's call on the per-request path, between
+    two running calls, took the blocks a stale count still offered, and
+    gpukv refused the step."""
+    kv, _, requests = _adapter_with_running(num_blocks=5)  # null block + 2 prefills: two blocks free
+    kv.batching = True
+    for r in requests:
+        r.num_computed_tokens = 16
+    assert kv.allocate_slots(requests[0], 40) is None and len(kv.pending) == 0  # (3 blocks: 2 free)
+    kv.batching = False  # (the per-request path, as a window model's releasing call takes)
+    assert kv.allocate_slots(requests[0], 17).get_block_ids() == ([3, 4],)
+    assert kv.manager.read_num_free_blocks() == 0
+    kv.batching = True
+    assert kv.allocate_slots(requests[1], 1) is None and len(kv.pending) == 0
+    kv.flush()
+    kv.batching = False
+    kv.check_invariants()
+
+
 def test_every_reader_flushes_first():
     kv, _, requests = _adapter_with_running()
     kv.batching = True

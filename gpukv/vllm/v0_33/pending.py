@@ -272,6 +272,8 @@ class PendingGrowth:
         an event index: ``KVCacheManager.run_boundary``; else left empty, the
         step's full-attention hits giving them)."""
         if not self.calls and not new:
+            # (a count kept by a call that did not fit holds no longer: what flushes now may change the pool)
+            self.spare = None
             return None
         ids = not self._adapter.ids_on_device  # (with a gpukv worker, block ids stay on the device)
         try:
