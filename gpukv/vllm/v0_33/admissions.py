@@ -26,8 +26,9 @@ and chunks it by vLLM's rule (``gpukv.core.blocks.new_tokens_at_admission``:
 ``min(tokens past the hit, threshold, budget left)``, hits charged as vLLM
 charges them); should its hit leave it whole, vLLM's loop goes on past the
 run on the per-request path. A request the threshold may chunk is a
-chunked admission to the whole-prompt check too. All this only in a step with nothing else that bends vLLM's loop
-(no pause, no held-KV queue, no replayed windows, and no deferred prefills:
+chunked admission to the whole-prompt check too. All this only in a step
+with nothing else that bends vLLM's loop (no pause, no held-KV queue, no
+replayed windows, and no deferred prefills:
 vLLM defers them on a throttled or off-cadence step, by the request's hit,
 unless the step is capacity-bound or no running request decodes;
 ``defers_prefills``). Under the priority policy the head is the queue's first in
@@ -36,8 +37,8 @@ loop decides nothing else either; under a LoRA config a LoRA request joins
 the run while its adapter keeps the step within ``max_loras`` (counting
 every running request's adapter, as vLLM does), and where vLLM skips one
 (before its lookup: it never reaches the manager) the run leaves it out and
-goes on past it, as vLLM's loop does (``LoraSlots``). With more than one lookup group each lookup's
-shared-prefix boundary is the step's full-attention hit of each request
+goes on past it, as vLLM's loop does (``LoraSlots``). With more than one
+lookup group each lookup's shared-prefix boundary is the step's full-attention hit of each request
 where vLLM's first lookup group is every full-attention group; else it is
 read from the event index just before the request's own events are
 regrouped (``PendingGrowth.flush``'s ``boundaries``), where the index
@@ -308,8 +309,7 @@ class AdmittedRun:
         boundaries: list[int] = []
         new = [a.gpukv_request(r, token_ids(r), chunk if chunk is not None and chunk < r.num_tokens else None,
                                self.lookahead) for r in run]
-        result = a.pending.flush(new=new,
-                                 token_budget=token_budget, admitting=run, boundaries=boundaries)
+        result = a.pending.flush(new=new, token_budget=token_budget, admitting=run, boundaries=boundaries)
         self.num_runs += 1
         self.num_admitted += result.num_admitted
         self.num_chunked += sum(1 for i in range(result.num_admitted)
