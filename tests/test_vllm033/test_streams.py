@@ -116,7 +116,8 @@ def test_gpukv_feature_streams_are_vllms(cls, seed, options):
     the first waiting requests, from any usage); the priority policy; LoRA
     adapters (keyed as vLLM keys them), one a step or unconstrained; the
     prefill cadence; pauses and throttled prefills; prefix-cache resets that
-    preempt every running request (after a weight update)."""
+    preempt every running request (after a weight update); images; the
+    long-prefill threshold, fixed and adaptive."""
     if options.get("bounded_hits") and not HIT_LIMIT:
         pytest.skip(f"vLLM {vllm_version()} has no prefix-cache hit limit")
     vllm_cls = VllmAsyncScheduler if is_async(cls) else VllmScheduler
@@ -134,8 +135,10 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     preempted request is not always the last running one) and the LoRA
     adapters (they split the cache: fewer hits; one adapter a step holds
     requests back), the prefill cadence and the pauses and throttled steps
-    (they hold prefills back), the cache resets (each preempts every running
-    request), the images (encoder inputs scheduled, hits made), and the hit
+    (they hold prefills back), the long-prefill threshold (it chunks
+    prompts; adaptive, its floor lifts a low one), the cache resets (each
+    preempts every running request), the images (encoder inputs scheduled,
+    hits made), and the hit
     bounds (the stream differs from one whose requests' own limits are
     ignored)."""
     plain = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0]), check_tables=False)
@@ -146,8 +149,12 @@ def test_the_feature_streams_exercise_bounded_hits_and_reordering(monkeypatch):
     hits = [sum(r.prefix_cache[2] for r in stream if r.prefix_cache) for stream in (
         plain, run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], lora=True), check_tables=False))]
     assert 0 < hits[1] < hits[0]
-    for options in (dict(prefill_interval=3), dict(bends=True)):
+    for options in (dict(prefill_interval=3), dict(bends=True), dict(long_prefill_threshold=24)):
         assert run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], **options), check_tables=False) != plain
+    floored = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], long_prefill_threshold=8, adaptive_threshold=True),
+                         check_tables=False)  # (the floor, 64 over the requests, lifts the threshold of 8)
+    assert floored != run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], long_prefill_threshold=8),
+                                 check_tables=False)
     reset = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], reset_rate=0.05), check_tables=False)
     assert [r.reset for r in reset if r.reset is not None].count(True) >= 2 and any(r.preempted for r in reset)
     images = run_stream(VllmScheduler, StreamConfig(seed=SEEDS[0], mm=True), check_tables=False)
