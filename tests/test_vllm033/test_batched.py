@@ -551,6 +551,30 @@ def test_a_run_of_admissions_is_one_gpukv_step(monkeypatch):
 
 
 
+def _step_after_a_cached_prefix(monkeypatch: pytest.MonkeyPatch, prompts: dict[int, list[int]],
+                                counted: tuple[str, ...], **options) -> tuple[tuple, dict[str, int]]:
+    """vLLM's scheduler and gpukv's, each built with ``options``: ``prompts[0]``
+    run to its end (its blocks cached), the other prompts added, then one
+    step, whose new requests (ids, block ids, hits) and tokens scheduled must
+    be equal. Returns vLLM's, and the calls of gpukv's manager named in
+    ``counted`` that the step made."""
+    outputs, calls = {}, dict.fromkeys(counted, 0)
+    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
+        scheduler = make_scheduler(cls, max_num_seqs=8, max_model_len=128, **options)
+        engine = Engine(scheduler)
+        engine.add(make_requests(1, prompt=lambda i: prompts[i], max_tokens=1, scheduler=scheduler))
+        engine.run_until_idle()
+        engine.add(make_requests(len(prompts) - 1, prompt=lambda i: prompts[i + 1], first_id=1, max_tokens=1,
+                                 scheduler=scheduler))
+        if cls is not VllmScheduler:
+            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
+        out = engine.step()
+        outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+                        dict(out.num_scheduled_tokens))
+    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
+    return outputs[VllmScheduler], calls
+
+
 @pytest.mark.parametrize(("num_blocks", "batched_tail", "scheduled"),
                          [(100, True, {"1": 8, "2": 56}), (7, False, {"1": 8})])
 def test_a_run_ends_with_a_chunked_admission_in_the_same_step(num_blocks, batched_tail, scheduled, monkeypatch):
@@ -563,27 +587,12 @@ def test_a_run_ends_with_a_chunked_admission_in_the_same_step(num_blocks, batche
     the per-request path, and vLLM's check refuses it there (the first's hit
     blocks were evictable: taken too); every decision is vLLM's."""
     prompts = {0: [7] * 32 + [1] * 8, 1: [7] * 32 + [2] * 8, 2: [9] * 60}
-    outputs = {}
-    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
-        scheduler = make_scheduler(cls, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-                                   num_blocks=num_blocks)
-        engine = Engine(scheduler)
-        engine.add(make_requests(1, prompt=lambda i: prompts[i], max_tokens=1, scheduler=scheduler))
-        engine.run_until_idle()  # (its 32-token prefix cached)
-        engine.add(make_requests(2, prompt=lambda i: prompts[i + 1], first_id=1, max_tokens=1, scheduler=scheduler))
-        calls = {"get_computed_blocks": 0, "allocate_slots": 0}
-        if cls is not VllmScheduler:
-            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
-        out = engine.step()
-        outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
-                        dict(out.num_scheduled_tokens))
-        if cls is not VllmScheduler:
-            # (unbatched, the adapter's own whole-prompt check refuses before the manager allocates)
-            per_request = {"get_computed_blocks": 0, "allocate_slots": 0} if batched_tail else \
-                {"get_computed_blocks": 1, "allocate_slots": 0}
-            assert calls == per_request
-    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
-    assert outputs[VllmScheduler][1] == scheduled
+    out, calls = _step_after_a_cached_prefix(monkeypatch, prompts, ("get_computed_blocks", "allocate_slots"),
+                                             max_num_batched_tokens=64, num_blocks=num_blocks)
+    # (unbatched, the adapter's own whole-prompt check refuses before the manager allocates)
+    assert calls == {"get_computed_blocks": 0 if batched_tail else 1, "allocate_slots": 0}
+    assert out[1] == scheduled
+
 
 @pytest.mark.parametrize(("budget", "threshold", "adaptive", "scheduled", "per_request"),
                          [(1024, 24, False, {"1": 8, "2": 24, "3": 20}, 0),
@@ -602,25 +611,11 @@ def test_a_run_chunks_each_admission_at_the_long_prefill_threshold(budget, thres
     it, chunked by the threshold and by its step's budget (vLLM's 32 left),
     and vLLM's loop admits the third per request, chunked at the 8 left."""
     prompts = {0: [7] * 32 + [1] * 8, 1: [7] * 32 + [2] * 8, 2: [9] * 60, 3: [8] * 20}
-    outputs = {}
-    for cls in (VllmScheduler, gpukv033.ReferenceScheduler):
-        scheduler = make_scheduler(cls, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128,
-                                   num_blocks=100, long_prefill_token_threshold=threshold,
-                                   adaptive_threshold=adaptive)
-        engine = Engine(scheduler)
-        engine.add(make_requests(1, prompt=lambda i: prompts[i], max_tokens=1, scheduler=scheduler))
-        engine.run_until_idle()  # (its 32-token prefix cached)
-        engine.add(make_requests(3, prompt=lambda i: prompts[i + 1], first_id=1, max_tokens=1, scheduler=scheduler))
-        calls = {"step": 0, "get_computed_blocks": 0, "allocate_slots": 0}
-        if cls is not VllmScheduler:
-            _count_calls(monkeypatch, scheduler.kv_cache_manager.manager, calls)
-        out = engine.step()
-        outputs[cls] = ([(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
-                        dict(out.num_scheduled_tokens))
-        if cls is not VllmScheduler:
-            assert calls == {"step": 1, "get_computed_blocks": per_request, "allocate_slots": per_request}
-    assert outputs[gpukv033.ReferenceScheduler] == outputs[VllmScheduler]
-    assert outputs[VllmScheduler][1] == scheduled
+    out, calls = _step_after_a_cached_prefix(monkeypatch, prompts, ("step", "get_computed_blocks", "allocate_slots"),
+                                             max_num_batched_tokens=budget, num_blocks=100,
+                                             long_prefill_token_threshold=threshold, adaptive_threshold=adaptive)
+    assert calls == {"step": 1, "get_computed_blocks": per_request, "allocate_slots": per_request}
+    assert out[1] == scheduled
 
 
 def test_a_lookup_the_run_did_not_expect_raises():
